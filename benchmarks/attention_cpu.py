@@ -1,0 +1,175 @@
+"""Decode attention on the CPU: the C++ paged kernel against the PyTorch alternatives.
+
+For each context length it times, on the same random paged cache (blocks scattered by a random
+permutation, as after a while of serving):
+
+* ``cpp``: :class:`CppPagedAttention` (the C++ kernel reading K/V through block tables);
+* ``torch_gathered``: :class:`TorchPagedAttention`'s decode path (gather blocks, batched einsum);
+* ``reference``: the per-sequence oracle (only when cheap: ``--with-reference``);
+* ``sdpa_gqa`` / ``sdpa_expanded``: ``scaled_dot_product_attention`` on contiguous K/V, with
+  ``enable_gqa=True`` and with K/V pre-expanded to all query heads (what it reads is not paged).
+
+It also measures the machine's copy bandwidth (a large ``clone``, read + write bytes per second)
+and reports the kernel's KV bytes read per second against it. Prints one JSON object.
+
+    python benchmarks/attention_cpu.py            # batch 32, context 512 and 2048, d=128, 8q/2kv
+    python benchmarks/attention_cpu.py --smoke    # tiny shapes, a few seconds (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.backends.base import AttentionMetadata, build_attention_metadata
+from pagedllm.backends.cpu.attention import TorchPagedAttention
+from pagedllm.backends.cpu.kernel_attention import CppPagedAttention
+from pagedllm.backends.reference import ReferenceAttention
+
+
+def bench(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
+    """Median seconds per call."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_bandwidth(num_bytes: int, reps: int) -> float:
+    """Bytes moved per second (read + write) by cloning a large float32 tensor."""
+    x = torch.ones(num_bytes // 4)
+    secs = bench(x.clone, reps)
+    return 2 * num_bytes / secs
+
+
+def decode_case(
+    *, batch: int, ctx: int, heads: int, kv_heads: int, head_size: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """A decode batch of ``batch`` sequences of ``ctx`` tokens over a scattered paged cache."""
+    blocks_per_seq = (ctx + block_size - 1) // block_size
+    num_blocks = batch * blocks_per_seq
+    perm = torch.randperm(num_blocks).tolist()
+    tables = [perm[i * blocks_per_seq : (i + 1) * blocks_per_seq] for i in range(batch)]
+    slots = [t[(ctx - 1) // block_size] * block_size + (ctx - 1) % block_size for t in tables]
+    meta = build_attention_metadata(
+        num_prefills=0,
+        seq_lens=[ctx] * batch,
+        query_lens=[1] * batch,
+        slot_mapping=slots,
+        block_tables=tables,
+        block_size=block_size,
+        device=torch.device("cpu"),
+    )
+    # [2, num_blocks, kv_heads, block_size, head_size]: the C++ kernel's layout.
+    cache = torch.randn(2, num_blocks, kv_heads, block_size, head_size)
+    query = torch.randn(batch, heads, head_size)
+    return query, cache, meta
+
+
+def run_case(
+    *, batch: int, ctx: int, heads: int, kv_heads: int, head_size: int, block_size: int,
+    reps: int, with_reference: bool, copy_bw: float,
+) -> dict[str, object]:
+    query, cache, meta = decode_case(
+        batch=batch, ctx=ctx, heads=heads, kv_heads=kv_heads, head_size=head_size,
+        block_size=block_size,
+    )
+    scale = head_size**-0.5
+    cpp, gathered = CppPagedAttention(), TorchPagedAttention()
+    # The PyTorch paths get the reference layout as a real contiguous tensor, as in the engine.
+    ref_cache = cache.transpose(2, 3).contiguous()  # [2, blocks, block_size, kv_heads, d]
+    out = cpp.forward(query, cache, meta, scale)
+    expect = gathered.forward(query, ref_cache, meta, scale)
+    max_diff = (out - expect).abs().max().item()
+
+    # Contiguous K/V for SDPA: [batch, kv_heads, ctx, d], one query token per sequence.
+    idx = meta.block_tables.long()
+    k = cache[0][idx].permute(0, 2, 1, 3, 4).reshape(batch, kv_heads, -1, head_size)[:, :, :ctx]
+    v = cache[1][idx].permute(0, 2, 1, 3, 4).reshape(batch, kv_heads, -1, head_size)[:, :, :ctx]
+    k, v = k.contiguous(), v.contiguous()
+    q4 = query.unsqueeze(2)  # [batch, heads, 1, d]
+    group = heads // kv_heads
+    k_exp = k.repeat_interleave(group, dim=1)
+    v_exp = v.repeat_interleave(group, dim=1)
+
+    times = {
+        "cpp": bench(lambda: cpp.forward(query, cache, meta, scale), reps),
+        "torch_gathered": bench(lambda: gathered.forward(query, ref_cache, meta, scale), reps),
+        "sdpa_gqa": bench(
+            lambda: F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True), reps
+        ),
+        "sdpa_expanded": bench(
+            lambda: F.scaled_dot_product_attention(q4, k_exp, v_exp, scale=scale), reps
+        ),
+    }
+    if with_reference:
+        ref = ReferenceAttention()
+        times["reference"] = bench(lambda: ref.forward(query, ref_cache, meta, scale), 2, 1)
+    kv_bytes = 2 * batch * ctx * kv_heads * head_size * 4
+    best_sdpa = min(times["sdpa_gqa"], times["sdpa_expanded"])
+    return {
+        "batch": batch,
+        "context": ctx,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_size": head_size,
+        "block_size": block_size,
+        "max_abs_diff_vs_torch": max_diff,
+        "time_ms": {name: round(t * 1e3, 3) for name, t in times.items()},
+        "speedup_vs_torch_gathered": round(times["torch_gathered"] / times["cpp"], 2),
+        "speedup_vs_best_sdpa": round(best_sdpa / times["cpp"], 2),
+        "kv_bytes": kv_bytes,
+        "cpp_kv_read_gbps": round(kv_bytes / times["cpp"] / 1e9, 2),
+        "cpp_kv_read_vs_copy_bw": round(kv_bytes / times["cpp"] / copy_bw, 2),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, quick (CI)")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048])
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-size", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--with-reference", action="store_true", help="also time the oracle")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    if args.smoke:
+        args.batch, args.contexts, args.head_size, args.reps = 2, [40], 64, 3
+        args.with_reference = True
+    copy_bw = copy_bandwidth(16 << 20 if args.smoke else 512 << 20, 3 if args.smoke else 5)
+    cases = [
+        run_case(
+            batch=args.batch, ctx=ctx, heads=args.heads, kv_heads=args.kv_heads,
+            head_size=args.head_size, block_size=args.block_size, reps=args.reps,
+            with_reference=args.with_reference, copy_bw=copy_bw,
+        )
+        for ctx in args.contexts
+    ]
+    report = {
+        "threads": torch.get_num_threads(),
+        "avx2": CppPagedAttention().uses_avx2,
+        "copy_bandwidth_gbps": round(copy_bw / 1e9, 2),
+        "cases": cases,
+    }
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Pluggable device backends; see ``base.py`` for the contract and ``registry.py`` for lookup."""

@@ -1,0 +1,315 @@
+"""The seams between the device-agnostic engine and a device backend.
+
+A backend supplies three things: a :class:`DeviceBackend` (what device, how much memory, which
+collective library), an :class:`AttentionBackend` (the KV-cache layout and the paged-attention
+kernels) and a :class:`CacheEngine` (the per-layer KV tensors on the device plus a host swap pool).
+
+Contract every attention backend keeps, so that the cache engine and the tests stay generic:
+
+* the KV cache of one layer is a single tensor whose dim 0 has size 2 (keys, values) and whose
+  dim 1 is the physical block index; the rest of the layout is the backend's own choice;
+* a *slot* is ``block_id * block_size + offset_in_block``;
+* tokens of one step are packed flat, prefill sequences first, then decode sequences.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token of a flat batch lives in the paged cache, and what it attends to.
+
+    Sequence ``i`` contributes query tokens ``query_start_loc[i]:query_start_loc[i+1]``; they sit
+    at positions ``context_lens[i] .. seq_lens[i]-1`` and attend causally to every cached token of
+    that sequence, the new ones included. The first ``num_prefills`` sequences are prompt chunks
+    (any query length, earlier tokens possibly cached already); the rest are decodes (one query
+    token each).
+    """
+
+    num_prefills: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    seq_lens: torch.Tensor  # [num_seqs] int32, cached + new tokens after this step
+    context_lens: torch.Tensor  # [num_seqs] int32, tokens already cached before this step
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, padded with 0
+    seq_lens_list: list[int]
+    query_lens_list: list[int]
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_list)
+
+    @property
+    def num_decodes(self) -> int:
+        return self.num_seqs - self.num_prefills
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+
+def build_attention_metadata(
+    *,
+    num_prefills: int,
+    seq_lens: Sequence[int],
+    query_lens: Sequence[int],
+    slot_mapping: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    """Turn per-sequence Python lists into the tensors every kernel reads."""
+    num_seqs = len(seq_lens)
+    max_blocks = max((len(t) for t in block_tables), default=0)
+    padded = torch.zeros((num_seqs, max(max_blocks, 1)), dtype=torch.int32)
+    for i, table in enumerate(block_tables):
+        if table:
+            padded[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+    qsl = [0]
+    for q in query_lens:
+        qsl.append(qsl[-1] + q)
+    num_prefill_tokens = qsl[num_prefills]
+    seq_t = torch.tensor(list(seq_lens), dtype=torch.int32)
+    q_t = torch.tensor(list(query_lens), dtype=torch.int32)
+    return AttentionMetadata(
+        num_prefills=num_prefills,
+        num_prefill_tokens=num_prefill_tokens,
+        num_decode_tokens=qsl[-1] - num_prefill_tokens,
+        slot_mapping=torch.tensor(list(slot_mapping), dtype=torch.int64).to(device),
+        seq_lens=seq_t.to(device),
+        context_lens=(seq_t - q_t).to(device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(device),
+        block_tables=padded.to(device),
+        seq_lens_list=list(seq_lens),
+        query_lens_list=list(query_lens),
+        max_query_len=max(query_lens, default=0),
+        max_seq_len=max(seq_lens, default=0),
+        block_size=block_size,
+    )
+
+
+class AttentionBackend(ABC):
+    """Paged attention and the KV-cache layout it reads.
+
+    ``write_kv`` and ``forward`` are called once per layer per step. ``forward`` must honour
+    ``sliding_window`` (a token attends only to the last ``sliding_window`` positions, itself
+    included) and GQA (``num_heads`` a multiple of ``num_kv_heads``).
+    """
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def kv_cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        """Shape of one layer's cache; dim 0 is 2 (K, V) and dim 1 the block index."""
+
+    @abstractmethod
+    def write_kv(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [num_tokens] int64
+    ) -> None:
+        """Store the new tokens' keys and values at their slots."""
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
+        """Causal attention of each query token over its sequence's cached keys and values."""
+
+    def build_metadata(self, **kwargs: object) -> AttentionMetadata:
+        """Backends that need extra fields (split-K plans, workspaces) override this."""
+        return build_attention_metadata(**kwargs)  # type: ignore[arg-type]
+
+    def copy_blocks(self, kv_caches: list[torch.Tensor], pairs: torch.Tensor) -> None:
+        """Copy-on-write: for every layer, block ``pairs[i, 0]`` is copied onto ``pairs[i, 1]``."""
+        if pairs.numel() == 0:
+            return
+        src, dst = pairs[:, 0], pairs[:, 1]
+        for cache in kv_caches:
+            cache[:, dst] = cache[:, src]
+
+    def swap_blocks(self, src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor) -> None:
+        """Move blocks between pools (device <-> host) of one layer: ``src[:, a] -> dst[:, b]``."""
+        if pairs.numel() == 0:
+            return
+        src_idx = pairs[:, 0].to(src.device)
+        dst_idx = pairs[:, 1].to(dst.device)
+        dst[:, dst_idx] = src[:, src_idx].to(dst.device)
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """What the model needs stored per token; the cache engine turns it into tensors."""
+
+    num_layers: int
+    num_kv_heads: int  # per worker, after tensor-parallel sharding
+    head_size: int
+    block_size: int
+    dtype: torch.dtype
+
+
+class CacheEngine:
+    """Owns every layer's KV tensor on the device and its twin in host swap space.
+
+    The layout comes from the attention backend; the block moves go through the backend's ops,
+    so a subclass only changes where memory lives (pinned host memory, a side stream).
+    """
+
+    def __init__(
+        self,
+        spec: CacheSpec,
+        attention: AttentionBackend,
+        *,
+        device: torch.device,
+        num_device_blocks: int,
+        num_host_blocks: int,
+        pin_host_memory: bool = False,
+    ) -> None:
+        self.spec = spec
+        self.attention = attention
+        self.device = device
+        self.num_device_blocks = num_device_blocks
+        self.num_host_blocks = num_host_blocks
+        dev_shape = attention.kv_cache_shape(
+            num_device_blocks, spec.block_size, spec.num_kv_heads, spec.head_size
+        )
+        host_shape = attention.kv_cache_shape(
+            num_host_blocks, spec.block_size, spec.num_kv_heads, spec.head_size
+        )
+        # torch.empty: pages are touched only when blocks are written, so a large budget is cheap.
+        self.kv_caches: list[torch.Tensor] = [
+            torch.empty(dev_shape, dtype=spec.dtype, device=device)
+            for _ in range(spec.num_layers)
+        ]
+        self.host_caches: list[torch.Tensor] = [
+            torch.empty(host_shape, dtype=spec.dtype, device="cpu", pin_memory=pin_host_memory)
+            for _ in range(spec.num_layers)
+        ]
+
+    @staticmethod
+    def bytes_per_block(spec: CacheSpec) -> int:
+        elem = torch.empty((), dtype=spec.dtype).element_size()
+        return 2 * spec.num_layers * spec.block_size * spec.num_kv_heads * spec.head_size * elem
+
+    @staticmethod
+    def _pairs(pairs: Sequence[tuple[int, int]]) -> torch.Tensor:
+        return torch.tensor(list(pairs), dtype=torch.int64).reshape(-1, 2)
+
+    def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Host block ``a`` -> device block ``b`` for each ``(a, b)``."""
+        if pairs:
+            t = self._pairs(pairs)
+            for host, dev in zip(self.host_caches, self.kv_caches, strict=True):
+                self.attention.swap_blocks(host, dev, t)
+
+    def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Device block ``a`` -> host block ``b`` for each ``(a, b)``."""
+        if pairs:
+            t = self._pairs(pairs)
+            for dev, host in zip(self.kv_caches, self.host_caches, strict=True):
+                self.attention.swap_blocks(dev, host, t)
+
+    def copy(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy-on-write between device blocks."""
+        if pairs:
+            self.attention.copy_blocks(self.kv_caches, self._pairs(pairs).to(self.device))
+
+
+class DeviceBackend(ABC):
+    """One kind of device: how to reach it, size it, and which kernels run on it."""
+
+    name: str = "abstract"
+
+    @classmethod
+    @abstractmethod
+    def is_available(cls) -> bool:
+        """True when this machine can run the backend; never raises."""
+
+    @abstractmethod
+    def device(self, rank: int = 0) -> torch.device:
+        """The torch device for a worker of this rank."""
+
+    @abstractmethod
+    def attention(self, kind: str | None = None) -> AttentionBackend:
+        """The attention backend; ``kind`` picks among alternatives (e.g. "torch", "triton")."""
+
+    def make_cache_engine(
+        self,
+        spec: CacheSpec,
+        num_device_blocks: int,
+        num_host_blocks: int,
+        *,
+        attention: AttentionBackend,
+        rank: int = 0,
+    ) -> CacheEngine:
+        return CacheEngine(
+            spec,
+            attention,
+            device=self.device(rank),
+            num_device_blocks=num_device_blocks,
+            num_host_blocks=num_host_blocks,
+        )
+
+    @abstractmethod
+    def free_memory_bytes(self, rank: int = 0) -> int:
+        """Memory still free on the device."""
+
+    def total_memory_bytes(self, rank: int = 0) -> int:
+        return self.free_memory_bytes(rank)
+
+    def profile_peak_bytes(self, fn: Callable[[], object], rank: int = 0) -> int:
+        """Run ``fn`` and return the peak device memory it needed beyond what was held before.
+
+        Devices without allocator statistics return 0: their KV budget is given explicitly.
+        """
+        fn()
+        return 0
+
+    def kv_cache_budget_bytes(
+        self,
+        *,
+        profile: Callable[[], object],
+        gpu_memory_utilization: float,
+        cpu_kv_cache_bytes: int,
+        rank: int = 0,
+    ) -> int:
+        """Bytes the KV cache may take, measured as vLLM does on accelerators.
+
+        ``profile`` runs a forward pass at the largest batch the scheduler can form; what it
+        needed at its peak (weights included) is subtracted from the utilisation target. The
+        CPU backend overrides this: there the budget is given (``kv_cache_space``).
+        """
+        peak = self.profile_peak_bytes(profile, rank)
+        return int(self.total_memory_bytes(rank) * gpu_memory_utilization) - peak
+
+    def synchronize(self, rank: int = 0) -> None:
+        """Wait for queued device work (no-op where work is synchronous)."""
+
+    @abstractmethod
+    def dist_backend(self) -> str:
+        """The torch.distributed backend for tensor parallelism on this device."""
+
+    def default_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The compute dtype when the user asked for "auto"."""
+        return model_dtype

@@ -1,0 +1,99 @@
+"""The CPU device: float32 compute, an explicit KV budget (``kv_cache_space``), gloo for TP."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from collections.abc import Callable
+
+import torch
+
+from pagedllm.backends.base import AttentionBackend, DeviceBackend
+
+logger = logging.getLogger(__name__)
+
+_ATTENTION_KINDS: dict[str, str] = {
+    "cpp": "pagedllm.backends.cpu.kernel_attention:CppPagedAttention",
+    "torch": "pagedllm.backends.cpu.attention:TorchPagedAttention",
+    "reference": "pagedllm.backends.reference:ReferenceAttention",
+    # Other backends' kernels that can run on CPU tensors, for testing them inside the engine.
+    "triton": "pagedllm.backends.gpu.attention:TritonPagedAttention",
+    "ipex": "pagedllm.backends.xpu.attention:IpexPagedAttention",
+}
+
+
+def _instantiate(kind: str) -> AttentionBackend:
+    module_name, _, cls_name = _ATTENTION_KINDS[kind].partition(":")
+    return getattr(importlib.import_module(module_name), cls_name)()
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class CpuBackend(DeviceBackend):
+    name = "cpu"
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return True
+
+    def device(self, rank: int = 0) -> torch.device:
+        return torch.device("cpu")
+
+    def attention(self, kind: str | None = None) -> AttentionBackend:
+        """"auto" prefers the C++ kernel and falls back to batched PyTorch if it cannot build."""
+        kind = kind or "auto"
+        if kind == "auto":
+            try:
+                return _instantiate("cpp")
+            except (ImportError, RuntimeError, OSError) as exc:
+                logger.warning("C++ attention kernel unavailable (%s); using PyTorch ops", exc)
+                return _instantiate("torch")
+        if kind not in _ATTENTION_KINDS:
+            raise ValueError(
+                f"attention_backend: {kind!r} is not a CPU attention backend; "
+                f"choose one of {['auto', *_ATTENTION_KINDS]}"
+            )
+        return _instantiate(kind)
+
+    def free_memory_bytes(self, rank: int = 0) -> int:
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            return 0
+
+    def total_memory_bytes(self, rank: int = 0) -> int:
+        try:
+            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            return 0
+
+    def kv_cache_budget_bytes(
+        self,
+        *,
+        profile: Callable[[], object],
+        gpu_memory_utilization: float,
+        cpu_kv_cache_bytes: int,
+        rank: int = 0,
+    ) -> int:
+        """The budget is explicit on the CPU; the profiling pass still proves the batch fits."""
+        before = _rss_bytes()
+        profile()
+        logger.info(
+            "profiling forward pass: resident memory grew by %.1f MiB",
+            max(0, _rss_bytes() - before) / (1 << 20),
+        )
+        return cpu_kv_cache_bytes
+
+    def dist_backend(self) -> str:
+        return "gloo"
+
+    def default_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        # No bf16/fp16 hardware on the machines we target: compute in float32.
+        return torch.float32

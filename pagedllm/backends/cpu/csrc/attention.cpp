@@ -1,0 +1,246 @@
+// Paged attention on the CPU for a flat batch of prompt chunks and decodes.
+//
+// Cache layout of one layer: [2, num_blocks, num_kv_heads, block_size, head_size], so the keys of
+// one (block, kv head) pair are a contiguous [block_size, head_size] panel: every row is a
+// contiguous vector load and a whole block streams from memory in one run.
+//
+// One work item is (sequence, query tile, kv head). Its rows are the tile's query tokens times the
+// query heads that share the kv head (GQA/MQA), so each key/value panel is read from memory once
+// per item and reused from L1 by every row. Softmax is online (running max, running sum, rescaled
+// accumulator per row), so no per-sequence score buffer exists however long the context. Decodes
+// are items with a one-token tile, so mixed prefill + decode batches need no special case.
+#include "attention.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "vec.h"
+
+namespace pagedllm {
+namespace {
+
+// Rows (query tokens x heads of a group) per work item: enough to reuse each K/V panel many
+// times from L1 during prefill, small enough for the accumulators to stay in L1/L2.
+constexpr int kTargetRows = 32;
+
+struct Args {
+  const float* q;
+  int64_t q_tok_stride, q_head_stride;
+  float* out;
+  int64_t o_tok_stride, o_head_stride;
+  const float* k_cache;  // cache[0]
+  const float* v_cache;  // cache[1]
+  int64_t block_stride, head_stride;  // in floats: kvh*bs*d and bs*d
+  const int32_t* block_tables;
+  int64_t bt_stride;
+  const int32_t* seq_lens;
+  const int32_t* query_start_loc;
+  int num_heads, num_kv_heads, head_size, block_size;
+  float scale;
+  int sliding_window;  // 0: unlimited
+};
+
+struct Tile {
+  int32_t seq;
+  int32_t q_begin;  // first query token of the tile, relative to the sequence's first query
+  int32_t q_len;
+  int32_t kv_head;
+  int64_t cost;  // ~ rows x keys, for longest-first scheduling
+};
+
+// Per-thread scratch: running max / sum and accumulator per row, one block of scores per row.
+struct Workspace {
+  std::vector<float> m, l, acc, s;
+  std::vector<int32_t> lo, hi;
+  void reserve(int rows, int q_len, int d, int bs) {
+    m.resize(rows);
+    l.resize(rows);
+    acc.resize(static_cast<size_t>(rows) * d);
+    s.resize(static_cast<size_t>(rows) * bs);
+    lo.resize(q_len);
+    hi.resize(q_len);
+  }
+};
+
+void attend_tile(const Args& a, const Tile& tile, Workspace& ws) {
+  const int group = a.num_heads / a.num_kv_heads;
+  const int d = a.head_size, bs = a.block_size;
+  const int rows = tile.q_len * group;
+  ws.reserve(rows, tile.q_len, d, bs);
+
+  const int q0 = a.query_start_loc[tile.seq];
+  const int seq_len = a.seq_lens[tile.seq];
+  const int ctx = seq_len - (a.query_start_loc[tile.seq + 1] - q0);
+  // Keys visible to query token i of the tile: [lo[i], hi[i]).
+  int kv_begin = seq_len, kv_end = 0;
+  for (int i = 0; i < tile.q_len; ++i) {
+    const int pos = ctx + tile.q_begin + i;
+    ws.hi[i] = pos + 1;
+    ws.lo[i] = a.sliding_window > 0 ? std::max(0, pos + 1 - a.sliding_window) : 0;
+    kv_begin = std::min(kv_begin, ws.lo[i]);
+    kv_end = std::max(kv_end, ws.hi[i]);
+  }
+  std::fill(ws.m.begin(), ws.m.end(), kNegInf);
+  std::fill(ws.l.begin(), ws.l.end(), 0.f);
+  std::fill(ws.acc.begin(), ws.acc.end(), 0.f);
+
+  const int32_t* table = a.block_tables + tile.seq * a.bt_stride;
+  const int64_t kv_head_off = tile.kv_head * a.head_stride;
+  const int first_block = kv_begin / bs;
+  const int last_block = (kv_end - 1) / bs;
+  for (int j = first_block; j <= last_block; ++j) {
+    const int64_t blk = table[j];
+    const float* kb = a.k_cache + blk * a.block_stride + kv_head_off;  // [bs, d]
+    const float* vb = a.v_cache + blk * a.block_stride + kv_head_off;  // [bs, d]
+    if (j < last_block) {
+      const int64_t next = static_cast<int64_t>(table[j + 1]) * a.block_stride + kv_head_off;
+      prefetch_range(a.k_cache + next, a.head_stride);
+      prefetch_range(a.v_cache + next, a.head_stride);
+    }
+    const int t0 = j * bs;
+    for (int i = 0; i < tile.q_len; ++i) {
+      const int tb = std::max(ws.lo[i], t0) - t0;
+      const int te = std::min(ws.hi[i], t0 + bs) - t0;
+      if (tb >= te) continue;
+      const int n = te - tb;
+      const float* q_tok = a.q + (q0 + tile.q_begin + i) * a.q_tok_stride;
+      for (int g = 0; g < group; ++g) {
+        const int r = i * group + g;
+        const float* qr = q_tok + (tile.kv_head * group + g) * a.q_head_stride;
+        float* sr = ws.s.data() + static_cast<size_t>(r) * bs;
+        for (int t = 0; t < n; ++t) sr[t] = dot(qr, kb + (tb + t) * d, d) * a.scale;
+        const float m_new = std::max(ws.m[r], max_of(sr, n));
+        const float alpha = std::exp(ws.m[r] - m_new);  // 0 on the first visible block
+        const float sum = exp_shift_sum(sr, n, m_new);
+        ws.l[r] = ws.l[r] * alpha + sum;
+        ws.m[r] = m_new;
+        scale_accumulate(ws.acc.data() + static_cast<size_t>(r) * d, alpha, sr, vb + tb * d, n,
+                         d, d);
+      }
+    }
+  }
+
+  for (int i = 0; i < tile.q_len; ++i) {
+    float* o_tok = a.out + (q0 + tile.q_begin + i) * a.o_tok_stride;
+    for (int g = 0; g < group; ++g) {
+      const int r = i * group + g;
+      float* orow = o_tok + (tile.kv_head * group + g) * a.o_head_stride;
+      const float inv = ws.l[r] > 0.f ? 1.f / ws.l[r] : 0.f;
+      const float* acc = ws.acc.data() + static_cast<size_t>(r) * d;
+      for (int c = 0; c < d; ++c) orow[c] = acc[c] * inv;
+    }
+  }
+}
+
+// Every block id a sequence will read must exist: a bad table would read out of bounds.
+void check_tables(const Args& a, int num_seqs, int64_t num_blocks, int64_t table_width) {
+  for (int s = 0; s < num_seqs; ++s) {
+    const int q_len = a.query_start_loc[s + 1] - a.query_start_loc[s];
+    const int seq_len = a.seq_lens[s];
+    TORCH_CHECK(q_len >= 0 && seq_len >= q_len, "paged_attention: sequence ", s,
+                " has query length ", q_len, " > seq_len ", seq_len);
+    const int64_t needed = (static_cast<int64_t>(seq_len) + a.block_size - 1) / a.block_size;
+    TORCH_CHECK(needed <= table_width, "paged_attention: sequence ", s, " needs ", needed,
+                " blocks but block_tables has ", table_width, " columns");
+    const int32_t* table = a.block_tables + s * a.bt_stride;
+    for (int64_t j = 0; j < needed; ++j) {
+      TORCH_CHECK(table[j] >= 0 && table[j] < num_blocks, "paged_attention: block id ",
+                  table[j], " of sequence ", s, " is outside [0, ", num_blocks, ")");
+    }
+  }
+}
+
+std::vector<Tile> make_tiles(const Args& a, int num_seqs) {
+  const int group = a.num_heads / a.num_kv_heads;
+  const int tile_len = std::max(1, kTargetRows / group);
+  std::vector<Tile> tiles;
+  for (int s = 0; s < num_seqs; ++s) {
+    const int q_len = a.query_start_loc[s + 1] - a.query_start_loc[s];
+    const int ctx = a.seq_lens[s] - q_len;
+    for (int b = 0; b < q_len; b += tile_len) {
+      const int len = std::min(tile_len, q_len - b);
+      int64_t keys = ctx + b + len;
+      if (a.sliding_window > 0) keys = std::min<int64_t>(keys, a.sliding_window + len);
+      for (int h = 0; h < a.num_kv_heads; ++h) {
+        tiles.push_back({s, b, len, h, keys * len});
+      }
+    }
+  }
+  // Longest first, so dynamic scheduling does not leave one long prompt tile for the end.
+  std::stable_sort(tiles.begin(), tiles.end(),
+                   [](const Tile& x, const Tile& y) { return x.cost > y.cost; });
+  return tiles;
+}
+
+}  // namespace
+
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
+                           const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                           const at::Tensor& query_start_loc, double scale,
+                           int64_t sliding_window) {
+  TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu(),
+              "paged_attention: CPU tensors only");
+  TORCH_CHECK(query.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat,
+              "paged_attention: float32 only, got ", query.scalar_type(), " and ",
+              kv_cache.scalar_type());
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1,
+              "paged_attention: query must be [tokens, heads, head_size] with unit inner stride");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "paged_attention: kv_cache must be a contiguous [2, blocks, kv_heads, block_size, "
+              "head_size] tensor");
+  TORCH_CHECK(kv_cache.size(4) == query.size(2), "paged_attention: head_size mismatch");
+  TORCH_CHECK(query.size(1) % kv_cache.size(2) == 0,
+              "paged_attention: num_heads must be a multiple of num_kv_heads");
+  for (const at::Tensor* t : {&block_tables, &seq_lens, &query_start_loc}) {
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous() && t->device().is_cpu(),
+                "paged_attention: metadata tensors must be contiguous int32 CPU tensors");
+  }
+  const int num_seqs = static_cast<int>(seq_lens.size(0));
+  TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1 && block_tables.dim() == 2 &&
+                  block_tables.size(0) >= num_seqs,
+              "paged_attention: metadata shapes disagree");
+  TORCH_CHECK(query_start_loc.data_ptr<int32_t>()[num_seqs] == query.size(0),
+              "paged_attention: query has ", query.size(0), " tokens, metadata says ",
+              query_start_loc.data_ptr<int32_t>()[num_seqs]);
+
+  at::Tensor out = at::empty(query.sizes(), query.options());
+  Args a;
+  a.q = query.data_ptr<float>();
+  a.q_tok_stride = query.stride(0);
+  a.q_head_stride = query.stride(1);
+  a.out = out.data_ptr<float>();
+  a.o_tok_stride = out.stride(0);
+  a.o_head_stride = out.stride(1);
+  a.k_cache = kv_cache.data_ptr<float>();
+  a.v_cache = a.k_cache + kv_cache.stride(0);
+  a.block_stride = kv_cache.stride(1);
+  a.head_stride = kv_cache.stride(2);
+  a.block_tables = block_tables.data_ptr<int32_t>();
+  a.bt_stride = block_tables.stride(0);
+  a.seq_lens = seq_lens.data_ptr<int32_t>();
+  a.query_start_loc = query_start_loc.data_ptr<int32_t>();
+  a.num_heads = static_cast<int>(query.size(1));
+  a.num_kv_heads = static_cast<int>(kv_cache.size(2));
+  a.block_size = static_cast<int>(kv_cache.size(3));
+  a.head_size = static_cast<int>(kv_cache.size(4));
+  a.scale = static_cast<float>(scale);
+  a.sliding_window = sliding_window > 0 ? static_cast<int>(sliding_window) : 0;
+  check_tables(a, num_seqs, kv_cache.size(1), block_tables.size(1));
+
+  const std::vector<Tile> tiles = make_tiles(a, num_seqs);
+  const int64_t num_tiles = static_cast<int64_t>(tiles.size());
+  const int threads = std::max(1, std::min<int>(at::get_num_threads(), num_tiles));
+#pragma omp parallel num_threads(threads)
+  {
+    Workspace ws;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < num_tiles; ++i) attend_tile(a, tiles[i], ws);
+  }
+  return out;
+}
+
+}  // namespace pagedllm

@@ -1,0 +1,114 @@
+"""Paged attention through our own Triton kernels (``attention_backend="triton"``).
+
+Cache layout of one layer: ``[2, num_blocks, num_kv_heads, block_size, head_size]`` (see
+``triton_ops``): a (block, KV head) tile is contiguous. On CUDA tensors the kernels are compiled;
+on CPU tensors they run only under Triton's interpreter (``TRITON_INTERPRET=1`` set before triton
+is first imported), which is how the tests and the CPU engine exercise them.
+
+triton is imported when the backend is constructed, not when this module is imported, so that
+``import pagedllm`` and the registry work on machines without it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+import torch
+
+from pagedllm.backends.base import AttentionBackend, AttentionMetadata
+
+
+def _load_ops() -> ModuleType:
+    try:
+        return importlib.import_module("pagedllm.backends.gpu.triton_ops")
+    except ImportError as exc:
+        raise ImportError(
+            f"attention_backend='triton' needs the triton package ({exc}); "
+            "install it with `pip install -r ci/requirements-gpu.txt`"
+        ) from exc
+
+
+class TritonPagedAttention(AttentionBackend):
+    """Prefill chunks go to the prefill kernel, decodes to the split-K decode kernel.
+
+    ``partition_size`` is the number of context tokens one decode program covers: contexts longer
+    than that are split across programs and combined by a reduction kernel, which keeps the GPU
+    busy when the batch is small but the contexts are long.
+    """
+
+    name = "triton"
+
+    def __init__(
+        self, *, partition_size: int = 512, prefill_block_m: int = 64, tile_n: int = 64
+    ) -> None:
+        self._ops = _load_ops()
+        self.partition_size = partition_size
+        self.prefill_block_m = prefill_block_m
+        self.tile_n = tile_n
+
+    def kv_cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        return (2, num_blocks, num_kv_heads, block_size, head_size)
+
+    def write_kv(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [num_tokens] int64
+    ) -> None:
+        self._ops.reshape_and_cache(key, value, kv_cache, slot_mapping)
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
+        out = torch.empty_like(query)
+        p, p_tok = meta.num_prefills, meta.num_prefill_tokens
+        if p:
+            self._ops.prefill_attention(
+                query[:p_tok],
+                kv_cache,
+                meta.block_tables[:p],
+                meta.seq_lens[:p],
+                meta.query_start_loc[: p + 1],
+                max(meta.query_lens_list[:p]),
+                scale,
+                sliding_window=sliding_window,
+                block_m=self.prefill_block_m,
+                tile_n=self.tile_n,
+                out=out[:p_tok],
+            )
+        if meta.num_decode_tokens:
+            self._ops.paged_decode_attention(
+                query[p_tok:],
+                kv_cache,
+                meta.block_tables[p:],
+                meta.seq_lens[p:],
+                max(meta.seq_lens_list[p:]),
+                scale,
+                sliding_window=sliding_window,
+                partition_size=self.partition_size,
+                tile_n=self.tile_n,
+                out=out[p_tok:],
+            )
+        return out
+
+    def swap_blocks(self, src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor) -> None:
+        """One copy per (block, K/V): each is contiguous, so host<->device is a plain DMA.
+
+        ``non_blocking`` makes the copies asynchronous when the host side is pinned; the CUDA
+        cache engine runs them on a side stream and orders the next forward after them.
+        """
+        if pairs.numel() == 0:
+            return
+        for a, b in pairs.tolist():
+            for kv in (0, 1):  # dst[:, b] spans K and V: not one contiguous chunk
+                dst[kv, b].copy_(src[kv, a], non_blocking=True)

@@ -1,0 +1,470 @@
+"""Triton kernels for the paged KV cache: cache write, split-K decode, prefill over cached context.
+
+Cache layout of one layer (``[2, num_blocks, num_kv_heads, block_size, head_size]``): for every
+(block, KV head) the ``block_size x head_size`` tile is one contiguous chunk, so a program that
+serves one KV head streams whole contiguous tiles instead of strided rows. Dim 0 is K/V and dim 1
+the physical block, as the :mod:`pagedllm.backends.base` contract requires.
+
+Every kernel reads the cache token by token through the block table (``slot -> block, offset``),
+so any block size works and a tile of keys may straddle several cache blocks. Softmax runs online
+in base 2 (scores are pre-multiplied by ``scale * log2(e)``), accumulating in float32 whatever the
+storage dtype. GQA is handled by letting one program serve all query heads of one KV head: the
+heads of a group become extra rows of the query tile, so each key is loaded once per group.
+
+Importing this module imports triton; callers import it lazily (see ``attention.py``). Under
+``TRITON_INTERPRET=1`` (set by the tests before triton is imported) the kernels run on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _reshape_and_cache_kernel(
+    key_ptr, value_ptr, cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_c0, stride_cb, stride_ch, stride_cs,
+    num_kv_heads, head_size,
+    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One program per token: its [num_kv_heads, head_size] keys and values go to its slot."""
+    tok = tl.program_id(0)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    # A negative slot marks a padding token that must not be stored: it gets no heads.
+    valid_heads = tl.where(slot >= 0, num_kv_heads, 0)
+    mask = (offs_h[:, None] < valid_heads) & (offs_d[None, :] < head_size)
+    safe_slot = tl.maximum(slot, 0)
+    block = safe_slot // BLOCK_SIZE
+    offset = safe_slot % BLOCK_SIZE
+    dst = block * stride_cb + offset * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :]
+    k = tl.load(key_ptr + tok * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+    v = tl.load(
+        value_ptr + tok * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask
+    )
+    tl.store(cache_ptr + dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(cache_ptr + stride_c0 + dst, v.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _attend_range(
+    q, acc, m_i, l_i,
+    q_pos,  # [M] int: absolute position of each query row
+    kv_lo, kv_hi,  # key positions [kv_lo, kv_hi) of this sequence to visit
+    table_ptr, k_base, v_base, stride_cb, stride_cs,
+    offs_d, d_mask,
+    qk_scale,
+    SLIDING_WINDOW: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax of query rows ``q`` [M, D] over keys kv_lo..kv_hi, TILE_N keys at a time."""
+    for start in range(kv_lo, kv_hi, TILE_N):
+        offs_n = start + tl.arange(0, TILE_N)
+        n_mask = offs_n < kv_hi
+        block = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        tok_off = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs  # [TILE_N]
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_base + tok_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, TILE_N]
+        allowed = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        if SLIDING_WINDOW > 0:
+            allowed = allowed & (offs_n[None, :] > q_pos[:, None] - SLIDING_WINDOW)
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # Rows with nothing visible yet keep m = -inf; shift by 0 so no inf - inf appears.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + tok_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _decode_partition_kernel(
+    q_ptr, out_ptr, cache_ptr, table_ptr, seq_lens_ptr,
+    part_out_ptr, part_max_ptr, part_sum_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_c0, stride_cb, stride_ch, stride_cs, stride_tb,
+    stride_pt, stride_ph, stride_pp,  # partial outputs [seq, head, part, D]
+    stride_mt, stride_mh,  # partial max / sum [seq, head, part]
+    qk_scale, group, head_size,
+    SLIDING_WINDOW: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    PARTITION: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Grid (decode seq, KV head, partition): one context partition for one group of heads.
+
+    With ``SPLIT`` the unnormalised output, running max and sum go to the partial buffers for
+    :func:`_decode_reduce_kernel`; without it (one partition covers every context) the
+    normalised output is written directly.
+    """
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    part = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_mask = offs_g < group
+    d_mask = offs_d < head_size
+    heads = kvh * group + offs_g  # [BLOCK_G] query heads served by this KV head
+    q_mask = g_mask[:, None] & d_mask[None, :]
+    q = tl.load(
+        q_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=q_mask, other=0.0,
+    )
+    lo = part * PARTITION
+    if SLIDING_WINDOW > 0:
+        lo = tl.maximum(lo, seq_len - SLIDING_WINDOW)
+    hi = tl.minimum(part * PARTITION + PARTITION, seq_len)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    q_pos = tl.zeros([BLOCK_G], dtype=tl.int32) + (seq_len - 1)
+    k_base = cache_ptr + kvh * stride_ch
+    acc, m_i, l_i = _attend_range(
+        q, acc, m_i, l_i, q_pos, lo, hi,
+        table_ptr + seq * stride_tb, k_base, k_base + stride_c0, stride_cb, stride_cs,
+        offs_d, d_mask, qk_scale,
+        SLIDING_WINDOW, BLOCK_SIZE, TILE_N, DOT_PRECISION,
+    )
+    if SPLIT:
+        row = seq * stride_mt + heads * stride_mh + part
+        tl.store(part_max_ptr + row, m_i, mask=g_mask)
+        tl.store(part_sum_ptr + row, l_i, mask=g_mask)
+        p_off = seq * stride_pt + heads[:, None] * stride_ph + part * stride_pp + offs_d[None, :]
+        tl.store(part_out_ptr + p_off, acc, mask=q_mask)
+    else:
+        out = acc / l_i[:, None]
+        o_off = seq * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    out_ptr, seq_lens_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
+    stride_ot, stride_oh, stride_pt, stride_ph, stride_pp, stride_mt, stride_mh,
+    head_size,
+    SLIDING_WINDOW: tl.constexpr, PARTITION: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Grid (decode seq, query head): rescale each partition to the global max and combine."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_parts = tl.cdiv(seq_len, PARTITION)
+    first = 0
+    if SLIDING_WINDOW > 0:
+        first = tl.maximum(seq_len - SLIDING_WINDOW, 0) // PARTITION
+    offs_p = tl.arange(0, BLOCK_P)
+    p_mask = (offs_p >= first) & (offs_p < num_parts)
+    row = seq * stride_mt + head * stride_mh
+    m_all = tl.load(part_max_ptr + row + offs_p, mask=p_mask, other=float("-inf"))
+    m_glob = tl.max(m_all, axis=0)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < head_size
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    total = 0.0
+    base = part_out_ptr + seq * stride_pt + head * stride_ph
+    for p in range(first, num_parts):
+        w = tl.exp2(tl.load(part_max_ptr + row + p) - m_glob)
+        total += tl.load(part_sum_ptr + row + p) * w
+        acc += tl.load(base + p * stride_pp + offs_d, mask=d_mask, other=0.0) * w
+    out = acc / total
+    tl.store(
+        out_ptr + seq * stride_ot + head * stride_oh + offs_d,
+        out.to(out_ptr.dtype.element_ty), mask=d_mask,
+    )
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, out_ptr, cache_ptr, table_ptr, seq_lens_ptr, query_start_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_c0, stride_cb, stride_ch, stride_cs, stride_tb,
+    qk_scale, group, head_size,
+    SLIDING_WINDOW: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid (query tile, prefill seq, KV head): BLOCK_Q new tokens x the heads of one group.
+
+    Row ``r`` of the tile is token ``r // BLOCK_G`` and head ``r % BLOCK_G`` of the group. The new
+    tokens sit at positions ``context_len ..`` and are already in the cache, so cached context and
+    new keys are read the same way, through the block table.
+    """
+    tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    kvh = tl.program_id(2)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    if tile * BLOCK_Q < q_len:
+        seq_len = tl.load(seq_lens_ptr + seq)
+        context_len = seq_len - q_len
+        rows = tl.arange(0, BLOCK_Q * BLOCK_G)
+        tok = tile * BLOCK_Q + rows // BLOCK_G  # index among this sequence's new tokens
+        g = rows % BLOCK_G
+        offs_d = tl.arange(0, BLOCK_D)
+        d_mask = offs_d < head_size
+        row_mask = (tok < q_len) & (g < group)
+        q_mask = row_mask[:, None] & d_mask[None, :]
+        heads = kvh * group + g
+        q_off = (q_start + tok)[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
+        q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)
+        q_pos = context_len + tok
+        hi = tl.minimum(context_len + tile * BLOCK_Q + BLOCK_Q, seq_len)
+        lo = 0
+        if SLIDING_WINDOW > 0:
+            lo = tl.maximum(context_len + tile * BLOCK_Q - SLIDING_WINDOW + 1, 0)
+        acc = tl.zeros([BLOCK_Q * BLOCK_G, BLOCK_D], dtype=tl.float32)
+        m_i = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_Q * BLOCK_G], dtype=tl.float32)
+        k_base = cache_ptr + kvh * stride_ch
+        acc, m_i, l_i = _attend_range(
+            q, acc, m_i, l_i, q_pos, lo, hi,
+            table_ptr + seq * stride_tb, k_base, k_base + stride_c0, stride_cb, stride_cs,
+            offs_d, d_mask, qk_scale,
+            SLIDING_WINDOW, BLOCK_SIZE, TILE_N, DOT_PRECISION,
+        )
+        # Padding rows (g >= group, tok >= q_len) have l = 0; keep them finite, they are masked.
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_off = (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers: validate, pick tile sizes, launch
+# --------------------------------------------------------------------------------------------
+
+
+def _pow2(n: int, floor: int = 1) -> int:
+    return max(floor, triton.next_power_of_2(n))
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # float32 stays exact ("ieee"); tf32 would cost ~1e-3 relative error. Halves ignore it.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _check_cache(kv_cache: torch.Tensor, device: torch.device) -> tuple[int, int, int]:
+    """Validate a layer cache; return (num_kv_heads, block_size, head_size)."""
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(
+            "kv_cache must be [2, num_blocks, num_kv_heads, block_size, head_size], "
+            f"got {tuple(kv_cache.shape)}"
+        )
+    if kv_cache.dtype not in _CACHE_DTYPES:
+        raise ValueError(f"kv_cache dtype {kv_cache.dtype} not in {_CACHE_DTYPES}")
+    if kv_cache.stride(-1) != 1:
+        raise ValueError("kv_cache must be contiguous in head_size (stride(-1) == 1)")
+    if kv_cache.device != device:
+        raise ValueError(f"kv_cache on {kv_cache.device}, inputs on {device}")
+    _, _, num_kv_heads, block_size, head_size = kv_cache.shape
+    return num_kv_heads, block_size, head_size
+
+
+def _check_tokens(name: str, x: torch.Tensor, heads: int | None, head_size: int) -> None:
+    if x.dim() != 3 or x.shape[2] != head_size or (heads is not None and x.shape[1] != heads):
+        raise ValueError(
+            f"{name} must be [num_tokens, {heads if heads is not None else 'num_heads'}, "
+            f"{head_size}], got {tuple(x.shape)}"
+        )
+    if x.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in head_size (stride(-1) == 1)")
+
+
+def _check_index(name: str, x: torch.Tensor, dim: int, device: torch.device) -> None:
+    if x.dim() != dim or x.dtype not in (torch.int32, torch.int64) or x.device != device:
+        raise ValueError(
+            f"{name} must be a {dim}-d int32/int64 tensor on {device}, "
+            f"got {x.dim()}-d {x.dtype} on {x.device}"
+        )
+    if dim == 2 and x.stride(1) != 1:
+        raise ValueError(f"{name} must be contiguous along its last dim")
+
+
+def _check_attention_inputs(
+    query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor
+) -> tuple[int, int, int, int]:
+    """Shared checks; returns (num_kv_heads, block_size, head_size, group)."""
+    kvh, block_size, head_size = _check_cache(kv_cache, query.device)
+    _check_tokens("query", query, None, head_size)
+    if query.dtype != kv_cache.dtype:
+        raise ValueError(f"query dtype {query.dtype} != kv_cache dtype {kv_cache.dtype}")
+    if query.shape[1] % kvh:
+        raise ValueError(f"num_heads {query.shape[1]} is not a multiple of num_kv_heads {kvh}")
+    _check_index("block_tables", block_tables, 2, query.device)
+    _check_index("seq_lens", seq_lens, 1, query.device)
+    if block_tables.shape[0] != seq_lens.shape[0]:
+        raise ValueError(f"{block_tables.shape[0]} block tables for {seq_lens.shape[0]} seqs")
+    return kvh, block_size, head_size, query.shape[1] // kvh
+
+
+def _window(sliding_window: int | None) -> int:
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+    return sliding_window or 0
+
+
+def reshape_and_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    kv_cache: torch.Tensor,  # [2, num_blocks, num_kv_heads, block_size, head_size]
+    slot_mapping: torch.Tensor,  # [num_tokens] int; -1 skips a token
+) -> None:
+    """Write each token's keys and values at ``slot = block * block_size + offset``."""
+    kvh, block_size, head_size = _check_cache(kv_cache, key.device)
+    _check_tokens("key", key, kvh, head_size)
+    _check_tokens("value", value, kvh, head_size)
+    _check_index("slot_mapping", slot_mapping, 1, key.device)
+    if value.shape[0] != key.shape[0] or slot_mapping.shape[0] != key.shape[0]:
+        raise ValueError(
+            f"key/value/slot_mapping lengths differ: {key.shape[0]}, {value.shape[0]}, "
+            f"{slot_mapping.shape[0]}"
+        )
+    if key.shape[0] == 0:
+        return
+    _reshape_and_cache_kernel[(key.shape[0],)](
+        key, value, kv_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        kvh, head_size,
+        BLOCK_SIZE=block_size, BLOCK_H=_pow2(kvh), BLOCK_D=_pow2(head_size),
+    )
+
+
+def paged_decode_attention(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_size], one token per sequence
+    kv_cache: torch.Tensor,  # [2, num_blocks, num_kv_heads, block_size, head_size]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq]
+    seq_lens: torch.Tensor,  # [num_seqs] int32, the query token included
+    max_seq_len: int,
+    scale: float,
+    *,
+    sliding_window: int | None = None,
+    partition_size: int = 512,
+    tile_n: int = 64,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_size]
+    """Decode attention; contexts over ``partition_size`` tokens are split across programs.
+
+    ``max_seq_len`` (a Python int the scheduler already knows) sizes the grid without reading
+    ``seq_lens`` back from the device.
+    """
+    kvh, block_size, head_size, group = _check_attention_inputs(
+        query, kv_cache, block_tables, seq_lens
+    )
+    window = _window(sliding_window)
+    tile = min(tile_n, partition_size)
+    if tile < 16 or tile & (tile - 1) or partition_size % tile:
+        raise ValueError(f"partition_size {partition_size} must be a multiple of a power-of-2 "
+                         f"tile >= 16 (tile_n={tile_n})")
+    num_seqs, num_heads, _ = query.shape
+    out = torch.empty_like(query) if out is None else out
+    _check_tokens("out", out, num_heads, head_size)
+    if num_seqs == 0:
+        return out
+    num_parts = max(1, math.ceil(max_seq_len / partition_size))
+    split = num_parts > 1
+    block_d = _pow2(head_size, 16)
+    if split:
+        part_out = torch.empty(
+            (num_seqs, num_heads, num_parts, head_size), dtype=torch.float32, device=query.device
+        )
+        part_max = torch.empty((num_seqs, num_heads, num_parts), dtype=torch.float32,
+                               device=query.device)
+        part_sum = torch.empty_like(part_max)
+    else:  # unused but must be valid pointers
+        part_out = part_max = part_sum = out
+    _decode_partition_kernel[(num_seqs, kvh, num_parts)](
+        query, out, kv_cache, block_tables, seq_lens,
+        part_out, part_max, part_sum,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        block_tables.stride(0),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2) if split else 0,
+        part_max.stride(0), part_max.stride(1),
+        scale * _LOG2E, group, head_size,
+        SLIDING_WINDOW=window, BLOCK_SIZE=block_size, TILE_N=tile,
+        PARTITION=partition_size, SPLIT=split,
+        BLOCK_G=_pow2(group, 16), BLOCK_D=block_d, DOT_PRECISION=_dot_precision(query.dtype),
+        num_warps=4,
+    )
+    if split:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            out, seq_lens, part_out, part_max, part_sum,
+            out.stride(0), out.stride(1),
+            part_out.stride(0), part_out.stride(1), part_out.stride(2),
+            part_max.stride(0), part_max.stride(1),
+            head_size,
+            SLIDING_WINDOW=window, PARTITION=partition_size,
+            BLOCK_P=_pow2(num_parts), BLOCK_D=block_d,
+            num_warps=4,
+        )
+    return out
+
+
+def prefill_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_size], sequences packed
+    kv_cache: torch.Tensor,  # [2, num_blocks, num_kv_heads, block_size, head_size]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq]
+    seq_lens: torch.Tensor,  # [num_seqs] int32, cached + new tokens
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32, starting at 0
+    max_query_len: int,
+    scale: float,
+    *,
+    sliding_window: int | None = None,
+    block_m: int = 64,
+    tile_n: int = 64,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
+    """Causal attention of new tokens over their cached context and themselves.
+
+    The new tokens' keys and values must already be in the cache (``reshape_and_cache`` first).
+    """
+    kvh, block_size, head_size, group = _check_attention_inputs(
+        query, kv_cache, block_tables, seq_lens
+    )
+    window = _window(sliding_window)
+    _check_index("query_start_loc", query_start_loc, 1, query.device)
+    num_seqs = seq_lens.shape[0]
+    if query_start_loc.shape[0] != num_seqs + 1:
+        raise ValueError(f"query_start_loc has {query_start_loc.shape[0]} entries, "
+                         f"expected {num_seqs + 1}")
+    if tile_n < 16 or tile_n & (tile_n - 1) or block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"block_m {block_m} and tile_n {tile_n} must be powers of 2 >= 16")
+    out = torch.empty_like(query) if out is None else out
+    _check_tokens("out", out, query.shape[1], head_size)
+    if num_seqs == 0 or max_query_len == 0:
+        return out
+    block_g = _pow2(group)
+    block_q = max(1, block_m // block_g)
+    grid = (triton.cdiv(max_query_len, block_q), num_seqs, kvh)
+    _prefill_kernel[grid](
+        query, out, kv_cache, block_tables, seq_lens, query_start_loc,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        block_tables.stride(0),
+        scale * _LOG2E, group, head_size,
+        SLIDING_WINDOW=window, BLOCK_SIZE=block_size, TILE_N=tile_n,
+        BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_D=_pow2(head_size, 16),
+        DOT_PRECISION=_dot_precision(query.dtype),
+        num_warps=4,
+    )
+    return out

@@ -1,0 +1,94 @@
+"""Plain-PyTorch paged attention: the oracle every backend's kernels are tested against.
+
+It walks each sequence's block table in Python and does textbook attention, so it is slow and
+obviously right. Layout of one layer's cache: ``[2, num_blocks, block_size, num_kv_heads,
+head_size]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.backends.base import AttentionBackend, AttentionMetadata
+
+
+def gather_seq_kv(
+    kv_cache: torch.Tensor, block_table: list[int], seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of the first ``seq_len`` tokens of one sequence, each [seq_len, kvh, d]."""
+    block_size = kv_cache.shape[2]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    idx = torch.tensor(block_table[:num_blocks], dtype=torch.long, device=kv_cache.device)
+    k = kv_cache[0, idx].reshape(-1, kv_cache.shape[3], kv_cache.shape[4])[:seq_len]
+    v = kv_cache[1, idx].reshape(-1, kv_cache.shape[3], kv_cache.shape[4])[:seq_len]
+    return k, v
+
+
+def attend(
+    q: torch.Tensor,  # [q_len, num_heads, d]
+    k: torch.Tensor,  # [seq_len, kv_heads, d]
+    v: torch.Tensor,  # [seq_len, kv_heads, d]
+    context_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [q_len, num_heads, d]
+    """Causal attention of queries at positions ``context_len..`` over all ``seq_len`` keys."""
+    q_len, num_heads, _ = q.shape
+    seq_len, kv_heads, _ = k.shape
+    group = num_heads // kv_heads
+    k = k.repeat_interleave(group, dim=1).float()
+    v = v.repeat_interleave(group, dim=1).float()
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale  # [h, q_len, seq_len]
+    q_pos = torch.arange(context_len, context_len + q_len, device=q.device)[:, None]
+    k_pos = torch.arange(seq_len, device=q.device)[None, :]
+    allowed = k_pos <= q_pos
+    if sliding_window is not None:
+        allowed &= k_pos > q_pos - sliding_window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+
+
+class ReferenceAttention(AttentionBackend):
+    """The oracle. Also usable inside the engine (``attention_backend="reference"``)."""
+
+    name = "reference"
+
+    def kv_cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        block_size = kv_cache.shape[2]
+        blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
+        offsets = slot_mapping % block_size
+        kv_cache[0, blocks, offsets] = key.to(kv_cache.dtype)
+        kv_cache[1, blocks, offsets] = value.to(kv_cache.dtype)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        out = torch.empty_like(query)
+        tables = meta.block_tables.tolist()
+        start = 0
+        for i, (q_len, seq_len) in enumerate(
+            zip(meta.query_lens_list, meta.seq_lens_list, strict=True)
+        ):
+            k, v = gather_seq_kv(kv_cache, tables[i], seq_len)
+            q = query[start : start + q_len]
+            out[start : start + q_len] = attend(q, k, v, seq_len - q_len, scale, sliding_window)
+            start += q_len
+        return out

@@ -1,0 +1,135 @@
+"""The XPU device (Intel GPUs): IPEX paged attention, allocator-based KV sizing, XCCL/oneCCL for TP.
+
+PyTorch has native XPU support since 2.5 (``torch.xpu``), so the device itself needs no extra
+package; the attention kernels come from intel-extension-for-pytorch (``"ipex"``) or, where only
+Triton with its Intel backend is installed, from our Triton kernels (``"triton"``). Neither is
+imported here at module level: ``import pagedllm`` and ``device="auto"`` work without them.
+
+dtype policy for ``dtype="auto"``: float16 and bfloat16 checkpoints keep their dtype; a float32
+checkpoint runs in bfloat16, which every Intel data-center GPU supports natively and which keeps
+float32's exponent range. Full float32 stays available by asking for it explicitly.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable
+
+import torch
+
+from pagedllm.backends.base import AttentionBackend, DeviceBackend
+
+logger = logging.getLogger(__name__)
+
+_ATTENTION_KINDS: dict[str, str] = {
+    "ipex": "pagedllm.backends.xpu.attention:IpexPagedAttention",
+    "triton": "pagedllm.backends.gpu.attention:TritonPagedAttention",
+    "reference": "pagedllm.backends.reference:ReferenceAttention",
+}
+_IPEX_HINT = (
+    "pip install intel-extension-for-pytorch (matching your torch version; "
+    "see ci/requirements-xpu.txt)"
+)
+
+
+def _instantiate(kind: str) -> AttentionBackend:
+    module_name, _, cls_name = _ATTENTION_KINDS[kind].partition(":")
+    return getattr(importlib.import_module(module_name), cls_name)()
+
+
+def triton_supports_xpu() -> bool:
+    """True when triton is importable and has its Intel GPU backend (pytorch-triton-xpu)."""
+    try:
+        from triton.backends import backends  # type: ignore[import-not-found]
+    except Exception:  # not installed, or a broken install: either way not usable
+        return False
+    return "intel" in backends
+
+
+class XpuBackend(DeviceBackend):
+    """Intel GPUs through PyTorch's native XPU runtime."""
+
+    name = "xpu"
+
+    @classmethod
+    def is_available(cls) -> bool:
+        """An XPU device is visible to this torch build; never raises."""
+        try:
+            xpu = getattr(torch, "xpu", None)
+            return bool(xpu is not None and xpu.is_available() and xpu.device_count() > 0)
+        except Exception as exc:  # a broken driver must not break device="auto"
+            logger.info("XPU probe failed: %s", exc)
+            return False
+
+    def device(self, rank: int = 0) -> torch.device:
+        return torch.device("xpu", rank)
+
+    def attention(self, kind: str | None = None) -> AttentionBackend:
+        """"auto": IPEX's kernels, else our Triton kernels if triton has its Intel backend.
+
+        "ipex" / "triton" ask for one of them (an ImportError says what to install);
+        "reference" is the slow plain-PyTorch oracle, for debugging.
+        """
+        kind = kind or "auto"
+        if kind == "auto":
+            try:
+                return _instantiate("ipex")
+            except ImportError as exc:
+                if not triton_supports_xpu():
+                    raise ImportError(
+                        f"device='xpu' has no attention kernels: {exc}. Either {_IPEX_HINT}, "
+                        "or install triton with its Intel XPU backend (pytorch-triton-xpu)"
+                    ) from exc
+                logger.warning("IPEX unavailable (%s); using the Triton kernels on XPU", exc)
+                return _instantiate("triton")
+        if kind not in _ATTENTION_KINDS:
+            raise ValueError(
+                f"attention_backend: {kind!r} is not an XPU attention backend; "
+                f"choose one of {['auto', *_ATTENTION_KINDS]}"
+            )
+        return _instantiate(kind)
+
+    def free_memory_bytes(self, rank: int = 0) -> int:
+        """Free device memory as the driver reports it; total minus reserved where it cannot."""
+        try:
+            free, _ = torch.xpu.mem_get_info(rank)
+            return int(free)
+        except (AttributeError, RuntimeError) as exc:
+            # Older drivers lack the free-memory query (it needs ZES_ENABLE_SYSMAN=1 on some).
+            logger.info("torch.xpu.mem_get_info failed (%s); using total - reserved", exc)
+            return max(0, self.total_memory_bytes(rank) - int(torch.xpu.memory_reserved(rank)))
+
+    def total_memory_bytes(self, rank: int = 0) -> int:
+        return int(torch.xpu.get_device_properties(rank).total_memory)
+
+    def profile_peak_bytes(self, fn: Callable[[], object], rank: int = 0) -> int:
+        """Peak bytes the caching allocator needed for ``fn`` beyond what was already held.
+
+        Activations of a dummy forward are the quantity the KV budget must leave room for.
+        """
+        torch.xpu.synchronize(rank)
+        torch.xpu.reset_peak_memory_stats(rank)
+        before = int(torch.xpu.memory_allocated(rank))
+        fn()
+        torch.xpu.synchronize(rank)
+        return max(0, int(torch.xpu.max_memory_allocated(rank)) - before)
+
+    def synchronize(self, rank: int = 0) -> None:
+        torch.xpu.synchronize(rank)
+
+    def dist_backend(self) -> str:
+        """"xccl" is built into torch >= 2.8 XPU builds; older ones need oneccl_bindings ("ccl")."""
+        try:
+            import torch.distributed as dist
+
+            if dist.is_available() and getattr(dist, "is_xccl_available", lambda: False)():
+                return "xccl"
+        except Exception as exc:  # report, then fall back to the plug-in library
+            logger.info("torch.distributed XCCL probe failed: %s", exc)
+        return "ccl"
+
+    def default_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        if model_dtype in (torch.float16, torch.bfloat16):
+            return model_dtype
+        return torch.bfloat16

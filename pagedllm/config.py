@@ -1,0 +1,237 @@
+"""Engine configuration: frozen dataclasses validated once, at the edge.
+
+This module imports only the standard library at import time so that ``core/`` can read the
+scheduler and cache settings without pulling in torch. It is also the one place that reads
+environment variables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+_PREEMPTION_MODES = (None, "recompute", "swap")
+_POLICIES = ("fcfs", "priority")
+_GiB = 1 << 30
+
+
+def _require(cond: bool, name: str, message: str) -> None:
+    if not cond:
+        raise ValueError(f"{name}: {message}")
+
+
+def _positive_int(value: Any, name: str, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    _require(
+        isinstance(value, int) and not isinstance(value, bool) and value > 0,
+        name,
+        f"must be a positive integer, got {value!r}",
+    )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str
+    tokenizer: str
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    served_model_name: str | None = None
+    attention_backend: str | None = None
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
+        _positive_int(self.max_model_len, "max_model_len", allow_none=True)
+        _require(isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
+        _require(not self.trust_remote_code, "trust_remote_code", "remote code is never run")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_space: float = 4.0  # GiB of KV cache on the CPU
+    gpu_memory_utilization: float = 0.9
+    swap_space: float = 1.0  # GiB of host memory for swapped-out blocks
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = False
+    watermark: float = 0.01
+
+    def __post_init__(self) -> None:
+        _require(
+            self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
+            "block_size",
+            f"must be a power of two up to 128, got {self.block_size!r}",
+        )
+        _require(self.kv_cache_space > 0, "kv_cache_space", "must be > 0 GiB")
+        _require(
+            0 < self.gpu_memory_utilization <= 1,
+            "gpu_memory_utilization",
+            "must be in (0, 1]",
+        )
+        _require(self.swap_space >= 0, "swap_space", "must be >= 0 GiB")
+        _positive_int(self.num_kv_blocks, "num_kv_blocks", allow_none=True)
+        _require(0 <= self.watermark < 1, "watermark", "must be in [0, 1)")
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return int(self.kv_cache_space * _GiB)
+
+    @property
+    def swap_bytes(self) -> int:
+        return int(self.swap_space * _GiB)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    max_model_len: int = 2048
+    preemption_mode: str | None = None  # None: swap multi-sequence groups, recompute the rest
+    enable_chunked_prefill: bool = False
+    delay_factor: float = 0.0
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        _positive_int(self.max_num_seqs, "max_num_seqs")
+        _positive_int(self.max_num_batched_tokens, "max_num_batched_tokens", allow_none=True)
+        _positive_int(self.max_model_len, "max_model_len")
+        _require(
+            self.preemption_mode in _PREEMPTION_MODES,
+            "preemption_mode",
+            f"must be 'recompute' or 'swap', got {self.preemption_mode!r}",
+        )
+        _require(self.delay_factor >= 0, "delay_factor", "must be >= 0")
+        _require(self.policy in _POLICIES, "policy", f"must be one of {_POLICIES}")
+        if self.max_num_batched_tokens is not None and not self.enable_chunked_prefill:
+            _require(
+                self.max_num_batched_tokens >= self.max_model_len,
+                "max_num_batched_tokens",
+                f"({self.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}) unless chunked prefill is on, or long prompts never run",
+            )
+
+    @property
+    def token_budget(self) -> int:
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        if self.enable_chunked_prefill:
+            return max(512, self.max_num_seqs)
+        return max(self.max_model_len, 2048)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # None | "mp" | "ray"
+
+    def __post_init__(self) -> None:
+        _positive_int(self.tensor_parallel_size, "tensor_parallel_size")
+        _require(
+            self.distributed_executor_backend in (None, "uni", "mp", "ray"),
+            "distributed_executor_backend",
+            "must be 'uni', 'mp' or 'ray'",
+        )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    device: str  # resolved: "cpu" | "cuda" | "xpu"
+
+
+@dataclass
+class EngineArgs:
+    """Keyword arguments as vLLM users know them, turned into an :class:`EngineConfig`."""
+
+    model: str
+    tokenizer: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = 16
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    kv_cache_space: float | None = None
+    gpu_memory_utilization: float = 0.9
+    swap_space: float = 1.0
+    preemption_mode: str | None = None
+    seed: int = 0
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = False
+    enable_chunked_prefill: bool = False
+    scheduler_delay_factor: float = 0.0
+    scheduling_policy: str = "fcfs"
+    attention_backend: str | None = None
+    served_model_name: str | None = None
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    trust_remote_code: bool = False
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
+        names = {f.name for f in dataclasses.fields(cls)} - {"model"}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(
+                f"{unknown[0]}: unknown engine argument; known ones are {sorted(names)}"
+            )
+        return cls(model=model, **kwargs)
+
+    def create_config(self, *, model_max_len: int, device: str) -> EngineConfig:
+        """``model_max_len`` comes from the model's config; ``device`` is already resolved."""
+        max_len = self.max_model_len or model_max_len
+        _require(
+            max_len <= model_max_len,
+            "max_model_len",
+            f"({max_len}) exceeds the model's context window ({model_max_len})",
+        )
+        kv_space = self.kv_cache_space
+        if kv_space is None:
+            kv_space = float(os.environ.get("PAGEDLLM_CPU_KVCACHE_SPACE", "4"))
+        return EngineConfig(
+            model=ModelConfig(
+                model=self.model,
+                tokenizer=self.tokenizer or self.model,
+                dtype=self.dtype,
+                max_model_len=max_len,
+                seed=self.seed,
+                served_model_name=self.served_model_name,
+                attention_backend=self.attention_backend,
+                trust_remote_code=self.trust_remote_code,
+            ),
+            cache=CacheConfig(
+                block_size=self.block_size,
+                kv_cache_space=kv_space,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                swap_space=self.swap_space,
+                num_kv_blocks=self.num_kv_blocks,
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_model_len=max_len,
+                preemption_mode=self.preemption_mode,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+                delay_factor=self.scheduler_delay_factor,
+                policy=self.scheduling_policy,
+            ),
+            parallel=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                distributed_executor_backend=self.distributed_executor_backend,
+            ),
+            device=device,
+        )
+
+
+def env_api_key() -> str | None:
+    """The server's API key from the environment, when ``--api-key`` is not given."""
+    return os.environ.get("PAGEDLLM_API_KEY") or None

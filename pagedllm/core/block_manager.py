@@ -1,0 +1,313 @@
+"""Paged KV-cache bookkeeping: which physical blocks each sequence's tokens live in.
+
+Blocks are plain integers; an allocator keeps their reference counts, so forked sequences share
+blocks until one of them writes (copy-on-write). With prefix caching, every *full* block is keyed
+by ``hash((parent_hash, its token ids))``; a freed keyed block stays reusable until the pool needs
+room, and then the least recently freed one is evicted first.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+class AllocStatus(enum.Enum):
+    OK = "ok"
+    LATER = "later"  # does not fit now; may once other requests finish
+    NEVER = "never"  # larger than the whole cache
+
+
+class OutOfBlocksError(RuntimeError):
+    """The scheduler asked for more blocks than are free: a bookkeeping bug, never user input."""
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # full prompt blocks looked up
+    hits: int = 0  # of those, found computed in the cache
+
+
+class BlockAllocator:
+    """A pool of ``num_blocks`` blocks on one device (or in host swap space)."""
+
+    def __init__(self, num_blocks: int, *, enable_caching: bool = False) -> None:
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.ref_counts = [0] * num_blocks
+        self.hashes: list[int | None] = [None] * num_blocks
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.computed = [False] * num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest-freed first
+        self._by_hash: dict[int, int] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free) + len(self._evictable)
+
+    def allocate(self) -> int:
+        """A fresh block with reference count 1, evicting a cached one if none is free."""
+        if self._free:
+            block = self._free.popleft()
+        elif self._evictable:
+            block, _ = self._evictable.popitem(last=False)
+            self._forget(block)
+        else:
+            raise OutOfBlocksError("no free KV blocks left")
+        self.ref_counts[block] = 1
+        return block
+
+    def incref(self, block: int) -> None:
+        self.ref_counts[block] += 1
+
+    def free(self, block: int) -> None:
+        count = self.ref_counts[block] - 1
+        if count < 0:
+            raise OutOfBlocksError(f"double free of block {block}")
+        self.ref_counts[block] = count
+        if count:
+            return
+        if self.hashes[block] is not None and self.computed[block]:
+            self._evictable[block] = None
+        else:
+            self._forget(block)
+            self._free.append(block)
+
+    def lookup(self, content_hash: int, token_ids: tuple[int, ...]) -> int | None:
+        """Take a reference on the cached block holding exactly these tokens, if any.
+
+        The stored token ids are compared, so a hash collision can never serve another
+        prompt's keys and values.
+        """
+        block = self._by_hash.get(content_hash)
+        if block is None or self.block_tokens[block] != token_ids:
+            return None
+        if self.ref_counts[block] == 0:
+            del self._evictable[block]
+        self.ref_counts[block] += 1
+        return block
+
+    def register(self, block: int, content_hash: int, token_ids: tuple[int, ...]) -> None:
+        """Key a full block by its content; the first block with a given content wins."""
+        if content_hash in self._by_hash or self.hashes[block] is not None:
+            return
+        self._by_hash[content_hash] = block
+        self.hashes[block] = content_hash
+        self.block_tokens[block] = token_ids
+
+    def _forget(self, block: int) -> None:
+        h = self.hashes[block]
+        if h is not None and self._by_hash.get(h) == block:
+            del self._by_hash[h]
+        self.hashes[block] = None
+        self.block_tokens[block] = None
+        self.computed[block] = False
+
+    def evictable_blocks(self) -> list[int]:
+        """Cached free blocks in eviction order (next evicted first)."""
+        return list(self._evictable)
+
+
+def block_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((parent, token_ids))
+
+
+class BlockSpaceManager:
+    """Block tables of all sequences over a device pool and a host swap pool."""
+
+    def __init__(
+        self,
+        block_size: int,
+        num_device_blocks: int,
+        num_host_blocks: int,
+        *,
+        watermark: float = 0.01,
+        enable_caching: bool = False,
+    ) -> None:
+        self.block_size = block_size
+        self.num_device_blocks = num_device_blocks
+        self.num_host_blocks = num_host_blocks
+        self.watermark_blocks = int(watermark * num_device_blocks)
+        self.enable_caching = enable_caching
+        self.device = BlockAllocator(num_device_blocks, enable_caching=enable_caching)
+        self.host = BlockAllocator(num_host_blocks)
+        self.block_tables: dict[int, list[int]] = {}
+        self._num_marked: dict[int, int] = {}  # seq_id -> leading blocks marked computed
+        self.prefix_stats = PrefixCacheStats()
+
+    # -- admission ---------------------------------------------------------------------------
+    def can_allocate(self, group: SequenceGroup) -> AllocStatus:
+        seq = group.get_seqs(SequenceStatus.WAITING)[0]
+        needed = seq.num_blocks_needed()
+        if self.num_device_blocks - needed < self.watermark_blocks:
+            return AllocStatus.NEVER
+        if self.device.num_free - needed >= self.watermark_blocks:
+            return AllocStatus.OK
+        return AllocStatus.LATER
+
+    def allocate(self, group: SequenceGroup) -> None:
+        """Give the waiting sequences one shared block table covering all their tokens.
+
+        With prefix caching, each waiting sequence's ``num_computed_tokens`` is set to the
+        cached prefix it can skip (at most all tokens but the last, which yields logits).
+        """
+        seqs = group.get_seqs(SequenceStatus.WAITING)
+        seq = seqs[0]
+        bs = self.block_size
+        table: list[int] = []
+        parent: int | None = None
+        cached_blocks = 0
+        for i in range(seq.num_blocks_needed()):
+            chunk = tuple(seq.token_slice(i * bs, (i + 1) * bs))
+            block = None
+            if self.enable_caching and len(chunk) == bs:
+                h = block_hash(parent, chunk)
+                parent = h
+                self.prefix_stats.queries += 1
+                block = self.device.lookup(h, chunk)
+                if block is not None and self.device.computed[block] and cached_blocks == i:
+                    cached_blocks += 1
+                    self.prefix_stats.hits += 1
+                if block is None:
+                    block = self.device.allocate()
+                    self.device.register(block, h, chunk)
+            else:
+                block = self.device.allocate()
+            table.append(block)
+        for block in table:
+            for _ in range(len(seqs) - 1):
+                self.device.incref(block)
+        cached_tokens = min(cached_blocks * bs, seq.get_len() - 1)
+        for s in seqs:
+            self.block_tables[s.seq_id] = list(table)
+            self._num_marked[s.seq_id] = cached_blocks
+            s.num_computed_tokens = cached_tokens
+
+    # -- growth --------------------------------------------------------------------------------
+    def can_append_slots(self, group: SequenceGroup) -> bool:
+        """Worst case every running sequence needs one new (or copied) block."""
+        return group.num_seqs(SequenceStatus.RUNNING) <= self.device.num_free
+
+    def append_slots(self, seq: Sequence, num_tokens: int | None = None) -> list[tuple[int, int]]:
+        """Make room for the sequence's tokens; returns copy-on-write ``(src, dst)`` pairs.
+
+        ``num_tokens`` is how many tokens must have slots (default: all of them).
+        """
+        table = self.block_tables[seq.seq_id]
+        total = seq.get_len() if num_tokens is None else num_tokens
+        while len(table) < seq.num_blocks_needed(total):
+            table.append(self.device.allocate())
+        # Only the block that receives the newest tokens can be written; copy it if shared.
+        first_written = seq.num_computed_tokens // self.block_size
+        pairs: list[tuple[int, int]] = []
+        for idx in range(first_written, len(table)):
+            block = table[idx]
+            if self.device.ref_counts[block] > 1:
+                new = self.device.allocate()
+                self.device.free(block)
+                table[idx] = new
+                pairs.append((block, new))
+        return pairs
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        table = self.block_tables[parent.seq_id]
+        for block in table:
+            self.device.incref(block)
+        self.block_tables[child.seq_id] = list(table)
+        self._num_marked[child.seq_id] = self._num_marked.get(parent.seq_id, 0)
+
+    def mark_computed(self, seq: Sequence) -> None:
+        """Blocks whose every token now has KV become hits for later prompts."""
+        table = self.block_tables.get(seq.seq_id)
+        if table is None:
+            return
+        bs = self.block_size
+        done = self._num_marked.get(seq.seq_id, 0)
+        full = min(seq.num_computed_tokens // bs, len(table))
+        for idx in range(done, full):
+            block = table[idx]
+            if self.enable_caching and self.device.hashes[block] is None:
+                parent = self.device.hashes[table[idx - 1]] if idx else None
+                if idx == 0 or parent is not None:
+                    chunk = tuple(seq.token_slice(idx * bs, (idx + 1) * bs))
+                    self.device.register(block, block_hash(parent, chunk), chunk)
+            self.device.computed[block] = True
+        self._num_marked[seq.seq_id] = max(done, full)
+
+    # -- swapping ------------------------------------------------------------------------------
+    def _unique_blocks(self, group: SequenceGroup, status: SequenceStatus) -> set[int]:
+        return {b for s in group.get_seqs(status) for b in self.block_tables[s.seq_id]}
+
+    def can_swap_in(self, group: SequenceGroup) -> AllocStatus:
+        needed = len(self._unique_blocks(group, SequenceStatus.SWAPPED))
+        needed += group.num_seqs(SequenceStatus.SWAPPED)  # room for each one's next token
+        if self.num_device_blocks < needed:
+            return AllocStatus.NEVER
+        if self.device.num_free - needed >= self.watermark_blocks:
+            return AllocStatus.OK
+        return AllocStatus.LATER
+
+    def can_swap_out(self, group: SequenceGroup) -> bool:
+        return len(self._unique_blocks(group, SequenceStatus.RUNNING)) <= self.host.num_free
+
+    def swap_in(self, group: SequenceGroup) -> list[tuple[int, int]]:
+        """Host -> device for every swapped sequence; returns ``(host, device)`` pairs."""
+        return self._move(group, SequenceStatus.SWAPPED, self.host, self.device)
+
+    def swap_out(self, group: SequenceGroup) -> list[tuple[int, int]]:
+        """Device -> host for every running sequence; returns ``(device, host)`` pairs."""
+        return self._move(group, SequenceStatus.RUNNING, self.device, self.host)
+
+    def _move(
+        self,
+        group: SequenceGroup,
+        status: SequenceStatus,
+        src: BlockAllocator,
+        dst: BlockAllocator,
+    ) -> list[tuple[int, int]]:
+        mapping: dict[int, int] = {}
+        for seq in group.get_seqs(status):
+            new_table = []
+            for block in self.block_tables[seq.seq_id]:
+                if block in mapping:
+                    dst.incref(mapping[block])
+                else:
+                    mapping[block] = dst.allocate()
+                src.free(block)
+                new_table.append(mapping[block])
+            self.block_tables[seq.seq_id] = new_table
+            self._num_marked[seq.seq_id] = 0
+        return list(mapping.items())
+
+    # -- release -------------------------------------------------------------------------------
+    def free(self, seq: Sequence, *, on_host: bool = False) -> None:
+        """Release a sequence's blocks, last first, so cached chains are evicted from the tail."""
+        table = self.block_tables.pop(seq.seq_id, None)
+        self._num_marked.pop(seq.seq_id, None)
+        if table is None:
+            return
+        pool = self.host if on_host else self.device
+        for block in reversed(table):
+            pool.free(block)
+
+    def get_block_table(self, seq: Sequence) -> list[int]:
+        return self.block_tables[seq.seq_id]
+
+    def has_table(self, seq: Sequence) -> bool:
+        return seq.seq_id in self.block_tables
+
+    def get_num_free_device_blocks(self) -> int:
+        return self.device.num_free
+
+    def get_num_free_host_blocks(self) -> int:
+        return self.host.num_free
+
+    def usage(self) -> float:
+        """Share of device blocks held by live sequences (cached free blocks count as free)."""
+        if not self.num_device_blocks:
+            return 0.0
+        return 1.0 - self.device.num_free / self.num_device_blocks

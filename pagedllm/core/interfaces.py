@@ -1,0 +1,68 @@
+"""The wire types between the scheduler and the workers: plain, picklable, torch-free."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedllm.core.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One sequence's share of a step.
+
+    ``token_ids`` are the tokens whose KV is computed now, at positions ``start_pos ..``.
+    ``do_sample`` is False for a prompt chunk that is not the prompt's last. ``history`` holds
+    references to the prompt and output token lists when penalties need them (else None); the
+    worker treats them as read-only.
+    """
+
+    request_id: str
+    seq_id: int
+    is_prompt: bool
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    do_sample: bool
+    sampling_params: SamplingParams
+    output_len: int
+    prompt_len: int
+    history: tuple[list[int], list[int]] | None = None
+    # For prompt_logprobs: the tokens that follow each computed position (None otherwise).
+    next_token_ids: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """Everything a worker needs for one forward pass, prefills first then decodes."""
+
+    seqs: list[ScheduledSeq]
+    num_prefill_seqs: int
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    num_preempted: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs and not self.blocks_to_swap_in and not self.blocks_to_swap_out
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """One sampled token with its log-probability under the model's raw distribution."""
+
+    seq_id: int
+    token_id: int
+    logprob: float
+    top_logprobs: dict[int, float] | None = None
+    # Beam search: extra (token, logprob) candidates ranked best first.
+    candidates: list[tuple[int, float]] | None = None
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    sampled: dict[int, SampledToken]
+    # seq_id -> one entry per prompt position computed this step (None for the first token).
+    prompt_logprobs: dict[int, list[dict[int, float] | None]] = field(default_factory=dict)

@@ -1,0 +1,420 @@
+"""Iteration-level scheduling over the waiting, running and swapped queues.
+
+Default (as vLLM's): a step is all prefill or all decode. Prompts are admitted from ``waiting``
+only while nothing is swapped out; otherwise the running groups decode, and when blocks run out
+the group at the back of ``running`` is preempted (recompute: back to the front of ``waiting``;
+swap: its blocks to host memory, the group to ``swapped``). Swapped groups come back, in order,
+once a step has preempted nobody and blocks allow.
+
+Chunked prefill: one token budget per step; running decodes first, then swapped groups, then
+prompt chunks, so decodes never starve behind a long prompt.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from pagedllm.config import SchedulerConfig
+from pagedllm.core.block_manager import AllocStatus, BlockSpaceManager
+from pagedllm.core.interfaces import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
+from pagedllm.core.policy import POLICIES, sort_groups
+from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerStats:
+    preemptions_recompute: int = 0
+    preemptions_swap: int = 0
+    chunked_prefill_steps: int = 0
+    steps: int = 0
+
+    @property
+    def preemptions(self) -> int:
+        return self.preemptions_recompute + self.preemptions_swap
+
+
+@dataclass
+class _Budget:
+    token_budget: int
+    max_num_seqs: int
+    num_tokens: int = 0
+    num_seqs: int = 0
+
+    def fits(self, num_tokens: int, num_seqs: int) -> bool:
+        return (
+            self.num_tokens + num_tokens <= self.token_budget
+            and self.num_seqs + num_seqs <= self.max_num_seqs
+        )
+
+    @property
+    def tokens_left(self) -> int:
+        return self.token_budget - self.num_tokens
+
+
+@dataclass
+class _Step:
+    """What one ``schedule`` call decided, before it becomes a SchedulerOutput."""
+
+    prefills: list[tuple[SequenceGroup, int]] = field(default_factory=list)  # (group, chunk)
+    decodes: list[SequenceGroup] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockSpaceManager,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.clock = clock
+        self.sort_key = POLICIES[config.policy]
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: deque[SequenceGroup] = deque()
+        self.swapped: deque[SequenceGroup] = deque()
+        self.stats = SchedulerStats()
+        # Admission delay state (vLLM's scheduler_delay_factor).
+        self.prev_time = 0.0
+        self.prev_prompt = False
+        self.last_prompt_latency = 0.0
+        self._ignored: list[SequenceGroup] = []
+        self._scheduled: list[tuple[SequenceGroup, Sequence, int, bool]] = []
+        self._pending_copies: list[tuple[int, int]] = []
+
+    # -- queue management ------------------------------------------------------------------
+    def add(self, group: SequenceGroup) -> None:
+        self.waiting.append(group)
+        if self.config.policy != "fcfs":
+            self.waiting = sort_groups(self.waiting, self.sort_key)
+
+    def abort(self, request_ids: Iterable[str]) -> list[SequenceGroup]:
+        """Finish the named requests wherever they are; their blocks are freed at once."""
+        ids = set(request_ids)
+        aborted: list[SequenceGroup] = []
+        for queue in (self.waiting, self.running, self.swapped):
+            for group in [g for g in queue if g.request_id in ids]:
+                queue.remove(group)
+                on_host = queue is self.swapped
+                for seq in group.get_unfinished_seqs():
+                    seq.status = SequenceStatus.FINISHED_ABORTED
+                for seq in group.seqs:
+                    self.block_manager.free(seq, on_host=on_host)
+                aborted.append(group)
+        return aborted
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    def take_ignored(self) -> list[SequenceGroup]:
+        """Groups that finished without running (prompt too long for the context or cache)."""
+        ignored, self._ignored = self._ignored, []
+        return ignored
+
+    # -- scheduling ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        now = self.clock()
+        self.stats.steps += 1
+        if self.config.enable_chunked_prefill:
+            step = self._schedule_chunked(now)
+        else:
+            step = self._schedule_default(now)
+        return self._build_output(step, now)
+
+    def _schedule_default(self, now: float) -> _Step:
+        step = _Step()
+        budget = _Budget(self.config.token_budget, self.config.max_num_seqs)
+        budget.num_seqs = sum(g.get_max_num_running_seqs() for g in self.running)
+        if not self.swapped and self._passed_delay(now):
+            self._schedule_prefills(budget, step, chunked=False)
+        if not step.prefills:
+            self._schedule_running(budget, step, chunked=False)
+            if step.preempted == 0:
+                self._schedule_swapped(budget, step)
+        self.prev_prompt = bool(step.prefills)
+        return step
+
+    def _schedule_chunked(self, now: float) -> _Step:
+        step = _Step()
+        budget = _Budget(self.config.token_budget, self.config.max_num_seqs)
+        self._schedule_running(budget, step, chunked=True)
+        if step.preempted == 0:
+            self._schedule_swapped(budget, step)
+        if not self.swapped:
+            self._schedule_prefills(budget, step, chunked=True)
+        if any(chunk < g.seqs[0].get_num_uncomputed_tokens() for g, chunk in step.prefills):
+            self.stats.chunked_prefill_steps += 1
+        self.prev_prompt = bool(step.prefills)
+        return step
+
+    def _passed_delay(self, now: float) -> bool:
+        """Hold prompts back a little after a prompt step, so that more share the next one."""
+        if self.prev_prompt:
+            self.last_prompt_latency = now - self.prev_time
+        self.prev_time, self.prev_prompt = now, False
+        if self.config.delay_factor <= 0 or not self.waiting:
+            return True
+        earliest = min(g.arrival_time for g in self.waiting)
+        return (
+            now - earliest > self.config.delay_factor * self.last_prompt_latency
+            or not self.running
+        )
+
+    def _schedule_prefills(self, budget: _Budget, step: _Step, *, chunked: bool) -> None:
+        bm = self.block_manager
+        while self.waiting:
+            group = self.waiting[0]
+            seqs = group.get_seqs(SequenceStatus.WAITING)
+            if seqs[0].get_prompt_len() > self._prompt_limit(chunked):
+                self._ignore(group, f"prompt of {seqs[0].get_prompt_len()} tokens is too long")
+                continue
+            status = bm.can_allocate(group)
+            if status is AllocStatus.NEVER:
+                self._ignore(group, "prompt needs more KV blocks than the whole cache holds")
+                continue
+            if status is AllocStatus.LATER:
+                break
+            num_tokens = sum(s.get_len() for s in seqs)
+            num_new_seqs = group.get_max_num_running_seqs()
+            if chunked:
+                num_tokens = min(num_tokens, budget.tokens_left)
+                if num_tokens <= 0 or not budget.fits(num_tokens, num_new_seqs):
+                    break
+            elif not budget.fits(num_tokens, num_new_seqs) and (
+                budget.num_tokens or num_tokens <= budget.token_budget
+            ):
+                break
+            self.waiting.popleft()
+            bm.allocate(group)
+            for seq in seqs:
+                seq.status = SequenceStatus.RUNNING
+            chunk = self._prefill_chunk(group, budget, chunked)
+            self.running.append(group)
+            step.prefills.append((group, chunk))
+
+    def _prefill_chunk(self, group: SequenceGroup, budget: _Budget, chunked: bool) -> int:
+        """Tokens to compute now for a (possibly partly cached) prompt; reserves its slots."""
+        seqs = group.get_seqs(SequenceStatus.RUNNING)
+        if chunked and len(seqs) == 1:
+            chunk = min(seqs[0].get_num_uncomputed_tokens(), budget.tokens_left)
+            self._copies_into(seqs[0], seqs[0].num_computed_tokens + chunk)
+        else:
+            # Several sequences (recomputed forks) are prefilled whole, each its own length.
+            chunk = 0
+            for seq in seqs:
+                chunk += seq.get_num_uncomputed_tokens()
+                self._copies_into(seq, seq.get_len())
+        budget.num_tokens += chunk
+        budget.num_seqs += group.get_max_num_running_seqs()
+        return chunk
+
+    def _copies_into(self, seq: Sequence, num_tokens: int) -> None:
+        self._pending_copies.extend(self.block_manager.append_slots(seq, num_tokens))
+
+    def _schedule_running(self, budget: _Budget, step: _Step, *, chunked: bool) -> None:
+        queue = sort_groups(self.running, self.sort_key)
+        kept: deque[SequenceGroup] = deque()
+        while queue:
+            group = queue.popleft()
+            if group.is_prefill():
+                # A prompt part-way through chunked prefill: its blocks are already allocated.
+                if chunked and budget.tokens_left > 0:
+                    step.prefills.append((group, self._prefill_chunk(group, budget, True)))
+                kept.append(group)
+                continue
+            num_seqs = group.num_seqs(SequenceStatus.RUNNING)
+            if chunked and not budget.fits(num_seqs, 0):
+                kept.append(group)  # out of tokens this step; decodes again next step
+                continue
+            while not self.block_manager.can_append_slots(group):
+                victim = queue.pop() if queue else group
+                self._preempt(victim, step)
+                if victim is group:
+                    break
+            else:
+                for seq in group.get_seqs(SequenceStatus.RUNNING):
+                    self._copies_into(seq, seq.get_len())
+                budget.num_tokens += num_seqs
+                if chunked:
+                    budget.num_seqs += num_seqs
+                step.decodes.append(group)
+                kept.append(group)
+        self.running = kept
+
+    def _schedule_swapped(self, budget: _Budget, step: _Step) -> None:
+        bm = self.block_manager
+        while self.swapped:
+            group = self.swapped[0]
+            status = bm.can_swap_in(group)
+            if status is AllocStatus.LATER:
+                break
+            if status is AllocStatus.NEVER:
+                self.swapped.popleft()
+                self._ignore(group, "swapped group no longer fits in the KV cache", host=True)
+                continue
+            num_seqs = group.get_max_num_running_seqs()
+            if not budget.fits(num_seqs, num_seqs):
+                break
+            self.swapped.popleft()
+            step.swap_in.extend(bm.swap_in(group))
+            for seq in group.get_seqs(SequenceStatus.SWAPPED):
+                seq.status = SequenceStatus.RUNNING
+                self._copies_into(seq, seq.get_len())
+            budget.num_tokens += num_seqs
+            budget.num_seqs += num_seqs
+            self.running.append(group)
+            step.decodes.append(group)
+
+    def _preempt(self, group: SequenceGroup, step: _Step) -> None:
+        mode = self.config.preemption_mode
+        if mode is None:
+            mode = "swap" if group.get_max_num_running_seqs() > 1 else "recompute"
+        if mode == "swap" and not self.block_manager.can_swap_out(group):
+            logger.warning("swap space full; preempting %s by recompute", group.request_id)
+            mode = "recompute"
+        group.num_preemptions += 1
+        step.preempted += 1
+        running = group.get_seqs(SequenceStatus.RUNNING)
+        if mode == "swap":
+            step.swap_out.extend(self.block_manager.swap_out(group))
+            for seq in running:
+                seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(group)
+            self.stats.preemptions_swap += 1
+        else:
+            for seq in running:
+                self.block_manager.free(seq)
+                seq.status = SequenceStatus.WAITING
+                seq.reset_for_recompute()
+            self.waiting.appendleft(group)
+            self.stats.preemptions_recompute += 1
+        logger.debug("preempted %s by %s", group.request_id, mode)
+
+    def _prompt_limit(self, chunked: bool) -> int:
+        if chunked:
+            return self.config.max_model_len
+        return min(self.config.max_model_len, self.config.token_budget)
+
+    def _ignore(self, group: SequenceGroup, why: str, *, host: bool = False) -> None:
+        logger.warning("request %s cannot run: %s", group.request_id, why)
+        if self.waiting and self.waiting[0] is group:
+            self.waiting.popleft()
+        for seq in group.seqs:
+            self.block_manager.free(seq, on_host=host)
+            if not seq.is_finished():
+                seq.status = SequenceStatus.FINISHED_IGNORED
+        self._ignored.append(group)
+
+    # -- building the wire type ---------------------------------------------------------------
+    def _build_output(self, step: _Step, now: float) -> SchedulerOutput:
+        scheduled: list[ScheduledSeq] = []
+        self._scheduled = []
+        for group, chunk in step.prefills:
+            group.set_first_scheduled(now)
+            seqs = group.get_seqs(SequenceStatus.RUNNING)
+            for seq in seqs:
+                n = chunk if len(seqs) == 1 else seq.get_num_uncomputed_tokens()
+                scheduled.append(self._scheduled_seq(group, seq, n, True))
+        num_prefill_seqs = len(scheduled)
+        for group in step.decodes:
+            group.set_first_scheduled(now)
+            for seq in group.get_seqs(SequenceStatus.RUNNING):
+                scheduled.append(self._scheduled_seq(group, seq, 1, False))
+        copies, self._pending_copies = self._pending_copies, []
+        return SchedulerOutput(
+            seqs=scheduled,
+            num_prefill_seqs=num_prefill_seqs,
+            blocks_to_swap_in=step.swap_in,
+            blocks_to_swap_out=step.swap_out,
+            blocks_to_copy=copies,
+            num_batched_tokens=sum(len(s.token_ids) for s in scheduled),
+            num_preempted=step.preempted,
+        )
+
+    def _scheduled_seq(
+        self, group: SequenceGroup, seq: Sequence, num_tokens: int, is_prompt: bool
+    ) -> ScheduledSeq:
+        start = seq.num_computed_tokens
+        end = start + num_tokens
+        do_sample = end >= seq.get_len()
+        params = group.sampling_params
+        self._scheduled.append((group, seq, num_tokens, do_sample))
+        history = (seq.prompt_token_ids, seq.output_token_ids) if params.needs_token_history else None
+        wants_prompt_lp = is_prompt and params.prompt_logprobs is not None
+        return ScheduledSeq(
+            request_id=group.request_id,
+            seq_id=seq.seq_id,
+            is_prompt=is_prompt,
+            token_ids=seq.token_slice(start, end),
+            start_pos=start,
+            block_table=self.block_manager.get_block_table(seq),
+            do_sample=do_sample,
+            sampling_params=params,
+            output_len=seq.get_output_len(),
+            prompt_len=seq.get_prompt_len(),
+            history=history,
+            next_token_ids=seq.token_slice(start + 1, end + 1) if wants_prompt_lp else None,
+        )
+
+    # -- after the forward pass ----------------------------------------------------------------
+    def update_from_output(
+        self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput
+    ) -> list[SequenceGroup]:
+        """Record computed tokens and sampled tokens; returns the groups that got a token."""
+        now = self.clock()
+        touched: dict[str, SequenceGroup] = {}
+        for group, seq, num_tokens, do_sample in self._scheduled:
+            if seq.is_finished():
+                continue  # aborted while the step ran
+            seq.update_num_computed_tokens(num_tokens)
+            self.block_manager.mark_computed(seq)
+            if seq.seq_id in runner_out.prompt_logprobs:
+                self._record_prompt_logprobs(group, runner_out.prompt_logprobs[seq.seq_id])
+            if not do_sample:
+                continue
+            sampled = runner_out.sampled[seq.seq_id]
+            seq.append_token(sampled.token_id, sampled.logprob, sampled.top_logprobs)
+            if group.metrics.first_token_time is None:
+                group.metrics.first_token_time = now
+            group.metrics.last_token_time = now
+            touched[group.request_id] = group
+        self._scheduled = []
+        return list(touched.values())
+
+    @staticmethod
+    def _record_prompt_logprobs(
+        group: SequenceGroup, entries: list[dict[int, float] | None]
+    ) -> None:
+        if group.prompt_logprobs is None:
+            group.prompt_logprobs = []
+        group.prompt_logprobs.extend(entries)
+
+    def free_finished(self) -> list[SequenceGroup]:
+        """Release finished sequences' blocks; drop groups whose every sequence finished."""
+        finished: list[SequenceGroup] = []
+        kept: deque[SequenceGroup] = deque()
+        for group in self.running:
+            for seq in group.seqs:
+                if seq.is_finished() and self.block_manager.has_table(seq):
+                    self.block_manager.free(seq)
+            if group.is_finished():
+                group.metrics.finished_time = self.clock()
+                finished.append(group)
+            else:
+                kept.append(group)
+        self.running = kept
+        return finished

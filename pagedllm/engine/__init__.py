@@ -1,0 +1,1 @@
+"""The orchestrator: tokenizer, scheduler and executor, stepped together."""

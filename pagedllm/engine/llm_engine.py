@@ -1,0 +1,313 @@
+"""LLMEngine (exported as ``Engine``): requests in, one batched step at a time, outputs out."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pagedllm.backends.registry import resolve_device
+from pagedllm.config import EngineArgs, EngineConfig
+from pagedllm.core.block_manager import BlockSpaceManager
+from pagedllm.core.interfaces import ModelRunnerOutput
+from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.sequence import Sequence, SequenceGroup
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.executors.base import create_executor
+from pagedllm.models.loader import load_hf_config, max_model_len_of
+from pagedllm.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | dict[str, Any] | list[int]
+
+
+@dataclass
+class EngineCounters:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    requests_finished: int = 0
+    kv_slots_allocated: int = 0  # summed over steps, for KV waste
+    kv_slots_used: int = 0
+
+
+def load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"tokenizer: cannot load a tokenizer from {path!r} ({exc})") from exc
+
+
+def eos_ids_of(model: str, hf_config: Any, tokenizer: Any) -> set[int]:
+    """EOS ids as transformers' generate sees them: generation_config first, then config."""
+    ids: Any = None
+    if (Path(model) / "generation_config.json").exists():
+        from transformers import GenerationConfig
+
+        ids = GenerationConfig.from_pretrained(model, local_files_only=True).eos_token_id
+    if ids is None:
+        ids = getattr(hf_config, "eos_token_id", None)
+    if ids is None and tokenizer is not None:
+        ids = tokenizer.eos_token_id
+    if ids is None:
+        return set()
+    return {int(i) for i in ids} if isinstance(ids, (list, tuple)) else {int(ids)}
+
+
+class LLMEngine:
+    """The synchronous engine; ``AsyncEngine`` wraps it for the server.
+
+    ``Engine(model, device="auto", **engine_args)`` with vLLM's argument names: ``dtype``,
+    ``block_size``, ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``,
+    ``kv_cache_space`` (GiB, CPU), ``gpu_memory_utilization``, ``swap_space`` (GiB),
+    ``preemption_mode``, ``seed``, ``num_kv_blocks``, ``enable_prefix_caching``,
+    ``enable_chunked_prefill``, ``attention_backend`` and others listed in ``EngineArgs``.
+    """
+
+    def __init__(self, model: str, device: str = "auto", **engine_args: Any) -> None:
+        args = EngineArgs.from_kwargs(model, device=device, **engine_args)
+        self.hf_config = load_hf_config(model)
+        self.config: EngineConfig = args.create_config(
+            model_max_len=max_model_len_of(self.hf_config), device=resolve_device(device)
+        )
+        self.tokenizer = load_tokenizer(self.config.model.tokenizer)
+        self.eos_token_ids = eos_ids_of(model, self.hf_config, self.tokenizer)
+        eos = min(self.eos_token_ids) if self.eos_token_ids else None
+        self.executor = create_executor(self.config, self.hf_config, eos_token_id=eos)
+        num_device, num_host = self.executor.determine_num_blocks()
+        cache = self.config.cache
+        if num_device <= 0:
+            raise ValueError(
+                "kv_cache_space: no room for KV blocks after the model; raise kv_cache_space "
+                "or gpu_memory_utilization"
+            )
+        self.executor.initialize_cache(num_device, num_host)
+        logger.info(
+            "KV cache: %d device blocks (%d tokens), %d host blocks for swapping",
+            num_device, num_device * cache.block_size, num_host,
+        )
+        self.block_manager = BlockSpaceManager(
+            cache.block_size, num_device, num_host,
+            watermark=cache.watermark, enable_caching=cache.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(self.config.scheduler, self.block_manager)
+        self._seq_ids = itertools.count()
+        self.output_processor = OutputProcessor(
+            tokenizer=self.tokenizer,
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.config.scheduler.max_model_len,
+            block_manager=self.block_manager,
+            next_seq_id=lambda: next(self._seq_ids),
+        )
+        self.vocab_size = int(self.hf_config.vocab_size)
+        self.counters = EngineCounters()
+        self._requests: dict[str, SequenceGroup] = {}
+        self._pending_outputs: list[RequestOutput] = []
+
+    # -- requests --------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request; a ValueError naming the field if anything about it is invalid."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id: must be a non-empty string")
+        if request_id in self._requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError("sampling_params: must be a SamplingParams")
+        if not isinstance(priority, int):
+            raise ValueError("priority: must be an integer")
+        text, token_ids = self._tokenize(prompt)
+        max_len = self.config.scheduler.max_model_len
+        if params.max_tokens is None:
+            params = params.clone(max_tokens=max(1, max_len - len(token_ids)))
+        block_size = self.config.cache.block_size
+        seq = Sequence(next(self._seq_ids), token_ids, block_size)
+        group = SequenceGroup(
+            request_id=request_id,
+            seqs=[seq],
+            sampling_params=params,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            prompt=text,
+            priority=priority,
+        )
+        self._requests[request_id] = group
+        self.scheduler.add(group)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
+        elif isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            text = prompt["prompt"]
+            ids = self.tokenizer.encode(text)
+        elif isinstance(prompt, list):
+            text, ids = None, prompt
+        else:
+            raise ValueError("prompt: must be a string or {'prompt_token_ids': [...]}")
+        if not isinstance(ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in ids
+        ):
+            raise ValueError("prompt_token_ids: must be a list of integers")
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt_token_ids: token id {bad[0]} is outside the vocabulary "
+                f"[0, {self.vocab_size})"
+            )
+        return text, list(ids)
+
+    def abort_request(self, request_id: str | Seq[str]) -> None:
+        """Stop requests wherever they are; their KV blocks are freed now, an output follows."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for group in self.scheduler.abort(ids):
+            self._requests.pop(group.request_id, None)
+            self._pending_outputs.append(self.output_processor.make_output(group))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending_outputs)
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.num_unfinished()
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    # -- the loop ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward pass, and report every request that changed."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        sched_out = self.scheduler.schedule()
+        for group in self.scheduler.take_ignored():
+            self._requests.pop(group.request_id, None)
+            outputs.append(self.output_processor.make_output(group, error=self._why(group)))
+        if sched_out.is_empty:
+            return outputs
+        runner_out = (
+            self.executor.execute_model(sched_out)
+            if sched_out.seqs or sched_out.blocks_to_swap_in or sched_out.blocks_to_swap_out
+            else ModelRunnerOutput(sampled={})
+        )
+        self._count(sched_out)
+        touched = self.scheduler.update_from_output(sched_out, runner_out)
+        for group in touched:
+            self.output_processor.process(group)
+        finished = {g.request_id for g in self.scheduler.free_finished()}
+        for group in touched:
+            outputs.append(self.output_processor.make_output(group))
+            if group.request_id in finished:
+                self._requests.pop(group.request_id, None)
+                self.counters.requests_finished += 1
+        return outputs
+
+    def _why(self, group: SequenceGroup) -> str:
+        n = len(group.prompt_token_ids)
+        limit = self.config.scheduler.max_model_len
+        if n > limit:
+            return f"prompt has {n} tokens, more than max_model_len ({limit})"
+        return f"prompt of {n} tokens needs more KV blocks than the cache holds"
+
+    def _count(self, sched_out: Any) -> None:
+        c = self.counters
+        for s in sched_out.seqs:
+            if s.is_prompt:
+                c.prompt_tokens += len(s.token_ids)
+            if s.do_sample:
+                c.generation_tokens += 1
+        bs = self.config.cache.block_size
+        c.kv_slots_allocated += sum(len(s.block_table) for s in sched_out.seqs) * bs
+        c.kv_slots_used += sum(s.start_pos + len(s.token_ids) for s in sched_out.seqs)
+
+    def generate(
+        self,
+        prompts: PromptType | list[PromptType],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Offline batch: every prompt runs to completion; outputs come back in input order."""
+        from tqdm.auto import tqdm
+
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        assert isinstance(prompts, list)
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(prompts):
+                raise ValueError("sampling_params: the list must be as long as prompts")
+            params_list = sampling_params
+        else:
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        ids = [f"generate-{next(self._seq_ids)}" for _ in prompts]
+        try:
+            for rid, prompt, params in zip(ids, prompts, params_list, strict=True):
+                self.add_request(rid, prompt, params)
+        except ValueError:
+            self.abort_request([r for r in ids if r in self._requests])
+            self._pending_outputs.clear()
+            raise
+        return self._run_to_completion(ids, tqdm(total=len(ids), disable=not use_tqdm,
+                                                 desc="Processed prompts", unit="req"))
+
+    def _run_to_completion(self, ids: list[str], bar: Any) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        start = time.perf_counter()
+        gen0, prompt0 = self.counters.generation_tokens, self.counters.prompt_tokens
+        wanted = set(ids)
+        while len(done) < len(ids) and self.has_unfinished_requests():
+            for out in self.step():
+                if out.finished and out.request_id in wanted:
+                    done[out.request_id] = out
+                    bar.update(1)
+            elapsed = max(time.perf_counter() - start, 1e-9)
+            bar.set_postfix_str(
+                f"in {(self.counters.prompt_tokens - prompt0) / elapsed:.0f} tok/s, "
+                f"out {(self.counters.generation_tokens - gen0) / elapsed:.0f} tok/s",
+                refresh=False,
+            )
+        bar.close()
+        return [done[i] for i in ids]
+
+    # -- introspection ----------------------------------------------------------------------
+    def get_stats(self) -> dict[str, float]:
+        s, c, bm = self.scheduler, self.counters, self.block_manager
+        return {
+            "num_requests_running": len(s.running),
+            "num_requests_waiting": len(s.waiting),
+            "num_requests_swapped": len(s.swapped),
+            "kv_cache_usage_perc": bm.usage(),
+            "num_free_device_blocks": bm.get_num_free_device_blocks(),
+            "num_device_blocks": bm.num_device_blocks,
+            "prompt_tokens_total": c.prompt_tokens,
+            "generation_tokens_total": c.generation_tokens,
+            "num_preemptions_total": s.stats.preemptions,
+            "num_preemptions_recompute": s.stats.preemptions_recompute,
+            "num_preemptions_swap": s.stats.preemptions_swap,
+            "chunked_prefill_steps": s.stats.chunked_prefill_steps,
+            "prefix_cache_queries": bm.prefix_stats.queries,
+            "prefix_cache_hits": bm.prefix_stats.hits,
+        }
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+Engine = LLMEngine

@@ -1,0 +1,111 @@
+"""After each step: detokenize, apply stop conditions, fork sequences, build RequestOutputs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pagedllm.core.block_manager import BlockSpaceManager
+from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedllm.engine.detokenizer import Detokenizer, find_stop_string, stream_holdback
+from pagedllm.outputs import CompletionOutput, RequestMetricsView, RequestOutput
+
+
+class OutputProcessor:
+    def __init__(
+        self,
+        *,
+        tokenizer: Any,
+        eos_token_ids: set[int],
+        max_model_len: int,
+        block_manager: BlockSpaceManager,
+        next_seq_id: Callable[[], int],
+    ) -> None:
+        self.detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.block_manager = block_manager
+        self.next_seq_id = next_seq_id
+
+    # -- per step --------------------------------------------------------------------------
+    def process(self, group: SequenceGroup) -> None:
+        """Handle the tokens a group just received."""
+        params = group.sampling_params
+        for seq in group.get_seqs(SequenceStatus.RUNNING):
+            new_chars = 0
+            if self.detokenizer is not None:
+                new_chars = len(self.detokenizer.decode_new(seq, params))
+            self.check_stop(seq, params, new_chars)
+
+    def check_stop(self, seq: Sequence, params: SamplingParams, new_chars: int) -> None:
+        out_len = seq.get_output_len()
+        token = seq.get_last_token_id()
+        if out_len >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                seq.status = SequenceStatus.FINISHED_STOPPED
+                return
+            if token in params.stop_token_ids:
+                if new_chars and not params.include_stop_str_in_output:
+                    seq.output_text = seq.output_text[:-new_chars]
+                seq.status = SequenceStatus.FINISHED_STOPPED
+                seq.stop_reason = token
+                return
+            match = find_stop_string(seq.output_text, new_chars, params)
+            if match is not None:
+                seq.stop_reason, cut = match
+                seq.output_text = seq.output_text[:cut]
+                seq.status = SequenceStatus.FINISHED_STOPPED
+                return
+        if params.max_tokens is not None and out_len >= params.max_tokens:
+            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+        elif seq.get_len() >= self.max_model_len:
+            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+
+    # -- building outputs ------------------------------------------------------------------
+    def make_output(self, group: SequenceGroup, *, error: str | None = None) -> RequestOutput:
+        params = group.sampling_params
+        seqs = self._reported_seqs(group)
+        holdback = stream_holdback(params)
+        outputs = []
+        for index, seq in enumerate(seqs):
+            text = seq.output_text
+            if holdback and not seq.is_finished():
+                text = text[: max(0, len(text) - holdback)]
+            outputs.append(
+                CompletionOutput(
+                    index=index,
+                    text=text,
+                    token_ids=list(seq.output_token_ids),
+                    cumulative_logprob=seq.cumulative_logprob,
+                    logprobs=list(seq.output_logprobs) if params.logprobs is not None else None,
+                    finish_reason=seq.status.finish_reason(),
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        m = group.metrics
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=outputs,
+            finished=group.is_finished(),
+            prompt_logprobs=group.prompt_logprobs,
+            metrics=RequestMetricsView(
+                arrival_time=m.arrival_time,
+                first_scheduled_time=m.first_scheduled_time,
+                first_token_time=m.first_token_time,
+                finished_time=m.finished_time,
+                num_preemptions=group.num_preemptions,
+            ),
+            error=error,
+        )
+
+    @staticmethod
+    def _reported_seqs(group: SequenceGroup) -> list[Sequence]:
+        """All sequences while running; the ``n`` best by cumulative logprob once finished."""
+        params = group.sampling_params
+        seqs = group.seqs
+        if not group.is_finished() or (params.best_of or 1) <= params.n:
+            return seqs[: max(params.n, 1)] if group.is_finished() else seqs
+        return sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: params.n]

@@ -1,0 +1,1 @@
+"""User-facing entry points: the CLI, the OpenAI-compatible server and the demo."""

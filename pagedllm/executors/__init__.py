@@ -1,0 +1,1 @@
+"""Executor -> Worker -> ModelRunner: one scheduler step becomes one batched forward pass."""

@@ -1,0 +1,70 @@
+"""Executors: how the engine reaches its workers (in-process, or one process per TP rank)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.interfaces import ModelRunnerOutput, SchedulerOutput
+
+
+class Executor(ABC):
+    """The engine's only handle on the model; one ``execute_model`` call per step."""
+
+    @abstractmethod
+    def determine_num_blocks(self) -> tuple[int, int]:
+        """(device blocks, host blocks); under TP the minimum over workers."""
+
+    @abstractmethod
+    def initialize_cache(self, num_device_blocks: int, num_host_blocks: int) -> None: ...
+
+    @abstractmethod
+    def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    @abstractmethod
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        """Call ``method`` on every worker; results in rank order."""
+
+    def check_health(self) -> None:
+        """Raise if a worker has died."""
+
+    def shutdown(self) -> None:
+        """Release workers and their resources (idempotent)."""
+
+
+class UniProcExecutor(Executor):
+    """One worker in the engine's own process."""
+
+    def __init__(self, config: EngineConfig, hf_config: Any, *, eos_token_id: int | None) -> None:
+        from pagedllm.executors.worker import Worker
+
+        self.worker = Worker(config, hf_config, eos_token_id=eos_token_id)
+        self.worker.load_model()
+
+    def determine_num_blocks(self) -> tuple[int, int]:
+        return self.worker.determine_num_blocks()
+
+    def initialize_cache(self, num_device_blocks: int, num_host_blocks: int) -> None:
+        self.worker.initialize_cache(num_device_blocks, num_host_blocks)
+
+    def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(sched_out)
+
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        return [getattr(self.worker, method)(*args)]
+
+
+def create_executor(
+    config: EngineConfig, hf_config: Any, *, eos_token_id: int | None
+) -> Executor:
+    backend = config.parallel.distributed_executor_backend
+    if config.parallel.tensor_parallel_size == 1 and backend in (None, "uni"):
+        return UniProcExecutor(config, hf_config, eos_token_id=eos_token_id)
+    if backend == "ray":
+        from pagedllm.executors.ray_executor import RayExecutor
+
+        return RayExecutor(config, hf_config, eos_token_id=eos_token_id)
+    from pagedllm.executors.multiproc import MultiprocExecutor
+
+    return MultiprocExecutor(config, hf_config, eos_token_id=eos_token_id)

@@ -1,0 +1,144 @@
+"""Runs one scheduler step through the model: inputs -> forward -> logits -> samples."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.backends.base import AttentionBackend
+from pagedllm.core.interfaces import (
+    ModelRunnerOutput,
+    SampledToken,
+    ScheduledSeq,
+    SchedulerOutput,
+)
+from pagedllm.executors.inputs import FlatBatch, flatten
+from pagedllm.layers.sampler import Sampler, SamplingRow
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        attention: AttentionBackend,
+        *,
+        device: torch.device,
+        block_size: int,
+        eos_token_id: int | None,
+        seed: int,
+    ) -> None:
+        self.model = model
+        self.attention = attention
+        self.device = device
+        self.block_size = block_size
+        self.eos_token_id = eos_token_id
+        self.sampler = Sampler(seed=seed, device=device)
+
+    @torch.inference_mode()
+    def execute(
+        self, sched_out: SchedulerOutput, kv_caches: list[torch.Tensor]
+    ) -> ModelRunnerOutput:
+        if not sched_out.seqs:
+            return ModelRunnerOutput(sampled={})
+        batch = flatten(sched_out, self.block_size)
+        hidden = self.forward(batch, sched_out.num_prefill_seqs, kv_caches)
+        sampled = self._sample(hidden, batch, sched_out.seqs)
+        prompt_lps = self._prompt_logprobs(hidden, batch, sched_out.seqs)
+        return ModelRunnerOutput(sampled=sampled, prompt_logprobs=prompt_lps)
+
+    def forward(
+        self, batch: FlatBatch, num_prefills: int, kv_caches: list[torch.Tensor]
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        dev = self.device
+        meta = self.attention.build_metadata(
+            num_prefills=num_prefills,
+            seq_lens=batch.seq_lens,
+            query_lens=batch.query_lens,
+            slot_mapping=batch.slot_mapping,
+            block_tables=batch.block_tables,
+            block_size=self.block_size,
+            device=dev,
+        )
+        input_ids = torch.tensor(batch.input_ids, dtype=torch.long).to(dev)
+        positions = torch.tensor(batch.positions, dtype=torch.long).to(dev)
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def _sample(
+        self, hidden: torch.Tensor, batch: FlatBatch, seqs: list[ScheduledSeq]
+    ) -> dict[int, SampledToken]:
+        if not batch.sample_indices:
+            return {}
+        idx = torch.tensor(batch.sample_indices, dtype=torch.long, device=hidden.device)
+        logits = self.model.compute_logits(hidden[idx])  # [num_sampled, vocab]
+        rows = [
+            SamplingRow(s.seq_id, s.sampling_params, s.output_len, s.history)
+            for s in (seqs[i] for i in batch.sample_seq_positions)
+        ]
+        out = self.sampler(logits, rows, eos_token_id=self.eos_token_id)
+        return {
+            row.seq_id: SampledToken(
+                seq_id=row.seq_id,
+                token_id=out.token_ids[j],
+                logprob=out.logprobs[j],
+                top_logprobs=out.top_logprobs[j],
+                candidates=out.candidates[j],
+            )
+            for j, row in enumerate(rows)
+        }
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, batch: FlatBatch, seqs: list[ScheduledSeq]
+    ) -> dict[int, list[dict[int, float] | None]]:
+        result: dict[int, list[dict[int, float] | None]] = {}
+        for seq_index, flat_start, count in batch.prompt_logprob_spans:
+            s = seqs[seq_index]
+            assert s.next_token_ids is not None and s.sampling_params.prompt_logprobs is not None
+            # Positions past the prompt predict generated tokens, not prompt tokens.
+            count = min(count, max(0, s.prompt_len - 1 - s.start_pos))
+            entries: list[dict[int, float] | None] = [None] if s.start_pos == 0 else []
+            if count:
+                logits = self.model.compute_logits(hidden[flat_start : flat_start + count])
+                lps = torch.log_softmax(logits.float(), dim=-1)
+                targets = s.next_token_ids[:count]
+                entries.extend(_top_entries(lps, targets, s.sampling_params.prompt_logprobs))
+            result[s.seq_id] = entries
+        return result
+
+    def dummy_run(self, num_tokens: int, num_seqs: int, kv_caches: list[torch.Tensor]) -> None:
+        """A forward pass and sampling at the given size, for profiling and warm-up."""
+        from pagedllm.core.sampling_params import SamplingParams
+
+        num_seqs = max(1, min(num_seqs, num_tokens))
+        lens = [num_tokens // num_seqs + (1 if i < num_tokens % num_seqs else 0)
+                for i in range(num_seqs)]
+        seqs: list[ScheduledSeq] = []
+        params = SamplingParams(temperature=1.0, top_p=0.9)
+        block = 0
+        for i, n in enumerate(lens):
+            nblocks = (n + self.block_size - 1) // self.block_size
+            table = list(range(block, block + nblocks))
+            block += nblocks
+            seqs.append(ScheduledSeq(
+                request_id=f"dummy-{i}", seq_id=-1 - i, is_prompt=True, token_ids=[0] * n,
+                start_pos=0, block_table=table, do_sample=True, sampling_params=params,
+                output_len=0, prompt_len=n,
+            ))
+        self.execute(SchedulerOutput(seqs=seqs, num_prefill_seqs=len(seqs)), kv_caches)
+
+
+def _top_entries(lps: torch.Tensor, targets: list[int], k: int) -> list[dict[int, float] | None]:
+    chosen = lps.gather(1, torch.tensor(targets, device=lps.device)[:, None])[:, 0].tolist()
+    entries: list[dict[int, float] | None] = []
+    top_vals: Any = None
+    top_ids: Any = None
+    if k > 0:
+        top_vals, top_ids = lps.topk(k, dim=-1)
+        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    for i, t in enumerate(targets):
+        entry = {t: chosen[i]}
+        if k > 0:
+            entry.update(zip(top_ids[i], top_vals[i], strict=True))
+        entries.append(entry)
+    return entries

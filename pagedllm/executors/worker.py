@@ -1,0 +1,120 @@
+"""A worker owns one device: the model shard, its KV cache, and the runner that uses both."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from pagedllm.backends.base import CacheEngine, CacheSpec
+from pagedllm.backends.registry import get_backend
+from pagedllm.config import EngineConfig
+from pagedllm.core.interfaces import ModelRunnerOutput, SchedulerOutput
+from pagedllm.executors.model_runner import ModelRunner
+from pagedllm.layers.parallel import SINGLE, TPContext
+from pagedllm.models.llama import head_size_of
+from pagedllm.models.loader import config_dtype, load_model, resolve_dtype
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(
+        self,
+        config: EngineConfig,
+        hf_config: Any,
+        *,
+        eos_token_id: int | None,
+        rank: int = 0,
+        tp: TPContext = SINGLE,
+    ) -> None:
+        self.config = config
+        self.hf_config = hf_config
+        self.rank = rank
+        self.tp = tp
+        self.backend = get_backend(config.device)
+        self.device = self.backend.device(rank)
+        self.attention = self.backend.attention(config.model.attention_backend)
+        self.dtype = resolve_dtype(
+            config.model.dtype, hf_config, self.backend.default_dtype(config_dtype(hf_config))
+        )
+        self.eos_token_id = eos_token_id
+        self.cache_engine: CacheEngine | None = None
+        self.runner: ModelRunner | None = None
+
+    def load_model(self) -> None:
+        model = load_model(
+            self.config.model.model,
+            self.hf_config,
+            attn_backend=self.attention,
+            device=self.device,
+            dtype=self.dtype,
+            tp=self.tp,
+        )
+        self.runner = ModelRunner(
+            model,
+            self.attention,
+            device=self.device,
+            block_size=self.config.cache.block_size,
+            eos_token_id=self.eos_token_id,
+            seed=self.config.model.seed,
+        )
+        logger.info(
+            "model on %s in %s with %s attention",
+            self.device, self.dtype, self.attention.name,
+        )
+
+    def cache_spec(self) -> CacheSpec:
+        cfg = self.hf_config
+        num_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        per_rank = max(1, num_kv // self.tp.size)
+        return CacheSpec(
+            num_layers=cfg.num_hidden_layers,
+            num_kv_heads=per_rank,
+            head_size=head_size_of(cfg),
+            block_size=self.config.cache.block_size,
+            dtype=self.dtype,
+        )
+
+    def determine_num_blocks(self) -> tuple[int, int]:
+        """Device blocks from the memory budget left after a profiling pass; host from swap."""
+        spec = self.cache_spec()
+        per_block = CacheEngine.bytes_per_block(spec)
+        cache = self.config.cache
+        budget = self.backend.kv_cache_budget_bytes(
+            profile=self._profile_run,
+            gpu_memory_utilization=cache.gpu_memory_utilization,
+            cpu_kv_cache_bytes=cache.kv_cache_bytes,
+            rank=self.rank,
+        )
+        num_device = cache.num_kv_blocks or max(0, budget // per_block)
+        num_host = cache.swap_bytes // per_block
+        return int(num_device), int(num_host)
+
+    def _profile_run(self) -> None:
+        sched = self.config.scheduler
+        num_tokens = min(sched.token_budget, sched.max_num_seqs * sched.max_model_len)
+        num_seqs = min(sched.max_num_seqs, num_tokens)
+        blocks = num_tokens // self.config.cache.block_size + num_seqs + 1
+        spec = self.cache_spec()
+        scratch = self.backend.make_cache_engine(spec, blocks, 0, attention=self.attention,
+                                                 rank=self.rank)
+        assert self.runner is not None
+        self.runner.dummy_run(num_tokens, num_seqs, scratch.kv_caches)
+        del scratch
+        self.backend.synchronize(self.rank)
+
+    def initialize_cache(self, num_device_blocks: int, num_host_blocks: int) -> None:
+        self.cache_engine = self.backend.make_cache_engine(
+            self.cache_spec(), num_device_blocks, num_host_blocks,
+            attention=self.attention, rank=self.rank,
+        )
+
+    @torch.inference_mode()
+    def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        assert self.cache_engine is not None and self.runner is not None
+        self.cache_engine.swap_out(sched_out.blocks_to_swap_out)
+        self.cache_engine.swap_in(sched_out.blocks_to_swap_in)
+        self.cache_engine.copy(sched_out.blocks_to_copy)
+        return self.runner.execute(sched_out, self.cache_engine.kv_caches)

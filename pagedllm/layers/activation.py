@@ -1,0 +1,38 @@
+"""Gated activations over a fused [gate | up] projection."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SiluAndMul(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, 2d] -> [n, d]
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class GeluAndMul(nn.Module):
+    def __init__(self, approximate: str = "tanh") -> None:
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate=self.approximate) * up
+
+
+def get_act_fn(name: str) -> nn.Module:
+    """Plain (non-gated) activations by their Hugging Face names."""
+    table: dict[str, nn.Module] = {
+        "relu": nn.ReLU(),
+        "gelu": nn.GELU(),
+        "gelu_new": nn.GELU(approximate="tanh"),
+        "gelu_pytorch_tanh": nn.GELU(approximate="tanh"),
+        "gelu_fast": nn.GELU(approximate="tanh"),
+        "silu": nn.SiLU(),
+    }
+    if name not in table:
+        raise ValueError(f"hidden_act: unsupported activation {name!r}")
+    return table[name]

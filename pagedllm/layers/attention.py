@@ -1,0 +1,50 @@
+"""The attention layer a model calls: store this step's K/V, then paged attention.
+
+It holds no cache itself; the layer's KV tensor and the step's metadata arrive as arguments,
+so the same module works for every backend and every batch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.backends.base import AttentionBackend, AttentionMetadata
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        backend: AttentionBackend,
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        head_size: int,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.backend = backend
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_size = head_size
+        self.scale = scale
+        self.sliding_window = sliding_window
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads * head_size]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads * head_size]
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads * head_size]
+        n = q.shape[0]
+        q = q.view(n, self.num_heads, self.head_size)
+        k = k.view(n, self.num_kv_heads, self.head_size)
+        v = v.view(n, self.num_kv_heads, self.head_size)
+        self.backend.write_kv(k, v, kv_cache, meta.slot_mapping)
+        out = self.backend.forward(
+            q, kv_cache, meta, self.scale, sliding_window=self.sliding_window
+        )
+        return out.reshape(n, self.num_heads * self.head_size)

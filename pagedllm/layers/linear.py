@@ -1,0 +1,169 @@
+"""Linear layers that know how to load (and shard) Hugging Face weights.
+
+Fused projections are built at load time: q/k/v become one ``qkv_proj`` and gate/up one
+``gate_up_proj``, so each layer runs one matmul for all tokens of a step. Column-parallel layers
+split output features across tensor-parallel ranks; row-parallel layers split input features and
+all-reduce their outputs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.layers.parallel import SINGLE, TPContext
+
+
+def _param(shape: tuple[int, ...], loader: object) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape), requires_grad=False)
+    p.weight_loader = loader  # type: ignore[attr-defined]
+    return p
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"weight shape {tuple(loaded.shape)} != expected {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T + b`` with W's rows (output features) split across ranks."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        *,
+        bias: bool = False,
+        tp: TPContext = SINGLE,
+        shard_sizes: list[int] | None = None,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.output_sizes = output_sizes
+        # Per-rank size of each fused part (heads may be replicated rather than split).
+        self.shard_sizes = shard_sizes or [tp.shard(s, "output features") for s in output_sizes]
+        out = sum(self.shard_sizes)
+        self.weight = _param((out, input_size), self.load_shard)
+        self.bias = _param((out,), self.load_shard) if bias else None
+
+    def _offset(self, shard_id: int) -> int:
+        return sum(self.shard_sizes[:shard_id])
+
+    def load_shard(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0
+    ) -> None:
+        size = self.shard_sizes[shard_id]
+        full = self.output_sizes[shard_id]
+        if loaded.shape[0] != full:
+            raise ValueError(f"weight has {loaded.shape[0]} rows, expected {full}")
+        piece = loaded.narrow(0, self.tp.rank * size, size)
+        dst = param.data.narrow(0, self._offset(shard_id), size)
+        if dst.shape != piece.shape:
+            raise ValueError(f"weight shape {tuple(piece.shape)} != expected {tuple(dst.shape)}")
+        dst.copy_(piece)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections fused; KV heads are replicated when there are fewer than ranks."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        *,
+        bias: bool = False,
+        tp: TPContext = SINGLE,
+    ) -> None:
+        self.num_heads = tp.shard(num_heads, "num_attention_heads")
+        if num_kv_heads >= tp.size:
+            self.num_kv_heads = tp.shard(num_kv_heads, "num_key_value_heads")
+        else:
+            self.num_kv_heads = 1
+        sizes = [num_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size]
+        shards = [
+            self.num_heads * head_size,
+            self.num_kv_heads * head_size,
+            self.num_kv_heads * head_size,
+        ]
+        super().__init__(hidden_size, sizes, bias=bias, tp=tp, shard_sizes=shards)
+        self.head_size = head_size
+
+    def load_shard(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0
+    ) -> None:
+        total_kv = self.output_sizes[1] // self.head_size
+        if shard_id == 0 or total_kv >= self.tp.size:
+            super().load_shard(param, loaded, shard_id)
+            return
+        # Fewer KV heads than ranks: each is replicated; rank r uses head r * total_kv // tp.
+        head = self.tp.rank * total_kv // self.tp.size
+        piece = loaded.narrow(0, head * self.head_size, self.head_size)
+        param.data.narrow(0, self._offset(shard_id), self.head_size).copy_(piece)
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = qkv.split(self.shard_sizes, dim=-1)
+        return q, k, v
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x W^T + b`` with W's columns (input features) split and the partial sums reduced."""
+
+    def __init__(
+        self, input_size: int, output_size: int, *, bias: bool = False, tp: TPContext = SINGLE
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.input_shard = tp.shard(input_size, "input features")
+        self.weight = _param((output_size, self.input_shard), self.load_weight)
+        self.bias = _param((output_size,), default_weight_loader) if bias else None
+
+    def load_weight(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        piece = loaded.narrow(1, self.tp.rank * self.input_shard, self.input_shard)
+        default_weight_loader(param, piece)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split across ranks; tokens outside a rank's range contribute zeros."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, *, tp: TPContext = SINGLE) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.shard = (vocab_size + tp.size - 1) // tp.size
+        self.start = tp.rank * self.shard
+        self.weight = _param((self.shard, hidden_size), self.load_weight)
+
+    def load_weight(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        rows = max(0, min(self.shard, loaded.shape[0] - self.start))
+        param.data.zero_()
+        param.data[:rows].copy_(loaded[self.start : self.start + rows])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        mask = (local < 0) | (local >= self.shard)
+        out = F.embedding(local.masked_fill(mask, 0), self.weight)
+        out.masked_fill_(mask[:, None], 0.0)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Vocabulary-split output projection; logits are gathered to full width on every rank."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        local = F.linear(hidden, self.weight)  # [n, shard]
+        return self.tp.all_gather_last_dim(local)[:, : self.vocab_size]

@@ -1,0 +1,72 @@
+"""Rotary position embeddings (NeoX "rotate half" style), with scaling read from the HF config.
+
+Frequencies for scaled variants (linear, llama3, yarn, longrope, ...) come from transformers'
+own initialisers so that they match the reference exactly; the cos/sin table is built once for
+every position up to the context window.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """transformers 5 keeps rope settings in ``rope_parameters``; 4.x in ``rope_theta``/scaling."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if not params:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def inverse_frequencies(config: Any, rotary_dim: int) -> tuple[torch.Tensor, float]:
+    params = rope_parameters(config)
+    rope_type = params["rope_type"]
+    if rope_type in ("default", None):
+        base = float(params["rope_theta"])
+        exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+        return 1.0 / (base**exponents), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"rope_scaling: unsupported rope type {rope_type!r}")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    return inv_freq.float(), float(scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config: Any, head_size: int, rotary_dim: int, max_position: int) -> None:
+        super().__init__()
+        self.head_size = head_size
+        self.rotary_dim = rotary_dim
+        inv_freq, scaling = inverse_frequencies(config, rotary_dim)
+        t = torch.arange(max_position, dtype=torch.int64).float()
+        freqs = t[:, None] * inv_freq[None, :]  # [max_position, rotary_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    @staticmethod
+    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.rotary_dim == self.head_size:
+            return (x * cos) + (self._rotate_half(x) * sin)
+        rot, keep = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        return torch.cat(((rot * cos) + (self._rotate_half(rot) * sin), keep), dim=-1)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        q: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].to(q.dtype)[:, None, :]  # [num_tokens, 1, rotary_dim]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

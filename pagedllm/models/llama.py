@@ -1,0 +1,221 @@
+"""The Llama family: Llama, Mistral and Qwen2 (RoPE, GQA, RMSNorm, SiLU-gated MLP).
+
+Differences inside the family come from the config: ``attention_bias`` (Qwen2 always has q/k/v
+bias), ``head_dim``, rope scaling, ``sliding_window`` and ``tie_word_embeddings``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.backends.base import AttentionBackend, AttentionMetadata
+from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.attention import Attention
+from pagedllm.layers.linear import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.parallel import SINGLE, TPContext
+from pagedllm.layers.rotary import RotaryEmbedding
+from pagedllm.models.loading import WeightMapper, load_mapped_weights
+
+
+def head_size_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def sliding_window_of(config: Any, layer_idx: int) -> int | None:
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types and layer_types[layer_idx] != "sliding_attention":
+        # Qwen2-style configs say per layer; Mistral's has no layer_types and slides everywhere.
+        return None
+    return int(window)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, *, bias: bool, tp: TPContext) -> None:
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(hidden, [intermediate] * 2, bias=bias, tp=tp)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias, tp=tp)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        config: Any,
+        layer_idx: int,
+        backend: AttentionBackend,
+        rotary: RotaryEmbedding,
+        *,
+        qkv_bias: bool,
+        tp: TPContext,
+    ) -> None:
+        super().__init__()
+        head = head_size_of(config)
+        num_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, head, config.num_attention_heads, num_kv, bias=qkv_bias, tp=tp
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * head,
+            config.hidden_size,
+            bias=bool(getattr(config, "attention_bias", False)) and not qkv_bias_only(config),
+            tp=tp,
+        )
+        self.rotary = rotary
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_size = head
+        self.attn = Attention(
+            backend,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_size=head,
+            scale=head**-0.5,
+            sliding_window=sliding_window_of(config, layer_idx),
+        )
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        n = hidden.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q, k = self.rotary(
+            positions,
+            q.view(n, self.num_heads, self.head_size),
+            k.view(n, self.num_kv_heads, self.head_size),
+        )
+        out = self.attn(q.reshape(n, -1), k.reshape(n, -1), v, kv_cache, meta)
+        return self.o_proj(out)
+
+
+def qkv_bias_only(config: Any) -> bool:
+    """Qwen2 has q/k/v biases but no o_proj bias, whatever ``attention_bias`` says."""
+    return getattr(config, "model_type", "") == "qwen2"
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: Any,
+        layer_idx: int,
+        backend: AttentionBackend,
+        rotary: RotaryEmbedding,
+        tp: TPContext,
+    ) -> None:
+        super().__init__()
+        qkv_bias = qkv_bias_only(config) or bool(getattr(config, "attention_bias", False))
+        self.self_attn = LlamaAttention(
+            config, layer_idx, backend, rotary, qkv_bias=qkv_bias, tp=tp
+        )
+        self.mlp = LlamaMLP(
+            config.hidden_size,
+            config.intermediate_size,
+            bias=bool(getattr(config, "mlp_bias", False)),
+            tp=tp,
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Also serves ``MistralForCausalLM`` and ``Qwen2ForCausalLM`` checkpoints."""
+
+    def __init__(
+        self,
+        config: Any,
+        *,
+        attn_backend: AttentionBackend,
+        tp: TPContext = SINGLE,
+        max_position: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.tp = tp
+        head = head_size_of(config)
+        rotary_dim = int(head * rope_partial_factor(config))
+        max_pos = max_position or config.max_position_embeddings
+        self.rotary = RotaryEmbedding(config, head, rotary_dim, max_pos)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, attn_backend, self.rotary, tp)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head = self.embed_tokens
+        else:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp=tp)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, cache, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab]
+        return ParallelLMHead.logits(self.lm_head, hidden)  # type: ignore[arg-type]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        mapper = WeightMapper(
+            strip_prefixes=("model.",),
+            fused={
+                "q_proj": ("qkv_proj", 0),
+                "k_proj": ("qkv_proj", 1),
+                "v_proj": ("qkv_proj", 2),
+                "gate_proj": ("gate_up_proj", 0),
+                "up_proj": ("gate_up_proj", 1),
+            },
+            ignore=("rotary_emb.inv_freq",),
+        )
+        tied = self.lm_head is self.embed_tokens
+        return load_mapped_weights(self, weights, mapper, skip_lm_head=tied)
+
+
+def rope_partial_factor(config: Any) -> float:
+    from pagedllm.layers.rotary import rope_parameters
+
+    factor = rope_parameters(config).get("partial_rotary_factor")
+    return float(factor or getattr(config, "partial_rotary_factor", 1.0) or 1.0)

@@ -1,0 +1,28 @@
+"""Architecture name (``architectures`` in config.json) -> model class, imported lazily."""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+_MODELS: dict[str, str] = {
+    "LlamaForCausalLM": "pagedllm.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "pagedllm.models.llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "pagedllm.models.llama:LlamaForCausalLM",
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def resolve_model_class(architectures: list[str] | None) -> type[nn.Module]:
+    for arch in architectures or []:
+        if arch in _MODELS:
+            module_name, _, cls_name = _MODELS[arch].partition(":")
+            return getattr(importlib.import_module(module_name), cls_name)
+    raise ValueError(
+        f"architectures: {architectures} not supported; pagedllm runs "
+        f"{', '.join(supported_architectures())} (remote code is never executed)"
+    )

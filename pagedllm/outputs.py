@@ -1,0 +1,43 @@
+"""What the engine hands back to callers, one RequestOutput per request per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop string or stop token id that matched
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetricsView:
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
+    num_preemptions: int = 0
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    metrics: RequestMetricsView | None = None
+    # Why a request finished without running (prompt too long for the context or the cache).
+    error: str | None = None
+    num_cached_tokens: int = 0
+    extra: dict[str, object] = field(default_factory=dict)
