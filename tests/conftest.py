@@ -14,7 +14,8 @@ import torch
 
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
-    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n"
+    "    return fibonacci(n - 1) + fibonacci(n - 2)\n",
     "Paged attention keeps the KV cache in fixed-size blocks.",
     "你好，世界！这是一个测试。 Emoji: 🚀🔥✨",
     "import os\nimport sys\n\nprint(os.getcwd(), sys.argv)\n",
@@ -46,18 +47,31 @@ def build_tokenizer(folder: Path, vocab_size: int = 512) -> Any:
 MODEL_SPECS: dict[str, dict[str, Any]] = {
     # GQA, head size 16
     "llama": dict(
-        arch="llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, num_hidden_layers=2,
+        arch="llama",
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        num_hidden_layers=2,
     ),
     # MHA, head size 32, qkv bias
     "qwen2": dict(
-        arch="qwen2", hidden_size=64, num_attention_heads=2, num_key_value_heads=2,
-        intermediate_size=96, num_hidden_layers=2,
+        arch="qwen2",
+        hidden_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        num_hidden_layers=2,
     ),
     # GQA 4:1, head size 8, untied head
     "mistral": dict(
-        arch="mistral", hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
-        intermediate_size=128, num_hidden_layers=3, sliding_window=None,
+        arch="mistral",
+        hidden_size=64,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        sliding_window=None,
     ),
 }
 
@@ -69,8 +83,12 @@ def make_hf_config(spec: dict[str, Any], vocab_size: int) -> Any:
     arch = spec.pop("arch")
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch]
     common = dict(
-        vocab_size=vocab_size, max_position_embeddings=512, bos_token_id=0, eos_token_id=1,
-        pad_token_id=2, tie_word_embeddings=(arch != "mistral"),
+        vocab_size=vocab_size,
+        max_position_embeddings=512,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+        tie_word_embeddings=(arch != "mistral"),
     )
     common.update(spec)
     return cls(**common)

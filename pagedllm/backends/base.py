@@ -199,8 +199,7 @@ class CacheEngine:
         )
         # torch.empty: pages are touched only when blocks are written, so a large budget is cheap.
         self.kv_caches: list[torch.Tensor] = [
-            torch.empty(dev_shape, dtype=spec.dtype, device=device)
-            for _ in range(spec.num_layers)
+            torch.empty(dev_shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)
         ]
         self.host_caches: list[torch.Tensor] = [
             torch.empty(host_shape, dtype=spec.dtype, device="cpu", pin_memory=pin_host_memory)

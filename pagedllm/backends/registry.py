@@ -41,9 +41,7 @@ def resolve_device(name: str) -> str:
                 continue
         return "cpu"
     if name not in _BACKENDS:
-        raise ValueError(
-            f"device: unknown device {name!r}; choose one of {['auto', *_BACKENDS]}"
-        )
+        raise ValueError(f"device: unknown device {name!r}; choose one of {['auto', *_BACKENDS]}")
     return name
 
 

@@ -170,8 +170,7 @@ class Scheduler:
             return True
         earliest = min(g.arrival_time for g in self.waiting)
         return (
-            now - earliest > self.config.delay_factor * self.last_prompt_latency
-            or not self.running
+            now - earliest > self.config.delay_factor * self.last_prompt_latency or not self.running
         )
 
     def _schedule_prefills(self, budget: _Budget, step: _Step, *, chunked: bool) -> None:
@@ -353,7 +352,9 @@ class Scheduler:
         do_sample = end >= seq.get_len()
         params = group.sampling_params
         self._scheduled.append((group, seq, num_tokens, do_sample))
-        history = (seq.prompt_token_ids, seq.output_token_ids) if params.needs_token_history else None
+        history = (
+            (seq.prompt_token_ids, seq.output_token_ids) if params.needs_token_history else None
+        )
         wants_prompt_lp = is_prompt and params.prompt_logprobs is not None
         return ScheduledSeq(
             request_id=group.request_id,

@@ -91,11 +91,16 @@ class LLMEngine:
         self.executor.initialize_cache(num_device, num_host)
         logger.info(
             "KV cache: %d device blocks (%d tokens), %d host blocks for swapping",
-            num_device, num_device * cache.block_size, num_host,
+            num_device,
+            num_device * cache.block_size,
+            num_host,
         )
         self.block_manager = BlockSpaceManager(
-            cache.block_size, num_device, num_host,
-            watermark=cache.watermark, enable_caching=cache.enable_prefix_caching,
+            cache.block_size,
+            num_device,
+            num_host,
+            watermark=cache.watermark,
+            enable_caching=cache.enable_prefix_caching,
         )
         self.scheduler = Scheduler(self.config.scheduler, self.block_manager)
         self._seq_ids = itertools.count()
@@ -264,8 +269,9 @@ class LLMEngine:
             self.abort_request([r for r in ids if r in self._requests])
             self._pending_outputs.clear()
             raise
-        return self._run_to_completion(ids, tqdm(total=len(ids), disable=not use_tqdm,
-                                                 desc="Processed prompts", unit="req"))
+        return self._run_to_completion(
+            ids, tqdm(total=len(ids), disable=not use_tqdm, desc="Processed prompts", unit="req")
+        )
 
     def _run_to_completion(self, ids: list[str], bar: Any) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

@@ -57,9 +57,9 @@ class OutputProcessor:
                 seq.output_text = seq.output_text[:cut]
                 seq.status = SequenceStatus.FINISHED_STOPPED
                 return
-        if params.max_tokens is not None and out_len >= params.max_tokens:
-            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
-        elif seq.get_len() >= self.max_model_len:
+        if (
+            params.max_tokens is not None and out_len >= params.max_tokens
+        ) or seq.get_len() >= self.max_model_len:
             seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
 
     # -- building outputs ------------------------------------------------------------------

@@ -55,9 +55,7 @@ class UniProcExecutor(Executor):
         return [getattr(self.worker, method)(*args)]
 
 
-def create_executor(
-    config: EngineConfig, hf_config: Any, *, eos_token_id: int | None
-) -> Executor:
+def create_executor(config: EngineConfig, hf_config: Any, *, eos_token_id: int | None) -> Executor:
     backend = config.parallel.distributed_executor_backend
     if config.parallel.tensor_parallel_size == 1 and backend in (None, "uni"):
         return UniProcExecutor(config, hf_config, eos_token_id=eos_token_id)

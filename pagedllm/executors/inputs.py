@@ -39,9 +39,7 @@ def flatten(sched_out: SchedulerOutput, block_size: int) -> FlatBatch:
         if n == 1:
             p = s.start_pos
             batch.positions.append(p)
-            batch.slot_mapping.append(
-                s.block_table[p // block_size] * block_size + p % block_size
-            )
+            batch.slot_mapping.append(s.block_table[p // block_size] * block_size + p % block_size)
         else:
             batch.positions.extend(range(s.start_pos, s.start_pos + n))
             batch.slot_mapping.extend(slots_for(s.block_table, s.start_pos, n, block_size))

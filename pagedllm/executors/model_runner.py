@@ -111,8 +111,10 @@ class ModelRunner:
         from pagedllm.core.sampling_params import SamplingParams
 
         num_seqs = max(1, min(num_seqs, num_tokens))
-        lens = [num_tokens // num_seqs + (1 if i < num_tokens % num_seqs else 0)
-                for i in range(num_seqs)]
+        lens = [
+            num_tokens // num_seqs + (1 if i < num_tokens % num_seqs else 0)
+            for i in range(num_seqs)
+        ]
         seqs: list[ScheduledSeq] = []
         params = SamplingParams(temperature=1.0, top_p=0.9)
         block = 0
@@ -120,11 +122,20 @@ class ModelRunner:
             nblocks = (n + self.block_size - 1) // self.block_size
             table = list(range(block, block + nblocks))
             block += nblocks
-            seqs.append(ScheduledSeq(
-                request_id=f"dummy-{i}", seq_id=-1 - i, is_prompt=True, token_ids=[0] * n,
-                start_pos=0, block_table=table, do_sample=True, sampling_params=params,
-                output_len=0, prompt_len=n,
-            ))
+            seqs.append(
+                ScheduledSeq(
+                    request_id=f"dummy-{i}",
+                    seq_id=-1 - i,
+                    is_prompt=True,
+                    token_ids=[0] * n,
+                    start_pos=0,
+                    block_table=table,
+                    do_sample=True,
+                    sampling_params=params,
+                    output_len=0,
+                    prompt_len=n,
+                )
+            )
         self.execute(SchedulerOutput(seqs=seqs, num_prefill_seqs=len(seqs)), kv_caches)
 
 

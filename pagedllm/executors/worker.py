@@ -62,7 +62,9 @@ class Worker:
         )
         logger.info(
             "model on %s in %s with %s attention",
-            self.device, self.dtype, self.attention.name,
+            self.device,
+            self.dtype,
+            self.attention.name,
         )
 
     def cache_spec(self) -> CacheSpec:
@@ -98,8 +100,9 @@ class Worker:
         num_seqs = min(sched.max_num_seqs, num_tokens)
         blocks = num_tokens // self.config.cache.block_size + num_seqs + 1
         spec = self.cache_spec()
-        scratch = self.backend.make_cache_engine(spec, blocks, 0, attention=self.attention,
-                                                 rank=self.rank)
+        scratch = self.backend.make_cache_engine(
+            spec, blocks, 0, attention=self.attention, rank=self.rank
+        )
         assert self.runner is not None
         self.runner.dummy_run(num_tokens, num_seqs, scratch.kv_caches)
         del scratch
@@ -107,8 +110,11 @@ class Worker:
 
     def initialize_cache(self, num_device_blocks: int, num_host_blocks: int) -> None:
         self.cache_engine = self.backend.make_cache_engine(
-            self.cache_spec(), num_device_blocks, num_host_blocks,
-            attention=self.attention, rank=self.rank,
+            self.cache_spec(),
+            num_device_blocks,
+            num_host_blocks,
+            attention=self.attention,
+            rank=self.rank,
         )
 
     @torch.inference_mode()

@@ -51,9 +51,7 @@ class ColumnParallelLinear(nn.Module):
     def _offset(self, shard_id: int) -> int:
         return sum(self.shard_sizes[:shard_id])
 
-    def load_shard(
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0
-    ) -> None:
+    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
         size = self.shard_sizes[shard_id]
         full = self.output_sizes[shard_id]
         if loaded.shape[0] != full:
@@ -95,9 +93,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         super().__init__(hidden_size, sizes, bias=bias, tp=tp, shard_sizes=shards)
         self.head_size = head_size
 
-    def load_shard(
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0
-    ) -> None:
+    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
         total_kv = self.output_sizes[1] // self.head_size
         if shard_id == 0 or total_kv >= self.tp.size:
             super().load_shard(param, loaded, shard_id)

@@ -124,7 +124,7 @@ class Sampler:
         return self._outputs(tokens, raw_logprobs, rows)
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        n, vocab = logits.shape
+        vocab = logits.shape[1]
         dev = logits.device
         temps = torch.tensor([max(r.params.temperature, 1e-5) for r in rows], device=dev)
         logits = logits / temps[:, None]

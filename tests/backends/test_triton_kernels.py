@@ -36,7 +36,7 @@ ATOL = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 
 
 @pytest.fixture(scope="module")
-def ops():  # noqa: ANN201 - the triton_ops module
+def ops():
     from pagedllm.backends.gpu import triton_ops
 
     if not ON_CUDA and type(triton_ops._prefill_kernel).__name__ != "InterpretedFunction":
@@ -48,7 +48,10 @@ def _check(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     diff = (actual.float() - expected.float()).abs().max().item()
     atol = ATOL[actual.dtype]
     torch.testing.assert_close(
-        actual.float(), expected.float(), atol=atol, rtol=0,
+        actual.float(),
+        expected.float(),
+        atol=atol,
+        rtol=0,
         msg=f"{what}: max abs diff {diff:.3e} > {atol:g}",
     )
 
@@ -79,9 +82,13 @@ def _paged_batch(
         tables.append(table)
         slots += [table[p // block_size] * block_size + p % block_size for p in range(ctx, ctx + q)]
     meta = build_attention_metadata(
-        num_prefills=num_prefills, seq_lens=[c + q for c, q in seqs],
-        query_lens=[q for _, q in seqs], slot_mapping=slots, block_tables=tables,
-        block_size=block_size, device=DEVICE,
+        num_prefills=num_prefills,
+        seq_lens=[c + q for c, q in seqs],
+        query_lens=[q for _, q in seqs],
+        slot_mapping=slots,
+        block_tables=tables,
+        block_size=block_size,
+        device=DEVICE,
     )
     shape = (2, num_blocks, num_kv_heads, block_size, head_size)
     cache = torch.randn(shape, generator=gen).to(dtype=dtype, device=DEVICE)
@@ -92,19 +99,25 @@ def _paged_batch(
     return cache, meta, query, key, value
 
 
-def _reference(query: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
-               window: int | None) -> torch.Tensor:
+def _reference(
+    query: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, window: int | None
+) -> torch.Tensor:
     """The oracle on the same cache seen in its layout [2, blocks, block_size, kv_heads, d]."""
     ref_cache = cache.transpose(2, 3).contiguous().float()
-    return ReferenceAttention().forward(query.float(), ref_cache, meta, 0.125,
-                                        sliding_window=window)
+    return ReferenceAttention().forward(
+        query.float(), ref_cache, meta, 0.125, sliding_window=window
+    )
 
 
 @pytest.mark.parametrize("head_size", [64, 128])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_reshape_and_cache(ops, head_size: int, block_size: int) -> None:
     cache, meta, _, key, value = _paged_batch(
-        [(5, 9), (0, 20)], 2, block_size=block_size, num_heads=4, num_kv_heads=2,
+        [(5, 9), (0, 20)],
+        2,
+        block_size=block_size,
+        num_heads=4,
+        num_kv_heads=2,
         head_size=head_size,
     )
     slots = meta.slot_mapping.clone()
@@ -114,8 +127,13 @@ def test_reshape_and_cache(ops, head_size: int, block_size: int) -> None:
     ReferenceAttention().write_kv(key[keep], value[keep], expected, slots[keep])
     ops.reshape_and_cache(key, value, cache, slots)
     diff = (cache.transpose(2, 3) - expected).abs().max().item()
-    torch.testing.assert_close(cache.transpose(2, 3), expected, atol=0, rtol=0,
-                               msg=f"cache after write: max abs diff {diff:.3e}")
+    torch.testing.assert_close(
+        cache.transpose(2, 3),
+        expected,
+        atol=0,
+        rtol=0,
+        msg=f"cache after write: max abs diff {diff:.3e}",
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -125,14 +143,26 @@ def test_decode_split_k_gqa(ops, dtype: torch.dtype, head_size: int, block_size:
     """Ragged contexts, 4 query heads per KV head, 70 tokens over 32-token partitions."""
     seqs = [(0, 1), (16, 1), (69, 1), (32, 1)]
     cache, meta, query, key, value = _paged_batch(
-        seqs, 0, block_size=block_size, num_heads=8, num_kv_heads=2, head_size=head_size,
+        seqs,
+        0,
+        block_size=block_size,
+        num_heads=8,
+        num_kv_heads=2,
+        head_size=head_size,
         dtype=dtype,
     )
     ops.reshape_and_cache(key, value, cache, meta.slot_mapping)
     partition = 32
     assert meta.max_seq_len > 2 * partition  # split-K and its reduction are engaged
-    out = ops.paged_decode_attention(query, cache, meta.block_tables, meta.seq_lens,
-                                     meta.max_seq_len, 0.125, partition_size=partition)
+    out = ops.paged_decode_attention(
+        query,
+        cache,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.max_seq_len,
+        0.125,
+        partition_size=partition,
+    )
     _check(out, _reference(query, cache, meta, None), f"decode {dtype} d={head_size}")
 
 
@@ -141,32 +171,58 @@ def test_decode_sliding_window_and_single_partition(ops, window: int | None) -> 
     """Windows starting inside / before partitions; plus the one-partition (no reduce) path."""
     seqs = [(69, 1), (49, 1), (4, 1)]
     cache, meta, query, key, value = _paged_batch(
-        seqs, 0, block_size=16, num_heads=4, num_kv_heads=4, head_size=64,
+        seqs,
+        0,
+        block_size=16,
+        num_heads=4,
+        num_kv_heads=4,
+        head_size=64,
     )
     ops.reshape_and_cache(key, value, cache, meta.slot_mapping)
     expected = _reference(query, cache, meta, window)
     for partition in (32, 512):
-        out = ops.paged_decode_attention(query, cache, meta.block_tables, meta.seq_lens,
-                                         meta.max_seq_len, 0.125, sliding_window=window,
-                                         partition_size=partition)
+        out = ops.paged_decode_attention(
+            query,
+            cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.max_seq_len,
+            0.125,
+            sliding_window=window,
+            partition_size=partition,
+        )
         _check(out, expected, f"decode window={window} partition={partition}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("head_size", [64, 128])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_prefill_with_cached_context(ops, dtype: torch.dtype, head_size: int,
-                                     block_size: int) -> None:
+def test_prefill_with_cached_context(
+    ops, dtype: torch.dtype, head_size: int, block_size: int
+) -> None:
     """Fresh prompt, prompt after a cached prefix, chunk after a partial block; GQA 4:1."""
     seqs = [(0, 23), (37, 9), (16, 16)]
     cache, meta, query, key, value = _paged_batch(
-        seqs, 3, block_size=block_size, num_heads=4, num_kv_heads=1, head_size=head_size,
+        seqs,
+        3,
+        block_size=block_size,
+        num_heads=4,
+        num_kv_heads=1,
+        head_size=head_size,
         dtype=dtype,
     )
     ops.reshape_and_cache(key, value, cache, meta.slot_mapping)
-    out = ops.prefill_attention(query, cache, meta.block_tables, meta.seq_lens,
-                                meta.query_start_loc, meta.max_query_len, 0.125, block_m=16,
-                                tile_n=16)
+    out = ops.prefill_attention(
+        query,
+        cache,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        meta.max_query_len,
+        0.125,
+        block_m=16,
+        tile_n=16,
+    )
     _check(out, _reference(query, cache, meta, None), f"prefill {dtype} d={head_size}")
 
 
@@ -180,7 +236,12 @@ def test_mixed_batch_through_backend(window: int | None, shape: tuple[int, int, 
     attn = TritonPagedAttention(partition_size=32, prefill_block_m=16, tile_n=16)
     seqs = [(10, 12), (0, 5), (40, 1), (0, 1), (20, 1)]
     cache, meta, query, key, value = _paged_batch(
-        seqs, 2, block_size=16, num_heads=heads, num_kv_heads=kv_heads, head_size=head_size,
+        seqs,
+        2,
+        block_size=16,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_size=head_size,
     )
     assert cache.shape == attn.kv_cache_shape(cache.shape[1], 16, kv_heads, head_size)
     attn.write_kv(key, value, cache, meta.slot_mapping)
@@ -195,30 +256,48 @@ def test_random_batches(seed: int) -> None:
 
     rng = torch.Generator().manual_seed(seed)
 
-    def pick(options: list) -> object:  # noqa: ANN401 - any option
+    def pick(options: list) -> object:
         return options[int(torch.randint(len(options), (1,), generator=rng))]
 
     block_size, group, kv_heads = pick([8, 16, 32]), pick([1, 2, 4, 8]), pick([1, 2])
     window = pick([None, None, 5, 33])
     num_prefills, num_decodes = pick([0, 1, 2]), pick([0, 1, 3])
     num_prefills = num_prefills or (0 if num_decodes else 1)
-    prefills = [(int(torch.randint(0, 50, (1,), generator=rng)),
-                 int(torch.randint(1, 30, (1,), generator=rng))) for _ in range(num_prefills)]
+    prefills = [
+        (
+            int(torch.randint(0, 50, (1,), generator=rng)),
+            int(torch.randint(1, 30, (1,), generator=rng)),
+        )
+        for _ in range(num_prefills)
+    ]
     decodes = [(int(torch.randint(0, 90, (1,), generator=rng)), 1) for _ in range(num_decodes)]
     cache, meta, query, key, value = _paged_batch(
-        prefills + decodes, num_prefills, block_size=block_size, num_heads=group * kv_heads,
-        num_kv_heads=kv_heads, head_size=32, seed=seed,
+        prefills + decodes,
+        num_prefills,
+        block_size=block_size,
+        num_heads=group * kv_heads,
+        num_kv_heads=kv_heads,
+        head_size=32,
+        seed=seed,
     )
     attn = TritonPagedAttention(partition_size=32, prefill_block_m=16, tile_n=16)
     attn.write_kv(key, value, cache, meta.slot_mapping)
     out = attn.forward(query, cache, meta, 0.125, sliding_window=window)
-    _check(out, _reference(query, cache, meta, window),
-           f"seqs={prefills + decodes} bs={block_size} group={group} window={window}")
+    _check(
+        out,
+        _reference(query, cache, meta, window),
+        f"seqs={prefills + decodes} bs={block_size} group={group} window={window}",
+    )
 
 
 def test_launchers_reject_bad_inputs(ops) -> None:
     cache, meta, query, key, value = _paged_batch(
-        [(3, 1)], 0, block_size=16, num_heads=4, num_kv_heads=2, head_size=64,
+        [(3, 1)],
+        0,
+        block_size=16,
+        num_heads=4,
+        num_kv_heads=2,
+        head_size=64,
     )
     args = (meta.block_tables, meta.seq_lens, meta.max_seq_len, 0.125)
     with pytest.raises(ValueError, match="kv_cache must be"):
@@ -228,15 +307,15 @@ def test_launchers_reject_bad_inputs(ops) -> None:
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         ops.paged_decode_attention(query[:, :3], cache, *args)
     with pytest.raises(ValueError, match="stride"):
-        ops.paged_decode_attention(query.transpose(1, 2).contiguous().transpose(1, 2),
-                                   cache, *args)
+        ops.paged_decode_attention(query.transpose(1, 2).contiguous().transpose(1, 2), cache, *args)
     with pytest.raises(ValueError, match="partition_size"):
         ops.paged_decode_attention(query, cache, *args, partition_size=24)
     with pytest.raises(ValueError, match="slot_mapping"):
         ops.reshape_and_cache(key, value, cache, meta.slot_mapping.float())
     with pytest.raises(ValueError, match="query_start_loc"):
-        ops.prefill_attention(query, cache, meta.block_tables, meta.seq_lens,
-                              meta.query_start_loc[:1], 1, 0.125)
+        ops.prefill_attention(
+            query, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc[:1], 1, 0.125
+        )
     with pytest.raises(ValueError, match="sliding_window"):
         ops.paged_decode_attention(query, cache, *args, sliding_window=0)
 
@@ -246,10 +325,10 @@ def test_cache_engine_swap_and_copy() -> None:
     from pagedllm.backends.gpu.attention import TritonPagedAttention
     from pagedllm.backends.gpu.cache_engine import CudaCacheEngine
 
-    spec = CacheSpec(num_layers=2, num_kv_heads=2, head_size=8, block_size=4,
-                     dtype=torch.float32)
-    engine = CudaCacheEngine(spec, TritonPagedAttention(), device=DEVICE, num_device_blocks=6,
-                             num_host_blocks=3)
+    spec = CacheSpec(num_layers=2, num_kv_heads=2, head_size=8, block_size=4, dtype=torch.float32)
+    engine = CudaCacheEngine(
+        spec, TritonPagedAttention(), device=DEVICE, num_device_blocks=6, num_host_blocks=3
+    )
     for i, cache in enumerate(engine.kv_caches):
         cache.copy_(torch.randn(cache.shape, generator=torch.Generator().manual_seed(i)))
     before = [c.clone() for c in engine.kv_caches]
@@ -266,8 +345,9 @@ def test_cache_engine_swap_and_copy() -> None:
         expected[:, 4] = orig[:, 1]
         expected[:, 1] = orig[:, 4]
         diff = (after - expected).abs().max().item()
-        torch.testing.assert_close(after, expected, atol=0, rtol=0,
-                                   msg=f"blocks after swap/copy: max abs diff {diff:.3e}")
+        torch.testing.assert_close(
+            after, expected, atol=0, rtol=0, msg=f"blocks after swap/copy: max abs diff {diff:.3e}"
+        )
     if ON_CUDA:
         assert engine.host_caches[0].is_pinned()
 
@@ -292,8 +372,14 @@ def test_cuda_backend_surface() -> None:
 
 def _run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={**clean, **env}, timeout=600, check=False)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**clean, **env},
+        timeout=600,
+        check=False,
+    )
 
 
 def test_import_without_triton() -> None:
@@ -313,7 +399,7 @@ def test_import_without_triton() -> None:
     assert "IMPORT attention_backend='triton' needs the triton package" in res.stdout
 
 
-def test_kernels_compile_for_nvidia_targets(tmp_path) -> None:  # noqa: ANN001
+def test_kernels_compile_for_nvidia_targets(tmp_path) -> None:
     """The interpreter proves the math; this proves the kernels lower to sm_80/sm_90 cubins."""
     if importlib.util.find_spec("triton.backends.nvidia") is None:
         pytest.skip("this triton build has no NVIDIA backend")

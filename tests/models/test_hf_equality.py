@@ -47,7 +47,9 @@ def test_greedy_matches_transformers(
     ids, refs = references[model]
     engine, outs = run_engine(tiny_models[model], ids, block_size=block_size)
     check(outs, refs, f"{model}/bs{block_size}")
-    assert engine.block_manager.get_num_free_device_blocks() == engine.block_manager.num_device_blocks
+    assert (
+        engine.block_manager.get_num_free_device_blocks() == engine.block_manager.num_device_blocks
+    )
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])

@@ -74,9 +74,7 @@ class TorchPagedAttention(ReferenceAttention):
                 )
                 out[start : start + q_len] = o[0].transpose(0, 1)
             else:
-                out[start : start + q_len] = attend(
-                    q, k, v, seq_len - q_len, scale, sliding_window
-                )
+                out[start : start + q_len] = attend(q, k, v, seq_len - q_len, scale, sliding_window)
             start += q_len
 
     def _decode(

@@ -47,7 +47,7 @@ class CpuBackend(DeviceBackend):
         return torch.device("cpu")
 
     def attention(self, kind: str | None = None) -> AttentionBackend:
-        """"auto" prefers the C++ kernel and falls back to batched PyTorch if it cannot build."""
+        """ "auto" prefers the C++ kernel and falls back to batched PyTorch if it cannot build."""
         kind = kind or "auto"
         if kind == "auto":
             try:

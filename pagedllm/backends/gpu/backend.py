@@ -47,7 +47,7 @@ class CudaBackend(DeviceBackend):
         return torch.device("cuda", rank)
 
     def attention(self, kind: str | None = None) -> AttentionBackend:
-        """"auto"/"triton": our kernels; "reference": the slow plain-PyTorch oracle."""
+        """Kinds: "auto" or "triton" (our kernels), "reference" (the slow plain-PyTorch oracle)."""
         kind = kind or "auto"
         if kind in ("auto", "triton"):
             from pagedllm.backends.gpu.attention import TritonPagedAttention

@@ -20,9 +20,7 @@ from typing import Any
 _TT_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 
 
-def _signature(
-    kernel: Any, pointers: dict[str, str], constexprs: dict[str, Any]
-) -> dict[str, str]:
+def _signature(kernel: Any, pointers: dict[str, str], constexprs: dict[str, Any]) -> dict[str, str]:
     """Pointer args get their element type, ``qk_scale`` fp32, every other runtime arg i32."""
     sig = {}
     for name in kernel.arg_names:
@@ -48,34 +46,69 @@ def _cases(dtype: str, quick: bool) -> list[tuple[Any, dict[str, str], dict[str,
     prec = "ieee" if dtype == "float32" else "tf32"
     cases: list[tuple[Any, dict[str, str], dict[str, Any]]] = []
     cache_ptrs = {"cache_ptr": t, "table_ptr": "i32", "seq_lens_ptr": "i32"}
-    cases.append((
-        ops._reshape_and_cache_kernel,
-        {"key_ptr": t, "value_ptr": t, "cache_ptr": t, "slot_ptr": "i64"},
-        {"BLOCK_SIZE": 16, "BLOCK_H": 8, "BLOCK_D": 128},
-    ))
+    cases.append(
+        (
+            ops._reshape_and_cache_kernel,
+            {"key_ptr": t, "value_ptr": t, "cache_ptr": t, "slot_ptr": "i64"},
+            {"BLOCK_SIZE": 16, "BLOCK_H": 8, "BLOCK_D": 128},
+        )
+    )
     windows, heads, groups = ((256,), (128,), (4,)) if quick else ((0, 256), (64, 128), (1, 4))
-    for window, split, head in itertools.product(windows, (True,) if quick else (False, True),
-                                                 heads):
-        cases.append((
-            ops._decode_partition_kernel,
-            {**cache_ptrs, "q_ptr": t, "out_ptr": t, "part_out_ptr": "fp32",
-             "part_max_ptr": "fp32", "part_sum_ptr": "fp32"},
-            {"SLIDING_WINDOW": window, "BLOCK_SIZE": 16, "TILE_N": 64, "PARTITION": 512,
-             "SPLIT": split, "BLOCK_G": 16, "BLOCK_D": head, "DOT_PRECISION": prec},
-        ))
-    cases.append((
-        ops._decode_reduce_kernel,
-        {"out_ptr": t, "seq_lens_ptr": "i32", "part_out_ptr": "fp32", "part_max_ptr": "fp32",
-         "part_sum_ptr": "fp32"},
-        {"SLIDING_WINDOW": 0, "PARTITION": 512, "BLOCK_P": 8, "BLOCK_D": 128},
-    ))
+    for window, split, head in itertools.product(
+        windows, (True,) if quick else (False, True), heads
+    ):
+        cases.append(
+            (
+                ops._decode_partition_kernel,
+                {
+                    **cache_ptrs,
+                    "q_ptr": t,
+                    "out_ptr": t,
+                    "part_out_ptr": "fp32",
+                    "part_max_ptr": "fp32",
+                    "part_sum_ptr": "fp32",
+                },
+                {
+                    "SLIDING_WINDOW": window,
+                    "BLOCK_SIZE": 16,
+                    "TILE_N": 64,
+                    "PARTITION": 512,
+                    "SPLIT": split,
+                    "BLOCK_G": 16,
+                    "BLOCK_D": head,
+                    "DOT_PRECISION": prec,
+                },
+            )
+        )
+    cases.append(
+        (
+            ops._decode_reduce_kernel,
+            {
+                "out_ptr": t,
+                "seq_lens_ptr": "i32",
+                "part_out_ptr": "fp32",
+                "part_max_ptr": "fp32",
+                "part_sum_ptr": "fp32",
+            },
+            {"SLIDING_WINDOW": 0, "PARTITION": 512, "BLOCK_P": 8, "BLOCK_D": 128},
+        )
+    )
     for window, head, block_g in itertools.product(windows, heads, groups):
-        cases.append((
-            ops._prefill_kernel,
-            {**cache_ptrs, "q_ptr": t, "out_ptr": t, "query_start_ptr": "i32"},
-            {"SLIDING_WINDOW": window, "BLOCK_SIZE": 16, "TILE_N": 64, "BLOCK_Q": 64 // block_g,
-             "BLOCK_G": block_g, "BLOCK_D": head, "DOT_PRECISION": prec},
-        ))
+        cases.append(
+            (
+                ops._prefill_kernel,
+                {**cache_ptrs, "q_ptr": t, "out_ptr": t, "query_start_ptr": "i32"},
+                {
+                    "SLIDING_WINDOW": window,
+                    "BLOCK_SIZE": 16,
+                    "TILE_N": 64,
+                    "BLOCK_Q": 64 // block_g,
+                    "BLOCK_G": block_g,
+                    "BLOCK_D": head,
+                    "DOT_PRECISION": prec,
+                },
+            )
+        )
     return cases
 
 
@@ -89,10 +122,12 @@ def compile_all(archs: list[int], dtypes: list[str], *, quick: bool = False) -> 
     for arch, dtype in itertools.product(archs, dtypes):
         for kernel, ptrs, consts in _cases(dtype, quick):
             t0 = time.perf_counter()
-            src = ASTSource(fn=kernel, signature=_signature(kernel, ptrs, consts),
-                            constexprs=consts)
-            compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                                      options={"num_warps": 4})
+            src = ASTSource(
+                fn=kernel, signature=_signature(kernel, ptrs, consts), constexprs=consts
+            )
+            compiled = triton.compile(
+                src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4}
+            )
             shared = getattr(compiled.metadata, "shared", 0)
             lines.append(
                 f"sm_{arch} {dtype} {kernel.__name__} {consts} ok "
@@ -104,8 +139,9 @@ def compile_all(archs: list[int], dtypes: list[str], *, quick: bool = False) -> 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, nargs="+", default=[90])
-    parser.add_argument("--dtype", nargs="+", default=["float16", "bfloat16"],
-                        choices=sorted(_TT_DTYPES))
+    parser.add_argument(
+        "--dtype", nargs="+", default=["float16", "bfloat16"], choices=sorted(_TT_DTYPES)
+    )
     parser.add_argument("--quick", action="store_true", help="one variant per kernel")
     args = parser.parse_args(argv)
     for line in compile_all(args.arch, args.dtype, quick=args.quick):

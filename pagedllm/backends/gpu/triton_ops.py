@@ -23,8 +23,18 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.backends.gpu.checks import (
+    check_attention_inputs,
+    check_cache,
+    check_index,
+    check_tokens,
+    sliding_window_arg,
+)
+
 _LOG2E = 1.4426950408889634
-_CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# Kernel and launch argument lists are kept compact (grouped by role) rather than one per line.
+# fmt: off
 
 
 # --------------------------------------------------------------------------------------------
@@ -52,7 +62,9 @@ def _reshape_and_cache_kernel(
     block = safe_slot // BLOCK_SIZE
     offset = safe_slot % BLOCK_SIZE
     dst = block * stride_cb + offset * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :]
-    k = tl.load(key_ptr + tok * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+    k = tl.load(
+        key_ptr + tok * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask
+    )
     v = tl.load(
         value_ptr + tok * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask
     )
@@ -262,66 +274,6 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _check_cache(kv_cache: torch.Tensor, device: torch.device) -> tuple[int, int, int]:
-    """Validate a layer cache; return (num_kv_heads, block_size, head_size)."""
-    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-        raise ValueError(
-            "kv_cache must be [2, num_blocks, num_kv_heads, block_size, head_size], "
-            f"got {tuple(kv_cache.shape)}"
-        )
-    if kv_cache.dtype not in _CACHE_DTYPES:
-        raise ValueError(f"kv_cache dtype {kv_cache.dtype} not in {_CACHE_DTYPES}")
-    if kv_cache.stride(-1) != 1:
-        raise ValueError("kv_cache must be contiguous in head_size (stride(-1) == 1)")
-    if kv_cache.device != device:
-        raise ValueError(f"kv_cache on {kv_cache.device}, inputs on {device}")
-    _, _, num_kv_heads, block_size, head_size = kv_cache.shape
-    return num_kv_heads, block_size, head_size
-
-
-def _check_tokens(name: str, x: torch.Tensor, heads: int | None, head_size: int) -> None:
-    if x.dim() != 3 or x.shape[2] != head_size or (heads is not None and x.shape[1] != heads):
-        raise ValueError(
-            f"{name} must be [num_tokens, {heads if heads is not None else 'num_heads'}, "
-            f"{head_size}], got {tuple(x.shape)}"
-        )
-    if x.stride(-1) != 1:
-        raise ValueError(f"{name} must be contiguous in head_size (stride(-1) == 1)")
-
-
-def _check_index(name: str, x: torch.Tensor, dim: int, device: torch.device) -> None:
-    if x.dim() != dim or x.dtype not in (torch.int32, torch.int64) or x.device != device:
-        raise ValueError(
-            f"{name} must be a {dim}-d int32/int64 tensor on {device}, "
-            f"got {x.dim()}-d {x.dtype} on {x.device}"
-        )
-    if dim == 2 and x.stride(1) != 1:
-        raise ValueError(f"{name} must be contiguous along its last dim")
-
-
-def _check_attention_inputs(
-    query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor
-) -> tuple[int, int, int, int]:
-    """Shared checks; returns (num_kv_heads, block_size, head_size, group)."""
-    kvh, block_size, head_size = _check_cache(kv_cache, query.device)
-    _check_tokens("query", query, None, head_size)
-    if query.dtype != kv_cache.dtype:
-        raise ValueError(f"query dtype {query.dtype} != kv_cache dtype {kv_cache.dtype}")
-    if query.shape[1] % kvh:
-        raise ValueError(f"num_heads {query.shape[1]} is not a multiple of num_kv_heads {kvh}")
-    _check_index("block_tables", block_tables, 2, query.device)
-    _check_index("seq_lens", seq_lens, 1, query.device)
-    if block_tables.shape[0] != seq_lens.shape[0]:
-        raise ValueError(f"{block_tables.shape[0]} block tables for {seq_lens.shape[0]} seqs")
-    return kvh, block_size, head_size, query.shape[1] // kvh
-
-
-def _window(sliding_window: int | None) -> int:
-    if sliding_window is not None and sliding_window <= 0:
-        raise ValueError(f"sliding_window must be positive, got {sliding_window}")
-    return sliding_window or 0
-
-
 def reshape_and_cache(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
@@ -329,10 +281,10 @@ def reshape_and_cache(
     slot_mapping: torch.Tensor,  # [num_tokens] int; -1 skips a token
 ) -> None:
     """Write each token's keys and values at ``slot = block * block_size + offset``."""
-    kvh, block_size, head_size = _check_cache(kv_cache, key.device)
-    _check_tokens("key", key, kvh, head_size)
-    _check_tokens("value", value, kvh, head_size)
-    _check_index("slot_mapping", slot_mapping, 1, key.device)
+    kvh, block_size, head_size = check_cache(kv_cache, key.device)
+    check_tokens("key", key, kvh, head_size)
+    check_tokens("value", value, kvh, head_size)
+    check_index("slot_mapping", slot_mapping, 1, key.device)
     if value.shape[0] != key.shape[0] or slot_mapping.shape[0] != key.shape[0]:
         raise ValueError(
             f"key/value/slot_mapping lengths differ: {key.shape[0]}, {value.shape[0]}, "
@@ -367,17 +319,20 @@ def paged_decode_attention(
     ``max_seq_len`` (a Python int the scheduler already knows) sizes the grid without reading
     ``seq_lens`` back from the device.
     """
-    kvh, block_size, head_size, group = _check_attention_inputs(
+    kvh, block_size, head_size, group = check_attention_inputs(
         query, kv_cache, block_tables, seq_lens
     )
-    window = _window(sliding_window)
+    window = sliding_window_arg(sliding_window)
     tile = min(tile_n, partition_size)
     if tile < 16 or tile & (tile - 1) or partition_size % tile:
         raise ValueError(f"partition_size {partition_size} must be a multiple of a power-of-2 "
                          f"tile >= 16 (tile_n={tile_n})")
     num_seqs, num_heads, _ = query.shape
+    if seq_lens.shape[0] != num_seqs:
+        raise ValueError(f"decode takes one query token per sequence: {num_seqs} tokens for "
+                         f"{seq_lens.shape[0]} sequences")
     out = torch.empty_like(query) if out is None else out
-    _check_tokens("out", out, num_heads, head_size)
+    check_tokens("out", out, num_heads, head_size)
     if num_seqs == 0:
         return out
     num_parts = max(1, math.ceil(max_seq_len / partition_size))
@@ -438,11 +393,11 @@ def prefill_attention(
 
     The new tokens' keys and values must already be in the cache (``reshape_and_cache`` first).
     """
-    kvh, block_size, head_size, group = _check_attention_inputs(
+    kvh, block_size, head_size, group = check_attention_inputs(
         query, kv_cache, block_tables, seq_lens
     )
-    window = _window(sliding_window)
-    _check_index("query_start_loc", query_start_loc, 1, query.device)
+    window = sliding_window_arg(sliding_window)
+    check_index("query_start_loc", query_start_loc, 1, query.device)
     num_seqs = seq_lens.shape[0]
     if query_start_loc.shape[0] != num_seqs + 1:
         raise ValueError(f"query_start_loc has {query_start_loc.shape[0]} entries, "
@@ -450,7 +405,7 @@ def prefill_attention(
     if tile_n < 16 or tile_n & (tile_n - 1) or block_m < 16 or block_m & (block_m - 1):
         raise ValueError(f"block_m {block_m} and tile_n {tile_n} must be powers of 2 >= 16")
     out = torch.empty_like(query) if out is None else out
-    _check_tokens("out", out, query.shape[1], head_size)
+    check_tokens("out", out, query.shape[1], head_size)
     if num_seqs == 0 or max_query_len == 0:
         return out
     block_g = _pow2(group)

@@ -105,12 +105,12 @@ class IpexPagedAttention(AttentionBackend):
                 f"write_kv: key {tuple(key.shape)}, value {tuple(value.shape)} and slot_mapping "
                 f"{tuple(slot_mapping.shape)} disagree on the number of tokens"
             )
-        if slot_mapping.device.type == "cpu" and slot_mapping.numel():
-            # Slot -1 marks a padding token that must not be stored. IPEX's CPU op writes it out
-            # of bounds (heap corruption), so drop such tokens here; on CPU the check is cheap.
-            if int(slot_mapping.min()) < 0:
-                keep = slot_mapping >= 0
-                key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+        # Slot -1 marks a padding token that must not be stored. IPEX's CPU op writes it out of
+        # bounds (heap corruption), so such tokens are dropped here; on CPU the check is cheap.
+        on_cpu = slot_mapping.device.type == "cpu"
+        if on_cpu and slot_mapping.numel() and int(slot_mapping.min()) < 0:
+            keep = slot_mapping >= 0
+            key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
         if key.shape[0] == 0:
             return
         self._ops.reshape_and_cache(
@@ -152,7 +152,9 @@ class IpexPagedAttention(AttentionBackend):
             self._decode(query[p:], kv_cache, meta, scale, sliding_window, out[p:])
         return out
 
-    def _head_mapping(self, num_heads: int, num_kv_heads: int, device: torch.device) -> torch.Tensor:
+    def _head_mapping(
+        self, num_heads: int, num_kv_heads: int, device: torch.device
+    ) -> torch.Tensor:  # [num_heads] int32
         key = (num_heads, num_kv_heads, device)
         if key not in self._head_mappings:
             group = num_heads // num_kv_heads

@@ -66,7 +66,7 @@ class XpuBackend(DeviceBackend):
         return torch.device("xpu", rank)
 
     def attention(self, kind: str | None = None) -> AttentionBackend:
-        """"auto": IPEX's kernels, else our Triton kernels if triton has its Intel backend.
+        """Kind "auto": IPEX's kernels, else our Triton kernels if triton has its Intel backend.
 
         "ipex" / "triton" ask for one of them (an ImportError says what to install);
         "reference" is the slow plain-PyTorch oracle, for debugging.
@@ -119,7 +119,7 @@ class XpuBackend(DeviceBackend):
         torch.xpu.synchronize(rank)
 
     def dist_backend(self) -> str:
-        """"xccl" is built into torch >= 2.8 XPU builds; older ones need oneccl_bindings ("ccl")."""
+        """XCCL ("xccl") is built into torch >= 2.8 XPU builds; older ones use oneCCL ("ccl")."""
         try:
             import torch.distributed as dist
 

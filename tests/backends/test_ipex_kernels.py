@@ -1,0 +1,376 @@
+"""IPEX paged attention (``attention_backend="ipex"``) vs the plain-PyTorch reference.
+
+IPEX's ops run on CPU tensors with its CPU build, so these tests need no Intel GPU; where an XPU
+is present they also run there. They need intel_extension_for_pytorch, which pins torch to its
+own minor version: run them with the dedicated environment (``bash ci/xpu.sh``, or
+``.venvs/xpu/bin/python -m pytest tests/backends/test_ipex_kernels.py``). Under the main .venv the
+kernel tests skip; the XpuBackend tests at the end need no IPEX and run everywhere.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import pytest
+import torch
+
+from pagedllm.backends.base import AttentionBackend, AttentionMetadata, CacheEngine, CacheSpec
+from pagedllm.backends.reference import ReferenceAttention
+from pagedllm.backends.xpu.backend import XpuBackend
+
+if TYPE_CHECKING:
+    from pagedllm.backends.xpu.attention import IpexPagedAttention
+
+
+def _ipex_import_error() -> str | None:
+    try:
+        import intel_extension_for_pytorch  # noqa: F401
+    except Exception as exc:  # IPEX also fails with NameError/RuntimeError on version mismatch
+        return f"{type(exc).__name__}: {str(exc)[:200]}"
+    return None
+
+
+IPEX_ERROR = _ipex_import_error()
+requires_ipex = pytest.mark.skipif(
+    IPEX_ERROR is not None,
+    reason=f"intel_extension_for_pytorch is not importable ({IPEX_ERROR}); "
+    "pip install intel-extension-for-pytorch, or run `bash ci/xpu.sh`",
+)
+
+
+def ipex_test(fn: Callable[..., None]) -> Callable[..., None]:
+    """Marks a kernel test: ``xpu`` (the IPEX CI leg) and skipped where IPEX cannot load."""
+    return pytest.mark.xpu(requires_ipex(fn))
+
+
+DEVICES = ["cpu"] + (["xpu"] if XpuBackend.is_available() else [])
+ATOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+SCALE = 0.125
+
+
+@pytest.fixture(scope="module")
+def attn() -> IpexPagedAttention:
+    from pagedllm.backends.xpu.attention import IpexPagedAttention
+
+    return IpexPagedAttention()
+
+
+def _check(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    diff = (actual.float().cpu() - expected.float().cpu()).abs().max().item()
+    atol = ATOL[actual.dtype]
+    torch.testing.assert_close(
+        actual.float().cpu(), expected.float().cpu(), atol=atol, rtol=0,
+        msg=f"{what}: max abs diff {diff:.3e} > {atol:g}",
+    )
+
+
+def _batch(
+    attn: IpexPagedAttention,
+    seqs: list[tuple[int, int]],  # (cached context, new tokens) per sequence
+    num_prefills: int,
+    *,
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    """Random blocks assigned at random, garbage in unused slots, every token written.
+
+    Context and new tokens are all written through ``attn.write_kv`` into the IPEX cache and
+    through the reference's ``write_kv`` into a reference-layout cache holding the same garbage.
+    Returns (IPEX cache, reference cache, metadata, query).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-(ctx + q) // block_size) for ctx, q in seqs]
+    num_blocks = sum(need) + 3
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, slots_all, slots_new = [], [], []
+    for (ctx, q), n in zip(seqs, need, strict=True):
+        table = [free.pop() for _ in range(n)]
+        tables.append(table)
+        pos_slots = [table[p // block_size] * block_size + p % block_size for p in range(ctx + q)]
+        slots_all += pos_slots
+        slots_new += pos_slots[ctx:]
+    meta = attn.build_metadata(
+        num_prefills=num_prefills, seq_lens=[c + q for c, q in seqs],
+        query_lens=[q for _, q in seqs], slot_mapping=slots_new, block_tables=tables,
+        block_size=block_size, device=torch.device(device),
+    )
+    shape = attn.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+    cache = torch.randn(shape, generator=gen).to(dtype=dtype, device=device)
+    ref_cache = cache.transpose(2, 3).contiguous()  # [2, blocks, block_size, kv_heads, d]
+    n_all = len(slots_all)
+    key = torch.randn((n_all, num_kv_heads, head_size), generator=gen).to(dtype=dtype)
+    value = torch.randn((n_all, num_kv_heads, head_size), generator=gen).to(dtype=dtype)
+    slots = torch.tensor(slots_all, dtype=torch.int64)
+    attn.write_kv(key.to(device), value.to(device), cache, slots.to(device))
+    ReferenceAttention().write_kv(key.to(device), value.to(device), ref_cache, slots.to(device))
+    query = torch.randn((meta.num_tokens, num_heads, head_size), generator=gen)
+    return cache, ref_cache, meta, query.to(dtype=dtype, device=device)
+
+
+def _run_and_compare(
+    attn: IpexPagedAttention, seqs: list[tuple[int, int]], num_prefills: int, what: str,
+    *, window: int | None = None, **kw: object,
+) -> None:
+    cache, ref_cache, meta, query = _batch(attn, seqs, num_prefills, **kw)  # type: ignore[arg-type]
+    out = attn.forward(query, cache, meta, SCALE, sliding_window=window)
+    assert out.shape == query.shape and out.dtype == query.dtype
+    expected = ReferenceAttention().forward(query, ref_cache, meta, SCALE, sliding_window=window)
+    _check(out, expected, f"{what} window={window}")
+
+
+@ipex_test
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("padding", [False, True])
+def test_write_kv_matches_reference(attn, device: str, block_size: int, head_size: int,
+                                    padding: bool) -> None:
+    """Every written slot equals the reference's (exactly); slot -1 (padding) writes nothing."""
+    gen = torch.Generator().manual_seed(1)
+    num_blocks, kvh, n = 6, 2, 40
+    cache = torch.randn(attn.kv_cache_shape(num_blocks, block_size, kvh, head_size), generator=gen)
+    ref_cache = cache.transpose(2, 3).contiguous()
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:n]
+    key = torch.randn((n, kvh, head_size), generator=gen)
+    value = torch.randn((n, kvh, head_size), generator=gen)
+    if padding:
+        slots[::7] = -1
+    keep = slots >= 0
+    ReferenceAttention().write_kv(key[keep], value[keep], ref_cache, slots[keep])
+    cache = cache.to(device)
+    attn.write_kv(key.to(device), value.to(device), cache, slots.to(device))
+    got = cache.cpu().transpose(2, 3)
+    diff = (got - ref_cache).abs().max().item()
+    torch.testing.assert_close(got, ref_cache, atol=0, rtol=0,
+                               msg=f"cache after write_kv: max abs diff {diff:.3e}")
+
+
+@ipex_test
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (4, 1)], ids=["mha", "gqa4", "mqa"])
+def test_decode(attn, device: str, block_size: int, head_size: int,
+                heads: tuple[int, int]) -> None:
+    """Ragged contexts: 1 token, exactly one block, one past a block, and > 512 (partitions)."""
+    seqs = [(0, 1), (block_size - 1, 1), (block_size, 1), (76, 1), (600, 1)]
+    _run_and_compare(attn, seqs, 0, f"decode d={head_size} bs={block_size} heads={heads}",
+                     block_size=block_size, num_heads=heads[0], num_kv_heads=heads[1],
+                     head_size=head_size, device=device)
+
+
+@ipex_test
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa4"])
+def test_prefill_without_context(attn, device: str, block_size: int, head_size: int,
+                                 heads: tuple[int, int]) -> None:
+    """Fresh prompts of ragged lengths, one a single token, one exactly two blocks."""
+    seqs = [(0, 23), (0, 1), (0, 2 * block_size), (0, 45)]
+    _run_and_compare(attn, seqs, len(seqs), f"prefill d={head_size} bs={block_size}",
+                     block_size=block_size, num_heads=heads[0], num_kv_heads=heads[1],
+                     head_size=head_size, device=device)
+
+
+@ipex_test
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (4, 1)], ids=["mha", "gqa4", "mqa"])
+def test_prefill_with_cached_context(attn, device: str, block_size: int, head_size: int,
+                                     heads: tuple[int, int]) -> None:
+    """Chunked prefill / prefix hits: chunks after full blocks, after a partial block, of 1."""
+    seqs = [(block_size, 9), (37, 20), (0, 7), (40, 1), (3, 2 * block_size)]
+    _run_and_compare(attn, seqs, len(seqs), f"prefill+ctx d={head_size} bs={block_size}",
+                     block_size=block_size, num_heads=heads[0], num_kv_heads=heads[1],
+                     head_size=head_size, device=device)
+
+
+@ipex_test
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window", [None, 1, 2, 7, 16, 1000])
+def test_mixed_batch_sliding_window(attn, device: str, window: int | None) -> None:
+    """Two prompt chunks then three decodes in one flat batch; windows from 1 to beyond it all.
+
+    ``window=1`` exercises the prompt-chunk path computed outside IPEX (see attention.py).
+    """
+    seqs = [(10, 12), (0, 21), (40, 1), (0, 1), (20, 1)]
+    _run_and_compare(attn, seqs, 2, "mixed batch", window=window, block_size=16,
+                     num_heads=8, num_kv_heads=2, head_size=64, device=device)
+
+
+@ipex_test
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_half_precision(attn, device: str, dtype: torch.dtype) -> None:
+    """Looser bounds: the reference rounds a float32 result once, IPEX accumulates in its own
+    order and rounds probabilities to the input dtype (bf16 has 8 mantissa bits: 2e-2 is about
+    two ulps at |out| ~ 1)."""
+    seqs = [(10, 12), (0, 21), (40, 1), (70, 1)]
+    _run_and_compare(attn, seqs, 2, f"mixed batch {dtype}", block_size=16, num_heads=8,
+                     num_kv_heads=2, head_size=128, dtype=dtype, device=device)
+
+
+@ipex_test
+@pytest.mark.parametrize("device", DEVICES)
+def test_copy_and_swap_through_cache_engine(attn, device: str) -> None:
+    """CacheEngine.copy / swap_out / swap_in move whole blocks; attention reads them back."""
+    bs, kvh, d = 16, 2, 64
+    seqs = [(0, 1), (40, 1)]
+    spec = CacheSpec(num_layers=2, num_kv_heads=kvh, head_size=d, block_size=bs,
+                     dtype=torch.float32)
+    engine = CacheEngine(spec, attn, device=torch.device(device), num_device_blocks=8,
+                         num_host_blocks=4)
+    cache, _, meta, query = _batch(attn, seqs, 0, block_size=bs, num_heads=4, num_kv_heads=kvh,
+                                   head_size=d, device=device)
+    assert cache.shape[1] <= 8
+    for layer in engine.kv_caches:
+        layer.zero_()
+        layer[:, : cache.shape[1]] = cache
+    expected = attn.forward(query, engine.kv_caches[0], meta, SCALE)
+    table = meta.block_tables[1, :3].tolist()  # the 41-token sequence's blocks
+
+    # Copy-on-write: blocks onto fresh ones; the remapped table must give the same attention.
+    fresh = [b for b in range(8) if b not in meta.block_tables.flatten().tolist()][:3]
+    engine.copy(list(zip(table, fresh, strict=True)))
+    for layer in engine.kv_caches:
+        torch.testing.assert_close(layer[:, fresh], layer[:, table], atol=0, rtol=0)
+    meta.block_tables[1, :3] = torch.tensor(fresh, dtype=torch.int32)
+    _check(attn.forward(query, engine.kv_caches[1], meta, SCALE), expected, "after copy")
+
+    # Swap out to host, wipe the device blocks, swap back in to the original block ids.
+    engine.swap_out(list(zip(fresh, [3, 0, 2], strict=True)))
+    for layer in engine.kv_caches:
+        layer[:, fresh + table] = float("nan")  # only the host copies survive
+    engine.swap_in(list(zip([3, 0, 2], table, strict=True)))
+    meta.block_tables[1, :3] = torch.tensor(table, dtype=torch.int32)
+    _check(attn.forward(query, engine.kv_caches[0], meta, SCALE), expected, "after swap")
+
+
+@ipex_test
+def test_rejects_bad_inputs(attn) -> None:
+    cache, _, meta, query = _batch(attn, [(3, 1)], 0, block_size=16, num_heads=4,
+                                   num_kv_heads=2, head_size=64)
+    with pytest.raises(ValueError, match="KV cache must be"):
+        attn.forward(query, cache[0], meta, SCALE)
+    with pytest.raises(ValueError, match="head_size"):
+        attn.forward(query[..., :32], cache, meta, SCALE)
+    with pytest.raises(ValueError, match="dtype"):
+        attn.forward(query.double(), cache, meta, SCALE)
+    with pytest.raises(ValueError, match="multiple"):
+        attn.forward(query[:, :3], cache, meta, SCALE)
+    with pytest.raises(ValueError, match="sliding_window"):
+        attn.forward(query, cache, meta, SCALE, sliding_window=0)
+
+
+# ---- XpuBackend glue: no IPEX, no Intel GPU needed -------------------------------------------
+
+
+def test_modules_import_without_ipex() -> None:
+    """Importing the backend and its attention module must not import IPEX."""
+    code = (
+        "import sys, pagedllm, pagedllm.backends.xpu.backend, pagedllm.backends.xpu.attention\n"
+        "assert 'intel_extension_for_pytorch' not in sys.modules, 'IPEX imported eagerly'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_missing_ipex_error_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagedllm.backends.xpu import backend as xpu_backend
+    from pagedllm.backends.xpu.attention import IpexPagedAttention
+
+    monkeypatch.setitem(sys.modules, "intel_extension_for_pytorch", None)  # import -> ImportError
+    with pytest.raises(ImportError, match="pip install intel-extension-for-pytorch"):
+        IpexPagedAttention()
+    with pytest.raises(ImportError, match="pip install intel-extension-for-pytorch"):
+        XpuBackend().attention("ipex")
+    monkeypatch.setattr(xpu_backend, "triton_supports_xpu", lambda: False)
+    with pytest.raises(ImportError, match="pip install intel-extension-for-pytorch"):
+        XpuBackend().attention("auto")
+    with pytest.raises(ValueError, match="not an XPU attention backend"):
+        XpuBackend().attention("cpp")
+    assert XpuBackend().attention("reference").name == "reference"
+
+
+def test_auto_falls_back_to_triton_when_it_has_the_intel_backend(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pagedllm.backends.xpu import backend as xpu_backend
+
+    made: list[str] = []
+    monkeypatch.setitem(sys.modules, "intel_extension_for_pytorch", None)
+    monkeypatch.setattr(xpu_backend, "triton_supports_xpu", lambda: True)
+    real = xpu_backend._instantiate
+
+    def fake(kind: str) -> AttentionBackend:
+        made.append(kind)
+        return real("reference") if kind == "triton" else real(kind)
+
+    monkeypatch.setattr(xpu_backend, "_instantiate", fake)
+    XpuBackend().attention("auto")
+    assert made == ["ipex", "triton"]
+
+
+def test_is_available_never_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom() -> bool:
+        raise RuntimeError("driver exploded")
+
+    monkeypatch.setattr(torch.xpu, "is_available", boom)
+    assert XpuBackend.is_available() is False
+    monkeypatch.delattr(torch, "xpu")
+    assert XpuBackend.is_available() is False
+
+
+def test_device_dtype_and_dist_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    b = XpuBackend()
+    assert b.device(1) == torch.device("xpu", 1)
+    assert b.default_dtype(torch.float32) is torch.bfloat16
+    assert b.default_dtype(torch.float16) is torch.float16
+    monkeypatch.setattr(dist, "is_xccl_available", lambda: True, raising=False)
+    assert b.dist_backend() == "xccl"
+    monkeypatch.setattr(dist, "is_xccl_available", lambda: False, raising=False)
+    assert b.dist_backend() == "ccl"
+
+
+def test_memory_queries_use_torch_xpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Free/total memory and peak profiling read torch.xpu's allocator (faked here)."""
+    state = {"allocated": 100, "peak": 100}
+
+    class Props:
+        total_memory = 64 << 30
+
+    def run_fn() -> None:
+        state["peak"] = 900  # the dummy forward peaks at 900 bytes, ends back at 100
+
+    def noop(*args: object) -> None:
+        return None
+
+    monkeypatch.setattr(torch.xpu, "mem_get_info", lambda d=None: (10 << 30, 64 << 30))
+    monkeypatch.setattr(torch.xpu, "get_device_properties", lambda d=None: Props())
+    monkeypatch.setattr(torch.xpu, "synchronize", noop)
+    monkeypatch.setattr(torch.xpu, "reset_peak_memory_stats",
+                        lambda d=None: state.update(peak=state["allocated"]))
+    monkeypatch.setattr(torch.xpu, "memory_allocated", lambda d=None: state["allocated"])
+    monkeypatch.setattr(torch.xpu, "max_memory_allocated", lambda d=None: state["peak"])
+    b = XpuBackend()
+    assert b.free_memory_bytes(0) == 10 << 30
+    assert b.total_memory_bytes(0) == 64 << 30
+    assert b.profile_peak_bytes(run_fn, 0) == 800
+
+    def unsupported(d: object = None) -> tuple[int, int]:
+        raise RuntimeError("mem_get_info needs ZES_ENABLE_SYSMAN=1")
+
+    monkeypatch.setattr(torch.xpu, "mem_get_info", unsupported)
+    monkeypatch.setattr(torch.xpu, "memory_reserved", lambda d=None: 4 << 30)
+    assert b.free_memory_bytes(0) == 60 << 30
