@@ -141,22 +141,48 @@ class BlockSpaceManager:
 
     # -- admission ---------------------------------------------------------------------------
     def can_allocate(self, group: SequenceGroup) -> AllocStatus:
-        seq = group.get_seqs(SequenceStatus.WAITING)[0]
-        needed = seq.num_blocks_needed()
+        needed = sum(s.num_blocks_needed() for s in self._distinct_waiting(group))
         if self.num_device_blocks - needed < self.watermark_blocks:
             return AllocStatus.NEVER
         if self.device.num_free - needed >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
 
-    def allocate(self, group: SequenceGroup) -> None:
-        """Give the waiting sequences one shared block table covering all their tokens.
+    @staticmethod
+    def _distinct_waiting(group: SequenceGroup) -> list[Sequence]:
+        """A new prompt has one sequence; forks preempted by recompute each need their own."""
+        seqs = group.get_seqs(SequenceStatus.WAITING)
+        first = seqs[0].get_token_ids()
+        if all(s.get_len() == len(first) and s.get_token_ids() == first for s in seqs[1:]):
+            return seqs[:1]
+        return seqs
 
-        With prefix caching, each waiting sequence's ``num_computed_tokens`` is set to the
-        cached prefix it can skip (at most all tokens but the last, which yields logits).
+    def allocate(self, group: SequenceGroup) -> None:
+        """Give the waiting sequences block tables covering all their tokens.
+
+        Sequences with identical tokens (a fresh prompt) share one table. With prefix caching,
+        each sequence's ``num_computed_tokens`` is set to the cached prefix it can skip (at
+        most all tokens but the last, which yields logits).
         """
         seqs = group.get_seqs(SequenceStatus.WAITING)
-        seq = seqs[0]
+        distinct = self._distinct_waiting(group)
+        if len(distinct) == 1:
+            table, cached = self._allocate_seq(seqs[0])
+            for block in table:
+                for _ in range(len(seqs) - 1):
+                    self.device.incref(block)
+            for s in seqs:
+                self._set_table(s, list(table), cached)
+        else:
+            for s in seqs:
+                self._set_table(s, *self._allocate_seq(s))
+
+    def _set_table(self, seq: Sequence, table: list[int], cached_blocks: int) -> None:
+        self.block_tables[seq.seq_id] = table
+        self._num_marked[seq.seq_id] = cached_blocks
+        seq.num_computed_tokens = min(cached_blocks * self.block_size, seq.get_len() - 1)
+
+    def _allocate_seq(self, seq: Sequence) -> tuple[list[int], int]:
         bs = self.block_size
         table: list[int] = []
         parent: int | None = None
@@ -178,14 +204,7 @@ class BlockSpaceManager:
             else:
                 block = self.device.allocate()
             table.append(block)
-        for block in table:
-            for _ in range(len(seqs) - 1):
-                self.device.incref(block)
-        cached_tokens = min(cached_blocks * bs, seq.get_len() - 1)
-        for s in seqs:
-            self.block_tables[s.seq_id] = list(table)
-            self._num_marked[s.seq_id] = cached_blocks
-            s.num_computed_tokens = cached_tokens
+        return table, cached_blocks
 
     # -- growth --------------------------------------------------------------------------------
     def can_append_slots(self, group: SequenceGroup) -> bool:

@@ -30,6 +30,9 @@ class ScheduledSeq:
     history: tuple[list[int], list[int]] | None = None
     # For prompt_logprobs: the tokens that follow each computed position (None otherwise).
     next_token_ids: list[int] | None = None
+    # Parallel sampling: a prompt's last row is sampled best_of times (seeds keyed by index).
+    num_samples: int = 1
+    sample_index: int = 0
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,8 @@ class SampledToken:
     top_logprobs: dict[int, float] | None = None
     # Beam search: extra (token, logprob) candidates ranked best first.
     candidates: list[tuple[int, float]] | None = None
+    # Parallel sampling: the other samples drawn from the same row (indices 1 .. best_of-1).
+    siblings: list[SampledToken] | None = None
 
 
 @dataclass(frozen=True)

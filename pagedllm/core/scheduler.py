@@ -12,6 +12,7 @@ prompt chunks, so decodes never starve behind a long prompt.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import deque
@@ -76,8 +77,10 @@ class Scheduler:
         block_manager: BlockSpaceManager,
         *,
         clock: Callable[[], float] = time.monotonic,
+        next_seq_id: Callable[[], int] | None = None,
     ) -> None:
         self.config = config
+        self._next_seq_id = next_seq_id or itertools.count(1 << 40).__next__
         self.block_manager = block_manager
         self.clock = clock
         self.sort_key = POLICIES[config.policy]
@@ -355,7 +358,20 @@ class Scheduler:
         history = (
             (seq.prompt_token_ids, seq.output_token_ids) if params.needs_token_history else None
         )
-        wants_prompt_lp = is_prompt and params.prompt_logprobs is not None
+        wants_prompt_lp = (
+            is_prompt
+            and params.prompt_logprobs is not None
+            and seq.get_output_len() == 0
+            and start < seq.get_prompt_len()
+        )
+        num_samples = 1
+        if (
+            do_sample
+            and seq.get_output_len() == 0
+            and len(group.seqs) == 1
+            and not params.use_beam_search
+        ):
+            num_samples = params.best_of or 1
         return ScheduledSeq(
             request_id=group.request_id,
             seq_id=seq.seq_id,
@@ -369,6 +385,8 @@ class Scheduler:
             prompt_len=seq.get_prompt_len(),
             history=history,
             next_token_ids=seq.token_slice(start + 1, end + 1) if wants_prompt_lp else None,
+            num_samples=num_samples,
+            sample_index=seq.index,
         )
 
     # -- after the forward pass ----------------------------------------------------------------
@@ -388,7 +406,15 @@ class Scheduler:
             if not do_sample:
                 continue
             sampled = runner_out.sampled[seq.seq_id]
-            seq.append_token(sampled.token_id, sampled.logprob, sampled.top_logprobs)
+            if group.sampling_params.use_beam_search:
+                group.beam_candidates[seq.seq_id] = sampled.candidates or []
+            else:
+                for i, sib in enumerate(sampled.siblings or [], start=1):
+                    child = seq.fork(self._next_seq_id(), index=i)
+                    self.block_manager.fork(seq, child)
+                    group.add_seq(child)
+                    child.append_token(sib.token_id, sib.logprob, sib.top_logprobs)
+                seq.append_token(sampled.token_id, sampled.logprob, sampled.top_logprobs)
             if group.metrics.first_token_time is None:
                 group.metrics.first_token_time = now
             group.metrics.last_token_time = now

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.core.sampling_params import SamplingParams
 
@@ -56,6 +57,7 @@ class Sequence:
         eos_token_id: int | None = None,
     ) -> None:
         self.seq_id = seq_id
+        self.index = 0  # position among the group's samples (seeds and output order)
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.block_size = block_size
@@ -127,10 +129,11 @@ class Sequence:
         if top is not None:
             self.output_logprobs.append(top)
 
-    def fork(self, new_seq_id: int) -> Sequence:
+    def fork(self, new_seq_id: int, index: int | None = None) -> Sequence:
         child = Sequence(
             new_seq_id, self.prompt_token_ids, self.block_size, eos_token_id=self.eos_token_id
         )
+        child.index = self.index if index is None else index
         child.output_token_ids = list(self.output_token_ids)
         child.status = self.status
         child.num_computed_tokens = self.num_computed_tokens
@@ -178,14 +181,14 @@ class SequenceGroup:
     metrics: RequestMetrics = field(init=False)
     prompt_logprobs: list[dict[int, float] | None] | None = None
     num_preemptions: int = 0
+    # Beam search: candidates per running beam from the last step, and the search's own state.
+    beam_candidates: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
+    beam_state: Any = None
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         self.seqs_dict: dict[int, Sequence] = {s.seq_id: s for s in self.seqs}
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.seqs[0].prompt_token_ids
+        self.prompt_token_ids: list[int] = self.seqs[0].prompt_token_ids
 
     def add_seq(self, seq: Sequence) -> None:
         self.seqs.append(seq)

@@ -102,8 +102,10 @@ class LLMEngine:
             watermark=cache.watermark,
             enable_caching=cache.enable_prefix_caching,
         )
-        self.scheduler = Scheduler(self.config.scheduler, self.block_manager)
         self._seq_ids = itertools.count()
+        self.scheduler = Scheduler(
+            self.config.scheduler, self.block_manager, next_seq_id=lambda: next(self._seq_ids)
+        )
         self.output_processor = OutputProcessor(
             tokenizer=self.tokenizer,
             eos_token_ids=self.eos_token_ids,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from pagedllm.core.beam_search import beam_step, best_hypotheses
 from pagedllm.core.block_manager import BlockSpaceManager
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -32,11 +33,29 @@ class OutputProcessor:
     def process(self, group: SequenceGroup) -> None:
         """Handle the tokens a group just received."""
         params = group.sampling_params
+        if params.use_beam_search:
+            self._beam_step(group)
+            return
         for seq in group.get_seqs(SequenceStatus.RUNNING):
             new_chars = 0
             if self.detokenizer is not None:
                 new_chars = len(self.detokenizer.decode_new(seq, params))
             self.check_stop(seq, params, new_chars)
+
+    def _beam_step(self, group: SequenceGroup) -> None:
+        beam_step(
+            group,
+            block_manager=self.block_manager,
+            next_seq_id=self.next_seq_id,
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
+        )
+        if group.is_finished() and self.detokenizer is not None:
+            skip = group.sampling_params.skip_special_tokens
+            for seq in best_hypotheses(group):
+                seq.output_text = self.detokenizer.tokenizer.decode(
+                    seq.output_token_ids, skip_special_tokens=skip
+                )
 
     def check_stop(self, seq: Sequence, params: SamplingParams, new_chars: int) -> None:
         out_len = seq.get_output_len()
@@ -105,6 +124,8 @@ class OutputProcessor:
     def _reported_seqs(group: SequenceGroup) -> list[Sequence]:
         """All sequences while running; the ``n`` best by cumulative logprob once finished."""
         params = group.sampling_params
+        if params.use_beam_search:
+            return best_hypotheses(group) if group.is_finished() else group.get_unfinished_seqs()
         seqs = group.seqs
         if not group.is_finished() or (params.best_of or 1) <= params.n:
             return seqs[: max(params.n, 1)] if group.is_finished() else seqs

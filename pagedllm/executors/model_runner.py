@@ -72,21 +72,40 @@ class ModelRunner:
             return {}
         idx = torch.tensor(batch.sample_indices, dtype=torch.long, device=hidden.device)
         logits = self.model.compute_logits(hidden[idx])  # [num_sampled, vocab]
-        rows = [
-            SamplingRow(s.seq_id, s.sampling_params, s.output_len, s.history)
-            for s in (seqs[i] for i in batch.sample_seq_positions)
-        ]
+        rows: list[SamplingRow] = []
+        source: list[int] = []  # logits row of each sampling row (best_of repeats a row)
+        for j, i in enumerate(batch.sample_seq_positions):
+            s = seqs[i]
+            for k in range(s.num_samples):
+                rows.append(
+                    SamplingRow(s.seq_id, s.sampling_params, s.output_len, s.history,
+                                sample_index=s.sample_index + k)
+                )
+                source.append(j)
+        if len(rows) != len(source) or len(rows) != logits.shape[0]:
+            logits = logits[torch.tensor(source, device=logits.device)]
         out = self.sampler(logits, rows, eos_token_id=self.eos_token_id)
-        return {
-            row.seq_id: SampledToken(
+        result: dict[int, SampledToken] = {}
+        for j, row in enumerate(rows):
+            token = SampledToken(
                 seq_id=row.seq_id,
                 token_id=out.token_ids[j],
                 logprob=out.logprobs[j],
                 top_logprobs=out.top_logprobs[j],
                 candidates=out.candidates[j],
             )
-            for j, row in enumerate(rows)
-        }
+            first = result.get(row.seq_id)
+            if first is None:
+                result[row.seq_id] = token
+            else:
+                if first.siblings is None:
+                    result[row.seq_id] = first = SampledToken(
+                        first.seq_id, first.token_id, first.logprob, first.top_logprobs,
+                        first.candidates, siblings=[],
+                    )
+                assert first.siblings is not None
+                first.siblings.append(token)
+        return result
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, batch: FlatBatch, seqs: list[ScheduledSeq]

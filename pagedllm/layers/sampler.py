@@ -28,6 +28,7 @@ class SamplingRow:
     params: SamplingParams
     output_len: int
     history: tuple[list[int], list[int]] | None = None
+    sample_index: int = 0
 
 
 @dataclass
@@ -140,7 +141,7 @@ class Sampler:
         for i, row in enumerate(rows):
             if row.params.seed is not None and not row.params.is_greedy:
                 g = torch.Generator(device=dev).manual_seed(
-                    hash((row.params.seed, row.output_len)) & _SEED_MASK
+                    hash((row.params.seed, row.sample_index, row.output_len)) & _SEED_MASK
                 )
                 noise[i] = torch.empty(vocab, device=dev).exponential_(generator=g)
         return (probs / noise).argmax(dim=-1)

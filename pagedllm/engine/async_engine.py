@@ -1,0 +1,388 @@
+"""AsyncEngine: the synchronous LLMEngine driven from a background thread for asyncio servers.
+
+Why a thread: one ``step()`` is a model forward pass that may take tens of milliseconds or more;
+running it on the event loop would freeze every other connection (health checks, new requests,
+streams). The engine object is touched only by its own thread. Coroutines talk to it through a
+thread-safe command queue that the thread drains between steps, and outputs travel back through
+``loop.call_soon_threadsafe`` into one asyncio queue per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.5  # how long the idle thread sleeps on the command queue between stat checks
+_MAX_CONSECUTIVE_STEP_FAILURES = 3
+
+
+class EngineDeadError(RuntimeError):
+    """The engine is stopped or broken and takes no more requests."""
+
+
+class EngineStepError(RuntimeError):
+    """A step raised; every request in flight at that moment is failed with this error."""
+
+
+class RequestStream:
+    """The outputs of one request, newest first-come; iterate with ``async for``.
+
+    Outputs are cumulative (the whole text so far), so when a consumer falls behind only the
+    newest output matters: ``__anext__`` skips straight to it.
+    """
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop,
+                 abort: Callable[[str], None]) -> None:
+        self.request_id = request_id
+        self.loop = loop
+        self._abort = abort
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Called on the event loop (via call_soon_threadsafe) by the engine thread."""
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        while (
+            isinstance(item, RequestOutput) and not item.finished and not self._queue.empty()
+        ):
+            item = self._queue.get_nowait()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def abort(self) -> None:
+        """Stop the request if it is still running; its KV blocks are freed by the engine."""
+        if not self.finished:
+            self.finished = True
+            self._abort(self.request_id)
+
+
+@dataclass
+class _Add:
+    stream: RequestStream
+    prompt: Any
+    params: SamplingParams
+    priority: int
+    done: concurrent.futures.Future[None]
+
+
+@dataclass
+class _Call:
+    fn: Callable[[Any], Any]
+    done: concurrent.futures.Future[Any]
+
+
+@dataclass
+class _Abort:
+    request_ids: list[str]
+
+
+@dataclass
+class _Stop:
+    pass
+
+
+@dataclass
+class StatLogger:
+    """A vLLM-style throughput line every ``interval`` seconds while the engine is busy."""
+
+    interval: float = 5.0
+    last_time: float = field(default_factory=time.monotonic)
+    last_prompt: float = 0.0
+    last_gen: float = 0.0
+
+    def maybe_log(self, stats: dict[str, float], now: float | None = None) -> str | None:
+        now = time.monotonic() if now is None else now
+        elapsed = now - self.last_time
+        if elapsed < self.interval:
+            return None
+        prompt, gen = stats["prompt_tokens_total"], stats["generation_tokens_total"]
+        busy = (
+            stats["num_requests_running"] or stats["num_requests_waiting"]
+            or stats["num_requests_swapped"] or prompt != self.last_prompt or gen != self.last_gen
+        )
+        line = None
+        if busy:
+            line = (
+                f"Avg prompt throughput: {(prompt - self.last_prompt) / elapsed:.1f} tokens/s, "
+                f"Avg generation throughput: {(gen - self.last_gen) / elapsed:.1f} tokens/s, "
+                f"Running: {int(stats['num_requests_running'])} reqs, "
+                f"Swapped: {int(stats['num_requests_swapped'])} reqs, "
+                f"Pending: {int(stats['num_requests_waiting'])} reqs, "
+                f"KV cache usage: {100 * stats['kv_cache_usage_perc']:.1f}%"
+            )
+            logger.info(line)
+        self.last_time, self.last_prompt, self.last_gen = now, prompt, gen
+        return line
+
+
+class AsyncEngine:
+    """Serve an :class:`LLMEngine` to coroutines; see the module docstring for the threading.
+
+    ``on_request_finished`` callbacks run on the engine thread with each final RequestOutput
+    (the server's Prometheus histograms use it); they must be quick and thread-safe.
+    """
+
+    def __init__(self, engine: Any, *, log_stats_interval: float | None = 5.0) -> None:
+        self.engine = engine
+        self.on_request_finished: list[Callable[[RequestOutput], None]] = []
+        self._commands: queue.SimpleQueue[_Add | _Call | _Abort | _Stop] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}  # owned by the engine thread
+        self._stats: dict[str, float] = dict(engine.get_stats())
+        self._stat_logger = StatLogger(log_stats_interval) if log_stats_interval else None
+        self._failures = 0
+        self._dead: BaseException | None = None
+        self._accepting = True
+        self._stopped = False
+        self._num_in_flight = 0  # updated on the engine thread, read anywhere (an int is atomic)
+        self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, model: str, device: str = "auto", *,
+                         log_stats_interval: float | None = 5.0,
+                         **engine_args: Any) -> AsyncEngine:
+        from pagedllm.engine.llm_engine import LLMEngine
+
+        return cls(LLMEngine(model, device, **engine_args), log_stats_interval=log_stats_interval)
+
+    # -- properties read from the event loop ----------------------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._dead is None and self._thread.is_alive()
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return self._dead
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._num_in_flight
+
+    def get_stats(self) -> dict[str, float]:
+        """The engine's stats as of the end of the latest loop iteration (a copy)."""
+        return dict(self._stats)
+
+    # -- requests --------------------------------------------------------------------------------
+    async def add_request(self, request_id: str, prompt: Any, params: SamplingParams, *,
+                          priority: int = 0) -> RequestStream:
+        """Queue a request and return its stream; ValueError ("field: msg") if it is invalid."""
+        self._check_alive()
+        stream = RequestStream(request_id, asyncio.get_running_loop(), self._request_abort)
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._commands.put(_Add(stream, prompt, params, priority, done))
+        try:
+            await asyncio.wrap_future(done)
+        except asyncio.CancelledError:
+            # The engine may already hold it; the abort is queued behind the add, so it wins.
+            stream.abort()
+            raise
+        return stream
+
+    async def generate(self, prompt: Any, params: SamplingParams, request_id: str, *,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs; cancelling or closing the iterator aborts it."""
+        stream = await self.add_request(request_id, prompt, params, priority=priority)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    async def abort(self, request_id: str | list[str]) -> None:
+        self._request_abort(request_id)
+
+    def _request_abort(self, request_id: str | list[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        self._commands.put(_Abort(ids))
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """Run ``fn(engine)`` on the engine thread between steps and return its result."""
+        self._check_alive()
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._commands.put(_Call(fn, done))
+        return await asyncio.wrap_future(done)
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine has stopped: {self._dead}")
+        if not self._accepting:
+            raise EngineDeadError("the engine is shutting down")
+
+    # -- shutdown ------------------------------------------------------------------------------
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop taking requests, let those in flight finish for ``timeout`` s, abort the rest."""
+        self._accepting = False
+        deadline = time.monotonic() + timeout
+        while self._num_in_flight and time.monotonic() < deadline and self._thread.is_alive():
+            await asyncio.sleep(0.05)
+        if self._num_in_flight:
+            logger.warning("shutdown: aborting %d requests still in flight", self._num_in_flight)
+        await asyncio.to_thread(self.stop)
+
+    def stop(self, join_timeout: float = 30.0) -> None:
+        """Abort whatever is left, end the thread and release the executor (blocking)."""
+        self._accepting = False
+        if self._thread.is_alive():
+            self._commands.put(_Stop())
+            self._thread.join(join_timeout)
+        if self._stopped:
+            return
+        self._stopped = True
+        try:
+            self.engine.shutdown()
+        except Exception:  # best effort at exit
+            logger.exception("engine shutdown failed")
+
+    # -- the engine thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                busy = self.engine.has_unfinished_requests()
+                if not self._drain_commands(block=not busy):
+                    break
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                self._stats = dict(self.engine.get_stats())
+                self._num_in_flight = len(self._streams)
+                if self._stat_logger is not None:
+                    self._stat_logger.maybe_log(self._stats)
+                if self._dead is not None:
+                    break
+        except BaseException as exc:  # never let the thread vanish silently
+            logger.exception("engine thread crashed")
+            self._dead = exc
+        finally:
+            self._shutdown_streams()
+
+    def _drain_commands(self, *, block: bool) -> bool:
+        """Apply queued commands; False once a stop was asked for."""
+        try:
+            cmd = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if isinstance(cmd, _Stop):
+                return False
+            self._apply(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _apply(self, cmd: _Add | _Call | _Abort) -> None:
+        if isinstance(cmd, _Abort):
+            live = [r for r in cmd.request_ids if r in self._streams]
+            if live:
+                self.engine.abort_request(live)
+        elif isinstance(cmd, _Add):
+            if not cmd.done.set_running_or_notify_cancel():
+                return
+            try:
+                self.engine.add_request(cmd.stream.request_id, cmd.prompt, cmd.params,
+                                        priority=cmd.priority)
+            except BaseException as exc:
+                cmd.done.set_exception(exc)
+                return
+            self._streams[cmd.stream.request_id] = cmd.stream
+            self._num_in_flight = len(self._streams)
+            cmd.done.set_result(None)
+        elif cmd.done.set_running_or_notify_cancel():
+            try:
+                cmd.done.set_result(cmd.fn(self.engine))
+            except BaseException as exc:
+                cmd.done.set_exception(exc)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            self._on_step_failure(exc)
+            return
+        self._failures = 0
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if out.finished:
+                self._streams.pop(out.request_id, None)
+                for callback in self.on_request_finished:
+                    try:
+                        callback(out)
+                    except Exception:
+                        logger.exception("on_request_finished callback failed")
+            if stream is not None:
+                self._deliver(stream, out)
+
+    def _on_step_failure(self, exc: Exception) -> None:
+        """Fail every request in flight, drop them from the engine, and keep serving."""
+        self._failures += 1
+        logger.error("engine step failed; failing %d requests", len(self._streams),
+                     exc_info=exc)
+        error = EngineStepError(f"engine step failed: {type(exc).__name__}: {exc}")
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            self._deliver(stream, error)
+        try:
+            self.engine.abort_request(list(streams))
+        except Exception as abort_exc:
+            logger.exception("could not abort requests after a failed step")
+            self._dead = abort_exc
+        if self._failures >= _MAX_CONSECUTIVE_STEP_FAILURES:
+            self._dead = error
+
+    def _shutdown_streams(self) -> None:
+        """On exit: abort whatever is still running so its blocks are freed and callers wake."""
+        streams, self._streams = self._streams, {}
+        self._num_in_flight = 0
+        if streams and self._dead is None:
+            try:  # the aborts' final outputs (finish_reason "abort") end the streams normally
+                self.engine.abort_request(list(streams))
+                for out in self.engine.step():
+                    if out.finished and out.request_id in streams:
+                        self._deliver(streams.pop(out.request_id), out)
+                self._stats = dict(self.engine.get_stats())
+            except Exception:
+                logger.exception("abort at shutdown failed")
+        error = EngineDeadError("the engine shut down before the request finished")
+        for stream in streams.values():
+            self._deliver(stream, error)
+        while True:  # wake anyone still waiting for an add or a call
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(cmd, (_Add, _Call)) and cmd.done.set_running_or_notify_cancel():
+                cmd.done.set_exception(EngineDeadError("the engine has stopped"))
+
+    @staticmethod
+    def _deliver(stream: RequestStream, item: RequestOutput | BaseException) -> None:
+        # A RuntimeError means the caller's loop is closed: nobody is listening.
+        with contextlib.suppress(RuntimeError):
+            stream.loop.call_soon_threadsafe(stream.put, item)

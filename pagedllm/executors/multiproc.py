@@ -1,0 +1,262 @@
+"""Tensor parallelism on one machine: one spawned process per rank, joined by torch.distributed.
+
+The engine process is only a coordinator, never a rank: it runs the scheduler once per step and
+sends the same (picklable, torch-free) ``SchedulerOutput`` down a pipe to every rank; the ranks run
+the forward pass together (all-reduce / all-gather inside the layers) and rank 0 sends back the
+``ModelRunnerOutput``. Keeping the driver out of the collectives means it can never block inside
+one: every wait is on pipes and process sentinels with a deadline, so a rank that dies is noticed
+at once and named, the others are stopped, and the engine gets a ``RuntimeError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import signal
+import time
+import weakref
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.interfaces import ModelRunnerOutput, SchedulerOutput
+from pagedllm.executors.base import Executor
+from pagedllm.executors.distributed import (
+    DistInit,
+    WorkerHost,
+    describe_error,
+    get_open_port,
+    rank_error,
+)
+
+logger = logging.getLogger(__name__)
+
+_SHUTDOWN = "__shutdown__"
+_DEATH_GRACE_S = 1.0  # after a rank reports an error, how long to look for a dead peer behind it
+
+
+def _worker_main(conn: Connection, host: WorkerHost, init: DistInit) -> None:
+    """A rank's process: start, then answer ``(method, args)`` messages until told to stop.
+
+    Ctrl-C is left to the driver (it stops the ranks itself). The loop also ends when the driver's
+    end of the pipe closes, so a driver that dies does not leave its ranks behind.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    startup_error: tuple[BaseException | None, str] | None = None
+    try:
+        conn.send(("ok", host.start(init)))
+    except Exception as exc:
+        # Stay alive until told to stop: the driver reads an exit as a crash, not an error.
+        startup_error = describe_error(exc)
+        conn.send(("error", startup_error))
+    try:
+        while True:
+            try:
+                method, args = conn.recv()
+            except (EOFError, OSError):
+                break
+            if method == _SHUTDOWN:
+                conn.send(("ok", None))
+                break
+            reply: tuple[str, Any]
+            if startup_error is not None:
+                reply = ("error", startup_error)
+            else:
+                try:
+                    reply = ("ok", host.call(method, *args))
+                except Exception as exc:
+                    reply = ("error", describe_error(exc))
+            conn.send(reply)
+    except (BrokenPipeError, OSError):
+        pass  # the driver is gone
+    finally:
+        host.close()
+
+
+def _stop_processes(procs: list[Any], conns: list[Connection], grace_s: float) -> None:
+    """Ask politely, then terminate, then kill; always reaps, so nothing is left behind."""
+    for proc, conn in zip(procs, conns, strict=True):
+        if grace_s > 0 and proc.is_alive():
+            with contextlib.suppress(OSError, ValueError):
+                conn.send((_SHUTDOWN, ()))
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(2.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    for conn in conns:
+        conn.close()
+
+
+class MultiprocExecutor(Executor):
+    """``tensor_parallel_size`` worker processes on this machine (``spawn`` start method).
+
+    ``startup_timeout_s`` bounds process start plus model load, ``step_timeout_s`` every later
+    call; ``threads_per_worker`` defaults to an even share of this machine's cores.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        hf_config: Any,
+        *,
+        eos_token_id: int | None,
+        startup_timeout_s: float = 600.0,
+        step_timeout_s: float = 600.0,
+        threads_per_worker: int | None = None,
+    ) -> None:
+        self.world_size = config.parallel.tensor_parallel_size
+        self.step_timeout_s = step_timeout_s
+        self._failure: str | None = None
+        threads = threads_per_worker or max(1, (os.cpu_count() or 1) // self.world_size)
+        ctx = mp.get_context("spawn")
+        port = get_open_port()
+        self._procs: list[Any] = []
+        self._conns: list[Connection] = []
+        # Registered before the first start so that a failure part-way still stops what started.
+        self._finalizer = weakref.finalize(self, _stop_processes, self._procs, self._conns, 5.0)
+        for rank in range(self.world_size):
+            host = WorkerHost(
+                config,
+                hf_config,
+                eos_token_id=eos_token_id,
+                device_index=rank,
+                num_threads=threads,
+            )
+            init = DistInit(
+                rank=rank,
+                world_size=self.world_size,
+                master_addr="127.0.0.1",
+                master_port=port,
+                timeout_s=startup_timeout_s,
+            )
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_worker_main,
+                args=(child, host, init),
+                name=f"pagedllm-tp{rank}",
+                daemon=True,
+            )
+            proc.start()
+            child.close()
+            self._procs.append(proc)
+            self._conns.append(parent)
+        self.worker_pids: list[int] = self._collect("startup", startup_timeout_s)
+        logger.info("%d tensor-parallel workers up: pids %s", self.world_size, self.worker_pids)
+
+    # -- the Executor surface ---------------------------------------------------------------
+    def determine_num_blocks(self) -> tuple[int, int]:
+        counts = self.collective_rpc("determine_num_blocks")
+        return min(c[0] for c in counts), min(c[1] for c in counts)
+
+    def initialize_cache(self, num_device_blocks: int, num_host_blocks: int) -> None:
+        self.collective_rpc("initialize_cache", num_device_blocks, num_host_blocks)
+
+    def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        out = self.collective_rpc("execute_model", sched_out)[0]
+        assert isinstance(out, ModelRunnerOutput)
+        return out
+
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        self.check_health()
+        for rank, conn in enumerate(self._conns):
+            try:
+                conn.send((method, args))
+            except (BrokenPipeError, ConnectionResetError, EOFError):
+                self._fail(self._death_message(method) or f"cannot reach rank {rank}")
+        return self._collect(method, self.step_timeout_s)
+
+    def check_health(self) -> None:
+        if self._failure is not None:
+            raise RuntimeError(self._failure)
+        message = self._death_message("a health check")
+        if message:
+            self._fail(message)
+
+    def shutdown(self) -> None:
+        if self._failure is None:
+            self._failure = "the executor was shut down"
+        self._finalizer()
+
+    # -- waiting on the ranks ---------------------------------------------------------------
+    def _collect(self, what: str, timeout_s: float) -> list[Any]:
+        """Every rank's reply to the call just sent, in rank order; raises (after stopping all
+        ranks) when one dies, reports an error, or the deadline passes."""
+        results: list[Any] = [None] * self.world_size
+        pending = dict(enumerate(self._conns))
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._fail(
+                    f"tensor-parallel ranks {sorted(pending)} gave no reply to {what} "
+                    f"within {timeout_s:.0f} s; stopped all workers"
+                )
+            ready = wait([*pending.values(), *(p.sentinel for p in self._procs)], remaining)
+            for rank, conn in list(pending.items()):
+                if conn not in ready:
+                    continue
+                try:
+                    status, value = conn.recv()
+                except (EOFError, OSError):
+                    self._fail(self._death_message(what) or f"lost the pipe to rank {rank}")
+                del pending[rank]
+                if status == "error":
+                    self._fail_with(rank_error(rank, what, *value), what)
+                results[rank] = value
+            message = self._death_message(what)
+            if message:
+                self._fail(message)
+        return results
+
+    def _death_message(self, what: str) -> str | None:
+        dead = [
+            f"rank {rank} (pid {proc.pid}, {_exit_text(proc.exitcode)})"
+            for rank, proc in enumerate(self._procs)
+            if proc.exitcode is not None
+        ]
+        if not dead:
+            return None
+        names = ", ".join(dead)
+        return (
+            f"tensor-parallel worker died during {what}: {names}; "
+            "its requests cannot finish and all workers were stopped"
+        )
+
+    def _fail_with(self, err: Exception, what: str) -> None:
+        # A rank's error is often the echo of a peer that died inside a collective: prefer
+        # naming the dead rank when one shows up shortly.
+        deadline = time.monotonic() + _DEATH_GRACE_S
+        while time.monotonic() < deadline:
+            message = self._death_message(what)
+            if message:
+                self._fail(message)
+            wait([p.sentinel for p in self._procs], deadline - time.monotonic())
+        self._failure = str(err)
+        self._finalizer.detach()
+        _stop_processes(self._procs, self._conns, 0.0)
+        raise err
+
+    def _fail(self, message: str) -> None:
+        """Stop every rank at once (the survivors may be stuck in a collective) and raise."""
+        self._failure = message
+        self._finalizer.detach()
+        _stop_processes(self._procs, self._conns, 0.0)
+        logger.error("%s", message)
+        raise RuntimeError(message)
+
+
+def _exit_text(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"

@@ -1,0 +1,227 @@
+"""Tensor parallelism across machines: one Ray actor per rank, joined by torch.distributed.
+
+Same shape as the multiprocess executor: the engine process coordinates (scheduler once per step)
+and every rank gets the same ``SchedulerOutput``; only rank 0 returns its ``ModelRunnerOutput``.
+The ranks are Ray actors reserved together in a placement group (one bundle per rank: CPUs on the
+CPU backend, plus one accelerator elsewhere), and rank 0's actor picks the rendezvous address
+(its node's IP and a free port) for ``torch.distributed``.
+
+Ray is imported only here, when this executor is chosen; ``import pagedllm`` never needs it.
+Uses the running Ray cluster if ``ray.init`` was called or ``ray start`` runs on this machine,
+otherwise starts a local one (and stops it again on shutdown).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from typing import Any
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.interfaces import ModelRunnerOutput, SchedulerOutput
+from pagedllm.executors.base import Executor
+from pagedllm.executors.distributed import (
+    DistInit,
+    WorkerHost,
+    get_open_port,
+    rank_error,
+)
+
+logger = logging.getLogger(__name__)
+
+# The Ray resource that reserves one accelerator of each device kind (none on the CPU).
+_ACCELERATOR_RESOURCE = {"cpu": None, "cuda": "GPU", "xpu": "GPU"}
+_POLL_S = 0.5
+_DEATH_GRACE_S = 1.0  # after a rank reports an error, how long to look for a dead peer
+
+
+def _import_ray() -> Any:
+    try:
+        import ray
+    except ImportError as exc:
+        raise ImportError(
+            "distributed_executor_backend: 'ray' needs Ray; install it with "
+            "`pip install -r ci/requirements-ray.txt` (or `pip install ray`)"
+        ) from exc
+    return ray
+
+
+class RayWorkerHost(WorkerHost):
+    """The actor class: a :class:`WorkerHost` that can also name its node's address."""
+
+    def node_address(self) -> tuple[str, int]:
+        """(this node's IP as Ray sees it, a free port on it): the rendezvous for all ranks."""
+        import ray
+
+        addr = ray.util.get_node_ip_address()
+        return addr, get_open_port(addr)
+
+
+def _release(ray: Any, actors: list[Any], pg: list[Any], owns_ray: bool) -> None:
+    """Kill the actors, free their reservation, and stop Ray if this executor started it."""
+    if not ray.is_initialized():
+        return
+    for actor in actors:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception as exc:  # already gone
+            logger.debug("ray.kill: %s", exc)
+    actors.clear()
+    if pg:
+        from ray.util.placement_group import remove_placement_group
+
+        try:
+            remove_placement_group(pg.pop())
+        except Exception as exc:
+            logger.debug("remove_placement_group: %s", exc)
+    if owns_ray:
+        ray.shutdown()
+
+
+class RayExecutor(Executor):
+    """``tensor_parallel_size`` Ray actors, possibly on several machines.
+
+    ``num_cpus_per_worker`` is both the CPUs each rank reserves and its intra-op thread count;
+    ``placement_strategy`` is Ray's ("PACK" fills one node first, "SPREAD"/"STRICT_SPREAD" put
+    ranks on different nodes).
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        hf_config: Any,
+        *,
+        eos_token_id: int | None,
+        num_cpus_per_worker: int = 1,
+        placement_strategy: str = "PACK",
+        startup_timeout_s: float = 600.0,
+        step_timeout_s: float = 600.0,
+    ) -> None:
+        ray = self._ray = _import_ray()
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.world_size = config.parallel.tensor_parallel_size
+        self.step_timeout_s = step_timeout_s
+        self._failure: str | None = None
+        owns_ray = not ray.is_initialized()
+        if owns_ray:
+            ray.init()
+        accel = _ACCELERATOR_RESOURCE.get(config.device)
+        bundle: dict[str, float] = {"CPU": float(num_cpus_per_worker)}
+        if accel:
+            bundle[accel] = 1.0
+        self._actors: list[Any] = []
+        self._pg: list[Any] = []
+        self._finalizer = weakref.finalize(self, _release, ray, self._actors, self._pg, owns_ray)
+        pg = placement_group([dict(bundle)] * self.world_size, strategy=placement_strategy)
+        self._pg.append(pg)
+        ready, _ = ray.wait([pg.ready()], timeout=startup_timeout_s)
+        if not ready:
+            self._fail(
+                f"tensor_parallel_size: cannot reserve {self.world_size} x {bundle} on the Ray "
+                f"cluster within {startup_timeout_s:.0f} s (it has {ray.cluster_resources()})"
+            )
+        actor_cls = ray.remote(RayWorkerHost)
+        for rank in range(self.world_size):
+            self._actors.append(
+                actor_cls.options(
+                    num_cpus=num_cpus_per_worker,
+                    num_gpus=1 if accel == "GPU" else 0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=pg, placement_group_bundle_index=rank
+                    ),
+                ).remote(
+                    config,
+                    hf_config,
+                    eos_token_id=eos_token_id,
+                    device_index=0,  # Ray shows each actor only its own accelerator
+                    num_threads=num_cpus_per_worker,
+                )
+            )
+        addr, port = self._gather([self._actors[0].node_address.remote()], "startup", 120.0)[0]
+        refs = [
+            actor.start.remote(DistInit(rank, self.world_size, addr, port, startup_timeout_s))
+            for rank, actor in enumerate(self._actors)
+        ]
+        self.worker_pids: list[int] = self._gather(refs, "startup", startup_timeout_s)
+        logger.info(
+            "%d Ray tensor-parallel workers up (rendezvous %s:%d)", self.world_size, addr, port
+        )
+
+    # -- the Executor surface ---------------------------------------------------------------
+    def determine_num_blocks(self) -> tuple[int, int]:
+        counts = self.collective_rpc("determine_num_blocks")
+        return min(c[0] for c in counts), min(c[1] for c in counts)
+
+    def initialize_cache(self, num_device_blocks: int, num_host_blocks: int) -> None:
+        self.collective_rpc("initialize_cache", num_device_blocks, num_host_blocks)
+
+    def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        out = self.collective_rpc("execute_model", sched_out)[0]
+        assert isinstance(out, ModelRunnerOutput)
+        return out
+
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        self.check_health()
+        # One put, so a large SchedulerOutput is serialised once, not once per rank.
+        args_ref = [self._ray.put(a) for a in args]
+        refs = [actor.call.remote(method, *args_ref) for actor in self._actors]
+        return self._gather(refs, method, self.step_timeout_s)
+
+    def check_health(self) -> None:
+        if self._failure is not None:
+            raise RuntimeError(self._failure)
+
+    def shutdown(self) -> None:
+        if self._failure is None:
+            self._failure = "the executor was shut down"
+        self._finalizer()
+
+    # -- waiting on the ranks ---------------------------------------------------------------
+    def _gather(self, refs: list[Any], what: str, timeout_s: float) -> list[Any]:
+        """Results in rank order. A rank whose actor died is named at once, even while its peers
+        still wait for it inside a collective; errors and the deadline stop every rank too."""
+        ray = self._ray
+        pending = {ref: rank for rank, ref in enumerate(refs)}
+        results: list[Any] = [None] * len(refs)
+        deadline = time.monotonic() + timeout_s
+        error: Exception | None = None
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                if error is not None:
+                    break
+                self._fail(
+                    f"tensor-parallel ranks {sorted(pending.values())} gave no reply to {what} "
+                    f"within {timeout_s:.0f} s; stopped all workers"
+                )
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(remaining, _POLL_S))
+            for ref in ready:
+                rank = pending.pop(ref)
+                try:
+                    results[rank] = ray.get(ref)
+                except ray.exceptions.RayActorError as exc:
+                    self._fail(
+                        f"tensor-parallel worker died during {what}: rank {rank} ({exc}); "
+                        "its requests cannot finish and all workers were stopped"
+                    )
+                except ray.exceptions.RayTaskError as exc:
+                    if error is None:
+                        cause = getattr(exc, "cause", None)
+                        error = rank_error(rank, what, cause, str(exc))
+                        # Often the echo of a peer that died inside a collective: give a dead
+                        # peer a moment to show up, so the report names it instead.
+                        deadline = min(deadline, time.monotonic() + _DEATH_GRACE_S)
+        if error is not None:
+            self._failure = str(error)
+            self._finalizer()
+            raise error
+        return results
+
+    def _fail(self, message: str) -> None:
+        self._failure = message
+        logger.error("%s", message)
+        self._finalizer()
+        raise RuntimeError(message)
