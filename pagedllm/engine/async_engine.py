@@ -44,8 +44,9 @@ class RequestStream:
     newest output matters: ``__anext__`` skips straight to it.
     """
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop,
-                 abort: Callable[[str], None]) -> None:
+    def __init__(
+        self, request_id: str, loop: asyncio.AbstractEventLoop, abort: Callable[[str], None]
+    ) -> None:
         self.request_id = request_id
         self.loop = loop
         self._abort = abort
@@ -63,9 +64,7 @@ class RequestStream:
         if self.finished:
             raise StopAsyncIteration
         item = await self._queue.get()
-        while (
-            isinstance(item, RequestOutput) and not item.finished and not self._queue.empty()
-        ):
+        while isinstance(item, RequestOutput) and not item.finished and not self._queue.empty():
             item = self._queue.get_nowait()
         if isinstance(item, BaseException):
             self.finished = True
@@ -122,8 +121,11 @@ class StatLogger:
             return None
         prompt, gen = stats["prompt_tokens_total"], stats["generation_tokens_total"]
         busy = (
-            stats["num_requests_running"] or stats["num_requests_waiting"]
-            or stats["num_requests_swapped"] or prompt != self.last_prompt or gen != self.last_gen
+            stats["num_requests_running"]
+            or stats["num_requests_waiting"]
+            or stats["num_requests_swapped"]
+            or prompt != self.last_prompt
+            or gen != self.last_gen
         )
         line = None
         if busy:
@@ -163,9 +165,14 @@ class AsyncEngine:
         self._thread.start()
 
     @classmethod
-    def from_engine_args(cls, model: str, device: str = "auto", *,
-                         log_stats_interval: float | None = 5.0,
-                         **engine_args: Any) -> AsyncEngine:
+    def from_engine_args(
+        cls,
+        model: str,
+        device: str = "auto",
+        *,
+        log_stats_interval: float | None = 5.0,
+        **engine_args: Any,
+    ) -> AsyncEngine:
         from pagedllm.engine.llm_engine import LLMEngine
 
         return cls(LLMEngine(model, device, **engine_args), log_stats_interval=log_stats_interval)
@@ -192,8 +199,9 @@ class AsyncEngine:
         return dict(self._stats)
 
     # -- requests --------------------------------------------------------------------------------
-    async def add_request(self, request_id: str, prompt: Any, params: SamplingParams, *,
-                          priority: int = 0) -> RequestStream:
+    async def add_request(
+        self, request_id: str, prompt: Any, params: SamplingParams, *, priority: int = 0
+    ) -> RequestStream:
         """Queue a request and return its stream; ValueError ("field: msg") if it is invalid."""
         self._check_alive()
         stream = RequestStream(request_id, asyncio.get_running_loop(), self._request_abort)
@@ -207,8 +215,9 @@ class AsyncEngine:
             raise
         return stream
 
-    async def generate(self, prompt: Any, params: SamplingParams, request_id: str, *,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt: Any, params: SamplingParams, request_id: str, *, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; cancelling or closing the iterator aborts it."""
         stream = await self.add_request(request_id, prompt, params, priority=priority)
         try:
@@ -307,8 +316,9 @@ class AsyncEngine:
             if not cmd.done.set_running_or_notify_cancel():
                 return
             try:
-                self.engine.add_request(cmd.stream.request_id, cmd.prompt, cmd.params,
-                                        priority=cmd.priority)
+                self.engine.add_request(
+                    cmd.stream.request_id, cmd.prompt, cmd.params, priority=cmd.priority
+                )
             except BaseException as exc:
                 cmd.done.set_exception(exc)
                 return
@@ -343,8 +353,7 @@ class AsyncEngine:
     def _on_step_failure(self, exc: Exception) -> None:
         """Fail every request in flight, drop them from the engine, and keep serving."""
         self._failures += 1
-        logger.error("engine step failed; failing %d requests", len(self._streams),
-                     exc_info=exc)
+        logger.error("engine step failed; failing %d requests", len(self._streams), exc_info=exc)
         error = EngineStepError(f"engine step failed: {type(exc).__name__}: {exc}")
         streams, self._streams = self._streams, {}
         for stream in streams.values():

@@ -78,8 +78,13 @@ class ModelRunner:
             s = seqs[i]
             for k in range(s.num_samples):
                 rows.append(
-                    SamplingRow(s.seq_id, s.sampling_params, s.output_len, s.history,
-                                sample_index=s.sample_index + k)
+                    SamplingRow(
+                        s.seq_id,
+                        s.sampling_params,
+                        s.output_len,
+                        s.history,
+                        sample_index=s.sample_index + k,
+                    )
                 )
                 source.append(j)
         if len(rows) != len(source) or len(rows) != logits.shape[0]:
@@ -100,8 +105,12 @@ class ModelRunner:
             else:
                 if first.siblings is None:
                     result[row.seq_id] = first = SampledToken(
-                        first.seq_id, first.token_id, first.logprob, first.top_logprobs,
-                        first.candidates, siblings=[],
+                        first.seq_id,
+                        first.token_id,
+                        first.logprob,
+                        first.top_logprobs,
+                        first.candidates,
+                        siblings=[],
                     )
                 assert first.siblings is not None
                 first.siblings.append(token)

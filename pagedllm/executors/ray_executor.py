@@ -140,7 +140,9 @@ class RayExecutor(Executor):
                     num_threads=num_cpus_per_worker,
                 )
             )
-        addr, port = self._gather([self._actors[0].node_address.remote()], "startup", 120.0)[0]
+        first = self._actors[0].node_address.remote()
+        addr, port = self._gather([first], "startup", startup_timeout_s)[0]
+        self.master_addr, self.master_port = addr, port
         refs = [
             actor.start.remote(DistInit(rank, self.world_size, addr, port, startup_timeout_s))
             for rank, actor in enumerate(self._actors)
@@ -203,8 +205,9 @@ class RayExecutor(Executor):
                 try:
                     results[rank] = ray.get(ref)
                 except ray.exceptions.RayActorError as exc:
+                    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else "died"
                     self._fail(
-                        f"tensor-parallel worker died during {what}: rank {rank} ({exc}); "
+                        f"tensor-parallel worker died during {what}: rank {rank} ({reason}); "
                         "its requests cannot finish and all workers were stopped"
                     )
                 except ray.exceptions.RayTaskError as exc:
