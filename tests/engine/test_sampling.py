@@ -150,10 +150,8 @@ def test_logprobs_match_transformers_every_step(engine: Engine, hf) -> None:
         for token, lp in entry.items():
             assert abs(lp - float(ref[pos - 1, token])) < 1e-4
     comp = out.outputs[0]
-    assert (
-        abs(comp.cumulative_logprob - sum(e[t] for e, t in zip(comp.logprobs, comp.token_ids)))
-        < 1e-4
-    )
+    chosen = [e[t] for e, t in zip(comp.logprobs, comp.token_ids, strict=True)]
+    assert abs(comp.cumulative_logprob - sum(chosen)) < 1e-4
 
 
 def test_stop_string_across_token_boundary(engine: Engine) -> None:
