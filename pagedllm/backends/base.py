@@ -278,9 +278,11 @@ class DeviceBackend(ABC):
         return self.free_memory_bytes(rank)
 
     def profile_peak_bytes(self, fn: Callable[[], object], rank: int = 0) -> int:
-        """Run ``fn`` and return the peak device memory it needed beyond what was held before.
+        """Run ``fn`` and return the peak device memory in use while it ran.
 
-        Devices without allocator statistics return 0: their KV budget is given explicitly.
+        The peak includes everything held before ``fn`` (the weights), so that
+        ``total * utilisation - peak`` is what the KV cache may take. Devices without allocator
+        statistics return 0: their KV budget is given explicitly.
         """
         fn()
         return 0

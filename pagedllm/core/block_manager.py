@@ -91,6 +91,13 @@ class BlockAllocator:
         self.ref_counts[block] += 1
         return block
 
+    def peek(self, content_hash: int, token_ids: tuple[int, ...]) -> int | None:
+        """The cached block with these tokens, without taking a reference."""
+        block = self._by_hash.get(content_hash)
+        if block is None or self.block_tokens[block] != token_ids:
+            return None
+        return block
+
     def register(self, block: int, content_hash: int, token_ids: tuple[int, ...]) -> None:
         """Key a full block by its content; the first block with a given content wins."""
         if content_hash in self._by_hash or self.hashes[block] is not None:
@@ -141,12 +148,37 @@ class BlockSpaceManager:
 
     # -- admission ---------------------------------------------------------------------------
     def can_allocate(self, group: SequenceGroup) -> AllocStatus:
-        needed = sum(s.num_blocks_needed() for s in self._distinct_waiting(group))
+        seqs = self._distinct_waiting(group)
+        needed = sum(s.num_blocks_needed() for s in seqs)
         if self.num_device_blocks - needed < self.watermark_blocks:
             return AllocStatus.NEVER
+        # Prefix-cache hits on blocks other sequences hold cost no free block.
+        needed -= sum(self._shared_live_blocks(s) for s in seqs)
         if self.device.num_free - needed >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Computed cached blocks for the sequence's leading full blocks.
+
+        The block holding the last token is never reused: that token is recomputed (it yields
+        the logits) and writing it into a shared block would need a copy.
+        """
+        if not self.enable_caching:
+            return []
+        bs, parent, hits = self.block_size, None, []
+        for i in range((seq.get_len() - 1) // bs):
+            chunk = tuple(seq.token_slice(i * bs, (i + 1) * bs))
+            parent = block_hash(parent, chunk)
+            block = self.device.peek(parent, chunk)
+            if block is None or not self.device.computed[block]:
+                break
+            hits.append(block)
+        return hits
+
+    def _shared_live_blocks(self, seq: Sequence) -> int:
+        """Prefix hits on blocks other sequences hold: they cost no free block."""
+        return sum(1 for b in self._cached_prefix(seq) if self.device.ref_counts[b] > 0)
 
     @staticmethod
     def _distinct_waiting(group: SequenceGroup) -> list[Sequence]:
@@ -183,28 +215,26 @@ class BlockSpaceManager:
         seq.num_computed_tokens = min(cached_blocks * self.block_size, seq.get_len() - 1)
 
     def _allocate_seq(self, seq: Sequence) -> tuple[list[int], int]:
+        hits = self._cached_prefix(seq)
+        self.prefix_stats.queries += (seq.get_len() // self.block_size) if self.enable_caching else 0
+        self.prefix_stats.hits += len(hits)
         bs = self.block_size
         table: list[int] = []
         parent: int | None = None
-        cached_blocks = 0
         for i in range(seq.num_blocks_needed()):
             chunk = tuple(seq.token_slice(i * bs, (i + 1) * bs))
-            block = None
-            if self.enable_caching and len(chunk) == bs:
-                h = block_hash(parent, chunk)
-                parent = h
-                self.prefix_stats.queries += 1
-                block = self.device.lookup(h, chunk)
-                if block is not None and self.device.computed[block] and cached_blocks == i:
-                    cached_blocks += 1
-                    self.prefix_stats.hits += 1
-                if block is None:
-                    block = self.device.allocate()
-                    self.device.register(block, h, chunk)
+            if i < len(hits):
+                parent = block_hash(parent, chunk)
+                block = self.device.lookup(parent, chunk)
+                assert block == hits[i]
             else:
                 block = self.device.allocate()
+                if self.enable_caching and len(chunk) == bs:
+                    # Keyed now so that prompts admitted later find it once it is computed.
+                    parent = block_hash(parent, chunk)
+                    self.device.register(block, parent, chunk)
             table.append(block)
-        return table, cached_blocks
+        return table, len(hits)
 
     # -- growth --------------------------------------------------------------------------------
     def can_append_slots(self, group: SequenceGroup) -> bool:

@@ -154,6 +154,7 @@ class Scheduler:
     def _schedule_chunked(self, now: float) -> _Step:
         step = _Step()
         budget = _Budget(self.config.token_budget, self.config.max_num_seqs)
+        budget.num_seqs = sum(g.get_max_num_running_seqs() for g in self.running)
         self._schedule_running(budget, step, chunked=True)
         if step.preempted == 0:
             self._schedule_swapped(budget, step)
@@ -178,6 +179,8 @@ class Scheduler:
 
     def _schedule_prefills(self, budget: _Budget, step: _Step, *, chunked: bool) -> None:
         bm = self.block_manager
+        if self.config.policy != "fcfs":
+            self.waiting = sort_groups(self.waiting, self.sort_key)
         while self.waiting:
             group = self.waiting[0]
             seqs = group.get_seqs(SequenceStatus.WAITING)
@@ -189,6 +192,8 @@ class Scheduler:
                 self._ignore(group, "prompt needs more KV blocks than the whole cache holds")
                 continue
             if status is AllocStatus.LATER:
+                if self._preempt_lower_priority(group, budget, step):
+                    continue
                 break
             num_tokens = sum(s.get_len() for s in seqs)
             num_new_seqs = group.get_max_num_running_seqs()
@@ -204,11 +209,15 @@ class Scheduler:
             bm.allocate(group)
             for seq in seqs:
                 seq.status = SequenceStatus.RUNNING
+                if group.sampling_params.prompt_logprobs is not None:
+                    seq.num_computed_tokens = 0  # every prompt position needs its logits
             chunk = self._prefill_chunk(group, budget, chunked)
             self.running.append(group)
             step.prefills.append((group, chunk))
 
-    def _prefill_chunk(self, group: SequenceGroup, budget: _Budget, chunked: bool) -> int:
+    def _prefill_chunk(
+        self, group: SequenceGroup, budget: _Budget, chunked: bool, *, new: bool = True
+    ) -> int:
         """Tokens to compute now for a (possibly partly cached) prompt; reserves its slots."""
         seqs = group.get_seqs(SequenceStatus.RUNNING)
         if chunked and len(seqs) == 1:
@@ -221,25 +230,27 @@ class Scheduler:
                 chunk += seq.get_num_uncomputed_tokens()
                 self._copies_into(seq, seq.get_len())
         budget.num_tokens += chunk
-        budget.num_seqs += group.get_max_num_running_seqs()
+        if new:
+            budget.num_seqs += group.get_max_num_running_seqs()
         return chunk
 
     def _copies_into(self, seq: Sequence, num_tokens: int) -> None:
         self._pending_copies.extend(self.block_manager.append_slots(seq, num_tokens))
 
     def _schedule_running(self, budget: _Budget, step: _Step, *, chunked: bool) -> None:
+        """Decodes first (preempting from the back when blocks run out), then prompt chunks."""
         queue = sort_groups(self.running, self.sort_key)
         kept: deque[SequenceGroup] = deque()
+        partial_prompts: list[SequenceGroup] = []
         while queue:
             group = queue.popleft()
             if group.is_prefill():
-                # A prompt part-way through chunked prefill: its blocks are already allocated.
-                if chunked and budget.tokens_left > 0:
-                    step.prefills.append((group, self._prefill_chunk(group, budget, True)))
+                # Part-way through chunked prefill: its blocks are allocated already.
                 kept.append(group)
+                partial_prompts.append(group)
                 continue
             num_seqs = group.num_seqs(SequenceStatus.RUNNING)
-            if chunked and not budget.fits(num_seqs, 0):
+            if chunked and budget.tokens_left < num_seqs:
                 kept.append(group)  # out of tokens this step; decodes again next step
                 continue
             while not self.block_manager.can_append_slots(group):
@@ -251,11 +262,12 @@ class Scheduler:
                 for seq in group.get_seqs(SequenceStatus.RUNNING):
                     self._copies_into(seq, seq.get_len())
                 budget.num_tokens += num_seqs
-                if chunked:
-                    budget.num_seqs += num_seqs
                 step.decodes.append(group)
                 kept.append(group)
         self.running = kept
+        for group in partial_prompts:
+            if chunked and budget.tokens_left > 0:
+                step.prefills.append((group, self._prefill_chunk(group, budget, True, new=False)))
 
     def _schedule_swapped(self, budget: _Budget, step: _Step) -> None:
         bm = self.block_manager
@@ -281,8 +293,29 @@ class Scheduler:
             self.running.append(group)
             step.decodes.append(group)
 
-    def _preempt(self, group: SequenceGroup, step: _Step) -> None:
-        mode = self.config.preemption_mode
+    def _preempt_lower_priority(
+        self, group: SequenceGroup, budget: _Budget, step: _Step
+    ) -> bool:
+        """Priority policy: make room for ``group`` by recomputing a lower-priority group later.
+
+        Victims go back to ``waiting`` (not to ``swapped``, which would hold every prompt back).
+        """
+        if self.config.policy != "priority":
+            return False
+        key = self.sort_key(group)
+        lower = [g for g in self.running if self.sort_key(g) > key and g not in step.decodes]
+        lower = [g for g in lower if all(g is not p for p, _ in step.prefills)]
+        if not lower:
+            return False
+        victim = max(lower, key=self.sort_key)
+        self.running.remove(victim)
+        budget.num_seqs -= victim.get_max_num_running_seqs()
+        self._preempt(victim, step, mode="recompute")
+        self.waiting = sort_groups(self.waiting, self.sort_key)
+        return True
+
+    def _preempt(self, group: SequenceGroup, step: _Step, mode: str | None = None) -> None:
+        mode = mode or self.config.preemption_mode
         if mode is None:
             mode = "swap" if group.get_max_num_running_seqs() > 1 else "recompute"
         if mode == "swap" and not self.block_manager.can_swap_out(group):

@@ -124,7 +124,10 @@ def test_fully_cached_prompt_recomputes_last_token() -> None:
     _computed(bm, a)
     b = make_group("b", 0, tokens=toks)
     bm.allocate(b)
-    assert b.seqs[0].num_computed_tokens == 7
+    # The block with the last token is recomputed in a fresh block (no copy-on-write needed).
+    assert b.seqs[0].num_computed_tokens == 4
+    ta, tb = bm.get_block_table(a.seqs[0]), bm.get_block_table(b.seqs[0])
+    assert ta[0] == tb[0] and ta[1] != tb[1]
 
 
 def test_freed_cached_blocks_evicted_lru_tail_first() -> None:

@@ -138,3 +138,52 @@ def test_delay_factor_holds_prompts_with_fake_clock() -> None:
     now[0] = 2.2
     out = fake_step(s)
     assert ids(out) == ["b"]
+
+
+def test_chunked_prefill_budget_and_decodes_first() -> None:
+    s = make_scheduler(
+        num_blocks=64, enable_chunked_prefill=True, max_num_batched_tokens=8, max_model_len=64
+    )
+    s.add(make_group("short", 3, max_tokens=20))
+    out = fake_step(s)
+    assert ids(out) == ["short"]
+    s.add(make_group("long", 30, max_tokens=2))
+    chunks = []
+    while True:
+        out = fake_step(s)
+        assert out.num_batched_tokens <= 8
+        # the running decode is always in the step, first in line for the budget
+        assert "short" in ids(out)
+        long_part = [x for x in out.seqs if x.request_id == "long"]
+        if long_part and long_part[0].is_prompt:
+            chunks.append(len(long_part[0].token_ids))
+        else:
+            break
+    assert sum(chunks) == 30 and max(chunks) == 7 and len(chunks) == 5
+    assert s.stats.chunked_prefill_steps >= 4
+
+
+def test_chunked_prefill_lists_prompt_chunks_before_decodes() -> None:
+    s = make_scheduler(num_blocks=64, enable_chunked_prefill=True, max_num_batched_tokens=16)
+    s.add(make_group("a", 3, max_tokens=10))
+    fake_step(s)
+    s.add(make_group("b", 20, max_tokens=2))
+    out = fake_step(s)
+    assert [x.request_id for x in out.seqs] == ["b", "a"] and out.num_prefill_seqs == 1
+    assert not out.seqs[0].do_sample  # a middle chunk samples nothing
+
+
+def test_priority_policy_orders_and_preempts_lower_priority() -> None:
+    s = make_scheduler(num_blocks=4, block_size=4, policy="priority", max_model_len=64)
+    s.add(make_group("low", 12, max_tokens=30, priority=5, arrival=0.0))
+    fake_step(s)
+    assert [g.request_id for g in s.running] == ["low"]
+    s.add(make_group("mid", 4, max_tokens=2, priority=3, arrival=1.0))
+    s.add(make_group("high", 8, max_tokens=2, priority=1, arrival=2.0))
+    out = fake_step(s)
+    assert ids(out)[0] == "high"  # admitted first, by preempting the low-priority group
+    assert s.stats.preemptions_recompute == 1
+    assert [g.request_id for g in s.waiting][-1] == "low"
+    while s.has_unfinished():
+        fake_step(s)
+    assert s.block_manager.get_num_free_device_blocks() == 4
