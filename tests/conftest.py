@@ -6,11 +6,16 @@ with ``save_pretrained`` into a temporary folder, so no test ever needs the netw
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+# tools/gpu_check.sh reruns the model equality tests on a device in half precision.
+TEST_DEVICE = os.environ.get("PAGEDLLM_TEST_DEVICE", "cpu")
+TEST_DTYPE = os.environ.get("PAGEDLLM_TEST_DTYPE", "float32")
 
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

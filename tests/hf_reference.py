@@ -22,15 +22,23 @@ class HFGreedy:
     step_logprobs: list[torch.Tensor]  # [vocab] log_softmax of each step's logits
 
 
-def hf_greedy(model_path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[HFGreedy]:
+def hf_greedy(
+    model_path: Path,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    *,
+    device: str = "cpu",
+    dtype: str = "float32",
+) -> list[HFGreedy]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=getattr(torch, dtype))
+    model = model.to(device).eval()
     results = []
     with torch.no_grad():
         for ids in prompts:
             out = model.generate(
-                torch.tensor([ids]),
+                torch.tensor([ids], device=device),
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
                 output_scores=True,
@@ -38,12 +46,14 @@ def hf_greedy(model_path: Path, prompts: list[list[int]], max_new_tokens: int) -
                 pad_token_id=model.config.pad_token_id,
             )
             gen = out.sequences[0, len(ids) :].tolist()
-            lps = [torch.log_softmax(s[0].float(), dim=-1) for s in out.scores]
+            lps = [torch.log_softmax(s[0].float(), dim=-1).cpu() for s in out.scores]
             results.append(HFGreedy(gen, lps))
     return results
 
 
-def assert_greedy_match(ours: list[int], ref: HFGreedy, label: str) -> None:
+def assert_greedy_match(
+    ours: list[int], ref: HFGreedy, label: str, tie_margin: float = TIE_MARGIN
+) -> None:
     """Token-for-token equality, except at a genuine near-tie in the reference."""
     n = min(len(ours), len(ref.token_ids))
     for i in range(n):
@@ -51,7 +61,7 @@ def assert_greedy_match(ours: list[int], ref: HFGreedy, label: str) -> None:
             continue
         top2 = ref.step_logprobs[i].topk(2)
         margin = float(top2.values[0] - top2.values[1])
-        assert margin < TIE_MARGIN and ours[i] in top2.indices.tolist(), (
+        assert margin < tie_margin and ours[i] in top2.indices.tolist(), (
             f"{label}: token {i} differs (ours {ours[i]}, transformers {ref.token_ids[i]}), "
             f"top-2 margin {margin:.2e} is not a tie\n ours={ours}\n  ref={ref.token_ids}"
         )

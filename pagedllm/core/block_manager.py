@@ -216,8 +216,9 @@ class BlockSpaceManager:
 
     def _allocate_seq(self, seq: Sequence) -> tuple[list[int], int]:
         hits = self._cached_prefix(seq)
-        self.prefix_stats.queries += (seq.get_len() // self.block_size) if self.enable_caching else 0
-        self.prefix_stats.hits += len(hits)
+        if self.enable_caching:
+            self.prefix_stats.queries += seq.get_len() // self.block_size
+            self.prefix_stats.hits += len(hits)
         bs = self.block_size
         table: list[int] = []
         parent: int | None = None
