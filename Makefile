@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # Reinstall only when the dependency list changes.
 STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: setup demo test test-cpu lint bench clean
+.PHONY: setup demo test test-cpu test-gpu test-xpu lint bench clean
 
 setup: $(STAMP)
 
@@ -19,10 +19,18 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(BIN)/python -m pagedllm.entrypoints.demo
 
-test: test-cpu
+# The whole per-backend matrix (cpu, gpu via the Triton interpreter, xpu via IPEX's CPU build).
+test: setup
+	bash ci/matrix.sh cpu gpu xpu
 
 test-cpu: setup
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	bash ci/matrix.sh cpu
+
+test-gpu: setup
+	bash ci/matrix.sh gpu
+
+test-xpu:
+	bash ci/matrix.sh xpu
 
 lint: setup
 	$(BIN)/ruff check .

@@ -134,8 +134,13 @@ class BlockSpaceManager:
         *,
         watermark: float = 0.01,
         enable_caching: bool = False,
+        sliding_window: int | None = None,
     ) -> None:
         self.block_size = block_size
+        # With a sliding window on every layer, blocks that fell out of it are released early;
+        # their ids stay in the table as placeholders the kernels mask out and never write.
+        self.sliding_window = sliding_window
+        self._dead: dict[int, int] = {}  # seq_id -> leading table entries already released
         self.num_device_blocks = num_device_blocks
         self.num_host_blocks = num_host_blocks
         self.watermark_blocks = int(watermark * num_device_blocks)
@@ -265,10 +270,31 @@ class BlockSpaceManager:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         table = self.block_tables[parent.seq_id]
-        for block in table:
+        for block in self._live(parent.seq_id):
             self.device.incref(block)
         self.block_tables[child.seq_id] = list(table)
         self._num_marked[child.seq_id] = self._num_marked.get(parent.seq_id, 0)
+        if parent.seq_id in self._dead:
+            self._dead[child.seq_id] = self._dead[parent.seq_id]
+
+    def _live(self, seq_id: int) -> list[int]:
+        return self.block_tables[seq_id][self._dead.get(seq_id, 0) :]
+
+    def reclaim_out_of_window(self, seq: Sequence) -> int:
+        """Release blocks no future token can attend to; returns how many were released."""
+        if self.sliding_window is None or seq.is_prefill() or seq.seq_id not in self.block_tables:
+            return 0
+        table = self.block_tables[seq.seq_id]
+        dead = self._dead.get(seq.seq_id, 0)
+        # The next query sits at position len-1 and reads positions >= len - window.
+        first_needed = max(0, seq.get_len() - self.sliding_window)
+        new_dead = min(first_needed // self.block_size, len(table) - 1)
+        for idx in range(dead, new_dead):
+            self.device.free(table[idx])
+        if new_dead > dead:
+            self._dead[seq.seq_id] = new_dead
+            self._num_marked[seq.seq_id] = max(self._num_marked.get(seq.seq_id, 0), new_dead)
+        return max(0, new_dead - dead)
 
     def mark_computed(self, seq: Sequence) -> None:
         """Blocks whose every token now has KV become hits for later prompts."""
@@ -276,12 +302,13 @@ class BlockSpaceManager:
         if table is None:
             return
         bs = self.block_size
-        done = self._num_marked.get(seq.seq_id, 0)
+        dead = self._dead.get(seq.seq_id, 0)
+        done = max(self._num_marked.get(seq.seq_id, 0), dead)
         full = min(seq.num_computed_tokens // bs, len(table))
         for idx in range(done, full):
             block = table[idx]
             if self.enable_caching and self.device.hashes[block] is None:
-                parent = self.device.hashes[table[idx - 1]] if idx else None
+                parent = self.device.hashes[table[idx - 1]] if idx > dead else None
                 if idx == 0 or parent is not None:
                     chunk = tuple(seq.token_slice(idx * bs, (idx + 1) * bs))
                     self.device.register(block, block_hash(parent, chunk), chunk)
@@ -290,7 +317,7 @@ class BlockSpaceManager:
 
     # -- swapping ------------------------------------------------------------------------------
     def _unique_blocks(self, group: SequenceGroup, status: SequenceStatus) -> set[int]:
-        return {b for s in group.get_seqs(status) for b in self.block_tables[s.seq_id]}
+        return {b for s in group.get_seqs(status) for b in self._live(s.seq_id)}
 
     def can_swap_in(self, group: SequenceGroup) -> AllocStatus:
         needed = len(self._unique_blocks(group, SequenceStatus.SWAPPED))
@@ -321,8 +348,9 @@ class BlockSpaceManager:
     ) -> list[tuple[int, int]]:
         mapping: dict[int, int] = {}
         for seq in group.get_seqs(status):
-            new_table = []
-            for block in self.block_tables[seq.seq_id]:
+            dead = self._dead.get(seq.seq_id, 0)
+            new_table = self.block_tables[seq.seq_id][:dead]  # placeholders stay device ids
+            for block in self._live(seq.seq_id):
                 if block in mapping:
                     dst.incref(mapping[block])
                 else:
@@ -330,18 +358,20 @@ class BlockSpaceManager:
                 src.free(block)
                 new_table.append(mapping[block])
             self.block_tables[seq.seq_id] = new_table
-            self._num_marked[seq.seq_id] = 0
+            self._num_marked[seq.seq_id] = dead
         return list(mapping.items())
 
     # -- release -------------------------------------------------------------------------------
     def free(self, seq: Sequence, *, on_host: bool = False) -> None:
         """Release a sequence's blocks, last first, so cached chains are evicted from the tail."""
-        table = self.block_tables.pop(seq.seq_id, None)
-        self._num_marked.pop(seq.seq_id, None)
-        if table is None:
+        if seq.seq_id not in self.block_tables:
             return
+        live = self._live(seq.seq_id)
+        del self.block_tables[seq.seq_id]
+        self._num_marked.pop(seq.seq_id, None)
+        self._dead.pop(seq.seq_id, None)
         pool = self.host if on_host else self.device
-        for block in reversed(table):
+        for block in reversed(live):
             pool.free(block)
 
     def get_block_table(self, seq: Sequence) -> list[int]:

@@ -434,6 +434,7 @@ class Scheduler:
                 continue  # aborted while the step ran
             seq.update_num_computed_tokens(num_tokens)
             self.block_manager.mark_computed(seq)
+            self.block_manager.reclaim_out_of_window(seq)
             if seq.seq_id in runner_out.prompt_logprobs:
                 self._record_prompt_logprobs(group, runner_out.prompt_logprobs[seq.seq_id])
             if not do_sample:

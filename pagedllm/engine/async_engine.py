@@ -356,15 +356,16 @@ class AsyncEngine:
         logger.error("engine step failed; failing %d requests", len(self._streams), exc_info=exc)
         error = EngineStepError(f"engine step failed: {type(exc).__name__}: {exc}")
         streams, self._streams = self._streams, {}
-        for stream in streams.values():
-            self._deliver(stream, error)
-        try:
+        try:  # free their blocks before anyone hears of the failure
             self.engine.abort_request(list(streams))
         except Exception as abort_exc:
             logger.exception("could not abort requests after a failed step")
             self._dead = abort_exc
         if self._failures >= _MAX_CONSECUTIVE_STEP_FAILURES:
             self._dead = error
+        self._num_in_flight = 0
+        for stream in streams.values():
+            self._deliver(stream, error)
 
     def _shutdown_streams(self) -> None:
         """On exit: abort whatever is still running so its blocks are freed and callers wake."""

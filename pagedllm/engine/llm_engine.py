@@ -73,11 +73,15 @@ class LLMEngine:
 
     def __init__(self, model: str, device: str = "auto", **engine_args: Any) -> None:
         args = EngineArgs.from_kwargs(model, device=device, **engine_args)
+        self.args = args
         self.hf_config = load_hf_config(model)
         self.config: EngineConfig = args.create_config(
             model_max_len=max_model_len_of(self.hf_config), device=resolve_device(device)
         )
-        self.tokenizer = load_tokenizer(self.config.model.tokenizer)
+        # Without a tokenizer prompts must be token ids and outputs carry no text.
+        self.tokenizer = (
+            None if args.skip_tokenizer_init else load_tokenizer(self.config.model.tokenizer)
+        )
         self.eos_token_ids = eos_ids_of(model, self.hf_config, self.tokenizer)
         eos = min(self.eos_token_ids) if self.eos_token_ids else None
         self.executor = create_executor(self.config, self.hf_config, eos_token_id=eos)
@@ -156,6 +160,10 @@ class LLMEngine:
         self.scheduler.add(group)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if self.tokenizer is None and not (isinstance(prompt, list) or (
+            isinstance(prompt, dict) and "prompt_token_ids" in prompt
+        )):
+            raise ValueError("prompt: token ids are required when skip_tokenizer_init is set")
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import time
 import weakref
@@ -54,7 +55,7 @@ def _worker_main(conn: Connection, host: WorkerHost, init: DistInit) -> None:
     try:
         while True:
             try:
-                method, args = conn.recv()
+                method, args = pickle.loads(conn.recv_bytes())
             except (EOFError, OSError):
                 break
             if method == _SHUTDOWN:
@@ -80,7 +81,7 @@ def _stop_processes(procs: list[Any], conns: list[Connection], grace_s: float) -
     for proc, conn in zip(procs, conns, strict=True):
         if grace_s > 0 and proc.is_alive():
             with contextlib.suppress(OSError, ValueError):
-                conn.send((_SHUTDOWN, ()))
+                conn.send_bytes(pickle.dumps((_SHUTDOWN, ())))
     deadline = time.monotonic() + grace_s
     for proc in procs:
         proc.join(max(0.0, deadline - time.monotonic()))
@@ -166,11 +167,12 @@ class MultiprocExecutor(Executor):
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         self.check_health()
+        payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)  # once for all
         for rank, conn in enumerate(self._conns):
             try:
-                conn.send((method, args))
+                conn.send_bytes(payload)
             except (BrokenPipeError, ConnectionResetError, EOFError):
-                self._fail(self._death_message(method) or f"cannot reach rank {rank}")
+                self._fail(self._lost(rank, method))
         return self._collect(method, self.step_timeout_s)
 
     def check_health(self) -> None:
@@ -206,7 +208,7 @@ class MultiprocExecutor(Executor):
                 try:
                     status, value = conn.recv()
                 except (EOFError, OSError):
-                    self._fail(self._death_message(what) or f"lost the pipe to rank {rank}")
+                    self._fail(self._lost(rank, what))
                 del pending[rank]
                 if status == "error":
                     self._fail_with(rank_error(rank, what, *value), what)
@@ -215,6 +217,12 @@ class MultiprocExecutor(Executor):
             if message:
                 self._fail(message)
         return results
+
+    def _lost(self, rank: int, what: str) -> str:
+        """Why the pipe to ``rank`` broke. Its end closes as the process exits, a moment before
+        the exit can be collected, so wait for that to name the cause."""
+        self._procs[rank].join(_DEATH_GRACE_S)
+        return self._death_message(what) or f"lost the pipe to tensor-parallel rank {rank}"
 
     def _death_message(self, what: str) -> str | None:
         dead = [

@@ -51,10 +51,14 @@ class RayWorkerHost(WorkerHost):
     """The actor class: a :class:`WorkerHost` that can also name its node's address."""
 
     def node_address(self) -> tuple[str, int]:
-        """(this node's IP as Ray sees it, a free port on it): the rendezvous for all ranks."""
+        """(this node's address in the Ray cluster, a free port on it): the rendezvous for all
+        ranks. The cluster's own record is used, not a guess from the routing table, so a
+        cluster started on a given interface (even loopback) keeps its traffic there."""
         import ray
 
-        addr = ray.util.get_node_ip_address()
+        node_id = ray.get_runtime_context().get_node_id()
+        addrs = [n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id]
+        addr = addrs[0] if addrs else ray.util.get_node_ip_address()
         return addr, get_open_port(addr)
 
 

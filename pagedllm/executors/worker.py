@@ -67,6 +67,17 @@ class Worker:
             self.attention.name,
         )
 
+    def uniform_sliding_window(self) -> int | None:
+        """The window when every attention layer slides; None if any layer sees everything."""
+        from pagedllm.layers.attention import Attention
+
+        assert self.runner is not None
+        windows = {m.sliding_window for m in self.runner.model.modules() if isinstance(m, Attention)}
+        return windows.pop() if len(windows) == 1 else None
+
+    def attention_name(self) -> str:
+        return self.attention.name
+
     def cache_spec(self) -> CacheSpec:
         cfg = self.hf_config
         num_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads

@@ -76,3 +76,4 @@ def load_model(
         if buf.is_floating_point() and name.endswith(("cos", "sin")):
             buf.data = buf.data.float()
     return module.eval()
+

@@ -41,12 +41,14 @@ def make_scheduler(
     num_host_blocks: int = 16,
     block_size: int = 4,
     enable_caching: bool = False,
+    sliding_window: int | None = None,
     clock: object = None,
     **config: object,
 ) -> Scheduler:
     config.setdefault("max_model_len", 64)
     bm = BlockSpaceManager(
-        block_size, num_blocks, num_host_blocks, watermark=0.0, enable_caching=enable_caching
+        block_size, num_blocks, num_host_blocks, watermark=0.0, enable_caching=enable_caching,
+        sliding_window=sliding_window,
     )
     kwargs = {"clock": clock} if clock is not None else {}
     return Scheduler(SchedulerConfig(**config), bm, **kwargs)  # type: ignore[arg-type]

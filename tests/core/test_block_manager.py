@@ -159,3 +159,23 @@ def test_hash_collision_is_not_served(monkeypatch: pytest.MonkeyPatch) -> None:
     bm.allocate(b)
     assert b.seqs[0].num_computed_tokens == 0
     assert bm.get_block_table(b.seqs[0])[0] != bm.get_block_table(a.seqs[0])[0]
+
+
+def test_sliding_window_releases_blocks_out_of_reach() -> None:
+    bm = BlockSpaceManager(4, 8, 4, watermark=0.0, sliding_window=6)
+    g = make_group("a", 10)
+    bm.allocate(g)
+    seq = g.seqs[0]
+    seq.update_num_computed_tokens(10)
+    assert bm.reclaim_out_of_window(seq) == 1  # next query at 9 reads 4..9: block 0 is dead
+    assert bm.get_num_free_device_blocks() == 6
+    for t in range(6):  # decode up to 16 tokens
+        seq.output_token_ids.append(t)
+        bm.append_slots(seq)
+        seq.update_num_computed_tokens(1)
+        bm.reclaim_out_of_window(seq)
+    table = bm.get_block_table(seq)
+    assert len(table) == 4  # positions still map to table[pos // block_size]
+    assert bm.get_num_free_device_blocks() == 8 - 2  # only the last two blocks are live
+    bm.free(seq)
+    assert bm.get_num_free_device_blocks() == 8

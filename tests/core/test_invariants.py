@@ -28,10 +28,9 @@ def check_invariants(s: Scheduler) -> None:
     host_refs: Counter[int] = Counter()
     for g in live:
         for seq in g.seqs:
-            table = bm.block_tables.get(seq.seq_id)
-            if table is None:
+            if seq.seq_id not in bm.block_tables:
                 continue
-            (host_refs if g in s.swapped else device_refs).update(table)
+            (host_refs if g in s.swapped else device_refs).update(bm._live(seq.seq_id))
     # Every reference a sequence holds is counted once, and no free block is owned.
     for pool, refs in ((bm.device, device_refs), (bm.host, host_refs)):
         for block in range(pool.num_blocks):
@@ -49,9 +48,14 @@ def check_invariants(s: Scheduler) -> None:
     mode=st.sampled_from(["recompute", "swap", None]),
     chunked=st.booleans(),
     caching=st.booleans(),
+    window=st.sampled_from([None, 6]),
 )
 def test_random_traffic_keeps_invariants(
-    actions: list[tuple[str, int, int]], mode: str | None, chunked: bool, caching: bool
+    actions: list[tuple[str, int, int]],
+    mode: str | None,
+    chunked: bool,
+    caching: bool,
+    window: int | None,
 ) -> None:
     s = make_scheduler(
         num_blocks=12,

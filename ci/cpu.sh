@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The "cpu" leg of the CI matrix: core, CPU backend (C++ kernels), models, engine, server,
+# tensor parallelism, in the main .venv (torch 2.13.0 CPU build). Benchmarks run in --smoke mode.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PY="$VENV/bin/python"
+"$PY" -m pytest -q -p no:cacheprovider -m "not gpu and not xpu" tests "$@"
+for bench in benchmarks/throughput.py benchmarks/attention_cpu.py benchmarks/engine_overhead.py \
+             benchmarks/prefix_caching.py benchmarks/chunked_prefill.py benchmarks/serving.py; do
+    if [ -f "$bench" ]; then
+        "$PY" "$bench" --smoke > /dev/null
+        echo "benchmark smoke run ok: $bench"
+    fi
+done
