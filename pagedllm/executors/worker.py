@@ -72,7 +72,8 @@ class Worker:
         from pagedllm.layers.attention import Attention
 
         assert self.runner is not None
-        windows = {m.sliding_window for m in self.runner.model.modules() if isinstance(m, Attention)}
+        model = self.runner.model
+        windows = {m.sliding_window for m in model.modules() if isinstance(m, Attention)}
         return windows.pop() if len(windows) == 1 else None
 
     def attention_name(self) -> str:
