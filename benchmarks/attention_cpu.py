@@ -9,8 +9,9 @@ permutation, as after a while of serving):
 * ``sdpa_gqa`` / ``sdpa_expanded``: ``scaled_dot_product_attention`` on contiguous K/V, with
   ``enable_gqa=True`` and with K/V pre-expanded to all query heads (what it reads is not paged).
 
-It also measures the machine's copy bandwidth (a large ``clone``, read + write bytes per second)
-and reports the kernel's KV bytes read per second against it. Prints one JSON object.
+It also measures the machine's memory bandwidth in the same run (a large ``copy_``, read + write
+bytes per second, and a read-only ``sum``) and reports the kernel's KV bytes read per second
+against both. Prints one JSON object.
 
     python benchmarks/attention_cpu.py            # batch 32, context 512 and 2048, d=128, 8q/2kv
     python benchmarks/attention_cpu.py --smoke    # tiny shapes, a few seconds (CI)
@@ -45,11 +46,16 @@ def bench(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-def copy_bandwidth(num_bytes: int, reps: int) -> float:
-    """Bytes moved per second (read + write) by cloning a large float32 tensor."""
-    x = torch.ones(num_bytes // 4)
-    secs = bench(x.clone, reps)
-    return 2 * num_bytes / secs
+def memory_bandwidth(num_bytes: int, reps: int) -> tuple[float, float]:
+    """(copy, read) bytes per second: ``dst.copy_(src)`` counting read + write, and ``sum()``.
+
+    Buffers are allocated (and faulted in) once: a ``clone`` would mostly time page faults.
+    """
+    src = torch.ones(num_bytes // 4)
+    dst = torch.empty_like(src)
+    copy = 2 * num_bytes / bench(lambda: dst.copy_(src), reps)
+    read = num_bytes / bench(src.sum, reps)
+    return copy, read
 
 
 def decode_case(
@@ -77,11 +83,24 @@ def decode_case(
 
 
 def run_case(
-    *, batch: int, ctx: int, heads: int, kv_heads: int, head_size: int, block_size: int,
-    reps: int, with_reference: bool, copy_bw: float,
+    *,
+    batch: int,
+    ctx: int,
+    heads: int,
+    kv_heads: int,
+    head_size: int,
+    block_size: int,
+    reps: int,
+    with_reference: bool,
+    copy_bw: float,
+    read_bw: float,
 ) -> dict[str, object]:
     query, cache, meta = decode_case(
-        batch=batch, ctx=ctx, heads=heads, kv_heads=kv_heads, head_size=head_size,
+        batch=batch,
+        ctx=ctx,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_size=head_size,
         block_size=block_size,
     )
     scale = head_size**-0.5
@@ -131,6 +150,7 @@ def run_case(
         "kv_bytes": kv_bytes,
         "cpp_kv_read_gbps": round(kv_bytes / times["cpp"] / 1e9, 2),
         "cpp_kv_read_vs_copy_bw": round(kv_bytes / times["cpp"] / copy_bw, 2),
+        "cpp_kv_read_vs_read_bw": round(kv_bytes / times["cpp"] / read_bw, 2),
     }
 
 
@@ -153,12 +173,21 @@ def main(argv: list[str] | None = None) -> None:
     if args.smoke:
         args.batch, args.contexts, args.head_size, args.reps = 2, [40], 64, 3
         args.with_reference = True
-    copy_bw = copy_bandwidth(16 << 20 if args.smoke else 512 << 20, 3 if args.smoke else 5)
+    copy_bw, read_bw = memory_bandwidth(
+        16 << 20 if args.smoke else 512 << 20, 3 if args.smoke else 5
+    )
     cases = [
         run_case(
-            batch=args.batch, ctx=ctx, heads=args.heads, kv_heads=args.kv_heads,
-            head_size=args.head_size, block_size=args.block_size, reps=args.reps,
-            with_reference=args.with_reference, copy_bw=copy_bw,
+            batch=args.batch,
+            ctx=ctx,
+            heads=args.heads,
+            kv_heads=args.kv_heads,
+            head_size=args.head_size,
+            block_size=args.block_size,
+            reps=args.reps,
+            with_reference=args.with_reference,
+            copy_bw=copy_bw,
+            read_bw=read_bw,
         )
         for ctx in args.contexts
     ]
@@ -166,6 +195,7 @@ def main(argv: list[str] | None = None) -> None:
         "threads": torch.get_num_threads(),
         "avx2": CppPagedAttention().uses_avx2,
         "copy_bandwidth_gbps": round(copy_bw / 1e9, 2),
+        "read_bandwidth_gbps": round(read_bw / 1e9, 2),
         "cases": cases,
     }
     print(json.dumps(report, indent=2))

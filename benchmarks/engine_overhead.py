@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import FULL_MODEL, SMOKE_MODEL, build_model  # noqa: E402
+from throughput import FULL_MODEL, SMOKE_MODEL, build_model
 
-from pagedllm import Engine, SamplingParams  # noqa: E402
-from pagedllm.core.interfaces import ModelRunnerOutput, SampledToken, SchedulerOutput  # noqa: E402
-from pagedllm.executors.inputs import flatten  # noqa: E402
+from pagedllm import Engine, SamplingParams
+from pagedllm.core.interfaces import ModelRunnerOutput, SampledToken, SchedulerOutput
+from pagedllm.executors.inputs import flatten
 
 
 def fill(engine: Engine, num_seqs: int, prompt_len: int, vocab: int) -> None:
@@ -44,7 +44,7 @@ def time_steps(engine: Engine, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def fake_executor(engine: Engine):  # noqa: ANN201
+def fake_executor(engine: Engine):
     """Input preparation as the real runner does it, then an instant 'model'."""
     worker = engine.executor.worker  # type: ignore[attr-defined]
     runner = worker.runner

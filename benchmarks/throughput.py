@@ -41,12 +41,14 @@ class Request:
     output_len: int
 
 
-def build_model(folder: Path, spec: dict[str, Any]) -> Path:
+def build_model(folder: Path, spec: dict[str, Any], max_positions: int = 1024) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if (folder / "config.json").exists():
         return folder
-    config = LlamaConfig(max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, **spec)
+    config = LlamaConfig(
+        max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=2, **spec
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).to(torch.float32).save_pretrained(str(folder))
     return folder

@@ -1,0 +1,274 @@
+"""Serving benchmark: a fixed set of streaming requests at a chosen concurrency; JSON out.
+
+    # against a running server
+    python benchmarks/serving.py --base-url http://127.0.0.1:8000 --num-requests 64 \\
+        --concurrency 8 --input-len 64 --output-len 128
+    # start `pagedllm serve MODEL ...` for the run (extra serve flags after --)
+    python benchmarks/serving.py --launch ./my-llama -- --device cuda --max-num-seqs 64
+    # CI: a tiny random model on the CPU, a few requests, exit 1 on any failure
+    python benchmarks/serving.py --smoke
+
+Prompts are built from a fixed word list with a seeded RNG, so every run sends the same requests.
+Requests ask for ``ignore_eos`` so each produces exactly ``--output-len`` tokens. Reported:
+request and token throughput, time to first token (TTFT), inter-token latency (ITL: gaps between
+streamed chunks), time per output token (TPOT) and end-to-end latency, as percentiles in ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from pagedllm.config import env_api_key
+
+_TEXT = (
+    "the quick brown fox jumps over lazy dog paged attention keeps cache in fixed size blocks "
+    "continuous batching schedules every iteration anew def return import print while for "
+    "class self value list dict token model server request stream latency throughput memory "
+    "kernel block table slot mapping prefill decode sampler logits softmax"
+)
+WORDS = _TEXT.split()
+
+
+@dataclass
+class Result:
+    ok: bool
+    error: str = ""
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+
+def make_prompts(n: int, words: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(n)]
+
+
+async def one_request(client: httpx.AsyncClient, model: str, prompt: str, output_len: int,
+                      headers: dict[str, str]) -> Result:
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    last, res = start, Result(ok=False)
+    try:
+        async with client.stream("POST", "/v1/completions", json=body, headers=headers) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    res.error = event["error"]["message"]
+                    return res
+                now = time.perf_counter()
+                if event.get("choices") and event["choices"][0]["text"]:
+                    if res.ttft == 0.0:
+                        res.ttft = now - start
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+                if event.get("usage"):
+                    res.prompt_tokens = event["usage"]["prompt_tokens"]
+                    res.output_tokens = event["usage"]["completion_tokens"]
+    except httpx.HTTPError as exc:
+        res.error = f"{type(exc).__name__}: {exc}"
+        return res
+    res.e2e = time.perf_counter() - start
+    res.ok = res.output_tokens > 0
+    if not res.ok:
+        res.error = "no usage reported"
+    return res
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    ordered = sorted(values)
+
+    def pct(p: float) -> float:
+        return 1e3 * ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
+
+    return {"mean": 1e3 * statistics.fmean(ordered), "p50": pct(50), "p90": pct(90),
+            "p99": pct(99), "max": 1e3 * ordered[-1]}
+
+
+async def run_benchmark(base_url: str, model: str | None, prompts: list[str], output_len: int,
+                        concurrency: int, api_key: str | None) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
+        if model is None:
+            r = await client.get("/v1/models", headers=headers)
+            r.raise_for_status()
+            model = r.json()["data"][0]["id"]
+        gate = asyncio.Semaphore(concurrency)
+
+        async def limited(prompt: str) -> Result:
+            async with gate:
+                return await one_request(client, model, prompt, output_len, headers)
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(limited(p) for p in prompts))
+        duration = time.perf_counter() - start
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    return {
+        "model": model, "num_requests": len(results), "completed": len(ok),
+        "failed": len(results) - len(ok), "errors": sorted({r.error for r in results if r.error}),
+        "concurrency": concurrency, "duration_s": duration,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": out_tokens / duration,
+        "total_token_throughput": (in_tokens + out_tokens) / duration,
+        "prompt_tokens": in_tokens, "output_tokens": out_tokens,
+        "ttft_ms": percentiles([r.ttft for r in ok]),
+        "itl_ms": percentiles([t for r in ok for t in r.itl]),
+        "tpot_ms": percentiles(tpot),
+        "e2e_ms": percentiles([r.e2e for r in ok]),
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(model: str, extra: list[str], port: int) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", model,
+           "--host", "127.0.0.1", "--port", str(port), *extra]
+    print("launching:", " ".join(cmd), file=sys.stderr)
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.Popen(cmd, stdout=sys.stderr, stderr=sys.stderr, env=env)
+
+
+def wait_healthy(base_url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with status {proc.returncode}")
+        try:
+            if httpx.get(base_url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise SystemExit(f"the server was not healthy after {timeout:.0f}s")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def build_tiny_model(folder: Path) -> Path:
+    """A random-weight two-layer Llama with a small byte-level BPE tokenizer (for --smoke)."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(make_prompts(200, 12, seed=1), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(str(folder))
+    config = LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, bos_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(str(folder))
+    return folder
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1:]
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    target = p.add_mutually_exclusive_group()
+    target.add_argument("--base-url", default="http://127.0.0.1:8000",
+                        help="a running server (default http://127.0.0.1:8000)")
+    target.add_argument("--launch", metavar="MODEL", help="start `pagedllm serve MODEL`")
+    target.add_argument("--smoke", action="store_true",
+                        help="tiny random model on the CPU, a few requests (for CI)")
+    p.add_argument("--model", help="model name to request (default: the server's first)")
+    p.add_argument("--api-key", default=env_api_key(),
+                   help="bearer key (default: $PAGEDLLM_API_KEY)")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--input-len", type=int, default=64, help="words per prompt")
+    p.add_argument("--output-len", type=int, default=128, help="tokens per response")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--startup-timeout", type=float, default=600)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.num_requests, args.concurrency = 8, 4
+        args.input_len, args.output_len = 16, 16
+    return args, extra
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, extra = parse_args(argv)
+    prompts = make_prompts(args.num_requests, args.input_len, args.seed)
+    proc = None
+    with tempfile.TemporaryDirectory() as tmp:
+        base_url = args.base_url
+        if args.smoke or args.launch:
+            model = args.launch
+            if args.smoke:
+                model = str(build_tiny_model(Path(tmp) / "tiny-llama"))
+                extra = ["--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "128",
+                         "--block-size", "16", "--max-model-len", "256", *extra]
+            port = free_port()
+            base_url = f"http://127.0.0.1:{port}"
+            proc = launch(model, extra, port)
+        try:
+            if proc is not None:
+                wait_healthy(base_url, proc, args.startup_timeout)
+            report = asyncio.run(run_benchmark(base_url, args.model, prompts, args.output_len,
+                                               args.concurrency, args.api_key))
+        finally:
+            if proc is not None:
+                stop(proc)
+    print(json.dumps(report, indent=2))
+    if args.smoke:
+        bad = report["failed"] or report["output_tokens"] != args.num_requests * args.output_len
+        if bad or (proc is not None and proc.returncode != 0):
+            print("smoke test FAILED", file=sys.stderr)
+            return 1
+    return 0 if report["failed"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
