@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prefix_caching import percentile  # noqa: E402
-from throughput import FULL_MODEL, SMOKE_MODEL, build_model  # noqa: E402
+from prefix_caching import percentile
+from throughput import FULL_MODEL, SMOKE_MODEL, build_model
 
-from pagedllm import Engine, SamplingParams  # noqa: E402
+from pagedllm import Engine, SamplingParams
 
 
 def run(model: Path, args: argparse.Namespace, vocab: int, chunked: bool) -> dict:

@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import FULL_MODEL, SMOKE_MODEL, build_model  # noqa: E402
+from throughput import FULL_MODEL, SMOKE_MODEL, build_model
 
-from pagedllm import Engine, SamplingParams  # noqa: E402
+from pagedllm import Engine, SamplingParams
 
 
 def percentile(values: list[float], q: float) -> float:
