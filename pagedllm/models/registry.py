@@ -10,6 +10,12 @@ _MODELS: dict[str, str] = {
     "LlamaForCausalLM": "pagedllm.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "pagedllm.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "pagedllm.models.llama:LlamaForCausalLM",
+    "Qwen3ForCausalLM": "pagedllm.models.qwen3:Qwen3ForCausalLM",
+    "OPTForCausalLM": "pagedllm.models.opt:OPTForCausalLM",
+    "GPT2LMHeadModel": "pagedllm.models.gpt2:GPT2LMHeadModel",
+    "PhiForCausalLM": "pagedllm.models.phi:PhiForCausalLM",
+    "Phi3ForCausalLM": "pagedllm.models.phi:Phi3ForCausalLM",
+    "GemmaForCausalLM": "pagedllm.models.gemma:GemmaForCausalLM",
 }
 
 

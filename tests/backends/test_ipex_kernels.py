@@ -47,7 +47,9 @@ def ipex_test(fn: Callable[..., None]) -> Callable[..., None]:
 
 
 DEVICES = ["cpu"] + (["xpu"] if XpuBackend.is_available() else [])
-ATOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+# (atol, rtol). Half precision: the output itself is rounded to the dtype, so allow ~2 ulps
+# relative (bf16 has 8 significant bits, fp16 11) on top of a small absolute floor.
+TOL = {torch.float32: (1e-4, 0.0), torch.bfloat16: (1e-2, 1.6e-2), torch.float16: (1e-3, 2e-3)}
 SCALE = 0.125
 
 
@@ -60,10 +62,10 @@ def attn() -> IpexPagedAttention:
 
 def _check(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     diff = (actual.float().cpu() - expected.float().cpu()).abs().max().item()
-    atol = ATOL[actual.dtype]
+    atol, rtol = TOL[actual.dtype]
     torch.testing.assert_close(
-        actual.float().cpu(), expected.float().cpu(), atol=atol, rtol=0,
-        msg=f"{what}: max abs diff {diff:.3e} > {atol:g}",
+        actual.float().cpu(), expected.float().cpu(), atol=atol, rtol=rtol,
+        msg=f"{what}: max abs diff {diff:.3e} (atol {atol:g}, rtol {rtol:g})",
     )
 
 
@@ -212,9 +214,9 @@ def test_mixed_batch_sliding_window(attn, device: str, window: int | None) -> No
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_half_precision(attn, device: str, dtype: torch.dtype) -> None:
-    """Looser bounds: the reference rounds a float32 result once, IPEX accumulates in its own
-    order and rounds probabilities to the input dtype (bf16 has 8 mantissa bits: 2e-2 is about
-    two ulps at |out| ~ 1)."""
+    """Looser bounds (see TOL): the reference rounds a float32 result once; IPEX accumulates in
+    its own order and may round intermediates to the input dtype. Measured: bf16 7.8e-3 and fp16
+    2.0e-3 max abs diff at |out| up to ~3, i.e. one ulp of the output."""
     seqs = [(10, 12), (0, 21), (40, 1), (70, 1)]
     _run_and_compare(attn, seqs, 2, f"mixed batch {dtype}", block_size=16, num_heads=8,
                      num_kv_heads=2, head_size=128, dtype=dtype, device=device)

@@ -370,6 +370,49 @@ def test_cuda_backend_surface() -> None:
     assert backend.default_dtype(torch.float32) in (torch.bfloat16, torch.float16)
 
 
+def test_decode_partition_size_fills_the_gpu(ops, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Few (seq, KV head) pairs with long contexts get more, smaller partitions."""
+    assert ops.decode_partition_size(4096, 1, 1, torch.device("cpu")) == 512
+    props = type("Props", (), {"multi_processor_count": 132})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev=None: props)
+    gpu = torch.device("cuda", 0)
+    assert ops.decode_partition_size(512, 32, 2, gpu) == 128  # 64 pairs x 5 parts >= 264
+    assert ops.decode_partition_size(2048, 32, 2, gpu) == 512
+    assert ops.decode_partition_size(100, 256, 8, gpu) == 128  # busy already: one partition
+    assert ops.decode_partition_size(40, 256, 8, gpu) == 64  # the floor
+    assert ops.decode_partition_size(32768, 1, 1, gpu) == 128  # one pair: 256 programs
+    assert ops.decode_partition_size(8192, 64, 2, gpu) == 512  # the ceiling
+
+
+def test_cuda_kv_budget_accounts_for_everything_in_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Budget = total x util - held before (weights, context) - activation peak - non-torch.
+
+    The CUDA allocator is faked so the arithmetic is checked on any machine.
+    """
+    from pagedllm.backends.gpu.backend import CudaBackend
+
+    gib = 1 << 30
+    state = {"free": 80 * gib, "alloc": 18 * gib, "peak": 18 * gib, "reserved": 19 * gib}
+
+    def profile() -> None:  # 5 GiB of activations, 6 GiB more reserved, 1 GiB outside torch
+        state["peak"] = state["alloc"] + 5 * gib
+        state["reserved"] += 6 * gib
+        state["free"] -= 7 * gib
+
+    cuda = torch.cuda
+    monkeypatch.setattr(cuda, "mem_get_info", lambda dev=None: (state["free"], 100 * gib))
+    monkeypatch.setattr(cuda, "memory_allocated", lambda dev=None: state["alloc"])
+    monkeypatch.setattr(cuda, "max_memory_allocated", lambda dev=None: state["peak"])
+    monkeypatch.setattr(cuda, "memory_reserved", lambda dev=None: state["reserved"])
+    monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda dev=None: None)
+    monkeypatch.setattr(cuda, "synchronize", lambda dev=None: None)
+    monkeypatch.setattr(cuda, "empty_cache", lambda: None)
+    budget = CudaBackend().kv_cache_budget_bytes(
+        profile=profile, gpu_memory_utilization=0.9, cpu_kv_cache_bytes=0
+    )
+    assert budget == 90 * gib - 20 * gib - 5 * gib - 1 * gib, budget / gib
+
+
 def _run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     return subprocess.run(
@@ -397,6 +440,21 @@ def test_import_without_triton() -> None:
     res = _run_python(code)
     assert res.returncode == 0, res.stderr
     assert "IMPORT attention_backend='triton' needs the triton package" in res.stdout
+
+
+def test_cpu_tensors_without_interpreter_fail_clearly() -> None:
+    code = (
+        "import torch\n"
+        "from pagedllm.backends.gpu.triton_ops import reshape_and_cache\n"
+        "k = torch.zeros(1, 1, 16)\n"
+        "try:\n"
+        "    reshape_and_cache(k, k, torch.zeros(2, 1, 1, 16, 16), torch.zeros(1).long())\n"
+        "except RuntimeError as e:\n"
+        "    print('ERR', e)\n"
+    )
+    res = _run_python(code)
+    assert res.returncode == 0, res.stderr
+    assert "ERR Triton kernels got cpu tensors" in res.stdout, res.stdout
 
 
 def test_kernels_compile_for_nvidia_targets(tmp_path) -> None:

@@ -34,16 +34,20 @@ class TritonPagedAttention(AttentionBackend):
 
     ``partition_size`` is the number of context tokens one decode program covers: contexts longer
     than that are split across programs and combined by a reduction kernel, which keeps the GPU
-    busy when the batch is small but the contexts are long.
+    busy when the batch is small but the contexts are long. ``None`` lets the launcher size it
+    from the batch and the device's SM count.
     """
 
     name = "triton"
+    #: Used when no ``partition_size`` is given (the engine constructs the backend without
+    #: arguments); engine-level tests set it to engage split-K on short contexts.
+    default_partition_size: int | None = None
 
     def __init__(
-        self, *, partition_size: int = 512, prefill_block_m: int = 64, tile_n: int = 64
+        self, *, partition_size: int | None = None, prefill_block_m: int = 64, tile_n: int = 64
     ) -> None:
         self._ops = _load_ops()
-        self.partition_size = partition_size
+        self.partition_size = partition_size or self.default_partition_size
         self.prefill_block_m = prefill_block_m
         self.tile_n = tile_n
 

@@ -102,6 +102,43 @@ class CudaBackend(DeviceBackend):
         torch.cuda.synchronize(dev)
         return max(0, int(torch.cuda.max_memory_allocated(dev)) - int(before))
 
+    def kv_cache_budget_bytes(
+        self,
+        *,
+        profile: Callable[[], object],
+        gpu_memory_utilization: float,
+        cpu_kv_cache_bytes: int,
+        rank: int = 0,
+    ) -> int:
+        """``total * utilization`` minus everything in use at the profiled peak.
+
+        In use = what the device already held before profiling (weights, CUDA context, other
+        processes: ``total - free``) + the allocator's activation peak during ``profile`` + memory
+        that grew outside PyTorch's allocator meanwhile (cuBLAS workspaces, NCCL buffers).
+        """
+        dev = self.device(rank)
+        torch.cuda.empty_cache()
+        free_before, total = torch.cuda.mem_get_info(dev)
+        reserved_before = torch.cuda.memory_reserved(dev)
+        activation_peak = self.profile_peak_bytes(profile, rank)
+        free_after, _ = torch.cuda.mem_get_info(dev)
+        reserved_after = torch.cuda.memory_reserved(dev)
+        outside_torch = max(0, (free_before - free_after) - (reserved_after - reserved_before))
+        torch.cuda.empty_cache()  # hand the profiling activations back before the KV cache
+        in_use = (total - free_before) + activation_peak + outside_torch
+        budget = int(total * gpu_memory_utilization) - int(in_use)
+        gib = float(1 << 30)
+        logger.info(
+            "KV budget %.2f GiB = %.2f GiB x %.2f - held %.2f - activations %.2f - other %.2f",
+            budget / gib,
+            total / gib,
+            gpu_memory_utilization,
+            (total - free_before) / gib,
+            activation_peak / gib,
+            outside_torch / gib,
+        )
+        return max(0, budget)
+
     def synchronize(self, rank: int = 0) -> None:
         torch.cuda.synchronize(self.device(rank))
 

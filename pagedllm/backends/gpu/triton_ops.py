@@ -22,6 +22,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 from pagedllm.backends.gpu.checks import (
     check_attention_inputs,
@@ -269,6 +270,15 @@ def _pow2(n: int, floor: int = 1) -> int:
     return max(floor, triton.next_power_of_2(n))
 
 
+def _check_runnable(device: torch.device) -> None:
+    """Off CUDA the kernels only run interpreted; say so instead of failing deep in triton."""
+    if device.type != "cuda" and not isinstance(_prefill_kernel, InterpretedFunction):
+        raise RuntimeError(
+            f"Triton kernels got {device.type} tensors: they need a CUDA device, or "
+            "TRITON_INTERPRET=1 set before triton is first imported (tests, CPU debugging)"
+        )
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     # float32 stays exact ("ieee"); tf32 would cost ~1e-3 relative error. Halves ignore it.
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -292,6 +302,7 @@ def reshape_and_cache(
         )
     if key.shape[0] == 0:
         return
+    _check_runnable(key.device)
     _reshape_and_cache_kernel[(key.shape[0],)](
         key, value, kv_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
@@ -299,6 +310,22 @@ def reshape_and_cache(
         kvh, head_size,
         BLOCK_SIZE=block_size, BLOCK_H=_pow2(kvh), BLOCK_D=_pow2(head_size),
     )
+
+
+def decode_partition_size(
+    max_seq_len: int, num_seqs: int, num_kv_heads: int, device: torch.device
+) -> int:
+    """Context tokens per decode program: enough programs to fill the GPU twice over.
+
+    A batch with few (sequence, KV head) pairs but long contexts would leave most SMs idle with
+    one program per pair; splitting each context into partitions fixes that, at the price of a
+    small reduction. Powers of 2 from 64 to 512; 512 off the GPU (nothing to fill).
+    """
+    if device.type != "cuda":
+        return 512
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    parts = max(1, math.ceil(2 * sms / max(1, num_seqs * num_kv_heads)))
+    return min(512, max(64, triton.next_power_of_2(math.ceil(max_seq_len / parts))))
 
 
 def paged_decode_attention(
@@ -310,19 +337,22 @@ def paged_decode_attention(
     scale: float,
     *,
     sliding_window: int | None = None,
-    partition_size: int = 512,
+    partition_size: int | None = None,
     tile_n: int = 64,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_size]
     """Decode attention; contexts over ``partition_size`` tokens are split across programs.
 
     ``max_seq_len`` (a Python int the scheduler already knows) sizes the grid without reading
-    ``seq_lens`` back from the device.
+    ``seq_lens`` back from the device. ``partition_size=None`` picks one for the device
+    (:func:`decode_partition_size`).
     """
     kvh, block_size, head_size, group = check_attention_inputs(
         query, kv_cache, block_tables, seq_lens
     )
     window = sliding_window_arg(sliding_window)
+    if partition_size is None:
+        partition_size = decode_partition_size(max_seq_len, seq_lens.shape[0], kvh, query.device)
     tile = min(tile_n, partition_size)
     if tile < 16 or tile & (tile - 1) or partition_size % tile:
         raise ValueError(f"partition_size {partition_size} must be a multiple of a power-of-2 "
@@ -335,6 +365,7 @@ def paged_decode_attention(
     check_tokens("out", out, num_heads, head_size)
     if num_seqs == 0:
         return out
+    _check_runnable(query.device)
     num_parts = max(1, math.ceil(max_seq_len / partition_size))
     split = num_parts > 1
     block_d = _pow2(head_size, 16)
@@ -408,6 +439,7 @@ def prefill_attention(
     check_tokens("out", out, query.shape[1], head_size)
     if num_seqs == 0 or max_query_len == 0:
         return out
+    _check_runnable(query.device)
     block_g = _pow2(group)
     block_q = max(1, block_m // block_g)
     grid = (triton.cdiv(max_query_len, block_q), num_seqs, kvh)

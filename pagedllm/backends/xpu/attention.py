@@ -11,7 +11,8 @@ caches the IPEX ops read and write.
 
 Ops and the conventions checked against ``backends/reference.py`` (IPEX 2.8, CPU):
 
-* ``reshape_and_cache``: writes new tokens at their slots;
+* ``reshape_and_cache``: writes new tokens at their slots. On CPU it does not skip slot -1
+  (a padding token) but writes out of bounds, so ``write_kv`` drops such tokens first;
 * ``single_query_cached_kv_attention``: decodes; ``window_size`` equals our ``sliding_window``
   (the query itself plus ``sliding_window - 1`` earlier tokens);
 * ``flash_attn_varlen_func`` with ``block_tables``: prompt chunks, reading every key from the

@@ -1,0 +1,63 @@
+"""Qwen3 (dense): Llama's layers plus an RMSNorm over each head of q and k before the rotation.
+
+There are no q/k/v biases (unlike Qwen2); ``head_dim`` is explicit (128 on every size) and
+sliding windows are per layer (``layer_types``), both handled by the Llama code.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pagedllm.backends.base import AttentionBackend, AttentionMetadata
+from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.parallel import SINGLE, TPContext
+from pagedllm.layers.rotary import RotaryEmbedding
+from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM
+
+
+class Qwen3Attention(LlamaAttention):
+    def __init__(
+        self,
+        config: Any,
+        layer_idx: int,
+        backend: AttentionBackend,
+        rotary: RotaryEmbedding,
+        *,
+        tp: TPContext,
+    ) -> None:
+        bias = bool(getattr(config, "attention_bias", False))
+        super().__init__(config, layer_idx, backend, rotary, qkv_bias=bias, tp=tp)
+        self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        hidden: torch.Tensor,  # [num_tokens, hidden]
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        n = hidden.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q, _ = self.q_norm(q.reshape(n, self.num_heads, self.head_size))
+        k, _ = self.k_norm(k.reshape(n, self.num_kv_heads, self.head_size))
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q.reshape(n, -1), k.reshape(n, -1), v, kv_cache, meta)
+        return self.o_proj(out)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    def __init__(
+        self,
+        config: Any,
+        *,
+        attn_backend: AttentionBackend,
+        tp: TPContext = SINGLE,
+        max_position: int | None = None,
+    ) -> None:
+        super().__init__(config, attn_backend=attn_backend, tp=tp, max_position=max_position)
+        # Llama builds plain attention; swap in the normed one (parameters are not loaded yet).
+        for i, layer in enumerate(self.layers):
+            layer.self_attn = Qwen3Attention(config, i, attn_backend, self.rotary, tp=tp)

@@ -1,0 +1,223 @@
+"""OPT, GPT-2, Phi, Phi-3, Gemma, Qwen3 and sliding-window Mistral equal transformers.
+
+Each family is a tiny random model (hidden 64, 2 layers) saved with ``save_pretrained`` and run
+through the whole engine on a mixed batch of prompts; greedy tokens must equal transformers'
+(``assert_greedy_match``) and first-step logprobs agree within 1e-4. Unlike the shared
+``build_model``, 1-d parameters (biases, norm weights) are randomised too, so a bias loaded into
+the wrong place, or a Gemma norm missing its ``1 +``, changes the tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pagedllm import Engine, SamplingParams
+from pagedllm.models.loading import CheckpointError
+from pagedllm.models.registry import resolve_model_class, supported_architectures
+from tests.conftest import PROMPTS, build_tokenizer
+from tests.hf_reference import assert_first_logprobs_close, assert_greedy_match, hf_greedy
+
+MAX_NEW = 10
+WINDOW = 8
+
+# name -> (transformers config class name, config fields, engine block size). Head sizes vary:
+# 16, 32 (OPT-350m style with project_in/out), 8 (GPT-2), 16 with 8 rotary dims (Phi),
+# 16 with 12 rotary dims and GQA (Phi-3), 32 with q wider than hidden (Gemma), 16 (Qwen3).
+FAMILIES: dict[str, tuple[str, dict[str, Any], int]] = {
+    "opt": ("OPTConfig", dict(
+        hidden_size=64, num_attention_heads=4, ffn_dim=128, num_hidden_layers=2,
+        do_layer_norm_before=True, word_embed_proj_dim=64,
+    ), 16),
+    "opt350m": ("OPTConfig", dict(
+        hidden_size=64, num_attention_heads=2, ffn_dim=96, num_hidden_layers=2,
+        do_layer_norm_before=False, word_embed_proj_dim=32,
+    ), 8),
+    "gpt2": ("GPT2Config", dict(
+        n_embd=64, n_head=8, n_layer=2, n_positions=512, activation_function="gelu_new",
+    ), 16),
+    "phi": ("PhiConfig", dict(
+        hidden_size=64, num_attention_heads=4, intermediate_size=128, num_hidden_layers=2,
+        partial_rotary_factor=0.5, hidden_act="gelu_new",
+    ), 8),
+    "phi3": ("Phi3Config", dict(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+        num_hidden_layers=2, partial_rotary_factor=0.75, tie_word_embeddings=False,
+    ), 16),
+    "gemma": ("GemmaConfig", dict(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+        intermediate_size=128, num_hidden_layers=2, hidden_act="gelu_pytorch_tanh",
+    ), 8),
+    "qwen3": ("Qwen3Config", dict(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=96, num_hidden_layers=2, tie_word_embeddings=True,
+    ), 16),
+    "mistral_window": ("MistralConfig", dict(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        num_hidden_layers=2, sliding_window=WINDOW, tie_word_embeddings=False,
+    ), 8),
+}
+
+
+def make_config(name: str, vocab_size: int, **overrides: Any) -> Any:
+    import transformers
+
+    cls_name, fields, _ = FAMILIES[name]
+    kwargs: dict[str, Any] = dict(
+        vocab_size=vocab_size, bos_token_id=0, eos_token_id=1, pad_token_id=2
+    )
+    if cls_name != "GPT2Config":
+        kwargs["max_position_embeddings"] = 512
+    kwargs.update(fields)
+    kwargs.update(overrides)
+    return getattr(transformers, cls_name)(**kwargs)
+
+
+def build_family(folder: Path, name: str) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(folder)
+    config = make_config(name, len(tokenizer))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)  # separate greedy choices, as build_model does
+            else:
+                p.add_(torch.randn_like(p), alpha=0.1)  # biases and norm weights count too
+    model.save_pretrained(str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def family_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("families")
+    return {name: build_family(root / name, name) for name in FAMILIES}
+
+
+def prompt_ids(path: Path) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    return [tok.encode(p) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_greedy_matches_transformers(family_paths: dict[str, Path], name: str) -> None:
+    path = family_paths[name]
+    ids = prompt_ids(path)
+    refs = hf_greedy(path, ids, MAX_NEW)
+    block_size = FAMILIES[name][2]
+    engine = Engine(str(path), device="cpu", dtype="float32", block_size=block_size)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=5)
+    outs = engine.generate([{"prompt_token_ids": i} for i in ids], params, use_tqdm=False)
+    for i, (out, ref) in enumerate(zip(outs, refs, strict=True)):
+        comp = out.outputs[0]
+        label = f"{name}/bs{block_size} prompt {i}"
+        assert_greedy_match(comp.token_ids, ref, label)
+        assert_first_logprobs_close(comp.logprobs[0], ref, label)
+    bm = engine.block_manager
+    assert bm.get_num_free_device_blocks() == bm.num_device_blocks
+
+
+def test_sliding_window_is_live_in_reference(family_paths: dict[str, Path]) -> None:
+    """The Mistral comparison means something: transformers' output depends on the window.
+
+    With the window removed the same weights must give different logits on a prompt longer than
+    the window, and eager and sdpa attention (the reference's default) must agree with it on.
+    """
+    from transformers import AutoModelForCausalLM
+
+    path = family_paths["mistral_window"]
+    ids = max(prompt_ids(path), key=len)
+    assert len(ids) > 2 * WINDOW, f"prompt of {len(ids)} tokens does not exceed the window"
+    x = torch.tensor([ids])
+    logits = {}
+    for impl, window in (("sdpa", WINDOW), ("eager", WINDOW), ("sdpa", None)):
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=torch.float32, attn_implementation=impl, sliding_window=window
+        ).eval()
+        with torch.no_grad():
+            logits[impl, window] = model(x).logits[0]  # [seq, vocab]
+    windowed, eager, full = logits["sdpa", WINDOW], logits["eager", WINDOW], logits["sdpa", None]
+    diff = (windowed - eager).abs().max().item()
+    assert diff < 1e-4, f"eager and sdpa differ by {diff:.2e} with a sliding window"
+    inside = (windowed[:WINDOW] - full[:WINDOW]).abs().max().item()
+    outside = (windowed[WINDOW:] - full[WINDOW:]).abs().max().item()
+    assert inside < 1e-4, f"positions inside the window differ by {inside:.2e}"
+    assert outside > 1e-2, f"window has no effect past position {WINDOW} (max diff {outside:.2e})"
+
+
+def test_unsupported_architecture_lists_supported() -> None:
+    with pytest.raises(ValueError, match="not supported") as info:
+        resolve_model_class(["BloomForCausalLM"])
+    message = str(info.value)
+    for arch in ("OPTForCausalLM", "GPT2LMHeadModel", "PhiForCausalLM", "Phi3ForCausalLM",
+                 "GemmaForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM"):
+        assert arch in message and arch in supported_architectures(), message
+
+
+def checkpoint(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+def fresh_model(path: Path) -> torch.nn.Module:
+    from pagedllm.backends.reference import ReferenceAttention
+    from pagedllm.models.loader import load_hf_config
+
+    config = load_hf_config(str(path))
+    cls = resolve_model_class(config.architectures)
+    return cls(config, attn_backend=ReferenceAttention())
+
+
+@pytest.mark.parametrize("name", ["gpt2", "phi3", "opt350m"])
+def test_missing_tensor_names_what_is_missing(family_paths: dict[str, Path], name: str) -> None:
+    weights = checkpoint(family_paths[name])
+    dropped = sorted(n for n in weights if "layers.1." in n or ".h.1." in n)[0]
+    del weights[dropped]
+    with pytest.raises(CheckpointError, match="lacks weights"):
+        fresh_model(family_paths[name]).load_weights(weights.items())
+
+
+def test_fused_phi3_tensor_of_wrong_size_is_rejected(family_paths: dict[str, Path]) -> None:
+    weights = checkpoint(family_paths["phi3"])
+    key = next(n for n in weights if n.endswith("qkv_proj.weight"))
+    weights[key] = weights[key][:-16]
+    with pytest.raises(CheckpointError, match="qkv_proj"):
+        fresh_model(family_paths["phi3"]).load_weights(weights.items())
+
+
+def legacy_layout(name: str, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Older hub layouts: GPT-2 without "transformer." and with its causal-mask buffers, OPT as
+    saved from ``OPTModel`` ("decoder." prefix) with an explicit copy of the tied head."""
+    if name == "gpt2":
+        out = {k.removeprefix("transformer."): v for k, v in weights.items()}
+        for i in range(2):
+            out[f"h.{i}.attn.bias"] = torch.tril(torch.ones(1, 1, 512, 512))
+            out[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+        return out
+    out = {k.removeprefix("model."): v for k, v in weights.items()}
+    out["lm_head.weight"] = out["decoder.embed_tokens.weight"].clone()
+    return out
+
+
+@pytest.mark.parametrize("name", ["gpt2", "opt"])
+def test_legacy_checkpoint_layouts_load_the_same(
+    family_paths: dict[str, Path], name: str
+) -> None:
+    weights = checkpoint(family_paths[name])
+    current, legacy = fresh_model(family_paths[name]), fresh_model(family_paths[name])
+    current.load_weights(weights.items())
+    legacy.load_weights(legacy_layout(name, weights).items())
+    ours, theirs = current.state_dict(), legacy.state_dict()
+    assert ours.keys() == theirs.keys()
+    for key, value in ours.items():
+        diff = (value - theirs[key]).abs().max().item()
+        assert diff == 0.0, f"{name} {key}: legacy layout differs by {diff:.2e}"
