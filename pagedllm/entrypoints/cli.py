@@ -1,0 +1,219 @@
+"""The ``pagedllm`` command: ``serve`` an OpenAI-compatible API, or ``generate`` offline.
+
+Importing this module is cheap (no torch): ``pagedllm --help`` and ``--version`` answer at once,
+and the engine is loaded only by the subcommand that needs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pagedllm
+
+logger = logging.getLogger("pagedllm.cli")
+
+DEMO_SERVED_NAME = "pagedllm-demo"
+
+_EPILOG = """examples:
+  pagedllm serve                              serve the bundled demo model on 127.0.0.1:8000
+  pagedllm serve ./my-llama --device cuda --port 8080 --api-key s3cret
+  pagedllm generate ./my-llama --prompt "def fibonacci(n):" --max-tokens 64
+"""
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The EngineArgs flags; only the ones given are passed on, so EngineArgs keeps defaults."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda", "xpu"], default="auto",
+                   help="device to run on (default: auto = cuda, then xpu, then cpu)")
+    g.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="weight and activation dtype (default: auto, from the model)")
+    g.add_argument("--tokenizer", help="tokenizer folder (default: the model's)")
+    g.add_argument("--max-model-len", type=int, help="context window (default: the model's)")
+    g.add_argument("--max-num-seqs", type=int, help="max sequences per batch (default 256)")
+    g.add_argument("--max-num-batched-tokens", type=int, help="max tokens per step")
+    g.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
+    g.add_argument("--kv-cache-space", type=float,
+                   help="GiB of KV cache on the CPU (default: $PAGEDLLM_CPU_KVCACHE_SPACE or 4)")
+    g.add_argument("--gpu-memory-utilization", type=float,
+                   help="fraction of GPU memory the engine may use (default 0.9)")
+    g.add_argument("--num-kv-blocks", type=int, help="fix the number of KV blocks (testing)")
+    g.add_argument("--swap-space", type=float, help="GiB of host memory for swapping (default 1)")
+    g.add_argument("--preemption-mode", choices=["recompute", "swap"],
+                   help="how to preempt when blocks run out (default: swap groups, else recompute)")
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"])
+    g.add_argument("--enable-prefix-caching", action="store_true",
+                   help="reuse KV blocks of shared prompt prefixes")
+    g.add_argument("--enable-chunked-prefill", action="store_true",
+                   help="split long prefills and batch them with decodes")
+    g.add_argument("--tensor-parallel-size", type=int, help="number of tensor-parallel workers")
+    g.add_argument("--distributed-executor-backend", choices=["uni", "mp", "ray"])
+    g.add_argument("--attention-backend", help="attention kernel family to use")
+    g.add_argument("--seed", type=int, help="random seed (default 0)")
+
+
+_ENGINE_KEYS = (
+    "dtype", "tokenizer", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+    "kv_cache_space", "gpu_memory_utilization", "num_kv_blocks", "swap_space", "preemption_mode",
+    "scheduling_policy", "tensor_parallel_size", "distributed_executor_backend",
+    "attention_backend", "seed",
+)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    kwargs = {k: getattr(args, k) for k in _ENGINE_KEYS if getattr(args, k) is not None}
+    for flag in ("enable_prefix_caching", "enable_chunked_prefill"):
+        if getattr(args, flag):
+            kwargs[flag] = True
+    return kwargs
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pagedllm", description="A high-throughput LLM inference and serving engine.",
+        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"pagedllm {pagedllm.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{serve,generate}")
+
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
+                           description="Serve MODEL with an OpenAI-compatible API (/v1/...).")
+    serve.add_argument("model", nargs="?", metavar="MODEL",
+                       help="Hugging Face model folder (default: the bundled demo model)")
+    s = serve.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes "
+                   "(default: $PAGEDLLM_API_KEY)")
+    s.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="model name(s) clients use; the first is reported (default: MODEL)")
+    s.add_argument("--chat-template", help="Jinja chat template: a file or the template itself")
+    s.add_argument("--max-logprobs", type=int, default=20, help="max logprobs per token")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
+    s.add_argument("--log-level", default="info",
+                   choices=["debug", "info", "warning", "error"])
+    s.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic throughput log line")
+    add_engine_args(serve)
+
+    gen = sub.add_parser("generate", help="generate text offline, streamed to the terminal",
+                         description="Generate from MODEL without a server.")
+    gen.add_argument("model", metavar="MODEL", help="Hugging Face model folder")
+    gen.add_argument("--prompt", action="append", required=True,
+                     help="prompt text (repeat for several prompts)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    add_engine_args(gen)
+    return parser
+
+
+def _setup_logging(level: str = "info") -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()),
+                        format="%(levelname)s %(asctime)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+
+
+def resolve_model(model: str | None) -> tuple[str, str | None]:
+    """The model folder to load, and a default served name (the demo has its own)."""
+    if model is not None:
+        return model, None
+    from pagedllm.entrypoints import demo
+
+    path = Path(demo.DEMO_MODEL)
+    if not (path / "config.json").exists():
+        raise SystemExit(
+            f"pagedllm serve: no MODEL given and the demo model is not at {path} yet "
+            "(it is built separately); pass a model folder: pagedllm serve PATH")
+    return str(path), DEMO_SERVED_NAME
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pagedllm.config import env_api_key
+    from pagedllm.engine.async_engine import AsyncEngine
+    from pagedllm.entrypoints.openai.api_server import ServerSettings, model_info, run_server
+    from pagedllm.entrypoints.openai.serving_chat import load_chat_template
+
+    _setup_logging(args.log_level)
+    model, demo_name = resolve_model(args.model)
+    try:
+        template = load_chat_template(args.chat_template)
+    except ValueError as exc:
+        raise SystemExit(f"pagedllm serve: --chat-template: {exc}") from None
+    names = args.served_model_name or ([demo_name] if demo_name else [args.model])
+    kwargs = engine_kwargs(args)
+    kwargs["served_model_name"] = names[0]
+    try:
+        engine = AsyncEngine.from_engine_args(
+            model, args.device, log_stats_interval=None if args.disable_log_stats else 5.0,
+            **kwargs)
+    except ValueError as exc:
+        raise SystemExit(f"pagedllm serve: {exc}") from None
+    settings = ServerSettings(
+        api_key=args.api_key or env_api_key(), chat_template=template,
+        max_logprobs=args.max_logprobs, shutdown_timeout=args.shutdown_timeout)
+    run_server(engine, model_info(engine, names), settings, host=args.host, port=args.port,
+               log_level=args.log_level)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from pagedllm import Engine, SamplingParams
+
+    _setup_logging("warning")
+    try:
+        engine = Engine(args.model, args.device, **engine_kwargs(args))
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                top_p=args.top_p, top_k=args.top_k, stop=args.stop or [])
+    except ValueError as exc:
+        raise SystemExit(f"pagedllm generate: {exc}") from None
+    out = sys.stdout
+    total_tokens, start = 0, time.perf_counter()
+    for i, prompt in enumerate(args.prompt):
+        if i:
+            out.write("\n" + "-" * 40 + "\n")
+        out.write(prompt)
+        out.flush()
+        try:
+            engine.add_request(f"cli-{i}", prompt, params)
+        except ValueError as exc:
+            raise SystemExit(f"pagedllm generate: {exc}") from None
+        shown = 0
+        while engine.has_unfinished_requests():
+            for result in engine.step():
+                if result.error:
+                    raise SystemExit(f"pagedllm generate: {result.error}")
+                text = result.outputs[0].text
+                out.write(text[shown:])
+                out.flush()
+                shown = len(text)
+                if result.finished:
+                    total_tokens += len(result.outputs[0].token_ids)
+        out.write("\n")
+    elapsed = time.perf_counter() - start
+    print(f"[{total_tokens} tokens in {elapsed:.2f}s, {total_tokens / elapsed:.1f} tokens/s]",
+          file=sys.stderr)
+    engine.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return cmd_serve(args)
+    if args.command == "generate":
+        return cmd_generate(args)
+    parser.print_help()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

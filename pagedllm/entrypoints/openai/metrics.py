@@ -1,0 +1,90 @@
+"""GET /metrics: Prometheus text from a registry owned by the app (never the global one).
+
+Engine-wide numbers (queue lengths, KV usage, token totals) are read from the engine's stats
+snapshot at scrape time by a custom collector, so nothing has to be pushed after every step.
+Per-request latencies are observed on the engine thread when a request finishes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from pagedllm.engine.async_engine import AsyncEngine
+from pagedllm.outputs import RequestOutput
+
+PREFIX = "pagedllm:"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_GAUGES = {
+    "num_requests_running": "Requests whose sequences are in the running batch.",
+    "num_requests_waiting": "Requests waiting to be scheduled.",
+    "num_requests_swapped": "Requests whose KV blocks are swapped out to host memory.",
+    "kv_cache_usage_perc": "Fraction of device KV-cache blocks in use (1 = full).",
+}
+_COUNTERS = {
+    "prompt_tokens_total": ("prompt_tokens_total", "Prompt tokens processed (prefill)."),
+    "generation_tokens_total": ("generation_tokens_total", "Tokens generated."),
+    "num_preemptions_total": ("num_preemptions_total", "Preemptions of running requests."),
+    "prefix_cache_queries": ("prefix_cache_queries_total", "Blocks looked up in the prefix cache."),
+    "prefix_cache_hits": ("prefix_cache_hits_total", "Blocks found in the prefix cache."),
+}
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0)
+_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                  0.75, 1.0, 2.5)
+
+
+class EngineStatsCollector(Collector):
+    """Gauges and counters straight from ``AsyncEngine.get_stats()`` at scrape time."""
+
+    def __init__(self, get_stats: Callable[[], dict[str, float]]) -> None:
+        self.get_stats = get_stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.get_stats()
+        for key, doc in _GAUGES.items():
+            yield GaugeMetricFamily(PREFIX + key, doc, value=float(stats.get(key, 0.0)))
+        for key, (name, doc) in _COUNTERS.items():
+            yield CounterMetricFamily(PREFIX + name, doc, value=float(stats.get(key, 0.0)))
+
+
+class ServerMetrics:
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(EngineStatsCollector(engine.get_stats))
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds", "Time from arrival to the first token.",
+            buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.tpot = Histogram(
+            PREFIX + "time_per_output_token_seconds", "Mean time between output tokens.",
+            buckets=_TOKEN_BUCKETS, registry=self.registry)
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds", "Time from arrival to the last token.",
+            buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.finished = Counter(
+            PREFIX + "request_success", "Finished requests by finish reason.",
+            labelnames=("finished_reason",), registry=self.registry)
+        engine.on_request_finished.append(self.observe)
+
+    def observe(self, out: RequestOutput) -> None:
+        """Called on the engine thread once per finished request (prometheus_client locks)."""
+        reason = "error" if out.error else (out.outputs[0].finish_reason if out.outputs else None)
+        self.finished.labels(finished_reason=reason or "unknown").inc()
+        m = out.metrics
+        if m is None or out.error:
+            return
+        if m.first_token_time is not None:
+            self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
+        if m.finished_time is not None:
+            self.e2e.observe(max(0.0, m.finished_time - m.arrival_time))
+            num_tokens = max((len(c.token_ids) for c in out.outputs), default=0)
+            if m.first_token_time is not None and num_tokens > 1:
+                decode = max(0.0, m.finished_time - m.first_token_time)
+                self.tpot.observe(decode / (num_tokens - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,323 @@
+"""What completions and chat share: validation, sampling parameters, running requests.
+
+Every check that can fail happens before a response starts: the requests are added to the engine
+and their first output is awaited before a 200 (or the first byte of a stream) goes out, so a
+client never sees a 200 followed by an error for anything it sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import Request
+
+from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineStepError,
+    RequestStream,
+)
+from pagedllm.entrypoints.openai.errors import APIError, from_value_error, model_not_found
+from pagedllm.entrypoints.openai.protocol import SamplingFields
+from pagedllm.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+MAX_LOGIT_BIAS = 100.0
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the API reports about the one model it serves."""
+
+    names: tuple[str, ...]  # served names; the first is used in responses
+    root: str  # the path the weights came from
+    max_model_len: int
+    vocab_size: int
+    created: int
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+
+@dataclass
+class PromptInput:
+    text: str | None
+    token_ids: list[int]
+
+
+class ClientDisconnected(APIError):
+    def __init__(self) -> None:
+        super().__init__("client disconnected", status=499, code="client_closed_request")
+
+
+@contextlib.contextmanager
+def engine_errors() -> Iterator[None]:
+    """Engine failures are the server's fault: 500 for a failed step, 503 when it is gone."""
+    try:
+        yield
+    except EngineStepError as exc:
+        raise APIError(str(exc), status=500, type="internal_server_error") from exc
+    except EngineDeadError as exc:
+        raise APIError(str(exc), status=503, type="service_unavailable") from exc
+
+
+def error_event(exc: BaseException) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineDeadError):
+        return APIError(str(exc), status=503, type="service_unavailable")
+    return APIError(f"{type(exc).__name__}: {exc}", status=500, type="internal_server_error")
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    """Mark a cancelled gather's outcome as seen, so asyncio does not log it."""
+    if not fut.cancelled():
+        fut.exception()
+
+
+async def until_disconnected(request: Request | None, awaitable: Awaitable[T]) -> T:
+    """Await ``awaitable`` unless the client goes away first (then cancel it)."""
+    task = asyncio.ensure_future(awaitable)
+    if request is None:
+        return await task
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            task.add_done_callback(_retrieve)
+    if task in done:
+        return task.result()
+    raise ClientDisconnected()
+
+
+async def _last(stream: RequestStream, first: RequestOutput) -> RequestOutput:
+    last = first
+    async for out in stream:  # outputs are cumulative: only the final one matters
+        last = out
+    return last
+
+
+async def merge_streams(
+    pairs: list[tuple[RequestStream, RequestOutput]],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several requests' outputs as they come: ``(prompt index, output)``."""
+    if len(pairs) == 1:
+        stream, first = pairs[0]
+        yield 0, first
+        async for out in stream:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream, first: RequestOutput) -> None:
+        await queue.put((index, first))
+        try:
+            async for out in stream:
+                await queue.put((index, out))
+        except Exception as exc:
+            await queue.put((index, exc))
+        await queue.put((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s, f)) for i, (s, f) in enumerate(pairs)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+class ServingBase:
+    """Shared by the completion and chat handlers; one instance per app."""
+
+    prompt_param = "prompt"
+
+    def __init__(self, engine: AsyncEngine, model: ModelInfo, *, max_logprobs: int = 20) -> None:
+        self.engine = engine
+        self.model = model
+        self.max_logprobs = max_logprobs
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    # -- validation ------------------------------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        if name not in self.model.names:
+            raise model_not_found(name, list(self.model.names))
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        if not ids:
+            raise APIError(f"{param}: the prompt is empty", param=param)
+        vocab = self.model.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise APIError(f"{param}: token id {t!r} is outside the vocabulary [0, {vocab})",
+                               param=param, code="invalid_token_id")
+
+    def resolve_max_tokens(self, prompt_len: int, requested: int | None) -> int:
+        """``requested`` (None: the rest of the context window), checked against the window."""
+        limit = self.model.max_model_len
+        if prompt_len >= limit:
+            raise APIError(
+                f"This model's maximum context length is {limit} tokens, but the prompt has "
+                f"{prompt_len} tokens, leaving no room for output", param=self.prompt_param,
+                code="context_length_exceeded")
+        if requested is None:
+            return limit - prompt_len
+        if isinstance(requested, int) and requested > 0 and prompt_len + requested > limit:
+            raise APIError(
+                f"This model's maximum context length is {limit} tokens; the prompt has "
+                f"{prompt_len} tokens and max_tokens asks for {requested} more "
+                f"({prompt_len + requested} in all); lower max_tokens or shorten the prompt",
+                param="max_tokens", code="context_length_exceeded")
+        return requested
+
+    def check_stream_flags(self, req: SamplingFields) -> None:
+        if req.stream_options is not None and not req.stream:
+            raise APIError("stream_options: only allowed when stream is true",
+                           param="stream_options")
+        if req.stream and req.best_of is not None and req.best_of > req.n:
+            raise APIError("best_of: streaming is not supported when best_of > n",
+                           param="best_of")
+        if req.unknown_fields():
+            logger.warning("ignoring unknown request fields %s", req.unknown_fields())
+
+    def _logit_bias(self, bias: dict[str, float] | None) -> dict[int, float] | None:
+        if not bias:
+            return None
+        out: dict[int, float] = {}
+        for key, value in bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise APIError(f"logit_bias: key {key!r} is not a token id",
+                               param="logit_bias") from None
+            if not 0 <= token < self.model.vocab_size:
+                raise APIError(f"logit_bias: token id {token} is outside the vocabulary "
+                               f"[0, {self.model.vocab_size})", param="logit_bias")
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise APIError(f"logit_bias: values must be in [-100, 100], got {value}",
+                               param="logit_bias")
+            out[token] = value
+        return out
+
+    def sampling_params(self, req: SamplingFields, *, max_tokens: int, logprobs: int | None,
+                        prompt_logprobs: int | None = None,
+                        logprobs_param: str = "logprobs") -> SamplingParams:
+        """The request's sampling fields as validated SamplingParams (400 naming the field)."""
+        if logprobs is not None and logprobs > self.max_logprobs:
+            raise APIError(f"{logprobs_param}: at most {self.max_logprobs} are supported, got "
+                           f"{logprobs}", param=logprobs_param)
+        stop_ids = list(req.stop_token_ids or [])
+        bad = [t for t in stop_ids if not 0 <= t < self.model.vocab_size]
+        if bad:
+            raise APIError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary",
+                           param="stop_token_ids")
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+
+        def pick(value: Any, default: Any) -> Any:
+            return default if value is None else value
+
+        try:
+            return SamplingParams(
+                n=req.n, best_of=req.best_of,
+                temperature=pick(req.temperature, 1.0), top_p=pick(req.top_p, 1.0),
+                top_k=pick(req.top_k, -1), min_p=pick(req.min_p, 0.0), seed=req.seed,
+                presence_penalty=pick(req.presence_penalty, 0.0),
+                frequency_penalty=pick(req.frequency_penalty, 0.0),
+                repetition_penalty=pick(req.repetition_penalty, 1.0),
+                logit_bias=self._logit_bias(req.logit_bias),
+                stop=stop, stop_token_ids=stop_ids,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                ignore_eos=req.ignore_eos, max_tokens=max_tokens, min_tokens=req.min_tokens,
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                skip_special_tokens=req.skip_special_tokens,
+                spaces_between_special_tokens=req.spaces_between_special_tokens,
+            )
+        except ValueError as exc:
+            raise from_value_error(exc) from exc
+
+    # -- running -------------------------------------------------------------------------------
+    async def start(
+        self, request_id: str, prompts: list[PromptInput], params: list[SamplingParams],
+        *, priority: int, raw_request: Request | None,
+    ) -> list[tuple[RequestStream, RequestOutput]]:
+        """Add every prompt and wait for each one's first output; any failure aborts them all."""
+        streams: list[RequestStream] = []
+        try:
+            for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+                engine_prompt = {"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}
+                try:
+                    with engine_errors():
+                        streams.append(await self.engine.add_request(
+                            f"{request_id}-{i}", engine_prompt, sp, priority=priority))
+                except ValueError as exc:
+                    raise from_value_error(
+                        exc, default_param=self.prompt_param,
+                        aliases={"prompt": self.prompt_param,
+                                 "prompt_token_ids": self.prompt_param}) from exc
+            with engine_errors():
+                firsts = await until_disconnected(
+                    raw_request, asyncio.gather(*(anext(s) for s in streams)))
+            for first in firsts:
+                if first.error:
+                    raise APIError(first.error, param=self.prompt_param,
+                                   code="context_length_exceeded")
+            return list(zip(streams, firsts, strict=True))
+        except BaseException:
+            for stream in streams:
+                stream.abort()
+            raise
+
+    async def collect(self, pairs: list[tuple[RequestStream, RequestOutput]],
+                      raw_request: Request | None) -> list[RequestOutput]:
+        """Run every request to the end (non-streaming); aborts them if the client leaves."""
+        try:
+            with engine_errors():
+                return await until_disconnected(
+                    raw_request, asyncio.gather(*(_last(s, f) for s, f in pairs)))
+        finally:
+            for stream, _ in pairs:
+                stream.abort()
+
+    # -- output helpers ------------------------------------------------------------------------
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def top_entries(self, entry: dict[int, float] | None, limit: int | None = None
+                    ) -> list[tuple[int, float]]:
+        """A logprob dict as (token, logprob), most likely first."""
+        items = sorted((entry or {}).items(), key=lambda kv: kv[1], reverse=True)
+        return items if limit is None else items[:limit]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

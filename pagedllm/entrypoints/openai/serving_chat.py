@@ -1,0 +1,206 @@
+"""POST /v1/chat/completions: messages rendered with the chat template, then one completion."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from pagedllm.engine.async_engine import AsyncEngine, RequestStream
+from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from pagedllm.entrypoints.openai.serving_base import (
+    ModelInfo,
+    PromptInput,
+    ServingBase,
+    error_event,
+    merge_streams,
+    usage,
+)
+from pagedllm.outputs import CompletionOutput, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file's path, or the Jinja template itself."""
+    if value is None:
+        return None
+    path = Path(value)
+    try:
+        if path.is_file():
+            return path.read_text()
+    except OSError:  # a long template string is not a valid path
+        pass
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"chat_template: {value!r} is neither a file nor a Jinja template")
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template sees them: text parts joined, other parts refused."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise APIError(f"messages.{i}.content: only text parts are supported, got "
+                                   f"{part.type!r}", param="messages",
+                                   code="unsupported_content")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        item: dict[str, Any] = {"role": m.role, "content": content or ""}
+        if m.name is not None:
+            item["name"] = m.name
+        out.append(item)
+    return out
+
+
+class OpenAIServingChat(ServingBase):
+    prompt_param = "messages"
+
+    def __init__(self, engine: AsyncEngine, model: ModelInfo, *, chat_template: str | None = None,
+                 max_logprobs: int = 20) -> None:
+        super().__init__(engine, model, max_logprobs=max_logprobs)
+        self.chat_template = chat_template
+
+    def render(self, messages: list[ChatMessage], *, add_generation_prompt: bool = True,
+               continue_final_message: bool = False,
+               template_kwargs: dict[str, Any] | None = None) -> PromptInput:
+        """The conversation as prompt text and token ids, via the chat template."""
+        if not messages:
+            raise APIError("messages: must not be empty", param="messages")
+        template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
+        if not template:
+            raise APIError(
+                "this model has no chat template; start the server with --chat-template "
+                "(a file or a Jinja string) or use /v1/completions", param="messages",
+                code="chat_template_missing")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                message_dicts(messages), chat_template=template, tokenize=False,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message, **(template_kwargs or {}))
+        except APIError:
+            raise
+        except Exception as exc:  # jinja errors, raise_exception() in templates
+            raise APIError(f"messages: the chat template failed: {exc}",
+                           param="messages") from exc
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        self.check_token_ids(ids, "messages")
+        return PromptInput(text, ids)
+
+    async def create(self, req: ChatCompletionRequest, raw_request: Request | None
+                     ) -> dict[str, Any] | StreamingResponse:
+        self.check_model(req.model)
+        if req.tools and req.tool_choice != "none":
+            raise APIError("tools: tool calling is not supported by this server", param="tools",
+                           code="unsupported_parameter")
+        fmt = (req.response_format or {}).get("type", "text")
+        if fmt != "text":
+            raise APIError(f"response_format: {fmt!r} is not supported, only 'text'",
+                           param="response_format", code="unsupported_parameter")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError("top_logprobs: requires logprobs to be true", param="top_logprobs")
+        self.check_stream_flags(req)
+        prompt = self.render(req.messages, add_generation_prompt=req.add_generation_prompt,
+                             continue_final_message=req.continue_final_message,
+                             template_kwargs=req.chat_template_kwargs)
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None \
+            else req.max_tokens
+        max_tokens = self.resolve_max_tokens(len(prompt.token_ids), requested)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = self.sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
+                                      logprobs_param="top_logprobs")
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        pairs = await self.start(request_id, [prompt], [params], priority=req.priority,
+                                 raw_request=raw_request)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(
+                self._stream(req, pairs, prompt, request_id, created, include_usage),
+                media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        (final,) = await self.collect(pairs, raw_request)
+        choices = [
+            {"index": c.index, "message": {"role": "assistant", "content": c.text},
+             "logprobs": self._logprobs(req, c.token_ids, c.logprobs) if req.logprobs else None,
+             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            for c in final.outputs
+        ]
+        completion_tokens = sum(len(c.token_ids) for c in final.outputs)
+        return {"id": request_id, "object": "chat.completion", "created": created,
+                "model": self.model.name, "choices": choices,
+                "usage": usage(len(prompt.token_ids), completion_tokens)}
+
+    def _logprobs(self, req: ChatCompletionRequest, token_ids: list[int],
+                  entries: list[dict[int, float]] | None) -> dict[str, Any]:
+        def item(token: int, logprob: float | None) -> dict[str, Any]:
+            text = self.token_text(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        content = []
+        for token, entry in zip(token_ids, entries or [], strict=False):
+            top = [item(t, v) for t, v in self.top_entries(entry, req.top_logprobs or 0)]
+            content.append({**item(token, entry.get(token)), "top_logprobs": top})
+        return {"content": content}
+
+    async def _stream(self, req: ChatCompletionRequest,
+                      pairs: list[tuple[RequestStream, RequestOutput]], prompt: PromptInput,
+                      request_id: str, created: int, include_usage: bool) -> AsyncIterator[str]:
+        head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                "model": self.model.name}
+
+        def event(choices: list[dict[str, Any]], **extra: Any) -> str:
+            body = {**head, "choices": choices, **extra}
+            if include_usage and "usage" not in extra:
+                body["usage"] = None
+            return f"data: {json.dumps(body)}\n\n"
+
+        sent_text: dict[int, int] = {}
+        sent_tokens: dict[int, int] = {}
+        completion_tokens: dict[int, int] = {}
+        try:
+            async for _, out in merge_streams(pairs):
+                for c in out.outputs:
+                    if c.index not in sent_text:
+                        sent_text[c.index], sent_tokens[c.index] = 0, 0
+                        yield event([{"index": c.index,
+                                      "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}])
+                    choice = self._delta(req, c, sent_text, sent_tokens)
+                    completion_tokens[c.index] = len(c.token_ids)
+                    if choice is not None:
+                        yield event([choice])
+            if include_usage:
+                total = sum(completion_tokens.values())
+                yield event([], usage=usage(len(prompt.token_ids), total))
+        except Exception as exc:  # the stream has begun: report in-band, then end it
+            yield error_event(exc).sse_event()
+        finally:
+            for stream, _ in pairs:
+                stream.abort()
+        yield "data: [DONE]\n\n"
+
+    def _delta(self, req: ChatCompletionRequest, c: CompletionOutput, sent_text: dict[int, int],
+               sent_tokens: dict[int, int]) -> dict[str, Any] | None:
+        text_from, tokens_from = sent_text[c.index], sent_tokens[c.index]
+        delta = c.text[text_from:]
+        new_tokens = c.token_ids[tokens_from:]
+        if not delta and c.finish_reason is None and not (req.logprobs and new_tokens):
+            return None
+        sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
+        lp = None
+        if req.logprobs:
+            lp = self._logprobs(req, new_tokens, (c.logprobs or [])[tokens_from:])
+        return {"index": c.index, "delta": {"content": delta} if delta else {},
+                "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}

@@ -1,0 +1,42 @@
+"""benchmarks/serving.py against the test server: the report adds up."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from tests.entrypoints.conftest import API_KEY, MODEL_NAME
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "serving.py"
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("serving_benchmark", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while being built
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_report(server: Any) -> None:
+    bench = _load()
+    prompts = bench.make_prompts(6, 8, seed=0)
+    assert prompts == bench.make_prompts(6, 8, seed=0)  # a fixed request set
+    report = asyncio.run(bench.run_benchmark(server.base_url, None, prompts, 5, 3, API_KEY))
+    assert report["model"] == MODEL_NAME
+    assert report["completed"] == 6 and report["failed"] == 0, report["errors"]
+    assert report["output_tokens"] == 30
+    for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
+        p = report[key]
+        assert 0 < p["p50"] <= p["p90"] <= p["p99"] <= p["max"], (key, p)
+    assert report["ttft_ms"]["max"] <= report["e2e_ms"]["max"]
+    assert report["request_throughput"] > 0 and report["output_throughput"] > 0
+    failed = asyncio.run(bench.run_benchmark(server.base_url, MODEL_NAME, prompts[:2], 5, 2,
+                                             "wrong-key"))
+    assert failed["failed"] == 2 and "HTTP 401" in failed["errors"][0]
+    server.assert_all_blocks_free()
