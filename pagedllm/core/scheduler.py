@@ -112,6 +112,7 @@ class Scheduler:
                 on_host = queue is self.swapped
                 for seq in group.get_unfinished_seqs():
                     seq.status = SequenceStatus.FINISHED_ABORTED
+                group.metrics.finished_time = self.clock()
                 for seq in group.seqs:
                     self.block_manager.free(seq, on_host=on_host)
                 aborted.append(group)
