@@ -5,6 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PY="$VENV/bin/python"
+# Ray runs the multi-machine executor's tests on a local cluster; it leaves torch as it is.
+"$PY" -c "import ray" 2>/dev/null || "$PY" -m pip install -q --disable-pip-version-check \
+    -r ci/requirements-ray.txt
 "$PY" -m pytest -q -p no:cacheprovider -m "not gpu and not xpu" tests "$@"
 for bench in benchmarks/throughput.py benchmarks/attention_cpu.py benchmarks/engine_overhead.py \
              benchmarks/prefix_caching.py benchmarks/chunked_prefill.py benchmarks/serving.py; do

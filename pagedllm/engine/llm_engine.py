@@ -13,7 +13,6 @@ from typing import Any
 from pagedllm.backends.registry import resolve_device
 from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.core.block_manager import BlockSpaceManager
-from pagedllm.core.interfaces import ModelRunnerOutput
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.sequence import Sequence, SequenceGroup
@@ -215,11 +214,13 @@ class LLMEngine:
             outputs.append(self.output_processor.make_output(group, error=self._why(group)))
         if sched_out.is_empty:
             return outputs
-        runner_out = (
-            self.executor.execute_model(sched_out)
-            if sched_out.seqs or sched_out.blocks_to_swap_in or sched_out.blocks_to_swap_out
-            else ModelRunnerOutput(sampled={})
-        )
+        try:
+            runner_out = self.executor.execute_model(sched_out)
+        except Exception:
+            # The step's requests cannot continue from a half-done step: end them (their blocks
+            # are freed and an "abort" output follows) and let the caller see the error.
+            self.abort_request(sorted({s.request_id for s in sched_out.seqs}))
+            raise
         self._count(sched_out)
         touched = self.scheduler.update_from_output(sched_out, runner_out)
         for group in touched:
