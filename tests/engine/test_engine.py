@@ -123,3 +123,23 @@ def test_missing_or_corrupt_checkpoint_names_the_file(llama_path: Path, tmp_path
     (broken / "config.json").unlink()
     with pytest.raises(ValueError, match=r"config\.json"):
         Engine(str(broken), device="cpu")
+
+
+def test_failed_step_ends_its_requests_and_engine_recovers(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine.add_request("doomed", "A", SamplingParams(max_tokens=4))
+    real = engine.executor.execute_model
+
+    def boom(sched_out):  # noqa: ANN001, ANN202
+        raise RuntimeError("worker exploded")
+
+    monkeypatch.setattr(engine.executor, "execute_model", boom)
+    with pytest.raises(RuntimeError, match="worker exploded"):
+        engine.step()
+    monkeypatch.setattr(engine.executor, "execute_model", real)
+    outs = engine.step()
+    assert [(o.request_id, o.outputs[0].finish_reason) for o in outs] == [("doomed", "abort")]
+    assert all_free(engine)
+    ok = engine.generate(["A"], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(ok[0].outputs[0].token_ids) == 3
