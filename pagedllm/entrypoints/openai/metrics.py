@@ -31,6 +31,12 @@ _COUNTERS = {
     "num_preemptions_total": ("num_preemptions_total", "Preemptions of running requests."),
     "prefix_cache_queries": ("prefix_cache_queries_total", "Blocks looked up in the prefix cache."),
     "prefix_cache_hits": ("prefix_cache_hits_total", "Blocks found in the prefix cache."),
+    "num_preemptions_recompute": (
+        "num_preemptions_recompute_total", "Preemptions that freed blocks for recompute."),
+    "num_preemptions_swap": (
+        "num_preemptions_swap_total", "Preemptions that swapped blocks to host memory."),
+    "chunked_prefill_steps": (
+        "chunked_prefill_steps_total", "Steps that ran part of a prompt (chunked prefill)."),
 }
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0)
