@@ -40,6 +40,8 @@ class UniProcExecutor(Executor):
         from pagedllm.executors.worker import Worker
 
         self.worker = Worker(config, hf_config, eos_token_id=eos_token_id)
+        # Multi-process executors give each rank its own share instead.
+        self.worker.backend.configure_threads(1)
         self.worker.load_model()
 
     def determine_num_blocks(self) -> tuple[int, int]:

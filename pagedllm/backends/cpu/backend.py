@@ -28,6 +28,27 @@ def _instantiate(kind: str) -> AttentionBackend:
     return getattr(importlib.import_module(module_name), cls_name)()
 
 
+def physical_cores() -> int:
+    """Cores this process may run on, counting hyper-threads of one core once."""
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    cores: set[tuple[str, str]] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = package = None
+            for line in f:
+                key, _, value = line.partition(":")
+                key, value = key.strip(), value.strip()
+                if key == "processor":
+                    cpu = int(value)
+                elif key == "physical id":
+                    package = value
+                elif key == "core id" and (allowed is None or cpu in allowed):
+                    cores.add((package or "0", value))
+    except (OSError, ValueError):
+        pass
+    return len(cores) or len(allowed or ()) or os.cpu_count() or 1
+
+
 def _rss_bytes() -> int:
     try:
         with open("/proc/self/statm") as f:
@@ -61,6 +82,13 @@ class CpuBackend(DeviceBackend):
                 f"choose one of {['auto', *_ATTENTION_KINDS]}"
             )
         return _instantiate(kind)
+
+    def configure_threads(self, world_size: int = 1) -> None:
+        """Intra-op threads = physical cores (shared evenly by co-located TP ranks)."""
+        threads = max(1, physical_cores() // max(1, world_size))
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+            logger.info("using %d intra-op threads", threads)
 
     def free_memory_bytes(self, rank: int = 0) -> int:
         try:
