@@ -12,10 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 
-from pagedllm.backends.base import AttentionBackend, AttentionMetadata
+from pagedllm.backends.base import AttentionBackend
 from pagedllm.layers.activation import GeluAndMul
-from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.parallel import SINGLE, TPContext
 from pagedllm.models.llama import LlamaForCausalLM
 
@@ -31,6 +31,8 @@ def gemma_activation(config: Any) -> str:
 
 
 class GemmaForCausalLM(LlamaForCausalLM):
+    norm_offset = 1.0
+
     def __init__(
         self,
         config: Any,
@@ -40,28 +42,14 @@ class GemmaForCausalLM(LlamaForCausalLM):
         max_position: int | None = None,
     ) -> None:
         super().__init__(config, attn_backend=attn_backend, tp=tp, max_position=max_position)
-        eps = config.rms_norm_eps
-        hidden = config.hidden_size
-        approximate = gemma_activation(config)
-        for layer in self.layers:
-            layer.input_layernorm = RMSNorm(hidden, eps, offset=1.0)
-            layer.post_attention_layernorm = RMSNorm(hidden, eps, offset=1.0)
-            layer.mlp.act = GeluAndMul(approximate)
-        self.norm = RMSNorm(hidden, eps, offset=1.0)
         # A buffer, so that moving the model to bfloat16 rounds it exactly as transformers does.
-        self.register_buffer("normalizer", torch.tensor(hidden**0.5), persistent=False)
+        self.register_buffer(
+            "normalizer", torch.tensor(config.hidden_size**0.5), persistent=False
+        )
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [num_tokens]
-        positions: torch.Tensor,  # [num_tokens]
-        kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_tokens, hidden]
+    def make_act(self, config: Any) -> nn.Module:
+        return GeluAndMul(gemma_activation(config))
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        hidden = hidden * self.normalizer.to(hidden.dtype)
-        residual = None
-        for layer, cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, cache, meta)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        return hidden * self.normalizer.to(hidden.dtype)

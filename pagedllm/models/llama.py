@@ -46,11 +46,19 @@ def sliding_window_of(config: Any, layer_idx: int) -> int | None:
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, *, bias: bool, tp: TPContext) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        *,
+        bias: bool,
+        tp: TPContext,
+        act: nn.Module | None = None,
+    ) -> None:
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(hidden, [intermediate] * 2, bias=bias, tp=tp)
         self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias, tp=tp)
-        self.act = SiluAndMul()
+        self.act = act or SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -123,10 +131,11 @@ class LlamaDecoderLayer(nn.Module):
         backend: AttentionBackend,
         rotary: RotaryEmbedding,
         tp: TPContext,
+        model: LlamaForCausalLM,
     ) -> None:
         super().__init__()
         qkv_bias = qkv_bias_only(config) or bool(getattr(config, "attention_bias", False))
-        self.self_attn = LlamaAttention(
+        self.self_attn = model.attention_cls(
             config, layer_idx, backend, rotary, qkv_bias=qkv_bias, tp=tp
         )
         self.mlp = LlamaMLP(
@@ -134,9 +143,11 @@ class LlamaDecoderLayer(nn.Module):
             config.intermediate_size,
             bias=bool(getattr(config, "mlp_bias", False)),
             tp=tp,
+            act=model.make_act(config),
         )
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        eps, offset = config.rms_norm_eps, model.norm_offset
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, offset=offset)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, offset=offset)
 
     def forward(
         self,
@@ -153,7 +164,19 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Also serves ``MistralForCausalLM`` and ``Qwen2ForCausalLM`` checkpoints."""
+    """Also serves ``MistralForCausalLM`` and ``Qwen2ForCausalLM`` checkpoints.
+
+    Close relatives (Qwen3, Gemma) subclass it and change only the hooks below.
+    """
+
+    attention_cls: type[LlamaAttention] = LlamaAttention
+    norm_offset = 0.0  # Gemma's RMSNorm scales by (1 + weight)
+
+    def make_act(self, config: Any) -> nn.Module:
+        return SiluAndMul()
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
 
     def __init__(
         self,
@@ -172,10 +195,10 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config, head, rotary_dim, max_pos)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, attn_backend, self.rotary, tp)
+            LlamaDecoderLayer(config, i, attn_backend, self.rotary, tp, self)
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=self.norm_offset)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head = self.embed_tokens
         else:
@@ -188,7 +211,7 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed(input_ids)
         residual = None
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, cache, meta)

@@ -10,25 +10,15 @@ from typing import Any
 
 import torch
 
-from pagedllm.backends.base import AttentionBackend, AttentionMetadata
+from pagedllm.backends.base import AttentionMetadata
 from pagedllm.layers.norm import RMSNorm
-from pagedllm.layers.parallel import SINGLE, TPContext
-from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(
-        self,
-        config: Any,
-        layer_idx: int,
-        backend: AttentionBackend,
-        rotary: RotaryEmbedding,
-        *,
-        tp: TPContext,
-    ) -> None:
-        bias = bool(getattr(config, "attention_bias", False))
-        super().__init__(config, layer_idx, backend, rotary, qkv_bias=bias, tp=tp)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        config = args[0]
         self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps)
 
@@ -49,15 +39,4 @@ class Qwen3Attention(LlamaAttention):
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    def __init__(
-        self,
-        config: Any,
-        *,
-        attn_backend: AttentionBackend,
-        tp: TPContext = SINGLE,
-        max_position: int | None = None,
-    ) -> None:
-        super().__init__(config, attn_backend=attn_backend, tp=tp, max_position=max_position)
-        # Llama builds plain attention; swap in the normed one (parameters are not loaded yet).
-        for i, layer in enumerate(self.layers):
-            layer.self_attn = Qwen3Attention(config, i, attn_backend, self.rotary, tp=tp)
+    attention_cls = Qwen3Attention
