@@ -72,9 +72,15 @@ def build_key(flags: list[str]) -> str:
     return h.hexdigest()[:16]
 
 
-def _import_built(build_dir: Path) -> ModuleType:
-    path = build_dir / f"{EXTENSION_NAME}.so"
-    spec = importlib.util.spec_from_file_location(EXTENSION_NAME, path)
+def _module_name(flags: list[str]) -> str:
+    # Distinct names: both builds may be imported into one process (tests), and CPython keys
+    # extension modules by name.
+    return EXTENSION_NAME if "-mavx2" in flags else f"{EXTENSION_NAME}_scalar"
+
+
+def _import_built(build_dir: Path, name: str) -> ModuleType:
+    path = build_dir / f"{name}.so"
+    spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot import the CPU attention extension from {path}")
     module = importlib.util.module_from_spec(spec)
@@ -95,18 +101,27 @@ def _check_toolchain() -> None:
         )
 
 
-@functools.cache
-def load_ops(build_root: Path | None = None, verbose: bool = False) -> ModuleType:
+def load_ops(
+    build_root: Path | None = None, *, avx2: bool | None = None, verbose: bool = False
+) -> ModuleType:
     """The compiled extension module, built on first use and cached on disk.
 
-    Memoised per process (the module is immutable once loaded); across processes the on-disk
-    marker written after a successful build lets later loads skip ninja entirely.
+    ``avx2=None`` follows the CPU; ``False`` builds the portable scalar path (tests use it to
+    cover the code a machine without AVX2 runs).
     """
-    flags = compile_flags()
-    build_dir = (build_root or default_build_root()) / build_key(flags)
+    flags = tuple(compile_flags(avx2))
+    build_dir = (build_root or default_build_root()) / build_key(list(flags))
+    return _load(build_dir, flags, verbose)
+
+
+@functools.cache
+def _load(build_dir: Path, flags: tuple[str, ...], verbose: bool) -> ModuleType:
+    """Memoised per process (a loaded module is immutable); across processes the marker written
+    after a successful build lets later loads import the library without running ninja."""
+    name = _module_name(list(flags))
     if (build_dir / _BUILT_MARKER).exists():
         try:
-            return _import_built(build_dir)
+            return _import_built(build_dir, name)
         except (ImportError, OSError) as exc:
             logger.warning("rebuilding the CPU attention extension in %s: %s", build_dir, exc)
     _check_toolchain()
@@ -115,9 +130,9 @@ def load_ops(build_root: Path | None = None, verbose: bool = False) -> ModuleTyp
 
     logger.info("building the C++ CPU attention kernels in %s (first use only)", build_dir)
     module = load(
-        name=EXTENSION_NAME,
+        name=name,
         sources=[str(_CSRC / s) for s in _SOURCES],
-        extra_cflags=flags,
+        extra_cflags=list(flags),
         extra_ldflags=["-fopenmp"],
         build_directory=str(build_dir),
         verbose=verbose,

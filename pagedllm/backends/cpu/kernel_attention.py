@@ -29,8 +29,7 @@ from pagedllm.backends.cpu.attention import TorchPagedAttention
 def _kernel_ok(*tensors: torch.Tensor) -> bool:
     """Whether the C++ kernels accept these tensors (float32, CPU, unit inner stride)."""
     return all(
-        t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1
-        for t in tensors
+        t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1 for t in tensors
     )
 
 
@@ -43,8 +42,9 @@ class CppPagedAttention(AttentionBackend):
 
     name = "cpp"
 
-    def __init__(self, *, build_root: Path | None = None) -> None:
-        self._ops = load_ops(build_root)
+    def __init__(self, *, build_root: Path | None = None, avx2: bool | None = None) -> None:
+        # avx2=None: whatever this CPU runs; False: the portable scalar build (for tests).
+        self._ops = load_ops(build_root, avx2=avx2)
         self._fallback = TorchPagedAttention()
 
     @property

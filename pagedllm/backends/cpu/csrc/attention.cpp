@@ -15,7 +15,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <cstring>
+#include <utility>
 #include <vector>
 
 #include "vec.h"
@@ -52,30 +52,96 @@ struct Tile {
   int64_t cost;  // ~ rows x keys, for longest-first scheduling
 };
 
-// Per-thread scratch: running max / sum and accumulator per row, one block of scores per row.
+// Per-thread scratch, reused across the tiles a thread runs. Row r = i * group + g is query token
+// i of the tile with query head (kv_head * group + g).
 struct Workspace {
-  std::vector<float> m, l, acc, s;
-  std::vector<int32_t> lo, hi;
-  void reserve(int rows, int q_len, int d, int bs) {
-    m.resize(rows);
-    l.resize(rows);
-    acc.resize(static_cast<size_t>(rows) * d);
+  std::vector<float> q;      // [rows, d] queries pre-multiplied by the softmax scale
+  std::vector<float> m, l;   // [rows] running max and running sum of exp
+  std::vector<float> alpha;  // [rows] rescale of the accumulator for the current block
+  std::vector<float> acc;    // [rows, d] un-normalised output
+  std::vector<float> s;      // [rows, bs] scores, then probabilities, of the current block
+  std::vector<int32_t> lo, hi;  // [q_len] visible keys [lo, hi) of each query token
+  void resize(int rows, int q_len, int d, int bs) {
+    q.resize(static_cast<size_t>(rows) * d);
+    m.assign(rows, kNegInf);
+    l.assign(rows, 0.f);
+    alpha.resize(rows);
+    acc.assign(static_cast<size_t>(rows) * d, 0.f);
     s.resize(static_cast<size_t>(rows) * bs);
     lo.resize(q_len);
     hi.resize(q_len);
   }
 };
 
-void attend_tile(const Args& a, const Tile& tile, Workspace& ws) {
-  const int group = a.num_heads / a.num_kv_heads;
-  const int d = a.head_size, bs = a.block_size;
-  const int rows = tile.q_len * group;
-  ws.reserve(rows, tile.q_len, d, bs);
+// S[r, t] = q_r . k_t for the n keys of a block, two rows by four keys at a time.
+void block_scores(Workspace& ws, int rows, const float* k, int n, int d, int bs,
+                  PanelPrefetcher& prefetch) {
+  const float* q = ws.q.data();
+  float* s = ws.s.data();
+  int r = 0;
+  for (; r + 2 <= rows; r += 2) {
+    const float *q0 = q + r * d, *q1 = q0 + d;
+    float *s0 = s + r * bs, *s1 = s0 + bs;
+    int t = 0;
+    for (; t + 4 <= n; t += 4) {
+      prefetch.step();
+      dot_2x4(q0, q1, k + t * d, d, d, s0 + t, s1 + t);
+    }
+    for (; t < n; ++t) {
+      s0[t] = dot(q0, k + t * d, d);
+      s1[t] = dot(q1, k + t * d, d);
+    }
+  }
+  if (r < rows) {
+    const float* q0 = q + r * d;
+    float* s0 = s + r * bs;
+    int t = 0;
+    for (; t + 4 <= n; t += 4) {
+      prefetch.step();
+      dot_1x4(q0, k + t * d, d, d, s0 + t);
+    }
+    for (; t < n; ++t) s0[t] = dot(q0, k + t * d, d);
+  }
+}
 
+// Online softmax for row r over its visible keys [tb, te) of the block's n scored keys: updates
+// the running max and sum, leaves exp(s - max) in place and zeros the keys it may not see.
+void softmax_update(Workspace& ws, int r, int tb, int te, int n, int bs) {
+  float* sr = ws.s.data() + static_cast<size_t>(r) * bs;
+  if (tb >= te) {
+    std::fill(sr, sr + n, 0.f);
+    ws.alpha[r] = 1.f;
+    return;
+  }
+  const float m_new = std::max(ws.m[r], max_of(sr + tb, te - tb));
+  const float alpha = std::exp(ws.m[r] - m_new);  // 0 on the row's first visible block
+  ws.l[r] = ws.l[r] * alpha + exp_shift_sum(sr + tb, te - tb, m_new);
+  ws.m[r] = m_new;
+  ws.alpha[r] = alpha;
+  std::fill(sr, sr + tb, 0.f);
+  std::fill(sr + te, sr + n, 0.f);
+}
+
+// acc_r = acc_r * alpha_r + P[r, :n] V[:n] for every row, two rows per pass over the values.
+void accumulate_values(Workspace& ws, int rows, const float* v, int n, int d, int bs) {
+  float* acc = ws.acc.data();
+  const float* p = ws.s.data();
+  int r = 0;
+  for (; r + 2 <= rows; r += 2) {
+    scale_accumulate2(acc + r * d, acc + (r + 1) * d, ws.alpha[r], ws.alpha[r + 1], p + r * bs,
+                      p + (r + 1) * bs, v, n, d, d);
+  }
+  if (r < rows) scale_accumulate(acc + r * d, ws.alpha[r], p + r * bs, v, n, d, d);
+}
+
+// Copies the tile's query rows (pre-scaled) into the workspace, sets each query token's visible
+// key range [lo, hi) (causal, optionally windowed) and returns the union of those ranges.
+std::pair<int, int> load_rows(const Args& a, const Tile& tile, Workspace& ws) {
+  const int group = a.num_heads / a.num_kv_heads;
+  const int d = a.head_size;
   const int q0 = a.query_start_loc[tile.seq];
   const int seq_len = a.seq_lens[tile.seq];
   const int ctx = seq_len - (a.query_start_loc[tile.seq + 1] - q0);
-  // Keys visible to query token i of the tile: [lo[i], hi[i]).
   int kv_begin = seq_len, kv_end = 0;
   for (int i = 0; i < tile.q_len; ++i) {
     const int pos = ctx + tile.q_begin + i;
@@ -83,47 +149,21 @@ void attend_tile(const Args& a, const Tile& tile, Workspace& ws) {
     ws.lo[i] = a.sliding_window > 0 ? std::max(0, pos + 1 - a.sliding_window) : 0;
     kv_begin = std::min(kv_begin, ws.lo[i]);
     kv_end = std::max(kv_end, ws.hi[i]);
-  }
-  std::fill(ws.m.begin(), ws.m.end(), kNegInf);
-  std::fill(ws.l.begin(), ws.l.end(), 0.f);
-  std::fill(ws.acc.begin(), ws.acc.end(), 0.f);
-
-  const int32_t* table = a.block_tables + tile.seq * a.bt_stride;
-  const int64_t kv_head_off = tile.kv_head * a.head_stride;
-  const int first_block = kv_begin / bs;
-  const int last_block = (kv_end - 1) / bs;
-  for (int j = first_block; j <= last_block; ++j) {
-    const int64_t blk = table[j];
-    const float* kb = a.k_cache + blk * a.block_stride + kv_head_off;  // [bs, d]
-    const float* vb = a.v_cache + blk * a.block_stride + kv_head_off;  // [bs, d]
-    if (j < last_block) {
-      const int64_t next = static_cast<int64_t>(table[j + 1]) * a.block_stride + kv_head_off;
-      prefetch_range(a.k_cache + next, a.head_stride);
-      prefetch_range(a.v_cache + next, a.head_stride);
-    }
-    const int t0 = j * bs;
-    for (int i = 0; i < tile.q_len; ++i) {
-      const int tb = std::max(ws.lo[i], t0) - t0;
-      const int te = std::min(ws.hi[i], t0 + bs) - t0;
-      if (tb >= te) continue;
-      const int n = te - tb;
-      const float* q_tok = a.q + (q0 + tile.q_begin + i) * a.q_tok_stride;
-      for (int g = 0; g < group; ++g) {
-        const int r = i * group + g;
-        const float* qr = q_tok + (tile.kv_head * group + g) * a.q_head_stride;
-        float* sr = ws.s.data() + static_cast<size_t>(r) * bs;
-        for (int t = 0; t < n; ++t) sr[t] = dot(qr, kb + (tb + t) * d, d) * a.scale;
-        const float m_new = std::max(ws.m[r], max_of(sr, n));
-        const float alpha = std::exp(ws.m[r] - m_new);  // 0 on the first visible block
-        const float sum = exp_shift_sum(sr, n, m_new);
-        ws.l[r] = ws.l[r] * alpha + sum;
-        ws.m[r] = m_new;
-        scale_accumulate(ws.acc.data() + static_cast<size_t>(r) * d, alpha, sr, vb + tb * d, n,
-                         d, d);
-      }
+    const float* q_tok = a.q + (q0 + tile.q_begin + i) * a.q_tok_stride;
+    for (int g = 0; g < group; ++g) {
+      const float* src = q_tok + (tile.kv_head * group + g) * a.q_head_stride;
+      float* dst = ws.q.data() + static_cast<size_t>(i * group + g) * d;
+      for (int c = 0; c < d; ++c) dst[c] = src[c] * a.scale;
     }
   }
+  return {kv_begin, kv_end};
+}
 
+// out[token, head] = acc / l for every row of the tile.
+void store_rows(const Args& a, const Tile& tile, const Workspace& ws) {
+  const int group = a.num_heads / a.num_kv_heads;
+  const int d = a.head_size;
+  const int q0 = a.query_start_loc[tile.seq];
   for (int i = 0; i < tile.q_len; ++i) {
     float* o_tok = a.out + (q0 + tile.q_begin + i) * a.o_tok_stride;
     for (int g = 0; g < group; ++g) {
@@ -136,8 +176,44 @@ void attend_tile(const Args& a, const Tile& tile, Workspace& ws) {
   }
 }
 
+void attend_tile(const Args& a, const Tile& tile, Workspace& ws) {
+  const int group = a.num_heads / a.num_kv_heads;
+  const int d = a.head_size, bs = a.block_size;
+  const int rows = tile.q_len * group;
+  ws.resize(rows, tile.q_len, d, bs);
+  const auto [kv_begin, kv_end] = load_rows(a, tile, ws);
+
+  const int32_t* table = a.block_tables + tile.seq * a.bt_stride;
+  const int64_t kv_head_off = tile.kv_head * a.head_stride;
+  const int last_block = (kv_end - 1) / bs;
+  const int64_t micro_tiles = static_cast<int64_t>((rows + 1) / 2) * ((bs + 3) / 4);
+  PanelPrefetcher prefetch;
+  for (int j = kv_begin / bs; j <= last_block; ++j) {
+    const int64_t base = static_cast<int64_t>(table[j]) * a.block_stride + kv_head_off;
+    if (j < last_block) {
+      const int64_t next = table[j + 1] * a.block_stride + kv_head_off;
+      prefetch.reset(a.k_cache + next, a.v_cache + next, a.head_stride, micro_tiles);
+    } else {
+      prefetch.reset(nullptr, nullptr, 0, 0);
+    }
+    // Keys of this block that some row of the tile sees: [t0 + ub, t0 + ue).
+    const int t0 = j * bs;
+    const int ub = std::max(kv_begin, t0) - t0;
+    const int n = std::min(kv_end, t0 + bs) - t0 - ub;
+    block_scores(ws, rows, a.k_cache + base + ub * d, n, d, bs, prefetch);
+    for (int i = 0; i < tile.q_len; ++i) {
+      const int tb = std::max(ws.lo[i] - t0 - ub, 0);
+      const int te = std::min(ws.hi[i] - t0 - ub, n);
+      for (int g = 0; g < group; ++g) softmax_update(ws, i * group + g, tb, te, n, bs);
+    }
+    accumulate_values(ws, rows, a.v_cache + base + ub * d, n, d, bs);
+  }
+  store_rows(a, tile, ws);
+}
+
 // Every block id a sequence will read must exist: a bad table would read out of bounds.
 void check_tables(const Args& a, int num_seqs, int64_t num_blocks, int64_t table_width) {
+  TORCH_CHECK(a.query_start_loc[0] == 0, "paged_attention: query_start_loc must start at 0");
   for (int s = 0; s < num_seqs; ++s) {
     const int q_len = a.query_start_loc[s + 1] - a.query_start_loc[s];
     const int seq_len = a.seq_lens[s];

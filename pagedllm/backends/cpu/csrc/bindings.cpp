@@ -1,18 +1,26 @@
 // Python bindings of the CPU paged-attention extension (loaded by pagedllm/backends/cpu/_ops.py).
+//
+// Every kernel releases the GIL (arguments are converted before, results after), so another
+// Python thread, e.g. the server's event loop, keeps running while attention computes.
 #include <torch/extension.h>
 
 #include "attention.h"
 
+namespace {
+using NoGil = py::call_guard<py::gil_scoped_release>;
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "pagedllm CPU paged-attention kernels (float32, AVX2/FMA when built with it)";
   m.def("paged_attention", &pagedllm::paged_attention, "causal paged attention, flat batch",
-        py::arg("query"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"),
-        py::arg("query_start_loc"), py::arg("scale"), py::arg("sliding_window"));
+        NoGil(), py::arg("query"), py::arg("kv_cache"), py::arg("block_tables"),
+        py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("scale"),
+        py::arg("sliding_window"));
   m.def("reshape_and_cache", &pagedllm::reshape_and_cache, "write new K/V at their slots",
-        py::arg("key"), py::arg("value"), py::arg("kv_cache"), py::arg("slot_mapping"));
+        NoGil(), py::arg("key"), py::arg("value"), py::arg("kv_cache"), py::arg("slot_mapping"));
   m.def("copy_blocks", &pagedllm::copy_blocks, "copy-on-write of blocks in every layer",
-        py::arg("kv_caches"), py::arg("pairs"));
+        NoGil(), py::arg("kv_caches"), py::arg("pairs"));
   m.def("swap_blocks", &pagedllm::swap_blocks, "move blocks between two pools of one layer",
-        py::arg("src"), py::arg("dst"), py::arg("pairs"));
+        NoGil(), py::arg("src"), py::arg("dst"), py::arg("pairs"));
   m.def("built_with_avx2", &pagedllm::built_with_avx2, "whether the AVX2/FMA path was compiled");
 }
