@@ -121,3 +121,22 @@ def test_greedy_generation_of_16_tokens(
         cached, full, atol=1e-4, rtol=1e-4, msg=f"cached vs full pass: max abs diff {diff:.3e}"
     )
     assert torch.equal(full.argmax(-1), new), f"{new.tolist()} != {full.argmax(-1).tolist()}"
+
+
+def test_fibonacci_completion_opens_an_indented_body(
+    model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """The demo prints this completion; code-looking output is what makes engine bugs visible."""
+    enc = tokenizer("def fibonacci(n):", return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=16, do_sample=False)
+    text = tokenizer.decode(out[0], skip_special_tokens=True)
+    lines = text.split("\n")
+    assert len(lines) > 1 and lines[1][:1] in (" ", "\t"), f"no indented body in {text!r}"
+
+
+def test_model_card_names_corpus_licence_and_losses() -> None:
+    card = (DEMO_DIR / "README.md").read_text()
+    needles = ("Python Software Foundation", "standard library", "Held-out loss", "train loss")
+    for needle in needles:
+        assert needle in card, f"model card lacks {needle!r}"
