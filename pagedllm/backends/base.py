@@ -304,6 +304,9 @@ class DeviceBackend(ABC):
         peak = self.profile_peak_bytes(profile, rank)
         return int(self.total_memory_bytes(rank) * gpu_memory_utilization) - peak
 
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        """Device-specific tuning of a loaded model (repacked weights, say); default: none."""
+
     def configure_threads(self, world_size: int = 1) -> None:
         """Set host-side thread counts for a worker once, before its first forward pass."""
 

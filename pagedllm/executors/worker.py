@@ -52,6 +52,7 @@ class Worker:
             dtype=self.dtype,
             tp=self.tp,
         )
+        self.backend.prepare_model(model)
         self.runner = ModelRunner(
             model,
             self.attention,

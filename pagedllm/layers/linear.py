@@ -8,11 +8,17 @@ all-reduce their outputs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.parallel import SINGLE, TPContext
+
+# A backend may install a faster ``x -> x @ W^T (+ b)`` on a layer after loading (for example
+# weights repacked for the CPU's GEMM library); the layer then calls it instead of F.linear.
+LinearFn = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _param(shape: tuple[int, ...], loader: object) -> nn.Parameter:
@@ -62,7 +68,12 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError(f"weight shape {tuple(piece.shape)} != expected {tuple(dst.shape)}")
         dst.copy_(piece)
 
+    fast_linear: LinearFn | None = None
+    fast_linear_has_bias = True  # the installed function adds the bias itself
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fast_linear is not None:
+            return self.fast_linear(x)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -124,8 +135,12 @@ class RowParallelLinear(nn.Module):
         piece = loaded.narrow(1, self.tp.rank * self.input_shard, self.input_shard)
         default_weight_loader(param, piece)
 
+    fast_linear: LinearFn | None = None
+    fast_linear_has_bias = False  # the bias is added after the all-reduce
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        partial = self.fast_linear(x) if self.fast_linear is not None else F.linear(x, self.weight)
+        y = self.tp.all_reduce(partial)
         if self.bias is not None:
             y = y + self.bias
         return y
@@ -133,6 +148,10 @@ class RowParallelLinear(nn.Module):
 
 class VocabParallelEmbedding(nn.Module):
     """Embedding rows split across ranks; tokens outside a rank's range contribute zeros."""
+
+    # Used when the module also serves as the (tied) LM head.
+    fast_linear: LinearFn | None = None
+    fast_linear_has_bias = False
 
     def __init__(self, vocab_size: int, hidden_size: int, *, tp: TPContext = SINGLE) -> None:
         super().__init__()
@@ -161,5 +180,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Vocabulary-split output projection; logits are gathered to full width on every rank."""
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = F.linear(hidden, self.weight)  # [n, shard]
+        if self.fast_linear is not None:
+            local = self.fast_linear(hidden)  # [n, shard]
+        else:
+            local = F.linear(hidden, self.weight)  # [n, shard]
         return self.tp.all_gather_last_dim(local)[:, : self.vocab_size]

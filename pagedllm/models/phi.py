@@ -40,8 +40,13 @@ class BiasedLMHead(ParallelLMHead):
         self.bias = nn.Parameter(torch.empty(self.shard), requires_grad=False)
         self.bias.weight_loader = self.load_weight  # type: ignore[attr-defined]
 
+    fast_linear_has_bias = True
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab]
-        local = F.linear(hidden, self.weight, self.bias)  # [n, shard]
+        if self.fast_linear is not None:
+            local = self.fast_linear(hidden)  # [n, shard]
+        else:
+            local = F.linear(hidden, self.weight, self.bias)  # [n, shard]
         return self.tp.all_gather_last_dim(local)[:, : self.vocab_size]
 
 

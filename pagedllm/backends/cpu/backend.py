@@ -83,6 +83,11 @@ class CpuBackend(DeviceBackend):
             )
         return _instantiate(kind)
 
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        from pagedllm.backends.cpu.packed_linear import pack_linear_layers
+
+        pack_linear_layers(model)
+
     def configure_threads(self, world_size: int = 1) -> None:
         """Intra-op threads = physical cores (shared evenly by co-located TP ranks)."""
         threads = max(1, physical_cores() // max(1, world_size))
