@@ -71,5 +71,9 @@ def pack_linear_layers(model: nn.Module) -> int:
             if fn is not None:
                 module.fast_linear = fn
                 count += 1
+                if is_linear:
+                    # The packed copy is the only one used from now on: do not keep two. (A head
+                    # may be the tied embedding, which still needs its rows: it keeps both.)
+                    module.weight.data = torch.empty(0)
     logger.info("packed %d linear layers for oneDNN", count)
     return count
