@@ -68,7 +68,8 @@ def load_model(
     cls = resolve_model_class(getattr(hf_config, "architectures", None))
     with torch.device("cpu"):
         module = cls(hf_config, attn_backend=attn_backend, tp=tp)
-    loaded = module.load_weights(iterate_weights(Path(model)))
+    # Under tensor parallelism each rank reads only the slices it keeps.
+    loaded = module.load_weights(iterate_weights(Path(model), lazy=tp.size > 1))
     logger.info("loaded %d weight tensors for %s", len(loaded), cls.__name__)
     module = module.to(device=device, dtype=dtype)
     # Buffers such as rotary tables stay float32; only parameters follow the compute dtype.

@@ -9,6 +9,7 @@ import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -41,7 +42,40 @@ def checkpoint_files(folder: Path) -> list[Path]:
     return files
 
 
-def iterate_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+class LazyTensor:
+    """A checkpoint tensor read on demand, so a tensor-parallel rank reads only its slice.
+
+    It offers the few tensor operations the sharding weight loaders use (``shape``,
+    ``narrow``, row slicing); anything else calls :meth:`materialize` first.
+    """
+
+    def __init__(self, handle: Any, name: str) -> None:
+        self._slice = handle.get_slice(name)
+        self.shape = torch.Size(self._slice.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        return self._slice[tuple(index)]
+
+    def __getitem__(self, key: slice) -> torch.Tensor:
+        return self._slice[key]
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def materialize(self) -> torch.Tensor:
+        return self._slice[:]
+
+    def __getattr__(self, name: str) -> Any:
+        # Model-specific preprocessing (transposes, fused splits) works on the whole tensor.
+        return getattr(self.materialize(), name)
+
+
+def iterate_weights(
+    folder: Path, *, lazy: bool = False
+) -> Iterator[tuple[str, torch.Tensor | LazyTensor]]:
+    """Named checkpoint tensors; ``lazy`` yields :class:`LazyTensor` handles instead."""
     from safetensors import SafetensorError
     from safetensors.torch import safe_open
 
@@ -49,7 +83,7 @@ def iterate_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    yield name, f.get_tensor(name)
+                    yield name, (LazyTensor(f, name) if lazy else f.get_tensor(name))
         except (SafetensorError, OSError, RuntimeError) as exc:
             raise CheckpointError(f"{path}: cannot read safetensors file ({exc})") from exc
 
@@ -81,9 +115,27 @@ class WeightMapper:
         return name, None
 
 
+def _reads_slices(loader: Any) -> bool:
+    """Whether a weight loader only narrows or row-slices what it is given."""
+    from pagedllm.layers.linear import (
+        ColumnParallelLinear,
+        QKVParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+    )
+
+    func = getattr(loader, "__func__", None)
+    return func in (
+        ColumnParallelLinear.load_shard,
+        QKVParallelLinear.load_shard,
+        RowParallelLinear.load_weight,
+        VocabParallelEmbedding.load_weight,
+    )
+
+
 def load_mapped_weights(
     model: nn.Module,
-    weights: Iterable[tuple[str, torch.Tensor]],
+    weights: Iterable[tuple[str, torch.Tensor | LazyTensor]],
     mapper: WeightMapper,
     *,
     skip_lm_head: bool = False,
@@ -102,7 +154,10 @@ def load_mapped_weights(
         if param is None:
             raise CheckpointError(f"checkpoint tensor {ckpt_name!r} has no place in the model")
         loader = getattr(param, "weight_loader", None)
-        tensor = tensor.to(param.dtype)
+        if isinstance(tensor, LazyTensor) and not _reads_slices(loader):
+            tensor = tensor.materialize()
+        if not isinstance(tensor, LazyTensor):
+            tensor = tensor.to(param.dtype)
         try:
             if shard is not None:
                 loader(param, tensor, shard)  # type: ignore[misc]
