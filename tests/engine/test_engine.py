@@ -131,7 +131,7 @@ def test_failed_step_ends_its_requests_and_engine_recovers(
     engine.add_request("doomed", "A", SamplingParams(max_tokens=4))
     real = engine.executor.execute_model
 
-    def boom(sched_out):  # noqa: ANN001, ANN202
+    def boom(sched_out):
         raise RuntimeError("worker exploded")
 
     monkeypatch.setattr(engine.executor, "execute_model", boom)
