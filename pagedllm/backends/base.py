@@ -239,6 +239,7 @@ class DeviceBackend(ABC):
     """One kind of device: how to reach it, size it, and which kernels run on it."""
 
     name: str = "abstract"
+    ray_resource: str | None = None  # the Ray resource one worker of this device reserves
 
     @classmethod
     @abstractmethod

@@ -24,6 +24,11 @@ def available_devices() -> list[str]:
     return list(_BACKENDS)
 
 
+def backend_class(name: str) -> type[DeviceBackend]:
+    """The backend class for a resolved device name, without checking the device is here."""
+    return _load(name)
+
+
 def _load(name: str) -> type[DeviceBackend]:
     module_name, _, cls_name = _BACKENDS[name].partition(":")
     module = importlib.import_module(module_name)

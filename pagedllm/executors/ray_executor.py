@@ -18,6 +18,7 @@ import time
 import weakref
 from typing import Any
 
+from pagedllm.backends.registry import backend_class
 from pagedllm.config import EngineConfig
 from pagedllm.core.interfaces import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executors.base import Executor
@@ -31,7 +32,6 @@ from pagedllm.executors.distributed import (
 logger = logging.getLogger(__name__)
 
 # The Ray resource that reserves one accelerator of each device kind (none on the CPU).
-_ACCELERATOR_RESOURCE = {"cpu": None, "cuda": "GPU", "xpu": "GPU"}
 _POLL_S = 0.5
 _DEATH_GRACE_S = 1.0  # after a rank reports an error, how long to look for a dead peer
 
@@ -112,7 +112,7 @@ class RayExecutor(Executor):
         owns_ray = not ray.is_initialized()
         if owns_ray:
             ray.init()
-        accel = _ACCELERATOR_RESOURCE.get(config.device)
+        accel = backend_class(config.device).ray_resource
         bundle: dict[str, float] = {"CPU": float(num_cpus_per_worker)}
         if accel:
             bundle[accel] = 1.0

@@ -28,6 +28,7 @@ class CudaBackend(DeviceBackend):
     """NVIDIA GPUs through PyTorch's CUDA runtime and our Triton paged-attention kernels."""
 
     name = "cuda"
+    ray_resource = "GPU"
 
     @classmethod
     def is_available(cls) -> bool:

@@ -51,6 +51,7 @@ class XpuBackend(DeviceBackend):
     """Intel GPUs through PyTorch's native XPU runtime."""
 
     name = "xpu"
+    ray_resource = "GPU"
 
     @classmethod
     def is_available(cls) -> bool:
