@@ -10,17 +10,23 @@ from pagedllm.core.interfaces import ModelRunnerOutput, SchedulerOutput
 
 
 class Executor(ABC):
-    """The engine's only handle on the model; one ``execute_model`` call per step."""
+    """The engine's only handle on the model; one ``execute_model`` call per step.
 
-    @abstractmethod
+    Everything goes through ``collective_rpc``; rank 0 answers for the step.
+    """
+
     def determine_num_blocks(self) -> tuple[int, int]:
-        """(device blocks, host blocks); under TP the minimum over workers."""
+        """(device blocks, host blocks): the minimum over workers."""
+        counts = self.collective_rpc("determine_num_blocks")
+        return min(c[0] for c in counts), min(c[1] for c in counts)
 
-    @abstractmethod
-    def initialize_cache(self, num_device_blocks: int, num_host_blocks: int) -> None: ...
+    def initialize_cache(self, num_device_blocks: int, num_host_blocks: int) -> None:
+        self.collective_rpc("initialize_cache", num_device_blocks, num_host_blocks)
 
-    @abstractmethod
-    def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput: ...
+    def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        out = self.collective_rpc("execute_model", sched_out)[0]
+        assert isinstance(out, ModelRunnerOutput)
+        return out
 
     @abstractmethod
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
@@ -44,14 +50,8 @@ class UniProcExecutor(Executor):
         self.worker.backend.configure_threads(1)
         self.worker.load_model()
 
-    def determine_num_blocks(self) -> tuple[int, int]:
-        return self.worker.determine_num_blocks()
-
-    def initialize_cache(self, num_device_blocks: int, num_host_blocks: int) -> None:
-        self.worker.initialize_cache(num_device_blocks, num_host_blocks)
-
     def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.execute_model(sched_out)
+        return self.worker.execute_model(sched_out)  # no RPC indirection on the hot path
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         return [getattr(self.worker, method)(*args)]

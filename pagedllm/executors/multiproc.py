@@ -22,7 +22,6 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.interfaces import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executors.base import Executor
 from pagedllm.executors.distributed import (
     DistInit,
@@ -153,18 +152,6 @@ class MultiprocExecutor(Executor):
         logger.info("%d tensor-parallel workers up: pids %s", self.world_size, self.worker_pids)
 
     # -- the Executor surface ---------------------------------------------------------------
-    def determine_num_blocks(self) -> tuple[int, int]:
-        counts = self.collective_rpc("determine_num_blocks")
-        return min(c[0] for c in counts), min(c[1] for c in counts)
-
-    def initialize_cache(self, num_device_blocks: int, num_host_blocks: int) -> None:
-        self.collective_rpc("initialize_cache", num_device_blocks, num_host_blocks)
-
-    def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
-        out = self.collective_rpc("execute_model", sched_out)[0]
-        assert isinstance(out, ModelRunnerOutput)
-        return out
-
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         self.check_health()
         payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)  # once for all

@@ -20,7 +20,6 @@ from typing import Any
 
 from pagedllm.backends.registry import backend_class
 from pagedllm.config import EngineConfig
-from pagedllm.core.interfaces import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executors.base import Executor
 from pagedllm.executors.distributed import (
     DistInit,
@@ -157,18 +156,6 @@ class RayExecutor(Executor):
         )
 
     # -- the Executor surface ---------------------------------------------------------------
-    def determine_num_blocks(self) -> tuple[int, int]:
-        counts = self.collective_rpc("determine_num_blocks")
-        return min(c[0] for c in counts), min(c[1] for c in counts)
-
-    def initialize_cache(self, num_device_blocks: int, num_host_blocks: int) -> None:
-        self.collective_rpc("initialize_cache", num_device_blocks, num_host_blocks)
-
-    def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
-        out = self.collective_rpc("execute_model", sched_out)[0]
-        assert isinstance(out, ModelRunnerOutput)
-        return out
-
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         self.check_health()
         # One put, so a large SchedulerOutput is serialised once, not once per rank.
