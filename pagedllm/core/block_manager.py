@@ -181,6 +181,10 @@ class BlockSpaceManager:
             hits.append(block)
         return hits
 
+    def num_cached_prefix_tokens(self, seq: Sequence) -> int:
+        """Tokens of a waiting sequence that a prefix-cache hit would spare computing."""
+        return len(self._cached_prefix(seq)) * self.block_size
+
     def _shared_live_blocks(self, seq: Sequence) -> int:
         """Prefix hits on blocks other sequences hold: they cost no free block."""
         return sum(1 for b in self._cached_prefix(seq) if self.device.ref_counts[b] > 0)

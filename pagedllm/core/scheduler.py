@@ -196,7 +196,10 @@ class Scheduler:
                 if self._preempt_lower_priority(group, budget, step):
                     continue
                 break
-            num_tokens = sum(s.get_len() for s in seqs)
+            # Cached prefix tokens are not computed, so they do not count against the budget.
+            num_tokens = sum(s.get_len() - bm.num_cached_prefix_tokens(s) for s in seqs)
+            if group.sampling_params.prompt_logprobs is not None:
+                num_tokens = sum(s.get_len() for s in seqs)
             num_new_seqs = group.get_max_num_running_seqs()
             if chunked:
                 num_tokens = min(num_tokens, budget.tokens_left)
