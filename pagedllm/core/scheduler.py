@@ -17,57 +17,15 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.block_manager import AllocStatus, BlockSpaceManager
 from pagedllm.core.interfaces import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from pagedllm.core.policy import POLICIES, sort_groups
 from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedllm.core.step_plan import Budget, SchedulerStats, StepPlan, build_scheduled_seq
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class SchedulerStats:
-    preemptions_recompute: int = 0
-    preemptions_swap: int = 0
-    chunked_prefill_steps: int = 0
-    steps: int = 0
-
-    @property
-    def preemptions(self) -> int:
-        return self.preemptions_recompute + self.preemptions_swap
-
-
-@dataclass
-class _Budget:
-    token_budget: int
-    max_num_seqs: int
-    num_tokens: int = 0
-    num_seqs: int = 0
-
-    def fits(self, num_tokens: int, num_seqs: int) -> bool:
-        return (
-            self.num_tokens + num_tokens <= self.token_budget
-            and self.num_seqs + num_seqs <= self.max_num_seqs
-        )
-
-    @property
-    def tokens_left(self) -> int:
-        return self.token_budget - self.num_tokens
-
-
-@dataclass
-class _Step:
-    """What one ``schedule`` call decided, before it becomes a SchedulerOutput."""
-
-    prefills: list[tuple[SequenceGroup, int]] = field(default_factory=list)  # (group, chunk)
-    decodes: list[SequenceGroup] = field(default_factory=list)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    copies: list[tuple[int, int]] = field(default_factory=list)
-    preempted: int = 0
 
 
 class Scheduler:
@@ -139,9 +97,9 @@ class Scheduler:
             step = self._schedule_default(now)
         return self._build_output(step, now)
 
-    def _schedule_default(self, now: float) -> _Step:
-        step = _Step()
-        budget = _Budget(self.config.token_budget, self.config.max_num_seqs)
+    def _schedule_default(self, now: float) -> StepPlan:
+        step = StepPlan()
+        budget = Budget(self.config.token_budget, self.config.max_num_seqs)
         budget.num_seqs = sum(g.get_max_num_running_seqs() for g in self.running)
         if not self.swapped and self._passed_delay(now):
             self._schedule_prefills(budget, step, chunked=False)
@@ -152,9 +110,9 @@ class Scheduler:
         self.prev_prompt = bool(step.prefills)
         return step
 
-    def _schedule_chunked(self, now: float) -> _Step:
-        step = _Step()
-        budget = _Budget(self.config.token_budget, self.config.max_num_seqs)
+    def _schedule_chunked(self, now: float) -> StepPlan:
+        step = StepPlan()
+        budget = Budget(self.config.token_budget, self.config.max_num_seqs)
         budget.num_seqs = sum(g.get_max_num_running_seqs() for g in self.running)
         self._schedule_running(budget, step, chunked=True)
         if step.preempted == 0:
@@ -178,7 +136,7 @@ class Scheduler:
             now - earliest > self.config.delay_factor * self.last_prompt_latency or not self.running
         )
 
-    def _schedule_prefills(self, budget: _Budget, step: _Step, *, chunked: bool) -> None:
+    def _schedule_prefills(self, budget: Budget, step: StepPlan, *, chunked: bool) -> None:
         bm = self.block_manager
         if self.config.policy != "fcfs":
             self.waiting = sort_groups(self.waiting, self.sort_key)
@@ -220,7 +178,7 @@ class Scheduler:
             step.prefills.append((group, chunk))
 
     def _prefill_chunk(
-        self, group: SequenceGroup, budget: _Budget, chunked: bool, *, new: bool = True
+        self, group: SequenceGroup, budget: Budget, chunked: bool, *, new: bool = True
     ) -> int:
         """Tokens to compute now for a (possibly partly cached) prompt; reserves its slots."""
         seqs = group.get_seqs(SequenceStatus.RUNNING)
@@ -241,7 +199,7 @@ class Scheduler:
     def _copies_into(self, seq: Sequence, num_tokens: int) -> None:
         self._pending_copies.extend(self.block_manager.append_slots(seq, num_tokens))
 
-    def _schedule_running(self, budget: _Budget, step: _Step, *, chunked: bool) -> None:
+    def _schedule_running(self, budget: Budget, step: StepPlan, *, chunked: bool) -> None:
         """Decodes first (preempting from the back when blocks run out), then prompt chunks."""
         queue = sort_groups(self.running, self.sort_key)
         kept: deque[SequenceGroup] = deque()
@@ -273,7 +231,7 @@ class Scheduler:
             if chunked and budget.tokens_left > 0:
                 step.prefills.append((group, self._prefill_chunk(group, budget, True, new=False)))
 
-    def _schedule_swapped(self, budget: _Budget, step: _Step) -> None:
+    def _schedule_swapped(self, budget: Budget, step: StepPlan) -> None:
         bm = self.block_manager
         while self.swapped:
             group = self.swapped[0]
@@ -297,9 +255,7 @@ class Scheduler:
             self.running.append(group)
             step.decodes.append(group)
 
-    def _preempt_lower_priority(
-        self, group: SequenceGroup, budget: _Budget, step: _Step
-    ) -> bool:
+    def _preempt_lower_priority(self, group: SequenceGroup, budget: Budget, step: StepPlan) -> bool:
         """Priority policy: make room for ``group`` by recomputing a lower-priority group later.
 
         Victims go back to ``waiting`` (not to ``swapped``, which would hold every prompt back).
@@ -318,7 +274,7 @@ class Scheduler:
         self.waiting = sort_groups(self.waiting, self.sort_key)
         return True
 
-    def _preempt(self, group: SequenceGroup, step: _Step, mode: str | None = None) -> None:
+    def _preempt(self, group: SequenceGroup, step: StepPlan, mode: str | None = None) -> None:
         mode = mode or self.config.preemption_mode
         if mode is None:
             mode = "swap" if group.get_max_num_running_seqs() > 1 else "recompute"
@@ -359,7 +315,7 @@ class Scheduler:
         self._ignored.append(group)
 
     # -- building the wire type ---------------------------------------------------------------
-    def _build_output(self, step: _Step, now: float) -> SchedulerOutput:
+    def _build_output(self, step: StepPlan, now: float) -> SchedulerOutput:
         scheduled: list[ScheduledSeq] = []
         self._scheduled = []
         for group, chunk in step.prefills:
@@ -387,44 +343,11 @@ class Scheduler:
     def _scheduled_seq(
         self, group: SequenceGroup, seq: Sequence, num_tokens: int, is_prompt: bool
     ) -> ScheduledSeq:
-        start = seq.num_computed_tokens
-        end = start + num_tokens
-        do_sample = end >= seq.get_len()
-        params = group.sampling_params
-        self._scheduled.append((group, seq, num_tokens, do_sample))
-        history = (
-            (seq.prompt_token_ids, seq.output_token_ids) if params.needs_token_history else None
+        item = build_scheduled_seq(
+            group, seq, num_tokens, is_prompt, self.block_manager.get_block_table(seq)
         )
-        wants_prompt_lp = (
-            is_prompt
-            and params.prompt_logprobs is not None
-            and seq.get_output_len() == 0
-            and start < seq.get_prompt_len()
-        )
-        num_samples = 1
-        if (
-            do_sample
-            and seq.get_output_len() == 0
-            and len(group.seqs) == 1
-            and not params.use_beam_search
-        ):
-            num_samples = params.best_of or 1
-        return ScheduledSeq(
-            request_id=group.request_id,
-            seq_id=seq.seq_id,
-            is_prompt=is_prompt,
-            token_ids=seq.token_slice(start, end),
-            start_pos=start,
-            block_table=self.block_manager.get_block_table(seq),
-            do_sample=do_sample,
-            sampling_params=params,
-            output_len=seq.get_output_len(),
-            prompt_len=seq.get_prompt_len(),
-            history=history,
-            next_token_ids=seq.token_slice(start + 1, end + 1) if wants_prompt_lp else None,
-            num_samples=num_samples,
-            sample_index=seq.index,
-        )
+        self._scheduled.append((group, seq, num_tokens, item.do_sample))
+        return item
 
     # -- after the forward pass ----------------------------------------------------------------
     def update_from_output(
