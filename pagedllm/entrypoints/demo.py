@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> None:
     if not Path(args.model, "config.json").exists():
         raise SystemExit(f"demo model not found at {args.model}")
     engine = Engine(args.model, device=args.device, kv_cache_space=1)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    # Greedy, with a mild repetition penalty: a 5M-parameter model loops without one.
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, repetition_penalty=1.2)
     start = time.perf_counter()
     outputs = engine.generate(DEMO_PROMPTS, params)
     elapsed = time.perf_counter() - start
