@@ -166,6 +166,14 @@ class VocabParallelEmbedding(nn.Module):
         param.data.zero_()
         param.data[:rows].copy_(loaded[self.start : self.start + rows])
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Output projection (tied or untied head); gathered to full vocabulary width."""
+        if self.fast_linear is not None:
+            local = self.fast_linear(hidden)  # [n, shard]
+        else:
+            local = F.linear(hidden, self.weight)  # [n, shard]
+        return self.tp.all_gather_last_dim(local)[:, : self.vocab_size]
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return F.embedding(ids, self.weight)
@@ -177,11 +185,13 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Vocabulary-split output projection; logits are gathered to full width on every rank."""
+    """An untied vocabulary-split output projection (``logits`` comes from the base class)."""
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.fast_linear is not None:
-            local = self.fast_linear(hidden)  # [n, shard]
-        else:
-            local = F.linear(hidden, self.weight)  # [n, shard]
-        return self.tp.all_gather_last_dim(local)[:, : self.vocab_size]
+
+def lm_head_for(
+    config: object, embedding: VocabParallelEmbedding, hidden_size: int, *, tied_default: bool
+) -> VocabParallelEmbedding:
+    """The embedding itself when the checkpoint ties them, else a separate head."""
+    if getattr(config, "tie_word_embeddings", tied_default):
+        return embedding
+    return ParallelLMHead(embedding.vocab_size, hidden_size, tp=embedding.tp)

@@ -18,10 +18,10 @@ from pagedllm.layers.activation import get_act_fn
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.linear import (
     ColumnParallelLinear,
-    ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    lm_head_for,
 )
 from pagedllm.layers.norm import LayerNorm
 from pagedllm.layers.parallel import SINGLE, TPContext
@@ -110,10 +110,7 @@ class GPT2LMHeadModel(nn.Module):
             GPT2Block(config, i, attn_backend, tp=tp) for i in range(config.num_hidden_layers)
         )
         self.ln_f = LayerNorm(hidden, config.layer_norm_epsilon)
-        if getattr(config, "tie_word_embeddings", True):
-            self.lm_head = self.wte
-        else:
-            self.lm_head = ParallelLMHead(config.vocab_size, hidden, tp=tp)
+        self.lm_head = lm_head_for(config, self.wte, hidden, tied_default=True)
 
     def forward(
         self,
@@ -128,7 +125,7 @@ class GPT2LMHeadModel(nn.Module):
         return self.ln_f(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab]
-        return ParallelLMHead.logits(self.lm_head, hidden)  # type: ignore[arg-type]
+        return self.lm_head.logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         mapper = WeightMapper(

@@ -17,10 +17,10 @@ from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.linear import (
     ColumnParallelLinear,
-    ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    lm_head_for,
 )
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.parallel import SINGLE, TPContext
@@ -199,10 +199,9 @@ class LlamaForCausalLM(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=self.norm_offset)
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head = self.embed_tokens
-        else:
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp=tp)
+        self.lm_head = lm_head_for(
+            config, self.embed_tokens, config.hidden_size, tied_default=False
+        )
 
     def forward(
         self,
@@ -219,7 +218,7 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab]
-        return ParallelLMHead.logits(self.lm_head, hidden)  # type: ignore[arg-type]
+        return self.lm_head.logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         mapper = WeightMapper(

@@ -19,10 +19,10 @@ from pagedllm.layers.activation import get_act_fn
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.linear import (
     ColumnParallelLinear,
-    ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    lm_head_for,
 )
 from pagedllm.layers.norm import LayerNorm
 from pagedllm.layers.parallel import SINGLE, TPContext
@@ -127,10 +127,7 @@ class OPTForCausalLM(nn.Module):
         self.final_layer_norm: nn.Module | None = None
         if config.do_layer_norm_before and not getattr(config, "_remove_final_layer_norm", False):
             self.final_layer_norm = make_layer_norm(hidden, 1e-5, affine)
-        if getattr(config, "tie_word_embeddings", True):
-            self.lm_head = self.embed_tokens
-        else:
-            self.lm_head = ParallelLMHead(config.vocab_size, embed_dim, tp=tp)
+        self.lm_head = lm_head_for(config, self.embed_tokens, embed_dim, tied_default=True)
 
     def forward(
         self,
@@ -152,7 +149,7 @@ class OPTForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab]
-        return ParallelLMHead.logits(self.lm_head, hidden)  # type: ignore[arg-type]
+        return self.lm_head.logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         mapper = WeightMapper(
