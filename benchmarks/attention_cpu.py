@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.backends.base import AttentionMetadata, build_attention_metadata
+from pagedllm.backends.cpu._ops import cpu_model_name
 from pagedllm.backends.cpu.attention import TorchPagedAttention
 from pagedllm.backends.cpu.kernel_attention import CppPagedAttention
 from pagedllm.backends.reference import ReferenceAttention
@@ -193,7 +194,8 @@ def main(argv: list[str] | None = None) -> None:
     ]
     report = {
         "threads": torch.get_num_threads(),
-        "avx2": CppPagedAttention().uses_avx2,
+        "processor": cpu_model_name(),
+        "isa": CppPagedAttention().isa,
         "copy_bandwidth_gbps": round(copy_bw / 1e9, 2),
         "read_bandwidth_gbps": round(read_bw / 1e9, 2),
         "cases": cases,

@@ -236,3 +236,8 @@ class EngineArgs:
 def env_api_key() -> str | None:
     """The server's API key from the environment, when ``--api-key`` is not given."""
     return os.environ.get("PAGEDLLM_API_KEY") or None
+
+
+def env_cpu_isa() -> str | None:
+    """``PAGEDLLM_CPU_ISA``: force one ISA level of the CPU kernels (tests, benchmarks)."""
+    return os.environ.get("PAGEDLLM_CPU_ISA") or None

@@ -257,11 +257,19 @@ def test_cache_shape_and_backend_selection(cpp) -> None:
 def test_build_is_cached_and_flags_are_portable(cpp, monkeypatch) -> None:
     from pagedllm.backends.cpu import _ops
 
-    assert _ops.load_ops() is cpp._ops  # memoised: no second build or import
-    flags = _ops.compile_flags()
+    assert _ops.load_ops(isa=cpp.isa) is cpp._ops  # memoised: no second build or import
+    flags = _ops.compile_flags(cpp.isa)
     assert "-march=native" not in flags and "-fopenmp" in flags
-    assert ("-mavx2" in flags) == _ops.cpu_has_avx2() == cpp.uses_avx2
-    assert _ops.build_key(flags) != _ops.build_key(_ops.compile_flags(avx2=not cpp.uses_avx2))
+    assert ("-mavx2" in flags) == cpp.uses_avx2
+    assert cpp.isa in _ops.supported_isas() and _ops.supported_isas()[-1] == "scalar"
+    sources = ("attention.cpp",)
+    assert _ops.build_key(sources, (), flags) != _ops.build_key(
+        sources, (), _ops.compile_flags("scalar")
+    )
+    monkeypatch.setenv("PAGEDLLM_CPU_ISA", "no-such-isa")
+    with pytest.raises(ValueError, match="PAGEDLLM_CPU_ISA"):
+        _ops.resolve_isa()
+    monkeypatch.delenv("PAGEDLLM_CPU_ISA")
     monkeypatch.setattr(_ops.shutil, "which", lambda name: None)
     with pytest.raises(RuntimeError, match="c\\+\\+"):
         _ops._check_toolchain()
@@ -272,7 +280,7 @@ def test_scalar_build_matches_reference(cpp) -> None:
     """The path a CPU without AVX2 runs: built once per machine without -mavx2/-mfma."""
     from pagedllm.backends.cpu.kernel_attention import CppPagedAttention
 
-    scalar = CppPagedAttention(avx2=False)
+    scalar = CppPagedAttention(isa="scalar")
     assert not scalar.uses_avx2
     for head_size, window in ((20, None), (64, 7)):
         query, cache, meta = make_batch([40, 19, 1, 300], [40, 3, 1, 1], 2, 16, (8, 2), head_size)

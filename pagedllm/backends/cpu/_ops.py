@@ -1,18 +1,23 @@
-"""Build (once per machine) and load the C++ paged-attention extension of the CPU backend.
+"""Build (once per machine and ISA) and load the C++ extensions of the CPU backend.
 
-The extension is compiled with ``torch.utils.cpp_extension.load`` into
+Every extension of this backend (the paged-attention kernels, the weight GEMMs) goes through
+:func:`load_extension`: it is compiled with ``torch.utils.cpp_extension.load`` into
 ``~/.cache/pagedllm/cpu_ext/<key>``, where ``<key>`` hashes everything that changes the binary:
 the sources, the compiler flags, the torch and Python versions and the machine architecture. So a
 second process (another test, a tensor-parallel worker) finds the library already built and only
 imports it, and an edit to a source file or a torch upgrade lands in a fresh directory instead of
 loading a stale binary.
 
-Flags are ``-O3 -mavx2 -mfma -fopenmp`` when the CPU has AVX2 (asked of torch's own dispatcher),
-otherwise ``-O3 -fopenmp`` and the kernels' scalar path. ``-march=native`` is avoided on purpose:
-it could emit AVX-512 on one machine and the cache key must describe what was built.
+**Run-time ISA dispatch.** The same sources are built once per *ISA level* with that level's
+flags, and the level is chosen at load from what ``/proc/cpuinfo`` reports (best first), or
+forced with ``PAGEDLLM_CPU_ISA`` (read in :mod:`pagedllm.config`) so that tests and benchmarks can
+run every path the machine supports. ``-march=native`` is avoided on purpose: the cache key must
+describe what was built, and a build must never emit instructions the level does not promise.
+Sources pick their vector code with the compiler's macros (``__AVX512F__``, ``__AVX512BF16__``,
+``__AVX2__``...), and each extension reports the level it was built for.
 
-Failures raise ``RuntimeError`` (no compiler, no ninja, compile error) or ``ImportError``, which is
-what :meth:`pagedllm.backends.cpu.backend.CpuBackend.attention` catches to fall back to PyTorch.
+Failures raise ``RuntimeError`` (no compiler, no ninja, compile error, a level this CPU cannot run)
+or ``ImportError``, which callers turn into a fallback to PyTorch ops.
 """
 
 from __future__ import annotations
@@ -24,45 +29,117 @@ import logging
 import platform
 import shutil
 import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from pagedllm.config import env_cpu_isa
+
 logger = logging.getLogger(__name__)
 
-EXTENSION_NAME = "pagedllm_cpu_ops"
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = ("attention.cpp", "cache_ops.cpp", "bindings.cpp")
-_HEADERS = ("attention.h", "vec.h")
 _BUILT_MARKER = "built.ok"
 
 
-def default_build_root() -> Path:
-    """Where built extensions live, one sub-directory per build key."""
-    return Path.home() / ".cache" / "pagedllm" / "cpu_ext"
+@dataclass(frozen=True)
+class IsaLevel:
+    """One build flavour: the compiler flags and the ``/proc/cpuinfo`` flags it needs."""
+
+    name: str
+    cflags: tuple[str, ...]
+    cpu_flags: frozenset[str]
 
 
-def cpu_has_avx2() -> bool:
-    """True when torch's dispatcher found AVX2 (or better) on this CPU."""
+# Best first. avx512bf16 adds the bf16 dot products and VNNI to plain AVX-512 (Cooper Lake,
+# Sapphire Rapids and later); avx2 is the Haswell/Zen baseline with FMA and F16C conversions.
+ISA_LEVELS: tuple[IsaLevel, ...] = (
+    IsaLevel(
+        "avx512bf16",
+        (
+            "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
+            "-mavx512vnni", "-mavx2", "-mfma", "-mf16c",
+        ),
+        frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
+                   "avx512_vnni", "avx2", "fma", "f16c"}),
+    ),
+    IsaLevel(
+        "avx512",
+        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"),
+        frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"}),
+    ),
+    IsaLevel("avx2", ("-mavx2", "-mfma", "-mf16c"), frozenset({"avx2", "fma", "f16c"})),
+    IsaLevel("scalar", (), frozenset()),
+)
+_LEVELS = {level.name: level for level in ISA_LEVELS}
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The instruction-set flags this processor reports (empty off x86 or without procfs)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
+        return frozenset()
     try:
-        return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-    except (AttributeError, RuntimeError):
-        return False
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "flags":
+                    return frozenset(value.split())
+    except OSError:
+        pass
+    return frozenset()
 
 
-def compile_flags(avx2: bool | None = None) -> list[str]:
-    """Compiler flags for this machine; AVX2/FMA only where the CPU runs them."""
-    use_avx2 = cpu_has_avx2() if avx2 is None else avx2
-    return ["-O3", *(["-mavx2", "-mfma"] if use_avx2 else []), "-fopenmp"]
+@functools.cache
+def cpu_model_name() -> str:
+    """The processor's model name, for logs and benchmark JSON."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
-def build_key(flags: list[str]) -> str:
+def supported_isas() -> list[str]:
+    """The ISA levels this processor runs, best first (``scalar`` is always last)."""
+    flags = cpu_flags()
+    return [level.name for level in ISA_LEVELS if level.cpu_flags <= flags]
+
+
+def resolve_isa(isa: str | None = None) -> str:
+    """``isa`` if given, else ``PAGEDLLM_CPU_ISA`` if set, else the best level this CPU runs."""
+    requested = isa or env_cpu_isa()
+    supported = supported_isas()
+    if requested is None or requested == "auto":
+        return supported[0]
+    if requested not in _LEVELS:
+        raise ValueError(
+            f"PAGEDLLM_CPU_ISA: unknown ISA level {requested!r}; choose one of "
+            f"{['auto', *_LEVELS]}"
+        )
+    if requested not in supported:
+        raise RuntimeError(
+            f"PAGEDLLM_CPU_ISA: this processor cannot run the {requested!r} path; "
+            f"it supports {supported}"
+        )
+    return requested
+
+
+def compile_flags(isa: str) -> list[str]:
+    """Compiler flags of one ISA level (never ``-march=native``)."""
+    return ["-O3", *_LEVELS[isa].cflags, "-fopenmp"]
+
+
+def build_key(sources: Sequence[str], headers: Sequence[str], flags: Sequence[str]) -> str:
     """Hash of everything that changes the built library."""
     h = hashlib.sha256()
-    for name in (*_SOURCES, *_HEADERS):
+    for name in (*sources, *headers):
         h.update(name.encode())
         h.update((_CSRC / name).read_bytes())
     h.update(" ".join(flags).encode())
@@ -72,17 +149,16 @@ def build_key(flags: list[str]) -> str:
     return h.hexdigest()[:16]
 
 
-def _module_name(flags: list[str]) -> str:
-    # Distinct names: both builds may be imported into one process (tests), and CPython keys
-    # extension modules by name.
-    return EXTENSION_NAME if "-mavx2" in flags else f"{EXTENSION_NAME}_scalar"
+def default_build_root() -> Path:
+    """Where built extensions live, one sub-directory per build key."""
+    return Path.home() / ".cache" / "pagedllm" / "cpu_ext"
 
 
 def _import_built(build_dir: Path, name: str) -> ModuleType:
     path = build_dir / f"{name}.so"
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import the CPU attention extension from {path}")
+        raise ImportError(f"cannot import the CPU extension from {path}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -91,47 +167,61 @@ def _import_built(build_dir: Path, name: str) -> ModuleType:
 def _check_toolchain() -> None:
     if shutil.which("c++") is None:
         raise RuntimeError(
-            "cannot build the C++ CPU attention kernels: no C++ compiler (`c++`) on PATH; "
+            "cannot build the C++ CPU kernels: no C++ compiler (`c++`) on PATH; "
             "install g++ (e.g. apt-get install g++) or use attention_backend='torch'"
         )
     if shutil.which("ninja") is None:
         raise RuntimeError(
-            "cannot build the C++ CPU attention kernels: `ninja` is not on PATH; "
+            "cannot build the C++ CPU kernels: `ninja` is not on PATH; "
             "pip install ninja (and activate the virtualenv) or use attention_backend='torch'"
         )
 
 
-def load_ops(
-    build_root: Path | None = None, *, avx2: bool | None = None, verbose: bool = False
+def load_extension(
+    name: str,
+    sources: Sequence[str],
+    headers: Sequence[str] = (),
+    *,
+    isa: str | None = None,
+    build_root: Path | None = None,
+    verbose: bool = False,
 ) -> ModuleType:
-    """The compiled extension module, built on first use and cached on disk.
+    """Extension ``name`` built from ``csrc/<sources>`` for one ISA level, cached on disk.
 
-    ``avx2=None`` follows the CPU; ``False`` builds the portable scalar path (tests use it to
-    cover the code a machine without AVX2 runs).
+    ``isa=None`` follows ``PAGEDLLM_CPU_ISA`` or else the CPU. The module is named
+    ``<name>_<isa>``: several levels may be imported into one process (tests), and CPython keys
+    extension modules by name.
     """
-    flags = tuple(compile_flags(avx2))
-    build_dir = (build_root or default_build_root()) / build_key(list(flags))
-    return _load(build_dir, flags, verbose)
+    level = resolve_isa(isa)
+    flags = tuple(compile_flags(level))
+    key = build_key(sources, headers, flags)
+    build_dir = (build_root or default_build_root()) / key
+    return _load(f"{name}_{level}", build_dir, tuple(sources), flags, verbose)
 
 
 @functools.cache
-def _load(build_dir: Path, flags: tuple[str, ...], verbose: bool) -> ModuleType:
+def _load(
+    module_name: str,
+    build_dir: Path,
+    sources: tuple[str, ...],
+    flags: tuple[str, ...],
+    verbose: bool,
+) -> ModuleType:
     """Memoised per process (a loaded module is immutable); across processes the marker written
     after a successful build lets later loads import the library without running ninja."""
-    name = _module_name(list(flags))
     if (build_dir / _BUILT_MARKER).exists():
         try:
-            return _import_built(build_dir, name)
+            return _import_built(build_dir, module_name)
         except (ImportError, OSError) as exc:
-            logger.warning("rebuilding the CPU attention extension in %s: %s", build_dir, exc)
+            logger.warning("rebuilding the CPU extension in %s: %s", build_dir, exc)
     _check_toolchain()
     build_dir.mkdir(parents=True, exist_ok=True)
     from torch.utils.cpp_extension import load
 
-    logger.info("building the C++ CPU attention kernels in %s (first use only)", build_dir)
+    logger.info("building %s in %s (first use only)", module_name, build_dir)
     module = load(
-        name=name,
-        sources=[str(_CSRC / s) for s in _SOURCES],
+        name=module_name,
+        sources=[str(_CSRC / s) for s in sources],
         extra_cflags=list(flags),
         extra_ldflags=["-fopenmp"],
         build_directory=str(build_dir),
@@ -139,3 +229,19 @@ def _load(build_dir: Path, flags: tuple[str, ...], verbose: bool) -> ModuleType:
     )
     (build_dir / _BUILT_MARKER).write_text(" ".join(flags) + "\n")
     return module
+
+
+ATTENTION_EXTENSION = "pagedllm_cpu_ops"
+_ATTENTION_SOURCES = ("attention.cpp", "cache_ops.cpp", "bindings.cpp")
+_ATTENTION_HEADERS = ("attention.h", "vec.h")
+
+
+def load_ops(build_root: Path | None = None, *, isa: str | None = None) -> ModuleType:
+    """The paged-attention and cache-op extension for one ISA level (see :func:`load_extension`)."""
+    return load_extension(
+        ATTENTION_EXTENSION,
+        _ATTENTION_SOURCES,
+        _ATTENTION_HEADERS,
+        isa=isa,
+        build_root=build_root,
+    )

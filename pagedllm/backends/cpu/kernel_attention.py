@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from pagedllm.backends.base import AttentionBackend, AttentionMetadata
-from pagedllm.backends.cpu._ops import load_ops
+from pagedllm.backends.cpu._ops import load_ops, resolve_isa
 from pagedllm.backends.cpu.attention import TorchPagedAttention
 
 
@@ -42,9 +42,10 @@ class CppPagedAttention(AttentionBackend):
 
     name = "cpp"
 
-    def __init__(self, *, build_root: Path | None = None, avx2: bool | None = None) -> None:
-        # avx2=None: whatever this CPU runs; False: the portable scalar build (for tests).
-        self._ops = load_ops(build_root, avx2=avx2)
+    def __init__(self, *, build_root: Path | None = None, isa: str | None = None) -> None:
+        # isa=None: PAGEDLLM_CPU_ISA or the best level this CPU runs; tests force each level.
+        self.isa = resolve_isa(isa)
+        self._ops = load_ops(build_root, isa=self.isa)
         self._fallback = TorchPagedAttention()
 
     @property
