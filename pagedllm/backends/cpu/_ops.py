@@ -55,23 +55,22 @@ class IsaLevel:
 
 # Best first. avx512bf16 adds the bf16 dot products and VNNI to plain AVX-512 (Cooper Lake,
 # Sapphire Rapids and later); avx2 is the Haswell/Zen baseline with FMA and F16C conversions.
+_AVX512 = "avx512f avx512bw avx512vl avx512dq"
+
+
+def _level(name: str, cflags: str, cpu_flags: str) -> IsaLevel:
+    return IsaLevel(name, tuple(f"-m{f}" for f in cflags.split()), frozenset(cpu_flags.split()))
+
+
 ISA_LEVELS: tuple[IsaLevel, ...] = (
-    IsaLevel(
+    _level(
         "avx512bf16",
-        (
-            "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
-            "-mavx512vnni", "-mavx2", "-mfma", "-mf16c",
-        ),
-        frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
-                   "avx512_vnni", "avx2", "fma", "f16c"}),
+        f"{_AVX512} avx512bf16 avx512vnni avx2 fma f16c",
+        f"{_AVX512} avx512_bf16 avx512_vnni avx2 fma f16c",
     ),
-    IsaLevel(
-        "avx512",
-        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"),
-        frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"}),
-    ),
-    IsaLevel("avx2", ("-mavx2", "-mfma", "-mf16c"), frozenset({"avx2", "fma", "f16c"})),
-    IsaLevel("scalar", (), frozenset()),
+    _level("avx512", f"{_AVX512} avx2 fma f16c", f"{_AVX512} avx2 fma f16c"),
+    _level("avx2", "avx2 fma f16c", "avx2 fma f16c"),
+    _level("scalar", "", ""),
 )
 _LEVELS = {level.name: level for level in ISA_LEVELS}
 
@@ -120,8 +119,7 @@ def resolve_isa(isa: str | None = None) -> str:
         return supported[0]
     if requested not in _LEVELS:
         raise ValueError(
-            f"PAGEDLLM_CPU_ISA: unknown ISA level {requested!r}; choose one of "
-            f"{['auto', *_LEVELS]}"
+            f"PAGEDLLM_CPU_ISA: unknown ISA level {requested!r}; choose one of {['auto', *_LEVELS]}"
         )
     if requested not in supported:
         raise RuntimeError(
