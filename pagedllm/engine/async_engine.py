@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.engine.containment import EngineBrokenError
 from pagedllm.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -348,7 +349,9 @@ class AsyncEngine:
                     except Exception:
                         logger.exception("on_request_finished callback failed")
             if stream is not None:
-                self._deliver(stream, out)
+                # A request ended by containment hears of it as a failed step (a 500).
+                failed = out.failed and out.finished
+                self._deliver(stream, EngineStepError(out.error or "") if failed else out)
 
     def _on_step_failure(self, exc: Exception) -> None:
         """Fail every request in flight, drop them from the engine, and keep serving."""
@@ -361,7 +364,7 @@ class AsyncEngine:
         except Exception as abort_exc:
             logger.exception("could not abort requests after a failed step")
             self._dead = abort_exc
-        if self._failures >= _MAX_CONSECUTIVE_STEP_FAILURES:
+        if self._failures >= _MAX_CONSECUTIVE_STEP_FAILURES or isinstance(exc, EngineBrokenError):
             self._dead = error
         self._num_in_flight = 0
         for stream in streams.values():
