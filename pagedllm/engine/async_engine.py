@@ -107,6 +107,11 @@ class _Stop:
 
 
 @dataclass
+class _Cut:
+    reason: str
+
+
+@dataclass
 class StatLogger:
     """A vLLM-style throughput line every ``interval`` seconds while the engine is busy."""
 
@@ -153,7 +158,9 @@ class AsyncEngine:
     def __init__(self, engine: Any, *, log_stats_interval: float | None = 5.0) -> None:
         self.engine = engine
         self.on_request_finished: list[Callable[[RequestOutput], None]] = []
-        self._commands: queue.SimpleQueue[_Add | _Call | _Abort | _Stop] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Call | _Abort | _Stop | _Cut] = (
+            queue.SimpleQueue()
+        )
         self._streams: dict[str, RequestStream] = {}  # owned by the engine thread
         self._stats: dict[str, float] = dict(engine.get_stats())
         self._stat_logger = StatLogger(log_stats_interval) if log_stats_interval else None
@@ -161,6 +168,7 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         self._accepting = True
         self._stopped = False
+        self.num_cut = 0  # requests ended by cut_in_flight (a shutdown past its timeout)
         self._num_in_flight = 0  # updated on the engine thread, read anywhere (an int is atomic)
         self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
         self._thread.start()
@@ -258,6 +266,19 @@ class AsyncEngine:
             logger.warning("shutdown: aborting %d requests still in flight", self._num_in_flight)
         await asyncio.to_thread(self.stop)
 
+    def stop_accepting(self) -> None:
+        """New requests are refused (EngineDeadError, a 503) while those in flight go on."""
+        self._accepting = False
+
+    def cut_in_flight(self, reason: str) -> None:
+        """End every request in flight now: each stream raises EngineDeadError(reason).
+
+        Thread-safe (a signal handler or a timer may call it); the server turns the error into
+        an error event and ``[DONE]`` for streams and a JSON 503 for the others.
+        """
+        self._accepting = False
+        self._commands.put(_Cut(reason))
+
     def stop(self, join_timeout: float = 30.0) -> None:
         """Abort whatever is left, end the thread and release the executor (blocking)."""
         self._accepting = False
@@ -308,8 +329,17 @@ class AsyncEngine:
             except queue.Empty:
                 return True
 
-    def _apply(self, cmd: _Add | _Call | _Abort) -> None:
-        if isinstance(cmd, _Abort):
+    def _apply(self, cmd: _Add | _Call | _Abort | _Cut) -> None:
+        if isinstance(cmd, _Cut):
+            streams, self._streams = self._streams, {}
+            self._num_in_flight = 0
+            self.num_cut += len(streams)
+            if streams:
+                logger.warning("cutting %d requests still in flight: %s", len(streams), cmd.reason)
+                self.engine.abort_request(list(streams))
+            for stream in streams.values():
+                self._deliver(stream, EngineDeadError(cmd.reason))
+        elif isinstance(cmd, _Abort):
             live = [r for r in cmd.request_ids if r in self._streams]
             if live:
                 self.engine.abort_request(live)
