@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    gen.add_argument("--log-level", default="warning",
+                     choices=["debug", "info", "warning", "error"],
+                     help="debug also shows tracebacks of errors")
     add_engine_args(gen)
     return parser
 
@@ -221,7 +224,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from pagedllm import Engine, SamplingParams
 
-    _setup_logging("warning")
+    _setup_logging(args.log_level)
     try:
         check_engine_settings(args)
     except ValueError as exc:
