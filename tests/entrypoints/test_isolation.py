@@ -187,3 +187,72 @@ def test_idle_and_half_sent_connections_are_closed(server: Any) -> None:
     finally:
         srv.should_exit = True
         thread.join(10)
+
+
+def test_broken_engine_marks_health_503_and_the_server_exits_nonzero(llama_path: Any) -> None:
+    from pagedllm.engine.async_engine import AsyncEngine
+    from pagedllm.engine.containment import EngineBrokenError
+    from pagedllm.entrypoints.openai.api_server import ServerSettings, model_info, run_server
+    from tests.entrypoints.conftest import free_port
+
+    engine = AsyncEngine.from_engine_args(
+        str(llama_path), "cpu", dtype="float32", num_kv_blocks=64, block_size=8,
+        max_model_len=128, log_stats_interval=None)
+
+    def broken() -> None:  # what LLMEngine.step raises when every request fails on its own
+        raise EngineBrokenError("every request fails on its own: device lost")
+
+    engine.engine.step = broken
+    port, result = free_port(), {}
+    thread = threading.Thread(target=lambda: result.update(status=run_server(
+        engine, model_info(engine, [MODEL_NAME]), ServerSettings(), port=port,
+        log_level="warning")), daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            assert httpx.get(base + "/health").status_code == 200
+            break
+        except httpx.ConnectError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    r = httpx.post(base + "/v1/completions", json={"model": MODEL_NAME, "prompt": "hi"})
+    assert _error(r, 500)["type"] == "internal_server_error"
+    assert _error(httpx.get(base + "/health"), 503)["type"] == "service_unavailable"
+    thread.join(30)
+    assert result == {"status": 1}
+
+
+def test_a_request_that_fails_the_step_is_ended_alone(
+    server: Any, http: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    executor = server.engine.engine.executor
+    real = executor.execute_model
+
+    def poisoned(sched_out: Any) -> Any:  # fails whenever the marked request is batched
+        if any(s.sampling_params.seed == 4242 for s in sched_out.seqs):
+            raise RuntimeError("Overflow when unpacking long long")
+        return real(sched_out)
+
+    baseline = {}
+    for p in INNOCENT:
+        r = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": p, "temperature": 0,
+                                               "max_tokens": STREAM_TOKENS, "ignore_eos": True})
+        baseline[p] = r.json()["choices"][0]["text"]
+    monkeypatch.setattr(executor, "execute_model", poisoned)
+    got: dict[str, str] = {}
+    threads = [threading.Thread(target=_stream_tokens, args=(server.base_url, p, got))
+               for p in INNOCENT]
+    for t in threads:
+        t.start()
+    for _ in range(3):
+        r = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "hello world",
+                                               "max_tokens": 8, "temperature": 0.8, "seed": 4242})
+        err = _error(r, 500)
+        assert err["type"] == "internal_server_error" and "Overflow" in err["message"]
+    for t in threads:
+        t.join(120)
+    assert got == baseline
+    assert server.engine.is_healthy
+    server.assert_all_blocks_free()

@@ -280,10 +280,14 @@ class GracefulServer:
                 args=("the server is shutting down",))
             self._timer.daemon = True
             self._timer.start()
-        elif sig == signal.SIGINT:
+        elif sig == signal.SIGINT and not self.forced:
+            # Cut now: the requests end with their error events, their connections close and
+            # uvicorn's shutdown completes on its own; force it only if a client hangs on.
             self.forced = True
             self.engine.cut_in_flight("the server was stopped")
-            self.server.force_exit = True
+            force = threading.Timer(2.0, setattr, args=(self.server, "force_exit", True))
+            force.daemon = True
+            force.start()
 
     def request_exit(self) -> None:
         self.server.should_exit = True
