@@ -247,3 +247,9 @@ def env_api_key() -> str | None:
 def env_cpu_isa() -> str | None:
     """``PAGEDLLM_CPU_ISA``: force one ISA level of the CPU kernels (tests, benchmarks)."""
     return os.environ.get("PAGEDLLM_CPU_ISA") or None
+
+
+def env_fuzz_examples(default: int = 300) -> int:
+    """``PAGEDLLM_FUZZ_EXAMPLES``: request bodies the server fuzz test sends (its long mode)."""
+    value = os.environ.get("PAGEDLLM_FUZZ_EXAMPLES")
+    return int(value) if value else default
