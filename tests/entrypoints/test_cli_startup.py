@@ -19,8 +19,10 @@ NO_MODEL = "/nonexistent/model-folder"  # loading it would fail: these errors mu
         (["serve", NO_MODEL, "--port", "70000"], "--port"),
         (["serve", NO_MODEL, "--port", "0"], "--port"),
         (["serve", NO_MODEL, "--max-logprobs", "-1"], "--max-logprobs"),
-        (["serve", NO_MODEL, "--chat-template", "{% for m in messages %}{{ m }"],
-         "--chat-template"),
+        (
+            ["serve", NO_MODEL, "--chat-template", "{% for m in messages %}{{ m }"],
+            "--chat-template",
+        ),
         (["serve", NO_MODEL, "--kv-cache-space", "1000000"], "--kv-cache-space"),
         (["serve", NO_MODEL, "--device", "cuda"], "--device"),
         (["generate", NO_MODEL, "--prompt", "x", "--device", "xpu"], "--device"),
@@ -67,7 +69,8 @@ def test_unexpected_errors_are_one_line_unless_debug(
     argv = ["generate", str(llama_path), "--prompt", "x", "--device", "cpu"]
     assert cli.main(argv) == 1
     err = capsys.readouterr().err
-    assert err.strip() == ("pagedllm generate: RuntimeError: something broke "
-                           "(--log-level debug shows the traceback)")
+    assert err.strip() == (
+        "pagedllm generate: RuntimeError: something broke (--log-level debug shows the traceback)"
+    )
     with pytest.raises(RuntimeError, match="something broke"):
         cli.main([*argv, "--log-level", "debug"])

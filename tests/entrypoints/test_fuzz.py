@@ -23,31 +23,108 @@ from pagedllm.config import env_fuzz_examples
 from tests.entrypoints.conftest import API_KEY, MODEL_NAME
 
 ROUTES = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
-EDGE_INTS = [-(2**64), -(2**63) - 1, -(2**63), -1, 0, 1, 2, 3, 20, 21, 64, 65, 128, 257, 511,
-             512, 513, 1000, 2**31, 2**63 - 1, 2**63, 2**64, 10**30]
+EDGE_INTS = [
+    -(2**64),
+    -(2**63) - 1,
+    -(2**63),
+    -1,
+    0,
+    1,
+    2,
+    3,
+    20,
+    21,
+    64,
+    65,
+    128,
+    257,
+    511,
+    512,
+    513,
+    1000,
+    2**31,
+    2**63 - 1,
+    2**63,
+    2**64,
+    10**30,
+]
 EDGE_FLOATS = [-1e400, 1e400, float("nan"), -0.0, 1e-300, 1e-5, 0.5, 1.0, 2.0, 1e20, 1e308]
-NUMERIC_FIELDS = ["n", "best_of", "max_tokens", "max_completion_tokens", "min_tokens", "logprobs",
-                  "top_logprobs", "top_k", "seed", "priority", "temperature", "top_p", "min_p",
-                  "presence_penalty", "frequency_penalty", "repetition_penalty"]
-OTHER_FIELDS = ["prompt", "messages", "stop", "stop_token_ids", "logit_bias", "stream",
-                "stream_options", "echo", "suffix", "ignore_eos", "tools", "tool_choice",
-                "response_format", "functions", "user", "model", "tokens", "add_special_tokens",
-                "include_stop_str_in_output", "skip_special_tokens", "chat_template_kwargs"]
+NUMERIC_FIELDS = [
+    "n",
+    "best_of",
+    "max_tokens",
+    "max_completion_tokens",
+    "min_tokens",
+    "logprobs",
+    "top_logprobs",
+    "top_k",
+    "seed",
+    "priority",
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+]
+OTHER_FIELDS = [
+    "prompt",
+    "messages",
+    "stop",
+    "stop_token_ids",
+    "logit_bias",
+    "stream",
+    "stream_options",
+    "echo",
+    "suffix",
+    "ignore_eos",
+    "tools",
+    "tool_choice",
+    "response_format",
+    "functions",
+    "user",
+    "model",
+    "tokens",
+    "add_special_tokens",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "chat_template_kwargs",
+]
 INNOCENT = ["The quick brown fox", "def fibonacci(n):", "Paged attention keeps"]
 INNOCENT_TOKENS = 24
 
 scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-5, 70), st.sampled_from(EDGE_INTS),
-    st.floats(allow_nan=True, allow_infinity=True), st.sampled_from(EDGE_FLOATS),
-    st.text(max_size=24), st.text(alphabet=st.characters(codec="utf-8"), max_size=8))
+    st.none(),
+    st.booleans(),
+    st.integers(-5, 70),
+    st.sampled_from(EDGE_INTS),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from(EDGE_FLOATS),
+    st.text(max_size=24),
+    st.text(alphabet=st.characters(codec="utf-8"), max_size=8),
+)
 json_values = st.recursive(
-    scalars, lambda inner: st.lists(inner, max_size=5)
-    | st.dictionaries(st.text(max_size=10), inner, max_size=5), max_leaves=16)
-messages = st.lists(st.fixed_dictionaries(
-    {"role": st.sampled_from(["user", "system", "assistant", "tool", ""]) | json_values,
-     "content": st.text(max_size=40) | json_values}), max_size=3)
-prompts = st.one_of(st.text(max_size=60), st.lists(st.integers(-3, 600), max_size=20),
-                    st.lists(st.text(max_size=10), max_size=3), json_values)
+    scalars,
+    lambda inner: (
+        st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10), inner, max_size=5)
+    ),
+    max_leaves=16,
+)
+messages = st.lists(
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["user", "system", "assistant", "tool", ""]) | json_values,
+            "content": st.text(max_size=40) | json_values,
+        }
+    ),
+    max_size=3,
+)
+prompts = st.one_of(
+    st.text(max_size=60),
+    st.lists(st.integers(-3, 600), max_size=20),
+    st.lists(st.text(max_size=10), max_size=3),
+    json_values,
+)
 
 
 def _number_for(field: str) -> st.SearchStrategy[Any]:
@@ -78,6 +155,7 @@ def bodies(draw: st.DrawFn) -> tuple[str, Any]:
 
 def _bound_work(body: dict[str, Any]) -> None:
     """Keep valid requests cheap on a CPU: many sequences get few tokens."""
+
     def small_int(v: Any) -> bool:
         return isinstance(v, int) and not isinstance(v, bool) and 0 < v <= 512
 
@@ -98,8 +176,9 @@ class Innocents(threading.Thread):
         self.bad: list[tuple[str, str]] = []
 
     def run(self) -> None:
-        with httpx.Client(base_url=self.base, timeout=120,
-                          headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+        with httpx.Client(
+            base_url=self.base, timeout=120, headers={"Authorization": f"Bearer {API_KEY}"}
+        ) as c:
             while not self.stop.is_set():
                 for p in INNOCENT:
                     text = _stream_text(c, p)
@@ -109,8 +188,14 @@ class Innocents(threading.Thread):
 
 
 def _stream_text(c: httpx.Client, prompt: str) -> str:
-    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": INNOCENT_TOKENS,
-            "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {
+        "model": MODEL_NAME,
+        "prompt": prompt,
+        "max_tokens": INNOCENT_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     parts = []
     with c.stream("POST", "/v1/completions", json=body) as r:
         for line in r.iter_lines():
@@ -152,16 +237,21 @@ def _rss_kib() -> int:
 
 
 def test_fuzzed_bodies_never_hurt_innocent_streams(server: Any) -> None:
-    with httpx.Client(base_url=server.base_url, timeout=120,
-                      headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+    with httpx.Client(
+        base_url=server.base_url, timeout=120, headers={"Authorization": f"Bearer {API_KEY}"}
+    ) as c:
         baseline = {p: _stream_text(c, p) for p in INNOCENT}
         innocents = Innocents(server.base_url, baseline)
         innocents.start()
         seen: dict[int, int] = {}
 
-        @settings(max_examples=env_fuzz_examples(), deadline=None, database=None,
-                  phases=(Phase.explicit, Phase.generate),
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=env_fuzz_examples(),
+            deadline=None,
+            database=None,
+            phases=(Phase.explicit, Phase.generate),
+            suppress_health_check=list(HealthCheck),
+        )
         @given(bodies())
         def fuzz(case: tuple[str, Any]) -> None:
             route, body = case
@@ -179,22 +269,40 @@ def test_fuzzed_bodies_never_hurt_innocent_streams(server: Any) -> None:
         assert seen.get(200) and seen.get(400), seen  # both accepted and refused bodies ran
         assert innocents.runs >= len(INNOCENT) and not innocents.bad, innocents.bad[:3]
         server.assert_all_blocks_free()
-        usage = [ln for ln in c.get("/metrics").text.splitlines()
-                 if ln.startswith("pagedllm:kv_cache_usage_perc ")]
+        usage = [
+            ln
+            for ln in c.get("/metrics").text.splitlines()
+            if ln.startswith("pagedllm:kv_cache_usage_perc ")
+        ]
         assert usage and math.isclose(float(usage[0].split()[1]), 0.0), usage
 
 
 BURST: list[tuple[str, Any]] = [
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 4, "n": 257}),
-    ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "top_k": 2**63,
-                         "temperature": 0.8}),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "top_k": 2**63, "temperature": 0.8}),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi " * 200, "max_tokens": 4}),
-    ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "max_tokens": 3, "n": 2,
-                         "temperature": 1.0, "seed": 1}),
+    (
+        "/v1/completions",
+        {
+            "model": MODEL_NAME,
+            "prompt": "x",
+            "max_tokens": 3,
+            "n": 2,
+            "temperature": 1.0,
+            "seed": 1,
+        },
+    ),
     ("/v1/completions", {"model": MODEL_NAME, "prompt": "x", "max_tokens": 3, "stream": True}),
-    ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "user",
-                              "content": "é🚀" * 10}], "max_tokens": 3, "logprobs": True,
-                              "top_logprobs": 5}),
+    (
+        "/v1/chat/completions",
+        {
+            "model": MODEL_NAME,
+            "messages": [{"role": "user", "content": "é🚀" * 10}],
+            "max_tokens": 3,
+            "logprobs": True,
+            "top_logprobs": 5,
+        },
+    ),
     ("/v1/chat/completions", {"model": MODEL_NAME, "messages": {"nested": [[[]]]}}),
     ("/tokenize", {"model": MODEL_NAME, "prompt": "\ud800 lone surrogate"}),
     ("/v1/completions", [1, 2, 3]),
@@ -202,8 +310,9 @@ BURST: list[tuple[str, Any]] = [
 
 
 def test_memory_is_flat_over_identical_bursts(server: Any) -> None:
-    with httpx.Client(base_url=server.base_url, timeout=120,
-                      headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+    with httpx.Client(
+        base_url=server.base_url, timeout=120, headers={"Authorization": f"Bearer {API_KEY}"}
+    ) as c:
         rss = []
         for _ in range(4):
             for _ in range(15):

@@ -27,17 +27,43 @@ NUM_STREAMS = 8
 NUM_PLAIN = 3
 
 
-def _serve(llama_path: Path, tmp_path: Path, timeout: float) -> tuple[subprocess.Popen[bytes],
-                                                                         str, Path]:
+def _serve(
+    llama_path: Path, tmp_path: Path, timeout: float
+) -> tuple[subprocess.Popen[bytes], str, Path]:
     port = free_port()
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", str(llama_path),
-           "--port", str(port), "--device", "cpu", "--dtype", "float32", "--num-kv-blocks",
-           "512", "--block-size", "8", "--max-model-len", "512", "--served-model-name", "tiny",
-           "--shutdown-timeout", str(timeout), "--disable-log-stats"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pagedllm.entrypoints.cli",
+        "serve",
+        str(llama_path),
+        "--port",
+        str(port),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--num-kv-blocks",
+        "512",
+        "--block-size",
+        "8",
+        "--max-model-len",
+        "512",
+        "--served-model-name",
+        "tiny",
+        "--shutdown-timeout",
+        str(timeout),
+        "--disable-log-stats",
+    ]
     log = tmp_path / "serve.log"
     with log.open("wb") as sink:
-        proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                                stdout=sink, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
     base = f"http://127.0.0.1:{port}"
     _wait_healthy(base, proc, log)
     return proc, base, log
@@ -55,12 +81,19 @@ class Client(threading.Thread):
         self.error: BaseException | None = None
 
     def run(self) -> None:
-        body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 400,
-                "temperature": 0, "ignore_eos": True, "stream": self.stream}
+        body = {
+            "model": "tiny",
+            "prompt": "The quick brown fox",
+            "max_tokens": 400,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": self.stream,
+        }
         try:
             if self.stream:
-                with httpx.stream("POST", self.base + "/v1/completions", json=body,
-                                  timeout=120) as r:
+                with httpx.stream(
+                    "POST", self.base + "/v1/completions", json=body, timeout=120
+                ) as r:
                     self.status = r.status_code
                     for line in r.iter_lines():
                         if line.startswith("data: "):
