@@ -157,12 +157,15 @@ def check_engine_settings(args: argparse.Namespace) -> None:
 
     device = resolve_device(args.device)
     if args.device != "auto":
-        from pagedllm.backends.registry import get_backend
+        from pagedllm.backends.registry import backend_class
 
-        try:
-            get_backend(device)
-        except (RuntimeError, ImportError) as exc:
-            raise ValueError(f"--device: {exc}") from None
+        try:  # is_available() never raises and starts nothing (no device context)
+            available = backend_class(device).is_available()
+        except ImportError:
+            available = False
+        if not available:
+            raise ValueError(f"--device: {device!r} was requested but is not available on "
+                             "this machine")
     space = args.kv_cache_space
     if space is not None:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)

@@ -33,10 +33,10 @@ def test_bad_settings_are_one_line_before_loading(
     argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     if "--device" in argv:
-        from pagedllm.backends.registry import _load
+        from pagedllm.backends.registry import backend_class
 
         device = argv[argv.index("--device") + 1]
-        if _load(device).is_available():
+        if backend_class(device).is_available():
             pytest.skip(f"{device} is available here")
     assert cli.main(argv) == 2
     err = capsys.readouterr().err

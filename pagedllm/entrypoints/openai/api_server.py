@@ -233,12 +233,14 @@ def _add_docs(app: FastAPI, auth: Any) -> None:
     app.include_router(docs)
 
 
-async def _watch_engine(app: FastAPI, engine: AsyncEngine, interval: float = 0.2) -> None:
-    """A broken engine (a step failing whatever it runs) ends the server: /health says 503
-    meanwhile, and ``run_server`` exits non-zero."""
+async def _watch_engine(app: FastAPI, engine: AsyncEngine, interval: float = 0.2,
+                        grace: float = 2.0) -> None:
+    """A broken engine (a step failing whatever it runs) ends the server: /health answers 503
+    for ``grace`` seconds (for whoever watches it), then ``run_server`` exits non-zero."""
     while engine.is_healthy:
         await asyncio.sleep(interval)
     logger.error("the engine has failed (%s); stopping the server", engine.dead_error)
+    await asyncio.sleep(grace)
     callback = app.state.on_engine_dead
     if callback is not None:
         with contextlib.suppress(Exception):
@@ -299,7 +301,7 @@ class GracefulServer:
         cut = self.engine.num_cut
         if cut:
             logger.error("shutdown cut %d requests that had not finished", cut)
-        failed = self.forced or cut > 0 or not self.engine.is_healthy
+        failed = self.forced or cut > 0 or self.engine.dead_error is not None
         return 1 if failed else 0
 
 
