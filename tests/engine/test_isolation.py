@@ -89,12 +89,16 @@ def test_add_request_refuses_what_cannot_run(engine: Engine, kwargs: dict, field
     assert all_free(engine)
 
 
-def test_more_blocks_than_the_cache_is_refused_not_truncated(llama_path: Path) -> None:
+def test_more_blocks_than_the_cache_is_refused_not_truncated(
+    llama_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     # 8 blocks of 8 tokens: max_model_len (512 in the model) is lowered to what one sequence can
     # hold; n=4 sequences of 30 tokens need 13 blocks and used to come back with 2 tokens each.
     small = Engine(str(llama_path), device="cpu", block_size=8, num_kv_blocks=8)
     try:
         assert small.config.scheduler.max_model_len == 64
+        assert small.config.model.max_model_len == 64  # what /v1/models reports
+        assert "max_model_len lowered from 512 to 64" in caplog.text
         params = SamplingParams(n=4, temperature=0.8, max_tokens=20, ignore_eos=True, seed=0)
         with pytest.raises(ValueError, match=r"^n: 4 sequence"):
             small.add_request("big", {"prompt_token_ids": list(range(10, 20))}, params)

@@ -126,6 +126,14 @@ def test_sigterm_cuts_late_requests_with_errors_and_exits_nonzero(
     try:
         clients = _start_clients(base)
         proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        try:  # not admitted: the listener is closed, or (a kept-alive connection) a 503
+            late = httpx.post(
+                base + "/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=10
+            )
+            assert late.status_code == 503 and "error" in late.json(), late.text
+        except httpx.ConnectError:
+            pass
         for c in clients:
             c.join(60)
         for c in clients:
