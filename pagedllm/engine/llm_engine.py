@@ -19,7 +19,7 @@ from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.sequence import Sequence, SequenceGroup
 from pagedllm.engine.admission import EngineLimits, check_request, fit_max_model_len
-from pagedllm.engine.containment import EngineBrokenError, execute_contained
+from pagedllm.engine.containment import EngineBrokenError, execute_contained, without
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.executors.base import create_executor
 from pagedllm.models.loader import load_hf_config, max_model_len_of
@@ -247,8 +247,8 @@ class LLMEngine:
             outputs.append(self.output_processor.make_output(group, error=self._why(group)))
         if sched_out.is_empty:
             return outputs
-        runner_out = self._execute(sched_out, outputs)
-        self._count(sched_out)
+        runner_out, ran = self._execute(sched_out, outputs)
+        self._count(ran)
         touched = self.scheduler.update_from_output(sched_out, runner_out)
         for group in touched:
             self.output_processor.process(group)
@@ -260,10 +260,15 @@ class LLMEngine:
                 self.counters.requests_finished += 1
         return outputs
 
-    def _execute(self, sched_out: SchedulerOutput, outputs: list[RequestOutput]) -> Any:
-        """Run the step; if it fails, end only the requests that make it fail (containment)."""
+    def _execute(
+        self, sched_out: SchedulerOutput, outputs: list[RequestOutput]
+    ) -> tuple[Any, SchedulerOutput]:
+        """Run the step; if it fails, end only the requests that make it fail (containment).
+
+        Returns the runner's output and the step as it finally ran (without any culprits).
+        """
         try:
-            return self.executor.execute_model(sched_out)
+            return self.executor.execute_model(sched_out), sched_out
         except Exception as exc:
             try:
                 runner_out, culprits = execute_contained(
@@ -281,7 +286,7 @@ class LLMEngine:
                     group, error=culprits[group.request_id], failed=True
                 )
             )
-        return runner_out
+        return runner_out, without(sched_out, set(culprits))
 
     def _why(self, group: SequenceGroup) -> str:
         n = len(group.prompt_token_ids)
