@@ -28,7 +28,8 @@ from pagedllm.executors.inputs import flatten
 
 
 def fill(engine: Engine, num_seqs: int, prompt_len: int, vocab: int) -> None:
-    params = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
+    # max_tokens=None: the rest of the context window, so sequences stay running
+    params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
     for i in range(num_seqs):
         ids = [(i * 31 + j * 7) % (vocab - 3) + 3 for j in range(prompt_len)]
         engine.add_request(f"r{i}", {"prompt_token_ids": ids}, params)

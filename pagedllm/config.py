@@ -175,6 +175,7 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     trust_remote_code: bool = False
     skip_tokenizer_init: bool = False
+    max_logprobs: int = 20  # the most logprobs / prompt_logprobs one request may ask for
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
@@ -188,6 +189,11 @@ class EngineArgs:
 
     def create_config(self, *, model_max_len: int, device: str) -> EngineConfig:
         """``model_max_len`` comes from the model's config; ``device`` is already resolved."""
+        _require(
+            isinstance(self.max_logprobs, int) and 0 <= self.max_logprobs <= 1 << 20,
+            "max_logprobs",
+            f"must be an integer >= 0, got {self.max_logprobs!r}",
+        )
         max_len = self.max_model_len or model_max_len
         _require(
             max_len <= model_max_len,
@@ -241,3 +247,9 @@ def env_api_key() -> str | None:
 def env_cpu_isa() -> str | None:
     """``PAGEDLLM_CPU_ISA``: force one ISA level of the CPU kernels (tests, benchmarks)."""
     return os.environ.get("PAGEDLLM_CPU_ISA") or None
+
+
+def env_fuzz_examples(default: int = 300) -> int:
+    """``PAGEDLLM_FUZZ_EXAMPLES``: request bodies the server fuzz test sends (its long mode)."""
+    value = os.environ.get("PAGEDLLM_FUZZ_EXAMPLES")
+    return int(value) if value else default

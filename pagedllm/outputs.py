@@ -39,5 +39,8 @@ class RequestOutput:
     metrics: RequestMetricsView | None = None
     # Why a request finished without running (prompt too long for the context or the cache).
     error: str | None = None
+    # True when the engine ended the request because its step failed (``error`` says how):
+    # the server's fault, not the client's input.
+    failed: bool = False
     num_cached_tokens: int = 0
     extra: dict[str, object] = field(default_factory=dict)

@@ -7,10 +7,24 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 _GREEDY_EPS = 1e-5
+# Bounds that hold whatever the model: a request past them is refused before it reaches a batch,
+# where a value too big for a C integer or a float would fail the step of everyone batched with it.
+MAX_INT = 2**63 - 1  # every integer field fits a signed 64-bit integer
+SEED_RANGE = (-(2**63), 2**64)  # what a 64-bit generator seed can hold
+MAX_LOGIT_BIAS = 100.0
+MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 2.0
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 512
+MAX_TOKEN_ID_LIST = 4096  # stop_token_ids, logit_bias entries
 
 
 def _fail(name: str, message: str) -> None:
     raise ValueError(f"{name}: {message}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @dataclass
@@ -49,8 +63,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name) or []
+            if not isinstance(value, (list, tuple)):
+                _fail(name, f"must be a list, got {type(value).__name__}")
+            setattr(self, name, list(value))
         if self.best_of is None:
             self.best_of = self.n
         if self.top_k == 0:
@@ -58,17 +75,14 @@ class SamplingParams:
         if self.logit_bias is not None:
             try:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
-            except (TypeError, ValueError, AttributeError):
+            except (TypeError, ValueError, AttributeError, OverflowError):
                 _fail("logit_bias", "must map token ids to numbers")
         self._validate()
 
     def _validate(self) -> None:
         self._check_ints()
         self._check_floats()
-        if not all(isinstance(s, str) and s for s in self.stop):
-            _fail("stop", "must be non-empty strings")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-            _fail("stop_token_ids", "must be non-negative integers")
+        self._check_lists()
         if self.use_beam_search:
             if self.best_of < 2:  # type: ignore[operator]
                 _fail("best_of", "must be at least 2 with beam search")
@@ -85,38 +99,64 @@ class SamplingParams:
         elif self.temperature < _GREEDY_EPS and self.best_of > 1:  # type: ignore[operator]
             _fail("best_of", "must be 1 when sampling greedily (temperature 0)")
 
-    def _check_ints(self) -> None:
-        def is_int(v: Any) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
+    def _check_lists(self) -> None:
+        if len(self.stop) > MAX_STOP_STRINGS:
+            _fail("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                _fail("stop", "must be non-empty strings")
+            if len(s) > MAX_STOP_CHARS:
+                _fail("stop", f"each stop string is at most {MAX_STOP_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_TOKEN_ID_LIST:
+            _fail("stop_token_ids", f"at most {MAX_TOKEN_ID_LIST} token ids")
+        if not all(_is_int(t) and 0 <= t <= MAX_INT for t in self.stop_token_ids):
+            _fail("stop_token_ids", "must be non-negative integers")
+        bias = self.logit_bias or {}
+        if len(bias) > MAX_TOKEN_ID_LIST:
+            _fail("logit_bias", f"at most {MAX_TOKEN_ID_LIST} entries")
+        if not all(0 <= k <= MAX_INT for k in bias):
+            _fail("logit_bias", "keys must be non-negative token ids")
 
-        if not is_int(self.n) or self.n < 1:
+    def _check_ints(self) -> None:
+        is_int = _is_int
+
+        if not is_int(self.n) or not 1 <= self.n <= MAX_INT:
             _fail("n", f"must be an integer >= 1, got {self.n!r}")
-        if not is_int(self.best_of) or self.best_of < self.n:  # type: ignore[operator]
+        best_of = self.best_of
+        if not is_int(best_of) or not self.n <= best_of <= MAX_INT:  # type: ignore[operator]
             _fail("best_of", f"must be an integer >= n ({self.n}), got {self.best_of!r}")
-        if not is_int(self.top_k) or self.top_k < -1:
+        if not is_int(self.top_k) or not -1 <= self.top_k <= MAX_INT:
             _fail("top_k", f"must be -1 (off) or a positive integer, got {self.top_k!r}")
-        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+        if self.max_tokens is not None and (
+            not is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_INT
+        ):
             _fail("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if not is_int(self.min_tokens) or self.min_tokens < 0:
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= MAX_INT:
             _fail("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             _fail("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and (not is_int(v) or v < 0):
+            if v is not None and (not is_int(v) or not 0 <= v <= MAX_INT):
                 _fail(name, f"must be an integer >= 0, got {v!r}")
-        if self.seed is not None and not is_int(self.seed):
-            _fail("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None and not (
+            is_int(self.seed) and SEED_RANGE[0] <= self.seed < SEED_RANGE[1]
+        ):
+            _fail("seed", f"must be an integer that fits in 64 bits, got {self.seed!r}")
 
     def _check_floats(self) -> None:
         def finite(name: str) -> float:
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            try:
+                ok = not isinstance(v, bool) and math.isfinite(float(v))
+            except (TypeError, ValueError, OverflowError):
+                ok = False
+            if not ok or not isinstance(v, (int, float)):
                 _fail(name, f"must be a finite number, got {v!r}")
             return float(v)
 
-        if finite("temperature") < 0:
-            _fail("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 <= finite("temperature") <= MAX_TEMPERATURE:
+            _fail("temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if not 0.0 < finite("top_p") <= 1.0:
             _fail("top_p", f"must be in (0, 1], got {self.top_p}")
         if not 0.0 <= finite("min_p") <= 1.0:
@@ -124,11 +164,15 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= finite(name) <= 2.0:
                 _fail(name, f"must be in [-2, 2], got {getattr(self, name)}")
-        if finite("repetition_penalty") <= 0:
-            _fail("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if not 0 < finite("repetition_penalty") <= MAX_REPETITION_PENALTY:
+            _fail(
+                "repetition_penalty",
+                f"must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}",
+            )
         finite("length_penalty")
-        if self.logit_bias and not all(math.isfinite(v) for v in self.logit_bias.values()):
-            _fail("logit_bias", "values must be finite")
+        for v in (self.logit_bias or {}).values():
+            if not (math.isfinite(v) and -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS):
+                _fail("logit_bias", f"values must be in [-100, 100], got {v}")
 
     @property
     def is_greedy(self) -> bool:

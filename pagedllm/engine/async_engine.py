@@ -17,10 +17,14 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.engine.containment import EngineBrokenError
+from pagedllm.engine.stat_logger import StatLogger
+
+__all__ = ["AsyncEngine", "EngineDeadError", "EngineStepError", "RequestStream", "StatLogger"]
 from pagedllm.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -106,40 +110,8 @@ class _Stop:
 
 
 @dataclass
-class StatLogger:
-    """A vLLM-style throughput line every ``interval`` seconds while the engine is busy."""
-
-    interval: float = 5.0
-    last_time: float = field(default_factory=time.monotonic)
-    last_prompt: float = 0.0
-    last_gen: float = 0.0
-
-    def maybe_log(self, stats: dict[str, float], now: float | None = None) -> str | None:
-        now = time.monotonic() if now is None else now
-        elapsed = now - self.last_time
-        if elapsed < self.interval:
-            return None
-        prompt, gen = stats["prompt_tokens_total"], stats["generation_tokens_total"]
-        busy = (
-            stats["num_requests_running"]
-            or stats["num_requests_waiting"]
-            or stats["num_requests_swapped"]
-            or prompt != self.last_prompt
-            or gen != self.last_gen
-        )
-        line = None
-        if busy:
-            line = (
-                f"Avg prompt throughput: {(prompt - self.last_prompt) / elapsed:.1f} tokens/s, "
-                f"Avg generation throughput: {(gen - self.last_gen) / elapsed:.1f} tokens/s, "
-                f"Running: {int(stats['num_requests_running'])} reqs, "
-                f"Swapped: {int(stats['num_requests_swapped'])} reqs, "
-                f"Pending: {int(stats['num_requests_waiting'])} reqs, "
-                f"KV cache usage: {100 * stats['kv_cache_usage_perc']:.1f}%"
-            )
-            logger.info(line)
-        self.last_time, self.last_prompt, self.last_gen = now, prompt, gen
-        return line
+class _Cut:
+    reason: str
 
 
 class AsyncEngine:
@@ -152,7 +124,9 @@ class AsyncEngine:
     def __init__(self, engine: Any, *, log_stats_interval: float | None = 5.0) -> None:
         self.engine = engine
         self.on_request_finished: list[Callable[[RequestOutput], None]] = []
-        self._commands: queue.SimpleQueue[_Add | _Call | _Abort | _Stop] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Call | _Abort | _Stop | _Cut] = (
+            queue.SimpleQueue()
+        )
         self._streams: dict[str, RequestStream] = {}  # owned by the engine thread
         self._stats: dict[str, float] = dict(engine.get_stats())
         self._stat_logger = StatLogger(log_stats_interval) if log_stats_interval else None
@@ -160,6 +134,7 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         self._accepting = True
         self._stopped = False
+        self.num_cut = 0  # requests ended by cut_in_flight (a shutdown past its timeout)
         self._num_in_flight = 0  # updated on the engine thread, read anywhere (an int is atomic)
         self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
         self._thread.start()
@@ -257,6 +232,19 @@ class AsyncEngine:
             logger.warning("shutdown: aborting %d requests still in flight", self._num_in_flight)
         await asyncio.to_thread(self.stop)
 
+    def stop_accepting(self) -> None:
+        """New requests are refused (EngineDeadError, a 503) while those in flight go on."""
+        self._accepting = False
+
+    def cut_in_flight(self, reason: str) -> None:
+        """End every request in flight now: each stream raises EngineDeadError(reason).
+
+        Thread-safe (a signal handler or a timer may call it); the server turns the error into
+        an error event and ``[DONE]`` for streams and a JSON 503 for the others.
+        """
+        self._accepting = False
+        self._commands.put(_Cut(reason))
+
     def stop(self, join_timeout: float = 30.0) -> None:
         """Abort whatever is left, end the thread and release the executor (blocking)."""
         self._accepting = False
@@ -307,8 +295,17 @@ class AsyncEngine:
             except queue.Empty:
                 return True
 
-    def _apply(self, cmd: _Add | _Call | _Abort) -> None:
-        if isinstance(cmd, _Abort):
+    def _apply(self, cmd: _Add | _Call | _Abort | _Cut) -> None:
+        if isinstance(cmd, _Cut):
+            streams, self._streams = self._streams, {}
+            self._num_in_flight = 0
+            self.num_cut += len(streams)
+            if streams:
+                logger.warning("cutting %d requests still in flight: %s", len(streams), cmd.reason)
+                self.engine.abort_request(list(streams))
+            for stream in streams.values():
+                self._deliver(stream, EngineDeadError(cmd.reason))
+        elif isinstance(cmd, _Abort):
             live = [r for r in cmd.request_ids if r in self._streams]
             if live:
                 self.engine.abort_request(live)
@@ -348,7 +345,9 @@ class AsyncEngine:
                     except Exception:
                         logger.exception("on_request_finished callback failed")
             if stream is not None:
-                self._deliver(stream, out)
+                # A request ended by containment hears of it as a failed step (a 500).
+                failed = out.failed and out.finished
+                self._deliver(stream, EngineStepError(out.error or "") if failed else out)
 
     def _on_step_failure(self, exc: Exception) -> None:
         """Fail every request in flight, drop them from the engine, and keep serving."""
@@ -361,7 +360,7 @@ class AsyncEngine:
         except Exception as abort_exc:
             logger.exception("could not abort requests after a failed step")
             self._dead = abort_exc
-        if self._failures >= _MAX_CONSECUTIVE_STEP_FAILURES:
+        if self._failures >= _MAX_CONSECUTIVE_STEP_FAILURES or isinstance(exc, EngineBrokenError):
             self._dead = error
         self._num_in_flight = 0
         for stream in streams.values():

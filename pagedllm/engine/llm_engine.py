@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -13,9 +14,12 @@ from typing import Any
 from pagedllm.backends.registry import resolve_device
 from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.core.block_manager import BlockSpaceManager
+from pagedllm.core.interfaces import SchedulerOutput
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.sequence import Sequence, SequenceGroup
+from pagedllm.engine.admission import EngineLimits, check_request, fit_max_model_len
+from pagedllm.engine.containment import EngineBrokenError, execute_contained, without
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.executors.base import create_executor
 from pagedllm.models.loader import load_hf_config, max_model_len_of
@@ -91,6 +95,8 @@ class LLMEngine:
                 "kv_cache_space: no room for KV blocks after the model; raise kv_cache_space "
                 "or gpu_memory_utilization"
             )
+        self._fit_context(num_device)
+        cache = self.config.cache
         self.executor.initialize_cache(num_device, num_host)
         logger.info(
             "KV cache: %d device blocks (%d tokens), %d host blocks for swapping",
@@ -117,9 +123,35 @@ class LLMEngine:
             next_seq_id=lambda: next(self._seq_ids),
         )
         self.vocab_size = int(self.hf_config.vocab_size)
+        sched = self.config.scheduler
+        self.limits = EngineLimits(
+            vocab_size=self.vocab_size,
+            max_model_len=sched.max_model_len,
+            max_num_seqs=sched.max_num_seqs,
+            max_logprobs=args.max_logprobs,
+            block_size=cache.block_size,
+            usable_blocks=num_device - self.block_manager.watermark_blocks,
+        )
         self.counters = EngineCounters()
         self._requests: dict[str, SequenceGroup] = {}
         self._pending_outputs: list[RequestOutput] = []
+
+    def _fit_context(self, num_device: int) -> None:
+        """Refuse to start, or lower max_model_len, when the cache cannot hold one sequence."""
+        cache, sched = self.config.cache, self.config.scheduler
+        usable = num_device - int(cache.watermark * num_device)
+        new_len = fit_max_model_len(
+            sched.max_model_len,
+            usable_blocks=usable,
+            block_size=cache.block_size,
+            explicit=self.args.max_model_len is not None,
+        )
+        if new_len != sched.max_model_len:
+            self.config = dataclasses.replace(
+                self.config,
+                model=dataclasses.replace(self.config.model, max_model_len=new_len),
+                scheduler=dataclasses.replace(sched, max_model_len=new_len),
+            )
 
     # -- requests --------------------------------------------------------------------------
     def add_request(
@@ -139,12 +171,13 @@ class LLMEngine:
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params: must be a SamplingParams")
-        if not isinstance(priority, int):
-            raise ValueError("priority: must be an integer")
+        if not isinstance(priority, int) or abs(priority) > self.limits.max_priority:
+            raise ValueError("priority: must be an integer that fits in 64 bits")
         text, token_ids = self._tokenize(prompt)
         max_len = self.config.scheduler.max_model_len
         if params.max_tokens is None:
             params = params.clone(max_tokens=max(1, max_len - len(token_ids)))
+        check_request(params, len(token_ids), self.limits)
         block_size = self.config.cache.block_size
         seq = Sequence(next(self._seq_ids), token_ids, block_size)
         group = SequenceGroup(
@@ -159,9 +192,9 @@ class LLMEngine:
         self.scheduler.add(group)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if self.tokenizer is None and not (isinstance(prompt, list) or (
-            isinstance(prompt, dict) and "prompt_token_ids" in prompt
-        )):
+        if self.tokenizer is None and not (
+            isinstance(prompt, list) or (isinstance(prompt, dict) and "prompt_token_ids" in prompt)
+        ):
             raise ValueError("prompt: token ids are required when skip_tokenizer_init is set")
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
@@ -214,14 +247,8 @@ class LLMEngine:
             outputs.append(self.output_processor.make_output(group, error=self._why(group)))
         if sched_out.is_empty:
             return outputs
-        try:
-            runner_out = self.executor.execute_model(sched_out)
-        except Exception:
-            # The step's requests cannot continue from a half-done step: end them (their blocks
-            # are freed and an "abort" output follows) and let the caller see the error.
-            self.abort_request(sorted({s.request_id for s in sched_out.seqs}))
-            raise
-        self._count(sched_out)
+        runner_out, ran = self._execute(sched_out, outputs)
+        self._count(ran)
         touched = self.scheduler.update_from_output(sched_out, runner_out)
         for group in touched:
             self.output_processor.process(group)
@@ -232,6 +259,34 @@ class LLMEngine:
                 self._requests.pop(group.request_id, None)
                 self.counters.requests_finished += 1
         return outputs
+
+    def _execute(
+        self, sched_out: SchedulerOutput, outputs: list[RequestOutput]
+    ) -> tuple[Any, SchedulerOutput]:
+        """Run the step; if it fails, end only the requests that make it fail (containment).
+
+        Returns the runner's output and the step as it finally ran (without any culprits).
+        """
+        try:
+            return self.executor.execute_model(sched_out), sched_out
+        except Exception as exc:
+            try:
+                runner_out, culprits = execute_contained(
+                    self.executor.execute_model, sched_out, exc
+                )
+            except EngineBrokenError:
+                # Not one request's fault: end the step's requests (their blocks are freed and
+                # an "abort" output follows) and let the caller see the error.
+                self.abort_request(sorted({s.request_id for s in sched_out.seqs}))
+                raise
+        for group in self.scheduler.abort(list(culprits)):
+            self._requests.pop(group.request_id, None)
+            outputs.append(
+                self.output_processor.make_output(
+                    group, error=culprits[group.request_id], failed=True
+                )
+            )
+        return runner_out, without(sched_out, set(culprits))
 
     def _why(self, group: SequenceGroup) -> str:
         n = len(group.prompt_token_ids)

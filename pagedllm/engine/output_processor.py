@@ -82,7 +82,9 @@ class OutputProcessor:
             seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
 
     # -- building outputs ------------------------------------------------------------------
-    def make_output(self, group: SequenceGroup, *, error: str | None = None) -> RequestOutput:
+    def make_output(
+        self, group: SequenceGroup, *, error: str | None = None, failed: bool = False
+    ) -> RequestOutput:
         params = group.sampling_params
         seqs = self._reported_seqs(group)
         holdback = stream_holdback(params)
@@ -118,6 +120,7 @@ class OutputProcessor:
                 num_preemptions=group.num_preemptions,
             ),
             error=error,
+            failed=failed,
         )
 
     @staticmethod

@@ -99,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=["debug", "info", "warning", "error"])
     s.add_argument("--disable-log-stats", action="store_true",
                    help="no periodic throughput log line")
+    s.add_argument("--disable-docs", action="store_true",
+                   help="no /docs, /redoc or /openapi.json (they are behind --api-key otherwise)")
     add_engine_args(serve)
 
     gen = sub.add_parser("generate", help="generate text offline, streamed to the terminal",
@@ -111,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    gen.add_argument("--log-level", default="warning",
+                     choices=["debug", "info", "warning", "error"],
+                     help="debug also shows tracebacks of errors")
     add_engine_args(gen)
     return parser
 
@@ -119,6 +124,58 @@ def _setup_logging(level: str = "info") -> None:
     logging.basicConfig(level=getattr(logging, level.upper()),
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
+
+
+class UsageError(Exception):
+    """A command-line setting that can never work (exit status 2)."""
+
+
+def check_serve_settings(args: argparse.Namespace, template: str | None) -> None:
+    """The server's own settings, checked before the model loads (``ValueError`` naming it)."""
+    if not 1 <= args.port <= 65535:
+        raise ValueError(f"--port: must be in 1..65535, got {args.port}")
+    if args.max_logprobs < 0:
+        raise ValueError(f"--max-logprobs: must be >= 0, got {args.max_logprobs}")
+    if not args.shutdown_timeout >= 0:
+        raise ValueError(f"--shutdown-timeout: must be >= 0, got {args.shutdown_timeout}")
+    if template is not None:
+        from jinja2 import TemplateSyntaxError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        try:
+            ImmutableSandboxedEnvironment().parse(template)
+        except TemplateSyntaxError as exc:
+            raise ValueError(f"--chat-template: does not parse: {exc.message} (line "
+                             f"{exc.lineno})") from None
+
+
+def check_engine_settings(args: argparse.Namespace) -> None:
+    """Engine settings that fail only after minutes of loading, checked first."""
+    import os
+
+    from pagedllm.backends.registry import resolve_device
+
+    device = resolve_device(args.device)
+    if args.device != "auto":
+        from pagedllm.backends.registry import backend_class
+
+        try:  # is_available() never raises and starts nothing (no device context)
+            available = backend_class(device).is_available()
+        except ImportError:
+            available = False
+        if not available:
+            raise ValueError(f"--device: {device!r} was requested but is not available on "
+                             "this machine")
+    space = args.kv_cache_space
+    if space is not None:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
+        if not 0 < space < total:
+            raise ValueError(f"--kv-cache-space: {space} GiB is not in (0, {total:.1f}) (the "
+                             "machine's memory)")
+    for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {value}")
 
 
 def resolve_model(model: str | None) -> tuple[str, str | None]:
@@ -145,11 +202,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     model, demo_name = resolve_model(args.model)
     try:
         template = load_chat_template(args.chat_template)
+        check_serve_settings(args, template)
+        check_engine_settings(args)
     except ValueError as exc:
-        raise SystemExit(f"pagedllm serve: --chat-template: {exc}") from None
+        raise UsageError(f"pagedllm serve: {exc}") from None
     names = args.served_model_name or ([demo_name] if demo_name else [args.model])
     kwargs = engine_kwargs(args)
     kwargs["served_model_name"] = names[0]
+    kwargs["max_logprobs"] = args.max_logprobs
     try:
         engine = AsyncEngine.from_engine_args(
             model, args.device, log_stats_interval=None if args.disable_log_stats else 5.0,
@@ -158,16 +218,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"pagedllm serve: {exc}") from None
     settings = ServerSettings(
         api_key=args.api_key or env_api_key(), chat_template=template,
-        max_logprobs=args.max_logprobs, shutdown_timeout=args.shutdown_timeout)
-    run_server(engine, model_info(engine, names), settings, host=args.host, port=args.port,
-               log_level=args.log_level)
-    return 0
+        max_logprobs=args.max_logprobs, shutdown_timeout=args.shutdown_timeout,
+        disable_docs=args.disable_docs)
+    return run_server(engine, model_info(engine, names), settings, host=args.host,
+                      port=args.port, log_level=args.log_level)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from pagedllm import Engine, SamplingParams
 
-    _setup_logging("warning")
+    _setup_logging(args.log_level)
+    try:
+        check_engine_settings(args)
+    except ValueError as exc:
+        raise UsageError(f"pagedllm generate: {exc}") from None
     try:
         engine = Engine(args.model, args.device, **engine_kwargs(args))
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
@@ -207,12 +271,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "serve":
-        return cmd_serve(args)
-    if args.command == "generate":
-        return cmd_generate(args)
-    parser.print_help()
-    return 2
+    if args.command not in ("serve", "generate"):
+        parser.print_help()
+        return 2
+    try:
+        return cmd_serve(args) if args.command == "serve" else cmd_generate(args)
+    except UsageError as exc:  # a setting that can never work: one line, before any loading
+        print(exc, file=sys.stderr)
+        return 2
+    except (Exception, KeyboardInterrupt) as exc:
+        if getattr(args, "log_level", "info") == "debug":
+            raise
+        message = str(exc).splitlines()[0] if str(exc) else ""
+        print(f"pagedllm {args.command}: {type(exc).__name__}: {message} "
+              "(--log-level debug shows the traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

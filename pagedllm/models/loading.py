@@ -167,6 +167,12 @@ def load_mapped_weights(
                 default_weight_loader(param, tensor)
         except ValueError as exc:
             raise CheckpointError(f"checkpoint tensor {ckpt_name!r}: {exc}") from exc
+        except RuntimeError as exc:  # a shape mismatch: the config does not describe the weights
+            raise CheckpointError(
+                f"checkpoint tensor {ckpt_name!r} of shape {list(tensor.shape)} does not fit "
+                f"{name} of shape {list(param.shape)}: config.json does not match the weights "
+                f"({str(exc).splitlines()[0]})"
+            ) from exc
         loaded.add(name)
     missing = {n for n in params if n not in loaded}
     if skip_lm_head:

@@ -75,11 +75,15 @@ class ServerHandle:
             self.engine.call(lambda e: e.generate(prompts, params, use_tqdm=False)))
 
 
-def start_server(app: Any) -> tuple[Any, threading.Thread, int]:
+def start_server(app: Any, config: Any = None) -> tuple[Any, threading.Thread, int]:
+    """Serve ``app`` on a free loopback port (``config``: a uvicorn.Config whose port is set)."""
     import uvicorn
 
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    if config is None:
+        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+    config.port = port
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -8,9 +8,12 @@ the engine), and then the app's lifespan stops the engine thread.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import logging
 import signal
+import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -21,10 +24,12 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 import pagedllm
 from pagedllm.engine.async_engine import AsyncEngine
 from pagedllm.entrypoints.openai.errors import APIError, from_validation_error, install_handlers
+from pagedllm.entrypoints.openai.http_limits import timed_protocol
 from pagedllm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -48,6 +53,21 @@ class ServerSettings:
     max_body_bytes: int = 32 << 20
     max_logprobs: int = 20
     shutdown_timeout: float = 30.0
+    disable_docs: bool = False
+    # Connection limits: idle keep-alive connections, and clients that stall while sending a
+    # request (see http_limits), are closed after these many seconds; request heads are bounded.
+    timeout_keep_alive: float = 5.0
+    read_timeout: float = 10.0
+    h11_max_incomplete_event_size: int = 64 * 1024
+
+
+def is_json_content_type(value: str | None) -> bool:
+    """``application/json`` or ``application/<x>+json``, parameters (charset) allowed."""
+    if not value:
+        return False
+    media = value.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (
+        media.startswith("application/") and media.endswith("+json"))
 
 
 def model_info(engine: AsyncEngine, served_names: list[str] | None = None) -> ModelInfo:
@@ -59,18 +79,28 @@ def model_info(engine: AsyncEngine, served_names: list[str] | None = None) -> Mo
 
 
 async def read_body(request: Request, model: type[B], limit: int) -> B:
-    """Parse the JSON body into ``model``; 413 past ``limit`` bytes, 400 when it is invalid."""
+    """Parse the JSON body into ``model``; 413 past ``limit`` bytes, 400 when it is invalid.
+
+    Only a JSON content type is read (415 otherwise): a web page on another origin can send
+    text/plain, form or multipart bodies without a CORS preflight, never application/json.
+    """
+    if not is_json_content_type(request.headers.get("content-type")):
+        raise APIError("request bodies must be JSON, sent with 'Content-Type: application/json'",
+                       status=415, code="unsupported_media_type")
     declared = request.headers.get("content-length")
     too_big = APIError(f"request body larger than {limit} bytes", status=413,
                        code="request_too_large")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_big
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_big
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise APIError("client disconnected", status=499, code="client_closed_request") from None
     try:
         return model.model_validate_json(b"".join(chunks))
     except ValidationError as exc:
@@ -98,12 +128,15 @@ def build_app(engine: AsyncEngine, model: ModelInfo, settings: ServerSettings | 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        watcher = asyncio.ensure_future(_watch_engine(app, engine))
         yield
+        watcher.cancel()
         if owns_engine:
             await engine.shutdown(timeout=min(settings.shutdown_timeout, 5.0))
 
     app = FastAPI(title="pagedllm OpenAI-compatible server", version=pagedllm.__version__,
-                  lifespan=lifespan)
+                  lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.on_engine_dead = None
     install_handlers(app)
     completion = OpenAIServingCompletion(engine, model, max_logprobs=settings.max_logprobs)
     chat = OpenAIServingChat(engine, model, chat_template=settings.chat_template,
@@ -174,33 +207,132 @@ def build_app(engine: AsyncEngine, model: ModelInfo, settings: ServerSettings | 
         return {"prompt": engine.tokenizer.decode(req.tokens)}
 
     app.include_router(extra)
+    if not settings.disable_docs:
+        _add_docs(app, auth)
     return app
 
 
-def run_server(engine: AsyncEngine, model: ModelInfo, settings: ServerSettings, *,
-               host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Serve until SIGTERM/SIGINT, then shut down gracefully (see the module docstring)."""
+def _add_docs(app: FastAPI, auth: Any) -> None:
+    """/docs, /redoc and /openapi.json, behind the API key like every other route."""
+    from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+
+    docs = APIRouter(dependencies=[auth], include_in_schema=False)
+
+    @docs.get("/openapi.json")
+    async def openapi() -> dict[str, Any]:
+        return app.openapi()
+
+    @docs.get("/docs")
+    async def swagger() -> Response:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=app.title)
+
+    @docs.get("/redoc")
+    async def redoc() -> Response:
+        return get_redoc_html(openapi_url="/openapi.json", title=app.title)
+
+    app.include_router(docs)
+
+
+async def _watch_engine(app: FastAPI, engine: AsyncEngine, interval: float = 0.2,
+                        grace: float = 2.0) -> None:
+    """A broken engine (a step failing whatever it runs) ends the server: /health answers 503
+    for ``grace`` seconds (for whoever watches it), then ``run_server`` exits non-zero."""
+    while engine.is_healthy:
+        await asyncio.sleep(interval)
+    logger.error("the engine has failed (%s); stopping the server", engine.dead_error)
+    await asyncio.sleep(grace)
+    callback = app.state.on_engine_dead
+    if callback is not None:
+        with contextlib.suppress(Exception):
+            callback()
+
+
+class GracefulServer:
+    """uvicorn's server with the shutdown this project promises (see ``run_server``).
+
+    First SIGTERM/SIGINT: the engine stops admitting (new requests get a 503), uvicorn closes
+    its listening socket, and requests in flight get ``shutdown_timeout`` seconds; then every
+    one left is cut by the engine, so each stream ends with an error event and ``[DONE]`` and
+    each other request with a JSON 503. A second SIGINT cuts at once. The exit status is 1
+    when anything was cut or the engine died, else 0.
+    """
+
+    def __init__(self, config: Any, engine: AsyncEngine, shutdown_timeout: float) -> None:
+        import uvicorn
+
+        outer = self
+
+        class _Server(uvicorn.Server):
+            def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+                outer.on_signal(sig)
+
+        self.server = _Server(config)
+        self.engine = engine
+        self.shutdown_timeout = shutdown_timeout
+        self.forced = False
+        self._timer: threading.Timer | None = None
+
+    def on_signal(self, sig: int) -> None:
+        """Runs in the main thread between bytecodes: only flags, a timer and a queue put."""
+        if not self.server.should_exit:
+            self.server.should_exit = True
+            self.engine.stop_accepting()
+            self._timer = threading.Timer(
+                self.shutdown_timeout, self.engine.cut_in_flight,
+                args=("the server is shutting down",))
+            self._timer.daemon = True
+            self._timer.start()
+        elif sig == signal.SIGINT and not self.forced:
+            # Cut now: the requests end with their error events, their connections close and
+            # uvicorn's shutdown completes on its own; force it only if a client hangs on.
+            self.forced = True
+            self.engine.cut_in_flight("the server was stopped")
+            force = threading.Timer(2.0, setattr, args=(self.server, "force_exit", True))
+            force.daemon = True
+            force.start()
+
+    def request_exit(self) -> None:
+        self.server.should_exit = True
+
+    def run(self) -> int:
+        self.server.run()
+        if self._timer is not None:
+            self._timer.cancel()
+        cut = self.engine.num_cut
+        if cut:
+            logger.error("shutdown cut %d requests that had not finished", cut)
+        failed = self.forced or cut > 0 or self.engine.dead_error is not None
+        return 1 if failed else 0
+
+
+def uvicorn_config(app: FastAPI, settings: ServerSettings, *, host: str, port: int,
+                   log_level: str) -> Any:
+    """uvicorn's settings for this app: its connection limits and shutdown wait."""
     import uvicorn
 
+    return uvicorn.Config(
+        app, host=host, port=port, log_level=log_level,
+        http=timed_protocol(settings.read_timeout),
+        # uvicorn's own wait outlasts ours: we cut the requests first, they then end cleanly.
+        timeout_graceful_shutdown=max(1, int(settings.shutdown_timeout) + 10),
+        timeout_keep_alive=max(1, int(settings.timeout_keep_alive)),
+        h11_max_incomplete_event_size=settings.h11_max_incomplete_event_size,
+        log_config=None,  # uvicorn logs through our root logger
+        access_log=log_level == "debug")
+
+
+def run_server(engine: AsyncEngine, model: ModelInfo, settings: ServerSettings, *,
+               host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> int:
+    """Serve until SIGTERM/SIGINT (see :class:`GracefulServer`); returns the exit status."""
+
     app = build_app(engine, model, settings)
-    class GracefulServer(uvicorn.Server):
-        """uvicorn re-raises a handled SIGTERM/SIGINT once it has shut down, so the process
-        would die by the signal; after a graceful shutdown we exit normally (status 0)."""
-
-        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-            if self.should_exit and sig == signal.SIGINT:
-                self.force_exit = True  # a second Ctrl-C: stop waiting for requests
-            else:
-                self.should_exit = True
-
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=max(1, int(settings.shutdown_timeout)),
-                            log_config=None,  # uvicorn logs through our root logger
-                            access_log=log_level == "debug")
-    server = GracefulServer(config)
+    config = uvicorn_config(app, settings, host=host, port=port, log_level=log_level)
+    server = GracefulServer(config, engine, settings.shutdown_timeout)
+    app.state.on_engine_dead = server.request_exit
     logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", model.name, host, port)
     try:
-        server.run()
+        status = server.run()
     finally:
         engine.stop()
         logger.info("server stopped")
+    return status

@@ -31,6 +31,9 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 MAX_LOGIT_BIAS = 100.0
+# OpenAI fields that change nothing about the output, so ignoring them is honest; any other
+# unknown field (functions, function_call, audio, ...) is refused by name.
+IGNORED_FIELDS = frozenset({"store", "metadata", "service_tier", "parallel_tool_calls"})
 
 
 @dataclass(frozen=True)
@@ -206,8 +209,10 @@ class ServingBase:
         if req.stream and req.best_of is not None and req.best_of > req.n:
             raise APIError("best_of: streaming is not supported when best_of > n",
                            param="best_of")
-        if req.unknown_fields():
-            logger.warning("ignoring unknown request fields %s", req.unknown_fields())
+        unknown = [f for f in req.unknown_fields() if f not in IGNORED_FIELDS]
+        if unknown:  # a field we would ignore could change what the client expects back
+            raise APIError(f"{unknown[0]}: is not a supported field of this endpoint",
+                           param=unknown[0], code="unsupported_parameter")
 
     def _logit_bias(self, bias: dict[str, float] | None) -> dict[int, float] | None:
         if not bias:

@@ -105,6 +105,12 @@ class OpenAIServingChat(ServingBase):
         if req.tools and req.tool_choice != "none":
             raise APIError("tools: tool calling is not supported by this server", param="tools",
                            code="unsupported_parameter")
+        if req.tool_choice not in (None, "none") and not req.tools:
+            raise APIError("tool_choice: requires tools (and tool calling is not supported)",
+                           param="tool_choice", code="unsupported_parameter")
+        if req.response_format is not None and "type" not in req.response_format:
+            raise APIError("response_format: must have a 'type' (only 'text' is supported)",
+                           param="response_format")
         fmt = (req.response_format or {}).get("type", "text")
         if fmt != "text":
             raise APIError(f"response_format: {fmt!r} is not supported, only 'text'",
