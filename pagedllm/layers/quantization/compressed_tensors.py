@@ -62,9 +62,7 @@ def _materialize(tensor: Any) -> torch.Tensor:
     return tensor.materialize() if hasattr(tensor, "materialize") else tensor
 
 
-def transform_weights(
-    weights: Iterable[tuple[str, Any]], fmt: str
-) -> Iterator[tuple[str, Any]]:
+def transform_weights(weights: Iterable[tuple[str, Any]], fmt: str) -> Iterator[tuple[str, Any]]:
     """Checkpoint tensors as plain ``<layer>.weight`` int8 + ``<layer>.weight_scale``.
 
     Packed weights wait for their ``weight_shape`` (stored next to them); zero points of a

@@ -82,9 +82,7 @@ class Int8WeightOnly(LinearMethod):
     def is_quantized(self, layer: nn.Module) -> bool:
         return hasattr(layer, "weight_scale_bits")
 
-    def apply(
-        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """PyTorch path (other backends): int8 values are exact in bf16/fp16, scale afterwards."""
         y = torch.nn.functional.linear(x, layer.weight.to(x.dtype))
         y = y * weight_scale(layer).to(x.dtype)
