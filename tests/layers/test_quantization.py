@@ -242,3 +242,21 @@ def test_int8_layers_use_int8_storage(llama_path: Path) -> None:
     assert layers and all(m.weight.dtype == torch.int8 for m in layers)
     assert all(isinstance(m.quant_method, Int8WeightOnly) for m in layers)
     assert model.lm_head.weight.dtype == torch.bfloat16
+
+
+def test_int8_tensor_parallel_matches_single_process(llama_path: Path, tmp_path: Path) -> None:
+    """Two ranks: column-parallel scales follow their rows, row-parallel scales stay whole, so
+    the quantised model on two ranks gives the single-process quantised tokens."""
+    folder = _write_w8a16(llama_path, tmp_path / "tp", "pack-quantized")
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    expected = [
+        o.outputs[0].token_ids
+        for o in _engine(llama_path, quantization="int8").generate(PROMPTS, params, use_tqdm=False)
+    ]
+    for path, kwargs in ((llama_path, {"quantization": "int8"}), (folder, {})):
+        engine = _engine(path, tensor_parallel_size=2, distributed_executor_backend="mp", **kwargs)
+        try:
+            got = [o.outputs[0].token_ids for o in engine.generate(PROMPTS, params, use_tqdm=False)]
+        finally:
+            engine.shutdown()
+        assert got == expected
