@@ -46,14 +46,33 @@ inline void micro(const float* x, int64_t ldx, const typename Tag::T* w, int64_t
   for (int r = 0; r < R; ++r) v_store(c + r * kPanel, acc[r]);
 }
 
+// One row (a decode step of one sequence): four accumulators over k % 4, so that consecutive
+// FMAs do not wait for each other's latency; the loop is then bound by streaming the weights.
+template <typename Tag>
+inline void micro_one(const float* x, const typename Tag::T* w, int64_t kc, float* c,
+                      bool accumulate) {
+  V16 a0 = accumulate ? v_load(c) : v_zero(), a1 = v_zero(), a2 = v_zero(), a3 = v_zero();
+  int64_t k = 0;
+  for (; k + 4 <= kc; k += 4) {
+    a0 = v_fma(a0, w_load(Tag{}, w + k * kPanel), x[k]);
+    a1 = v_fma(a1, w_load(Tag{}, w + (k + 1) * kPanel), x[k + 1]);
+    a2 = v_fma(a2, w_load(Tag{}, w + (k + 2) * kPanel), x[k + 2]);
+    a3 = v_fma(a3, w_load(Tag{}, w + (k + 3) * kPanel), x[k + 3]);
+  }
+  for (; k < kc; ++k) a0 = v_fma(a0, w_load(Tag{}, w + k * kPanel), x[k]);
+  v_store(c, v_add(v_add(a0, a1), v_add(a2, a3)));
+}
+
 // micro<rows> for a run-time row count 1..kRows.
 template <typename Tag, int R = kRows>
 inline void micro_rows(int rows, const float* x, int64_t ldx, const typename Tag::T* w, int64_t kc,
                        float* c, bool accumulate) {
   if constexpr (R > 1) {
     if (rows < R) return micro_rows<Tag, R - 1>(rows, x, ldx, w, kc, c, accumulate);
+    micro<R, Tag>(x, ldx, w, kc, c, accumulate);
+  } else {
+    micro_one<Tag>(x, w, kc, c, accumulate);
   }
-  micro<R, Tag>(x, ldx, w, kc, c, accumulate);
 }
 
 // acc[M][16] = x[M, K] @ panel[K][16].

@@ -39,6 +39,7 @@ inline void v_store(float* p, V16 a) { _mm512_storeu_ps(p, a.v); }
 inline V16 v_fma(V16 acc, V16 w, float x) {
   return {_mm512_fmadd_ps(w.v, _mm512_set1_ps(x), acc.v)};
 }
+inline V16 v_add(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline V16 w_load(Bf16W, const uint16_t* p) {
   __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
@@ -68,6 +69,7 @@ inline V16 v_fma(V16 acc, V16 w, float x) {
   __m256 b = _mm256_set1_ps(x);
   return {_mm256_fmadd_ps(w.lo, b, acc.lo), _mm256_fmadd_ps(w.hi, b, acc.hi)};
 }
+inline V16 v_add(V16 a, V16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
 inline __m256 bf16x8(const uint16_t* p) {
   __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -100,6 +102,10 @@ inline void v_store(float* p, V16 a) { std::memcpy(p, a.v, sizeof(a.v)); }
 inline V16 v_fma(V16 acc, V16 w, float x) {
   for (int j = 0; j < 16; ++j) acc.v[j] += w.v[j] * x;
   return acc;
+}
+inline V16 v_add(V16 a, V16 b) {
+  for (int j = 0; j < 16; ++j) a.v[j] += b.v[j];
+  return a;
 }
 float half_to_float(uint16_t h);
 inline V16 w_load(Bf16W, const uint16_t* p) {
