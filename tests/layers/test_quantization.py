@@ -260,3 +260,12 @@ def test_int8_tensor_parallel_matches_single_process(llama_path: Path, tmp_path:
         finally:
             engine.shutdown()
         assert got == expected
+
+
+def test_cli_flag_reaches_engine_args() -> None:
+    from pagedllm.entrypoints.cli import build_parser, engine_kwargs
+
+    args = build_parser().parse_args(["generate", "m", "--prompt", "x", "--quantization", "int8"])
+    assert engine_kwargs(args)["quantization"] == "int8"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "m", "--prompt", "x", "--quantization", "int4"])
