@@ -10,8 +10,10 @@ shape, side by side in one run:
   weights, bf16 activations;
 * ``linear_path``: what ``CpuBackend.prepare_model`` would pick for a bf16 weight on this CPU.
 
-Reports milliseconds per call (best of several), ratios to float32 and to bf16 F.linear, and for M=1 the weight
-bytes streamed per second (weights are read once per call; activations are negligible).
+Reports milliseconds per call (best of several), ratios to float32 and to bf16 F.linear, and for
+M=1 the weight bytes streamed per second (weights are read once per call; activations are
+negligible). A weight smaller than the last-level cache (o_proj in bf16/int8) is timed from the
+cache, so its GB/s exceeds the memory's; in a whole model every layer comes from memory.
 
     python benchmarks/linear_cpu.py            # the 1B shapes above
     python benchmarks/linear_cpu.py --smoke    # small shapes, a few seconds (CI)
