@@ -16,6 +16,7 @@ _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _PREEMPTION_MODES = (None, "recompute", "swap")
 _POLICIES = ("fcfs", "priority")
 _GiB = 1 << 30
+_QUANTIZATIONS = (None, "int8")
 
 
 def _require(cond: bool, name: str, message: str) -> None:
@@ -43,9 +44,15 @@ class ModelConfig:
     served_model_name: str | None = None
     attention_backend: str | None = None
     trust_remote_code: bool = False
+    quantization: str | None = None  # weight-only: None or "int8"
 
     def __post_init__(self) -> None:
         _require(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
+        _require(
+            self.quantization in _QUANTIZATIONS,
+            "quantization",
+            f"must be one of {_QUANTIZATIONS}, got {self.quantization!r}",
+        )
         _positive_int(self.max_model_len, "max_model_len", allow_none=True)
         _require(isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
         _require(not self.trust_remote_code, "trust_remote_code", "remote code is never run")
@@ -176,6 +183,7 @@ class EngineArgs:
     trust_remote_code: bool = False
     skip_tokenizer_init: bool = False
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs one request may ask for
+    quantization: str | None = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
@@ -213,6 +221,7 @@ class EngineArgs:
                 served_model_name=self.served_model_name,
                 attention_backend=self.attention_backend,
                 trust_remote_code=self.trust_remote_code,
+                quantization=self.quantization,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,

@@ -33,6 +33,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="device to run on (default: auto = cuda, then xpu, then cpu)")
     g.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"],
                    help="weight and activation dtype (default: auto, from the model)")
+    g.add_argument("--quantization", choices=["int8"],
+                   help="weight-only quantization of linear layers (int8: per-channel, at load)")
     g.add_argument("--tokenizer", help="tokenizer folder (default: the model's)")
     g.add_argument("--max-model-len", type=int, help="context window (default: the model's)")
     g.add_argument("--max-num-seqs", type=int, help="max sequences per batch (default 256)")
@@ -61,7 +63,7 @@ _ENGINE_KEYS = (
     "dtype", "tokenizer", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
     "kv_cache_space", "gpu_memory_utilization", "num_kv_blocks", "swap_space", "preemption_mode",
     "scheduling_policy", "tensor_parallel_size", "distributed_executor_backend",
-    "attention_backend", "seed",
+    "attention_backend", "seed", "quantization",
 )
 
 

@@ -51,6 +51,7 @@ class Worker:
             device=self.device,
             dtype=self.dtype,
             tp=self.tp,
+            quantization=self.config.model.quantization,
         )
         self.backend.prepare_model(model)
         self.runner = ModelRunner(

@@ -9,12 +9,16 @@ all-reduce their outputs.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.parallel import SINGLE, TPContext
+
+if TYPE_CHECKING:
+    from pagedllm.layers.quantization.base import LinearMethod
 
 # A backend may install a faster ``x -> x @ W^T (+ b)`` on a layer after loading (for example
 # weights repacked for the CPU's GEMM library); the layer then calls it instead of F.linear.
@@ -70,10 +74,14 @@ class ColumnParallelLinear(nn.Module):
 
     fast_linear: LinearFn | None = None
     fast_linear_has_bias = True  # the installed function adds the bias itself
+    # Set by layers/quantization before loading; None is the plain float weight.
+    quant_method: LinearMethod | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fast_linear is not None:
             return self.fast_linear(x)
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -137,9 +145,15 @@ class RowParallelLinear(nn.Module):
 
     fast_linear: LinearFn | None = None
     fast_linear_has_bias = False  # the bias is added after the all-reduce
+    quant_method: LinearMethod | None = None  # see ColumnParallelLinear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = self.fast_linear(x) if self.fast_linear is not None else F.linear(x, self.weight)
+        if self.fast_linear is not None:
+            partial = self.fast_linear(x)
+        elif self.quant_method is not None:
+            partial = self.quant_method.apply(self, x, None)
+        else:
+            partial = F.linear(x, self.weight)
         y = self.tp.all_reduce(partial)
         if self.bias is not None:
             y = y + self.bias

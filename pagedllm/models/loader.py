@@ -11,6 +11,11 @@ from torch import nn
 
 from pagedllm.backends.base import AttentionBackend
 from pagedllm.layers.parallel import SINGLE, TPContext
+from pagedllm.layers.quantization import (
+    attach_quantization,
+    finish_quantization,
+    get_quant_config,
+)
 from pagedllm.models.loading import CheckpointError, iterate_weights
 from pagedllm.models.registry import resolve_model_class
 
@@ -64,12 +69,20 @@ def load_model(
     device: torch.device,
     dtype: torch.dtype,
     tp: TPContext = SINGLE,
+    quantization: str | None = None,
 ) -> nn.Module:
     cls = resolve_model_class(getattr(hf_config, "architectures", None))
+    quant = get_quant_config(quantization, hf_config)
     with torch.device("cpu"):
         module = cls(hf_config, attn_backend=attn_backend, tp=tp)
     # Under tensor parallelism each rank reads only the slices it keeps.
-    loaded = module.load_weights(iterate_weights(Path(model), lazy=tp.size > 1))
+    weights = iterate_weights(Path(model), lazy=tp.size > 1)
+    if quant is not None:  # quantised linear layers: see layers/quantization
+        attach_quantization(module, quant)
+        weights = quant.transform(weights)
+    loaded = module.load_weights(weights)
+    if quant is not None:
+        logger.info("%d linear layers in %s", finish_quantization(module), quant.method.name)
     logger.info("loaded %d weight tensors for %s", len(loaded), cls.__name__)
     module = module.to(device=device, dtype=dtype)
     # Buffers such as rotary tables stay float32; only parameters follow the compute dtype.

@@ -243,3 +243,15 @@ def load_ops(build_root: Path | None = None, *, isa: str | None = None) -> Modul
         isa=isa,
         build_root=build_root,
     )
+
+
+GEMM_EXTENSION = "pagedllm_cpu_gemm"
+_GEMM_SOURCES = ("gemm.cpp",)
+_GEMM_HEADERS = ("gemm_vec.h",)
+
+
+def load_gemm_ops(build_root: Path | None = None, *, isa: str | None = None) -> ModuleType:
+    """The 16/8-bit weight GEMM extension for one ISA level (see :func:`load_extension`)."""
+    return load_extension(
+        GEMM_EXTENSION, _GEMM_SOURCES, _GEMM_HEADERS, isa=isa, build_root=build_root
+    )

@@ -83,10 +83,17 @@ class CpuBackend(DeviceBackend):
             )
         return _instantiate(kind)
 
+    # Which GEMM each kind of linear layer got (e.g. "QKVParallelLinear=cpp-bf16-avx2, ..."),
+    # set by prepare_model so that benchmarks can name it.
+    linear_path = ""
+
     def prepare_model(self, model: torch.nn.Module) -> None:
+        """Per layer, the fastest correct GEMM for its weight dtype (see packed_linear)."""
         from pagedllm.backends.cpu.packed_linear import pack_linear_layers
 
-        pack_linear_layers(model)
+        paths = pack_linear_layers(model)
+        self.linear_path = ", ".join(f"{kind}={path}" for kind, path in paths.items())
+        model.linear_path = self.linear_path
 
     def configure_threads(self, world_size: int = 1) -> None:
         """Intra-op threads = physical cores (shared evenly by co-located TP ranks)."""

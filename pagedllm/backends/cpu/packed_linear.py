@@ -1,15 +1,27 @@
-"""Linear layers on oneDNN-packed weights: the CPU backend's faster GEMM for small batches.
+"""Linear layers on repacked weights: the CPU backend's GEMM path, chosen per layer.
 
 PyTorch's default CPU GEMM streams a row-major weight poorly when few rows of activations meet a
-large weight (decode steps; above all the LM head): repacking the weight once into oneDNN's
-blocked layout measured 2-4x faster there. Each layer is checked against ``F.linear`` when it is
-packed; any layer whose result differs, or a torch build without the ops, keeps ``F.linear``.
+large weight (decode steps; above all the LM head), and its bf16 GEMM is slower than float32 on
+processors without bf16 arithmetic. So each layer gets, by weight dtype and processor:
+
+- float32: oneDNN's blocked layout (2-4x faster than ``F.linear`` at small batches);
+- bf16 / fp16 where the processor computes them (avx512_bf16, AMX, avx_ne_convert): oneDNN's
+  packed 16-bit weights;
+- bf16 / fp16 elsewhere, and int8 (weight-only quantised): our C++ GEMM (``csrc/gemm.cpp``),
+  which reads the 2- or 1-byte weights and converts them in registers.
+
+Every packed layer is checked against a PyTorch reference when it is packed; a layer whose result
+differs, or a missing op / extension, keeps the layer's own forward. The unpacked weight is then
+dropped (the packed copy is the only one used), except for a tied LM head, whose rows the
+embedding still reads.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +29,14 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
+LinearFn = Callable[[torch.Tensor], torch.Tensor]
 _BATCH_HINT = 64  # the batch oneDNN blocks for; any batch size works
+_PANEL = 16  # output columns per panel of the C++ GEMM's layout
+# Processor flags with which oneDNN computes 16-bit GEMMs natively.
+_NATIVE_16BIT = {
+    torch.bfloat16: ("avx512_bf16", "amx_bf16", "avx_ne_convert"),
+    torch.float16: ("avx512_fp16", "amx_fp16", "avx_ne_convert"),
+}
 
 
 def _ops_available() -> bool:
@@ -30,50 +49,137 @@ def _ops_available() -> bool:
     )
 
 
-def make_packed_linear(
-    weight: torch.Tensor, bias: torch.Tensor | None
-) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """``x -> x @ weight^T + bias`` on a packed copy of ``weight``; None if it cannot be used."""
-    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+@functools.cache
+def gemm_ops() -> ModuleType | None:
+    """Our C++ weight GEMM for this processor's ISA level, or None if it cannot be built."""
+    from pagedllm.backends.cpu._ops import load_gemm_ops
+
+    try:
+        return load_gemm_ops()
+    except (ImportError, RuntimeError, OSError) as exc:
+        logger.warning("C++ weight GEMM unavailable (%s); 16-bit/int8 layers use PyTorch", exc)
         return None
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` -> ``[ceil(N/16), K, 16]``: each panel's 16 columns contiguous per k."""
+    n, k = weight.shape
+    panels = -(-n // _PANEL)
+    padded = weight.new_zeros(panels * _PANEL, k)
+    padded[:n] = weight
+    return padded.view(panels, _PANEL, k).transpose(1, 2).contiguous()
+
+
+def _check(fn: LinearFn, reference: torch.Tensor, probe: torch.Tensor, rtol: float) -> None:
+    """Raise AssertionError unless ``fn(probe)`` matches up to summation order (and rounding)."""
+    scale = float(reference.abs().max()) + 1.0
+    got = fn(probe).float()
+    torch.testing.assert_close(got, reference, rtol=rtol, atol=rtol * scale)
+
+
+def make_packed_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearFn | None:
+    """oneDNN: ``x -> x @ weight^T + bias`` on a packed copy; None if it cannot be used.
+
+    float32 always; bf16/fp16 only where the processor computes them natively (elsewhere oneDNN
+    refuses to pack them, or would convert the whole weight per call).
+    """
+    if weight.device.type != "cpu" or weight.dim() != 2:
+        return None
+    if weight.dtype != torch.float32:
+        from pagedllm.backends.cpu._ops import cpu_flags
+
+        if not set(_NATIVE_16BIT.get(weight.dtype, ())) & cpu_flags():
+            return None
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _BATCH_HINT)
-        probe = torch.randn(3, weight.shape[1])
 
         def linear(x: torch.Tensor) -> torch.Tensor:
             return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
-        expected = F.linear(probe, weight, bias)
-        # Only the summation order may differ: allow float32 rounding at the output's scale.
-        scale = float(expected.abs().max()) + 1.0
-        torch.testing.assert_close(linear(probe), expected, rtol=1e-5, atol=1e-5 * scale)
+        probe = torch.randn(3, weight.shape[1]).to(weight.dtype)
+        reference = F.linear(probe.float(), weight.float(), None if bias is None else bias.float())
+        _check(linear, reference, probe, 1e-5 if weight.dtype == torch.float32 else 2e-2)
     except (RuntimeError, AssertionError) as exc:
-        logger.debug("keeping F.linear for a %s weight: %s", tuple(weight.shape), exc)
+        logger.debug("no oneDNN packing for a %s %s weight: %s", weight.dtype, weight.shape, exc)
         return None
     return linear
 
 
-def pack_linear_layers(model: nn.Module) -> int:
-    """Install packed GEMMs on every layer that offers the ``fast_linear`` slot."""
-    if not _ops_available():
-        return 0
-    from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear
+def make_cpp_linear(
+    weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None
+) -> LinearFn | None:
+    """Our GEMM on bf16/fp16/int8 ``weight [N, K]`` (int8 with float32 ``scale [N]``)."""
+    ops = gemm_ops()
+    if ops is None or weight.device.type != "cpu" or weight.dim() != 2:
+        return None
+    n, k = weight.shape
+    packed = pack_panels(weight.detach())
+    scale = None if scale is None else scale.detach().float().contiguous()
+    bias32 = None if bias is None else bias.detach().float().contiguous()
+
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        y = ops.weight_gemm(x.reshape(-1, k), packed, n, scale, bias32)  # [T, N]
+        return y.reshape(*x.shape[:-1], n)
+
+    dequant = weight.float() if scale is None else weight.float() * scale[:, None]
+    probe = torch.randn(3, k)
+    try:
+        _check(linear, F.linear(probe, dequant, bias32), probe, 1e-4)
+    except (RuntimeError, AssertionError) as exc:
+        logger.warning("C++ GEMM disagrees on a %s weight; keeping PyTorch: %s", weight.shape, exc)
+        return None
+    return linear
+
+
+def _kind(module: nn.Module, head: nn.Module | None) -> str:
+    return "lm_head" if module is head else type(module).__name__
+
+
+def _pack_one(module: nn.Module) -> tuple[LinearFn | None, str]:
+    """The fastest correct GEMM for one layer, and its path's name."""
+    from pagedllm.layers.quantization import weight_scale
+
+    weight = module.weight
+    bias = getattr(module, "bias", None) if module.fast_linear_has_bias else None
+    method = getattr(module, "quant_method", None)
+    if method is not None and method.is_quantized(module):
+        fn = make_cpp_linear(weight, weight_scale(module), bias)
+        return fn, f"cpp-int8-{gemm_ops().built_isa()}" if fn else "torch-int8"
+    if weight.dtype == torch.float32:
+        fn = make_packed_linear(weight, bias) if _ops_available() else None
+        return fn, "onednn-float32" if fn else "torch-float32"
+    dtype = str(weight.dtype).removeprefix("torch.")
+    fn = make_packed_linear(weight, bias) if _ops_available() else None
+    if fn is not None:
+        return fn, f"onednn-{dtype}"
+    fn = make_cpp_linear(weight, None, bias) if weight.dtype in _NATIVE_16BIT else None
+    return fn, f"cpp-{dtype}-{gemm_ops().built_isa()}" if fn else f"torch-{dtype}"
+
+
+def pack_linear_layers(model: nn.Module) -> dict[str, str]:
+    """Install the chosen GEMM on every layer that offers the ``fast_linear`` slot.
+
+    Returns ``{layer kind: path}`` (e.g. ``{"QKVParallelLinear": "cpp-bf16-avx2"}``), which the
+    backend logs and benchmarks report; a kind whose layers got different paths lists them all.
+    """
+    from pagedllm.layers.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 
     head = getattr(model, "lm_head", None)
-    count = 0
+    paths: dict[str, set[str]] = {}
     with torch.inference_mode():
         for module in model.modules():
             is_linear = isinstance(module, (ColumnParallelLinear, RowParallelLinear))
             if not (is_linear or module is head):
                 continue
-            bias = getattr(module, "bias", None) if module.fast_linear_has_bias else None
-            fn = make_packed_linear(module.weight, bias)
-            if fn is not None:
-                module.fast_linear = fn
-                count += 1
-                if is_linear:
-                    # The packed copy is the only one used from now on: do not keep two. (A head
-                    # may be the tied embedding, which still needs its rows: it keeps both.)
-                    module.weight.data = torch.empty(0)
-    logger.info("packed %d linear layers for oneDNN", count)
-    return count
+            fn, path = _pack_one(module)
+            paths.setdefault(_kind(module, head), set()).add(path)
+            if fn is None:
+                continue
+            module.fast_linear = fn
+            if is_linear or isinstance(module, ParallelLMHead):
+                # The packed copy is the only one used from now on: do not keep two. (A tied
+                # head is the embedding, which still needs its rows: it keeps both.)
+                module.weight.data = torch.empty(0)
+    summary = {kind: "+".join(sorted(p)) for kind, p in paths.items()}
+    logger.info("linear layers: %s", ", ".join(f"{k}={v}" for k, v in summary.items()))
+    return summary

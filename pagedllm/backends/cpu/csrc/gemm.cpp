@@ -1,0 +1,225 @@
+// Weight GEMM of the CPU backend: y[M, N] = x[M, K] @ W[N, K]^T (* scale[N]) (+ bias[N]) with W
+// stored in 16 or 8 bits (bf16, fp16, int8 with per-output-channel scales) and float32 sums.
+//
+// Why our own kernel: on processors without bf16 arithmetic (AVX2-only, plain AVX-512) PyTorch's
+// bf16 GEMM is slower than float32, and oneDNN refuses to pack bf16 weights. Decode steps are
+// bound by streaming the weights, so reading 2 or 1 bytes per weight and converting in registers
+// is the win; prefill is bound by arithmetic, so there the conversion is done once per K-chunk of
+// a panel into a small float32 buffer and amortised over all rows.
+//
+// Layout: W is packed once at load as panels [ceil(N/16)][K][16] (columns padded with zeros),
+// so one panel's weights for consecutive k are contiguous 16-wide rows. Threads split the panels;
+// each panel keeps a [M][16] float32 accumulator, and the epilogue applies scale and bias once
+// per output and converts to the activations' dtype.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "gemm_vec.h"
+
+namespace pagedllm::gemm {
+
+#if !defined(__AVX2__) && !defined(__AVX512F__)
+float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+#endif
+
+constexpr int64_t kPanel = 16;
+// K-chunk converted to float32 at a time when there are many rows (64 KiB of scratch).
+constexpr int64_t kBlockK = 1024;
+
+// c[R][16] (+)= x[R, 0:kc] @ w[0:kc][16]; x rows are ldx apart.
+template <int R, typename Tag>
+inline void micro(const float* x, int64_t ldx, const typename Tag::T* w, int64_t kc, float* c,
+                  bool accumulate) {
+  V16 acc[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) acc[r] = accumulate ? v_load(c + r * kPanel) : v_zero();
+  for (int64_t k = 0; k < kc; ++k) {
+    const V16 wv = w_load(Tag{}, w + k * kPanel);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) acc[r] = v_fma(acc[r], wv, x[r * ldx + k]);
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) v_store(c + r * kPanel, acc[r]);
+}
+
+// One row (a decode step of one sequence): four accumulators over k % 4, so that consecutive
+// FMAs do not wait for each other's latency; the loop is then bound by streaming the weights.
+template <typename Tag>
+inline void micro_one(const float* x, const typename Tag::T* w, int64_t kc, float* c,
+                      bool accumulate) {
+  V16 a0 = accumulate ? v_load(c) : v_zero(), a1 = v_zero(), a2 = v_zero(), a3 = v_zero();
+  int64_t k = 0;
+  for (; k + 4 <= kc; k += 4) {
+    a0 = v_fma(a0, w_load(Tag{}, w + k * kPanel), x[k]);
+    a1 = v_fma(a1, w_load(Tag{}, w + (k + 1) * kPanel), x[k + 1]);
+    a2 = v_fma(a2, w_load(Tag{}, w + (k + 2) * kPanel), x[k + 2]);
+    a3 = v_fma(a3, w_load(Tag{}, w + (k + 3) * kPanel), x[k + 3]);
+  }
+  for (; k < kc; ++k) a0 = v_fma(a0, w_load(Tag{}, w + k * kPanel), x[k]);
+  v_store(c, v_add(v_add(a0, a1), v_add(a2, a3)));
+}
+
+// micro<rows> for a run-time row count 1..kRows.
+template <typename Tag, int R = kRows>
+inline void micro_rows(int rows, const float* x, int64_t ldx, const typename Tag::T* w, int64_t kc,
+                       float* c, bool accumulate) {
+  if constexpr (R > 1) {
+    if (rows < R) return micro_rows<Tag, R - 1>(rows, x, ldx, w, kc, c, accumulate);
+    micro<R, Tag>(x, ldx, w, kc, c, accumulate);
+  } else {
+    micro_one<Tag>(x, w, kc, c, accumulate);
+  }
+}
+
+// acc[M][16] = x[M, K] @ panel[K][16].
+template <typename Tag>
+void panel_gemm(const float* x, int64_t m, int64_t k, const typename Tag::T* wp, float* acc,
+                float* scratch) {
+  if (m <= kRows) {
+    // Few rows (decode): every weight is converted once, in registers.
+    micro_rows<Tag>(static_cast<int>(m), x, k, wp, k, acc, false);
+    return;
+  }
+  for (int64_t k0 = 0; k0 < k; k0 += kBlockK) {
+    const int64_t kc = std::min(kBlockK, k - k0);
+    const float* wf;
+    if constexpr (std::is_same_v<Tag, F32W>) {
+      wf = wp + k0 * kPanel;
+    } else {
+      for (int64_t i = 0; i < kc; ++i)
+        v_store(scratch + i * kPanel, w_load(Tag{}, wp + (k0 + i) * kPanel));
+      wf = scratch;
+    }
+    for (int64_t m0 = 0; m0 < m; m0 += kRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kRows, m - m0));
+      micro_rows<F32W>(rows, x + m0 * k + k0, k, wf, kc, acc + m0 * kPanel, k0 > 0);
+    }
+  }
+}
+
+template <typename Out>
+void epilogue(const float* acc, int64_t m, int64_t n, int64_t n0, int64_t cols, const float* scale,
+              const float* bias, Out* y) {
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t j = 0; j < cols; ++j) {
+      float v = acc[r * kPanel + j];
+      if (scale != nullptr) v *= scale[n0 + j];
+      if (bias != nullptr) v += bias[n0 + j];
+      y[r * n + n0 + j] = static_cast<Out>(v);
+    }
+  }
+}
+
+template <typename Tag, typename Out>
+void run(const float* x, const typename Tag::T* w, const float* scale, const float* bias, Out* y,
+         int64_t m, int64_t k, int64_t n) {
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(static_cast<size_t>(m * kPanel));
+    std::vector<float> scratch(m > kRows ? static_cast<size_t>(kBlockK * kPanel) : 0);
+    for (int64_t p = begin; p < end; ++p) {
+      panel_gemm<Tag>(x, m, k, w + p * k * kPanel, acc.data(), scratch.data());
+      const int64_t n0 = p * kPanel;
+      epilogue(acc.data(), m, n, n0, std::min(kPanel, n - n0), scale, bias, y);
+    }
+  });
+}
+
+template <typename Tag>
+void run_out(const torch::Tensor& x, const torch::Tensor& w, const float* scale, const float* bias,
+             torch::Tensor& y) {
+  const int64_t m = x.size(0), k = x.size(1), n = y.size(1);
+  const float* xp = x.data_ptr<float>();
+  const auto* wp = reinterpret_cast<const typename Tag::T*>(w.data_ptr());
+  switch (y.scalar_type()) {
+    case at::kFloat:
+      return run<Tag>(xp, wp, scale, bias, y.data_ptr<float>(), m, k, n);
+    case at::kBFloat16:
+      return run<Tag>(xp, wp, scale, bias, y.data_ptr<at::BFloat16>(), m, k, n);
+    case at::kHalf:
+      return run<Tag>(xp, wp, scale, bias, y.data_ptr<at::Half>(), m, k, n);
+    default:
+      TORCH_CHECK(false, "weight_gemm: unsupported activation dtype ", y.scalar_type());
+  }
+}
+
+// Public launcher: checks everything the loops assume.
+torch::Tensor weight_gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
+                          const c10::optional<torch::Tensor>& scale,
+                          const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "weight_gemm: CPU tensors only");
+  TORCH_CHECK(x.dim() == 2, "weight_gemm: x must be [M, K], got ", x.sizes());
+  const auto xdt = x.scalar_type();
+  TORCH_CHECK(xdt == at::kFloat || xdt == at::kBFloat16 || xdt == at::kHalf,
+              "weight_gemm: x must be float32, bfloat16 or float16, got ", xdt);
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(),
+              "weight_gemm: packed weight must be a contiguous [N/16, K, 16], got ",
+              packed.sizes());
+  const int64_t k = x.size(1), panels = packed.size(0);
+  TORCH_CHECK(packed.size(1) == k, "weight_gemm: x has K=", k, ", weight has K=", packed.size(1));
+  TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, "weight_gemm: N=", n,
+              " does not fit ", panels, " panels of 16");
+  const auto wdt = packed.scalar_type();
+  const float* sp = nullptr;
+  if (scale.has_value()) {
+    TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->is_contiguous() &&
+                    scale->numel() == n,
+                "weight_gemm: scale must be a contiguous float32 [N]");
+    sp = scale->data_ptr<float>();
+  }
+  TORCH_CHECK(wdt != at::kChar || sp != nullptr, "weight_gemm: int8 weights need a scale");
+  torch::Tensor b;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == n, "weight_gemm: bias must have N=", n, " elements");
+    b = bias->to(at::kFloat).contiguous();
+  }
+  const torch::Tensor xf = x.to(at::kFloat).contiguous();
+  torch::Tensor y = torch::empty({x.size(0), n}, x.options());
+  if (x.size(0) == 0) return y;
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  switch (wdt) {
+    case at::kBFloat16:
+      run_out<Bf16W>(xf, packed, sp, bp, y);
+      break;
+    case at::kHalf:
+      run_out<Fp16W>(xf, packed, sp, bp, y);
+      break;
+    case at::kChar:
+      run_out<Int8W>(xf, packed, sp, bp, y);
+      break;
+    case at::kFloat:
+      run_out<F32W>(xf, packed, sp, bp, y);
+      break;
+    default:
+      TORCH_CHECK(false, "weight_gemm: unsupported weight dtype ", wdt);
+  }
+  return y;
+}
+
+std::string built_isa() {
+#if defined(__AVX512BF16__)
+  return "avx512bf16";
+#elif defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+}  // namespace pagedllm::gemm
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "pagedllm CPU weight GEMM: bf16/fp16/int8 weights converted in registers";
+  m.def("weight_gemm", &pagedllm::gemm::weight_gemm,
+        "y = x @ W^T (* scale) (+ bias), W packed as [N/16, K, 16]",
+        py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("packed"), py::arg("n"),
+        py::arg("scale") = py::none(), py::arg("bias") = py::none());
+  m.def("built_isa", &pagedllm::gemm::built_isa, "the ISA level this library was compiled for");
+  m.def("rows_per_tile", [] { return pagedllm::gemm::kRows; }, "rows of the micro-kernel");
+}

@@ -1,0 +1,137 @@
+"""Quantization schemes of linear layers (see :mod:`.base` for the method interface).
+
+``quantization=None`` keeps checkpoint weights as they are, unless the checkpoint itself is
+quantised (compressed-tensors W8A16), which is then read as int8. ``quantization="int8"``
+quantises 16/32-bit checkpoints at load. The LM head and embeddings are never quantised: they are
+not column/row-parallel linear layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.layers.quantization.base import UNQUANTIZED, LinearMethod
+from pagedllm.layers.quantization.compressed_tensors import check_config, transform_weights
+from pagedllm.layers.quantization.int8 import (
+    Int8WeightOnly,
+    dequantize,
+    quantize_per_channel,
+    weight_scale,
+)
+
+QUANTIZATION_METHODS = ("int8",)
+
+__all__ = [
+    "QUANTIZATION_METHODS",
+    "UNQUANTIZED",
+    "Int8WeightOnly",
+    "LinearMethod",
+    "QuantConfig",
+    "attach_quantization",
+    "dequantize",
+    "finish_quantization",
+    "get_quant_config",
+    "quantize_per_channel",
+    "weight_scale",
+]
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """What the loader needs: the linear method and how to read the checkpoint's tensors."""
+
+    method: LinearMethod
+    checkpoint_format: str | None = None  # compressed-tensors format, None for float checkpoints
+
+    def transform(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        if self.checkpoint_format is None:
+            yield from weights
+        else:
+            yield from transform_weights(weights, self.checkpoint_format)
+
+
+def get_quant_config(quantization: str | None, hf_config: Any) -> QuantConfig | None:
+    """The scheme for this model: the requested one, or the checkpoint's own."""
+    if quantization is not None and quantization not in QUANTIZATION_METHODS:
+        raise ValueError(
+            f"quantization: {quantization!r} is not supported; choose one of "
+            f"{[None, *QUANTIZATION_METHODS]}"
+        )
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc is not None and not isinstance(qc, dict):
+        qc = qc.to_dict() if hasattr(qc, "to_dict") else vars(qc)
+    if qc:
+        method = qc.get("quant_method")
+        if method != "compressed-tensors":
+            raise ValueError(
+                f"quantization: checkpoint quantised with {method!r} is not supported "
+                "(only compressed-tensors int8 per-channel W8A16)"
+            )
+        fmt = check_config(qc)
+        return QuantConfig(Int8WeightOnly(prequantized=True), checkpoint_format=fmt)
+    if quantization == "int8":
+        return QuantConfig(Int8WeightOnly())
+    return None
+
+
+class _FinishingLoader:
+    """The layer's own weight loader, then ``finish_loading`` once its last shard is in.
+
+    Quantising each layer as soon as it is complete keeps one layer's float copy alive, not the
+    model's. It exposes the wrapped loader's ``__func__`` so that the checkpoint reader still
+    knows the loader only reads slices (tensor-parallel ranks read only their part).
+    """
+
+    def __init__(self, layer: nn.Module, method: LinearMethod, inner: Any, shards: int) -> None:
+        self.layer, self.method, self.inner, self.shards = layer, method, inner, shards
+        self.seen: set[int] = set()
+
+    @property
+    def __func__(self) -> Any:
+        return getattr(self.inner, "__func__", None)
+
+    def __call__(self, param: nn.Parameter, loaded: Any, shard_id: int | None = None) -> None:
+        if shard_id is None:
+            self.inner(param, loaded)
+        else:
+            self.inner(param, loaded, shard_id)
+        self.seen.add(shard_id or 0)
+        if len(self.seen) == self.shards:
+            self.method.finish_loading(self.layer)
+
+
+def _linear_layers(model: nn.Module) -> Iterator[nn.Module]:
+    from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            yield module
+
+
+def attach_quantization(model: nn.Module, config: QuantConfig) -> None:
+    """Give every column/row-parallel layer the scheme's method, before weights are loaded."""
+    for layer in _linear_layers(model):
+        layer.quant_method = config.method
+        config.method.create_weights(layer)
+        if getattr(config.method, "prequantized", False):
+            continue  # already int8 on disk: scales are finished with the rest, at the end
+        shards = len(getattr(layer, "output_sizes", [0]))
+        inner = layer.weight.weight_loader
+        layer.weight.weight_loader = _FinishingLoader(layer, config.method, inner, shards)
+
+
+def finish_quantization(model: nn.Module) -> int:
+    """Finish any layer a model loaded without its weight loader; returns quantised layers."""
+    count = 0
+    with torch.no_grad():
+        for layer in _linear_layers(model):
+            method = layer.quant_method
+            if method is not None:
+                method.finish_loading(layer)
+                count += int(method.is_quantized(layer))
+    return count

@@ -1,0 +1,98 @@
+"""Weight-only int8: per-output-channel symmetric int8 weights, activations in the model dtype.
+
+``W[n, :] ~= q[n, :] * scale[n]`` with ``q`` in [-127, 127] and ``scale[n] = max|W[n, :]| / 127``.
+Made at load from a 16/32-bit checkpoint (each layer right after its last shard is loaded, so the
+full-precision copy of the whole model never exists at once; fused qkv / gate_up layers quantise
+the fused weight) or read from a checkpoint already quantised that way (compressed-tensors W8A16).
+
+The scale is kept as float32 in an ``int32`` buffer holding its bits: the loader casts every
+floating tensor of the model to the compute dtype afterwards, and a bf16 scale would add a 0.4%
+error per channel on top of the quantisation's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.layers.quantization.base import LinearMethod
+
+_QMAX = 127
+_ROWS_PER_CHUNK = 1024  # quantise this many rows at a time: no float32 copy of a whole weight
+
+
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight[N, K]`` (any float dtype) -> (int8 ``[N, K]``, float32 scales ``[N]``)."""
+    q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
+    scale = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
+    for start in range(0, weight.shape[0], _ROWS_PER_CHUNK):
+        rows = weight[start : start + _ROWS_PER_CHUNK].float()  # [r, K]
+        s = rows.abs().amax(dim=1) / _QMAX  # [r]
+        s = torch.where(s > 0, s, torch.ones_like(s))  # all-zero rows: any scale works
+        q[start : start + _ROWS_PER_CHUNK] = (
+            torch.round(rows / s[:, None]).clamp_(-_QMAX, _QMAX).to(torch.int8)
+        )
+        scale[start : start + _ROWS_PER_CHUNK] = s
+    return q, scale
+
+
+def weight_scale(layer: nn.Module) -> torch.Tensor:
+    """The float32 per-output-channel scales ``[N]`` of a quantised layer."""
+    return layer.weight_scale_bits.view(torch.float32)
+
+
+def dequantize(layer: nn.Module, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The layer's weight back in ``dtype`` (tests, reference checks)."""
+    return (layer.weight.float() * weight_scale(layer)[:, None]).to(dtype)
+
+
+class Int8WeightOnly(LinearMethod):
+    """Int8 weights, scales applied to the outputs; ``prequantized`` reads int8 checkpoints."""
+
+    name = "int8"
+
+    def __init__(self, *, prequantized: bool = False) -> None:
+        self.prequantized = prequantized
+
+    def create_weights(self, layer: nn.Module) -> None:
+        if not self.prequantized:
+            return  # the float weight is loaded as usual, then quantised in finish_loading
+        loader = layer.weight.weight_loader
+        out_features = layer.weight.shape[0]
+        layer.weight = nn.Parameter(
+            torch.empty(layer.weight.shape, dtype=torch.int8), requires_grad=False
+        )
+        layer.weight.weight_loader = loader  # type: ignore[attr-defined]
+        # Per-output scales: sliced with the output rows (column-parallel), whole otherwise.
+        scale = nn.Parameter(torch.empty(out_features, 1), requires_grad=False)
+        scale.weight_loader = _scale_loader(layer)  # type: ignore[attr-defined]
+        layer.weight_scale = scale
+
+    def finish_loading(self, layer: nn.Module) -> None:
+        if self.is_quantized(layer):
+            return
+        if self.prequantized:
+            scale = layer.weight_scale.detach().float().reshape(-1).contiguous()
+            del layer.weight_scale
+        else:
+            q, scale = quantize_per_channel(layer.weight.detach())
+            layer.weight = nn.Parameter(q, requires_grad=False)
+        layer.register_buffer("weight_scale_bits", scale.view(torch.int32))
+
+    def is_quantized(self, layer: nn.Module) -> bool:
+        return hasattr(layer, "weight_scale_bits")
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """PyTorch path (other backends): int8 values are exact in bf16/fp16, scale afterwards."""
+        y = torch.nn.functional.linear(x, layer.weight.to(x.dtype))
+        y = y * weight_scale(layer).to(x.dtype)
+        return y if bias is None else y + bias
+
+
+def _scale_loader(layer: nn.Module) -> object:
+    """Column-parallel layers slice scales like their rows; row-parallel ones keep them whole."""
+    from pagedllm.layers.linear import ColumnParallelLinear, default_weight_loader
+
+    if isinstance(layer, ColumnParallelLinear):
+        return layer.load_shard
+    return default_weight_loader
