@@ -4,8 +4,8 @@
   ``fill_value`` test hook: an engine whose kernels read a never-written slot, or mask one by
   multiplying with a zero probability, then produces NaN logprobs and token 0. Outputs must equal
   a run over ordinary memory, under a tight cache with recompute and with swap preemption.
-* bfloat16 compute with a bfloat16 cache equals transformers' bfloat16 greedy except at near
-  ties (top-two gap below bfloat16's resolution).
+* 16-bit compute with a cache in the same dtype equals transformers' greedy in that dtype except
+  at near ties (top-two gap below the dtype's resolution).
 * fp8 caches: per-token logprobs stay within a stated bound of the 16-bit-cache run and greedy
   text agrees on most tokens.
 """
@@ -89,22 +89,26 @@ def test_nan_filled_pools_change_nothing(
         assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-4)
 
 
-def test_bfloat16_cache_matches_transformers(have_cpp, llama_path) -> None:
-    """bf16 compute + bf16 cache (auto) vs transformers in bf16: equal except at near ties."""
-    from pagedllm.backends.cpu.kernel_attention import CppPagedAttention
+# A near tie: a top-two logprob gap below what the dtype resolves on logits of magnitude ~8
+# (8 significant bits for bfloat16, 11 for float16).
+TIE_MARGIN = {"bfloat16": 8 * 2.0**-7, "float16": 8 * 2.0**-10}
+
+
+@pytest.mark.parametrize(
+    ("kind", "dtype"), [("cpp", "bfloat16"), ("torch", "bfloat16"), ("cpp", "float16")]
+)
+def test_16_bit_cache_matches_transformers(have_cpp, llama_path, kind: str, dtype: str) -> None:
+    """16-bit compute + a cache in the same dtype ("auto") vs transformers in that dtype."""
     from tests.hf_reference import assert_greedy_match, hf_greedy
 
     ids = prompt_ids(llama_path)
-    engine, outs = run(
-        llama_path, ids, attention_backend="cpp", dtype="bfloat16", kv_cache_dtype="auto"
-    )
+    engine, outs = run(llama_path, ids, attention_backend=kind, dtype=dtype, kv_cache_dtype="auto")
     worker = engine.executor.worker
-    assert isinstance(worker.attention, CppPagedAttention)
-    assert worker.cache_engine.kv_caches[0].dtype == torch.bfloat16
-    refs = hf_greedy(llama_path, ids, NEW_TOKENS, dtype="bfloat16")
-    # bfloat16 keeps 8 significant bits: logits that close (relative 2^-7) are ties.
+    assert worker.attention.name == kind
+    assert worker.cache_engine.kv_caches[0].dtype == getattr(torch, dtype)
+    refs = hf_greedy(llama_path, ids, NEW_TOKENS, dtype=dtype)
     for i, (out, ref) in enumerate(zip(outs, refs, strict=True)):
-        assert_greedy_match(out.token_ids, ref, f"bf16 prompt {i}", tie_margin=2.0**-7 * 8)
+        assert_greedy_match(out.token_ids, ref, f"{kind} {dtype} {i}", tie_margin=TIE_MARGIN[dtype])
 
 
 # fp8 KV vs the 16-bit-cache run (same float32 compute): |logprob difference| of each greedy token
