@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import shutil
 
@@ -97,14 +98,20 @@ TIE_MARGIN = {"bfloat16": 8 * 2.0**-7, "float16": 8 * 2.0**-10}
 @pytest.mark.parametrize(
     ("kind", "dtype"), [("cpp", "bfloat16"), ("torch", "bfloat16"), ("cpp", "float16")]
 )
-def test_16_bit_cache_matches_transformers(have_cpp, llama_path, kind: str, dtype: str) -> None:
+def test_16_bit_cache_matches_transformers(
+    have_cpp, llama_path, caplog, kind: str, dtype: str
+) -> None:
     """16-bit compute + a cache in the same dtype ("auto") vs transformers in that dtype."""
     from tests.hf_reference import assert_greedy_match, hf_greedy
 
     ids = prompt_ids(llama_path)
+    caplog.set_level(logging.INFO, logger="pagedllm.executors.worker")
     engine, outs = run(llama_path, ids, attention_backend=kind, dtype=dtype, kv_cache_dtype="auto")
     worker = engine.executor.worker
     assert worker.attention.name == kind
+    if kind == "cpp":  # the start-up log names the ISA build and the cache dtype
+        assert f"{worker.attention.isa} build" in caplog.text, caplog.text
+        assert f"KV cache in torch.{dtype}" in caplog.text, caplog.text
     assert worker.cache_engine.kv_caches[0].dtype == getattr(torch, dtype)
     refs = hf_greedy(llama_path, ids, NEW_TOKENS, dtype=dtype)
     for i, (out, ref) in enumerate(zip(outs, refs, strict=True)):
