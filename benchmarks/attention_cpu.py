@@ -11,9 +11,13 @@ permutation, as after a while of serving):
 
 It also measures the machine's memory bandwidth in the same run (a large ``copy_``, read + write
 bytes per second, and a read-only ``sum``) and reports the kernel's KV bytes read per second
-against both. Prints one JSON object.
+against both. ``--kv-cache-dtype`` repeats every case with the cache stored in each given dtype
+(float32, bfloat16, float16, fp8_e4m3, fp8_e5m2; the query stays in ``--dtype``) and reports the
+cpp decode time relative to the float32 cache. The JSON names the processor, the ISA build and
+its vector path, and the cache dtype of every case. Prints one JSON object.
 
     python benchmarks/attention_cpu.py            # batch 32, context 512 and 2048, d=128, 8q/2kv
+    python benchmarks/attention_cpu.py --kv-cache-dtype float32 bfloat16 fp8_e4m3 --contexts 4096
     python benchmarks/attention_cpu.py --smoke    # tiny shapes, a few seconds (CI)
 """
 
@@ -28,7 +32,13 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pagedllm.backends.base import AttentionMetadata, build_attention_metadata
+from pagedllm.backends.base import (
+    KV_CACHE_DTYPES,
+    AttentionMetadata,
+    build_attention_metadata,
+    from_cache_dtype,
+    to_cache_dtype,
+)
 from pagedllm.backends.cpu._ops import cpu_model_name
 from pagedllm.backends.cpu.attention import TorchPagedAttention
 from pagedllm.backends.cpu.kernel_attention import CppPagedAttention
@@ -95,6 +105,8 @@ def run_case(
     with_reference: bool,
     copy_bw: float,
     read_bw: float,
+    kv_cache_dtype: str = "float32",
+    dtype: torch.dtype = torch.float32,
 ) -> dict[str, object]:
     query, cache, meta = decode_case(
         batch=batch,
@@ -105,17 +117,20 @@ def run_case(
         block_size=block_size,
     )
     scale = head_size**-0.5
+    cache = to_cache_dtype(cache, KV_CACHE_DTYPES[kv_cache_dtype])
+    query = query.to(dtype)
     cpp, gathered = CppPagedAttention(), TorchPagedAttention()
     # The PyTorch paths get the reference layout as a real contiguous tensor, as in the engine.
     ref_cache = cache.transpose(2, 3).contiguous()  # [2, blocks, block_size, kv_heads, d]
     out = cpp.forward(query, cache, meta, scale)
     expect = gathered.forward(query, ref_cache, meta, scale)
-    max_diff = (out - expect).abs().max().item()
+    max_diff = (out.float() - expect.float()).abs().max().item()
 
     # Contiguous K/V for SDPA: [batch, kv_heads, ctx, d], one query token per sequence.
     idx = meta.block_tables.long()
-    k = cache[0][idx].permute(0, 2, 1, 3, 4).reshape(batch, kv_heads, -1, head_size)[:, :, :ctx]
-    v = cache[1][idx].permute(0, 2, 1, 3, 4).reshape(batch, kv_heads, -1, head_size)[:, :, :ctx]
+    wide = from_cache_dtype(cache).to(dtype)  # SDPA reads K/V in the compute dtype
+    k = wide[0][idx].permute(0, 2, 1, 3, 4).reshape(batch, kv_heads, -1, head_size)[:, :, :ctx]
+    v = wide[1][idx].permute(0, 2, 1, 3, 4).reshape(batch, kv_heads, -1, head_size)[:, :, :ctx]
     k, v = k.contiguous(), v.contiguous()
     q4 = query.unsqueeze(2)  # [batch, heads, 1, d]
     group = heads // kv_heads
@@ -135,7 +150,7 @@ def run_case(
     if with_reference:
         ref = ReferenceAttention()
         times["reference"] = bench(lambda: ref.forward(query, ref_cache, meta, scale), 2, 1)
-    kv_bytes = 2 * batch * ctx * kv_heads * head_size * 4
+    kv_bytes = 2 * batch * ctx * kv_heads * head_size * cache.element_size()
     best_sdpa = min(times["sdpa_gqa"], times["sdpa_expanded"])
     return {
         "batch": batch,
@@ -144,6 +159,8 @@ def run_case(
         "kv_heads": kv_heads,
         "head_size": head_size,
         "block_size": block_size,
+        "kv_cache_dtype": kv_cache_dtype,
+        "dtype": str(dtype).removeprefix("torch."),
         "max_abs_diff_vs_torch": max_diff,
         "time_ms": {name: round(t * 1e3, 3) for name, t in times.items()},
         "speedup_vs_torch_gathered": round(times["torch_gathered"] / times["cpp"], 2),
@@ -152,6 +169,23 @@ def run_case(
         "cpp_kv_read_gbps": round(kv_bytes / times["cpp"] / 1e9, 2),
         "cpp_kv_read_vs_copy_bw": round(kv_bytes / times["cpp"] / copy_bw, 2),
         "cpp_kv_read_vs_read_bw": round(kv_bytes / times["cpp"] / read_bw, 2),
+    }
+
+
+def _ratios(cases: list[dict[str, object]]) -> dict[str, float]:
+    """cpp decode time of each (context, cache dtype) over the float32 cache's, when timed."""
+    base = {
+        c["context"]: c["time_ms"]["cpp"]  # type: ignore[index]
+        for c in cases
+        if c["kv_cache_dtype"] == "float32"
+    }
+    return {
+        f"{c['context']}/{c['kv_cache_dtype']}": round(
+            c["time_ms"]["cpp"] / base[c["context"]],  # type: ignore[index]
+            3,
+        )
+        for c in cases
+        if c["context"] in base and c["kv_cache_dtype"] != "float32"
     }
 
 
@@ -167,6 +201,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--with-reference", action="store_true", help="also time the oracle")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        nargs="+",
+        default=["float32"],
+        choices=[n for n in KV_CACHE_DTYPES if n != "fp8"],
+        help="cache dtypes to time (default float32)",
+    )
+    parser.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="query"
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -174,6 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.smoke:
         args.batch, args.contexts, args.head_size, args.reps = 2, [40], 64, 3
         args.with_reference = True
+        args.kv_cache_dtype = ["float32", "bfloat16", "fp8_e4m3"]
     copy_bw, read_bw = memory_bandwidth(
         16 << 20 if args.smoke else 512 << 20, 3 if args.smoke else 5
     )
@@ -189,13 +234,20 @@ def main(argv: list[str] | None = None) -> None:
             with_reference=args.with_reference,
             copy_bw=copy_bw,
             read_bw=read_bw,
+            kv_cache_dtype=kv_dtype,
+            dtype=getattr(torch, args.dtype),
         )
         for ctx in args.contexts
+        for kv_dtype in args.kv_cache_dtype
     ]
+    cpp = CppPagedAttention()
     report = {
         "threads": torch.get_num_threads(),
         "processor": cpu_model_name(),
-        "isa": CppPagedAttention().isa,
+        "isa": cpp.isa,
+        "vector_path": cpp.vector_path,
+        "kv_cache_dtypes": args.kv_cache_dtype,
+        "cpp_time_vs_float32_cache": _ratios(cases),
         "copy_bandwidth_gbps": round(copy_bw / 1e9, 2),
         "read_bandwidth_gbps": round(read_bw / 1e9, 2),
         "cases": cases,

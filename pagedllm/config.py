@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
+# "auto": the model's compute dtype; "fp8" is "fp8_e4m3", as in vLLM.
+_KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 _PREEMPTION_MODES = (None, "recompute", "swap")
 _POLICIES = ("fcfs", "priority")
 _GiB = 1 << 30
@@ -67,8 +69,14 @@ class CacheConfig:
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = False
     watermark: float = 0.01
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        _require(
+            self.kv_cache_dtype in _KV_CACHE_DTYPES,
+            "kv_cache_dtype",
+            f"must be one of {_KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
+        )
         _require(
             self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
             "block_size",
@@ -163,6 +171,7 @@ class EngineArgs:
     device: str = "auto"
     dtype: str = "auto"
     block_size: int = 16
+    kv_cache_dtype: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
@@ -230,6 +239,7 @@ class EngineArgs:
                 swap_space=self.swap_space,
                 num_kv_blocks=self.num_kv_blocks,
                 enable_prefix_caching=self.enable_prefix_caching,
+                kv_cache_dtype=self.kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

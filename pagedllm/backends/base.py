@@ -9,7 +9,10 @@ Contract every attention backend keeps, so that the cache engine and the tests s
 * the KV cache of one layer is a single tensor whose dim 0 has size 2 (keys, values) and whose
   dim 1 is the physical block index; the rest of the layout is the backend's own choice;
 * a *slot* is ``block_id * block_size + offset_in_block``;
-* tokens of one step are packed flat, prefill sequences first, then decode sequences.
+* tokens of one step are packed flat, prefill sequences first, then decode sequences;
+* the cache holds ``kv_cache_dtype`` (see :data:`KV_CACHE_DTYPES`); fp8 caches store ``x / scale``
+  with one scale per layer for K and one for V (1.0 unless a checkpoint provides them), and the
+  kernels dequantise on read.
 """
 
 from __future__ import annotations
@@ -19,6 +22,37 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+#: ``kv_cache_dtype`` names (besides "auto", the compute dtype) and what the cache stores.
+KV_CACHE_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """``x`` as the cache stores it: fp8 holds ``x / scale`` saturated to the format's range."""
+    if dtype in FP8_DTYPES:
+        bound = torch.finfo(dtype).max
+        return (x.float() / scale).clamp(-bound, bound).to(dtype)
+    return x.to(dtype)
+
+
+def from_cache_dtype(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """Cached values as float32 (fp8: times its scale): what every kernel computes with."""
+    if x.dtype in FP8_DTYPES:
+        return x.float() * scale
+    return x.float()
+
+
+def byte_view(cache: torch.Tensor) -> torch.Tensor:
+    """fp8 caches as uint8, for the indexing ops torch has no fp8 kernel for (index_copy_)."""
+    return cache.view(torch.uint8) if cache.dtype in FP8_DTYPES else cache
 
 
 @dataclass
@@ -108,6 +142,41 @@ class AttentionBackend(ABC):
     """
 
     name: str = "abstract"
+    #: The ``kv_cache_dtype`` values (besides "auto") this backend's kernels read.
+    supported_kv_cache_dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
+    #: True when the kernels read the cache only in the compute dtype (no conversion on load).
+    kv_cache_dtype_follows_compute: bool = True
+
+    def resolve_kv_cache_dtype(
+        self, kv_cache_dtype: str, compute_dtype: torch.dtype
+    ) -> torch.dtype:
+        """The torch dtype of the cache, or ``ValueError`` when this backend cannot run it.
+
+        Called once at engine construction, so an unsupported choice fails before any memory is
+        allocated, with the values that would work.
+        """
+        if kv_cache_dtype == "auto":
+            return compute_dtype
+        wanted = KV_CACHE_DTYPES.get(kv_cache_dtype)
+        ok = wanted is not None and kv_cache_dtype in self.supported_kv_cache_dtypes
+        if ok and self.kv_cache_dtype_follows_compute:
+            ok = wanted == compute_dtype
+        if ok:
+            return wanted  # type: ignore[return-value]
+        if self.kv_cache_dtype_follows_compute:
+            names = [n for n, d in KV_CACHE_DTYPES.items() if d == compute_dtype]
+            works = ["auto", *[n for n in names if n in self.supported_kv_cache_dtypes]]
+        else:
+            works = ["auto", *self.supported_kv_cache_dtypes]
+        raise ValueError(
+            f"kv_cache_dtype: {kv_cache_dtype!r} cannot run on the {self.name!r} attention backend "
+            f"with dtype {str(compute_dtype).removeprefix('torch.')}; this backend supports "
+            f"{works}"
+        )
+
+    def describe(self) -> str:
+        """Which code path runs, for the log line at engine start (an ISA level, say)."""
+        return "generic"
 
     @abstractmethod
     def kv_cache_shape(
@@ -166,7 +235,7 @@ class CacheSpec:
     num_kv_heads: int  # per worker, after tensor-parallel sharding
     head_size: int
     block_size: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # what the cache stores (kv_cache_dtype), not necessarily the compute dtype
 
 
 class CacheEngine:
@@ -185,6 +254,7 @@ class CacheEngine:
         num_device_blocks: int,
         num_host_blocks: int,
         pin_host_memory: bool = False,
+        fill_value: float | None = None,
     ) -> None:
         self.spec = spec
         self.attention = attention
@@ -205,6 +275,10 @@ class CacheEngine:
             torch.empty(host_shape, dtype=spec.dtype, device="cpu", pin_memory=pin_host_memory)
             for _ in range(spec.num_layers)
         ]
+        if fill_value is not None:
+            # Tests fill every pool (NaN) to prove no kernel reads a slot that was never written.
+            for cache in (*self.kv_caches, *self.host_caches):
+                cache.fill_(fill_value)
 
     @staticmethod
     def bytes_per_block(spec: CacheSpec) -> int:

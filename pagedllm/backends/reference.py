@@ -2,14 +2,22 @@
 
 It walks each sequence's block table in Python and does textbook attention, so it is slow and
 obviously right. Layout of one layer's cache: ``[2, num_blocks, block_size, num_kv_heads,
-head_size]``.
+head_size]``. Any cache dtype: keys and values are widened to float32 (fp8 times its scale)
+before the math, which is float32 throughout; the output has the query's dtype. Only the
+``seq_len`` written tokens of a sequence are ever read, and masking is a select (-inf before the
+softmax), so never-written slots cannot leak into an output whatever they hold.
 """
 
 from __future__ import annotations
 
 import torch
 
-from pagedllm.backends.base import AttentionBackend, AttentionMetadata
+from pagedllm.backends.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    from_cache_dtype,
+    to_cache_dtype,
+)
 
 
 def gather_seq_kv(
@@ -53,6 +61,8 @@ class ReferenceAttention(AttentionBackend):
     """The oracle. Also usable inside the engine (``attention_backend="reference"``)."""
 
     name = "reference"
+    supported_kv_cache_dtypes = ("float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
+    kv_cache_dtype_follows_compute = False
 
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
@@ -65,12 +75,17 @@ class ReferenceAttention(AttentionBackend):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        *,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> None:
+        keep = slot_mapping >= 0  # -1: a padding token, never stored
+        slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
         block_size = kv_cache.shape[2]
         blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
         offsets = slot_mapping % block_size
-        kv_cache[0, blocks, offsets] = key.to(kv_cache.dtype)
-        kv_cache[1, blocks, offsets] = value.to(kv_cache.dtype)
+        kv_cache[0, blocks, offsets] = to_cache_dtype(key, kv_cache.dtype, k_scale)
+        kv_cache[1, blocks, offsets] = to_cache_dtype(value, kv_cache.dtype, v_scale)
 
     def forward(
         self,
@@ -80,6 +95,8 @@ class ReferenceAttention(AttentionBackend):
         scale: float,
         *,
         sliding_window: int | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         out = torch.empty_like(query)
         tables = meta.block_tables.tolist()
@@ -88,6 +105,7 @@ class ReferenceAttention(AttentionBackend):
             zip(meta.query_lens_list, meta.seq_lens_list, strict=True)
         ):
             k, v = gather_seq_kv(kv_cache, tables[i], seq_len)
+            k, v = from_cache_dtype(k, k_scale), from_cache_dtype(v, v_scale)
             q = query[start : start + q_len]
             out[start : start + q_len] = attend(q, k, v, seq_len - q_len, scale, sliding_window)
             start += q_len

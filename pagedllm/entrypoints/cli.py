@@ -40,6 +40,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, help="max sequences per batch (default 256)")
     g.add_argument("--max-num-batched-tokens", type=int, help="max tokens per step")
     g.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
+    g.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16", "float16", "fp8",
+                                                "fp8_e4m3", "fp8_e5m2"],
+                   help="KV-cache storage dtype (default: auto = the model's dtype)")
     g.add_argument("--kv-cache-space", type=float,
                    help="GiB of KV cache on the CPU (default: $PAGEDLLM_CPU_KVCACHE_SPACE or 4)")
     g.add_argument("--gpu-memory-utilization", type=float,
@@ -61,6 +64,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 _ENGINE_KEYS = (
     "dtype", "tokenizer", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+    "kv_cache_dtype",
     "kv_cache_space", "gpu_memory_utilization", "num_kv_blocks", "swap_space", "preemption_mode",
     "scheduling_policy", "tensor_parallel_size", "distributed_executor_backend",
     "attention_backend", "seed", "quantization",

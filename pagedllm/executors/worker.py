@@ -39,6 +39,10 @@ class Worker:
         self.dtype = resolve_dtype(
             config.model.dtype, hf_config, self.backend.default_dtype(config_dtype(hf_config))
         )
+        # ValueError here, at engine construction, when the backend cannot read the choice.
+        self.kv_cache_dtype = self.attention.resolve_kv_cache_dtype(
+            config.cache.kv_cache_dtype, self.dtype
+        )
         self.eos_token_id = eos_token_id
         self.cache_engine: CacheEngine | None = None
         self.runner: ModelRunner | None = None
@@ -63,10 +67,12 @@ class Worker:
             seed=self.config.model.seed,
         )
         logger.info(
-            "model on %s in %s with %s attention",
+            "model on %s in %s with %s attention (%s), KV cache in %s",
             self.device,
             self.dtype,
             self.attention.name,
+            self.attention.describe(),
+            self.kv_cache_dtype,
         )
 
     def uniform_sliding_window(self) -> int | None:
@@ -90,7 +96,7 @@ class Worker:
             num_kv_heads=per_rank,
             head_size=head_size_of(cfg),
             block_size=self.config.cache.block_size,
-            dtype=self.dtype,
+            dtype=self.kv_cache_dtype,
         )
 
     def determine_num_blocks(self) -> tuple[int, int]:

@@ -113,7 +113,10 @@ def test_chunked_prefill_reads_cached_context(
 ) -> None:
     ids, refs = references["llama"]
     _, outs = run_ipex(
-        tiny_models["llama"], ids, block_size=8, enable_chunked_prefill=True,
+        tiny_models["llama"],
+        ids,
+        block_size=8,
+        enable_chunked_prefill=True,
         max_num_batched_tokens=16,
     )
     check(outs, refs, "ipex chunked prefill")

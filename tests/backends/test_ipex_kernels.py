@@ -64,7 +64,10 @@ def _check(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     diff = (actual.float().cpu() - expected.float().cpu()).abs().max().item()
     atol, rtol = TOL[actual.dtype]
     torch.testing.assert_close(
-        actual.float().cpu(), expected.float().cpu(), atol=atol, rtol=rtol,
+        actual.float().cpu(),
+        expected.float().cpu(),
+        atol=atol,
+        rtol=rtol,
         msg=f"{what}: max abs diff {diff:.3e} (atol {atol:g}, rtol {rtol:g})",
     )
 
@@ -100,9 +103,13 @@ def _batch(
         slots_all += pos_slots
         slots_new += pos_slots[ctx:]
     meta = attn.build_metadata(
-        num_prefills=num_prefills, seq_lens=[c + q for c, q in seqs],
-        query_lens=[q for _, q in seqs], slot_mapping=slots_new, block_tables=tables,
-        block_size=block_size, device=torch.device(device),
+        num_prefills=num_prefills,
+        seq_lens=[c + q for c, q in seqs],
+        query_lens=[q for _, q in seqs],
+        slot_mapping=slots_new,
+        block_tables=tables,
+        block_size=block_size,
+        device=torch.device(device),
     )
     shape = attn.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
     cache = torch.randn(shape, generator=gen).to(dtype=dtype, device=device)
@@ -118,8 +125,13 @@ def _batch(
 
 
 def _run_and_compare(
-    attn: IpexPagedAttention, seqs: list[tuple[int, int]], num_prefills: int, what: str,
-    *, window: int | None = None, **kw: object,
+    attn: IpexPagedAttention,
+    seqs: list[tuple[int, int]],
+    num_prefills: int,
+    what: str,
+    *,
+    window: int | None = None,
+    **kw: object,
 ) -> None:
     cache, ref_cache, meta, query = _batch(attn, seqs, num_prefills, **kw)  # type: ignore[arg-type]
     out = attn.forward(query, cache, meta, SCALE, sliding_window=window)
@@ -133,8 +145,9 @@ def _run_and_compare(
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("head_size", [64, 128])
 @pytest.mark.parametrize("padding", [False, True])
-def test_write_kv_matches_reference(attn, device: str, block_size: int, head_size: int,
-                                    padding: bool) -> None:
+def test_write_kv_matches_reference(
+    attn, device: str, block_size: int, head_size: int, padding: bool
+) -> None:
     """Every written slot equals the reference's (exactly); slot -1 (padding) writes nothing."""
     gen = torch.Generator().manual_seed(1)
     num_blocks, kvh, n = 6, 2, 40
@@ -151,8 +164,9 @@ def test_write_kv_matches_reference(attn, device: str, block_size: int, head_siz
     attn.write_kv(key.to(device), value.to(device), cache, slots.to(device))
     got = cache.cpu().transpose(2, 3)
     diff = (got - ref_cache).abs().max().item()
-    torch.testing.assert_close(got, ref_cache, atol=0, rtol=0,
-                               msg=f"cache after write_kv: max abs diff {diff:.3e}")
+    torch.testing.assert_close(
+        got, ref_cache, atol=0, rtol=0, msg=f"cache after write_kv: max abs diff {diff:.3e}"
+    )
 
 
 @ipex_test
@@ -160,13 +174,20 @@ def test_write_kv_matches_reference(attn, device: str, block_size: int, head_siz
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("head_size", [64, 128])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (4, 1)], ids=["mha", "gqa4", "mqa"])
-def test_decode(attn, device: str, block_size: int, head_size: int,
-                heads: tuple[int, int]) -> None:
+def test_decode(attn, device: str, block_size: int, head_size: int, heads: tuple[int, int]) -> None:
     """Ragged contexts: 1 token, exactly one block, one past a block, and > 512 (partitions)."""
     seqs = [(0, 1), (block_size - 1, 1), (block_size, 1), (76, 1), (600, 1)]
-    _run_and_compare(attn, seqs, 0, f"decode d={head_size} bs={block_size} heads={heads}",
-                     block_size=block_size, num_heads=heads[0], num_kv_heads=heads[1],
-                     head_size=head_size, device=device)
+    _run_and_compare(
+        attn,
+        seqs,
+        0,
+        f"decode d={head_size} bs={block_size} heads={heads}",
+        block_size=block_size,
+        num_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_size=head_size,
+        device=device,
+    )
 
 
 @ipex_test
@@ -174,13 +195,22 @@ def test_decode(attn, device: str, block_size: int, head_size: int,
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("head_size", [64, 128])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa4"])
-def test_prefill_without_context(attn, device: str, block_size: int, head_size: int,
-                                 heads: tuple[int, int]) -> None:
+def test_prefill_without_context(
+    attn, device: str, block_size: int, head_size: int, heads: tuple[int, int]
+) -> None:
     """Fresh prompts of ragged lengths, one a single token, one exactly two blocks."""
     seqs = [(0, 23), (0, 1), (0, 2 * block_size), (0, 45)]
-    _run_and_compare(attn, seqs, len(seqs), f"prefill d={head_size} bs={block_size}",
-                     block_size=block_size, num_heads=heads[0], num_kv_heads=heads[1],
-                     head_size=head_size, device=device)
+    _run_and_compare(
+        attn,
+        seqs,
+        len(seqs),
+        f"prefill d={head_size} bs={block_size}",
+        block_size=block_size,
+        num_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_size=head_size,
+        device=device,
+    )
 
 
 @ipex_test
@@ -188,13 +218,22 @@ def test_prefill_without_context(attn, device: str, block_size: int, head_size: 
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("head_size", [64, 128])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (4, 1)], ids=["mha", "gqa4", "mqa"])
-def test_prefill_with_cached_context(attn, device: str, block_size: int, head_size: int,
-                                     heads: tuple[int, int]) -> None:
+def test_prefill_with_cached_context(
+    attn, device: str, block_size: int, head_size: int, heads: tuple[int, int]
+) -> None:
     """Chunked prefill / prefix hits: chunks after full blocks, after a partial block, of 1."""
     seqs = [(block_size, 9), (37, 20), (0, 7), (40, 1), (3, 2 * block_size)]
-    _run_and_compare(attn, seqs, len(seqs), f"prefill+ctx d={head_size} bs={block_size}",
-                     block_size=block_size, num_heads=heads[0], num_kv_heads=heads[1],
-                     head_size=head_size, device=device)
+    _run_and_compare(
+        attn,
+        seqs,
+        len(seqs),
+        f"prefill+ctx d={head_size} bs={block_size}",
+        block_size=block_size,
+        num_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_size=head_size,
+        device=device,
+    )
 
 
 @ipex_test
@@ -206,8 +245,18 @@ def test_mixed_batch_sliding_window(attn, device: str, window: int | None) -> No
     ``window=1`` exercises the prompt-chunk path computed outside IPEX (see attention.py).
     """
     seqs = [(10, 12), (0, 21), (40, 1), (0, 1), (20, 1)]
-    _run_and_compare(attn, seqs, 2, "mixed batch", window=window, block_size=16,
-                     num_heads=8, num_kv_heads=2, head_size=64, device=device)
+    _run_and_compare(
+        attn,
+        seqs,
+        2,
+        "mixed batch",
+        window=window,
+        block_size=16,
+        num_heads=8,
+        num_kv_heads=2,
+        head_size=64,
+        device=device,
+    )
 
 
 @ipex_test
@@ -218,8 +267,18 @@ def test_half_precision(attn, device: str, dtype: torch.dtype) -> None:
     its own order and may round intermediates to the input dtype. Measured: bf16 7.8e-3 and fp16
     2.0e-3 max abs diff at |out| up to ~3, i.e. one ulp of the output."""
     seqs = [(10, 12), (0, 21), (40, 1), (70, 1)]
-    _run_and_compare(attn, seqs, 2, f"mixed batch {dtype}", block_size=16, num_heads=8,
-                     num_kv_heads=2, head_size=128, dtype=dtype, device=device)
+    _run_and_compare(
+        attn,
+        seqs,
+        2,
+        f"mixed batch {dtype}",
+        block_size=16,
+        num_heads=8,
+        num_kv_heads=2,
+        head_size=128,
+        dtype=dtype,
+        device=device,
+    )
 
 
 @ipex_test
@@ -228,12 +287,15 @@ def test_copy_and_swap_through_cache_engine(attn, device: str) -> None:
     """CacheEngine.copy / swap_out / swap_in move whole blocks; attention reads them back."""
     bs, kvh, d = 16, 2, 64
     seqs = [(0, 1), (40, 1)]
-    spec = CacheSpec(num_layers=2, num_kv_heads=kvh, head_size=d, block_size=bs,
-                     dtype=torch.float32)
-    engine = CacheEngine(spec, attn, device=torch.device(device), num_device_blocks=8,
-                         num_host_blocks=4)
-    cache, _, meta, query = _batch(attn, seqs, 0, block_size=bs, num_heads=4, num_kv_heads=kvh,
-                                   head_size=d, device=device)
+    spec = CacheSpec(
+        num_layers=2, num_kv_heads=kvh, head_size=d, block_size=bs, dtype=torch.float32
+    )
+    engine = CacheEngine(
+        spec, attn, device=torch.device(device), num_device_blocks=8, num_host_blocks=4
+    )
+    cache, _, meta, query = _batch(
+        attn, seqs, 0, block_size=bs, num_heads=4, num_kv_heads=kvh, head_size=d, device=device
+    )
     assert cache.shape[1] <= 8
     for layer in engine.kv_caches:
         layer.zero_()
@@ -260,8 +322,9 @@ def test_copy_and_swap_through_cache_engine(attn, device: str) -> None:
 
 @ipex_test
 def test_rejects_bad_inputs(attn) -> None:
-    cache, _, meta, query = _batch(attn, [(3, 1)], 0, block_size=16, num_heads=4,
-                                   num_kv_heads=2, head_size=64)
+    cache, _, meta, query = _batch(
+        attn, [(3, 1)], 0, block_size=16, num_heads=4, num_kv_heads=2, head_size=64
+    )
     with pytest.raises(ValueError, match="KV cache must be"):
         attn.forward(query, cache[0], meta, SCALE)
     with pytest.raises(ValueError, match="head_size"):
@@ -361,8 +424,9 @@ def test_memory_queries_use_torch_xpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.xpu, "mem_get_info", lambda d=None: (10 << 30, 64 << 30))
     monkeypatch.setattr(torch.xpu, "get_device_properties", lambda d=None: Props())
     monkeypatch.setattr(torch.xpu, "synchronize", noop)
-    monkeypatch.setattr(torch.xpu, "reset_peak_memory_stats",
-                        lambda d=None: state.update(peak=state["allocated"]))
+    monkeypatch.setattr(
+        torch.xpu, "reset_peak_memory_stats", lambda d=None: state.update(peak=state["allocated"])
+    )
     monkeypatch.setattr(torch.xpu, "memory_allocated", lambda d=None: state["allocated"])
     monkeypatch.setattr(torch.xpu, "max_memory_allocated", lambda d=None: state["peak"])
     b = XpuBackend()

@@ -88,3 +88,32 @@ def test_triton_engine_matches_transformers(
     assert stats["num_free_device_blocks"] == stats["num_device_blocks"], stats
     if engine_kwargs.get("enable_prefix_caching"):
         assert stats["prefix_cache_hits"] > 0, stats
+
+
+def test_kv_cache_dtype_accepted_or_refused(llama_path: Path) -> None:
+    """The cache may hold the compute dtype (named or "auto"); fp8 is refused at construction."""
+    engine = Engine(
+        str(llama_path),
+        device="cpu",
+        dtype="float16",
+        kv_cache_dtype="float16",
+        attention_backend="triton",
+        num_kv_blocks=32,
+        max_model_len=64,
+        max_num_seqs=2,
+        max_num_batched_tokens=64,
+    )
+    assert engine.executor.worker.cache_engine.kv_caches[0].dtype == torch.float16
+    out = engine.generate(
+        PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False
+    )
+    assert len(out[0].outputs[0].token_ids) == 2
+    for bad in ("fp8", "fp8_e5m2", "bfloat16"):
+        with pytest.raises(ValueError, match=r"^kv_cache_dtype: .*supports \['auto', 'float16'"):
+            Engine(
+                str(llama_path),
+                device="cpu",
+                dtype="float16",
+                kv_cache_dtype=bad,
+                attention_backend="triton",
+            )

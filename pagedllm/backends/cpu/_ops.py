@@ -28,7 +28,9 @@ import importlib.util
 import logging
 import platform
 import shutil
+import subprocess
 import sys
+import sysconfig
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -229,9 +231,53 @@ def _load(
     return module
 
 
+def compile_objects(
+    isa: str,
+    out_dir: Path,
+    sources: Sequence[str],
+    *,
+    module_name: str = "pagedllm_compile_check",
+) -> list[Path]:
+    """Compile ``csrc/<sources>`` to object files for any ISA level, never linking or loading.
+
+    The check that keeps code for processors this machine lacks (AVX-512 on an AVX2 host) from
+    rotting: the compiler accepts every level's flags whatever the host runs. Same flags and
+    include paths as :func:`load_extension`'s build; raises ``RuntimeError`` with the compiler's
+    output on failure.
+    """
+    from torch.utils.cpp_extension import include_paths
+
+    if isa not in _LEVELS:
+        raise ValueError(f"isa: unknown ISA level {isa!r}; choose one of {list(_LEVELS)}")
+    _check_toolchain()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    base = [
+        "c++",
+        "-c",
+        "-std=c++20",
+        "-fPIC",
+        *compile_flags(isa),
+        f"-DTORCH_EXTENSION_NAME={module_name}",
+        "-DTORCH_API_INCLUDE_EXTENSION_H",
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        *(f"-I{p}" for p in (*include_paths(), sysconfig.get_paths()["include"])),
+    ]
+    objects = []
+    for src in sources:
+        obj = out_dir / f"{Path(src).stem}.{isa}.o"
+        proc = subprocess.run(
+            [*base, str(_CSRC / src), "-o", str(obj)], capture_output=True, text=True
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"compiling {src} for {isa} failed:\n{proc.stderr[-4000:]}")
+        objects.append(obj)
+    return objects
+
+
 ATTENTION_EXTENSION = "pagedllm_cpu_ops"
 _ATTENTION_SOURCES = ("attention.cpp", "cache_ops.cpp", "bindings.cpp")
-_ATTENTION_HEADERS = ("attention.h", "vec.h")
+_ATTENTION_HEADERS = ("attention.h", "convert.h", "vec.h")
 
 
 def load_ops(build_root: Path | None = None, *, isa: str | None = None) -> ModuleType:

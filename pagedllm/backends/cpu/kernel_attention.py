@@ -7,12 +7,14 @@ panel, so the kernel streams each block in a single run and every token row is a
 vector load. ``kv_cache.transpose(2, 3)`` is the reference layout as a view, which is how the
 tests feed the same cache to the oracle and how the PyTorch fallback reads it.
 
-The kernels (``csrc/``) run float32 on CPU tensors; they handle any head size (vector bodies plus
-a scalar tail), any block size, GQA/MQA and sliding windows, and one call serves a whole mixed
-batch: prompt chunks with or without cached context and single-token decodes alike, with an online
-softmax so no score buffer grows with the context. Anything else (another dtype, a non-CPU
-tensor) goes to :class:`TorchPagedAttention` on the transposed view, so the engine never needs to
-know which path ran.
+The kernels (``csrc/``) take queries in float32, bfloat16 or float16 (the model's compute dtype;
+the output has it too) over a cache in any of those or fp8 e4m3/e5m2 (``kv_cache_dtype``),
+computing in float32. They handle any head size (vector bodies plus a scalar tail), any block
+size, GQA/MQA and sliding windows, and one call serves a whole mixed batch: prompt chunks with or
+without cached context and single-token decodes alike, with an online softmax so no score buffer
+grows with the context. Anything else (a non-CPU tensor, a strided cache) goes to
+:class:`TorchPagedAttention` on the transposed view, so the engine never needs to know which path
+ran. The build is the one of :func:`resolve_isa`'s level; :attr:`CppPagedAttention.isa` names it.
 """
 
 from __future__ import annotations
@@ -21,16 +23,28 @@ from pathlib import Path
 
 import torch
 
-from pagedllm.backends.base import AttentionBackend, AttentionMetadata
+from pagedllm.backends.base import FP8_DTYPES, AttentionBackend, AttentionMetadata
 from pagedllm.backends.cpu._ops import load_ops, resolve_isa
 from pagedllm.backends.cpu.attention import TorchPagedAttention
+from pagedllm.backends.reference import ReferenceAttention
+
+_COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_CACHE_DTYPES = (*_COMPUTE_DTYPES, *FP8_DTYPES)
 
 
-def _kernel_ok(*tensors: torch.Tensor) -> bool:
-    """Whether the C++ kernels accept these tensors (float32, CPU, unit inner stride)."""
-    return all(
-        t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1 for t in tensors
+def _kernel_ok(tokens: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether the C++ kernels take these tensors (CPU, their dtypes, unit inner stride)."""
+    return (
+        tokens.dtype in _COMPUTE_DTYPES
+        and kv_cache.dtype in _CACHE_DTYPES
+        and all(t.device.type == "cpu" and t.stride(-1) == 1 for t in (tokens, kv_cache))
+        and kv_cache.is_contiguous()
     )
+
+
+def _scales(kv_cache: torch.Tensor, k_scale: float, v_scale: float) -> tuple[float, float]:
+    """fp8 caches use the layer's scales; other dtypes store values as they are."""
+    return (float(k_scale), float(v_scale)) if kv_cache.dtype in FP8_DTYPES else (1.0, 1.0)
 
 
 class CppPagedAttention(AttentionBackend):
@@ -41,6 +55,8 @@ class CppPagedAttention(AttentionBackend):
     """
 
     name = "cpp"
+    supported_kv_cache_dtypes = ("float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
+    kv_cache_dtype_follows_compute = False
 
     def __init__(self, *, build_root: Path | None = None, isa: str | None = None) -> None:
         # isa=None: PAGEDLLM_CPU_ISA or the best level this CPU runs; tests force each level.
@@ -53,6 +69,14 @@ class CppPagedAttention(AttentionBackend):
         """True when the loaded build runs the AVX2/FMA code path."""
         return bool(self._ops.built_with_avx2())
 
+    @property
+    def vector_path(self) -> str:
+        """The widest vector code compiled into the loaded build (``avx512bf16`` ... ``scalar``)."""
+        return str(self._ops.built_isa())
+
+    def describe(self) -> str:
+        return f"{self.isa} build, {self.vector_path} vector code"
+
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
     ) -> tuple[int, ...]:
@@ -64,23 +88,31 @@ class CppPagedAttention(AttentionBackend):
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
         kv_cache: torch.Tensor,  # [2, num_blocks, num_kv_heads, block_size, head_size]
         slot_mapping: torch.Tensor,  # [num_tokens] int64
+        *,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> None:
+        ks, vs = _scales(kv_cache, k_scale, v_scale)
         if (
-            _kernel_ok(key, value, kv_cache)
-            and kv_cache.is_contiguous()
+            _kernel_ok(key, kv_cache)
+            and _kernel_ok(value, kv_cache)
+            and key.dtype == value.dtype
             and slot_mapping.device.type == "cpu"
         ):
             self._ops.reshape_and_cache(
-                key, value, kv_cache, slot_mapping.to(torch.int64).contiguous()
+                key, value, kv_cache, slot_mapping.to(torch.int64).contiguous(), ks, vs
             )
             return
-        # Scatter through the reference-layout view; writes land in kv_cache's storage.
-        view = kv_cache.transpose(2, 3)  # [2, num_blocks, block_size, num_kv_heads, head_size]
-        block_size = kv_cache.shape[3]
-        blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
-        offsets = slot_mapping % block_size
-        view[0, blocks, offsets] = key.to(kv_cache.dtype)
-        view[1, blocks, offsets] = value.to(kv_cache.dtype)
+        # The reference's scatter on the reference-layout view; writes land in kv_cache.
+        ReferenceAttention.write_kv(
+            self._fallback,
+            key,
+            value,
+            kv_cache.transpose(2, 3),
+            slot_mapping,
+            k_scale=ks,
+            v_scale=vs,
+        )
 
     def forward(
         self,
@@ -90,10 +122,19 @@ class CppPagedAttention(AttentionBackend):
         scale: float,
         *,
         sliding_window: int | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
-        if not (_kernel_ok(query, kv_cache) and kv_cache.is_contiguous()):
+        ks, vs = _scales(kv_cache, k_scale, v_scale)
+        if not _kernel_ok(query, kv_cache):
             return self._fallback.forward(
-                query, kv_cache.transpose(2, 3), meta, scale, sliding_window=sliding_window
+                query,
+                kv_cache.transpose(2, 3),
+                meta,
+                scale,
+                sliding_window=sliding_window,
+                k_scale=ks,
+                v_scale=vs,
             )
         if meta.num_seqs == 0:
             return torch.empty_like(query)
@@ -105,6 +146,8 @@ class CppPagedAttention(AttentionBackend):
             meta.query_start_loc.to(torch.int32).contiguous(),
             float(scale),
             int(sliding_window or 0),
+            ks,
+            vs,
         )
 
     def copy_blocks(self, kv_caches: list[torch.Tensor], pairs: torch.Tensor) -> None:

@@ -39,6 +39,10 @@ class TritonPagedAttention(AttentionBackend):
     """
 
     name = "triton"
+    # The kernels load K/V in the query's dtype (tl.dot of matching types): a cache in the
+    # compute dtype only; fp8 would need a dequantising load and is refused at construction.
+    supported_kv_cache_dtypes = ("float32", "bfloat16", "float16")
+    kv_cache_dtype_follows_compute = True
     #: Used when no ``partition_size`` is given (the engine constructs the backend without
     #: arguments); engine-level tests set it to engage split-K on short contexts.
     default_partition_size: int | None = None

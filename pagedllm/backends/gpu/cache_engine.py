@@ -33,6 +33,7 @@ class CudaCacheEngine(CacheEngine):
         device: torch.device,
         num_device_blocks: int,
         num_host_blocks: int,
+        fill_value: float | None = None,
     ) -> None:
         on_cuda = device.type == "cuda"
         super().__init__(
@@ -42,6 +43,7 @@ class CudaCacheEngine(CacheEngine):
             num_device_blocks=num_device_blocks,
             num_host_blocks=num_host_blocks,
             pin_host_memory=on_cuda,
+            fill_value=fill_value,
         )
         self._stream: torch.cuda.Stream | None = torch.cuda.Stream(device) if on_cuda else None
 

@@ -77,6 +77,9 @@ class IpexPagedAttention(AttentionBackend):
     """Prompt chunks go to IPEX's varlen flash attention, decodes to its paged decode kernel."""
 
     name = "ipex"
+    # IPEX's ops take the cache in the query's dtype; its fp8 cache path is not wired up here.
+    supported_kv_cache_dtypes = ("float32", "bfloat16", "float16")
+    kv_cache_dtype_follows_compute = True
 
     def __init__(self) -> None:
         self._ops = load_ipex_paged_attention()

@@ -9,15 +9,27 @@
 // per item and reused from L1 by every row. Softmax is online (running max, running sum, rescaled
 // accumulator per row), so no per-sequence score buffer exists however long the context. Decodes
 // are items with a one-token tile, so mixed prefill + decode batches need no special case.
+//
+// Templated over the query/output type QT (float, bfloat16, float16: the model's compute dtype)
+// and the cache type CT (those plus fp8 e4m3/e5m2). Scores, softmax and the accumulator are
+// float32 whatever the types; a non-float cache's K and V panels are widened once per block into
+// the thread's workspace (convert.h) and then read by the float micro-kernels of vec.h. The fp8
+// scales are folded in: k_scale into the pre-scaled query, v_scale into the final normalisation.
+//
+// NaN safety: a row only ever reads keys [0, seq_len) of its own sequence, all written before
+// the call, and keys it may not see get probability 0 by assignment (never by multiplying a
+// score), so whatever bytes a never-written slot holds cannot reach an output.
 #include "attention.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "convert.h"
 #include "vec.h"
 
 namespace pagedllm {
@@ -27,20 +39,22 @@ namespace {
 // times from L1 during prefill, small enough for the accumulators to stay in L1/L2.
 constexpr int kTargetRows = 32;
 
+template <typename QT, typename CT>
 struct Args {
-  const float* q;
+  const QT* q;
   int64_t q_tok_stride, q_head_stride;
-  float* out;
+  QT* out;
   int64_t o_tok_stride, o_head_stride;
-  const float* k_cache;  // cache[0]
-  const float* v_cache;  // cache[1]
-  int64_t block_stride, head_stride;  // in floats: kvh*bs*d and bs*d
+  const CT* k_cache;  // cache[0]
+  const CT* v_cache;  // cache[1]
+  int64_t block_stride, head_stride;  // in elements: kvh*bs*d and bs*d
   const int32_t* block_tables;
   int64_t bt_stride;
   const int32_t* seq_lens;
   const int32_t* query_start_loc;
   int num_heads, num_kv_heads, head_size, block_size;
-  float scale;
+  float scale;     // softmax scale times k_scale
+  float v_scale;   // dequantisation scale of the values (1 unless fp8)
   int sliding_window;  // 0: unlimited
 };
 
@@ -61,7 +75,8 @@ struct Workspace {
   std::vector<float> acc;    // [rows, d] un-normalised output
   std::vector<float> s;      // [rows, bs] scores, then probabilities, of the current block
   std::vector<int32_t> lo, hi;  // [q_len] visible keys [lo, hi) of each query token
-  void resize(int rows, int q_len, int d, int bs) {
+  std::vector<float> kbuf, vbuf;  // [bs, d] the block's K and V panels widened to float
+  void resize(int rows, int q_len, int d, int bs, bool widen) {
     q.resize(static_cast<size_t>(rows) * d);
     m.assign(rows, kNegInf);
     l.assign(rows, 0.f);
@@ -70,6 +85,10 @@ struct Workspace {
     s.resize(static_cast<size_t>(rows) * bs);
     lo.resize(q_len);
     hi.resize(q_len);
+    if (widen) {
+      kbuf.resize(static_cast<size_t>(bs) * d);
+      vbuf.resize(static_cast<size_t>(bs) * d);
+    }
   }
 };
 
@@ -136,7 +155,8 @@ void accumulate_values(Workspace& ws, int rows, const float* v, int n, int d, in
 
 // Copies the tile's query rows (pre-scaled) into the workspace, sets each query token's visible
 // key range [lo, hi) (causal, optionally windowed) and returns the union of those ranges.
-std::pair<int, int> load_rows(const Args& a, const Tile& tile, Workspace& ws) {
+template <typename QT, typename CT>
+std::pair<int, int> load_rows(const Args<QT, CT>& a, const Tile& tile, Workspace& ws) {
   const int group = a.num_heads / a.num_kv_heads;
   const int d = a.head_size;
   const int q0 = a.query_start_loc[tile.seq];
@@ -149,38 +169,51 @@ std::pair<int, int> load_rows(const Args& a, const Tile& tile, Workspace& ws) {
     ws.lo[i] = a.sliding_window > 0 ? std::max(0, pos + 1 - a.sliding_window) : 0;
     kv_begin = std::min(kv_begin, ws.lo[i]);
     kv_end = std::max(kv_end, ws.hi[i]);
-    const float* q_tok = a.q + (q0 + tile.q_begin + i) * a.q_tok_stride;
+    const QT* q_tok = a.q + (q0 + tile.q_begin + i) * a.q_tok_stride;
     for (int g = 0; g < group; ++g) {
-      const float* src = q_tok + (tile.kv_head * group + g) * a.q_head_stride;
+      const QT* src = q_tok + (tile.kv_head * group + g) * a.q_head_stride;
       float* dst = ws.q.data() + static_cast<size_t>(i * group + g) * d;
-      for (int c = 0; c < d; ++c) dst[c] = src[c] * a.scale;
+      for (int c = 0; c < d; ++c) dst[c] = static_cast<float>(src[c]) * a.scale;
     }
   }
   return {kv_begin, kv_end};
 }
 
 // out[token, head] = acc / l for every row of the tile.
-void store_rows(const Args& a, const Tile& tile, const Workspace& ws) {
+template <typename QT, typename CT>
+void store_rows(const Args<QT, CT>& a, const Tile& tile, const Workspace& ws) {
   const int group = a.num_heads / a.num_kv_heads;
   const int d = a.head_size;
   const int q0 = a.query_start_loc[tile.seq];
   for (int i = 0; i < tile.q_len; ++i) {
-    float* o_tok = a.out + (q0 + tile.q_begin + i) * a.o_tok_stride;
+    QT* o_tok = a.out + (q0 + tile.q_begin + i) * a.o_tok_stride;
     for (int g = 0; g < group; ++g) {
       const int r = i * group + g;
-      float* orow = o_tok + (tile.kv_head * group + g) * a.o_head_stride;
-      const float inv = ws.l[r] > 0.f ? 1.f / ws.l[r] : 0.f;
-      const float* acc = ws.acc.data() + static_cast<size_t>(r) * d;
-      for (int c = 0; c < d; ++c) orow[c] = acc[c] * inv;
+      QT* orow = o_tok + (tile.kv_head * group + g) * a.o_head_stride;
+      const float inv = ws.l[r] > 0.f ? a.v_scale / ws.l[r] : 0.f;
+      store_floats(ws.acc.data() + static_cast<size_t>(r) * d, inv, orow, d);
     }
   }
 }
 
-void attend_tile(const Args& a, const Tile& tile, Workspace& ws) {
+// The n rows of a panel starting at src as floats: the cache itself when it holds float32, else
+// widened into buf.
+template <typename CT>
+const float* panel_floats(const CT* src, int64_t n, std::vector<float>& buf) {
+  if constexpr (std::is_same_v<CT, float>) {
+    return src;
+  } else {
+    load_floats(src, buf.data(), n);
+    return buf.data();
+  }
+}
+
+template <typename QT, typename CT>
+void attend_tile(const Args<QT, CT>& a, const Tile& tile, Workspace& ws) {
   const int group = a.num_heads / a.num_kv_heads;
   const int d = a.head_size, bs = a.block_size;
   const int rows = tile.q_len * group;
-  ws.resize(rows, tile.q_len, d, bs);
+  ws.resize(rows, tile.q_len, d, bs, !std::is_same_v<CT, float>);
   const auto [kv_begin, kv_end] = load_rows(a, tile, ws);
 
   const int32_t* table = a.block_tables + tile.seq * a.bt_stride;
@@ -192,7 +225,8 @@ void attend_tile(const Args& a, const Tile& tile, Workspace& ws) {
     const int64_t base = static_cast<int64_t>(table[j]) * a.block_stride + kv_head_off;
     if (j < last_block) {
       const int64_t next = table[j + 1] * a.block_stride + kv_head_off;
-      prefetch.reset(a.k_cache + next, a.v_cache + next, a.head_stride, micro_tiles);
+      prefetch.reset(a.k_cache + next, a.v_cache + next,
+                     a.head_stride * static_cast<int64_t>(sizeof(CT)), micro_tiles);
     } else {
       prefetch.reset(nullptr, nullptr, 0, 0);
     }
@@ -200,19 +234,22 @@ void attend_tile(const Args& a, const Tile& tile, Workspace& ws) {
     const int t0 = j * bs;
     const int ub = std::max(kv_begin, t0) - t0;
     const int n = std::min(kv_end, t0 + bs) - t0 - ub;
-    block_scores(ws, rows, a.k_cache + base + ub * d, n, d, bs, prefetch);
+    const float* k = panel_floats(a.k_cache + base + ub * d, static_cast<int64_t>(n) * d, ws.kbuf);
+    block_scores(ws, rows, k, n, d, bs, prefetch);
     for (int i = 0; i < tile.q_len; ++i) {
       const int tb = std::max(ws.lo[i] - t0 - ub, 0);
       const int te = std::min(ws.hi[i] - t0 - ub, n);
       for (int g = 0; g < group; ++g) softmax_update(ws, i * group + g, tb, te, n, bs);
     }
-    accumulate_values(ws, rows, a.v_cache + base + ub * d, n, d, bs);
+    const float* v = panel_floats(a.v_cache + base + ub * d, static_cast<int64_t>(n) * d, ws.vbuf);
+    accumulate_values(ws, rows, v, n, d, bs);
   }
   store_rows(a, tile, ws);
 }
 
 // Every block id a sequence will read must exist: a bad table would read out of bounds.
-void check_tables(const Args& a, int num_seqs, int64_t num_blocks, int64_t table_width) {
+template <typename A>
+void check_tables(const A& a, int num_seqs, int64_t num_blocks, int64_t table_width) {
   TORCH_CHECK(a.query_start_loc[0] == 0, "paged_attention: query_start_loc must start at 0");
   for (int s = 0; s < num_seqs; ++s) {
     const int q_len = a.query_start_loc[s + 1] - a.query_start_loc[s];
@@ -230,7 +267,8 @@ void check_tables(const Args& a, int num_seqs, int64_t num_blocks, int64_t table
   }
 }
 
-std::vector<Tile> make_tiles(const Args& a, int num_seqs) {
+template <typename A>
+std::vector<Tile> make_tiles(const A& a, int num_seqs) {
   const int group = a.num_heads / a.num_kv_heads;
   const int tile_len = std::max(1, kTargetRows / group);
   std::vector<Tile> tiles;
@@ -252,17 +290,55 @@ std::vector<Tile> make_tiles(const Args& a, int num_seqs) {
   return tiles;
 }
 
+template <typename QT, typename CT>
+void run_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& out,
+                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                   const at::Tensor& query_start_loc, float scale, float v_scale,
+                   int sliding_window) {
+  Args<QT, CT> a;
+  a.q = static_cast<const QT*>(query.data_ptr());
+  a.q_tok_stride = query.stride(0);
+  a.q_head_stride = query.stride(1);
+  a.out = static_cast<QT*>(out.data_ptr());
+  a.o_tok_stride = out.stride(0);
+  a.o_head_stride = out.stride(1);
+  a.k_cache = static_cast<const CT*>(kv_cache.data_ptr());
+  a.v_cache = a.k_cache + kv_cache.stride(0);
+  a.block_stride = kv_cache.stride(1);
+  a.head_stride = kv_cache.stride(2);
+  a.block_tables = block_tables.data_ptr<int32_t>();
+  a.bt_stride = block_tables.stride(0);
+  a.seq_lens = seq_lens.data_ptr<int32_t>();
+  a.query_start_loc = query_start_loc.data_ptr<int32_t>();
+  a.num_heads = static_cast<int>(query.size(1));
+  a.num_kv_heads = static_cast<int>(kv_cache.size(2));
+  a.block_size = static_cast<int>(kv_cache.size(3));
+  a.head_size = static_cast<int>(kv_cache.size(4));
+  a.scale = scale;
+  a.v_scale = v_scale;
+  a.sliding_window = sliding_window;
+  const int num_seqs = static_cast<int>(seq_lens.size(0));
+  check_tables(a, num_seqs, kv_cache.size(1), block_tables.size(1));
+
+  const std::vector<Tile> tiles = make_tiles(a, num_seqs);
+  const int64_t num_tiles = static_cast<int64_t>(tiles.size());
+  const int threads = std::max(1, std::min<int>(at::get_num_threads(), num_tiles));
+#pragma omp parallel num_threads(threads)
+  {
+    Workspace ws;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < num_tiles; ++i) attend_tile(a, tiles[i], ws);
+  }
+}
+
 }  // namespace
 
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
                            const at::Tensor& query_start_loc, double scale,
-                           int64_t sliding_window) {
+                           int64_t sliding_window, double k_scale, double v_scale) {
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu(),
               "paged_attention: CPU tensors only");
-  TORCH_CHECK(query.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat,
-              "paged_attention: float32 only, got ", query.scalar_type(), " and ",
-              kv_cache.scalar_type());
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1,
               "paged_attention: query must be [tokens, heads, head_size] with unit inner stride");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
@@ -283,39 +359,18 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
               "paged_attention: query has ", query.size(0), " tokens, metadata says ",
               query_start_loc.data_ptr<int32_t>()[num_seqs]);
 
+  TORCH_CHECK(k_scale > 0 && v_scale > 0, "paged_attention: k_scale and v_scale must be > 0");
   at::Tensor out = at::empty(query.sizes(), query.options());
-  Args a;
-  a.q = query.data_ptr<float>();
-  a.q_tok_stride = query.stride(0);
-  a.q_head_stride = query.stride(1);
-  a.out = out.data_ptr<float>();
-  a.o_tok_stride = out.stride(0);
-  a.o_head_stride = out.stride(1);
-  a.k_cache = kv_cache.data_ptr<float>();
-  a.v_cache = a.k_cache + kv_cache.stride(0);
-  a.block_stride = kv_cache.stride(1);
-  a.head_stride = kv_cache.stride(2);
-  a.block_tables = block_tables.data_ptr<int32_t>();
-  a.bt_stride = block_tables.stride(0);
-  a.seq_lens = seq_lens.data_ptr<int32_t>();
-  a.query_start_loc = query_start_loc.data_ptr<int32_t>();
-  a.num_heads = static_cast<int>(query.size(1));
-  a.num_kv_heads = static_cast<int>(kv_cache.size(2));
-  a.block_size = static_cast<int>(kv_cache.size(3));
-  a.head_size = static_cast<int>(kv_cache.size(4));
-  a.scale = static_cast<float>(scale);
-  a.sliding_window = sliding_window > 0 ? static_cast<int>(sliding_window) : 0;
-  check_tables(a, num_seqs, kv_cache.size(1), block_tables.size(1));
-
-  const std::vector<Tile> tiles = make_tiles(a, num_seqs);
-  const int64_t num_tiles = static_cast<int64_t>(tiles.size());
-  const int threads = std::max(1, std::min<int>(at::get_num_threads(), num_tiles));
-#pragma omp parallel num_threads(threads)
-  {
-    Workspace ws;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < num_tiles; ++i) attend_tile(a, tiles[i], ws);
-  }
+  const float qk_scale = static_cast<float>(scale * k_scale);
+  const int window = sliding_window > 0 ? static_cast<int>(sliding_window) : 0;
+  dispatch_compute(query.scalar_type(), "paged_attention", [&](auto q_tag) {
+    using QT = decltype(q_tag);
+    dispatch_cache(kv_cache.scalar_type(), "paged_attention", [&](auto c_tag) {
+      using CT = decltype(c_tag);
+      run_attention<QT, CT>(query, kv_cache, out, block_tables, seq_lens, query_start_loc,
+                            qk_scale, static_cast<float>(v_scale), window);
+    });
+  });
   return out;
 }
 

@@ -3,22 +3,25 @@
 
 #include <ATen/ATen.h>
 
+#include <string>
 #include <vector>
 
 namespace pagedllm {
 
 // Causal attention of every query token over its sequence's cached keys/values.
-// query [tokens, heads, head_size] f32; kv_cache [2, blocks, kv_heads, block_size, head_size] f32;
+// query [tokens, heads, head_size] f32/bf16/f16 (the output has its dtype); kv_cache [2, blocks,
+// kv_heads, block_size, head_size] f32/bf16/f16/fp8 (stored K = k / k_scale, V = v / v_scale);
 // block_tables [seqs, width] i32; seq_lens [seqs] i32; query_start_loc [seqs + 1] i32.
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
                            const at::Tensor& query_start_loc, double scale,
-                           int64_t sliding_window);
+                           int64_t sliding_window, double k_scale, double v_scale);
 
-// kv_cache[0/1, slot / bs, :, slot % bs] = key/value[token]; negative slots are skipped.
+// kv_cache[0/1, slot / bs, :, slot % bs] = key/value[token] converted to the cache dtype (fp8:
+// divided by k_scale / v_scale and saturated); negative slots are skipped.
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value,
-                       const at::Tensor& kv_cache,
-                       const at::Tensor& slot_mapping);
+                       const at::Tensor& kv_cache, const at::Tensor& slot_mapping,
+                       double k_scale, double v_scale);
 
 // For every layer cache: cache[:, pairs[i, 1]] = cache[:, pairs[i, 0]].
 void copy_blocks(const std::vector<at::Tensor>& kv_caches, const at::Tensor& pairs);
@@ -28,5 +31,8 @@ void swap_blocks(const at::Tensor& src, const at::Tensor& dst, const at::Tensor&
 
 // True when this build took the AVX2/FMA code path (reported by tests and the benchmark).
 bool built_with_avx2();
+
+// The widest vector path compiled in: "avx512bf16", "avx512", "avx2" or "scalar".
+std::string built_isa();
 
 }  // namespace pagedllm

@@ -11,16 +11,18 @@ using NoGil = py::call_guard<py::gil_scoped_release>;
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "pagedllm CPU paged-attention kernels (float32, AVX2/FMA when built with it)";
+  m.doc() = "pagedllm CPU paged-attention kernels (f32/bf16/f16/fp8 caches; AVX-512/AVX2 per build)";
   m.def("paged_attention", &pagedllm::paged_attention, "causal paged attention, flat batch",
         NoGil(), py::arg("query"), py::arg("kv_cache"), py::arg("block_tables"),
         py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("scale"),
-        py::arg("sliding_window"));
+        py::arg("sliding_window"), py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0);
   m.def("reshape_and_cache", &pagedllm::reshape_and_cache, "write new K/V at their slots",
-        NoGil(), py::arg("key"), py::arg("value"), py::arg("kv_cache"), py::arg("slot_mapping"));
+        NoGil(), py::arg("key"), py::arg("value"), py::arg("kv_cache"), py::arg("slot_mapping"),
+        py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0);
   m.def("copy_blocks", &pagedllm::copy_blocks, "copy-on-write of blocks in every layer",
         NoGil(), py::arg("kv_caches"), py::arg("pairs"));
   m.def("swap_blocks", &pagedllm::swap_blocks, "move blocks between two pools of one layer",
         NoGil(), py::arg("src"), py::arg("dst"), py::arg("pairs"));
   m.def("built_with_avx2", &pagedllm::built_with_avx2, "whether the AVX2/FMA path was compiled");
+  m.def("built_isa", &pagedllm::built_isa, "the widest vector path compiled in");
 }

@@ -1,16 +1,20 @@
 // KV-cache writes and block moves for the CPU backend.
 //
 // reshape_and_cache scatters the step's new keys/values into their slots (layout
-// [2, blocks, kv_heads, block_size, head_size]); copy_blocks and swap_blocks move whole blocks with
-// memcpy, dtype-agnostic, in parallel over (layer, pair, K/V). Every index is checked before the
+// [2, blocks, kv_heads, block_size, head_size]), converting from the compute dtype to the cache's
+// (fp8: divided by the layer's scale and saturated); copy_blocks and swap_blocks move whole
+// blocks with memcpy, which serves every cache dtype, in parallel over (layer, pair, K/V). Every index is checked before the
 // parallel region, where throwing is not allowed.
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cstring>
+#include <string>
+#include <type_traits>
 
 #include "attention.h"
+#include "convert.h"
 #include "vec.h"
 
 namespace pagedllm {
@@ -35,13 +39,54 @@ void check_cache(const at::Tensor& cache, const char* op) {
               op, ": a cache must be a contiguous CPU tensor whose dim 0 is 2 (K, V)");
 }
 
+// Shapes and strides (in elements) of one reshape_and_cache call.
+struct Scatter {
+  const int64_t* slots;
+  int64_t num_tokens, kvh, bs, d;
+  int64_t c_half, c_block, c_head;  // cache strides: K->V, block, kv head
+  int64_t k_tok, k_head, v_tok, v_head;
+};
+
+// One token row: a memcpy when the types agree (fp8 excepted: it always scales), else narrowing
+// element by element with round-to-nearest-even.
+template <typename IT, typename CT>
+inline void put_row(const IT* src, CT* dst, int64_t d, float scale) {
+  if constexpr (std::is_same_v<IT, CT>) {
+    std::memcpy(dst, src, static_cast<size_t>(d) * sizeof(CT));
+  } else {
+    for (int64_t c = 0; c < d; ++c) dst[c] = narrow<CT>(static_cast<float>(src[c]), scale);
+  }
+}
+
+template <typename IT, typename CT>
+void scatter(const Scatter& s, const IT* key, const IT* value, CT* cache, float k_scale,
+             float v_scale) {
+  // ~16 KiB of copying per task before threads pay off.
+  const int64_t row_bytes = s.d * static_cast<int64_t>(sizeof(CT));
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, 2 * s.kvh * row_bytes));
+  at::parallel_for(0, s.num_tokens, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = s.slots[t];
+      if (slot < 0) continue;  // padding token
+      const int64_t dst0 = (slot / s.bs) * s.c_block + (slot % s.bs) * s.d;
+      for (int64_t h = 0; h < s.kvh; ++h) {
+        CT* k_dst = cache + dst0 + h * s.c_head;
+        put_row(key + t * s.k_tok + h * s.k_head, k_dst, s.d, k_scale);
+        put_row(value + t * s.v_tok + h * s.v_head, k_dst + s.c_half, s.d, v_scale);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 bool built_with_avx2() { return compiled_with_avx2(); }
 
+std::string built_isa() { return compiled_isa(); }
+
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value,
-                       const at::Tensor& kv_cache,
-                       const at::Tensor& slot_mapping) {
+                       const at::Tensor& kv_cache, const at::Tensor& slot_mapping,
+                       double k_scale, double v_scale) {
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
                   kv_cache.device().is_cpu(),
               "reshape_and_cache: kv_cache must be a contiguous CPU [2, blocks, kv_heads, "
@@ -50,42 +95,32 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value,
   const int64_t bs = kv_cache.size(3), d = kv_cache.size(4);
   for (const at::Tensor* t : {&key, &value}) {
     TORCH_CHECK(t->dim() == 3 && t->size(1) == kvh && t->size(2) == d && t->stride(2) == 1 &&
-                    t->scalar_type() == kv_cache.scalar_type() && t->device().is_cpu(),
-                "reshape_and_cache: key/value must be [tokens, ", kvh, ", ", d, "] ",
-                kv_cache.scalar_type(), " with unit inner stride");
+                    t->scalar_type() == key.scalar_type() && t->device().is_cpu(),
+                "reshape_and_cache: key/value must be [tokens, ", kvh, ", ", d,
+                "] of one dtype with unit inner stride");
   }
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
                   slot_mapping.is_contiguous() && slot_mapping.size(0) == key.size(0) &&
                   value.size(0) == key.size(0),
               "reshape_and_cache: slot_mapping must be int64 [tokens]");
+  TORCH_CHECK(k_scale > 0 && v_scale > 0, "reshape_and_cache: k_scale and v_scale must be > 0");
   const int64_t num_tokens = key.size(0);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < num_tokens; ++t) {
     TORCH_CHECK(slots[t] < num_blocks * bs, "reshape_and_cache: slot ", slots[t],
                 " is outside the cache (", num_blocks * bs, " slots)");
   }
-  const size_t elem = kv_cache.element_size();
-  const size_t row_bytes = d * elem;
-  char* k_base = static_cast<char*>(kv_cache.data_ptr());
-  char* v_base = k_base + kv_cache.stride(0) * elem;
-  const char* k_src = static_cast<const char*>(key.data_ptr());
-  const char* v_src = static_cast<const char*>(value.data_ptr());
-  const int64_t ks0 = key.stride(0), ks1 = key.stride(1);
-  const int64_t vs0 = value.stride(0), vs1 = value.stride(1);
-  const int64_t blk_stride = kv_cache.stride(1), head_stride = kv_cache.stride(2);
-  // ~16 KiB of copying per task before threads pay off.
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, 2 * kvh * row_bytes));
-  at::parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t slot = slots[t];
-      if (slot < 0) continue;  // padding token
-      const int64_t dst0 = (slot / bs) * blk_stride + (slot % bs) * d;
-      for (int64_t h = 0; h < kvh; ++h) {
-        const int64_t dst = (dst0 + h * head_stride) * elem;
-        std::memcpy(k_base + dst, k_src + (t * ks0 + h * ks1) * elem, row_bytes);
-        std::memcpy(v_base + dst, v_src + (t * vs0 + h * vs1) * elem, row_bytes);
-      }
-    }
+  Scatter s{slots, num_tokens, kvh, bs, d, kv_cache.stride(0), kv_cache.stride(1),
+            kv_cache.stride(2), key.stride(0), key.stride(1), value.stride(0), value.stride(1)};
+  dispatch_compute(key.scalar_type(), "reshape_and_cache", [&](auto i_tag) {
+    using IT = decltype(i_tag);
+    dispatch_cache(kv_cache.scalar_type(), "reshape_and_cache", [&](auto c_tag) {
+      using CT = decltype(c_tag);
+      scatter<IT, CT>(s, static_cast<const IT*>(key.data_ptr()),
+                      static_cast<const IT*>(value.data_ptr()),
+                      static_cast<CT*>(kv_cache.data_ptr()), static_cast<float>(k_scale),
+                      static_cast<float>(v_scale));
+    });
   });
 }
 

@@ -1,9 +1,11 @@
 // Small float32 vector helpers for the CPU paged-attention kernels.
 //
 // Every helper has an AVX2/FMA body and a portable scalar body, chosen at compile time, so the
-// extension still builds (and stays correct, only slower) on a machine without AVX2. Lengths are
-// arbitrary: the AVX2 bodies run 32- then 8-float steps and finish with a scalar tail, which is
-// why any head size works, not only multiples of 8.
+// extension still builds (and stays correct, only slower) on a machine without AVX2; the long
+// loops (dot products, exp, value accumulation) also have a 16-wide AVX-512 body, compiled when
+// the ISA level's flags define __AVX512F__. Lengths are arbitrary: the vector bodies run 16/32-
+// then 8-float steps and finish with a scalar tail, so any head size works, not only multiples
+// of 8.
 #pragma once
 
 #include <cmath>
@@ -15,6 +17,19 @@
 #define PAGEDLLM_AVX2 1
 #else
 #define PAGEDLLM_AVX2 0
+#endif
+
+// The AVX-512 bodies sit on top of the AVX2 ones (an AVX-512 level always has AVX2 too).
+#if PAGEDLLM_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__)
+#define PAGEDLLM_AVX512 1
+#else
+#define PAGEDLLM_AVX512 0
+#endif
+
+#if PAGEDLLM_AVX512 && defined(__AVX512BF16__)
+#define PAGEDLLM_AVX512BF16 1
+#else
+#define PAGEDLLM_AVX512BF16 0
 #endif
 
 namespace pagedllm {
@@ -64,10 +79,44 @@ inline __m256 exp8(__m256 x) {
 
 #endif  // PAGEDLLM_AVX2
 
+#if PAGEDLLM_AVX512
+// exp8's algorithm on 16 lanes (same polynomial, same underflow-to-zero rule).
+inline __m512 exp16(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.3f);
+  const __m512 hi = _mm512_set1_ps(88.3f);
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(bits));
+}
+#endif  // PAGEDLLM_AVX512
+
 // sum_i a[i] * b[i]
 inline float dot(const float* a, const float* b, int n) {
   int i = 0;
   float tail = 0.f;
+#if PAGEDLLM_AVX512
+  if (n >= 32) {
+    __m512 w0 = _mm512_setzero_ps(), w1 = _mm512_setzero_ps();
+    for (; i + 32 <= n; i += 32) {
+      w0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), w0);
+      w1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), w1);
+    }
+    tail = _mm512_reduce_add_ps(_mm512_add_ps(w0, w1));
+  }
+#endif
 #if PAGEDLLM_AVX2
   __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
   __m256 s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
@@ -80,7 +129,7 @@ inline float dot(const float* a, const float* b, int n) {
   for (; i + 8 <= n; i += 8) {
     s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
   }
-  tail = hsum8(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+  tail += hsum8(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
 #endif
   for (; i < n; ++i) tail += a[i] * b[i];
   return tail;
@@ -104,6 +153,18 @@ inline float max_of(const float* x, int n) {
 inline float exp_shift_sum(float* x, int n, float shift) {
   int i = 0;
   float sum = 0.f;
+#if PAGEDLLM_AVX512
+  {
+    const __m512 sh = _mm512_set1_ps(shift);
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), sh));
+      _mm512_storeu_ps(x + i, e);
+      acc = _mm512_add_ps(acc, e);
+    }
+    sum = _mm512_reduce_add_ps(acc);
+  }
+#endif
 #if PAGEDLLM_AVX2
   const __m256 sh = _mm256_set1_ps(shift);
   __m256 acc = _mm256_setzero_ps();
@@ -112,7 +173,7 @@ inline float exp_shift_sum(float* x, int n, float shift) {
     _mm256_storeu_ps(x + i, e);
     acc = _mm256_add_ps(acc, e);
   }
-  sum = hsum8(acc);
+  sum += hsum8(acc);
 #endif
   for (; i < n; ++i) {
     x[i] = std::exp(x[i] - shift);
@@ -126,6 +187,23 @@ inline float exp_shift_sum(float* x, int n, float shift) {
 inline void scale_accumulate(float* acc, float alpha, const float* p, const float* v,
                              int num_tokens, int64_t v_stride, int n) {
   int c = 0;
+#if PAGEDLLM_AVX512
+  {
+    const __m512 al = _mm512_set1_ps(alpha);
+    for (; c + 32 <= n; c += 32) {
+      __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(acc + c), al);
+      __m512 a1 = _mm512_mul_ps(_mm512_loadu_ps(acc + c + 16), al);
+      for (int t = 0; t < num_tokens; ++t) {
+        const __m512 pt = _mm512_set1_ps(p[t]);
+        const float* vr = v + t * v_stride + c;
+        a0 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vr), a0);
+        a1 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vr + 16), a1);
+      }
+      _mm512_storeu_ps(acc + c, a0);
+      _mm512_storeu_ps(acc + c + 16, a1);
+    }
+  }
+#endif
 #if PAGEDLLM_AVX2
   const __m256 al = _mm256_set1_ps(alpha);
   for (; c + 32 <= n; c += 32) {
@@ -242,6 +320,30 @@ inline void scale_accumulate2(float* acc0, float* acc1, float alpha0, float alph
                               const float* p0, const float* p1, const float* v, int num_tokens,
                               int64_t v_stride, int n) {
   int c = 0;
+#if PAGEDLLM_AVX512
+  {
+    const __m512 al0 = _mm512_set1_ps(alpha0), al1 = _mm512_set1_ps(alpha1);
+    for (; c + 32 <= n; c += 32) {
+      __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(acc0 + c), al0);
+      __m512 x1 = _mm512_mul_ps(_mm512_loadu_ps(acc0 + c + 16), al0);
+      __m512 y0 = _mm512_mul_ps(_mm512_loadu_ps(acc1 + c), al1);
+      __m512 y1 = _mm512_mul_ps(_mm512_loadu_ps(acc1 + c + 16), al1);
+      for (int t = 0; t < num_tokens; ++t) {
+        const __m512 w0 = _mm512_set1_ps(p0[t]), w1 = _mm512_set1_ps(p1[t]);
+        const __m512 v0 = _mm512_loadu_ps(v + t * v_stride + c);
+        const __m512 v1 = _mm512_loadu_ps(v + t * v_stride + c + 16);
+        x0 = _mm512_fmadd_ps(w0, v0, x0);
+        x1 = _mm512_fmadd_ps(w0, v1, x1);
+        y0 = _mm512_fmadd_ps(w1, v0, y0);
+        y1 = _mm512_fmadd_ps(w1, v1, y1);
+      }
+      _mm512_storeu_ps(acc0 + c, x0);
+      _mm512_storeu_ps(acc0 + c + 16, x1);
+      _mm512_storeu_ps(acc1 + c, y0);
+      _mm512_storeu_ps(acc1 + c + 16, y1);
+    }
+  }
+#endif
 #if PAGEDLLM_AVX2
   const __m256 al0 = _mm256_set1_ps(alpha0), al1 = _mm256_set1_ps(alpha1);
   for (; c + 16 <= n; c += 16) {
@@ -277,10 +379,10 @@ inline void scale_accumulate2(float* acc0, float* acc1, float alpha0, float alph
 class PanelPrefetcher {
  public:
   // k, v: the next panels (nullptr: nothing to fetch); calls: how many step() calls will follow.
-  void reset(const float* k, const float* v, int64_t panel_floats, int64_t calls) {
-    k_ = reinterpret_cast<const char*>(k);
-    v_ = reinterpret_cast<const char*>(v);
-    lines_ = k ? panel_floats * static_cast<int64_t>(sizeof(float)) / 64 : 0;
+  void reset(const void* k, const void* v, int64_t panel_bytes, int64_t calls) {
+    k_ = static_cast<const char*>(k);
+    v_ = static_cast<const char*>(v);
+    lines_ = k ? panel_bytes / 64 : 0;
     done_ = 0;
     per_call_ = calls > 0 ? (2 * lines_ + calls - 1) / calls : 2 * lines_;
   }
@@ -301,5 +403,18 @@ class PanelPrefetcher {
 };
 
 inline bool compiled_with_avx2() { return PAGEDLLM_AVX2 != 0; }
+
+// The widest vector path of this build: "avx512bf16", "avx512", "avx2" or "scalar".
+inline const char* compiled_isa() {
+#if PAGEDLLM_AVX512BF16
+  return "avx512bf16";
+#elif PAGEDLLM_AVX512
+  return "avx512";
+#elif PAGEDLLM_AVX2
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
 
 }  // namespace pagedllm

@@ -1,0 +1,36 @@
+"""The AVX-512 builds of the CPU kernels compile, on any x86 host.
+
+This machine may lack AVX-512, so those paths cannot run here; compiling them (object files only,
+never linked or loaded: a load could execute an instruction the CPU lacks) keeps them from
+rotting. The kernels' sources carry all the ISA-specific code, so the attention and cache-op
+translation units are what is compiled; the bindings have none.
+"""
+
+from __future__ import annotations
+
+import platform
+import shutil
+from pathlib import Path
+
+import pytest
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", ["avx512", "avx512bf16"])
+def test_avx512_variants_compile(isa: str, tmp_path: Path) -> None:
+    if shutil.which("c++") is None or shutil.which("ninja") is None:
+        pytest.skip("no C++ toolchain (c++ and ninja)")
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("x86 ISA levels compile only with an x86 compiler")
+    from pagedllm.backends.cpu._ops import compile_objects
+
+    objects = compile_objects(isa, tmp_path, ("attention.cpp", "cache_ops.cpp"))
+    assert [o.name for o in objects] == [f"attention.{isa}.o", f"cache_ops.{isa}.o"]
+    assert all(o.stat().st_size > 0 for o in objects)
+
+
+def test_compile_objects_rejects_unknown_level(tmp_path: Path) -> None:
+    from pagedllm.backends.cpu._ops import compile_objects
+
+    with pytest.raises(ValueError, match="^isa: "):
+        compile_objects("avx9000", tmp_path, ("attention.cpp",))
