@@ -87,6 +87,11 @@ class Worker:
     def attention_name(self) -> str:
         return self.attention.name
 
+    def linear_path(self) -> str:
+        """Which GEMM each kind of linear layer got (the backend's choice), for logs and JSON."""
+        model = self.runner.model if self.runner is not None else None
+        return str(getattr(model, "linear_path", "") or "F.linear")
+
     def cache_spec(self) -> CacheSpec:
         cfg = self.hf_config
         num_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
