@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +43,19 @@ def config_dtype(hf_config: Any) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
 
-def resolve_dtype(requested: str, hf_config: Any, default: torch.dtype | None) -> torch.dtype:
-    if requested != "auto":
-        return _DTYPES[requested]
-    return default or config_dtype(hf_config)
+def resolve_dtype(
+    requested: str,
+    hf_config: Any,
+    default: Callable[[torch.dtype], torch.dtype] | None = None,
+) -> torch.dtype:
+    """An explicit ``dtype`` is honoured; "auto" asks the backend (``default``) what to make of
+    the checkpoint's dtype, or takes the checkpoint's dtype when there is no backend rule."""
+    if requested == "auto":
+        stored = config_dtype(hf_config)
+        return default(stored) if default is not None else stored
+    if requested not in _DTYPES:
+        raise ValueError(f"dtype: {requested!r} is not one of {['auto', *_DTYPES]}")
+    return _DTYPES[requested]
 
 
 def max_model_len_of(hf_config: Any) -> int:
