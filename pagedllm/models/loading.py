@@ -145,6 +145,11 @@ def _reads_slices(loader: Any) -> bool:
     )
 
 
+def _copies(loader: Any) -> bool:
+    """Whether a weight loader only copies (slices of) its tensor into the parameter."""
+    return loader is None or loader is default_weight_loader or _reads_slices(loader)
+
+
 def _adopt(param: nn.Parameter, loader: Any, tensor: torch.Tensor, shard: int | None) -> bool:
     """Make a freshly read tensor the parameter's storage when loading would copy it whole.
 
@@ -154,7 +159,7 @@ def _adopt(param: nn.Parameter, loader: Any, tensor: torch.Tensor, shard: int | 
     """
     if shard not in (None, 0) or param.shape != tensor.shape or param.device != tensor.device:
         return False
-    if not (loader is None or loader is default_weight_loader or _reads_slices(loader)):
+    if not _copies(loader):
         return False
     owner = getattr(loader, "__self__", None)
     tp = getattr(owner, "tp", None)
@@ -194,10 +199,12 @@ def load_mapped_weights(
         if isinstance(tensor, LazyTensor) and not _reads_slices(loader):
             tensor = tensor.materialize()
         if not isinstance(tensor, LazyTensor):
-            tensor = tensor.to(param.dtype)
             if _adopt(param, loader, tensor, shard):
                 loaded.add(name)
                 continue
+            if not _copies(loader):
+                # Known loaders convert while copying (no second whole-tensor buffer).
+                tensor = tensor.to(param.dtype)
         try:
             if shard is not None:
                 loader(param, tensor, shard)  # type: ignore[misc]
