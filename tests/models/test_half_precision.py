@@ -247,3 +247,34 @@ def test_prefix_caching_and_chunked_prefill(half_refs: Any, dtype: str) -> None:
         check_outputs(outs, refs, dtype, f"prefix+chunked/{dtype}/{attempt}")
     stats = engine.get_stats()
     assert stats["prefix_cache_hits"] > 0 and stats["chunked_prefill_steps"] > 0, stats
+
+
+@pytest.fixture(scope="module")
+def bf16_llama(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny llama saved in bfloat16: the same weights transformers uses in bfloat16."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp("bf16_llama")
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_models["llama"]), dtype=torch.bfloat16)
+    model.save_pretrained(str(folder))
+    return folder
+
+
+def test_tensor_parallel_reads_bf16_slices(half_refs: Any, bf16_llama: Path) -> None:
+    """Two ranks read their slices of a bfloat16 checkpoint lazily and decode as transformers."""
+    _, ids, refs = half_refs("llama", "bfloat16")
+    engine = Engine(
+        str(bf16_llama),
+        device="cpu",
+        dtype="bfloat16",
+        tensor_parallel_size=2,
+        block_size=8,
+        num_kv_blocks=96,
+        skip_tokenizer_init=True,
+    )
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=3)
+        outs = engine.generate([{"prompt_token_ids": i} for i in ids], params, use_tqdm=False)
+    finally:
+        engine.shutdown()
+    check_outputs(outs, refs, "bfloat16", "tp2/bfloat16")
