@@ -10,7 +10,8 @@ PY="$VENV/bin/python"
     -r ci/requirements-ray.txt
 "$PY" -m pytest -q -p no:cacheprovider -m "not gpu and not xpu" tests "$@"
 for bench in benchmarks/throughput.py benchmarks/attention_cpu.py benchmarks/engine_overhead.py \
-             benchmarks/prefix_caching.py benchmarks/chunked_prefill.py benchmarks/serving.py; do
+             benchmarks/prefix_caching.py benchmarks/chunked_prefill.py benchmarks/serving.py \
+             benchmarks/loading.py; do
     if [ -f "$bench" ]; then
         "$PY" "$bench" --smoke > /dev/null
         echo "benchmark smoke run ok: $bench"
