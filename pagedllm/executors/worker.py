@@ -14,7 +14,7 @@ from pagedllm.core.interfaces import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executors.model_runner import ModelRunner
 from pagedllm.layers.parallel import SINGLE, TPContext
 from pagedllm.models.llama import head_size_of
-from pagedllm.models.loader import config_dtype, load_model, resolve_dtype
+from pagedllm.models.loader import load_model, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -36,9 +36,7 @@ class Worker:
         self.backend = get_backend(config.device)
         self.device = self.backend.device(rank)
         self.attention = self.backend.attention(config.model.attention_backend)
-        self.dtype = resolve_dtype(
-            config.model.dtype, hf_config, self.backend.default_dtype(config_dtype(hf_config))
-        )
+        self.dtype = resolve_dtype(config.model.dtype, hf_config, self.backend.default_dtype)
         # ValueError here, at engine construction, when the backend cannot read the choice.
         self.kv_cache_dtype = self.attention.resolve_kv_cache_dtype(
             config.cache.kv_cache_dtype, self.dtype

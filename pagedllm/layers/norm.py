@@ -1,4 +1,5 @@
-"""Normalisation layers, written to round exactly as Hugging Face's do in float32."""
+"""Normalisation layers, written to round exactly as Hugging Face's do: statistics in float32,
+the result rounded to the activations' dtype (bfloat16/float16 too) where transformers rounds."""
 
 from __future__ import annotations
 

@@ -43,10 +43,13 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_size = head_size
         self.rotary_dim = rotary_dim
-        inv_freq, scaling = inverse_frequencies(config, rotary_dim)
-        t = torch.arange(max_position, dtype=torch.int64).float()
-        freqs = t[:, None] * inv_freq[None, :]  # [max_position, rotary_dim / 2]
-        emb = torch.cat((freqs, freqs), dim=-1)
+        # The tables are computed, not loaded: build them in float32 on the CPU even while the
+        # model is being constructed on the meta device (the loader moves them to the device).
+        with torch.device("cpu"):
+            inv_freq, scaling = inverse_frequencies(config, rotary_dim)
+            t = torch.arange(max_position, dtype=torch.int64).float()
+            freqs = t[:, None] * inv_freq[None, :]  # [max_position, rotary_dim / 2]
+            emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 

@@ -42,14 +42,13 @@ class GemmaForCausalLM(LlamaForCausalLM):
         max_position: int | None = None,
     ) -> None:
         super().__init__(config, attn_backend=attn_backend, tp=tp, max_position=max_position)
-        # A buffer, so that moving the model to bfloat16 rounds it exactly as transformers does.
-        self.register_buffer(
-            "normalizer", torch.tensor(config.hidden_size**0.5), persistent=False
-        )
+        # A plain float, rounded to the activations' dtype at use by the same call transformers
+        # makes (a buffer would be built on the meta device along with the parameters).
+        self.normalizer = config.hidden_size**0.5
 
     def make_act(self, config: Any) -> nn.Module:
         return GeluAndMul(gemma_activation(config))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        return hidden * self.normalizer.to(hidden.dtype)
+        return hidden * torch.tensor(self.normalizer, dtype=hidden.dtype, device=hidden.device)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,10 +48,19 @@ def config_dtype(hf_config: Any) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
 
-def resolve_dtype(requested: str, hf_config: Any, default: torch.dtype | None) -> torch.dtype:
-    if requested != "auto":
-        return _DTYPES[requested]
-    return default or config_dtype(hf_config)
+def resolve_dtype(
+    requested: str,
+    hf_config: Any,
+    default: Callable[[torch.dtype], torch.dtype] | None = None,
+) -> torch.dtype:
+    """An explicit ``dtype`` is honoured; "auto" asks the backend (``default``) what to make of
+    the checkpoint's dtype, or takes the checkpoint's dtype when there is no backend rule."""
+    if requested == "auto":
+        stored = config_dtype(hf_config)
+        return default(stored) if default is not None else stored
+    if requested not in _DTYPES:
+        raise ValueError(f"dtype: {requested!r} is not one of {['auto', *_DTYPES]}")
+    return _DTYPES[requested]
 
 
 def max_model_len_of(hf_config: Any) -> int:
@@ -71,10 +81,18 @@ def load_model(
     tp: TPContext = SINGLE,
     quantization: str | None = None,
 ) -> nn.Module:
+    """Build the model with its parameters already in ``dtype`` and fill them from the checkpoint.
+
+    Modules are constructed on the meta device (no storage at all), then every parameter gets
+    empty storage in ``dtype`` on ``device`` and the checkpoint tensors are copied straight in.
+    A 16-bit checkpoint therefore never passes through a float32 copy: memory peaks at the
+    model plus the largest single tensor.
+    """
     cls = resolve_model_class(getattr(hf_config, "architectures", None))
     quant = get_quant_config(quantization, hf_config)
-    with torch.device("cpu"):
+    with torch.device("meta"):
         module = cls(hf_config, attn_backend=attn_backend, tp=tp)
+    materialize(module, device=device, dtype=dtype)
     # Under tensor parallelism each rank reads only the slices it keeps.
     weights = iterate_weights(Path(model), lazy=tp.size > 1)
     if quant is not None:  # quantised linear layers: see layers/quantization
@@ -83,11 +101,43 @@ def load_model(
     loaded = module.load_weights(weights)
     if quant is not None:
         logger.info("%d linear layers in %s", finish_quantization(module), quant.method.name)
-    logger.info("loaded %d weight tensors for %s", len(loaded), cls.__name__)
-    module = module.to(device=device, dtype=dtype)
-    # Buffers such as rotary tables stay float32; only parameters follow the compute dtype.
-    for name, buf in module.named_buffers():
-        if buf.is_floating_point() and name.endswith(("cos", "sin")):
-            buf.data = buf.data.float()
+    logger.info("loaded %d weight tensors for %s in %s", len(loaded), cls.__name__, dtype)
     return module.eval()
 
+
+# Buffers that must keep float32 whatever the compute dtype: the rotary cos/sin tables are
+# rounded to the activations' dtype at use, as transformers rounds its float32 tables.
+FLOAT32_BUFFERS = ("cos", "sin")
+
+
+def materialize(module: nn.Module, *, device: torch.device, dtype: torch.dtype) -> None:
+    """Give every meta parameter empty storage (floating ones in ``dtype``) on ``device``.
+
+    Tied parameters stay tied (one new tensor per original). Attributes set on a parameter
+    (``weight_loader``) carry over. Buffers are computed at construction, so they must be real
+    already: floating ones follow ``dtype`` except :data:`FLOAT32_BUFFERS`.
+    """
+    new_params: dict[int, nn.Parameter] = {}
+    for mod in module.modules():
+        for name, param in list(mod._parameters.items()):
+            if param is None:
+                continue
+            new = new_params.get(id(param))
+            if new is None:
+                target = dtype if param.is_floating_point() else param.dtype
+                new = nn.Parameter(
+                    torch.empty(param.shape, dtype=target, device=device), requires_grad=False
+                )
+                new.__dict__.update(param.__dict__)
+                new_params[id(param)] = new
+            mod._parameters[name] = new
+        for name, buf in list(mod._buffers.items()):
+            if buf is None:
+                continue
+            if buf.is_meta:
+                raise RuntimeError(
+                    f"{type(mod).__name__}.{name}: buffer built on the meta device; "
+                    "computed buffers must be built on the CPU"
+                )
+            keep = not buf.is_floating_point() or name in FLOAT32_BUFFERS
+            mod._buffers[name] = buf.to(device=device, dtype=None if keep else dtype)

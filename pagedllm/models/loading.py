@@ -15,10 +15,9 @@ import torch
 from torch import nn
 
 from pagedllm.layers.linear import default_weight_loader
+from pagedllm.models.safetensors_reader import CheckpointError, read_safetensors
 
-
-class CheckpointError(ValueError):
-    """A checkpoint file is missing, unreadable or does not match the model."""
+__all__ = ["CheckpointError", "WeightMapper", "iterate_weights", "load_mapped_weights"]
 
 
 def checkpoint_files(folder: Path) -> list[Path]:
@@ -75,17 +74,30 @@ class LazyTensor:
 def iterate_weights(
     folder: Path, *, lazy: bool = False
 ) -> Iterator[tuple[str, torch.Tensor | LazyTensor]]:
-    """Named checkpoint tensors; ``lazy`` yields :class:`LazyTensor` handles instead."""
+    """Named checkpoint tensors in the checkpoint's own dtype; ``lazy`` yields slice handles.
+
+    Eager tensors are read with plain file reads into fresh buffers (:func:`read_safetensors`),
+    one at a time: the caller copies each into its parameter and drops it, so loading holds the
+    model plus one tensor, and the file's pages stay in the page cache rather than in this
+    process's resident set (a memory map would count them twice until the file is closed).
+    """
+    for path in checkpoint_files(folder):
+        if lazy:
+            yield from _iterate_lazy(path)
+        else:
+            yield from read_safetensors(path)
+
+
+def _iterate_lazy(path: Path) -> Iterator[tuple[str, LazyTensor]]:
     from safetensors import SafetensorError
     from safetensors.torch import safe_open
 
-    for path in checkpoint_files(folder):
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    yield name, (LazyTensor(f, name) if lazy else f.get_tensor(name))
-        except (SafetensorError, OSError, RuntimeError) as exc:
-            raise CheckpointError(f"{path}: cannot read safetensors file ({exc})") from exc
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, LazyTensor(f, name)
+    except (SafetensorError, OSError, RuntimeError) as exc:
+        raise CheckpointError(f"{path}: cannot read safetensors file ({exc})") from exc
 
 
 @dataclass
@@ -133,6 +145,36 @@ def _reads_slices(loader: Any) -> bool:
     )
 
 
+def _copies(loader: Any) -> bool:
+    """Whether a weight loader only copies (slices of) its tensor into the parameter."""
+    return loader is None or loader is default_weight_loader or _reads_slices(loader)
+
+
+def _adopt(param: nn.Parameter, loader: Any, tensor: torch.Tensor, shard: int | None) -> bool:
+    """Make a freshly read tensor the parameter's storage when loading would copy it whole.
+
+    Saves a copy of every unfused weight (and the page faults of touching the parameter's
+    empty storage). Only for loaders known to copy a same-shaped tensor unchanged on a single
+    rank; model-specific loaders (transposes, splits) always run.
+    """
+    if shard not in (None, 0) or param.shape != tensor.shape or param.device != tensor.device:
+        return False
+    if not _copies(loader):
+        return False
+    owner = getattr(loader, "__self__", None)
+    tp = getattr(owner, "tp", None)
+    if tp is not None and tp.size != 1:
+        return False
+    if shard == 0 and len(getattr(owner, "output_sizes", ())) != 1:
+        return False  # the first part of a fused projection
+    if not tensor.is_contiguous() or tensor.dtype != param.dtype:
+        return False
+    if tensor.untyped_storage().nbytes() != tensor.nbytes:
+        return False  # a view into something larger (a fused tensor, a mapped file): copy
+    param.data = tensor
+    return True
+
+
 def load_mapped_weights(
     model: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor | LazyTensor]],
@@ -157,7 +199,12 @@ def load_mapped_weights(
         if isinstance(tensor, LazyTensor) and not _reads_slices(loader):
             tensor = tensor.materialize()
         if not isinstance(tensor, LazyTensor):
-            tensor = tensor.to(param.dtype)
+            if _adopt(param, loader, tensor, shard):
+                loaded.add(name)
+                continue
+            if not _copies(loader):
+                # Known loaders convert while copying (no second whole-tensor buffer).
+                tensor = tensor.to(param.dtype)
         try:
             if shard is not None:
                 loader(param, tensor, shard)  # type: ignore[misc]

@@ -1,4 +1,5 @@
-"""The CPU device: float32 compute, an explicit KV budget (``kv_cache_space``), gloo for TP."""
+"""The CPU device: float32 or 16-bit compute (see :func:`auto_dtype`), an explicit KV budget
+(``kv_cache_space``), gloo for TP."""
 
 from __future__ import annotations
 
@@ -135,5 +136,44 @@ class CpuBackend(DeviceBackend):
         return "gloo"
 
     def default_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        # No bf16/fp16 hardware on the machines we target: compute in float32.
-        return torch.float32
+        """``dtype="auto"``: the rule of :func:`auto_dtype` on this processor, logged with why."""
+        from pagedllm.backends.cpu._ops import cpu_flags
+
+        dtype, reason = auto_dtype(model_dtype, cpu_flags())
+        logger.info("dtype auto -> %s (%s)", str(dtype).removeprefix("torch."), reason)
+        return dtype
+
+
+# Flags that mean the processor computes a 16-bit type natively (dot products, tile GEMMs).
+NATIVE_16BIT_FLAGS: dict[torch.dtype, tuple[str, ...]] = {
+    torch.bfloat16: ("amx_bf16", "avx512_bf16"),
+    torch.float16: ("amx_fp16", "avx512_fp16"),
+}
+
+
+def auto_dtype(model_dtype: torch.dtype, flags: frozenset[str]) -> tuple[torch.dtype, str]:
+    """The compute dtype for a checkpoint stored in ``model_dtype``, and the reason.
+
+    The rule: a float32 checkpoint stays float32. A 16-bit checkpoint keeps its dtype
+    (1) where the processor has native arithmetic for it (AMX or AVX-512 bf16/fp16), and
+    (2) on AVX2 processors with F16C: decode reads every weight once per step, so halving the
+    bytes outweighs widening 16-bit tiles to float32 inside the GEMM, and the weights take half
+    the memory. Anything else (no AVX2/F16C, or a processor that reports no x86 flags) computes in
+    float32, which every kernel runs. An explicit ``dtype`` always overrides this.
+    """
+    name = str(model_dtype).removeprefix("torch.")
+    if model_dtype not in NATIVE_16BIT_FLAGS:
+        return torch.float32, f"checkpoint dtype is {name}"
+    native = [f for f in NATIVE_16BIT_FLAGS[model_dtype] if f in flags]
+    if native:
+        return model_dtype, f"checkpoint dtype; processor has {native[0]}"
+    if {"avx2", "f16c"} <= flags:
+        return model_dtype, (
+            f"checkpoint dtype; no native {name} arithmetic, but avx2/f16c GEMMs widen 16-bit "
+            "tiles on the fly and the weights take half the memory of float32"
+        )
+    return (
+        torch.float32,
+        f"checkpoint is {name} but the processor reports neither avx2+f16c nor "
+        + ("/".join(NATIVE_16BIT_FLAGS[model_dtype])),
+    )
