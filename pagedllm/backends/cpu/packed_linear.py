@@ -179,7 +179,7 @@ def pack_linear_layers(model: nn.Module) -> dict[str, str]:
             if is_linear or isinstance(module, ParallelLMHead):
                 # The packed copy is the only one used from now on: do not keep two. (A tied
                 # head is the embedding, which still needs its rows: it keeps both.)
-                module.weight.data = torch.empty(0)
+                module.weight.data = torch.empty(0, dtype=module.weight.dtype)
     summary = {kind: "+".join(sorted(p)) for kind, p in paths.items()}
     logger.info("linear layers: %s", ", ".join(f"{k}={v}" for k, v in summary.items()))
     return summary
