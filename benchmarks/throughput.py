@@ -72,6 +72,7 @@ MODELS: dict[str, dict[str, Any]] = {
         intermediate_size=8192,
         vocab_size=32000,
         tie_word_embeddings=False,
+        rope_theta=500000.0,
         dtype="bfloat16",
     ),
 }
@@ -98,26 +99,14 @@ class Request:
 
 
 def build_model(folder: Path, spec: dict[str, Any], max_positions: int = 1024) -> Path:
-    """A random-weight Llama saved in ``spec["dtype"]``, initialised in that dtype (a 1B model
-    never exists in float32 here)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A random-weight Llama saved in ``spec["dtype"]``, built in that dtype (a 1B model never
+    exists in float32 here); reused when the folder already holds the same checkpoint."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from model_builder import build_random_llama
 
-    if (folder / "config.json").exists():
-        return folder
-    spec = dict(spec)
-    dtype = getattr(torch, spec.pop("dtype"))
-    config = LlamaConfig(
-        max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=2, **spec
-    )
-    torch.manual_seed(0)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
-    model.save_pretrained(str(folder))
-    return folder
+    shape = {k: v for k, v in spec.items() if k != "dtype"}
+    dtype = getattr(torch, spec["dtype"])
+    return build_random_llama(folder, shape, dtype=dtype, max_positions=max_positions)
 
 
 def make_workload(
