@@ -32,49 +32,21 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).parent))
+from model_builder import LLAMA_1B, LLAMA_TINY, build_random_llama
+
 MODELS: dict[str, dict[str, Any]] = {
-    "smoke": dict(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=1000,
-        tie_word_embeddings=False,
-        dtype="float32",
-    ),
+    "smoke": {**LLAMA_TINY, "dtype": "float32"},
     "56m": dict(
-        hidden_size=512,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        intermediate_size=1408,
-        vocab_size=32000,
-        tie_word_embeddings=False,
-        dtype="float32",
+        hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+        intermediate_size=1408, vocab_size=32000, tie_word_embeddings=False, dtype="float32",
     ),
     "125m": dict(
-        hidden_size=768,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        num_key_value_heads=4,
-        intermediate_size=2048,
-        vocab_size=32000,
-        tie_word_embeddings=False,
-        dtype="float32",
+        hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+        intermediate_size=2048, vocab_size=32000, tie_word_embeddings=False, dtype="float32",
     ),
     # Llama-3.2-1B's shape with a 32000-token vocabulary, saved in bfloat16.
-    "1b": dict(
-        hidden_size=2048,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        intermediate_size=8192,
-        vocab_size=32000,
-        tie_word_embeddings=False,
-        rope_theta=500000.0,
-        dtype="bfloat16",
-    ),
+    "1b": {**LLAMA_1B, "dtype": "bfloat16"},
 }
 # Which engines each size compares by default (name -> how it runs).
 ENGINES: dict[str, list[str]] = {
@@ -101,9 +73,6 @@ class Request:
 def build_model(folder: Path, spec: dict[str, Any], max_positions: int = 1024) -> Path:
     """A random-weight Llama saved in ``spec["dtype"]``, built in that dtype (a 1B model never
     exists in float32 here); reused when the folder already holds the same checkpoint."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from model_builder import build_random_llama
-
     shape = {k: v for k, v in spec.items() if k != "dtype"}
     dtype = getattr(torch, spec["dtype"])
     return build_random_llama(folder, shape, dtype=dtype, max_positions=max_positions)
