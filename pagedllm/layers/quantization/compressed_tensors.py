@@ -65,25 +65,25 @@ def _materialize(tensor: Any) -> torch.Tensor:
 def transform_weights(weights: Iterable[tuple[str, Any]], fmt: str) -> Iterator[tuple[str, Any]]:
     """Checkpoint tensors as plain ``<layer>.weight`` int8 + ``<layer>.weight_scale``.
 
-    Packed weights wait for their ``weight_shape`` (stored next to them); zero points of a
-    symmetric scheme are checked to be zero and dropped.
+    A packed weight and its ``weight_shape`` are paired whichever comes first (a reader may
+    yield tensors in file order, not by name); zero points of a symmetric scheme are checked to
+    be zero and dropped.
     """
     pending: dict[str, torch.Tensor] = {}
+    shapes: dict[str, int] = {}  # prefix -> K, for shapes seen before their packed weight
     for name, tensor in weights:
         prefix, _, leaf = name.rpartition(".")
         if leaf == "weight_zero_point":
             if bool(_materialize(tensor).any()):
                 raise _refuse(f"tensor {name!r} has non-zero zero points (asymmetric)")
             continue
-        if fmt == "pack-quantized" and leaf == "weight_packed":
-            pending[prefix] = _materialize(tensor)
-            continue
-        if fmt == "pack-quantized" and leaf == "weight_shape":
-            shape = [int(v) for v in _materialize(tensor).tolist()]
-            packed = pending.pop(prefix, None)
-            if packed is None:
-                raise _refuse(f"tensor {name!r} comes before its weight_packed")
-            yield f"{prefix}.weight", unpack_int8(packed, shape[1])
+        if fmt == "pack-quantized" and leaf in ("weight_packed", "weight_shape"):
+            if leaf == "weight_packed":
+                pending[prefix] = _materialize(tensor)
+            else:
+                shapes[prefix] = int(_materialize(tensor).tolist()[1])
+            if prefix in pending and prefix in shapes:
+                yield f"{prefix}.weight", unpack_int8(pending.pop(prefix), shapes.pop(prefix))
             continue
         yield name, tensor
     for prefix, packed in pending.items():  # no weight_shape: K is a multiple of 4
