@@ -50,6 +50,14 @@ def physical_cores() -> int:
     return len(cores) or len(allowed or ()) or os.cpu_count() or 1
 
 
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 class CpuBackend(DeviceBackend):
     name = "cpu"
 
@@ -115,11 +123,13 @@ class CpuBackend(DeviceBackend):
         cpu_kv_cache_bytes: int,
         rank: int = 0,
     ) -> int:
-        """The budget is explicit on the CPU (``kv_cache_space``), so no profiling pass runs: on a
-        billion-parameter model a forward pass over a full token budget costs tens of seconds of
-        start-up and would decide nothing (activations live in the same memory as everything
-        else, and are not reserved ahead as on an accelerator)."""
-        del profile, gpu_memory_utilization, rank
+        """The budget is explicit on the CPU; the profiling pass still proves the batch fits."""
+        before = _rss_bytes()
+        profile()
+        logger.info(
+            "profiling forward pass: resident memory grew by %.1f MiB",
+            max(0, _rss_bytes() - before) / (1 << 20),
+        )
         return cpu_kv_cache_bytes
 
     def dist_backend(self) -> str:
