@@ -48,6 +48,9 @@ MODELS: dict[str, dict[str, Any]] = {
     # Llama-3.2-1B's shape with a 32000-token vocabulary, saved in bfloat16.
     "1b": {**LLAMA_1B, "dtype": "bfloat16"},
 }
+# The shapes the other benchmarks build (float32).
+FULL_MODEL = MODELS["56m"]
+SMOKE_MODEL = MODELS["smoke"]
 # Which engines each size compares by default (name -> how it runs).
 ENGINES: dict[str, list[str]] = {
     "smoke": ["pagedllm-float32", "pagedllm-bfloat16", "transformers-float32"],
