@@ -107,7 +107,8 @@ def _stream_tokens(base: str, prompt: str, out: dict[str, str]) -> None:
     out[prompt] = "".join(text)
 
 
-def test_hostile_requests_get_400s_while_innocent_streams_finish(server: Any, http: Any) -> None:
+def greedy_baseline(http: Any) -> dict[str, str]:
+    """Each innocent prompt's greedy text when served alone: what its stream must reproduce."""
     baseline = {}
     for p in INNOCENT:
         r = http.post(
@@ -121,6 +122,11 @@ def test_hostile_requests_get_400s_while_innocent_streams_finish(server: Any, ht
             },
         )
         baseline[p] = r.json()["choices"][0]["text"]
+    return baseline
+
+
+def test_hostile_requests_get_400s_while_innocent_streams_finish(server: Any, http: Any) -> None:
+    baseline = greedy_baseline(http)
     got: dict[str, str] = {}
     threads = [
         threading.Thread(target=_stream_tokens, args=(server.base_url, p, got)) for p in INNOCENT
@@ -319,19 +325,7 @@ def test_a_request_that_fails_the_step_is_ended_alone(
             raise RuntimeError("Overflow when unpacking long long")
         return real(sched_out)
 
-    baseline = {}
-    for p in INNOCENT:
-        r = http.post(
-            "/v1/completions",
-            json={
-                "model": MODEL_NAME,
-                "prompt": p,
-                "temperature": 0,
-                "max_tokens": STREAM_TOKENS,
-                "ignore_eos": True,
-            },
-        )
-        baseline[p] = r.json()["choices"][0]["text"]
+    baseline = greedy_baseline(http)
     monkeypatch.setattr(executor, "execute_model", poisoned)
     got: dict[str, str] = {}
     threads = [
