@@ -43,7 +43,7 @@ class CompiledGrammar:
 
 
 def grammar_text(guided: GuidedDecodingParams) -> str:
-    """The llguidance grammar for a constraint; ValueError naming the field if it cannot be built."""
+    """The llguidance grammar for a constraint; a ValueError naming the field if it is invalid."""
     import llguidance
 
     kind = guided.kind
