@@ -57,8 +57,7 @@ def check(kind: str, text: str) -> None:
 
 @pytest.fixture(scope="module")
 def engine(llama_path: Path) -> Engine:
-    return Engine(str(llama_path), device="cpu", block_size=8, num_kv_blocks=1024,
-                  max_num_seqs=256)
+    return Engine(str(llama_path), device="cpu", block_size=8, num_kv_blocks=1024, max_num_seqs=256)
 
 
 def plain_requests() -> list[tuple[str, SamplingParams]]:
@@ -87,9 +86,7 @@ def test_every_constrained_output_is_valid_and_neighbours_are_unchanged(engine: 
     kinds[mid:mid] = ["plain"] * len(plain)
     outs = engine.generate(prompts, params, use_tqdm=False)
     plain_outs = [o for o, k in zip(outs, kinds, strict=True) if k == "plain"]
-    assert [o.outputs[0].token_ids for o in plain_outs] == [
-        o.outputs[0].token_ids for o in alone
-    ]
+    assert [o.outputs[0].token_ids for o in plain_outs] == [o.outputs[0].token_ids for o in alone]
     for out, kind in zip(outs, kinds, strict=True):
         if kind == "plain":
             continue
@@ -125,15 +122,15 @@ def test_forks_get_their_own_matchers(engine: Engine) -> None:
     assert len(out.outputs) == 3
     for c in out.outputs:
         check("regex", c.text)
-    params = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=20,
-                            guided_decoding=guided("choice"))
+    params = SamplingParams(
+        n=4, temperature=1.0, seed=3, max_tokens=20, guided_decoding=guided("choice")
+    )
     texts = [c.text for c in engine.generate(["hi"], params, use_tqdm=False)[0].outputs]
     assert all(t in CHOICES for t in texts)
 
 
 def test_seeded_output_is_reproducible_and_stop_strings_apply(engine: Engine) -> None:
-    params = SamplingParams(temperature=1.0, seed=11, max_tokens=80,
-                            guided_decoding=guided("json"))
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=80, guided_decoding=guided("json"))
     a = engine.generate(["A"], params, use_tqdm=False)[0].outputs[0]
     b = engine.generate(["A"], params, use_tqdm=False)[0].outputs[0]
     assert a.token_ids == b.token_ids
@@ -145,8 +142,11 @@ def test_seeded_output_is_reproducible_and_stop_strings_apply(engine: Engine) ->
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"enable_chunked_prefill": True, "max_num_batched_tokens": 24,
-         "enable_prefix_caching": True},
+        {
+            "enable_chunked_prefill": True,
+            "max_num_batched_tokens": 24,
+            "enable_prefix_caching": True,
+        },
         {"enable_prefix_caching": True, "num_kv_blocks": 20, "preemption_mode": "recompute"},
         {"num_kv_blocks": 20, "preemption_mode": "swap"},
     ],
@@ -159,8 +159,12 @@ def test_matchers_survive_scheduling_features(
     long = "The quick brown fox jumps over the lazy dog and keeps running. " * 2
     prompts = [long + p for p in PROMPTS[:6]]
     params = [
-        SamplingParams(temperature=1.0, seed=i, max_tokens=60,
-                       guided_decoding=guided("json" if i % 2 else "regex"))
+        SamplingParams(
+            temperature=1.0,
+            seed=i,
+            max_tokens=60,
+            guided_decoding=guided("json" if i % 2 else "regex"),
+        )
         for i in range(6)
     ]
     expected = [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
@@ -181,15 +185,15 @@ def test_matchers_survive_scheduling_features(
 @pytest.mark.parametrize(
     ("spec", "field"),
     [
-        ({"json": {"type": "object", "properties": {"a": {"type": "nonsense"}}}},
-         "guided_decoding.json"),
+        (
+            {"json": {"type": "object", "properties": {"a": {"type": "nonsense"}}}},
+            "guided_decoding.json",
+        ),
         ({"regex": "(unclosed"}, "guided_decoding.regex"),
         ({"grammar": "start: ???"}, "guided_decoding.grammar"),
     ],
 )
-def test_invalid_constraints_raise_naming_the_field(
-    engine: Engine, spec: dict, field: str
-) -> None:
+def test_invalid_constraints_raise_naming_the_field(engine: Engine, spec: dict, field: str) -> None:
     params = SamplingParams(max_tokens=4, guided_decoding=GuidedDecodingParams(**spec))
     with pytest.raises(ValueError, match=f"^{field}"):
         engine.generate(["x"], params, use_tqdm=False)
@@ -199,8 +203,16 @@ def test_invalid_constraints_raise_naming_the_field(
 def test_compiling_request_waits_while_others_step(engine: Engine) -> None:
     """add_request returns at once; the request is scheduled when its grammar is ready."""
     schema = dict(SCHEMA, title="fresh schema, not in the cache")
-    engine.add_request("g", "hi", SamplingParams(max_tokens=60, temperature=1.0, seed=1,
-                       guided_decoding=GuidedDecodingParams(json=schema)))
+    engine.add_request(
+        "g",
+        "hi",
+        SamplingParams(
+            max_tokens=60,
+            temperature=1.0,
+            seed=1,
+            guided_decoding=GuidedDecodingParams(json=schema),
+        ),
+    )
     engine.add_request("p", "hi", SamplingParams(max_tokens=3, temperature=0.0))
     done = {}
     while engine.has_unfinished_requests():
