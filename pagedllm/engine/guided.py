@@ -9,6 +9,7 @@ guided request arrives, so an engine that never sees one does not need it.
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -26,19 +27,21 @@ class GuidedRequests:
         self._vocab_size = vocab_size
         self._eos = set(eos_token_ids)
         self._manager: GuidedManager | None = None
+        self._lock = threading.Lock()  # the manager is made on first use, from any thread
         self._waiting: dict[str, tuple[SequenceGroup, Future[Any]]] = {}
 
     @property
     def manager(self) -> GuidedManager:
-        if self._manager is None:
-            from pagedllm.structured.compiler import GrammarCompiler
-            from pagedllm.structured.manager import GuidedManager
+        with self._lock:
+            if self._manager is None:
+                from pagedllm.structured.compiler import GrammarCompiler
+                from pagedllm.structured.manager import GuidedManager
 
-            compiler = GrammarCompiler(
-                self._tokenizer, vocab_size=self._vocab_size, eos_token_ids=self._eos
-            )
-            self._manager = GuidedManager(compiler)
-        return self._manager
+                compiler = GrammarCompiler(
+                    self._tokenizer, vocab_size=self._vocab_size, eos_token_ids=self._eos
+                )
+                self._manager = GuidedManager(compiler)
+            return self._manager
 
     def submit(self, guided: GuidedDecodingParams) -> Future[Any]:
         """Start (or find) the compilation of a constraint: lets a caller check it early."""
