@@ -48,13 +48,25 @@ WEATHER = {
     "additionalProperties": False,
 }
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather",
-                                      "parameters": WEATHER}},
-    {"type": "function", "function": {"name": "add", "parameters": {
-        "type": "object",
-        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
-                       "b": {"type": "integer", "minimum": 0, "maximum": 99}},
-        "required": ["a", "b"], "additionalProperties": False}}},
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER},
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "a": {"type": "integer", "minimum": 0, "maximum": 99},
+                    "b": {"type": "integer", "minimum": 0, "maximum": 99},
+                },
+                "required": ["a", "b"],
+                "additionalProperties": False,
+            },
+        },
+    },
 ]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 PERSON = {
@@ -102,8 +114,14 @@ def tserver(tools_model: Path) -> Iterator[ServerHandle]:
     from pagedllm.entrypoints.openai.api_server import ServerSettings, build_app, model_info
 
     engine = AsyncEngine.from_engine_args(
-        str(tools_model), "cpu", dtype="float32", num_kv_blocks=2048, block_size=8,
-        max_model_len=2048, max_num_seqs=32, log_stats_interval=None,
+        str(tools_model),
+        "cpu",
+        dtype="float32",
+        num_kv_blocks=2048,
+        block_size=8,
+        max_model_len=2048,
+        max_num_seqs=32,
+        log_stats_interval=None,
     )
     settings = ServerSettings(api_key=API_KEY, tool_call_parser="hermes")
     app = build_app(engine, model_info(engine, [MODEL]), settings)
@@ -122,17 +140,23 @@ def oai(tserver: ServerHandle) -> Any:
 
 @pytest.fixture()
 def raw(tserver: ServerHandle) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=tserver.base_url, timeout=120,
-                      headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+    with httpx.Client(
+        base_url=tserver.base_url, timeout=120, headers={"Authorization": f"Bearer {API_KEY}"}
+    ) as c:
         yield c
 
 
 def test_response_format_json_schema(oai: Any) -> None:
     for seed in range(3):
         r = oai.chat.completions.create(
-            model=MODEL, messages=MESSAGES, seed=seed, max_tokens=100,
-            response_format={"type": "json_schema",
-                             "json_schema": {"name": "person", "schema": PERSON}},
+            model=MODEL,
+            messages=MESSAGES,
+            seed=seed,
+            max_tokens=100,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "person", "schema": PERSON},
+            },
         )
         assert r.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
@@ -146,21 +170,44 @@ def test_parse_with_a_pydantic_model(oai: Any) -> None:
 
 
 def test_guided_extras_on_completions(oai: Any) -> None:
-    r = oai.completions.create(model=MODEL, prompt="Pick:", max_tokens=20, n=3, seed=5,
-                               extra_body={"guided_choice": ["alpha", "beta", "gamma"]})
+    r = oai.completions.create(
+        model=MODEL,
+        prompt="Pick:",
+        max_tokens=20,
+        n=3,
+        seed=5,
+        extra_body={"guided_choice": ["alpha", "beta", "gamma"]},
+    )
     assert {c.text for c in r.choices} <= {"alpha", "beta", "gamma"}
-    r = oai.completions.create(model=MODEL, prompt="Code:", max_tokens=20, seed=5,
-                               extra_body={"guided_regex": "[A-Z]{3}-[0-9]{2}"})
+    r = oai.completions.create(
+        model=MODEL,
+        prompt="Code:",
+        max_tokens=20,
+        seed=5,
+        extra_body={"guided_regex": "[A-Z]{3}-[0-9]{2}"},
+    )
     assert len(r.choices[0].text) == 6 and r.choices[0].text[3] == "-"
-    r = oai.completions.create(model=MODEL, prompt="JSON:", max_tokens=100, seed=2,
-                               extra_body={"guided_json": PERSON})
+    r = oai.completions.create(
+        model=MODEL, prompt="JSON:", max_tokens=100, seed=2, extra_body={"guided_json": PERSON}
+    )
     jsonschema.validate(json.loads(r.choices[0].text), PERSON)
-    r = oai.completions.create(model=MODEL, prompt="Sum:", max_tokens=30, seed=2,
-                               extra_body={"guided_grammar": 'start: "(" /[0-9]{1,2}/ ")"'})
+    r = oai.completions.create(
+        model=MODEL,
+        prompt="Sum:",
+        max_tokens=30,
+        seed=2,
+        extra_body={"guided_grammar": 'start: "(" /[0-9]{1,2}/ ")"'},
+    )
     assert r.choices[0].text.startswith("(") and r.choices[0].text.endswith(")")
     # Streamed: the pieces add up to a choice.
-    chunks = oai.completions.create(model=MODEL, prompt="Pick:", max_tokens=20, seed=9,
-                                    stream=True, extra_body={"guided_choice": ["yes", "no"]})
+    chunks = oai.completions.create(
+        model=MODEL,
+        prompt="Pick:",
+        max_tokens=20,
+        seed=9,
+        stream=True,
+        extra_body={"guided_choice": ["yes", "no"]},
+    )
     assert "".join(c.choices[0].text for c in chunks) in ("yes", "no")
 
 
@@ -174,16 +221,24 @@ def _check_calls(calls: Any, name: str | None = None) -> None:
 
 def test_named_tool_choice(oai: Any) -> None:
     choice = {"type": "function", "function": {"name": "get_weather"}}
-    r = oai.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, seed=3,
-                                    tool_choice=choice, max_tokens=100)
+    r = oai.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=TOOLS, seed=3, tool_choice=choice, max_tokens=100
+    )
     assert r.choices[0].finish_reason == "tool_calls"
     _check_calls(r.choices[0].message.tool_calls, "get_weather")
 
 
 def test_named_tool_choice_streamed(oai: Any) -> None:
     choice = {"type": "function", "function": {"name": "add"}}
-    stream = oai.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, seed=4,
-                                         tool_choice=choice, max_tokens=100, stream=True)
+    stream = oai.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        tools=TOOLS,
+        seed=4,
+        tool_choice=choice,
+        max_tokens=100,
+        stream=True,
+    )
     ids, names, args, reasons = set(), [], "", []
     for chunk in stream:
         for c in chunk.choices:
@@ -203,54 +258,101 @@ def test_named_tool_choice_streamed(oai: Any) -> None:
 
 @pytest.mark.parametrize("parallel", [True, False])
 def test_required_tool_choice(oai: Any, parallel: bool) -> None:
-    r = oai.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, seed=6,
-                                    tool_choice="required", parallel_tool_calls=parallel,
-                                    max_tokens=200)
+    r = oai.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        tools=TOOLS,
+        seed=6,
+        tool_choice="required",
+        parallel_tool_calls=parallel,
+        max_tokens=200,
+    )
     assert r.choices[0].finish_reason == "tool_calls", r.choices[0].message
     calls = r.choices[0].message.tool_calls
     _check_calls(calls)
     if not parallel:
         assert len(calls) == 1
-    stream = oai.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, seed=6,
-                                         tool_choice="required", parallel_tool_calls=parallel,
-                                         max_tokens=200, stream=True)
+    stream = oai.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        tools=TOOLS,
+        seed=6,
+        tool_choice="required",
+        parallel_tool_calls=parallel,
+        max_tokens=200,
+        stream=True,
+    )
     streamed = [tc for ch in stream for c in ch.choices for tc in c.delta.tool_calls or []]
     assert [(t.function.name, t.function.arguments) for t in streamed] == [
-        (t.function.name, t.function.arguments) for t in calls]
+        (t.function.name, t.function.arguments) for t in calls
+    ]
 
 
 def test_history_with_tool_calls_and_auto(oai: Any) -> None:
     history = [
         *MESSAGES,
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function",
-             "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "12 degrees"},
     ]
-    r = oai.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, max_tokens=8,
-                                    temperature=0)
+    r = oai.chat.completions.create(
+        model=MODEL, messages=history, tools=TOOLS, max_tokens=8, temperature=0
+    )
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
-    stream = oai.chat.completions.create(model=MODEL, messages=history, tools=TOOLS,
-                                         max_tokens=8, temperature=0, stream=True)
+    stream = oai.chat.completions.create(
+        model=MODEL, messages=history, tools=TOOLS, max_tokens=8, temperature=0, stream=True
+    )
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     if r.choices[0].message.tool_calls is None:
         assert text == r.choices[0].message.content
 
 
 BAD = [
-    ({"response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}},
-     "response_format"),
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "x",
+                    "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}},
+                },
+            }
+        },
+        "response_format",
+    ),
     ({"guided_regex": "(unclosed"}, "guided_regex"),
     ({"guided_grammar": "start: ???"}, "guided_grammar"),
     ({"guided_choice": []}, "guided_choice"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex"),
     ({"response_format": {"type": "yaml"}}, "response_format"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"a": {"type": "nonsense"}}}}}]}, "tools"),
+    (
+        {
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "f",
+                        "parameters": {"type": "object", "properties": {"a": {"type": "nonsense"}}},
+                    },
+                }
+            ]
+        },
+        "tools",
+    ),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "oops"}}]}, "tools"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-     "tool_choice"),
+    (
+        {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        "tool_choice",
+    ),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "required", "guided_json": PERSON}, "guided_json"),
 ]
@@ -268,12 +370,21 @@ def test_bad_input_is_a_400_naming_the_parameter(
     err = r.json()["error"]
     assert err["param"] == param, err
     assert err["message"].startswith(param), err
-    ok = raw.post("/v1/chat/completions",
-                  json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2})
+    ok = raw.post(
+        "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2}
+    )
     assert ok.status_code == 200
 
 
 def test_bad_constraint_on_completions(raw: httpx.Client) -> None:
-    r = raw.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4,
-                                          "guided_json": {"type": "nonsense"}, "stream": True})
+    r = raw.post(
+        "/v1/completions",
+        json={
+            "model": MODEL,
+            "prompt": "x",
+            "max_tokens": 4,
+            "guided_json": {"type": "nonsense"},
+            "stream": True,
+        },
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "guided_json", r.text
