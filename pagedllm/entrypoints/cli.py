@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model name(s) clients use; the first is reported (default: MODEL)")
     s.add_argument("--chat-template", help="Jinja chat template: a file or the template itself")
     s.add_argument("--max-logprobs", type=int, default=20, help="max logprobs per token")
+    s.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"],
+                   help="parse tool calls from replies when tool_choice is 'auto' (Hermes/Qwen "
+                   "<tool_call> JSON, or Llama 3 JSON); without it 'auto' is refused")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
     s.add_argument("--log-level", default="info",
@@ -225,7 +228,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(
         api_key=args.api_key or env_api_key(), chat_template=template,
         max_logprobs=args.max_logprobs, shutdown_timeout=args.shutdown_timeout,
-        disable_docs=args.disable_docs)
+        disable_docs=args.disable_docs, tool_call_parser=args.tool_call_parser)
     return run_server(engine, model_info(engine, names), settings, host=args.host,
                       port=args.port, log_level=args.log_level)
 

@@ -52,6 +52,7 @@ class ServerSettings:
     chat_template: str | None = None  # the template text (already loaded from a file)
     max_body_bytes: int = 32 << 20
     max_logprobs: int = 20
+    tool_call_parser: str | None = None  # "hermes" | "llama3_json": tool_choice "auto" on
     shutdown_timeout: float = 30.0
     disable_docs: bool = False
     # Connection limits: idle keep-alive connections, and clients that stall while sending a
@@ -140,7 +141,8 @@ def build_app(engine: AsyncEngine, model: ModelInfo, settings: ServerSettings | 
     install_handlers(app)
     completion = OpenAIServingCompletion(engine, model, max_logprobs=settings.max_logprobs)
     chat = OpenAIServingChat(engine, model, chat_template=settings.chat_template,
-                             max_logprobs=settings.max_logprobs)
+                             max_logprobs=settings.max_logprobs,
+                             tool_call_parser=settings.tool_call_parser)
     metrics = ServerMetrics(engine)
     app.state.engine, app.state.metrics = engine, metrics
     auth = _auth_dependency(settings.api_key)
