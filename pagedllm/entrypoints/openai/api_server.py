@@ -40,6 +40,7 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving_base import ModelInfo
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.web import RequestTracker, TrackingEngine, mount_web
 
 logger = logging.getLogger(__name__)
 
@@ -138,8 +139,10 @@ def build_app(engine: AsyncEngine, model: ModelInfo, settings: ServerSettings | 
                   lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.on_engine_dead = None
     install_handlers(app)
-    completion = OpenAIServingCompletion(engine, model, max_logprobs=settings.max_logprobs)
-    chat = OpenAIServingChat(engine, model, chat_template=settings.chat_template,
+    tracker = RequestTracker()  # the dashboard's table of requests in flight
+    served = TrackingEngine(engine, tracker)
+    completion = OpenAIServingCompletion(served, model, max_logprobs=settings.max_logprobs)
+    chat = OpenAIServingChat(served, model, chat_template=settings.chat_template,
                              max_logprobs=settings.max_logprobs)
     metrics = ServerMetrics(engine)
     app.state.engine, app.state.metrics = engine, metrics
@@ -207,6 +210,7 @@ def build_app(engine: AsyncEngine, model: ModelInfo, settings: ServerSettings | 
         return {"prompt": engine.tokenizer.decode(req.tokens)}
 
     app.include_router(extra)
+    mount_web(app, engine=engine, metrics=metrics, tracker=tracker, auth=auth)
     if not settings.disable_docs:
         _add_docs(app, auth)
     return app
