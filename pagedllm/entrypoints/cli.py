@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pagedllm", description="A high-throughput LLM inference and serving engine.",
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"pagedllm {pagedllm.__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{serve,generate}")
+    sub = parser.add_subparsers(dest="command", metavar="{serve,generate,chat,bench}")
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
                            description="Serve MODEL with an OpenAI-compatible API (/v1/...).")
@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
                      choices=["debug", "info", "warning", "error"],
                      help="debug also shows tracebacks of errors")
     add_engine_args(gen)
+    from pagedllm.entrypoints import chat
+
+    chat.add_parser(sub, add_engine_args)
     return parser
 
 
@@ -277,10 +280,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command not in ("serve", "generate"):
+    if args.command not in ("serve", "generate") and not hasattr(args, "handler"):
         parser.print_help()
         return 2
     try:
+        if hasattr(args, "handler"):  # chat, bench: their modules run them
+            return int(args.handler(args))
         return cmd_serve(args) if args.command == "serve" else cmd_generate(args)
     except UsageError as exc:  # a setting that can never work: one line, before any loading
         print(exc, file=sys.stderr)
