@@ -91,6 +91,9 @@ class _Add:
     params: SamplingParams
     priority: int
     done: concurrent.futures.Future[None]
+    # When the caller asked (monotonic): the request's TTFT and latency start here, not when
+    # the engine thread gets to it after the step in progress.
+    arrival_time: float = 0.0
 
 
 @dataclass
@@ -181,7 +184,7 @@ class AsyncEngine:
         self._check_alive()
         stream = RequestStream(request_id, asyncio.get_running_loop(), self._request_abort)
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._commands.put(_Add(stream, prompt, params, priority, done))
+        self._commands.put(_Add(stream, prompt, params, priority, done, time.monotonic()))
         try:
             await asyncio.wrap_future(done)
         except asyncio.CancelledError:
@@ -314,7 +317,8 @@ class AsyncEngine:
                 return
             try:
                 self.engine.add_request(
-                    cmd.stream.request_id, cmd.prompt, cmd.params, priority=cmd.priority
+                    cmd.stream.request_id, cmd.prompt, cmd.params, priority=cmd.priority,
+                    arrival_time=cmd.arrival_time,
                 )
             except BaseException as exc:
                 cmd.done.set_exception(exc)

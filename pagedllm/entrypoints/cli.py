@@ -123,9 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
                      choices=["debug", "info", "warning", "error"],
                      help="debug also shows tracebacks of errors")
     add_engine_args(gen)
-    from pagedllm.entrypoints import chat
+    from pagedllm.entrypoints import bench, chat
 
     chat.add_parser(sub, add_engine_args)
+    bench.add_parser(sub, add_engine_args)
     return parser
 
 
