@@ -139,6 +139,7 @@ def build_app(engine: AsyncEngine, model: ModelInfo, settings: ServerSettings | 
                   lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.on_engine_dead = None
     install_handlers(app)
+    app.add_middleware(ArrivalTime)
     tracker = RequestTracker()  # the dashboard's table of requests in flight
     served = TrackingEngine(engine, tracker)
     completion = OpenAIServingCompletion(served, model, max_logprobs=settings.max_logprobs)
@@ -214,6 +215,19 @@ def build_app(engine: AsyncEngine, model: ModelInfo, settings: ServerSettings | 
     if not settings.disable_docs:
         _add_docs(app, auth)
     return app
+
+
+class ArrivalTime:
+    """Stamps ``request.state.arrival_time`` (monotonic) as a request comes in: a request's TTFT
+    and latency metrics start there, not after the event loop has parsed and tokenized it."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            scope.setdefault("state", {})["arrival_time"] = time.monotonic()
+        await self.app(scope, receive, send)
 
 
 def _add_docs(app: FastAPI, auth: Any) -> None:

@@ -12,7 +12,6 @@ const PagedMarkdown = (() => {
   function emphasis(html) {
     return html
       .replace(/\*\*([^*\n]+)\*\*/g, "<strong>$1</strong>")
-      .replace(/__([^_\n]+)__/g, "<strong>$1</strong>")
       .replace(/(^|[^*\w])\*([^*\s][^*\n]*?)\*(?!\w)/g, "$1<em>$2</em>")
       .replace(/\[([^\]\n]+)\]\((https?:\/\/[^\s)"]+)\)/g,
         '<a href="$2" target="_blank" rel="noopener noreferrer">$1</a>');
@@ -42,7 +41,9 @@ const PagedMarkdown = (() => {
     const out = [];
     let para = [];
     const flush = () => {
-      if (para.length) out.push("<p>" + para.map(inline).join("<br>") + "</p>");
+      // Line breaks and indentation are kept (the stylesheet pre-wraps paragraphs): models
+      // often answer with plain lines or unfenced code.
+      if (para.length) out.push("<p>" + para.map(inline).join("\n") + "</p>");
       para = [];
     };
     for (let i = 0; i < lines.length; i++) {
