@@ -23,6 +23,8 @@ _EPILOG = """examples:
   pagedllm serve                              serve the bundled demo model on 127.0.0.1:8000
   pagedllm serve ./my-llama --device cuda --port 8080 --api-key s3cret
   pagedllm generate ./my-llama --prompt "def fibonacci(n):" --max-tokens 64
+  pagedllm chat --url http://127.0.0.1:8000   chat in the terminal (the browser: open the URL)
+  pagedllm bench serve --url http://127.0.0.1:8000 --num-prompts 100 --request-rate 4
 """
 
 
