@@ -359,7 +359,11 @@ def plot_state(driver: Any, canvas: str) -> tuple[int, dict[str, float], str]:
 
 
 def test_dashboard_plots_move_under_load_and_abort_works(server: Any, browser: Any) -> None:
-    open_page(browser, server, "/dashboard")
+    open_page(browser, server, "/dashboard", key=None, clear=True)
+    wait_for(lambda: by_id(browser, "key-dialog").is_displayed(), what="the API key dialog")
+    assert plot_state(browser, "plot-tps")[0] == 0  # no data without the key
+    by_id(browser, "key-input").send_keys(API_KEY)
+    by_id(browser, "key-save").click()
     wait_for(lambda: plot_state(browser, "plot-tps")[0] > 0, what="the first sample")
     server.wait_idle()
     time.sleep(1.2)  # one idle sample
