@@ -194,6 +194,9 @@ def _report(
         "tpot_ms": summarize(tpot),
         "itl_ms": summarize([t for r in ok for t in r.itl]),
         "e2e_ms": summarize([r.e2e for r in ok]),
+        # Per request, in seconds, for whoever wants other statistics than the ones above.
+        "ttfts_s": [r.ttft for r in ok],
+        "tpots_s": tpot,
     }
 
 
