@@ -8,6 +8,11 @@ PY="$VENV/bin/python"
 # Ray runs the multi-machine executor's tests on a local cluster; it leaves torch as it is.
 "$PY" -c "import ray" 2>/dev/null || "$PY" -m pip install -q --disable-pip-version-check \
     -r ci/requirements-ray.txt
+# The web pages are tested in the system's headless Chromium (selenium), `pagedllm chat` in a
+# pseudo-terminal (pexpect).
+bash ci/install_browser.sh
+"$PY" -c "import selenium, pexpect" 2>/dev/null || "$PY" -m pip install -q \
+    --disable-pip-version-check -r ci/requirements-web.txt
 "$PY" -m pytest -q -p no:cacheprovider -m "not gpu and not xpu" tests "$@"
 for bench in benchmarks/throughput.py benchmarks/attention_cpu.py benchmarks/engine_overhead.py \
              benchmarks/prefix_caching.py benchmarks/chunked_prefill.py benchmarks/serving.py \

@@ -40,6 +40,7 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving_base import ModelInfo
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.web import RequestTracker, TrackingEngine, mount_web
 
 logger = logging.getLogger(__name__)
 
@@ -139,8 +140,11 @@ def build_app(engine: AsyncEngine, model: ModelInfo, settings: ServerSettings | 
                   lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.on_engine_dead = None
     install_handlers(app)
-    completion = OpenAIServingCompletion(engine, model, max_logprobs=settings.max_logprobs)
-    chat = OpenAIServingChat(engine, model, chat_template=settings.chat_template,
+    app.add_middleware(ArrivalTime)
+    tracker = RequestTracker()  # the dashboard's table of requests in flight
+    served = TrackingEngine(engine, tracker)
+    completion = OpenAIServingCompletion(served, model, max_logprobs=settings.max_logprobs)
+    chat = OpenAIServingChat(served, model, chat_template=settings.chat_template,
                              max_logprobs=settings.max_logprobs,
                              tool_call_parser=settings.tool_call_parser)
     metrics = ServerMetrics(engine)
@@ -209,9 +213,23 @@ def build_app(engine: AsyncEngine, model: ModelInfo, settings: ServerSettings | 
         return {"prompt": engine.tokenizer.decode(req.tokens)}
 
     app.include_router(extra)
+    mount_web(app, engine=engine, metrics=metrics, tracker=tracker, auth=auth)
     if not settings.disable_docs:
         _add_docs(app, auth)
     return app
+
+
+class ArrivalTime:
+    """Stamps ``request.state.arrival_time`` (monotonic) as a request comes in: a request's TTFT
+    and latency metrics start there, not after the event loop has parsed and tokenized it."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            scope.setdefault("state", {})["arrival_time"] = time.monotonic()
+        await self.app(scope, receive, send)
 
 
 def _add_docs(app: FastAPI, auth: Any) -> None:

@@ -158,6 +158,11 @@ async def merge_streams(
             task.cancel()
 
 
+def arrival_time(request: Request | None) -> float | None:
+    """When the HTTP request came in (stamped by the app's middleware), for TTFT metrics."""
+    return getattr(request.state, "arrival_time", None) if request is not None else None
+
+
 class ServingBase:
     """Shared by the completion and chat handlers; one instance per app."""
 
@@ -290,7 +295,8 @@ class ServingBase:
                 try:
                     with engine_errors():
                         streams.append(await self.engine.add_request(
-                            f"{request_id}-{i}", engine_prompt, sp, priority=priority))
+                            f"{request_id}-{i}", engine_prompt, sp, priority=priority,
+                            arrival_time=arrival_time(raw_request)))
                 except ValueError as exc:
                     raise from_value_error(
                         exc, default_param=self.prompt_param,
