@@ -17,11 +17,14 @@ Contract every attention backend keeps, so that the cache engine and the tests s
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 #: ``kv_cache_dtype`` names (besides "auto", the compute dtype) and what the cache stores.
 KV_CACHE_DTYPES: dict[str, torch.dtype] = {
@@ -178,11 +181,15 @@ class AttentionBackend(ABC):
         """Which code path runs, for the log line at engine start (an ISA level, say)."""
         return "generic"
 
-    @abstractmethod
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
     ) -> tuple[int, ...]:
-        """Shape of one layer's cache; dim 0 is 2 (K, V) and dim 1 the block index."""
+        """Shape of one layer's cache, the one layout of every kernel and of the reference.
+
+        ``[2 (K, V), num_blocks, num_kv_heads, block_size, head_size]``: the keys of one
+        (block, KV head) pair are one contiguous ``[block_size, head_size]`` panel.
+        """
+        return (2, num_blocks, num_kv_heads, block_size, head_size)
 
     @abstractmethod
     def write_kv(
@@ -324,9 +331,40 @@ class DeviceBackend(ABC):
     def device(self, rank: int = 0) -> torch.device:
         """The torch device for a worker of this rank."""
 
-    @abstractmethod
+    #: The attention kinds ``attention_backend="auto"`` tries on this device, best first; the
+    #: first that constructs (its library imports, its extension builds) is used.
+    attention_kinds: tuple[str, ...] = ()
+
     def attention(self, kind: str | None = None) -> AttentionBackend:
-        """The attention backend; ``kind`` picks among alternatives (e.g. "torch", "triton")."""
+        """The attention backend: ``kind`` names one from the registry, or "auto"/None.
+
+        Any kind registered for this device may be named (see ``backends/registry.py``); "auto"
+        walks :attr:`attention_kinds` and reports every failure if none constructs.
+        """
+        from pagedllm.backends.registry import attention_class, attention_kinds_on
+
+        kind = kind or "auto"
+        if kind != "auto":
+            offered = attention_kinds_on(self.name)
+            if kind not in offered:
+                raise ValueError(
+                    f"attention_backend: {kind!r} does not run on device {self.name!r}; "
+                    f"choose one of {['auto', *offered]}"
+                )
+            return attention_class(kind)()
+        failures: list[str] = []
+        for candidate in self.attention_kinds:
+            try:
+                return attention_class(candidate)()
+            except (ImportError, RuntimeError, OSError) as exc:
+                logger.warning("attention kind %r unavailable on %s: %s", candidate, self.name, exc)
+                failures.append(f"{candidate}: {exc}")
+        raise ImportError(
+            f"device={self.name!r} has no usable attention kernels ({'; '.join(failures)})"
+        )
+
+    #: The cache engine class as ``"module:Class"`` (a device may keep host pools its own way).
+    cache_engine_class: str = "pagedllm.backends.base:CacheEngine"
 
     def make_cache_engine(
         self,
@@ -337,7 +375,9 @@ class DeviceBackend(ABC):
         attention: AttentionBackend,
         rank: int = 0,
     ) -> CacheEngine:
-        return CacheEngine(
+        from pagedllm.lazy import load_object
+
+        return load_object(self.cache_engine_class)(
             spec,
             attention,
             device=self.device(rank),
@@ -345,22 +385,27 @@ class DeviceBackend(ABC):
             num_host_blocks=num_host_blocks,
         )
 
-    @abstractmethod
-    def free_memory_bytes(self, rank: int = 0) -> int:
-        """Memory still free on the device."""
+    # -- memory: four primitives an accelerator supplies, one budget formula over them ----------
+    def mem_get_info(self, rank: int = 0) -> tuple[int, int]:
+        """``(free, total)`` bytes of the device as its driver reports them."""
+        raise NotImplementedError(f"device {self.name!r} reports no memory statistics")
 
-    def total_memory_bytes(self, rank: int = 0) -> int:
-        return self.free_memory_bytes(rank)
+    def memory_reserved(self, rank: int = 0) -> int:
+        """Bytes the framework's caching allocator holds (used or cached) on the device."""
+        raise NotImplementedError(f"device {self.name!r} has no caching allocator")
 
     def profile_peak_bytes(self, fn: Callable[[], object], rank: int = 0) -> int:
-        """Run ``fn`` and return the peak device memory in use while it ran.
+        """Run ``fn``; the allocator's peak during it beyond what was allocated before."""
+        raise NotImplementedError(f"device {self.name!r} has no allocator statistics")
 
-        The peak includes everything held before ``fn`` (the weights), so that
-        ``total * utilisation - peak`` is what the KV cache may take. Devices without allocator
-        statistics return 0: their KV budget is given explicitly.
-        """
-        fn()
-        return 0
+    def empty_cache(self, rank: int = 0) -> None:
+        """Hand the allocator's cached, unused blocks back to the device."""
+
+    def free_memory_bytes(self, rank: int = 0) -> int:
+        return self.mem_get_info(rank)[0]
+
+    def total_memory_bytes(self, rank: int = 0) -> int:
+        return self.mem_get_info(rank)[1]
 
     def kv_cache_budget_bytes(
         self,
@@ -370,14 +415,35 @@ class DeviceBackend(ABC):
         cpu_kv_cache_bytes: int,
         rank: int = 0,
     ) -> int:
-        """Bytes the KV cache may take, measured as vLLM does on accelerators.
+        """Bytes the KV cache may take: ``total * utilisation`` minus all in use at the peak.
 
-        ``profile`` runs a forward pass at the largest batch the scheduler can form; what it
-        needed at its peak (weights included) is subtracted from the utilisation target. The
-        CPU backend overrides this: there the budget is given (``kv_cache_space``).
+        In use = what the device held before profiling (weights, the runtime's context, other
+        processes: ``total - free``) + the allocator's activation peak while ``profile`` runs a
+        forward pass at the largest batch the scheduler can form + memory that grew outside the
+        allocator meanwhile (BLAS workspaces, collective buffers). The CPU overrides this: there
+        the budget is given (``kv_cache_space``).
         """
-        peak = self.profile_peak_bytes(profile, rank)
-        return int(self.total_memory_bytes(rank) * gpu_memory_utilization) - peak
+        self.empty_cache(rank)
+        free_before, total = self.mem_get_info(rank)
+        reserved_before = self.memory_reserved(rank)
+        activation_peak = self.profile_peak_bytes(profile, rank)
+        free_after, _ = self.mem_get_info(rank)
+        reserved_grew = self.memory_reserved(rank) - reserved_before
+        outside = max(0, (free_before - free_after) - reserved_grew)
+        self.empty_cache(rank)  # hand the profiling activations back before the KV cache
+        held = total - free_before
+        budget = int(total * gpu_memory_utilization) - (held + activation_peak + outside)
+        gib = float(1 << 30)
+        logger.info(
+            "KV budget %.2f GiB = %.2f GiB x %.2f - held %.2f - activations %.2f - other %.2f",
+            budget / gib,
+            total / gib,
+            gpu_memory_utilization,
+            held / gib,
+            activation_peak / gib,
+            outside / gib,
+        )
+        return max(0, budget)
 
     def prepare_model(self, model: torch.nn.Module) -> None:
         """Device-specific tuning of a loaded model (repacked weights, say); default: none."""

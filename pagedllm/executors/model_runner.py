@@ -26,14 +26,12 @@ class ModelRunner:
         *,
         device: torch.device,
         block_size: int,
-        eos_token_id: int | None,
         seed: int,
     ) -> None:
         self.model = model
         self.attention = attention
         self.device = device
         self.block_size = block_size
-        self.eos_token_id = eos_token_id
         self.sampler = Sampler(seed=seed, device=device)
 
     @torch.inference_mode()
@@ -84,12 +82,13 @@ class ModelRunner:
                         s.output_len,
                         s.history,
                         sample_index=s.sample_index + k,
+                        eos_token_ids=s.eos_token_ids,
                     )
                 )
                 source.append(j)
         if len(rows) != len(source) or len(rows) != logits.shape[0]:
             logits = logits[torch.tensor(source, device=logits.device)]
-        out = self.sampler(logits, rows, eos_token_id=self.eos_token_id)
+        out = self.sampler(logits, rows)
         result: dict[int, SampledToken] = {}
         for j, row in enumerate(rows):
             token = SampledToken(
