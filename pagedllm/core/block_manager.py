@@ -162,10 +162,13 @@ class BlockSpaceManager:
             return None
         return -(-self.sliding_window // self.block_size) + 1
 
-    def _initial_blocks(self, seq: Sequence) -> int:
-        """Blocks a waiting sequence gets at admission (all of them, or a window's worth)."""
+    def _initial_blocks(self, seq: Sequence, *, lazy: bool = True) -> int:
+        """Blocks a waiting sequence gets at admission (all of them, or a window's worth).
+
+        Only a lone prompt is chunked; recomputed forks are prefilled whole (``lazy=False``).
+        """
         needed = seq.num_blocks_needed()
-        if self.lazy_prompt_blocks:
+        if self.lazy_prompt_blocks and lazy:
             return min(needed, self.window_blocks() or needed)
         return needed
 
@@ -179,7 +182,7 @@ class BlockSpaceManager:
 
     def can_allocate(self, group: SequenceGroup) -> AllocStatus:
         seqs = self._distinct_waiting(group)
-        needed = sum(self._initial_blocks(s) for s in seqs)
+        needed = sum(self._initial_blocks(s, lazy=len(seqs) == 1) for s in seqs)
         if self.num_device_blocks - needed < self.watermark_blocks:
             return AllocStatus.NEVER
         # Prefix-cache hits on blocks other sequences hold cost no free block.
@@ -241,14 +244,14 @@ class BlockSpaceManager:
                 self._set_table(s, list(table), cached)
         else:
             for s in seqs:
-                self._set_table(s, *self._allocate_seq(s))
+                self._set_table(s, *self._allocate_seq(s, lazy=False))
 
     def _set_table(self, seq: Sequence, table: list[int], cached_blocks: int) -> None:
         self.block_tables[seq.seq_id] = table
         self._num_marked[seq.seq_id] = cached_blocks
         seq.num_computed_tokens = min(cached_blocks * self.block_size, seq.get_len() - 1)
 
-    def _allocate_seq(self, seq: Sequence) -> tuple[list[int], int]:
+    def _allocate_seq(self, seq: Sequence, *, lazy: bool = True) -> tuple[list[int], int]:
         hits = self._cached_prefix(seq)
         if self.enable_caching:
             self.prefix_stats.queries += seq.get_len() // self.block_size
@@ -256,7 +259,7 @@ class BlockSpaceManager:
         bs = self.block_size
         table: list[int] = []
         parent: int | None = None
-        for i in range(self._initial_blocks(seq)):
+        for i in range(self._initial_blocks(seq, lazy=lazy)):
             chunk = tuple(seq.token_slice(i * bs, (i + 1) * bs))
             if i < len(hits):
                 parent = block_hash(parent, chunk)

@@ -18,8 +18,9 @@ import sys
 import pytest
 import torch
 
-from pagedllm.backends.base import AttentionMetadata, CacheSpec, build_attention_metadata
+from pagedllm.backends.base import AttentionMetadata, CacheSpec
 from pagedllm.backends.reference import ReferenceAttention
+from tests.backends import test_attention_conformance as conformance
 
 ON_CUDA = torch.cuda.is_available()
 if not ON_CUDA:
@@ -68,35 +69,17 @@ def _paged_batch(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
 ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A random cache (garbage in every unused slot) and a batch; blocks assigned at random.
-
-    Returns (cache in the Triton layout, metadata, query, key, value) with the new tokens'
-    keys/values not yet written.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    need = [-(-(ctx + q) // block_size) for ctx, q in seqs]
-    num_blocks = sum(need) + 3
-    free = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, slots = [], []
-    for (ctx, q), n in zip(seqs, need, strict=True):
-        table = [free.pop() for _ in range(n)]
-        tables.append(table)
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(ctx, ctx + q)]
-    meta = build_attention_metadata(
-        num_prefills=num_prefills,
-        seq_lens=[c + q for c, q in seqs],
-        query_lens=[q for _, q in seqs],
-        slot_mapping=slots,
-        block_tables=tables,
+    """(cache, metadata, query, key, value): the conformance module's batch, on DEVICE."""
+    query, key, value, cache, meta = conformance.make_batch(
+        seqs,
+        num_prefills,
         block_size=block_size,
+        heads=(num_heads, num_kv_heads),
+        head_size=head_size,
+        dtype=dtype,
         device=DEVICE,
+        seed=seed,
     )
-    shape = (2, num_blocks, num_kv_heads, block_size, head_size)
-    cache = torch.randn(shape, generator=gen).to(dtype=dtype, device=DEVICE)
-    t = meta.num_tokens
-    query = torch.randn((t, num_heads, head_size), generator=gen).to(dtype=dtype, device=DEVICE)
-    key = torch.randn((t, num_kv_heads, head_size), generator=gen).to(dtype=dtype, device=DEVICE)
-    value = torch.randn((t, num_kv_heads, head_size), generator=gen).to(dtype=dtype, device=DEVICE)
     return cache, meta, query, key, value
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pagedllm import Engine, SamplingParams
-from tests.conftest import MODEL_SPECS, build_tokenizer, make_hf_config
+from tests.conftest import build_model
 from tests.hf_reference import assert_greedy_match, hf_greedy
 
 WINDOW, BLOCK, NUM_BLOCKS, PROMPT_LEN, NEW = 24, 8, 10, 200, 8
@@ -18,20 +18,8 @@ WINDOW, BLOCK, NUM_BLOCKS, PROMPT_LEN, NEW = 24, 8, 10, 200, 8
 
 @pytest.fixture(scope="module")
 def windowed_mistral(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import torch
-    from transformers import AutoModelForCausalLM
-
     folder = tmp_path_factory.mktemp("mistral-window")
-    tokenizer = build_tokenizer(folder)
-    config = make_hf_config({**MODEL_SPECS["mistral"], "sliding_window": WINDOW}, len(tokenizer))
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.08)
-    model.save_pretrained(str(folder))
-    return folder
+    return build_model(folder, "mistral", sliding_window=WINDOW)
 
 
 def test_long_prompt_runs_in_a_cache_smaller_than_the_sequence(windowed_mistral: Path) -> None:
