@@ -27,7 +27,7 @@ _CHILD = r"""
 import json, resource, sys, time, torch
 from pagedllm.backends.cpu._ops import cpu_model_name
 from pagedllm.backends.cpu.backend import CpuBackend
-from pagedllm.models.loader import load_hf_config, load_model
+from pagedllm.models.model_loader import load_hf_config, load_model
 
 path, dtype = sys.argv[1], getattr(torch, sys.argv[2])
 backend = CpuBackend()

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The "gpu" leg of the CI matrix. Runs anywhere: without a CUDA device the Triton kernels run on
 # CPU tensors under Triton's interpreter (TRITON_INTERPRET=1), and are also compiled to sm_80/sm_90
-# cubins (no GPU needed) by tests/backends/test_triton_kernels.py.
+# cubins (no GPU needed) by tests/backends/test_triton_kernels.py. The kernel-vs-reference matrix
+# is the "triton" kind of tests/backends/test_attention_conformance.py (marked gpu).
 #
 #   ci/gpu.sh                 # creates .venvs/gpu once (torch 2.13.0 CPU + '.[dev]' + triton)
 #   VENV=.venv ci/gpu.sh      # reuse an existing environment; only triton is added if missing
@@ -27,6 +28,7 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
 fi
 
 "$PY" -m pytest -q -rfEs -p no:cacheprovider -m gpu \
-    tests/backends/test_triton_kernels.py tests/backends/test_triton_engine.py
+    tests/backends/test_attention_conformance.py tests/backends/test_triton_kernels.py \
+    tests/backends/test_triton_engine.py
 "$PY" benchmarks/attention_gpu.py --smoke > /dev/null
 echo "benchmark smoke run: ok"

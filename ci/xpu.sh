@@ -51,4 +51,6 @@ print(f"ci/xpu.sh: torch {torch.__version__}, intel_extension_for_pytorch {ipex.
       f"xpu available: {torch.xpu.is_available()}")
 PY
 
+# The "ipex" kind of the kernel conformance matrix (marked xpu), then IPEX's own tests.
+"$VENV/bin/python" -m pytest tests/backends/test_attention_conformance.py -m xpu -q -rfEs "$@"
 exec "$VENV/bin/python" -m pytest tests/backends/test_ipex_*.py -q -rfEs "$@"

@@ -162,37 +162,87 @@ class EngineConfig:
     device: str  # resolved: "cpu" | "cuda" | "xpu"
 
 
+def _device_names() -> list[str]:
+    from pagedllm.backends.registry import device_names  # lazily: no torch for the CLI's help
+
+    return device_names()
+
+
+def engine_arg(default: Any, help: str, *, choices: Any = None, cli: bool = True) -> Any:
+    """An :class:`EngineArgs` field with what its command-line flag needs.
+
+    The CLI builds ``--field-name`` from the field (type from its annotation, ``help``,
+    ``choices``: a sequence or a callable returning one); ``cli=False`` keeps a field off the
+    command line (set by the server itself, or not for users). A new engine argument is one field
+    here; the CLI and ``EngineArgs.from_kwargs`` pick it up.
+    """
+    meta = {"help": help, "choices": choices, "cli": cli}
+    return dataclasses.field(default=default, metadata=meta)
+
+
 @dataclass
 class EngineArgs:
     """Keyword arguments as vLLM users know them, turned into an :class:`EngineConfig`."""
 
-    model: str
-    tokenizer: str | None = None
-    device: str = "auto"
-    dtype: str = "auto"
-    block_size: int = 16
-    kv_cache_dtype: str = "auto"
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    kv_cache_space: float | None = None
-    gpu_memory_utilization: float = 0.9
-    swap_space: float = 1.0
-    preemption_mode: str | None = None
-    seed: int = 0
-    num_kv_blocks: int | None = None
-    enable_prefix_caching: bool = False
-    enable_chunked_prefill: bool = False
-    scheduler_delay_factor: float = 0.0
-    scheduling_policy: str = "fcfs"
-    attention_backend: str | None = None
-    served_model_name: str | None = None
-    tensor_parallel_size: int = 1
-    distributed_executor_backend: str | None = None
-    trust_remote_code: bool = False
-    skip_tokenizer_init: bool = False
-    max_logprobs: int = 20  # the most logprobs / prompt_logprobs one request may ask for
-    quantization: str | None = None
+    model: str = engine_arg(dataclasses.MISSING, "Hugging Face model folder", cli=False)
+    tokenizer: str | None = engine_arg(None, "tokenizer folder (default: the model's)")
+    device: str = engine_arg(
+        "auto",
+        "device to run on (default: auto = cuda, then xpu, then cpu)",
+        choices=_device_names,
+    )
+    dtype: str = engine_arg(
+        "auto", "weight and activation dtype (default: auto, from the model)", choices=_DTYPES
+    )
+    block_size: int = engine_arg(16, "tokens per KV block (default 16)")
+    kv_cache_dtype: str = engine_arg(
+        "auto",
+        "KV-cache storage dtype (default: auto = the model's dtype)",
+        choices=_KV_CACHE_DTYPES,
+    )
+    max_model_len: int | None = engine_arg(None, "context window (default: the model's)")
+    max_num_seqs: int = engine_arg(256, "max sequences per batch (default 256)")
+    max_num_batched_tokens: int | None = engine_arg(None, "max tokens per step")
+    kv_cache_space: float | None = engine_arg(
+        None, "GiB of KV cache on the CPU (default: $PAGEDLLM_CPU_KVCACHE_SPACE or 4)"
+    )
+    gpu_memory_utilization: float = engine_arg(
+        0.9, "fraction of GPU memory the engine may use (default 0.9)"
+    )
+    swap_space: float = engine_arg(1.0, "GiB of host memory for swapping (default 1)")
+    preemption_mode: str | None = engine_arg(
+        None,
+        "how to preempt when blocks run out (default: swap groups, else recompute)",
+        choices=_PREEMPTION_MODES[1:],
+    )
+    seed: int = engine_arg(0, "random seed (default 0)")
+    num_kv_blocks: int | None = engine_arg(None, "fix the number of KV blocks (testing)")
+    enable_prefix_caching: bool = engine_arg(False, "reuse KV blocks of shared prompt prefixes")
+    enable_chunked_prefill: bool = engine_arg(
+        False, "split long prefills and batch them with decodes"
+    )
+    scheduler_delay_factor: float = engine_arg(
+        0.0, "hold prompts back this many last-prompt latencies to batch more of them"
+    )
+    scheduling_policy: str = engine_arg("fcfs", "order of waiting requests", choices=_POLICIES)
+    attention_backend: str | None = engine_arg(
+        None, "attention kernel family to use (default: the device's best)"
+    )
+    served_model_name: str | None = engine_arg(None, "name clients use", cli=False)
+    tensor_parallel_size: int = engine_arg(1, "number of tensor-parallel workers")
+    distributed_executor_backend: str | None = engine_arg(
+        None, "how tensor-parallel workers run", choices=("uni", "mp", "ray")
+    )
+    trust_remote_code: bool = engine_arg(False, "never honoured: remote code is not run", cli=False)
+    skip_tokenizer_init: bool = engine_arg(False, "prompts are token ids, no text", cli=False)
+    max_logprobs: int = engine_arg(
+        20, "the most logprobs / prompt_logprobs one request may ask for", cli=False
+    )
+    quantization: str | None = engine_arg(
+        None,
+        "weight-only quantization of linear layers (int8: per-channel, at load)",
+        choices=_QUANTIZATIONS[1:],
+    )
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:

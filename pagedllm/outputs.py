@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -43,4 +43,3 @@ class RequestOutput:
     # the server's fault, not the client's input.
     failed: bool = False
     num_cached_tokens: int = 0
-    extra: dict[str, object] = field(default_factory=dict)

@@ -99,12 +99,13 @@ def make_hf_config(spec: dict[str, Any], vocab_size: int) -> Any:
     return cls(**common)
 
 
-def build_model(folder: Path, name: str) -> Path:
+def build_model(folder: Path, name: str, **overrides: Any) -> Path:
+    """The tiny model ``name`` of MODEL_SPECS (config fields overridden) saved in ``folder``."""
     from transformers import AutoModelForCausalLM
 
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(folder)
-    config = make_hf_config(MODEL_SPECS[name], len(tokenizer))
+    config = make_hf_config({**MODEL_SPECS[name], **overrides}, len(tokenizer))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # Random init is near-uniform; widen the weights so greedy choices are well separated.

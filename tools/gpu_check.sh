@@ -47,7 +47,8 @@ step() {  # step NAME SECONDS CMD...
 
 step "triton kernel + engine tests" 180 \
     "$PY" -m pytest -q -rfEs -p no:cacheprovider -m gpu \
-    tests/backends/test_triton_kernels.py tests/backends/test_triton_engine.py
+    tests/backends/test_attention_conformance.py tests/backends/test_triton_kernels.py \
+    tests/backends/test_triton_engine.py
 step "HF equality on cuda/float16" 150 \
     env PAGEDLLM_TEST_DEVICE=cuda PAGEDLLM_TEST_DTYPE=float16 \
     "$PY" -m pytest -q -rfEs -p no:cacheprovider tests/models

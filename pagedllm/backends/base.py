@@ -17,121 +17,38 @@ Contract every attention backend keeps, so that the cache engine and the tests s
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-#: ``kv_cache_dtype`` names (besides "auto", the compute dtype) and what the cache stores.
-KV_CACHE_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp8": torch.float8_e4m3fn,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-}
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+from pagedllm.backends.kv_layout import (
+    FP8_DTYPES,
+    KV_CACHE_DTYPES,
+    AttentionMetadata,
+    build_attention_metadata,
+    byte_view,
+    from_cache_dtype,
+    to_cache_dtype,
+)
 
+__all__ = [
+    "FP8_DTYPES",
+    "KV_CACHE_DTYPES",
+    "AttentionBackend",
+    "AttentionMetadata",
+    "CacheEngine",
+    "CacheSpec",
+    "DeviceBackend",
+    "build_attention_metadata",
+    "byte_view",
+    "from_cache_dtype",
+    "to_cache_dtype",
+]
 
-def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
-    """``x`` as the cache stores it: fp8 holds ``x / scale`` saturated to the format's range."""
-    if dtype in FP8_DTYPES:
-        bound = torch.finfo(dtype).max
-        return (x.float() / scale).clamp(-bound, bound).to(dtype)
-    return x.to(dtype)
-
-
-def from_cache_dtype(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """Cached values as float32 (fp8: times its scale): what every kernel computes with."""
-    if x.dtype in FP8_DTYPES:
-        return x.float() * scale
-    return x.float()
-
-
-def byte_view(cache: torch.Tensor) -> torch.Tensor:
-    """fp8 caches as uint8, for the indexing ops torch has no fp8 kernel for (index_copy_)."""
-    return cache.view(torch.uint8) if cache.dtype in FP8_DTYPES else cache
-
-
-@dataclass
-class AttentionMetadata:
-    """Where each token of a flat batch lives in the paged cache, and what it attends to.
-
-    Sequence ``i`` contributes query tokens ``query_start_loc[i]:query_start_loc[i+1]``; they sit
-    at positions ``context_lens[i] .. seq_lens[i]-1`` and attend causally to every cached token of
-    that sequence, the new ones included. The first ``num_prefills`` sequences are prompt chunks
-    (any query length, earlier tokens possibly cached already); the rest are decodes (one query
-    token each).
-    """
-
-    num_prefills: int
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    slot_mapping: torch.Tensor  # [num_tokens] int64
-    seq_lens: torch.Tensor  # [num_seqs] int32, cached + new tokens after this step
-    context_lens: torch.Tensor  # [num_seqs] int32, tokens already cached before this step
-    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
-    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, padded with 0
-    seq_lens_list: list[int]
-    query_lens_list: list[int]
-    max_query_len: int
-    max_seq_len: int
-    block_size: int
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_lens_list)
-
-    @property
-    def num_decodes(self) -> int:
-        return self.num_seqs - self.num_prefills
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_prefill_tokens + self.num_decode_tokens
-
-
-def build_attention_metadata(
-    *,
-    num_prefills: int,
-    seq_lens: Sequence[int],
-    query_lens: Sequence[int],
-    slot_mapping: Sequence[int],
-    block_tables: Sequence[Sequence[int]],
-    block_size: int,
-    device: torch.device,
-) -> AttentionMetadata:
-    """Turn per-sequence Python lists into the tensors every kernel reads."""
-    num_seqs = len(seq_lens)
-    max_blocks = max((len(t) for t in block_tables), default=0)
-    padded = torch.zeros((num_seqs, max(max_blocks, 1)), dtype=torch.int32)
-    for i, table in enumerate(block_tables):
-        if table:
-            padded[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
-    qsl = [0]
-    for q in query_lens:
-        qsl.append(qsl[-1] + q)
-    num_prefill_tokens = qsl[num_prefills]
-    seq_t = torch.tensor(list(seq_lens), dtype=torch.int32)
-    q_t = torch.tensor(list(query_lens), dtype=torch.int32)
-    return AttentionMetadata(
-        num_prefills=num_prefills,
-        num_prefill_tokens=num_prefill_tokens,
-        num_decode_tokens=qsl[-1] - num_prefill_tokens,
-        slot_mapping=torch.tensor(list(slot_mapping), dtype=torch.int64).to(device),
-        seq_lens=seq_t.to(device),
-        context_lens=(seq_t - q_t).to(device),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(device),
-        block_tables=padded.to(device),
-        seq_lens_list=list(seq_lens),
-        query_lens_list=list(query_lens),
-        max_query_len=max(query_lens, default=0),
-        max_seq_len=max(seq_lens, default=0),
-        block_size=block_size,
-    )
-
+logger = logging.getLogger(__name__)
 
 class AttentionBackend(ABC):
     """Paged attention and the KV-cache layout it reads.
@@ -178,11 +95,15 @@ class AttentionBackend(ABC):
         """Which code path runs, for the log line at engine start (an ISA level, say)."""
         return "generic"
 
-    @abstractmethod
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
     ) -> tuple[int, ...]:
-        """Shape of one layer's cache; dim 0 is 2 (K, V) and dim 1 the block index."""
+        """Shape of one layer's cache, the one layout of every kernel and of the reference.
+
+        ``[2 (K, V), num_blocks, num_kv_heads, block_size, head_size]``: the keys of one
+        (block, KV head) pair are one contiguous ``[block_size, head_size]`` panel.
+        """
+        return (2, num_blocks, num_kv_heads, block_size, head_size)
 
     @abstractmethod
     def write_kv(
@@ -324,9 +245,40 @@ class DeviceBackend(ABC):
     def device(self, rank: int = 0) -> torch.device:
         """The torch device for a worker of this rank."""
 
-    @abstractmethod
+    #: The attention kinds ``attention_backend="auto"`` tries on this device, best first; the
+    #: first that constructs (its library imports, its extension builds) is used.
+    attention_kinds: tuple[str, ...] = ()
+
     def attention(self, kind: str | None = None) -> AttentionBackend:
-        """The attention backend; ``kind`` picks among alternatives (e.g. "torch", "triton")."""
+        """The attention backend: ``kind`` names one from the registry, or "auto"/None.
+
+        Any kind registered for this device may be named (see ``backends/registry.py``); "auto"
+        walks :attr:`attention_kinds` and reports every failure if none constructs.
+        """
+        from pagedllm.backends.registry import attention_class, attention_kinds_on
+
+        kind = kind or "auto"
+        if kind != "auto":
+            offered = attention_kinds_on(self.name)
+            if kind not in offered:
+                raise ValueError(
+                    f"attention_backend: {kind!r} does not run on device {self.name!r}; "
+                    f"choose one of {['auto', *offered]}"
+                )
+            return attention_class(kind)()
+        failures: list[str] = []
+        for candidate in self.attention_kinds:
+            try:
+                return attention_class(candidate)()
+            except (ImportError, RuntimeError, OSError) as exc:
+                logger.warning("attention kind %r unavailable on %s: %s", candidate, self.name, exc)
+                failures.append(f"{candidate}: {exc}")
+        raise ImportError(
+            f"device={self.name!r} has no usable attention kernels ({'; '.join(failures)})"
+        )
+
+    #: The cache engine class as ``"module:Class"`` (a device may keep host pools its own way).
+    cache_engine_class: str = "pagedllm.backends.base:CacheEngine"
 
     def make_cache_engine(
         self,
@@ -337,7 +289,9 @@ class DeviceBackend(ABC):
         attention: AttentionBackend,
         rank: int = 0,
     ) -> CacheEngine:
-        return CacheEngine(
+        from pagedllm.lazy import load_object
+
+        return load_object(self.cache_engine_class)(
             spec,
             attention,
             device=self.device(rank),
@@ -345,22 +299,27 @@ class DeviceBackend(ABC):
             num_host_blocks=num_host_blocks,
         )
 
-    @abstractmethod
-    def free_memory_bytes(self, rank: int = 0) -> int:
-        """Memory still free on the device."""
+    # -- memory: four primitives an accelerator supplies, one budget formula over them ----------
+    def mem_get_info(self, rank: int = 0) -> tuple[int, int]:
+        """``(free, total)`` bytes of the device as its driver reports them."""
+        raise NotImplementedError(f"device {self.name!r} reports no memory statistics")
 
-    def total_memory_bytes(self, rank: int = 0) -> int:
-        return self.free_memory_bytes(rank)
+    def memory_reserved(self, rank: int = 0) -> int:
+        """Bytes the framework's caching allocator holds (used or cached) on the device."""
+        raise NotImplementedError(f"device {self.name!r} has no caching allocator")
 
     def profile_peak_bytes(self, fn: Callable[[], object], rank: int = 0) -> int:
-        """Run ``fn`` and return the peak device memory in use while it ran.
+        """Run ``fn``; the allocator's peak during it beyond what was allocated before."""
+        raise NotImplementedError(f"device {self.name!r} has no allocator statistics")
 
-        The peak includes everything held before ``fn`` (the weights), so that
-        ``total * utilisation - peak`` is what the KV cache may take. Devices without allocator
-        statistics return 0: their KV budget is given explicitly.
-        """
-        fn()
-        return 0
+    def empty_cache(self, rank: int = 0) -> None:
+        """Hand the allocator's cached, unused blocks back to the device."""
+
+    def free_memory_bytes(self, rank: int = 0) -> int:
+        return self.mem_get_info(rank)[0]
+
+    def total_memory_bytes(self, rank: int = 0) -> int:
+        return self.mem_get_info(rank)[1]
 
     def kv_cache_budget_bytes(
         self,
@@ -370,14 +329,35 @@ class DeviceBackend(ABC):
         cpu_kv_cache_bytes: int,
         rank: int = 0,
     ) -> int:
-        """Bytes the KV cache may take, measured as vLLM does on accelerators.
+        """Bytes the KV cache may take: ``total * utilisation`` minus all in use at the peak.
 
-        ``profile`` runs a forward pass at the largest batch the scheduler can form; what it
-        needed at its peak (weights included) is subtracted from the utilisation target. The
-        CPU backend overrides this: there the budget is given (``kv_cache_space``).
+        In use = what the device held before profiling (weights, the runtime's context, other
+        processes: ``total - free``) + the allocator's activation peak while ``profile`` runs a
+        forward pass at the largest batch the scheduler can form + memory that grew outside the
+        allocator meanwhile (BLAS workspaces, collective buffers). The CPU overrides this: there
+        the budget is given (``kv_cache_space``).
         """
-        peak = self.profile_peak_bytes(profile, rank)
-        return int(self.total_memory_bytes(rank) * gpu_memory_utilization) - peak
+        self.empty_cache(rank)
+        free_before, total = self.mem_get_info(rank)
+        reserved_before = self.memory_reserved(rank)
+        activation_peak = self.profile_peak_bytes(profile, rank)
+        free_after, _ = self.mem_get_info(rank)
+        reserved_grew = self.memory_reserved(rank) - reserved_before
+        outside = max(0, (free_before - free_after) - reserved_grew)
+        self.empty_cache(rank)  # hand the profiling activations back before the KV cache
+        held = total - free_before
+        budget = int(total * gpu_memory_utilization) - (held + activation_peak + outside)
+        gib = float(1 << 30)
+        logger.info(
+            "KV budget %.2f GiB = %.2f GiB x %.2f - held %.2f - activations %.2f - other %.2f",
+            budget / gib,
+            total / gib,
+            gpu_memory_utilization,
+            held / gib,
+            activation_peak / gib,
+            outside / gib,
+        )
+        return max(0, budget)
 
     def prepare_model(self, model: torch.nn.Module) -> None:
         """Device-specific tuning of a loaded model (repacked weights, say); default: none."""

@@ -1,8 +1,10 @@
 """Plain-PyTorch paged attention: the oracle every backend's kernels are tested against.
 
 It walks each sequence's block table in Python and does textbook attention, so it is slow and
-obviously right. Layout of one layer's cache: ``[2, num_blocks, block_size, num_kv_heads,
-head_size]``. Any cache dtype: keys and values are widened to float32 (fp8 times its scale)
+obviously right. Layout of one layer's cache, the one every kernel reads: ``[2, num_blocks,
+num_kv_heads, block_size, head_size]`` (a (block, KV head) tile is one contiguous
+``[block_size, head_size]`` panel), so a test hands the very same cache to a kernel and to the
+oracle. Any cache dtype: keys and values are widened to float32 (fp8 times its scale)
 before the math, which is float32 throughout; the output has the query's dtype. Only the
 ``seq_len`` written tokens of a sequence are ever read, and masking is a select (-inf before the
 softmax), so never-written slots cannot leak into an output whatever they hold.
@@ -24,11 +26,12 @@ def gather_seq_kv(
     kv_cache: torch.Tensor, block_table: list[int], seq_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of the first ``seq_len`` tokens of one sequence, each [seq_len, kvh, d]."""
-    block_size = kv_cache.shape[2]
+    _, _, kv_heads, block_size, head_size = kv_cache.shape
     num_blocks = (seq_len + block_size - 1) // block_size
     idx = torch.tensor(block_table[:num_blocks], dtype=torch.long, device=kv_cache.device)
-    k = kv_cache[0, idx].reshape(-1, kv_cache.shape[3], kv_cache.shape[4])[:seq_len]
-    v = kv_cache[1, idx].reshape(-1, kv_cache.shape[3], kv_cache.shape[4])[:seq_len]
+    # [n, kvh, block_size, d] -> [n, block_size, kvh, d] -> token rows
+    k = kv_cache[0, idx].transpose(1, 2).reshape(-1, kv_heads, head_size)[:seq_len]
+    v = kv_cache[1, idx].transpose(1, 2).reshape(-1, kv_heads, head_size)[:seq_len]
     return k, v
 
 
@@ -64,11 +67,6 @@ class ReferenceAttention(AttentionBackend):
     supported_kv_cache_dtypes = ("float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
     kv_cache_dtype_follows_compute = False
 
-    def kv_cache_shape(
-        self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
-    ) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
-
     def write_kv(
         self,
         key: torch.Tensor,
@@ -81,11 +79,12 @@ class ReferenceAttention(AttentionBackend):
     ) -> None:
         keep = slot_mapping >= 0  # -1: a padding token, never stored
         slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
-        block_size = kv_cache.shape[2]
+        block_size = kv_cache.shape[3]
         blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
         offsets = slot_mapping % block_size
-        kv_cache[0, blocks, offsets] = to_cache_dtype(key, kv_cache.dtype, k_scale)
-        kv_cache[1, blocks, offsets] = to_cache_dtype(value, kv_cache.dtype, v_scale)
+        # Advanced indices around a slice: the indexed view is [num_tokens, kvh, d].
+        kv_cache[0, blocks, :, offsets] = to_cache_dtype(key, kv_cache.dtype, k_scale)
+        kv_cache[1, blocks, :, offsets] = to_cache_dtype(value, kv_cache.dtype, v_scale)
 
     def forward(
         self,

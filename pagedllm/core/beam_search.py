@@ -10,11 +10,22 @@ The stopping rules follow Hugging Face transformers' ``generate(num_beams=...)``
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from pagedllm.core.block_manager import BlockSpaceManager
 from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+class BlockTableOwner(Protocol):
+    """Who holds the block tables (the scheduler): beams fork and free through it."""
+
+    def next_seq_id(self) -> int: ...
+
+    def fork(
+        self, group: SequenceGroup, parent: Sequence, *, index: int | None = None
+    ) -> Sequence: ...
+
+    def free(self, group: SequenceGroup, seq: Sequence) -> None: ...
 
 
 @dataclass
@@ -35,9 +46,8 @@ class _Candidate:
 def beam_step(
     group: SequenceGroup,
     *,
-    block_manager: BlockSpaceManager,
-    next_seq_id: Callable[[], int],
-    eos_token_ids: set[int],
+    tables: BlockTableOwner,
+    eos_token_ids: frozenset[int] | set[int],
     max_model_len: int,
 ) -> None:
     params = group.sampling_params
@@ -72,7 +82,7 @@ def beam_step(
         elif len(selected) < width:
             selected.append(c)
     for score, c in new_finished:
-        hyp = c.parent.fork(next_seq_id())
+        hyp = c.parent.fork(tables.next_seq_id())  # a finished hypothesis holds no blocks
         hyp.append_token(c.token, c.logprob, None)
         hyp.status = (
             SequenceStatus.FINISHED_STOPPED
@@ -82,7 +92,7 @@ def beam_step(
         state.finished.append((score, hyp))
     state.finished.sort(key=lambda x: -x[0])
     del state.finished[width:]
-    _advance_beams(group, beams, selected, block_manager, next_seq_id)
+    _advance_beams(group, beams, selected, tables)
     _update_stopping(group, state, selected, gen_len, max_new, width)
 
 
@@ -90,8 +100,7 @@ def _advance_beams(
     group: SequenceGroup,
     beams: list[Sequence],
     selected: list[_Candidate],
-    block_manager: BlockSpaceManager,
-    next_seq_id: Callable[[], int],
+    tables: BlockTableOwner,
 ) -> None:
     if not selected:
         return  # the search ends; the beams are finished (and freed) as they are
@@ -102,14 +111,11 @@ def _advance_beams(
         picks = by_parent.get(beam.seq_id)
         if not picks:
             beam.status = SequenceStatus.FINISHED_ABORTED
-            block_manager.free(beam)
-            group.remove_seq(beam.seq_id)
+            tables.free(group, beam)
             continue
         # Fork before the parent takes its own token, so every child shares its blocks.
         for c in picks[1:]:
-            child = beam.fork(next_seq_id())
-            block_manager.fork(beam, child)
-            group.add_seq(child)
+            child = tables.fork(group, beam)
             child.append_token(c.token, c.logprob, None)
         beam.append_token(picks[0].token, picks[0].logprob, None)
 

@@ -135,11 +135,15 @@ class BlockSpaceManager:
         watermark: float = 0.01,
         enable_caching: bool = False,
         sliding_window: int | None = None,
+        lazy_prompt_blocks: bool = False,
     ) -> None:
         self.block_size = block_size
         # With a sliding window on every layer, blocks that fell out of it are released early;
         # their ids stay in the table as placeholders the kernels mask out and never write.
         self.sliding_window = sliding_window
+        # Block sliding window for prompts (chunked prefill): a prompt gets blocks chunk by
+        # chunk, so one longer than the whole cache runs in a window's worth of blocks.
+        self.lazy_prompt_blocks = lazy_prompt_blocks and sliding_window is not None
         self._dead: dict[int, int] = {}  # seq_id -> leading table entries already released
         self.num_device_blocks = num_device_blocks
         self.num_host_blocks = num_host_blocks
@@ -152,9 +156,33 @@ class BlockSpaceManager:
         self.prefix_stats = PrefixCacheStats()
 
     # -- admission ---------------------------------------------------------------------------
+    def window_blocks(self) -> int | None:
+        """Blocks one sequence holds at most under a block sliding window, chunk excluded."""
+        if self.sliding_window is None:
+            return None
+        return -(-self.sliding_window // self.block_size) + 1
+
+    def _initial_blocks(self, seq: Sequence, *, lazy: bool = True) -> int:
+        """Blocks a waiting sequence gets at admission (all of them, or a window's worth).
+
+        Only a lone prompt is chunked; recomputed forks are prefilled whole (``lazy=False``).
+        """
+        needed = seq.num_blocks_needed()
+        if self.lazy_prompt_blocks and lazy:
+            return min(needed, self.window_blocks() or needed)
+        return needed
+
+    def placeable_tokens(self, seq: Sequence) -> int:
+        """Tokens past the computed ones that can get slots now (lazy prompts wait for blocks)."""
+        if not self.lazy_prompt_blocks:
+            return seq.get_num_uncomputed_tokens()
+        table = self.block_tables[seq.seq_id]
+        spare = max(0, self.device.num_free - self.watermark_blocks)
+        return max(0, (len(table) + spare) * self.block_size - seq.num_computed_tokens)
+
     def can_allocate(self, group: SequenceGroup) -> AllocStatus:
         seqs = self._distinct_waiting(group)
-        needed = sum(s.num_blocks_needed() for s in seqs)
+        needed = sum(self._initial_blocks(s, lazy=len(seqs) == 1) for s in seqs)
         if self.num_device_blocks - needed < self.watermark_blocks:
             return AllocStatus.NEVER
         # Prefix-cache hits on blocks other sequences hold cost no free block.
@@ -216,14 +244,14 @@ class BlockSpaceManager:
                 self._set_table(s, list(table), cached)
         else:
             for s in seqs:
-                self._set_table(s, *self._allocate_seq(s))
+                self._set_table(s, *self._allocate_seq(s, lazy=False))
 
     def _set_table(self, seq: Sequence, table: list[int], cached_blocks: int) -> None:
         self.block_tables[seq.seq_id] = table
         self._num_marked[seq.seq_id] = cached_blocks
         seq.num_computed_tokens = min(cached_blocks * self.block_size, seq.get_len() - 1)
 
-    def _allocate_seq(self, seq: Sequence) -> tuple[list[int], int]:
+    def _allocate_seq(self, seq: Sequence, *, lazy: bool = True) -> tuple[list[int], int]:
         hits = self._cached_prefix(seq)
         if self.enable_caching:
             self.prefix_stats.queries += seq.get_len() // self.block_size
@@ -231,7 +259,7 @@ class BlockSpaceManager:
         bs = self.block_size
         table: list[int] = []
         parent: int | None = None
-        for i in range(seq.num_blocks_needed()):
+        for i in range(self._initial_blocks(seq, lazy=lazy)):
             chunk = tuple(seq.token_slice(i * bs, (i + 1) * bs))
             if i < len(hits):
                 parent = block_hash(parent, chunk)
@@ -286,12 +314,13 @@ class BlockSpaceManager:
 
     def reclaim_out_of_window(self, seq: Sequence) -> int:
         """Release blocks no future token can attend to; returns how many were released."""
-        if self.sliding_window is None or seq.is_prefill() or seq.seq_id not in self.block_tables:
+        if self.sliding_window is None or seq.seq_id not in self.block_tables:
             return 0
         table = self.block_tables[seq.seq_id]
         dead = self._dead.get(seq.seq_id, 0)
-        # The next query sits at position len-1 and reads positions >= len - window.
-        first_needed = max(0, seq.get_len() - self.sliding_window)
+        # The next query sits at the first uncomputed position p and reads positions
+        # > p - window (a decode: p = len - 1; a prompt chunk: where the last one ended).
+        first_needed = max(0, seq.num_computed_tokens - self.sliding_window + 1)
         new_dead = min(first_needed // self.block_size, len(table) - 1)
         for idx in range(dead, new_dead):
             self.device.free(table[idx])

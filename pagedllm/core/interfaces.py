@@ -34,6 +34,8 @@ class ScheduledSeq:
     # Parallel sampling: a prompt's last row is sampled best_of times (seeds keyed by index).
     num_samples: int = 1
     sample_index: int = 0
+    # The request's end-of-sequence ids, which min_tokens keeps from being sampled.
+    eos_token_ids: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)

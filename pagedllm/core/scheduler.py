@@ -51,8 +51,6 @@ class Scheduler:
         self.prev_prompt = False
         self.last_prompt_latency = 0.0
         self._ignored: list[SequenceGroup] = []
-        self._scheduled: list[tuple[SequenceGroup, Sequence, int, bool]] = []
-        self._pending_copies: list[tuple[int, int]] = []
 
     # -- queue management ------------------------------------------------------------------
     def add(self, group: SequenceGroup) -> None:
@@ -75,6 +73,22 @@ class Scheduler:
                     self.block_manager.free(seq, on_host=on_host)
                 aborted.append(group)
         return aborted
+
+    # -- the block tables' owner: forks and frees for beams and parallel samples ---------------
+    def next_seq_id(self) -> int:
+        return self._next_seq_id()
+
+    def fork(self, group: SequenceGroup, parent: Sequence, *, index: int | None = None) -> Sequence:
+        """A new sequence in ``group`` sharing ``parent``'s tokens and KV blocks (copy-on-write)."""
+        child = parent.fork(self._next_seq_id(), index=index)
+        self.block_manager.fork(parent, child)
+        group.add_seq(child)
+        return child
+
+    def free(self, group: SequenceGroup, seq: Sequence) -> None:
+        """Drop ``seq`` from its group and release its blocks (a beam that was not picked)."""
+        self.block_manager.free(seq)
+        group.remove_seq(seq.seq_id)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -173,31 +187,41 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
                 if group.sampling_params.prompt_logprobs is not None:
                     seq.num_computed_tokens = 0  # every prompt position needs its logits
-            chunk = self._prefill_chunk(group, budget, chunked)
+            chunk = self._prefill_chunk(group, budget, step, chunked)
             self.running.append(group)
             step.prefills.append((group, chunk))
 
     def _prefill_chunk(
-        self, group: SequenceGroup, budget: Budget, chunked: bool, *, new: bool = True
+        self,
+        group: SequenceGroup,
+        budget: Budget,
+        step: StepPlan,
+        chunked: bool,
+        *,
+        new: bool = True,
     ) -> int:
         """Tokens to compute now for a (possibly partly cached) prompt; reserves its slots."""
         seqs = group.get_seqs(SequenceStatus.RUNNING)
         if chunked and len(seqs) == 1:
-            chunk = min(seqs[0].get_num_uncomputed_tokens(), budget.tokens_left)
-            self._copies_into(seqs[0], seqs[0].num_computed_tokens + chunk)
+            bm, seq = self.block_manager, seqs[0]
+            chunk = min(seq.get_num_uncomputed_tokens(), budget.tokens_left)
+            chunk = min(chunk, bm.placeable_tokens(seq))  # block sliding window: blocks free now
+            if chunk > 0:
+                self._copies_into(step, seq, seq.num_computed_tokens + chunk)
         else:
             # Several sequences (recomputed forks) are prefilled whole, each its own length.
             chunk = 0
             for seq in seqs:
                 chunk += seq.get_num_uncomputed_tokens()
-                self._copies_into(seq, seq.get_len())
+                self._copies_into(step, seq, seq.get_len())
         budget.num_tokens += chunk
         if new:
             budget.num_seqs += group.get_max_num_running_seqs()
         return chunk
 
-    def _copies_into(self, seq: Sequence, num_tokens: int) -> None:
-        self._pending_copies.extend(self.block_manager.append_slots(seq, num_tokens))
+    def _copies_into(self, step: StepPlan, seq: Sequence, num_tokens: int) -> None:
+        """Slots for the sequence's first ``num_tokens`` tokens; copy-on-write goes in the plan."""
+        step.copies.extend(self.block_manager.append_slots(seq, num_tokens))
 
     def _schedule_running(self, budget: Budget, step: StepPlan, *, chunked: bool) -> None:
         """Decodes first (preempting from the back when blocks run out), then prompt chunks."""
@@ -222,14 +246,16 @@ class Scheduler:
                     break
             else:
                 for seq in group.get_seqs(SequenceStatus.RUNNING):
-                    self._copies_into(seq, seq.get_len())
+                    self._copies_into(step, seq, seq.get_len())
                 budget.num_tokens += num_seqs
                 step.decodes.append(group)
                 kept.append(group)
         self.running = kept
         for group in partial_prompts:
             if chunked and budget.tokens_left > 0:
-                step.prefills.append((group, self._prefill_chunk(group, budget, True, new=False)))
+                chunk = self._prefill_chunk(group, budget, step, True, new=False)
+                if chunk > 0:
+                    step.prefills.append((group, chunk))
 
     def _schedule_swapped(self, budget: Budget, step: StepPlan) -> None:
         bm = self.block_manager
@@ -249,7 +275,7 @@ class Scheduler:
             step.swap_in.extend(bm.swap_in(group))
             for seq in group.get_seqs(SequenceStatus.SWAPPED):
                 seq.status = SequenceStatus.RUNNING
-                self._copies_into(seq, seq.get_len())
+                self._copies_into(step, seq, seq.get_len())
             budget.num_tokens += num_seqs
             budget.num_seqs += num_seqs
             self.running.append(group)
@@ -317,7 +343,6 @@ class Scheduler:
     # -- building the wire type ---------------------------------------------------------------
     def _build_output(self, step: StepPlan, now: float) -> SchedulerOutput:
         scheduled: list[ScheduledSeq] = []
-        self._scheduled = []
         for group, chunk in step.prefills:
             group.set_first_scheduled(now)
             seqs = group.get_seqs(SequenceStatus.RUNNING)
@@ -329,13 +354,12 @@ class Scheduler:
             group.set_first_scheduled(now)
             for seq in group.get_seqs(SequenceStatus.RUNNING):
                 scheduled.append(self._scheduled_seq(group, seq, 1, False))
-        copies, self._pending_copies = self._pending_copies, []
         return SchedulerOutput(
             seqs=scheduled,
             num_prefill_seqs=num_prefill_seqs,
             blocks_to_swap_in=step.swap_in,
             blocks_to_swap_out=step.swap_out,
-            blocks_to_copy=copies,
+            blocks_to_copy=step.copies,
             num_batched_tokens=sum(len(s.token_ids) for s in scheduled),
             num_preempted=step.preempted,
         )
@@ -343,44 +367,46 @@ class Scheduler:
     def _scheduled_seq(
         self, group: SequenceGroup, seq: Sequence, num_tokens: int, is_prompt: bool
     ) -> ScheduledSeq:
-        item = build_scheduled_seq(
+        return build_scheduled_seq(
             group, seq, num_tokens, is_prompt, self.block_manager.get_block_table(seq)
         )
-        self._scheduled.append((group, seq, num_tokens, item.do_sample))
-        return item
 
     # -- after the forward pass ----------------------------------------------------------------
     def update_from_output(
         self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput
     ) -> list[SequenceGroup]:
-        """Record computed tokens and sampled tokens; returns the groups that got a token."""
+        """Record computed tokens and sampled tokens; returns the groups that got a token.
+
+        What ran is read from ``sched_out`` itself: a sequence aborted while the step ran (no
+        longer running, or finished) is skipped.
+        """
         now = self.clock()
         touched: dict[str, SequenceGroup] = {}
-        for group, seq, num_tokens, do_sample in self._scheduled:
-            if seq.is_finished():
+        running = {g.request_id: g for g in self.running}
+        for item in sched_out.seqs:
+            group = running.get(item.request_id)
+            seq = group.seqs_dict.get(item.seq_id) if group is not None else None
+            if group is None or seq is None or seq.is_finished():
                 continue  # aborted while the step ran
-            seq.update_num_computed_tokens(num_tokens)
+            seq.update_num_computed_tokens(len(item.token_ids))
             self.block_manager.mark_computed(seq)
             self.block_manager.reclaim_out_of_window(seq)
             if seq.seq_id in runner_out.prompt_logprobs:
                 self._record_prompt_logprobs(group, runner_out.prompt_logprobs[seq.seq_id])
-            if not do_sample:
+            if not item.do_sample:
                 continue
             sampled = runner_out.sampled[seq.seq_id]
             if group.sampling_params.use_beam_search:
                 group.beam_candidates[seq.seq_id] = sampled.candidates or []
             else:
                 for i, sib in enumerate(sampled.siblings or [], start=1):
-                    child = seq.fork(self._next_seq_id(), index=i)
-                    self.block_manager.fork(seq, child)
-                    group.add_seq(child)
+                    child = self.fork(group, seq, index=i)
                     child.append_token(sib.token_id, sib.logprob, sib.top_logprobs)
                 seq.append_token(sampled.token_id, sampled.logprob, sampled.top_logprobs)
             if group.metrics.first_token_time is None:
                 group.metrics.first_token_time = now
             group.metrics.last_token_time = now
             touched[group.request_id] = group
-        self._scheduled = []
         return list(touched.values())
 
     @staticmethod

@@ -53,15 +53,12 @@ class Sequence:
         seq_id: int,
         prompt_token_ids: list[int],
         block_size: int,
-        *,
-        eos_token_id: int | None = None,
     ) -> None:
         self.seq_id = seq_id
         self.index = 0  # position among the group's samples (seeds and output order)
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.block_size = block_size
-        self.eos_token_id = eos_token_id
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.cumulative_logprob = 0.0
@@ -130,9 +127,7 @@ class Sequence:
             self.output_logprobs.append(top)
 
     def fork(self, new_seq_id: int, index: int | None = None) -> Sequence:
-        child = Sequence(
-            new_seq_id, self.prompt_token_ids, self.block_size, eos_token_id=self.eos_token_id
-        )
+        child = Sequence(new_seq_id, self.prompt_token_ids, self.block_size)
         child.index = self.index if index is None else index
         child.output_token_ids = list(self.output_token_ids)
         child.status = self.status
@@ -178,6 +173,9 @@ class SequenceGroup:
     arrival_time: float
     prompt: str | None = None
     priority: int = 0
+    # The model's end-of-sequence ids (generation_config): ends a sequence unless ignore_eos,
+    # and min_tokens bans every one of them, not only one.
+    eos_token_ids: frozenset[int] = frozenset()
     metrics: RequestMetrics = field(init=False)
     prompt_logprobs: list[dict[int, float] | None] | None = None
     num_preemptions: int = 0

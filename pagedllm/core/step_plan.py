@@ -92,4 +92,5 @@ def build_scheduled_seq(
         next_token_ids=seq.token_slice(start + 1, end + 1) if wants_prompt_lp else None,
         num_samples=num_samples,
         sample_index=seq.index,
+        eos_token_ids=group.eos_token_ids,
     )

@@ -27,6 +27,7 @@ class EngineLimits:
     max_logprobs: int
     block_size: int
     usable_blocks: int  # device blocks a single request may hold (the cache less the watermark)
+    window_blocks: int | None = None  # block sliding window: what one sequence holds at most
     max_priority: int = 2**63 - 1
 
 
@@ -87,6 +88,8 @@ def _check_length(
     needed = blocks_for_group(
         prompt_len, prompt_len + params.max_tokens, num_seqs, limits.block_size
     )
+    if limits.window_blocks is not None:
+        needed = min(needed, num_seqs * limits.window_blocks)
     if needed > limits.usable_blocks:
         name = "max_tokens" if num_seqs == 1 else ("n" if params.n == num_seqs else "best_of")
         raise ValueError(

@@ -23,7 +23,7 @@ from pagedllm.engine.containment import EngineBrokenError, execute_contained, wi
 from pagedllm.engine.guided import GuidedRequests
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.executors.base import create_executor
-from pagedllm.models.loader import load_hf_config, max_model_len_of
+from pagedllm.models.model_loader import load_hf_config, max_model_len_of
 from pagedllm.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ class LLMEngine:
 
     def __init__(self, model: str, device: str = "auto", **engine_args: Any) -> None:
         args = EngineArgs.from_kwargs(model, device=device, **engine_args)
-        self.args = args
+        self._explicit_max_model_len = args.max_model_len is not None
         self.hf_config = load_hf_config(model)
         self.config: EngineConfig = args.create_config(
             model_max_len=max_model_len_of(self.hf_config), device=resolve_device(device)
@@ -86,9 +86,8 @@ class LLMEngine:
         self.tokenizer = (
             None if args.skip_tokenizer_init else load_tokenizer(self.config.model.tokenizer)
         )
-        self.eos_token_ids = eos_ids_of(model, self.hf_config, self.tokenizer)
-        eos = min(self.eos_token_ids) if self.eos_token_ids else None
-        self.executor = create_executor(self.config, self.hf_config, eos_token_id=eos)
+        self.eos_token_ids = frozenset(eos_ids_of(model, self.hf_config, self.tokenizer))
+        self.executor = create_executor(self.config, self.hf_config)
         num_device, num_host = self.executor.determine_num_blocks()
         cache = self.config.cache
         if num_device <= 0:
@@ -96,7 +95,16 @@ class LLMEngine:
                 "kv_cache_space: no room for KV blocks after the model; raise kv_cache_space "
                 "or gpu_memory_utilization"
             )
-        self._fit_context(num_device)
+        # Block sliding window: when every layer slides, blocks behind the window are freed, and
+        # with chunked prefill a prompt gets blocks chunk by chunk (vLLM's block sliding window).
+        window = self.executor.collective_rpc("uniform_sliding_window")[0]
+        sched_cfg = self.config.scheduler
+        lazy = (
+            window is not None
+            and sched_cfg.enable_chunked_prefill
+            and not self.config.cache.enable_prefix_caching
+        )
+        self._fit_context(num_device, window if lazy else None)
         cache = self.config.cache
         self.executor.initialize_cache(num_device, num_host)
         logger.info(
@@ -111,6 +119,8 @@ class LLMEngine:
             num_host,
             watermark=cache.watermark,
             enable_caching=cache.enable_prefix_caching,
+            sliding_window=window,
+            lazy_prompt_blocks=lazy,
         )
         self._seq_ids = itertools.count()
         self.scheduler = Scheduler(
@@ -120,8 +130,7 @@ class LLMEngine:
             tokenizer=self.tokenizer,
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.config.scheduler.max_model_len,
-            block_manager=self.block_manager,
-            next_seq_id=lambda: next(self._seq_ids),
+            tables=self.scheduler,
         )
         self.vocab_size = int(self.hf_config.vocab_size)
         sched = self.config.scheduler
@@ -132,6 +141,7 @@ class LLMEngine:
             max_logprobs=args.max_logprobs,
             block_size=cache.block_size,
             usable_blocks=num_device - self.block_manager.watermark_blocks,
+            window_blocks=self._window_blocks(window) if lazy else None,
         )
         self.counters = EngineCounters()
         self.guided = GuidedRequests(
@@ -140,15 +150,27 @@ class LLMEngine:
         self._requests: dict[str, SequenceGroup] = {}
         self._pending_outputs: list[RequestOutput] = []
 
-    def _fit_context(self, num_device: int) -> None:
-        """Refuse to start, or lower max_model_len, when the cache cannot hold one sequence."""
+    def _window_blocks(self, window: int) -> int:
+        """Blocks one sequence holds at most under a block sliding window: the window's keys
+        plus a whole prefill chunk's new tokens, each span possibly straddling a boundary."""
+        bs = self.config.cache.block_size
+        return -(-window // bs) + -(-self.config.scheduler.token_budget // bs) + 1
+
+    def _fit_context(self, num_device: int, window: int | None) -> None:
+        """Refuse to start, or lower max_model_len, when the cache cannot hold one sequence.
+
+        Under a block sliding window a sequence never holds more than a window's worth of
+        blocks (plus a chunk), so a cache of that size serves any length.
+        """
         cache, sched = self.config.cache, self.config.scheduler
         usable = num_device - int(cache.watermark * num_device)
+        if window is not None and usable >= self._window_blocks(window):
+            return
         new_len = fit_max_model_len(
             sched.max_model_len,
             usable_blocks=usable,
             block_size=cache.block_size,
-            explicit=self.args.max_model_len is not None,
+            explicit=self._explicit_max_model_len,
         )
         if new_len != sched.max_model_len:
             self.config = dataclasses.replace(
@@ -191,6 +213,7 @@ class LLMEngine:
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             prompt=text,
             priority=priority,
+            eos_token_ids=self.eos_token_ids,
         )
         schedulable = self.guided.admit(group)  # a known-bad constraint raises here
         self._requests[request_id] = group

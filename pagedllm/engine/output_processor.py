@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-from pagedllm.core.beam_search import beam_step, best_hypotheses
-from pagedllm.core.block_manager import BlockSpaceManager
+from pagedllm.core.beam_search import BlockTableOwner, beam_step, best_hypotheses
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.engine.detokenizer import Detokenizer, find_stop_string, stream_holdback
@@ -18,16 +16,14 @@ class OutputProcessor:
         self,
         *,
         tokenizer: Any,
-        eos_token_ids: set[int],
+        eos_token_ids: frozenset[int] | set[int],
         max_model_len: int,
-        block_manager: BlockSpaceManager,
-        next_seq_id: Callable[[], int],
+        tables: BlockTableOwner,
     ) -> None:
         self.detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
-        self.block_manager = block_manager
-        self.next_seq_id = next_seq_id
+        self.tables = tables  # the scheduler: beams fork and free through it
 
     # -- per step --------------------------------------------------------------------------
     def process(self, group: SequenceGroup) -> None:
@@ -45,8 +41,7 @@ class OutputProcessor:
     def _beam_step(self, group: SequenceGroup) -> None:
         beam_step(
             group,
-            block_manager=self.block_manager,
-            next_seq_id=self.next_seq_id,
+            tables=self.tables,
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.max_model_len,
         )

@@ -7,6 +7,7 @@ and the engine is loaded only by the subcommand that needs it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import time
@@ -28,57 +29,52 @@ _EPILOG = """examples:
 """
 
 
+_SIMPLE_TYPES = {"int": int, "float": float, "str": str}
+
+
+def engine_flag_fields() -> list[dataclasses.Field[Any]]:
+    """The EngineArgs fields that are command-line flags (``engine_arg(..., cli=True)``).
+
+    A field declared without ``engine_arg`` still becomes a flag when its type is a plain
+    int/float/str/bool, so that a new engine argument is reachable from the CLI at once.
+    """
+    from pagedllm.config import EngineArgs
+
+    fields = []
+    for f in dataclasses.fields(EngineArgs):
+        base = str(f.type).replace(" | None", "")
+        if f.metadata.get("cli", True) and (base in _SIMPLE_TYPES or base == "bool"):
+            fields.append(f)
+    return fields
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """The EngineArgs flags; only the ones given are passed on, so EngineArgs keeps defaults."""
+    """One ``--flag`` per EngineArgs field, generated from the dataclass (help, choices, type).
+
+    Only the flags given are passed on (their argparse default is None), so EngineArgs keeps its
+    defaults; ``--device`` alone defaults to "auto" and is passed separately.
+    """
     g = parser.add_argument_group("engine")
-    g.add_argument("--device", choices=["auto", "cpu", "cuda", "xpu"], default="auto",
-                   help="device to run on (default: auto = cuda, then xpu, then cpu)")
-    g.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"],
-                   help="weight and activation dtype (default: auto, from the model)")
-    g.add_argument("--quantization", choices=["int8"],
-                   help="weight-only quantization of linear layers (int8: per-channel, at load)")
-    g.add_argument("--tokenizer", help="tokenizer folder (default: the model's)")
-    g.add_argument("--max-model-len", type=int, help="context window (default: the model's)")
-    g.add_argument("--max-num-seqs", type=int, help="max sequences per batch (default 256)")
-    g.add_argument("--max-num-batched-tokens", type=int, help="max tokens per step")
-    g.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
-    g.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16", "float16", "fp8",
-                                                "fp8_e4m3", "fp8_e5m2"],
-                   help="KV-cache storage dtype (default: auto = the model's dtype)")
-    g.add_argument("--kv-cache-space", type=float,
-                   help="GiB of KV cache on the CPU (default: $PAGEDLLM_CPU_KVCACHE_SPACE or 4)")
-    g.add_argument("--gpu-memory-utilization", type=float,
-                   help="fraction of GPU memory the engine may use (default 0.9)")
-    g.add_argument("--num-kv-blocks", type=int, help="fix the number of KV blocks (testing)")
-    g.add_argument("--swap-space", type=float, help="GiB of host memory for swapping (default 1)")
-    g.add_argument("--preemption-mode", choices=["recompute", "swap"],
-                   help="how to preempt when blocks run out (default: swap groups, else recompute)")
-    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"])
-    g.add_argument("--enable-prefix-caching", action="store_true",
-                   help="reuse KV blocks of shared prompt prefixes")
-    g.add_argument("--enable-chunked-prefill", action="store_true",
-                   help="split long prefills and batch them with decodes")
-    g.add_argument("--tensor-parallel-size", type=int, help="number of tensor-parallel workers")
-    g.add_argument("--distributed-executor-backend", choices=["uni", "mp", "ray"])
-    g.add_argument("--attention-backend", help="attention kernel family to use")
-    g.add_argument("--seed", type=int, help="random seed (default 0)")
-
-
-_ENGINE_KEYS = (
-    "dtype", "tokenizer", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
-    "kv_cache_dtype",
-    "kv_cache_space", "gpu_memory_utilization", "num_kv_blocks", "swap_space", "preemption_mode",
-    "scheduling_policy", "tensor_parallel_size", "distributed_executor_backend",
-    "attention_backend", "seed", "quantization",
-)
+    for f in engine_flag_fields():
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f.metadata.get("help") or f.name.replace("_", " ")
+        base = str(f.type).replace(" | None", "")
+        if base == "bool":
+            g.add_argument(flag, action="store_true", default=None, help=help_text)
+            continue
+        choices = f.metadata.get("choices")
+        kwargs: dict[str, Any] = {"type": _SIMPLE_TYPES[base], "help": help_text}
+        if choices is not None:
+            kwargs["choices"] = list(choices() if callable(choices) else choices)
+        if f.name == "device":
+            kwargs["default"] = "auto"
+        g.add_argument(flag, **kwargs)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    kwargs = {k: getattr(args, k) for k in _ENGINE_KEYS if getattr(args, k) is not None}
-    for flag in ("enable_prefix_caching", "enable_chunked_prefill"):
-        if getattr(args, flag):
-            kwargs[flag] = True
-    return kwargs
+    """The engine flags given on the command line, as EngineArgs keyword arguments."""
+    names = [f.name for f in engine_flag_fields() if f.name != "device"]
+    return {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
 
 
 def build_parser() -> argparse.ArgumentParser:

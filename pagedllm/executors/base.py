@@ -42,10 +42,10 @@ class Executor(ABC):
 class UniProcExecutor(Executor):
     """One worker in the engine's own process."""
 
-    def __init__(self, config: EngineConfig, hf_config: Any, *, eos_token_id: int | None) -> None:
+    def __init__(self, config: EngineConfig, hf_config: Any) -> None:
         from pagedllm.executors.worker import Worker
 
-        self.worker = Worker(config, hf_config, eos_token_id=eos_token_id)
+        self.worker = Worker(config, hf_config)
         # Multi-process executors give each rank its own share instead.
         self.worker.backend.configure_threads(1)
         self.worker.load_model()
@@ -57,14 +57,14 @@ class UniProcExecutor(Executor):
         return [getattr(self.worker, method)(*args)]
 
 
-def create_executor(config: EngineConfig, hf_config: Any, *, eos_token_id: int | None) -> Executor:
+def create_executor(config: EngineConfig, hf_config: Any) -> Executor:
     backend = config.parallel.distributed_executor_backend
     if config.parallel.tensor_parallel_size == 1 and backend in (None, "uni"):
-        return UniProcExecutor(config, hf_config, eos_token_id=eos_token_id)
+        return UniProcExecutor(config, hf_config)
     if backend == "ray":
         from pagedllm.executors.ray_executor import RayExecutor
 
-        return RayExecutor(config, hf_config, eos_token_id=eos_token_id)
+        return RayExecutor(config, hf_config)
     from pagedllm.executors.multiproc import MultiprocExecutor
 
-    return MultiprocExecutor(config, hf_config, eos_token_id=eos_token_id)
+    return MultiprocExecutor(config, hf_config)

@@ -83,13 +83,11 @@ class WorkerHost:
         config: EngineConfig,
         hf_config: Any,
         *,
-        eos_token_id: int | None,
         device_index: int,
         num_threads: int | None,
     ) -> None:
         self.config = config
         self.hf_config = hf_config
-        self.eos_token_id = eos_token_id
         self.device_index = device_index
         self.num_threads = num_threads
         self.worker: Any = None
@@ -125,7 +123,6 @@ class WorkerHost:
         self.worker = Worker(
             self.config,
             self.hf_config,
-            eos_token_id=self.eos_token_id,
             rank=self.device_index,
             tp=tp,
         )

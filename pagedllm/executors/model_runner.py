@@ -26,14 +26,12 @@ class ModelRunner:
         *,
         device: torch.device,
         block_size: int,
-        eos_token_id: int | None,
         seed: int,
     ) -> None:
         self.model = model
         self.attention = attention
         self.device = device
         self.block_size = block_size
-        self.eos_token_id = eos_token_id
         self.sampler = Sampler(seed=seed, device=device)
 
     @torch.inference_mode()
@@ -85,6 +83,7 @@ class ModelRunner:
                         s.output_len,
                         s.history,
                         sample_index=s.sample_index + k,
+                        eos_token_ids=s.eos_token_ids,
                     )
                 )
                 source.append(j)
@@ -93,7 +92,6 @@ class ModelRunner:
         out = self.sampler(
             logits,
             rows,
-            eos_token_id=self.eos_token_id,
             token_bitmask=sched_out.token_bitmask,
             bitmask_rows=sched_out.bitmask_rows,
         )

@@ -107,7 +107,6 @@ class MultiprocExecutor(Executor):
         config: EngineConfig,
         hf_config: Any,
         *,
-        eos_token_id: int | None,
         startup_timeout_s: float = 600.0,
         step_timeout_s: float = 600.0,
         threads_per_worker: int | None = None,
@@ -126,7 +125,6 @@ class MultiprocExecutor(Executor):
             host = WorkerHost(
                 config,
                 hf_config,
-                eos_token_id=eos_token_id,
                 device_index=rank,
                 num_threads=threads,
             )

@@ -95,7 +95,6 @@ class RayExecutor(Executor):
         config: EngineConfig,
         hf_config: Any,
         *,
-        eos_token_id: int | None,
         num_cpus_per_worker: int = 1,
         placement_strategy: str = "PACK",
         startup_timeout_s: float = 600.0,
@@ -138,7 +137,6 @@ class RayExecutor(Executor):
                 ).remote(
                     config,
                     hf_config,
-                    eos_token_id=eos_token_id,
                     device_index=0,  # Ray shows each actor only its own accelerator
                     num_threads=num_cpus_per_worker,
                 )

@@ -12,11 +12,32 @@ from pagedllm.backends.registry import get_backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.interfaces import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executors.model_runner import ModelRunner
+from pagedllm.layers.attention import Attention
 from pagedllm.layers.parallel import SINGLE, TPContext
-from pagedllm.models.llama import head_size_of
-from pagedllm.models.loader import load_model, resolve_dtype
+from pagedllm.models.model_loader import load_model, resolve_dtype
 
 logger = logging.getLogger(__name__)
+
+
+def attention_layers(model: torch.nn.Module) -> list[Attention]:
+    """The model's paged-attention layers, in order (one KV tensor each)."""
+    return [m for m in model.modules() if isinstance(m, Attention)]
+
+
+def kv_geometry(model: torch.nn.Module) -> tuple[int, int, int]:
+    """``(num_layers, num_kv_heads, head_size)`` of the KV cache, from the attention layers.
+
+    The heads are this rank's (after tensor-parallel sharding or replication), as the layers
+    write them. One cache tensor shape serves every layer, so layers that differ are refused.
+    """
+    layers = attention_layers(model)
+    shapes = sorted({(m.num_kv_heads, m.head_size) for m in layers})
+    if len(shapes) != 1:
+        raise ValueError(
+            f"model: attention layers differ in (num_kv_heads, head_size): {shapes or 'none'}; "
+            "the paged KV cache needs one shape for every layer"
+        )
+    return len(layers), *shapes[0]
 
 
 class Worker:
@@ -25,7 +46,6 @@ class Worker:
         config: EngineConfig,
         hf_config: Any,
         *,
-        eos_token_id: int | None,
         rank: int = 0,
         tp: TPContext = SINGLE,
     ) -> None:
@@ -41,7 +61,6 @@ class Worker:
         self.kv_cache_dtype = self.attention.resolve_kv_cache_dtype(
             config.cache.kv_cache_dtype, self.dtype
         )
-        self.eos_token_id = eos_token_id
         self.cache_engine: CacheEngine | None = None
         self.runner: ModelRunner | None = None
 
@@ -61,7 +80,6 @@ class Worker:
             self.attention,
             device=self.device,
             block_size=self.config.cache.block_size,
-            eos_token_id=self.eos_token_id,
             seed=self.config.model.seed,
         )
         logger.info(
@@ -74,12 +92,9 @@ class Worker:
         )
 
     def uniform_sliding_window(self) -> int | None:
-        """The window when every attention layer slides; None if any layer sees everything."""
-        from pagedllm.layers.attention import Attention
-
+        """The window when every attention layer slides by the same; None otherwise."""
         assert self.runner is not None
-        model = self.runner.model
-        windows = {m.sliding_window for m in model.modules() if isinstance(m, Attention)}
+        windows = {m.sliding_window for m in attention_layers(self.runner.model)}
         return windows.pop() if len(windows) == 1 else None
 
     def attention_name(self) -> str:
@@ -91,13 +106,13 @@ class Worker:
         return str(getattr(model, "linear_path", "") or "F.linear")
 
     def cache_spec(self) -> CacheSpec:
-        cfg = self.hf_config
-        num_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        per_rank = max(1, num_kv // self.tp.size)
+        """What one token stores, read off the loaded model's attention layers (this rank's)."""
+        assert self.runner is not None, "cache_spec needs the model loaded"
+        num_layers, num_kv_heads, head_size = kv_geometry(self.runner.model)
         return CacheSpec(
-            num_layers=cfg.num_hidden_layers,
-            num_kv_heads=per_rank,
-            head_size=head_size_of(cfg),
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_size=head_size,
             block_size=self.config.cache.block_size,
             dtype=self.kv_cache_dtype,
         )

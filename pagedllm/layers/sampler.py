@@ -30,6 +30,7 @@ class SamplingRow:
     output_len: int
     history: tuple[list[int], list[int]] | None = None
     sample_index: int = 0
+    eos_token_ids: frozenset[int] = frozenset()  # banned with stop_token_ids under min_tokens
 
 
 @dataclass
@@ -62,9 +63,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
 
 
-def apply_bias_and_min_tokens(
-    logits: torch.Tensor, rows: list[SamplingRow], eos_token_id: int | None
-) -> None:
+def apply_bias_and_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     vocab = logits.shape[1]
     for i, row in enumerate(rows):
         p = row.params
@@ -76,8 +75,8 @@ def apply_bias_and_min_tokens(
                 )
         if row.output_len < p.min_tokens:
             banned = list(p.stop_token_ids)
-            if eos_token_id is not None and not p.ignore_eos:
-                banned.append(eos_token_id)
+            if not p.ignore_eos:
+                banned.extend(sorted(row.eos_token_ids))
             banned = [t for t in banned if 0 <= t < vocab]
             if banned:
                 logits[i, banned] = float("-inf")
@@ -111,7 +110,6 @@ class Sampler:
         logits: torch.Tensor,  # [n, vocab] raw model logits
         rows: list[SamplingRow],
         *,
-        eos_token_id: int | None = None,
         token_bitmask: torch.Tensor | None = None,  # [guided rows, words] int32
         bitmask_rows: dict[int, int] | None = None,  # seq_id -> its bitmask row
     ) -> SamplerOutput:
@@ -119,7 +117,7 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1)
         if any(r.history is not None for r in rows):
             apply_penalties(logits, rows)
-        apply_bias_and_min_tokens(logits, rows, eos_token_id)
+        apply_bias_and_min_tokens(logits, rows)
         if token_bitmask is not None and bitmask_rows:
             # Structured output: after penalties, before temperature and the top-k/p filters.
             row_of = [bitmask_rows.get(r.seq_id, -1) for r in rows]

@@ -25,7 +25,7 @@ from pagedllm.layers.linear import (
 )
 from pagedllm.layers.norm import LayerNorm
 from pagedllm.layers.parallel import SINGLE, TPContext
-from pagedllm.models.loading import WeightMapper, load_mapped_weights
+from pagedllm.models.checkpoint import WeightMapper, load_mapped_weights
 
 _CONV1D = ("c_attn", "c_proj", "c_fc")  # modules stored as Conv1D: weight is [in, out]
 

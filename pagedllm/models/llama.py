@@ -25,7 +25,7 @@ from pagedllm.layers.linear import (
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.parallel import SINGLE, TPContext
 from pagedllm.layers.rotary import RotaryEmbedding
-from pagedllm.models.loading import WeightMapper, load_mapped_weights
+from pagedllm.models.checkpoint import WeightMapper, load_mapped_weights
 
 
 def head_size_of(config: Any) -> int:

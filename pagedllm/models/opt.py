@@ -26,7 +26,7 @@ from pagedllm.layers.linear import (
 )
 from pagedllm.layers.norm import LayerNorm
 from pagedllm.layers.parallel import SINGLE, TPContext
-from pagedllm.models.loading import WeightMapper, load_mapped_weights
+from pagedllm.models.checkpoint import WeightMapper, load_mapped_weights
 
 POSITION_OFFSET = 2  # OPT's position table starts two rows in (a fairseq padding legacy)
 

@@ -28,8 +28,8 @@ from pagedllm.layers.linear import (
 from pagedllm.layers.norm import LayerNorm
 from pagedllm.layers.parallel import SINGLE, TPContext
 from pagedllm.layers.rotary import RotaryEmbedding
+from pagedllm.models.checkpoint import CheckpointError, WeightMapper, load_mapped_weights
 from pagedllm.models.llama import LlamaForCausalLM, head_size_of, rope_partial_factor
-from pagedllm.models.loading import CheckpointError, WeightMapper, load_mapped_weights
 
 
 class BiasedLMHead(ParallelLMHead):

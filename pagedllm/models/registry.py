@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
-
 from torch import nn
+
+from pagedllm.lazy import load_object
 
 _MODELS: dict[str, str] = {
     "LlamaForCausalLM": "pagedllm.models.llama:LlamaForCausalLM",
@@ -26,8 +26,7 @@ def supported_architectures() -> list[str]:
 def resolve_model_class(architectures: list[str] | None) -> type[nn.Module]:
     for arch in architectures or []:
         if arch in _MODELS:
-            module_name, _, cls_name = _MODELS[arch].partition(":")
-            return getattr(importlib.import_module(module_name), cls_name)
+            return load_object(_MODELS[arch])
     raise ValueError(
         f"architectures: {architectures} not supported; pagedllm runs "
         f"{', '.join(supported_architectures())} (remote code is never executed)"

@@ -1,26 +1,24 @@
-"""The C++ CPU paged-attention kernels against the plain-PyTorch oracle.
+"""The C++ CPU kernels: what is particular to them (strided inputs, index checks, the fallback
+for other dtypes, the ISA builds and their cache) and the engine running them end to end.
 
-The kernel's cache layout is ``[2, blocks, kv_heads, block_size, head_size]``; its
-``transpose(2, 3)`` view is the reference layout, so the oracle reads the very same cache.
+The kernel-against-reference matrix (GQA x head size x block size x dtype, windows, random
+batches, cache dtypes, block moves) is ``test_attention_conformance.py``, shared by every kind.
 The extension builds once per session (module fixture); later sessions only import it.
 """
 
 from __future__ import annotations
 
-import random
 import shutil
 from collections import Counter
 
 import pytest
 import torch
 
-from pagedllm.backends.base import AttentionBackend, AttentionMetadata, build_attention_metadata
+from pagedllm.backends.base import AttentionMetadata
 from pagedllm.backends.reference import ReferenceAttention
+from tests.backends import test_attention_conformance as conformance
 
 ATOL = 1e-4
-HEAD_SIZES = (16, 20, 32, 64, 80, 96, 128, 256)  # 20: not a multiple of 8 (scalar tails)
-BLOCK_SIZES = (8, 16, 32)
-GQA = ((4, 4), (8, 4), (8, 2), (8, 1))  # (num_heads, num_kv_heads): ratios 1, 2, 4 and MQA
 
 
 @pytest.fixture(scope="module")
@@ -41,31 +39,11 @@ def make_batch(
     head_size: int,
     seed: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """Random query and cache, blocks scattered by a permutation (with spare blocks)."""
-    gen = torch.Generator().manual_seed(seed)
-    per_seq = [(s + block_size - 1) // block_size for s in seq_lens]
-    num_blocks = sum(per_seq) + 3
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, start = [], 0
-    for n in per_seq:
-        tables.append(perm[start : start + n])
-        start += n
-    slots = [
-        table[p // block_size] * block_size + p % block_size
-        for table, s, q in zip(tables, seq_lens, query_lens, strict=True)
-        for p in range(s - q, s)
-    ]
-    meta = build_attention_metadata(
-        num_prefills=num_prefills,
-        seq_lens=seq_lens,
-        query_lens=query_lens,
-        slot_mapping=slots,
-        block_tables=tables,
-        block_size=block_size,
-        device=torch.device("cpu"),
+    """Random float32 query and cache (every slot garbage), blocks scattered by a permutation."""
+    seqs = [(s - q, q) for s, q in zip(seq_lens, query_lens, strict=True)]
+    query, _, _, cache, meta = conformance.make_batch(
+        seqs, num_prefills, block_size=block_size, heads=heads, head_size=head_size, seed=seed
     )
-    cache = torch.randn(2, num_blocks, heads[1], block_size, head_size, generator=gen)
-    query = torch.randn(sum(query_lens), heads[0], head_size, generator=gen)
     return query, cache, meta
 
 
@@ -78,88 +56,11 @@ def check_forward(
 ) -> None:
     scale = query.shape[-1] ** -0.5
     out = cpp.forward(query, cache, meta, scale, sliding_window=sliding_window)
-    ref = ReferenceAttention().forward(
-        query, cache.transpose(2, 3), meta, scale, sliding_window=sliding_window
-    )
+    ref = ReferenceAttention().forward(query, cache, meta, scale, sliding_window=sliding_window)
     diff = (out - ref).abs().max().item()
     torch.testing.assert_close(
         out, ref, atol=ATOL, rtol=0, msg=lambda m: f"max abs diff {diff:.3e}\n{m}"
     )
-
-
-@pytest.mark.parametrize("heads", GQA, ids=lambda h: f"h{h[0]}kv{h[1]}")
-@pytest.mark.parametrize("block_size", BLOCK_SIZES)
-@pytest.mark.parametrize("head_size", HEAD_SIZES)
-def test_decode_matches_reference(cpp, head_size: int, block_size: int, heads) -> None:
-    seq_lens = [1, block_size - 1, block_size, block_size + 1, 300]
-    query, cache, meta = make_batch(seq_lens, [1] * len(seq_lens), 0, block_size, heads, head_size)
-    check_forward(cpp, query, cache, meta)
-
-
-@pytest.mark.parametrize("window", [1, 5, 16, 100, 1000])
-@pytest.mark.parametrize("block_size", BLOCK_SIZES)
-def test_decode_sliding_window(cpp, block_size: int, window: int) -> None:
-    seq_lens = [1, block_size + 1, 37, 300]
-    query, cache, meta = make_batch(seq_lens, [1] * 4, 0, block_size, (8, 2), 64)
-    check_forward(cpp, query, cache, meta, sliding_window=window)
-
-
-@pytest.mark.parametrize("heads", GQA, ids=lambda h: f"h{h[0]}kv{h[1]}")
-@pytest.mark.parametrize("block_size", BLOCK_SIZES)
-@pytest.mark.parametrize("head_size", (16, 20, 64, 80, 128))
-def test_prefill_without_cache(cpp, head_size: int, block_size: int, heads) -> None:
-    lens = [1, 7, block_size + 3, 70]
-    query, cache, meta = make_batch(lens, lens, 4, block_size, heads, head_size)
-    check_forward(cpp, query, cache, meta)
-
-
-@pytest.mark.parametrize("window", [None, 3, 40])
-@pytest.mark.parametrize("heads", GQA, ids=lambda h: f"h{h[0]}kv{h[1]}")
-@pytest.mark.parametrize("block_size", BLOCK_SIZES)
-def test_prefill_with_cached_context(cpp, block_size: int, heads, window: int | None) -> None:
-    # (context, new tokens): prefix-cache hits on block boundaries and chunked-prefill chunks.
-    pairs = [(block_size, 5), (block_size + 3, block_size), (100, 37), (1, 1), (2 * block_size, 1)]
-    query, cache, meta = make_batch(
-        [c + q for c, q in pairs], [q for _, q in pairs], 5, block_size, heads, 64
-    )
-    check_forward(cpp, query, cache, meta, sliding_window=window)
-
-
-@pytest.mark.parametrize("window", [None, 9])
-@pytest.mark.parametrize("head_size", (32, 80, 128))
-def test_mixed_prefill_and_decode(cpp, head_size: int, window: int | None) -> None:
-    seq_lens = [50, 19, 16, 1, 17, 300, 2]
-    query_lens = [50, 4, 16, 1, 1, 1, 1]  # three prompt chunks, then four decodes
-    query, cache, meta = make_batch(seq_lens, query_lens, 3, 16, (8, 2), head_size)
-    check_forward(cpp, query, cache, meta, sliding_window=window)
-
-
-def test_random_batches(cpp) -> None:
-    rng = random.Random(0)
-    for trial in range(20):
-        block_size = rng.choice(BLOCK_SIZES)
-        num_kv = rng.choice([1, 2, 4])
-        num_prefills, num_decodes = rng.randint(0, 3), rng.randint(0, 4)
-        if num_prefills + num_decodes == 0:
-            num_decodes = 1
-        query_lens = [rng.randint(1, 40) for _ in range(num_prefills)] + [1] * num_decodes
-        seq_lens = [q + rng.choice([0, 0, rng.randint(1, 90)]) for q in query_lens]
-        query, cache, meta = make_batch(
-            seq_lens,
-            query_lens,
-            num_prefills,
-            block_size,
-            (num_kv * rng.choice([1, 3]), num_kv),
-            rng.choice([8, 24, 64]),
-            seed=trial,
-        )
-        check_forward(cpp, query, cache, meta, sliding_window=rng.choice([None, None, 7, 33]))
-
-
-def test_large_scores_stay_finite(cpp) -> None:
-    """Online softmax must subtract the running max: logits of ~1e3 would overflow exp."""
-    query, cache, meta = make_batch([300, 70], [1, 70], 1, 16, (4, 2), 64)
-    check_forward(cpp, query * 40.0, cache, meta)
 
 
 def test_strided_query_and_kv(cpp) -> None:
@@ -171,29 +72,9 @@ def test_strided_query_and_kv(cpp) -> None:
     assert not q.is_contiguous()
     ref_cache = cache.clone()
     cpp.write_kv(k, v, cache, meta.slot_mapping)
-    ReferenceAttention().write_kv(k, v, ref_cache.transpose(2, 3), meta.slot_mapping)
+    ReferenceAttention().write_kv(k, v, ref_cache, meta.slot_mapping)
     assert torch.equal(cache, ref_cache)
     check_forward(cpp, q, cache, meta)
-
-
-@pytest.mark.parametrize("head_size", (20, 64, 128))
-def test_write_kv_matches_reference(cpp, head_size: int) -> None:
-    num_blocks, block_size, kvh = 12, 16, 2
-    cache = torch.randn(2, num_blocks, kvh, block_size, head_size)
-    ref_cache = cache.clone()
-    slots = torch.randperm(num_blocks * block_size)[:50]
-    key, value = torch.randn(50, kvh, head_size), torch.randn(50, kvh, head_size)
-    cpp.write_kv(key, value, cache, slots)
-    ReferenceAttention().write_kv(key, value, ref_cache.transpose(2, 3), slots)
-    assert torch.equal(cache, ref_cache)
-
-
-def test_write_kv_skips_padding_slots(cpp) -> None:
-    cache = torch.zeros(2, 4, 1, 8, 16)
-    key, value = torch.ones(3, 1, 16), torch.ones(3, 1, 16)
-    cpp.write_kv(key, value, cache, torch.tensor([0, -1, 9]))
-    assert cache.sum().item() == 2 * 2 * 16  # two real tokens, K and V
-    assert cache[0, 1, 0, 1].eq(1).all() and cache[0, 0, 0, 0].eq(1).all()
 
 
 def test_out_of_range_indices_raise(cpp) -> None:
@@ -211,38 +92,9 @@ def test_other_dtypes_fall_back_to_torch(cpp) -> None:
     key, value = torch.randn(31, 2, 32).double(), torch.randn(31, 2, 32).double()
     ref_cache = cache.clone()
     cpp.write_kv(key, value, cache, meta.slot_mapping)
-    ReferenceAttention().write_kv(key, value, ref_cache.transpose(2, 3), meta.slot_mapping)
+    ReferenceAttention().write_kv(key, value, ref_cache, meta.slot_mapping)
     assert torch.equal(cache, ref_cache)
     check_forward(cpp, query, cache, meta, sliding_window=5)
-
-
-def test_copy_blocks_matches_generic(cpp) -> None:
-    caches = [torch.randn(2, 10, 2, 8, 24) for _ in range(3)]
-    expect = [c.clone() for c in caches]
-    pairs = torch.tensor([[0, 5], [3, 9], [3, 1], [7, 7]])
-    cpp.copy_blocks(caches, pairs)
-    AttentionBackend.copy_blocks(cpp, expect, pairs)
-    for got, want in zip(caches, expect, strict=True):
-        assert torch.equal(got, want)
-    cpp.copy_blocks(caches, torch.empty(0, 2, dtype=torch.int64))  # no-op
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_swap_blocks_matches_generic(cpp, dtype: torch.dtype) -> None:
-    device_pool = torch.randn(2, 12, 2, 16, 32).to(dtype)
-    host_pool = torch.randn(2, 5, 2, 16, 32).to(dtype)
-    out_pairs = torch.tensor([[11, 0], [3, 4], [0, 2]])
-    want_host = host_pool.clone()
-    AttentionBackend.swap_blocks(cpp, device_pool, want_host, out_pairs)
-    cpp.swap_blocks(device_pool, host_pool, out_pairs)
-    assert torch.equal(host_pool, want_host)
-    in_pairs = torch.tensor([[4, 1], [2, 6]])
-    want_dev = device_pool.clone()
-    AttentionBackend.swap_blocks(cpp, host_pool, want_dev, in_pairs)
-    cpp.swap_blocks(host_pool, device_pool, in_pairs)
-    assert torch.equal(device_pool, want_dev)
-    with pytest.raises(RuntimeError, match="out of range"):
-        cpp.swap_blocks(device_pool, host_pool, torch.tensor([[0, 5]]))
 
 
 def test_cache_shape_and_backend_selection(cpp) -> None:

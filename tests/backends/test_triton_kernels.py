@@ -1,10 +1,11 @@
-"""Triton paged-attention kernels vs the plain-PyTorch reference.
+"""What is particular to the Triton kernels: the launchers (their checks, the slot -1 skip, the
+split-K partition choice and the one-partition path), the CUDA cache engine and device, imports
+without triton, and compilation to sm_80/sm_90 cubins in a subprocess (no GPU needed).
 
-On a CUDA machine the kernels run compiled, in float32, float16 and bfloat16. Elsewhere they run
-under Triton's interpreter on CPU tensors (float32 and float16): TRITON_INTERPRET must be set
-before triton is first imported, which is why this module sets it at import time. A separate test
-compiles every kernel to sm_80/sm_90 cubins in a subprocess, so GPU code generation is checked
-even without a GPU.
+The kernel-against-reference matrix is ``test_attention_conformance.py`` (kind "triton"). On a
+CUDA machine the kernels run compiled; elsewhere under Triton's interpreter on CPU tensors:
+TRITON_INTERPRET must be set before triton is first imported, which is why this module sets it
+at import time.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import sys
 import pytest
 import torch
 
-from pagedllm.backends.base import AttentionMetadata, CacheSpec, build_attention_metadata
+from pagedllm.backends.base import AttentionMetadata, CacheSpec
 from pagedllm.backends.reference import ReferenceAttention
+from tests.backends import test_attention_conformance as conformance
 
 ON_CUDA = torch.cuda.is_available()
 if not ON_CUDA:
@@ -67,45 +69,26 @@ def _paged_batch(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
 ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A random cache (garbage in every unused slot) and a batch; blocks assigned at random.
-
-    Returns (cache in the Triton layout, metadata, query, key, value) with the new tokens'
-    keys/values not yet written.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    need = [-(-(ctx + q) // block_size) for ctx, q in seqs]
-    num_blocks = sum(need) + 3
-    free = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, slots = [], []
-    for (ctx, q), n in zip(seqs, need, strict=True):
-        table = [free.pop() for _ in range(n)]
-        tables.append(table)
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(ctx, ctx + q)]
-    meta = build_attention_metadata(
-        num_prefills=num_prefills,
-        seq_lens=[c + q for c, q in seqs],
-        query_lens=[q for _, q in seqs],
-        slot_mapping=slots,
-        block_tables=tables,
+    """(cache, metadata, query, key, value): the conformance module's batch, on DEVICE."""
+    query, key, value, cache, meta = conformance.make_batch(
+        seqs,
+        num_prefills,
         block_size=block_size,
+        heads=(num_heads, num_kv_heads),
+        head_size=head_size,
+        dtype=dtype,
         device=DEVICE,
+        seed=seed,
     )
-    shape = (2, num_blocks, num_kv_heads, block_size, head_size)
-    cache = torch.randn(shape, generator=gen).to(dtype=dtype, device=DEVICE)
-    t = meta.num_tokens
-    query = torch.randn((t, num_heads, head_size), generator=gen).to(dtype=dtype, device=DEVICE)
-    key = torch.randn((t, num_kv_heads, head_size), generator=gen).to(dtype=dtype, device=DEVICE)
-    value = torch.randn((t, num_kv_heads, head_size), generator=gen).to(dtype=dtype, device=DEVICE)
     return cache, meta, query, key, value
 
 
 def _reference(
     query: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, window: int | None
 ) -> torch.Tensor:
-    """The oracle on the same cache seen in its layout [2, blocks, block_size, kv_heads, d]."""
-    ref_cache = cache.transpose(2, 3).contiguous().float()
+    """The oracle on the same cache (one layout everywhere), in float32."""
     return ReferenceAttention().forward(
-        query.float(), ref_cache, meta, 0.125, sliding_window=window
+        query.float(), cache.float(), meta, 0.125, sliding_window=window
     )
 
 
@@ -122,48 +105,18 @@ def test_reshape_and_cache(ops, head_size: int, block_size: int) -> None:
     )
     slots = meta.slot_mapping.clone()
     slots[3] = -1  # a padding token: must not be written
-    expected = cache.transpose(2, 3).clone()
+    expected = cache.clone()
     keep = slots >= 0
     ReferenceAttention().write_kv(key[keep], value[keep], expected, slots[keep])
     ops.reshape_and_cache(key, value, cache, slots)
-    diff = (cache.transpose(2, 3) - expected).abs().max().item()
+    diff = (cache - expected).abs().max().item()
     torch.testing.assert_close(
-        cache.transpose(2, 3),
+        cache,
         expected,
         atol=0,
         rtol=0,
         msg=f"cache after write: max abs diff {diff:.3e}",
     )
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("head_size", [64, 128])
-@pytest.mark.parametrize("block_size", [16, 32])
-def test_decode_split_k_gqa(ops, dtype: torch.dtype, head_size: int, block_size: int) -> None:
-    """Ragged contexts, 4 query heads per KV head, 70 tokens over 32-token partitions."""
-    seqs = [(0, 1), (16, 1), (69, 1), (32, 1)]
-    cache, meta, query, key, value = _paged_batch(
-        seqs,
-        0,
-        block_size=block_size,
-        num_heads=8,
-        num_kv_heads=2,
-        head_size=head_size,
-        dtype=dtype,
-    )
-    ops.reshape_and_cache(key, value, cache, meta.slot_mapping)
-    partition = 32
-    assert meta.max_seq_len > 2 * partition  # split-K and its reduction are engaged
-    out = ops.paged_decode_attention(
-        query,
-        cache,
-        meta.block_tables,
-        meta.seq_lens,
-        meta.max_seq_len,
-        0.125,
-        partition_size=partition,
-    )
-    _check(out, _reference(query, cache, meta, None), f"decode {dtype} d={head_size}")
 
 
 @pytest.mark.parametrize("window", [None, 20, 40])
@@ -192,102 +145,6 @@ def test_decode_sliding_window_and_single_partition(ops, window: int | None) -> 
             partition_size=partition,
         )
         _check(out, expected, f"decode window={window} partition={partition}")
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("head_size", [64, 128])
-@pytest.mark.parametrize("block_size", [16, 32])
-def test_prefill_with_cached_context(
-    ops, dtype: torch.dtype, head_size: int, block_size: int
-) -> None:
-    """Fresh prompt, prompt after a cached prefix, chunk after a partial block; GQA 4:1."""
-    seqs = [(0, 23), (37, 9), (16, 16)]
-    cache, meta, query, key, value = _paged_batch(
-        seqs,
-        3,
-        block_size=block_size,
-        num_heads=4,
-        num_kv_heads=1,
-        head_size=head_size,
-        dtype=dtype,
-    )
-    ops.reshape_and_cache(key, value, cache, meta.slot_mapping)
-    out = ops.prefill_attention(
-        query,
-        cache,
-        meta.block_tables,
-        meta.seq_lens,
-        meta.query_start_loc,
-        meta.max_query_len,
-        0.125,
-        block_m=16,
-        tile_n=16,
-    )
-    _check(out, _reference(query, cache, meta, None), f"prefill {dtype} d={head_size}")
-
-
-@pytest.mark.parametrize("window", [None, 7])
-@pytest.mark.parametrize("shape", [(4, 2, 64), (3, 3, 80)], ids=["gqa", "mha-d80"])
-def test_mixed_batch_through_backend(window: int | None, shape: tuple[int, int, int]) -> None:
-    """TritonPagedAttention.write_kv + forward on 2 prefills followed by 3 decodes."""
-    from pagedllm.backends.gpu.attention import TritonPagedAttention
-
-    heads, kv_heads, head_size = shape
-    attn = TritonPagedAttention(partition_size=32, prefill_block_m=16, tile_n=16)
-    seqs = [(10, 12), (0, 5), (40, 1), (0, 1), (20, 1)]
-    cache, meta, query, key, value = _paged_batch(
-        seqs,
-        2,
-        block_size=16,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_size=head_size,
-    )
-    assert cache.shape == attn.kv_cache_shape(cache.shape[1], 16, kv_heads, head_size)
-    attn.write_kv(key, value, cache, meta.slot_mapping)
-    out = attn.forward(query, cache, meta, 0.125, sliding_window=window)
-    _check(out, _reference(query, cache, meta, window), f"mixed batch window={window}")
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_random_batches(seed: int) -> None:
-    """Random mixes of prompt chunks and decodes, block sizes 8-32, groups 1-8, windows."""
-    from pagedllm.backends.gpu.attention import TritonPagedAttention
-
-    rng = torch.Generator().manual_seed(seed)
-
-    def pick(options: list) -> object:
-        return options[int(torch.randint(len(options), (1,), generator=rng))]
-
-    block_size, group, kv_heads = pick([8, 16, 32]), pick([1, 2, 4, 8]), pick([1, 2])
-    window = pick([None, None, 5, 33])
-    num_prefills, num_decodes = pick([0, 1, 2]), pick([0, 1, 3])
-    num_prefills = num_prefills or (0 if num_decodes else 1)
-    prefills = [
-        (
-            int(torch.randint(0, 50, (1,), generator=rng)),
-            int(torch.randint(1, 30, (1,), generator=rng)),
-        )
-        for _ in range(num_prefills)
-    ]
-    decodes = [(int(torch.randint(0, 90, (1,), generator=rng)), 1) for _ in range(num_decodes)]
-    cache, meta, query, key, value = _paged_batch(
-        prefills + decodes,
-        num_prefills,
-        block_size=block_size,
-        num_heads=group * kv_heads,
-        num_kv_heads=kv_heads,
-        head_size=32,
-        seed=seed,
-    )
-    attn = TritonPagedAttention(partition_size=32, prefill_block_m=16, tile_n=16)
-    attn.write_kv(key, value, cache, meta.slot_mapping)
-    out = attn.forward(query, cache, meta, 0.125, sliding_window=window)
-    _check(
-        out,
-        _reference(query, cache, meta, window),
-        f"seqs={prefills + decodes} bs={block_size} group={group} window={window}",
-    )
 
 
 def test_launchers_reject_bad_inputs(ops) -> None:
@@ -382,35 +239,6 @@ def test_decode_partition_size_fills_the_gpu(ops, monkeypatch: pytest.MonkeyPatc
     assert ops.decode_partition_size(40, 256, 8, gpu) == 64  # the floor
     assert ops.decode_partition_size(32768, 1, 1, gpu) == 128  # one pair: 256 programs
     assert ops.decode_partition_size(8192, 64, 2, gpu) == 512  # the ceiling
-
-
-def test_cuda_kv_budget_accounts_for_everything_in_use(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Budget = total x util - held before (weights, context) - activation peak - non-torch.
-
-    The CUDA allocator is faked so the arithmetic is checked on any machine.
-    """
-    from pagedllm.backends.gpu.backend import CudaBackend
-
-    gib = 1 << 30
-    state = {"free": 80 * gib, "alloc": 18 * gib, "peak": 18 * gib, "reserved": 19 * gib}
-
-    def profile() -> None:  # 5 GiB of activations, 6 GiB more reserved, 1 GiB outside torch
-        state["peak"] = state["alloc"] + 5 * gib
-        state["reserved"] += 6 * gib
-        state["free"] -= 7 * gib
-
-    cuda = torch.cuda
-    monkeypatch.setattr(cuda, "mem_get_info", lambda dev=None: (state["free"], 100 * gib))
-    monkeypatch.setattr(cuda, "memory_allocated", lambda dev=None: state["alloc"])
-    monkeypatch.setattr(cuda, "max_memory_allocated", lambda dev=None: state["peak"])
-    monkeypatch.setattr(cuda, "memory_reserved", lambda dev=None: state["reserved"])
-    monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda dev=None: None)
-    monkeypatch.setattr(cuda, "synchronize", lambda dev=None: None)
-    monkeypatch.setattr(cuda, "empty_cache", lambda: None)
-    budget = CudaBackend().kv_cache_budget_bytes(
-        profile=profile, gpu_memory_utilization=0.9, cpu_kv_cache_bytes=0
-    )
-    assert budget == 90 * gib - 20 * gib - 5 * gib - 1 * gib, budget / gib
 
 
 def _run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:

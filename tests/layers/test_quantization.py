@@ -224,7 +224,7 @@ def test_bf16_cpp_gemm_matches_f_linear(llama_path: Path, monkeypatch) -> None:
 
 
 def test_int8_layers_use_int8_storage(llama_path: Path) -> None:
-    from pagedllm.models.loader import load_hf_config, load_model
+    from pagedllm.models.model_loader import load_hf_config, load_model
 
     hf_config = load_hf_config(str(llama_path))
     from pagedllm.backends.reference import ReferenceAttention

@@ -13,7 +13,7 @@ from pagedllm import Engine
 from pagedllm.backends.cpu import backend as cpu_backend
 from pagedllm.backends.cpu._ops import cpu_flags
 from pagedllm.backends.cpu.backend import CpuBackend, auto_dtype
-from pagedllm.models.loader import load_hf_config, resolve_dtype
+from pagedllm.models.model_loader import load_hf_config, resolve_dtype
 
 AVX2 = frozenset({"avx", "avx2", "fma", "f16c"})
 

@@ -15,10 +15,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import pagedllm.models.loading as loading
+import pagedllm.models.checkpoint as loading
 from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from pagedllm.layers.parallel import TPContext
-from pagedllm.models.loading import (
+from pagedllm.models.checkpoint import (
     CheckpointError,
     WeightMapper,
     iterate_weights,
@@ -110,7 +110,7 @@ def test_reader_names_the_damaged_file(tmp_path: Path, damage: str) -> None:
 _MEASURE = r"""
 import json, os, sys, torch
 from pagedllm.backends.cpu.backend import CpuBackend
-from pagedllm.models.loader import load_hf_config, load_model
+from pagedllm.models.model_loader import load_hf_config, load_model
 from pagedllm.models.registry import resolve_model_class
 
 def rss():

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pagedllm import Engine, SamplingParams
-from pagedllm.models.loading import CheckpointError
+from pagedllm.models.checkpoint import CheckpointError
 from pagedllm.models.registry import resolve_model_class, supported_architectures
 from tests.conftest import PROMPTS, build_tokenizer
 from tests.hf_reference import assert_first_logprobs_close, assert_greedy_match, hf_greedy
@@ -170,7 +170,7 @@ def checkpoint(path: Path) -> dict[str, torch.Tensor]:
 
 def fresh_model(path: Path) -> torch.nn.Module:
     from pagedllm.backends.reference import ReferenceAttention
-    from pagedllm.models.loader import load_hf_config
+    from pagedllm.models.model_loader import load_hf_config
 
     config = load_hf_config(str(path))
     cls = resolve_model_class(config.architectures)

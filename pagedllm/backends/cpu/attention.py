@@ -1,13 +1,15 @@
 """Paged attention in batched PyTorch ops: the CPU fallback when the C++ kernel cannot be built.
 
-Cache layout (same as the reference): ``[2, num_blocks, block_size, num_kv_heads, head_size]``.
-Decodes gather their blocks through the padded block table in one indexing op; prompts with no
-cached context skip the cache entirely and run SDPA on the fresh keys and values.
+Cache layout (every kernel's and the reference's): ``[2, num_blocks, num_kv_heads, block_size,
+head_size]``. Decodes gather their blocks through the padded block table in one indexing op;
+prompt chunks run SDPA per sequence, over the fresh keys alone (no cached context) or over the
+gathered context with an explicit causal/window mask.
 
-Any cache dtype (fp8 with its per-layer scales): K/V are widened to float32 before the math.
-Decodes read whole blocks, so the tail of a sequence's last block (never written, possibly NaN,
-or stale) enters the batched ops: its scores are replaced by -inf and its values by 0 with
-selects, never multiplied by a zero probability, which a NaN would survive.
+Any cache dtype (fp8 with its per-layer scales): K/V are widened to float32 before the math
+(then to the query's dtype for SDPA). Decodes read whole blocks, so the tail of a sequence's last
+block (never written, possibly NaN, or stale) enters the batched ops: its scores are replaced by
+-inf and its values by 0 with selects, never multiplied by a zero probability, which a NaN would
+survive.
 """
 
 from __future__ import annotations
@@ -15,46 +17,66 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedllm.backends.base import AttentionMetadata, byte_view, from_cache_dtype, to_cache_dtype
-from pagedllm.backends.reference import ReferenceAttention, attend, gather_seq_kv
+from pagedllm.backends.base import (
+    KV_CACHE_DTYPES,
+    AttentionBackend,
+    AttentionMetadata,
+    byte_view,
+    from_cache_dtype,
+    to_cache_dtype,
+)
 
 
-class TorchPagedAttention(ReferenceAttention):
+def _seq_kv(
+    kv_cache: torch.Tensor, table: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's first ``seq_len`` keys and values, each ``[kvh, seq_len, d]`` as stored."""
+    _, _, kvh, bs, d = kv_cache.shape
+    blocks = table[: (seq_len + bs - 1) // bs].long()
+    # [n, kvh, bs, d] -> [kvh, n * bs, d]
+    k = kv_cache[0][blocks].transpose(0, 1).reshape(kvh, -1, d)[:, :seq_len]
+    v = kv_cache[1][blocks].transpose(0, 1).reshape(kvh, -1, d)[:, :seq_len]
+    return k, v
+
+
+class TorchPagedAttention(AttentionBackend):
     """Vectorised over the decode batch; per sequence only for prompt chunks."""
 
     name = "torch"
-    supported_kv_cache_dtypes = ReferenceAttention.supported_kv_cache_dtypes
+    supported_kv_cache_dtypes = tuple(KV_CACHE_DTYPES)
     kv_cache_dtype_follows_compute = False
 
     def write_kv(
         self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, num_kv_heads, block_size, head_size]
+        slot_mapping: torch.Tensor,  # [num_tokens] int64
         *,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
     ) -> None:
-        _, _, _, kvh, d = kv_cache.shape
         keep = slot_mapping >= 0  # -1: a padding token, never stored
         slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
+        bs = kv_cache.shape[3]
+        blocks, offsets = slot_mapping // bs, slot_mapping % bs
+        # fp8 through byte views: torch has no fp8 index_put kernel.
         k = byte_view(to_cache_dtype(key, kv_cache.dtype, k_scale))
         v = byte_view(to_cache_dtype(value, kv_cache.dtype, v_scale))
-        byte_view(kv_cache[0]).view(-1, kvh, d).index_copy_(0, slot_mapping, k)
-        byte_view(kv_cache[1]).view(-1, kvh, d).index_copy_(0, slot_mapping, v)
+        byte_view(kv_cache[0])[blocks, :, offsets] = k
+        byte_view(kv_cache[1])[blocks, :, offsets] = v
 
     def forward(
         self,
-        query: torch.Tensor,
-        kv_cache: torch.Tensor,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, num_kv_heads, block_size, head_size]
         meta: AttentionMetadata,
         scale: float,
         *,
         sliding_window: int | None = None,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
         out = torch.empty_like(query)
         scales = (k_scale, v_scale)
         if meta.num_prefills:
@@ -77,24 +99,23 @@ class TorchPagedAttention(ReferenceAttention):
         start = 0
         for i in range(meta.num_prefills):
             q_len, seq_len = meta.query_lens_list[i], meta.seq_lens_list[i]
-            q = query[start : start + q_len]
-            table = meta.block_tables[i].tolist()
-            k, v = gather_seq_kv(kv_cache, table, seq_len)
-            k, v = from_cache_dtype(k, scales[0]), from_cache_dtype(v, scales[1])
-            if q_len == seq_len and sliding_window is None:
-                k, v = k.to(q.dtype), v.to(q.dtype)
-                # [1, heads, q_len, d] layout for SDPA; GQA handled by the op.
-                o = F.scaled_dot_product_attention(
-                    q.transpose(0, 1).unsqueeze(0),
-                    k.transpose(0, 1).unsqueeze(0),
-                    v.transpose(0, 1).unsqueeze(0),
-                    is_causal=True,
-                    scale=scale,
-                    enable_gqa=True,
-                )
-                out[start : start + q_len] = o[0].transpose(0, 1)
-            else:
-                out[start : start + q_len] = attend(q, k, v, seq_len - q_len, scale, sliding_window)
+            mask = None
+            if q_len != seq_len or sliding_window is not None:
+                q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
+                k_pos = torch.arange(seq_len, device=query.device)[None, :]
+                mask = k_pos <= q_pos  # [q_len, seq_len]
+                if sliding_window is not None:
+                    mask &= k_pos > q_pos - sliding_window
+            # A plain prompt runs in the query's dtype; masked chunks in float32, as the kernels.
+            dtype = query.dtype if mask is None else torch.float32
+            q = query[start : start + q_len].transpose(0, 1).unsqueeze(0).to(dtype)  # [1,h,q,d]
+            k, v = _seq_kv(kv_cache, meta.block_tables[i], seq_len)
+            k = from_cache_dtype(k, scales[0]).to(dtype).unsqueeze(0)  # [1, kvh, seq_len, d]
+            v = from_cache_dtype(v, scales[1]).to(dtype).unsqueeze(0)
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+            )
+            out[start : start + q_len] = o[0].transpose(0, 1).to(out.dtype)
             start += q_len
 
     def _decode(
@@ -110,21 +131,26 @@ class TorchPagedAttention(ReferenceAttention):
         tables = meta.block_tables[p:].long()  # [b, max_blocks]
         seq_lens = meta.seq_lens[p:].long()  # [b]
         b, heads, d = query.shape
-        _, _, bs, kvh, _ = kv_cache.shape
+        _, _, kvh, bs, _ = kv_cache.shape
         max_blocks = (max(meta.seq_lens_list[p:]) + bs - 1) // bs
         tables = tables[:, :max_blocks]
-        # [b, L, kvh, d] in float32; L covers whole blocks, so the last block's tail is junk.
-        k = from_cache_dtype(kv_cache[0][tables], scales[0]).reshape(b, max_blocks * bs, kvh, d)
-        v = from_cache_dtype(kv_cache[1][tables], scales[1]).reshape(b, max_blocks * bs, kvh, d)
-        pos = torch.arange(max_blocks * bs, device=query.device)[None, :]
+        length = max_blocks * bs
+
+        def gather(cache: torch.Tensor, s: float) -> torch.Tensor:
+            # [b, n, kvh, bs, d] -> [b, kvh, L, d] in float32; the last block's tail is junk.
+            blocks = from_cache_dtype(cache[tables], s)
+            return blocks.transpose(1, 2).reshape(b, kvh, length, d)
+
+        k, v = gather(kv_cache[0], scales[0]), gather(kv_cache[1], scales[1])
+        pos = torch.arange(length, device=query.device)[None, :]
         invalid = pos >= seq_lens[:, None]  # [b, L]
         if sliding_window is not None:
             invalid |= pos < (seq_lens[:, None] - sliding_window)
-        v = v.masked_fill(invalid[:, :, None, None], 0.0)  # a select: NaN junk becomes 0
+        v = v.masked_fill(invalid[:, None, :, None], 0.0)  # a select: NaN junk becomes 0
         group = heads // kvh
         q = query.float().view(b, kvh, group, d)
-        scores = torch.einsum("bkgd,blkd->bkgl", q, k) * scale  # [b, kvh, g, L]
+        scores = torch.einsum("bkgd,bkld->bkgl", q, k) * scale  # [b, kvh, g, L]
         scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        out = torch.einsum("bkgl,blkd->bkgd", probs, v).reshape(b, heads, d)
+        out = torch.einsum("bkgl,bkld->bkgd", probs, v).reshape(b, heads, d)
         return out.to(query.dtype)

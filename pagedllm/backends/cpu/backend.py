@@ -3,31 +3,15 @@
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 from collections.abc import Callable
 
 import torch
 
-from pagedllm.backends.base import AttentionBackend, DeviceBackend
+from pagedllm.backends.base import DeviceBackend
 
 logger = logging.getLogger(__name__)
-
-_ATTENTION_KINDS: dict[str, str] = {
-    "cpp": "pagedllm.backends.cpu.kernel_attention:CppPagedAttention",
-    "torch": "pagedllm.backends.cpu.attention:TorchPagedAttention",
-    "reference": "pagedllm.backends.reference:ReferenceAttention",
-    # Other backends' kernels that can run on CPU tensors, for testing them inside the engine.
-    "triton": "pagedllm.backends.gpu.attention:TritonPagedAttention",
-    "ipex": "pagedllm.backends.xpu.attention:IpexPagedAttention",
-}
-
-
-def _instantiate(kind: str) -> AttentionBackend:
-    module_name, _, cls_name = _ATTENTION_KINDS[kind].partition(":")
-    return getattr(importlib.import_module(module_name), cls_name)()
-
 
 def physical_cores() -> int:
     """Cores this process may run on, counting hyper-threads of one core once."""
@@ -52,6 +36,8 @@ def physical_cores() -> int:
 
 class CpuBackend(DeviceBackend):
     name = "cpu"
+    # The C++ kernels, else batched PyTorch when they cannot build (no compiler, say).
+    attention_kinds = ("cpp", "torch")
 
     @classmethod
     def is_available(cls) -> bool:
@@ -59,22 +45,6 @@ class CpuBackend(DeviceBackend):
 
     def device(self, rank: int = 0) -> torch.device:
         return torch.device("cpu")
-
-    def attention(self, kind: str | None = None) -> AttentionBackend:
-        """ "auto" prefers the C++ kernel and falls back to batched PyTorch if it cannot build."""
-        kind = kind or "auto"
-        if kind == "auto":
-            try:
-                return _instantiate("cpp")
-            except (ImportError, RuntimeError, OSError) as exc:
-                logger.warning("C++ attention kernel unavailable (%s); using PyTorch ops", exc)
-                return _instantiate("torch")
-        if kind not in _ATTENTION_KINDS:
-            raise ValueError(
-                f"attention_backend: {kind!r} is not a CPU attention backend; "
-                f"choose one of {['auto', *_ATTENTION_KINDS]}"
-            )
-        return _instantiate(kind)
 
     # Which GEMM each kind of linear layer got (e.g. "QKVParallelLinear=cpp-bf16-avx2, ..."),
     # set by prepare_model so that benchmarks can name it.

@@ -1,11 +1,9 @@
 """Paged attention through the C++ CPU kernels (``attention_backend="cpp"``).
 
 Cache layout of one layer: ``[2, num_blocks, num_kv_heads, block_size, head_size]`` (K then V).
-It differs from the reference's ``[2, num_blocks, block_size, num_kv_heads, head_size]`` on
-purpose: the keys of one (block, kv head) pair are one contiguous ``[block_size, head_size]``
-panel, so the kernel streams each block in a single run and every token row is a contiguous
-vector load. ``kv_cache.transpose(2, 3)`` is the reference layout as a view, which is how the
-tests feed the same cache to the oracle and how the PyTorch fallback reads it.
+It is the layout of every kernel and of the reference: the keys of one (block, kv head) pair are
+one contiguous ``[block_size, head_size]`` panel, so the kernel streams each block in a single
+run and every token row is a contiguous vector load.
 
 The kernels (``csrc/``) take queries in float32, bfloat16 or float16 (the model's compute dtype;
 the output has it too) over a cache in any of those or fp8 e4m3/e5m2 (``kv_cache_dtype``),
@@ -13,7 +11,7 @@ computing in float32. They handle any head size (vector bodies plus a scalar tai
 size, GQA/MQA and sliding windows, and one call serves a whole mixed batch: prompt chunks with or
 without cached context and single-token decodes alike, with an online softmax so no score buffer
 grows with the context. Anything else (a non-CPU tensor, a strided cache) goes to
-:class:`TorchPagedAttention` on the transposed view, so the engine never needs to know which path
+:class:`TorchPagedAttention` on the same cache, so the engine never needs to know which path
 ran. The build is the one of :func:`resolve_isa`'s level; :attr:`CppPagedAttention.isa` names it.
 """
 
@@ -26,7 +24,6 @@ import torch
 from pagedllm.backends.base import FP8_DTYPES, AttentionBackend, AttentionMetadata
 from pagedllm.backends.cpu._ops import load_ops, resolve_isa
 from pagedllm.backends.cpu.attention import TorchPagedAttention
-from pagedllm.backends.reference import ReferenceAttention
 
 _COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CACHE_DTYPES = (*_COMPUTE_DTYPES, *FP8_DTYPES)
@@ -77,11 +74,6 @@ class CppPagedAttention(AttentionBackend):
     def describe(self) -> str:
         return f"{self.isa} build, {self.vector_path} vector code"
 
-    def kv_cache_shape(
-        self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
-    ) -> tuple[int, ...]:
-        return (2, num_blocks, num_kv_heads, block_size, head_size)
-
     def write_kv(
         self,
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
@@ -103,16 +95,7 @@ class CppPagedAttention(AttentionBackend):
                 key, value, kv_cache, slot_mapping.to(torch.int64).contiguous(), ks, vs
             )
             return
-        # The reference's scatter on the reference-layout view; writes land in kv_cache.
-        ReferenceAttention.write_kv(
-            self._fallback,
-            key,
-            value,
-            kv_cache.transpose(2, 3),
-            slot_mapping,
-            k_scale=ks,
-            v_scale=vs,
-        )
+        self._fallback.write_kv(key, value, kv_cache, slot_mapping, k_scale=ks, v_scale=vs)
 
     def forward(
         self,
@@ -129,7 +112,7 @@ class CppPagedAttention(AttentionBackend):
         if not _kernel_ok(query, kv_cache):
             return self._fallback.forward(
                 query,
-                kv_cache.transpose(2, 3),
+                kv_cache,
                 meta,
                 scale,
                 sliding_window=sliding_window,

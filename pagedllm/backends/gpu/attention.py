@@ -55,11 +55,6 @@ class TritonPagedAttention(AttentionBackend):
         self.prefill_block_m = prefill_block_m
         self.tile_n = tile_n
 
-    def kv_cache_shape(
-        self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
-    ) -> tuple[int, ...]:
-        return (2, num_blocks, num_kv_heads, block_size, head_size)
-
     def write_kv(
         self,
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]

@@ -17,11 +17,9 @@ from collections.abc import Callable
 
 import torch
 
-from pagedllm.backends.base import AttentionBackend, CacheEngine, CacheSpec, DeviceBackend
+from pagedllm.backends.base import DeviceBackend
 
 logger = logging.getLogger(__name__)
-
-_ATTENTION_KINDS = ("auto", "triton", "reference")
 
 
 class CudaBackend(DeviceBackend):
@@ -29,6 +27,9 @@ class CudaBackend(DeviceBackend):
 
     name = "cuda"
     ray_resource = "GPU"
+    attention_kinds = ("triton",)
+    # Pinned host pool, swaps and copies on a side stream.
+    cache_engine_class = "pagedllm.backends.gpu.cache_engine:CudaCacheEngine"
 
     @classmethod
     def is_available(cls) -> bool:
@@ -47,54 +48,14 @@ class CudaBackend(DeviceBackend):
     def device(self, rank: int = 0) -> torch.device:
         return torch.device("cuda", rank)
 
-    def attention(self, kind: str | None = None) -> AttentionBackend:
-        """Kinds: "auto" or "triton" (our kernels), "reference" (the slow plain-PyTorch oracle)."""
-        kind = kind or "auto"
-        if kind in ("auto", "triton"):
-            from pagedllm.backends.gpu.attention import TritonPagedAttention
+    def mem_get_info(self, rank: int = 0) -> tuple[int, int]:
+        free, total = torch.cuda.mem_get_info(self.device(rank))
+        return int(free), int(total)
 
-            return TritonPagedAttention()
-        if kind == "reference":
-            from pagedllm.backends.reference import ReferenceAttention
-
-            return ReferenceAttention()
-        raise ValueError(
-            f"attention_backend: {kind!r} is not a CUDA attention backend; "
-            f"choose one of {list(_ATTENTION_KINDS)}"
-        )
-
-    def make_cache_engine(
-        self,
-        spec: CacheSpec,
-        num_device_blocks: int,
-        num_host_blocks: int,
-        *,
-        attention: AttentionBackend,
-        rank: int = 0,
-    ) -> CacheEngine:
-        from pagedllm.backends.gpu.cache_engine import CudaCacheEngine
-
-        return CudaCacheEngine(
-            spec,
-            attention,
-            device=self.device(rank),
-            num_device_blocks=num_device_blocks,
-            num_host_blocks=num_host_blocks,
-        )
-
-    def free_memory_bytes(self, rank: int = 0) -> int:
-        free, _ = torch.cuda.mem_get_info(self.device(rank))
-        return int(free)
-
-    def total_memory_bytes(self, rank: int = 0) -> int:
-        _, total = torch.cuda.mem_get_info(self.device(rank))
-        return int(total)
+    def memory_reserved(self, rank: int = 0) -> int:
+        return int(torch.cuda.memory_reserved(self.device(rank)))
 
     def profile_peak_bytes(self, fn: Callable[[], object], rank: int = 0) -> int:
-        """Peak bytes the caching allocator needed for ``fn`` beyond what was already held.
-
-        Activations of a dummy forward are the quantity the KV budget must leave room for.
-        """
         dev = self.device(rank)
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
@@ -103,42 +64,8 @@ class CudaBackend(DeviceBackend):
         torch.cuda.synchronize(dev)
         return max(0, int(torch.cuda.max_memory_allocated(dev)) - int(before))
 
-    def kv_cache_budget_bytes(
-        self,
-        *,
-        profile: Callable[[], object],
-        gpu_memory_utilization: float,
-        cpu_kv_cache_bytes: int,
-        rank: int = 0,
-    ) -> int:
-        """``total * utilization`` minus everything in use at the profiled peak.
-
-        In use = what the device already held before profiling (weights, CUDA context, other
-        processes: ``total - free``) + the allocator's activation peak during ``profile`` + memory
-        that grew outside PyTorch's allocator meanwhile (cuBLAS workspaces, NCCL buffers).
-        """
-        dev = self.device(rank)
+    def empty_cache(self, rank: int = 0) -> None:
         torch.cuda.empty_cache()
-        free_before, total = torch.cuda.mem_get_info(dev)
-        reserved_before = torch.cuda.memory_reserved(dev)
-        activation_peak = self.profile_peak_bytes(profile, rank)
-        free_after, _ = torch.cuda.mem_get_info(dev)
-        reserved_after = torch.cuda.memory_reserved(dev)
-        outside_torch = max(0, (free_before - free_after) - (reserved_after - reserved_before))
-        torch.cuda.empty_cache()  # hand the profiling activations back before the KV cache
-        in_use = (total - free_before) + activation_peak + outside_torch
-        budget = int(total * gpu_memory_utilization) - int(in_use)
-        gib = float(1 << 30)
-        logger.info(
-            "KV budget %.2f GiB = %.2f GiB x %.2f - held %.2f - activations %.2f - other %.2f",
-            budget / gib,
-            total / gib,
-            gpu_memory_utilization,
-            (total - free_before) / gib,
-            activation_peak / gib,
-            outside_torch / gib,
-        )
-        return max(0, budget)
 
     def synchronize(self, rank: int = 0) -> None:
         torch.cuda.synchronize(self.device(rank))

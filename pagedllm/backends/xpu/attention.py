@@ -86,11 +86,6 @@ class IpexPagedAttention(AttentionBackend):
         # (num_heads, num_kv_heads, device) -> [num_heads] int32 query head -> KV head.
         self._head_mappings: dict[tuple[int, int, torch.device], torch.Tensor] = {}
 
-    def kv_cache_shape(
-        self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
-    ) -> tuple[int, ...]:
-        return (2, num_blocks, num_kv_heads, block_size, head_size)
-
     def build_metadata(self, **kwargs: object) -> AttentionMetadata:
         base = build_attention_metadata(**kwargs)  # type: ignore[arg-type]
         fields = {name: getattr(base, name) for name in base.__dataclass_fields__}

@@ -12,31 +12,14 @@ float32's exponent range. Full float32 stays available by asking for it explicit
 
 from __future__ import annotations
 
-import importlib
 import logging
 from collections.abc import Callable
 
 import torch
 
-from pagedllm.backends.base import AttentionBackend, DeviceBackend
+from pagedllm.backends.base import DeviceBackend
 
 logger = logging.getLogger(__name__)
-
-_ATTENTION_KINDS: dict[str, str] = {
-    "ipex": "pagedllm.backends.xpu.attention:IpexPagedAttention",
-    "triton": "pagedllm.backends.gpu.attention:TritonPagedAttention",
-    "reference": "pagedllm.backends.reference:ReferenceAttention",
-}
-_IPEX_HINT = (
-    "pip install intel-extension-for-pytorch (matching your torch version; "
-    "see ci/requirements-xpu.txt)"
-)
-
-
-def _instantiate(kind: str) -> AttentionBackend:
-    module_name, _, cls_name = _ATTENTION_KINDS[kind].partition(":")
-    return getattr(importlib.import_module(module_name), cls_name)()
-
 
 def triton_supports_xpu() -> bool:
     """True when triton is importable and has its Intel GPU backend (pytorch-triton-xpu)."""
@@ -66,55 +49,38 @@ class XpuBackend(DeviceBackend):
     def device(self, rank: int = 0) -> torch.device:
         return torch.device("xpu", rank)
 
-    def attention(self, kind: str | None = None) -> AttentionBackend:
-        """Kind "auto": IPEX's kernels, else our Triton kernels if triton has its Intel backend.
+    @property
+    def attention_kinds(self) -> tuple[str, ...]:  # type: ignore[override]
+        """IPEX's kernels, else our Triton kernels where triton has its Intel backend.
 
-        "ipex" / "triton" ask for one of them (an ImportError says what to install);
-        "reference" is the slow plain-PyTorch oracle, for debugging.
+        A missing IPEX then fails with the ImportError that says what to install.
         """
-        kind = kind or "auto"
-        if kind == "auto":
-            try:
-                return _instantiate("ipex")
-            except ImportError as exc:
-                if not triton_supports_xpu():
-                    raise ImportError(
-                        f"device='xpu' has no attention kernels: {exc}. Either {_IPEX_HINT}, "
-                        "or install triton with its Intel XPU backend (pytorch-triton-xpu)"
-                    ) from exc
-                logger.warning("IPEX unavailable (%s); using the Triton kernels on XPU", exc)
-                return _instantiate("triton")
-        if kind not in _ATTENTION_KINDS:
-            raise ValueError(
-                f"attention_backend: {kind!r} is not an XPU attention backend; "
-                f"choose one of {['auto', *_ATTENTION_KINDS]}"
-            )
-        return _instantiate(kind)
+        return ("ipex", "triton") if triton_supports_xpu() else ("ipex",)
 
-    def free_memory_bytes(self, rank: int = 0) -> int:
-        """Free device memory as the driver reports it; total minus reserved where it cannot."""
+    def mem_get_info(self, rank: int = 0) -> tuple[int, int]:
+        """The driver's free/total; total minus reserved where it cannot say what is free."""
+        total = int(torch.xpu.get_device_properties(rank).total_memory)
         try:
             free, _ = torch.xpu.mem_get_info(rank)
-            return int(free)
+            return int(free), total
         except (AttributeError, RuntimeError) as exc:
             # Older drivers lack the free-memory query (it needs ZES_ENABLE_SYSMAN=1 on some).
             logger.info("torch.xpu.mem_get_info failed (%s); using total - reserved", exc)
-            return max(0, self.total_memory_bytes(rank) - int(torch.xpu.memory_reserved(rank)))
+            return max(0, total - self.memory_reserved(rank)), total
 
-    def total_memory_bytes(self, rank: int = 0) -> int:
-        return int(torch.xpu.get_device_properties(rank).total_memory)
+    def memory_reserved(self, rank: int = 0) -> int:
+        return int(torch.xpu.memory_reserved(rank))
 
     def profile_peak_bytes(self, fn: Callable[[], object], rank: int = 0) -> int:
-        """Peak bytes the caching allocator needed for ``fn`` beyond what was already held.
-
-        Activations of a dummy forward are the quantity the KV budget must leave room for.
-        """
         torch.xpu.synchronize(rank)
         torch.xpu.reset_peak_memory_stats(rank)
         before = int(torch.xpu.memory_allocated(rank))
         fn()
         torch.xpu.synchronize(rank)
         return max(0, int(torch.xpu.max_memory_allocated(rank)) - before)
+
+    def empty_cache(self, rank: int = 0) -> None:
+        torch.xpu.empty_cache()
 
     def synchronize(self, rank: int = 0) -> None:
         torch.xpu.synchronize(rank)

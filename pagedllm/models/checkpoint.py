@@ -106,7 +106,6 @@ class WeightMapper:
 
     strip_prefixes: tuple[str, ...] = ()
     fused: dict[str, tuple[str, int]] = field(default_factory=dict)
-    renames: dict[str, str] = field(default_factory=dict)
     ignore: tuple[str, ...] = ()
 
     def map(self, name: str) -> tuple[str, int | None] | None:
@@ -116,8 +115,6 @@ class WeightMapper:
             if name.startswith(prefix):
                 name = name[len(prefix) :]
                 break
-        for old, new in self.renames.items():
-            name = name.replace(old, new)
         parts = name.split(".")
         for i, part in enumerate(parts):
             if part in self.fused:

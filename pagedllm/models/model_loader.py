@@ -17,7 +17,7 @@ from pagedllm.layers.quantization import (
     finish_quantization,
     get_quant_config,
 )
-from pagedllm.models.loading import CheckpointError, iterate_weights
+from pagedllm.models.checkpoint import CheckpointError, iterate_weights
 from pagedllm.models.registry import resolve_model_class
 
 logger = logging.getLogger(__name__)
