@@ -87,3 +87,16 @@ def test_bad_inputs_raise(ops) -> None:
         ops.weight_gemm(torch.randn(2, 8).double(), packed, 20, scale)
     with pytest.raises(RuntimeError, match=r"\[N/16, K, 16\]"):
         ops.weight_gemm(torch.randn(2, 8), packed.transpose(1, 2), 20, scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
+@pytest.mark.parametrize(("n", "k"), [(16, 128), (37, 300), (5, 1), (64, 257)])
+def test_pack_panels_matches_the_pytorch_layout(ops, dtype: torch.dtype, n: int, k: int) -> None:
+    """The C++ copy gives exactly the PyTorch layout: whole and partial panels, K past a block."""
+    from pagedllm.backends.cpu.packed_linear import pack_panels_reference
+
+    w = (torch.randn(n, k) * 50).to(dtype)
+    got = ops.pack_panels(w)
+    assert got.dtype == dtype
+    assert torch.equal(got, pack_panels_reference(w))
+    assert torch.equal(ops.pack_panels(w.t().contiguous().t()), got)  # a strided weight

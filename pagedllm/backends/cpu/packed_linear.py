@@ -62,7 +62,19 @@ def gemm_ops() -> ModuleType | None:
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """``[N, K]`` -> ``[ceil(N/16), K, 16]``: each panel's 16 columns contiguous per k."""
+    """``[N, K]`` -> ``[ceil(N/16), K, 16]``: each panel's 16 columns contiguous per k.
+
+    The C++ copy (blocked, threaded) when the GEMM library is built; PyTorch's strided copy
+    otherwise, which gives the same tensor several times slower.
+    """
+    ops = gemm_ops()
+    if ops is not None:
+        return ops.pack_panels(weight)
+    return pack_panels_reference(weight)
+
+
+def pack_panels_reference(weight: torch.Tensor) -> torch.Tensor:
+    """The layout in plain PyTorch (the fallback, and the oracle of the C++ copy's test)."""
     n, k = weight.shape
     panels = -(-n // _PANEL)
     padded = weight

@@ -200,6 +200,56 @@ torch::Tensor weight_gemm(const torch::Tensor& x, const torch::Tensor& packed, i
   return y;
 }
 
+// [N, K] -> [ceil(N/16), K, 16], columns past N zero. A transposing copy: done by blocks of
+// kPackK columns so each block's 16 source rows and its destination stay in L1, and split over
+// panels across threads. At load it replaces a strided PyTorch copy that cost seconds on 1B models.
+constexpr int64_t kPackK = 128;
+
+template <typename E>
+void pack_rows(const E* w, int64_t n, int64_t k, E* out) {
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      E* dst = out + p * k * kPanel;
+      const int64_t rows = std::min<int64_t>(kPanel, n - p * kPanel);
+      for (int64_t k0 = 0; k0 < k; k0 += kPackK) {
+        const int64_t kc = std::min<int64_t>(kPackK, k - k0);
+        for (int64_t j = 0; j < rows; ++j) {
+          const E* src = w + (p * kPanel + j) * k + k0;
+          for (int64_t kk = 0; kk < kc; ++kk) dst[(k0 + kk) * kPanel + j] = src[kk];
+        }
+      }
+    }
+  });
+}
+
+torch::Tensor pack_panels(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2,
+              "pack_panels: weight must be a CPU [N, K], got ", weight.sizes());
+  const torch::Tensor w = weight.contiguous();
+  const int64_t n = w.size(0), k = w.size(1), panels = (n + kPanel - 1) / kPanel;
+  // Zeros only where the last panel has no rows: the rest is overwritten.
+  torch::Tensor out = n % kPanel ? torch::zeros({panels, k, kPanel}, w.options())
+                                 : torch::empty({panels, k, kPanel}, w.options());
+  switch (w.element_size()) {
+    case 1:
+      pack_rows(static_cast<const uint8_t*>(w.data_ptr()), n, k,
+                static_cast<uint8_t*>(out.data_ptr()));
+      break;
+    case 2:
+      pack_rows(static_cast<const uint16_t*>(w.data_ptr()), n, k,
+                static_cast<uint16_t*>(out.data_ptr()));
+      break;
+    case 4:
+      pack_rows(static_cast<const uint32_t*>(w.data_ptr()), n, k,
+                static_cast<uint32_t*>(out.data_ptr()));
+      break;
+    default:
+      TORCH_CHECK(false, "pack_panels: unsupported element size ", w.element_size());
+  }
+  return out;
+}
+
 std::string built_isa() {
 #if defined(__AVX512BF16__)
   return "avx512bf16";
@@ -220,6 +270,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "y = x @ W^T (* scale) (+ bias), W packed as [N/16, K, 16]",
         py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("packed"), py::arg("n"),
         py::arg("scale") = py::none(), py::arg("bias") = py::none());
+  m.def("pack_panels", &pagedllm::gemm::pack_panels,
+        "[N, K] -> [ceil(N/16), K, 16], the layout weight_gemm reads",
+        py::call_guard<py::gil_scoped_release>(), py::arg("weight"));
   m.def("built_isa", &pagedllm::gemm::built_isa, "the ISA level this library was compiled for");
   m.def("rows_per_tile", [] { return pagedllm::gemm::kRows; }, "rows of the micro-kernel");
 }
