@@ -65,12 +65,21 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
+def _chars(content: Any) -> int:
+    """A message's text length (string content or text parts), for the prompt-size limit."""
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(getattr(p, "text", None) or "") for p in content)
+    return 0
+
+
 class OpenAIServingChat(ServingBase):
     prompt_param = "messages"
 
     def __init__(self, engine: AsyncEngine, model: ModelInfo, *, chat_template: str | None = None,
-                 max_logprobs: int = 20) -> None:
-        super().__init__(engine, model, max_logprobs=max_logprobs)
+                 max_logprobs: int = 20, **kwargs: Any) -> None:
+        super().__init__(engine, model, max_logprobs=max_logprobs, **kwargs)
         self.chat_template = chat_template
 
     def render(self, messages: list[ChatMessage], *, add_generation_prompt: bool = True,
@@ -79,6 +88,7 @@ class OpenAIServingChat(ServingBase):
         """The conversation as prompt text and token ids, via the chat template."""
         if not messages:
             raise APIError("messages: must not be empty", param="messages")
+        self.limits.check_chars(sum(_chars(m.content) for m in messages), "messages")
         template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise APIError(
@@ -118,7 +128,8 @@ class OpenAIServingChat(ServingBase):
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs: requires logprobs to be true", param="top_logprobs")
         self.check_stream_flags(req)
-        prompt = self.render(req.messages, add_generation_prompt=req.add_generation_prompt,
+        prompt = await self.offload.run(
+            self.render, req.messages, add_generation_prompt=req.add_generation_prompt,
                              continue_final_message=req.continue_final_message,
                              template_kwargs=req.chat_template_kwargs)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None \
@@ -127,6 +138,7 @@ class OpenAIServingChat(ServingBase):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
                                       logprobs_param="top_logprobs")
+        self.offload.trim_later(len(prompt.token_ids))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         pairs = await self.start(request_id, [prompt], [params], priority=req.priority,
