@@ -211,9 +211,15 @@ class EngineCoreClient:
         return await asyncio.wrap_future(done)
 
     def _send(self, message: tuple[Any, ...]) -> None:
+        """Never blocks: with the core connected the queue is unbounded; without, it is gone."""
+        import zmq
+
         data = wire.encode_in(message)
         with self._send_lock:
-            self._in.send(data, copy=False)
+            try:
+                self._in.send(data, zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                raise EngineDeadError("the engine core is not connected") from None
 
     def _check_alive(self) -> None:
         if self._dead is not None:

@@ -46,7 +46,7 @@ def encode_in(message: tuple[Any, ...]) -> bytes:
 
 
 def decode_in(data: bytes) -> tuple[Any, ...]:
-    return pickle.loads(data)  # noqa: S301 - a private socket, see the module docstring
+    return pickle.loads(data)  # a private socket: see the module docstring
 
 
 def _metrics_tuple(m: RequestMetricsView | None) -> list[Any] | None:

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, TypeVar
 
@@ -61,7 +61,7 @@ class ServerSettings:
     read_timeout: float = 10.0
     h11_max_incomplete_event_size: int = 64 * 1024
     # Per-request sizes (see offload.py): prompt characters, prompt token ids, /detokenize ids.
-    limits: RequestLimits = RequestLimits()
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
 
 def is_json_content_type(value: str | None) -> bool:
