@@ -48,9 +48,15 @@ class EngineCoreClient:
     receiving thread: keep them quick and thread-safe.
     """
 
-    def __init__(self, model: str, device: str = "auto", *,
-                 log_stats_interval: float | None = 5.0, startup_timeout: float = 900.0,
-                 **engine_args: Any) -> None:
+    def __init__(
+        self,
+        model: str,
+        device: str = "auto",
+        *,
+        log_stats_interval: float | None = 5.0,
+        startup_timeout: float = 900.0,
+        **engine_args: Any,
+    ) -> None:
         import zmq
 
         from pagedllm.engine.core_process import core_main
@@ -81,9 +87,19 @@ class EngineCoreClient:
         self._out.setsockopt(zmq.RCVHWM, 0)
         self._out.bind(f"ipc://{self._dir}/out")
         self.proc = mp.get_context("spawn").Process(
-            target=core_main, name="pagedllm-core", daemon=False,
-            args=(model, device, engine_args, f"ipc://{self._dir}/in",
-                  f"ipc://{self._dir}/out", _getpid(), logging.getLogger().getEffectiveLevel()))
+            target=core_main,
+            name="pagedllm-core",
+            daemon=False,
+            args=(
+                model,
+                device,
+                engine_args,
+                f"ipc://{self._dir}/in",
+                f"ipc://{self._dir}/out",
+                _getpid(),
+                logging.getLogger().getEffectiveLevel(),
+            ),
+        )
         self.proc.start()
         try:
             self.info = self._wait_ready(startup_timeout)
@@ -97,14 +113,18 @@ class EngineCoreClient:
             from pagedllm.engine.llm_engine import load_tokenizer
 
             self.tokenizer = load_tokenizer(self.info["tokenizer"])
-        self._thread = threading.Thread(target=self._receive, name="pagedllm-core-out",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._receive, name="pagedllm-core-out", daemon=True)
         self._thread.start()
 
     @classmethod
-    def from_engine_args(cls, model: str, device: str = "auto", *,
-                         log_stats_interval: float | None = 5.0,
-                         **engine_args: Any) -> EngineCoreClient:
+    def from_engine_args(
+        cls,
+        model: str,
+        device: str = "auto",
+        *,
+        log_stats_interval: float | None = 5.0,
+        **engine_args: Any,
+    ) -> EngineCoreClient:
         return cls(model, device, log_stats_interval=log_stats_interval, **engine_args)
 
     def _wait_ready(self, timeout: float) -> dict[str, Any]:
@@ -127,8 +147,9 @@ class EngineCoreClient:
                     raise RuntimeError(f"the engine core failed to start: {name}: {message}")
             elif events:
                 self.proc.join(1)
-                raise RuntimeError(f"the engine core exited while starting "
-                                   f"(exit code {self.proc.exitcode})")
+                raise RuntimeError(
+                    f"the engine core exited while starting (exit code {self.proc.exitcode})"
+                )
         raise RuntimeError(f"the engine core did not start within {timeout:.0f} s")
 
     # -- what the server reads -----------------------------------------------------------------
@@ -149,12 +170,14 @@ class EngineCoreClient:
 
     def describe(self) -> dict[str, Any]:
         """The served model: ``model``, ``served_model_name``, ``max_model_len``, ``vocab_size``."""
-        return {k: self.info[k] for k in ("model", "served_model_name", "max_model_len",
-                                          "vocab_size")}
+        return {
+            k: self.info[k] for k in ("model", "served_model_name", "max_model_len", "vocab_size")
+        }
 
     # -- requests ----------------------------------------------------------------------------
-    async def add_request(self, request_id: str, prompt: Any, params: SamplingParams, *,
-                          priority: int = 0) -> RequestStream:
+    async def add_request(
+        self, request_id: str, prompt: Any, params: SamplingParams, *, priority: int = 0
+    ) -> RequestStream:
         """Send a request and return its stream once the core took it (ValueError if not)."""
         self._check_alive()
         if request_id in self._streams:
@@ -178,8 +201,9 @@ class EngineCoreClient:
             raise
         return stream
 
-    async def generate(self, prompt: Any, params: SamplingParams, request_id: str, *,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt: Any, params: SamplingParams, request_id: str, *, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; cancelling or closing the iterator aborts it."""
         stream = await self.add_request(request_id, prompt, params, priority=priority)
         try:
@@ -310,8 +334,11 @@ class EngineCoreClient:
                 elif events:  # the sentinel: the core is gone
                     self.proc.join(1)
                     if not self._stopping and self._dead is None:
-                        self._on_dead(EngineDeadError(
-                            f"the engine core process died (exit code {self.proc.exitcode})"))
+                        self._on_dead(
+                            EngineDeadError(
+                                f"the engine core process died (exit code {self.proc.exitcode})"
+                            )
+                        )
                     return
                 if self._stopping and not self.proc.is_alive():
                     return
@@ -348,8 +375,13 @@ class EngineCoreClient:
         elif kind == wire.DEAD:
             self._on_dead(EngineStepError(str(payload)))
 
-    def _on_step(self, entries: list[Any], step_s: float | None,
-                 stats: dict[str, float] | None, core_in_flight: int) -> None:
+    def _on_step(
+        self,
+        entries: list[Any],
+        step_s: float | None,
+        stats: dict[str, float] | None,
+        core_in_flight: int,
+    ) -> None:
         items: list[tuple[RequestStream, RequestOutput | BaseException]] = []
         for entry in entries:
             rid = entry[0]

@@ -58,7 +58,7 @@ class EngineCore:
         poller.register(self.in_sock, zmq.POLLIN)
         while not self.stopping:
             busy = self.engine.has_unfinished_requests()
-            if not busy and os.getppid() != self.parent_pid:
+            if os.getppid() != self.parent_pid:
                 logger.warning("the server process is gone; the engine core exits")
                 return 0
             if poller.poll(0 if busy else _IDLE_POLL_MS):
@@ -151,7 +151,8 @@ class EngineCore:
                 return text
             self.send(wire.FAILED, [ids, text])
             broken = self.failures >= _MAX_CONSECUTIVE_STEP_FAILURES or isinstance(
-                exc, EngineBrokenError)
+                exc, EngineBrokenError
+            )
             self.send_stats()
             return text if broken else None
         self.failures = 0
@@ -189,8 +190,15 @@ class EngineCore:
         self.send_stats()
 
 
-def core_main(model: str, device: str, engine_args: dict[str, Any], in_addr: str, out_addr: str,
-              parent_pid: int, log_level: int) -> None:
+def core_main(
+    model: str,
+    device: str,
+    engine_args: dict[str, Any],
+    in_addr: str,
+    out_addr: str,
+    parent_pid: int,
+    log_level: int,
+) -> None:
     """The process's entry point (spawned): build the engine, say READY, run the loop."""
     import zmq
 
@@ -213,11 +221,20 @@ def core_main(model: str, device: str, engine_args: dict[str, Any], in_addr: str
         out_sock.close(linger=2000)
         sys.exit(1)
     cfg = engine.config
-    out_sock.send(wire.encode_out(wire.READY, {
-        "model": cfg.model.model, "served_model_name": cfg.model.served_model_name,
-        "tokenizer": cfg.model.tokenizer, "has_tokenizer": engine.tokenizer is not None,
-        "max_model_len": cfg.scheduler.max_model_len, "vocab_size": int(engine.vocab_size),
-        "stats": engine.get_stats()}))
+    out_sock.send(
+        wire.encode_out(
+            wire.READY,
+            {
+                "model": cfg.model.model,
+                "served_model_name": cfg.model.served_model_name,
+                "tokenizer": cfg.model.tokenizer,
+                "has_tokenizer": engine.tokenizer is not None,
+                "max_model_len": cfg.scheduler.max_model_len,
+                "vocab_size": int(engine.vocab_size),
+                "stats": engine.get_stats(),
+            },
+        )
+    )
     status = 1
     try:
         status = EngineCore(engine, in_sock, out_sock, parent_pid).run()

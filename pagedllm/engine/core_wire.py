@@ -52,8 +52,13 @@ def decode_in(data: bytes) -> tuple[Any, ...]:
 def _metrics_tuple(m: RequestMetricsView | None) -> list[Any] | None:
     if m is None:
         return None
-    return [m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time,
-            m.num_preemptions]
+    return [
+        m.arrival_time,
+        m.first_scheduled_time,
+        m.first_token_time,
+        m.finished_time,
+        m.num_preemptions,
+    ]
 
 
 @dataclass
@@ -83,9 +88,19 @@ class DeltaEncoder:
         for i, c in enumerate(out.outputs):
             t0 = 0 if whole or i >= len(sent.tokens) else sent.tokens[i]
             c0 = 0 if whole or i >= len(sent.chars) else sent.chars[i]
-            seqs.append([c.index, t0, c.token_ids[t0:], c0, c.text[c0:],
-                         None if c.logprobs is None else c.logprobs[t0:],
-                         c.cumulative_logprob, c.finish_reason, c.stop_reason])
+            seqs.append(
+                [
+                    c.index,
+                    t0,
+                    c.token_ids[t0:],
+                    c0,
+                    c.text[c0:],
+                    None if c.logprobs is None else c.logprobs[t0:],
+                    c.cumulative_logprob,
+                    c.finish_reason,
+                    c.stop_reason,
+                ]
+            )
         sent.tokens = [len(c.token_ids) for c in out.outputs]
         sent.chars = [len(c.text) for c in out.outputs]
         head = None
@@ -94,8 +109,17 @@ class DeltaEncoder:
             sent.first = False
         if out.finished:
             self._sent.pop(out.request_id, None)
-        return [out.request_id, out.finished, head, _metrics_tuple(out.metrics), out.error,
-                out.failed, out.num_cached_tokens, out.extra or None, seqs]
+        return [
+            out.request_id,
+            out.finished,
+            head,
+            _metrics_tuple(out.metrics),
+            out.error,
+            out.failed,
+            out.num_cached_tokens,
+            out.extra or None,
+            seqs,
+        ]
 
     def forget(self, request_id: str) -> None:
         self._sent.pop(request_id, None)
@@ -137,16 +161,30 @@ class OutputAccumulator:
                     seq.logprobs = []
                 del seq.logprobs[t0:]
                 seq.logprobs.extend(_int_keys(d) for d in lps)
-            outputs.append(CompletionOutput(
-                index=index, text=seq.text, token_ids=list(seq.token_ids), cumulative_logprob=cum,
-                logprobs=None if seq.logprobs is None else list(seq.logprobs),
-                finish_reason=finish, stop_reason=stop))
+            outputs.append(
+                CompletionOutput(
+                    index=index,
+                    text=seq.text,
+                    token_ids=list(seq.token_ids),
+                    cumulative_logprob=cum,
+                    logprobs=None if seq.logprobs is None else list(seq.logprobs),
+                    finish_reason=finish,
+                    stop_reason=stop,
+                )
+            )
         return RequestOutput(
-            request_id=self.request_id, prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids, outputs=outputs, finished=finished,
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
             prompt_logprobs=self.prompt_logprobs,
             metrics=None if metrics is None else RequestMetricsView(*metrics),
-            error=error, failed=failed, num_cached_tokens=num_cached, extra=extra or {})
+            error=error,
+            failed=failed,
+            num_cached_tokens=num_cached,
+            extra=extra or {},
+        )
 
 
 def _int_keys(d: dict[Any, float] | None) -> dict[int, float] | None:

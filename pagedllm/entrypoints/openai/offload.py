@@ -44,21 +44,32 @@ class RequestLimits:
 
     def check_chars(self, num_chars: int, param: str) -> None:
         if num_chars > self.max_prompt_chars:
-            raise APIError(f"{param}: {num_chars} characters, more than this server accepts "
-                           f"({self.max_prompt_chars}, --max-prompt-chars)", status=413,
-                           param=param, code="prompt_too_large")
+            raise APIError(
+                f"{param}: {num_chars} characters, more than this server accepts "
+                f"({self.max_prompt_chars}, --max-prompt-chars)",
+                status=413,
+                param=param,
+                code="prompt_too_large",
+            )
 
     def check_tokens(self, num_tokens: int, param: str) -> None:
         if num_tokens > self.max_prompt_tokens:
-            raise APIError(f"{param}: {num_tokens} token ids, more than this server accepts "
-                           f"({self.max_prompt_tokens}, --max-prompt-tokens)", param=param,
-                           code="prompt_too_large")
+            raise APIError(
+                f"{param}: {num_tokens} token ids, more than this server accepts "
+                f"({self.max_prompt_tokens}, --max-prompt-tokens)",
+                param=param,
+                code="prompt_too_large",
+            )
 
     def check_detokenize(self, num_tokens: int) -> None:
         if num_tokens > self.max_detokenize_tokens:
-            raise APIError(f"tokens: {num_tokens} ids, more than /detokenize accepts "
-                           f"({self.max_detokenize_tokens}, --max-detokenize-tokens)",
-                           status=413, param="tokens", code="request_too_large")
+            raise APIError(
+                f"tokens: {num_tokens} ids, more than /detokenize accepts "
+                f"({self.max_detokenize_tokens}, --max-detokenize-tokens)",
+                status=413,
+                param="tokens",
+                code="request_too_large",
+            )
 
 
 class Offloader:
