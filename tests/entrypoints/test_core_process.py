@@ -187,6 +187,27 @@ def big_body_server(server: Any) -> Any:
     thread.join(10)
 
 
+def _over_budget(worst: float, noise: float, stream: dict[str, Any], alone: float) -> str | None:
+    if worst >= 0.1 + noise:
+        return f"/health took {worst * 1e3:.0f} ms (noise {noise * 1e3:.0f} ms)"
+    if stream["first"] >= alone + _STREAM_SLACK_S:
+        return f"first stream event after {stream['first'] * 1e3:.0f} ms (alone {alone * 1e3:.0f})"
+    return None
+
+
+def _within_budget(attempt: Any, tries: int = 3) -> None:
+    """Pass when one of ``tries`` attempts keeps the budget. A loop that is blocked (a 30 MB
+    prompt froze it for 19 s) misses it every time; a machine shared by five jobs on two cores
+    sometimes delays one request of one attempt."""
+    misses = []
+    for _ in range(tries):
+        miss = attempt()
+        if miss is None:
+            return
+        misses.append(miss)
+    raise AssertionError("; ".join(misses))
+
+
 def _post_from_another_process(url: str, body: bytes, tmp_path: Any) -> tuple[int, Any]:
     """POST with curl: a 30 MB upload from this process would compete with the server (which
     runs on a thread here) for the GIL, and that is not what is being measured."""
@@ -225,22 +246,25 @@ def test_a_30mb_prompt_is_refused_while_health_and_streams_answer(
     if shutil.which("curl") is None:
         pytest.skip("needs curl (the upload must come from another process)")
     base = big_body_server
-    alone, noise = _baseline(base), _health_noise(base)
     body = json.dumps({"model": MODEL_NAME, "prompt": "x" * (30 << 20), "max_tokens": 1}).encode()
-    worst, stream, (status, response) = _responsive_while(
-        base, lambda: _post_from_another_process(base + "/v1/completions", body, tmp_path)
-    )
-    assert status == 413, response
-    assert response["error"]["code"] == "prompt_too_large"
-    assert worst < 0.1 + noise, f"/health took {worst * 1e3:.0f} ms (noise {noise * 1e3:.0f} ms)"
-    assert stream["status"] == 200 and stream["first"] < alone + _STREAM_SLACK_S, (alone, stream)
+
+    def attempt() -> str | None:
+        alone, noise = _baseline(base), _health_noise(base)
+        worst, stream, (status, response) = _responsive_while(
+            base, lambda: _post_from_another_process(base + "/v1/completions", body, tmp_path)
+        )
+        assert status == 413, response
+        assert response["error"]["code"] == "prompt_too_large"
+        assert stream["status"] == 200 and stream["events"][-1] == "[DONE]", stream
+        return _over_budget(worst, noise, stream, alone)
+
+    _within_budget(attempt)
 
 
 def test_a_prompt_at_the_limit_is_tokenized_off_the_loop(big_body_server: str) -> None:
     from pagedllm.entrypoints.openai.offload import RequestLimits
 
     base = big_body_server
-    alone, noise = _baseline(base), _health_noise(base)
     words = "hello world the quick brown fox "
     limit = RequestLimits().max_prompt_chars
     text = (words * (limit // len(words) + 1))[:limit]
@@ -251,10 +275,14 @@ def test_a_prompt_at_the_limit_is_tokenized_off_the_loop(big_body_server: str) -
     def tokenize() -> httpx.Response:
         return httpx.post(base + "/tokenize", headers=headers, timeout=120, content=body)
 
-    worst, stream, response = _responsive_while(base, tokenize)
-    assert response.status_code == 200 and response.json()["count"] > 1000
-    assert worst < 0.1 + noise, f"/health took {worst * 1e3:.0f} ms (noise {noise * 1e3:.0f} ms)"
-    assert stream["status"] == 200 and stream["first"] < alone + _STREAM_SLACK_S, (alone, stream)
+    def attempt() -> str | None:
+        alone, noise = _baseline(base), _health_noise(base)
+        worst, stream, response = _responsive_while(base, tokenize)
+        assert response.status_code == 200 and response.json()["count"] > 1000
+        assert stream["status"] == 200 and stream["events"][-1] == "[DONE]", stream
+        return _over_budget(worst, noise, stream, alone)
+
+    _within_budget(attempt)
     over = httpx.post(base + "/tokenize", headers=AUTH, json={"prompt": text + "x"})
     assert over.status_code == 413 and over.json()["error"]["param"] == "prompt"
 
