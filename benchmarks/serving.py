@@ -10,9 +10,10 @@
     # served vs offline side by side: Engine in this process, then the server, same requests
     python benchmarks/serving.py --launch ./my-llama --compare-offline --concurrency 1,16,64
 
-``--compare-offline`` (with ``--launch`` or ``--smoke``) first runs the same requests through
-the offline ``Engine`` in this process (add_request/step, what ``Engine.generate`` runs, with at
-most C requests in flight like C clients), then through HTTP, for each concurrency C; it reports
+``--compare-offline`` (with ``--launch`` or ``--smoke``) runs the same requests through the
+offline ``Engine`` in this process (add_request/step, what ``Engine.generate`` runs, with at
+most C requests in flight like C clients) and through HTTP, taking turns per concurrency C (the
+server's engine core idles meanwhile); it reports
 both, their output-throughput ratio, and TTFT at one client against offline TTFT plus one HTTP
 round trip (GET /health).
 
@@ -188,19 +189,15 @@ def run_offline(engine: Any, prompts: list[str], output_len: int, concurrency: i
             "ttft_ms": percentiles(list(ttft.values()))}
 
 
-def offline_column(model: str, extra: list[str], prompts: dict[int, list[str]],
-                   output_len: int) -> dict[int, dict[str, Any]]:
-    """Build the engine as `pagedllm serve MODEL EXTRA` would, run every concurrency, free it."""
+def offline_engine(model: str, extra: list[str]) -> Any:
+    """The engine as `pagedllm serve MODEL EXTRA` builds it, here in this process, warmed up."""
     from pagedllm import Engine
     from pagedllm.entrypoints.cli import build_parser, engine_kwargs
 
     ns = build_parser().parse_args(["serve", model, *extra])
     engine = Engine(model, ns.device, **engine_kwargs(ns))
-    try:
-        run_offline(engine, prompts[min(prompts)][:2], 4, 2)  # warm-up
-        return {c: run_offline(engine, ps, output_len, c) for c, ps in prompts.items()}
-    finally:
-        engine.shutdown()
+    run_offline(engine, make_prompts(2, 8, seed=99), 4, 2)
+    return engine
 
 
 def http_round_trip_ms(base_url: str, n: int = 20) -> float:
@@ -334,7 +331,8 @@ def prompt_sets(args: argparse.Namespace) -> dict[int, list[str]]:
 def main(argv: list[str] | None = None) -> int:
     args, extra = parse_args(argv)
     prompts = prompt_sets(args)
-    proc, offline = None, None
+    proc, engine = None, None
+    offline: dict[int, dict[str, Any]] | None = None
     with tempfile.TemporaryDirectory() as tmp:
         base_url = args.base_url
         if args.smoke or args.launch:
@@ -344,20 +342,27 @@ def main(argv: list[str] | None = None) -> int:
                 extra = ["--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "128",
                          "--block-size", "16", "--max-model-len", "256", *extra]
             if args.compare_offline:
-                offline = offline_column(model, extra, prompts, args.output_len)
+                engine = offline_engine(model, extra)
             port = free_port()
             base_url = f"http://127.0.0.1:{port}"
             proc = launch(model, extra, port)
         try:
             if proc is not None:
                 wait_healthy(base_url, proc, args.startup_timeout)
-            served = {c: asyncio.run(run_benchmark(base_url, args.model, ps, args.output_len,
-                                                   c, args.api_key))
-                      for c, ps in prompts.items()}
-            rtt = http_round_trip_ms(base_url) if offline is not None else 0.0
+            # Offline and served take turns per concurrency, so a machine whose load drifts
+            # (a shared CI box) tilts both columns alike rather than one.
+            served, offline = {}, {} if engine is not None else None
+            for c, ps in prompts.items():
+                if engine is not None:
+                    offline[c] = run_offline(engine, ps, args.output_len, c)
+                served[c] = asyncio.run(run_benchmark(base_url, args.model, ps, args.output_len,
+                                                      c, args.api_key))
+            rtt = http_round_trip_ms(base_url) if engine is not None else 0.0
         finally:
             if proc is not None:
                 stop(proc)
+            if engine is not None:
+                engine.shutdown()
     if offline is not None:
         report: dict[str, Any] = {"served": {str(c): r for c, r in served.items()},
                                   "offline": {str(c): r for c, r in offline.items()},
