@@ -11,10 +11,15 @@ PY="$VENV/bin/python"
 # The engine-core channel (pinned in pyproject.toml too), for a .venv made before it existed.
 "$PY" -c "import zmq, msgspec" 2>/dev/null || "$PY" -m pip install -q --disable-pip-version-check \
     pyzmq==26.2.0 msgspec==0.19.0
+# The web pages are tested in the system's headless Chromium (selenium), `pagedllm chat` in a
+# pseudo-terminal (pexpect).
+bash ci/install_browser.sh
+"$PY" -c "import selenium, pexpect" 2>/dev/null || "$PY" -m pip install -q \
+    --disable-pip-version-check -r ci/requirements-web.txt
 "$PY" -m pytest -q -p no:cacheprovider -m "not gpu and not xpu" tests "$@"
 for bench in benchmarks/throughput.py benchmarks/attention_cpu.py benchmarks/engine_overhead.py \
              benchmarks/prefix_caching.py benchmarks/chunked_prefill.py benchmarks/serving.py \
-             benchmarks/linear_cpu.py benchmarks/loading.py; do
+             benchmarks/linear_cpu.py benchmarks/loading.py benchmarks/structured.py; do
     if [ -f "$bench" ]; then
         "$PY" "$bench" --smoke > /dev/null
         echo "benchmark smoke run ok: $bench"

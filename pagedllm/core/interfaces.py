@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.core.sampling_params import SamplingParams
 
@@ -46,6 +47,10 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     num_batched_tokens: int = 0
     num_preempted: int = 0
+    # Structured output: one packed allowed-token bitmask row per guided sequence sampled this
+    # step (an int32 tensor [rows, ceil(vocab / 32)], opaque here) and seq_id -> its row.
+    token_bitmask: Any = None
+    bitmask_rows: dict[int, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from pagedllm.core.guided_params import GuidedDecodingParams
+
 _GREEDY_EPS = 1e-5
 # Bounds that hold whatever the model: a request past them is refused before it reaches a batch,
 # where a value too big for a C integer or a float would fail the step of everyone batched with it.
@@ -59,6 +61,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # Constrained decoding (structured output); a dict is accepted and converted.
+    guided_decoding: GuidedDecodingParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -77,6 +81,7 @@ class SamplingParams:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except (TypeError, ValueError, AttributeError, OverflowError):
                 _fail("logit_bias", "must map token ids to numbers")
+        self.guided_decoding = GuidedDecodingParams.coerce(self.guided_decoding)
         self._validate()
 
     def _validate(self) -> None:
@@ -84,6 +89,8 @@ class SamplingParams:
         self._check_floats()
         self._check_lists()
         if self.use_beam_search:
+            if self.guided_decoding is not None:
+                _fail("guided_decoding", "is not supported with beam search")
             if self.best_of < 2:  # type: ignore[operator]
                 _fail("best_of", "must be at least 2 with beam search")
             if self.temperature > _GREEDY_EPS:

@@ -91,6 +91,9 @@ class _Add:
     params: SamplingParams
     priority: int
     done: concurrent.futures.Future[None]
+    # When the caller asked (monotonic): the request's TTFT and latency start here, not when
+    # the engine thread gets to it after the step in progress.
+    arrival_time: float = 0.0
 
 
 @dataclass
@@ -185,13 +188,19 @@ class AsyncEngine:
 
     # -- requests --------------------------------------------------------------------------------
     async def add_request(
-        self, request_id: str, prompt: Any, params: SamplingParams, *, priority: int = 0
+        self, request_id: str, prompt: Any, params: SamplingParams, *, priority: int = 0,
+        arrival_time: float | None = None,
     ) -> RequestStream:
-        """Queue a request and return its stream; ValueError ("field: msg") if it is invalid."""
+        """Queue a request and return its stream; ValueError ("field: msg") if it is invalid.
+
+        ``arrival_time`` (``time.monotonic()``; default now) is where its TTFT starts: the
+        server passes the moment the HTTP request came in.
+        """
         self._check_alive()
+        arrival = time.monotonic() if arrival_time is None else arrival_time
         stream = RequestStream(request_id, asyncio.get_running_loop(), self._request_abort)
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._commands.put(_Add(stream, prompt, params, priority, done))
+        self._commands.put(_Add(stream, prompt, params, priority, done, arrival))
         try:
             await asyncio.wrap_future(done)
         except asyncio.CancelledError:
@@ -201,10 +210,12 @@ class AsyncEngine:
         return stream
 
     async def generate(
-        self, prompt: Any, params: SamplingParams, request_id: str, *, priority: int = 0
+        self, prompt: Any, params: SamplingParams, request_id: str, *, priority: int = 0,
+        arrival_time: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; cancelling or closing the iterator aborts it."""
-        stream = await self.add_request(request_id, prompt, params, priority=priority)
+        stream = await self.add_request(request_id, prompt, params, priority=priority,
+                                        arrival_time=arrival_time)
         try:
             async for out in stream:
                 yield out
@@ -324,7 +335,8 @@ class AsyncEngine:
                 return
             try:
                 self.engine.add_request(
-                    cmd.stream.request_id, cmd.prompt, cmd.params, priority=cmd.priority
+                    cmd.stream.request_id, cmd.prompt, cmd.params, priority=cmd.priority,
+                    arrival_time=cmd.arrival_time,
                 )
             except BaseException as exc:
                 cmd.done.set_exception(exc)

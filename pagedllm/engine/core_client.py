@@ -43,7 +43,8 @@ class EngineCoreClient:
     """Start the core for ``model`` and talk to it; see the module docstring.
 
     ``on_request_finished`` callbacks get each final RequestOutput; ``on_timing`` callbacks get
-    ``(kind, seconds)`` with kind ``server_queue`` (add_request here to arrival in the core),
+    ``(kind, seconds)`` with kind ``server_queue`` (the request's arrival, as the server stamps
+    it when the HTTP request comes in, to its arrival in the core),
     ``core_queue`` (arrival in the core to first scheduled) or ``step``. Both run on the
     receiving thread: keep them quick and thread-safe.
     """
@@ -176,9 +177,19 @@ class EngineCoreClient:
 
     # -- requests ----------------------------------------------------------------------------
     async def add_request(
-        self, request_id: str, prompt: Any, params: SamplingParams, *, priority: int = 0
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
     ) -> RequestStream:
-        """Send a request and return its stream once the core took it (ValueError if not)."""
+        """Send a request and return its stream once the core took it (ValueError if not).
+
+        ``arrival_time`` (``time.monotonic()``, one clock for both processes; default now) is
+        where its TTFT starts: the server passes the moment the HTTP request came in.
+        """
         self._check_alive()
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in use")
@@ -186,10 +197,11 @@ class EngineCoreClient:
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._streams[request_id] = stream
         self._accs[request_id] = wire.OutputAccumulator(request_id)
-        self._arrivals[request_id] = time.monotonic()
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        self._arrivals[request_id] = arrival
         self._adds[request_id] = done
         try:
-            self._send((wire.ADD, request_id, prompt, params, priority))
+            self._send((wire.ADD, request_id, prompt, params, priority, arrival))
         except BaseException:
             self._drop(request_id)
             self._adds.pop(request_id, None)
@@ -202,10 +214,18 @@ class EngineCoreClient:
         return stream
 
     async def generate(
-        self, prompt: Any, params: SamplingParams, request_id: str, *, priority: int = 0
+        self,
+        prompt: Any,
+        params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; cancelling or closing the iterator aborts it."""
-        stream = await self.add_request(request_id, prompt, params, priority=priority)
+        stream = await self.add_request(
+            request_id, prompt, params, priority=priority, arrival_time=arrival_time
+        )
         try:
             async for out in stream:
                 yield out
@@ -350,8 +370,12 @@ class EngineCoreClient:
         if kind == wire.STEP:
             self._on_step(*payload)
         elif kind == wire.ACKS:
-            for rid, error_type, message in payload:
+            for rid, error_type, message, received in payload:
                 done = self._adds.pop(rid, None)
+                sent = self._arrivals.get(rid)
+                if sent is not None and error_type is None:
+                    self._timing("server_queue", max(0.0, received - sent))
+                    self._arrivals[rid] = received  # from now on: its arrival in the core
                 if error_type is not None:
                     self._drop(rid)
                     error = _ERRORS.get(error_type, EngineStepError)(message)
@@ -411,13 +435,10 @@ class EngineCoreClient:
                 self._stat_logger.maybe_log(stats)
 
     def _time_first(self, rid: str, out: RequestOutput) -> None:
-        sent = self._arrivals.pop(rid, None)
+        received = self._arrivals.pop(rid, None)  # its arrival in the core (set by the ack)
         m = out.metrics
-        if sent is None or m is None:
-            return
-        self._timing("server_queue", max(0.0, m.arrival_time - sent))
-        if m.first_scheduled_time is not None:
-            self._timing("core_queue", max(0.0, m.first_scheduled_time - m.arrival_time))
+        if received is not None and m is not None and m.first_scheduled_time is not None:
+            self._timing("core_queue", max(0.0, m.first_scheduled_time - received))
 
     def _timing(self, kind: str, seconds: float) -> None:
         for callback in self.on_timing:

@@ -95,15 +95,18 @@ class EngineCore:
     def apply(self, message: tuple[Any, ...], acks: list[list[Any]]) -> None:
         kind = message[0]
         if kind == wire.ADD:
-            _, rid, prompt, params, priority = message
+            _, rid, prompt, params, priority, arrival = message
+            received = time.monotonic()  # the request's TTFT starts at ``arrival`` (the server's)
             try:
-                self.engine.add_request(rid, prompt, params, priority=priority)
+                self.engine.add_request(
+                    rid, prompt, params, priority=priority, arrival_time=arrival
+                )
             except Exception as exc:  # the request alone is refused
-                acks.append([rid, type(exc).__name__, str(exc)])
+                acks.append([rid, type(exc).__name__, str(exc), received])
                 return
             self.live.add(rid)
             self.reorders[rid] = bool(params.use_beam_search or (params.best_of or 1) > params.n)
-            acks.append([rid, None, None])
+            acks.append([rid, None, None, received])
         elif kind == wire.ABORT:
             ids = [r for r in message[1] if r in self.live]
             if ids:

@@ -20,6 +20,7 @@ from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.sequence import Sequence, SequenceGroup
 from pagedllm.engine.admission import EngineLimits, check_request, fit_max_model_len
 from pagedllm.engine.containment import EngineBrokenError, execute_contained, without
+from pagedllm.engine.guided import GuidedRequests
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.executors.base import create_executor
 from pagedllm.models.loader import load_hf_config, max_model_len_of
@@ -133,6 +134,9 @@ class LLMEngine:
             usable_blocks=num_device - self.block_manager.watermark_blocks,
         )
         self.counters = EngineCounters()
+        self.guided = GuidedRequests(
+            self.tokenizer, vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids
+        )
         self._requests: dict[str, SequenceGroup] = {}
         self._pending_outputs: list[RequestOutput] = []
 
@@ -188,8 +192,10 @@ class LLMEngine:
             prompt=text,
             priority=priority,
         )
+        schedulable = self.guided.admit(group)  # a known-bad constraint raises here
         self._requests[request_id] = group
-        self.scheduler.add(group)
+        if schedulable:
+            self.scheduler.add(group)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if self.tokenizer is None and not (
@@ -224,12 +230,17 @@ class LLMEngine:
     def abort_request(self, request_id: str | Seq[str]) -> None:
         """Stop requests wherever they are; their KV blocks are freed now, an output follows."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        for group in self.scheduler.abort(ids):
+        for group in self.scheduler.abort(ids) + self.guided.abort(ids):
             self._requests.pop(group.request_id, None)
+            self.guided.release(group.request_id)
             self._pending_outputs.append(self.output_processor.make_output(group))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending_outputs)
+        return (
+            self.scheduler.has_unfinished()
+            or bool(self._pending_outputs)
+            or self.guided.num_waiting() > 0
+        )
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.num_unfinished()
@@ -241,24 +252,39 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass, and report every request that changed."""
         outputs, self._pending_outputs = self._pending_outputs, []
+        self._admit_compiled(outputs)
         sched_out = self.scheduler.schedule()
         for group in self.scheduler.take_ignored():
             self._requests.pop(group.request_id, None)
+            self.guided.release(group.request_id)
             outputs.append(self.output_processor.make_output(group, error=self._why(group)))
         if sched_out.is_empty:
+            self.guided.wait(timeout=0.005)  # only requests waiting for their grammar, if any
             return outputs
+        sched_out = self.guided.with_bitmask(sched_out)
         runner_out, ran = self._execute(sched_out, outputs)
         self._count(ran)
         touched = self.scheduler.update_from_output(sched_out, runner_out)
         for group in touched:
             self.output_processor.process(group)
+            self.guided.advance(group)
         finished = {g.request_id for g in self.scheduler.free_finished()}
         for group in touched:
             outputs.append(self.output_processor.make_output(group))
             if group.request_id in finished:
                 self._requests.pop(group.request_id, None)
+                self.guided.release(group.request_id)
                 self.counters.requests_finished += 1
         return outputs
+
+    def _admit_compiled(self, outputs: list[RequestOutput]) -> None:
+        """Requests whose grammar finished compiling go to the scheduler (or end with its error)."""
+        for group, error in self.guided.ready():
+            if error is None:
+                self.scheduler.add(group)
+                continue
+            self._requests.pop(group.request_id, None)
+            outputs.append(self.output_processor.make_output(group, error=error, failed=True))
 
     def _execute(
         self, sched_out: SchedulerOutput, outputs: list[RequestOutput]
@@ -281,6 +307,7 @@ class LLMEngine:
                 raise
         for group in self.scheduler.abort(list(culprits)):
             self._requests.pop(group.request_id, None)
+            self.guided.release(group.request_id)
             outputs.append(
                 self.output_processor.make_output(
                     group, error=culprits[group.request_id], failed=True
@@ -328,6 +355,9 @@ class LLMEngine:
         else:
             params_list = [sampling_params or SamplingParams()] * len(prompts)
         ids = [f"generate-{next(self._seq_ids)}" for _ in prompts]
+        for params in params_list:  # offline: an invalid constraint raises before anything runs
+            if params is not None and params.guided_decoding is not None:
+                self.guided.submit(params.guided_decoding).result()
         try:
             for rid, prompt, params in zip(ids, prompts, params_list, strict=True):
                 self.add_request(rid, prompt, params)
@@ -368,6 +398,10 @@ class LLMEngine:
             "kv_cache_usage_perc": bm.usage(),
             "num_free_device_blocks": bm.get_num_free_device_blocks(),
             "num_device_blocks": bm.num_device_blocks,
+            "num_free_host_blocks": bm.get_num_free_host_blocks(),
+            "num_host_blocks": bm.num_host_blocks,
+            "cpu_cache_usage_perc": (1.0 - bm.get_num_free_host_blocks() / bm.num_host_blocks
+                                     if bm.num_host_blocks else 0.0),
             "prompt_tokens_total": c.prompt_tokens,
             "generation_tokens_total": c.generation_tokens,
             "num_preemptions_total": s.stats.preemptions,
@@ -379,6 +413,7 @@ class LLMEngine:
         }
 
     def shutdown(self) -> None:
+        self.guided.shutdown()
         self.executor.shutdown()
 
 

@@ -23,6 +23,8 @@ _EPILOG = """examples:
   pagedllm serve                              serve the bundled demo model on 127.0.0.1:8000
   pagedllm serve ./my-llama --device cuda --port 8080 --api-key s3cret
   pagedllm generate ./my-llama --prompt "def fibonacci(n):" --max-tokens 64
+  pagedllm chat --url http://127.0.0.1:8000   chat in the terminal (the browser: open the URL)
+  pagedllm bench serve --url http://127.0.0.1:8000 --num-prompts 100 --request-rate 4
 """
 
 
@@ -84,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pagedllm", description="A high-throughput LLM inference and serving engine.",
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"pagedllm {pagedllm.__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{serve,generate}")
+    sub = parser.add_subparsers(dest="command", metavar="{serve,generate,chat,bench}")
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
                            description="Serve MODEL with an OpenAI-compatible API (/v1/...).")
@@ -99,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model name(s) clients use; the first is reported (default: MODEL)")
     s.add_argument("--chat-template", help="Jinja chat template: a file or the template itself")
     s.add_argument("--max-logprobs", type=int, default=20, help="max logprobs per token")
+    s.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"],
+                   help="parse tool calls from replies when tool_choice is 'auto' (Hermes/Qwen "
+                   "<tool_call> JSON, or Llama 3 JSON); without it 'auto' is refused")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
     s.add_argument("--log-level", default="info",
@@ -132,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
                      choices=["debug", "info", "warning", "error"],
                      help="debug also shows tracebacks of errors")
     add_engine_args(gen)
+    from pagedllm.entrypoints import bench, chat
+
+    chat.add_parser(sub, add_engine_args)
+    bench.add_parser(sub, add_engine_args)
     return parser
 
 
@@ -240,7 +249,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(
         api_key=args.api_key or env_api_key(), chat_template=template,
         max_logprobs=args.max_logprobs, shutdown_timeout=args.shutdown_timeout,
-        disable_docs=args.disable_docs, limits=limits)
+        disable_docs=args.disable_docs, tool_call_parser=args.tool_call_parser,
+        limits=limits)
     return run_server(engine, model_info(engine, names), settings, host=args.host,
                       port=args.port, log_level=args.log_level)
 
@@ -292,10 +302,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command not in ("serve", "generate"):
+    if args.command not in ("serve", "generate") and not hasattr(args, "handler"):
         parser.print_help()
         return 2
     try:
+        if hasattr(args, "handler"):  # chat, bench: their modules run them
+            return int(args.handler(args))
         return cmd_serve(args) if args.command == "serve" else cmd_generate(args)
     except UsageError as exc:  # a setting that can never work: one line, before any loading
         print(exc, file=sys.stderr)

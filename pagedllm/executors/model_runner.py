@@ -44,7 +44,7 @@ class ModelRunner:
             return ModelRunnerOutput(sampled={})
         batch = flatten(sched_out, self.block_size)
         hidden = self.forward(batch, sched_out.num_prefill_seqs, kv_caches)
-        sampled = self._sample(hidden, batch, sched_out.seqs)
+        sampled = self._sample(hidden, batch, sched_out)
         prompt_lps = self._prompt_logprobs(hidden, batch, sched_out.seqs)
         return ModelRunnerOutput(sampled=sampled, prompt_logprobs=prompt_lps)
 
@@ -66,8 +66,9 @@ class ModelRunner:
         return self.model(input_ids, positions, kv_caches, meta)
 
     def _sample(
-        self, hidden: torch.Tensor, batch: FlatBatch, seqs: list[ScheduledSeq]
+        self, hidden: torch.Tensor, batch: FlatBatch, sched_out: SchedulerOutput
     ) -> dict[int, SampledToken]:
+        seqs = sched_out.seqs
         if not batch.sample_indices:
             return {}
         idx = torch.tensor(batch.sample_indices, dtype=torch.long, device=hidden.device)
@@ -89,7 +90,13 @@ class ModelRunner:
                 source.append(j)
         if len(rows) != len(source) or len(rows) != logits.shape[0]:
             logits = logits[torch.tensor(source, device=logits.device)]
-        out = self.sampler(logits, rows, eos_token_id=self.eos_token_id)
+        out = self.sampler(
+            logits,
+            rows,
+            eos_token_id=self.eos_token_id,
+            token_bitmask=sched_out.token_bitmask,
+            bitmask_rows=sched_out.bitmask_rows,
+        )
         result: dict[int, SampledToken] = {}
         for j, row in enumerate(rows):
             token = SampledToken(

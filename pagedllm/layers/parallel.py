@@ -31,6 +31,12 @@ class TPContext:
         torch.distributed.all_reduce(x, group=self.group)
         return x
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        torch.distributed.all_reduce(x, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        return x
+
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's ``x`` along the last dimension, in rank order."""
         if self.size == 1:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.structured.bitmask import apply_token_bitmask
 
 _SEED_MASK = (1 << 63) - 1
 
@@ -111,12 +112,18 @@ class Sampler:
         rows: list[SamplingRow],
         *,
         eos_token_id: int | None = None,
+        token_bitmask: torch.Tensor | None = None,  # [guided rows, words] int32
+        bitmask_rows: dict[int, int] | None = None,  # seq_id -> its bitmask row
     ) -> SamplerOutput:
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1)
         if any(r.history is not None for r in rows):
             apply_penalties(logits, rows)
         apply_bias_and_min_tokens(logits, rows, eos_token_id)
+        if token_bitmask is not None and bitmask_rows:
+            # Structured output: after penalties, before temperature and the top-k/p filters.
+            row_of = [bitmask_rows.get(r.seq_id, -1) for r in rows]
+            apply_token_bitmask(logits, token_bitmask, row_of)
         greedy = torch.tensor([r.params.is_greedy for r in rows], device=logits.device)
         tokens = logits.argmax(dim=-1)
         if not bool(greedy.all()):

@@ -46,7 +46,7 @@ class FakeEngine:
         self.shut_down = False
 
     def add_request(self, rid: str, prompt: Any, params: SamplingParams, *,
-                    priority: int = 0) -> None:
+                    priority: int = 0, arrival_time: float | None = None) -> None:
         if rid in self.requests:
             raise ValueError(f"request_id: {rid!r} is already in use")
         if prompt == "bad":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -210,7 +211,7 @@ def test_unsupported_compressed_tensors_refused(
 
 def test_bf16_cpp_gemm_matches_f_linear(llama_path: Path, monkeypatch) -> None:
     """Same greedy tokens in bf16 with the C++ GEMM as with PyTorch's F.linear."""
-    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
     engine = _engine(llama_path, dtype="bfloat16")
     assert "cpp-bfloat16" in engine.executor.worker.backend.linear_path
     fast = [o.outputs[0].token_ids for o in engine.generate(PROMPTS, params, use_tqdm=False)]
@@ -244,13 +245,32 @@ def test_int8_layers_use_int8_storage(llama_path: Path) -> None:
     assert model.lm_head.weight.dtype == torch.bfloat16
 
 
+# Two ranks sum a row-parallel layer's halves in another order than one process does, so greedy
+# runs may part at a near-tie of the reference (float32 rounding, ~1e-5 in log-probability).
+TP_TIE_MARGIN = 1e-3
+
+
+def _assert_same_greedy_up_to_ties(got: list[int], ref: Any, label: str) -> None:
+    """Equal tokens, except that the runs may part where the reference's top two nearly tie."""
+    for i, (ours, theirs) in enumerate(zip(got, ref.token_ids, strict=True)):
+        if ours == theirs:
+            continue
+        step = ref.logprobs[i]
+        assert ours in step, f"{label}: token {i} {ours} not in the reference's top-2 {step}"
+        margin = abs(step[theirs] - step[ours])
+        assert margin < TP_TIE_MARGIN, f"{label}: token {i} parts at a margin of {margin:.2e}"
+        return
+
+
 def test_int8_tensor_parallel_matches_single_process(llama_path: Path, tmp_path: Path) -> None:
     """Two ranks: column-parallel scales follow their rows, row-parallel scales stay whole, so
     the quantised model on two ranks gives the single-process quantised tokens."""
     folder = _write_w8a16(llama_path, tmp_path / "tp", "pack-quantized")
-    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    # Greedy: a sampled run draws from the process's global generator, whose state any earlier
+    # work (another engine, a warm-up pass) shifts, so it cannot be compared across processes.
+    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0, logprobs=2)
     expected = [
-        o.outputs[0].token_ids
+        o.outputs[0]
         for o in _engine(llama_path, quantization="int8").generate(PROMPTS, params, use_tqdm=False)
     ]
     for path, kwargs in ((llama_path, {"quantization": "int8"}), (folder, {})):
@@ -259,7 +279,8 @@ def test_int8_tensor_parallel_matches_single_process(llama_path: Path, tmp_path:
             got = [o.outputs[0].token_ids for o in engine.generate(PROMPTS, params, use_tqdm=False)]
         finally:
             engine.shutdown()
-        assert got == expected
+        for i, (ours, ref) in enumerate(zip(got, expected, strict=True)):
+            _assert_same_greedy_up_to_ties(ours, ref, f"{path.name} prompt {i}")
 
 
 def test_cli_flag_reaches_engine_args() -> None:

@@ -41,6 +41,7 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving_base import ModelInfo
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.web import RequestTracker, TrackingEngine, mount_web
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class ServerSettings:
     chat_template: str | None = None  # the template text (already loaded from a file)
     max_body_bytes: int = 32 << 20
     max_logprobs: int = 20
+    tool_call_parser: str | None = None  # "hermes" | "llama3_json": tool_choice "auto" on
     shutdown_timeout: float = 30.0
     disable_docs: bool = False
     # Connection limits: idle keep-alive connections, and clients that stall while sending a
@@ -149,11 +151,16 @@ def build_app(engine: AsyncEngine, model: ModelInfo, settings: ServerSettings | 
                   lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.on_engine_dead = None
     install_handlers(app)
+    app.add_middleware(ArrivalTime)
+    tracker = RequestTracker()  # the dashboard's table of requests in flight
+    served = TrackingEngine(engine, tracker)
     offload, limits = Offloader(), settings.limits
-    completion = OpenAIServingCompletion(engine, model, max_logprobs=settings.max_logprobs,
+    completion = OpenAIServingCompletion(served, model, max_logprobs=settings.max_logprobs,
                                          offload=offload, limits=limits)
-    chat = OpenAIServingChat(engine, model, chat_template=settings.chat_template,
-                             max_logprobs=settings.max_logprobs, offload=offload, limits=limits)
+    chat = OpenAIServingChat(served, model, chat_template=settings.chat_template,
+                             max_logprobs=settings.max_logprobs,
+                             tool_call_parser=settings.tool_call_parser, offload=offload,
+                             limits=limits)
     metrics = ServerMetrics(engine)
     app.state.engine, app.state.metrics = engine, metrics
     auth = _auth_dependency(settings.api_key)
@@ -229,9 +236,23 @@ def build_app(engine: AsyncEngine, model: ModelInfo, settings: ServerSettings | 
         return {"prompt": text}
 
     app.include_router(extra)
+    mount_web(app, engine=engine, metrics=metrics, tracker=tracker, auth=auth)
     if not settings.disable_docs:
         _add_docs(app, auth)
     return app
+
+
+class ArrivalTime:
+    """Stamps ``request.state.arrival_time`` (monotonic) as a request comes in: a request's TTFT
+    and latency metrics start there, not after the event loop has parsed and tokenized it."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            scope.setdefault("state", {})["arrival_time"] = time.monotonic()
+        await self.app(scope, receive, send)
 
 
 def _add_docs(app: FastAPI, auth: Any) -> None:

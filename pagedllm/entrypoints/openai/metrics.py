@@ -7,6 +7,8 @@ Per-request latencies are observed on the engine thread when a request finishes.
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -24,6 +26,7 @@ _GAUGES = {
     "num_requests_waiting": "Requests waiting to be scheduled.",
     "num_requests_swapped": "Requests whose KV blocks are swapped out to host memory.",
     "kv_cache_usage_perc": "Fraction of device KV-cache blocks in use (1 = full).",
+    "cpu_cache_usage_perc": "Fraction of host (swap space) KV-cache blocks in use (1 = full).",
 }
 _COUNTERS = {
     "prompt_tokens_total": ("prompt_tokens_total", "Prompt tokens processed (prefill)."),
@@ -78,7 +81,7 @@ class ServerMetrics:
         self.timings = {
             "server_queue": Histogram(
                 PREFIX + "server_queue_time_seconds",
-                "Time from add_request in the API server to arrival in the engine core.",
+                "Time from the HTTP request's arrival to the request's arrival in the engine core.",
                 buckets=_TOKEN_BUCKETS, registry=self.registry),
             "core_queue": Histogram(
                 PREFIX + "core_queue_time_seconds",
@@ -88,6 +91,9 @@ class ServerMetrics:
                 PREFIX + "step_time_seconds", "Time of one engine step in the engine core.",
                 buckets=_TOKEN_BUCKETS, registry=self.registry),
         }
+        # (finish time, TTFT, TPOT) of recent requests: the dashboard's latency percentiles over
+        # the last minutes come from the same observations as the histograms.
+        self.recent: deque[tuple[float, float | None, float | None]] = deque(maxlen=20000)
         engine.on_request_finished.append(self.observe)
         timing_hooks = getattr(engine, "on_timing", None)
         if timing_hooks is not None:
@@ -105,14 +111,18 @@ class ServerMetrics:
         m = out.metrics
         if m is None or out.error:
             return
+        ttft = tpot = None
         if m.first_token_time is not None:
-            self.ttft.observe(max(0.0, m.first_token_time - m.arrival_time))
+            ttft = max(0.0, m.first_token_time - m.arrival_time)
+            self.ttft.observe(ttft)
         if m.finished_time is not None:
             self.e2e.observe(max(0.0, m.finished_time - m.arrival_time))
             num_tokens = max((len(c.token_ids) for c in out.outputs), default=0)
             if m.first_token_time is not None and num_tokens > 1:
                 decode = max(0.0, m.finished_time - m.first_token_time)
-                self.tpot.observe(decode / (num_tokens - 1))
+                tpot = decode / (num_tokens - 1)
+                self.tpot.observe(tpot)
+        self.recent.append((time.time(), ttft, tpot))  # deque appends are thread-safe
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
+from pagedllm.core.guided_params import GuidedDecodingParams
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.engine.async_engine import (
     AsyncEngine,
@@ -26,6 +27,7 @@ from pagedllm.engine.async_engine import (
 from pagedllm.entrypoints.openai.errors import APIError, from_value_error, model_not_found
 from pagedllm.entrypoints.openai.offload import Offloader, RequestLimits
 from pagedllm.entrypoints.openai.protocol import SamplingFields
+from pagedllm.entrypoints.openai.serving_structured import GuidedValidator
 from pagedllm.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -34,7 +36,7 @@ T = TypeVar("T")
 MAX_LOGIT_BIAS = 100.0
 # OpenAI fields that change nothing about the output, so ignoring them is honest; any other
 # unknown field (functions, function_call, audio, ...) is refused by name.
-IGNORED_FIELDS = frozenset({"store", "metadata", "service_tier", "parallel_tool_calls"})
+IGNORED_FIELDS = frozenset({"store", "metadata", "service_tier"})
 
 
 @dataclass(frozen=True)
@@ -157,6 +159,11 @@ async def merge_streams(
             task.cancel()
 
 
+def arrival_time(request: Request | None) -> float | None:
+    """When the HTTP request came in (stamped by the app's middleware), for TTFT metrics."""
+    return getattr(request.state, "arrival_time", None) if request is not None else None
+
+
 class ServingBase:
     """Shared by the completion and chat handlers; one instance per app."""
 
@@ -170,6 +177,7 @@ class ServingBase:
         # Tokenizer work runs in this pool, never on the event loop (see offload.py).
         self.offload = offload or Offloader()
         self.limits = limits or RequestLimits()
+        self.guided_validator = GuidedValidator(engine.tokenizer, model.vocab_size)
 
     @property
     def tokenizer(self) -> Any:
@@ -212,6 +220,9 @@ class ServingBase:
         if req.stream_options is not None and not req.stream:
             raise APIError("stream_options: only allowed when stream is true",
                            param="stream_options")
+        if req.stream_options is not None and req.stream_options.continuous_usage_stats:
+            raise APIError("stream_options: continuous_usage_stats is not supported",
+                           param="stream_options", code="unsupported_parameter")
         if req.stream and req.best_of is not None and req.best_of > req.n:
             raise APIError("best_of: streaming is not supported when best_of > n",
                            param="best_of")
@@ -241,7 +252,8 @@ class ServingBase:
 
     def sampling_params(self, req: SamplingFields, *, max_tokens: int, logprobs: int | None,
                         prompt_logprobs: int | None = None,
-                        logprobs_param: str = "logprobs") -> SamplingParams:
+                        logprobs_param: str = "logprobs",
+                        guided_decoding: GuidedDecodingParams | None = None) -> SamplingParams:
         """The request's sampling fields as validated SamplingParams (400 naming the field)."""
         if logprobs is not None and logprobs > self.max_logprobs:
             raise APIError(f"{logprobs_param}: at most {self.max_logprobs} are supported, got "
@@ -271,6 +283,7 @@ class ServingBase:
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=req.skip_special_tokens,
                 spaces_between_special_tokens=req.spaces_between_special_tokens,
+                guided_decoding=guided_decoding,
             )
         except ValueError as exc:
             raise from_value_error(exc) from exc
@@ -288,7 +301,8 @@ class ServingBase:
                 try:
                     with engine_errors():
                         streams.append(await self.engine.add_request(
-                            f"{request_id}-{i}", engine_prompt, sp, priority=priority))
+                            f"{request_id}-{i}", engine_prompt, sp, priority=priority,
+                            arrival_time=arrival_time(raw_request)))
                 except ValueError as exc:
                     raise from_value_error(
                         exc, default_param=self.prompt_param,

@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from pagedllm.core.guided_params import GuidedDecodingParams
 from pagedllm.engine.async_engine import AsyncEngine, RequestStream
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
@@ -23,6 +24,14 @@ from pagedllm.entrypoints.openai.serving_base import (
     error_event,
     merge_streams,
     usage,
+)
+from pagedllm.entrypoints.openai.serving_structured import guided_from_request
+from pagedllm.entrypoints.openai.serving_tools import (
+    ToolPlan,
+    ToolStreamer,
+    history_message,
+    plan_tools,
+    tool_message,
 )
 from pagedllm.outputs import CompletionOutput, RequestOutput
 
@@ -61,7 +70,7 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         item: dict[str, Any] = {"role": m.role, "content": content or ""}
         if m.name is not None:
             item["name"] = m.name
-        out.append(item)
+        out.append(history_message(item, m.tool_calls, m.tool_call_id))
     return out
 
 
@@ -78,13 +87,16 @@ class OpenAIServingChat(ServingBase):
     prompt_param = "messages"
 
     def __init__(self, engine: AsyncEngine, model: ModelInfo, *, chat_template: str | None = None,
-                 max_logprobs: int = 20, **kwargs: Any) -> None:
+                 max_logprobs: int = 20, tool_call_parser: str | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(engine, model, max_logprobs=max_logprobs, **kwargs)
         self.chat_template = chat_template
+        self.tool_call_parser = tool_call_parser
 
     def render(self, messages: list[ChatMessage], *, add_generation_prompt: bool = True,
                continue_final_message: bool = False,
-               template_kwargs: dict[str, Any] | None = None) -> PromptInput:
+               template_kwargs: dict[str, Any] | None = None,
+               tools: list[dict[str, Any]] | None = None) -> PromptInput:
         """The conversation as prompt text and token ids, via the chat template."""
         if not messages:
             raise APIError("messages: must not be empty", param="messages")
@@ -99,7 +111,8 @@ class OpenAIServingChat(ServingBase):
             text = self.tokenizer.apply_chat_template(
                 message_dicts(messages), chat_template=template, tokenize=False,
                 add_generation_prompt=add_generation_prompt and not continue_final_message,
-                continue_final_message=continue_final_message, **(template_kwargs or {}))
+                continue_final_message=continue_final_message,
+                **({"tools": tools} if tools else {}), **(template_kwargs or {}))
         except APIError:
             raise
         except Exception as exc:  # jinja errors, raise_exception() in templates
@@ -112,32 +125,29 @@ class OpenAIServingChat(ServingBase):
     async def create(self, req: ChatCompletionRequest, raw_request: Request | None
                      ) -> dict[str, Any] | StreamingResponse:
         self.check_model(req.model)
-        if req.tools and req.tool_choice != "none":
-            raise APIError("tools: tool calling is not supported by this server", param="tools",
-                           code="unsupported_parameter")
-        if req.tool_choice not in (None, "none") and not req.tools:
-            raise APIError("tool_choice: requires tools (and tool calling is not supported)",
-                           param="tool_choice", code="unsupported_parameter")
-        if req.response_format is not None and "type" not in req.response_format:
-            raise APIError("response_format: must have a 'type' (only 'text' is supported)",
-                           param="response_format")
-        fmt = (req.response_format or {}).get("type", "text")
-        if fmt != "text":
-            raise APIError(f"response_format: {fmt!r} is not supported, only 'text'",
-                           param="response_format", code="unsupported_parameter")
+        plan = plan_tools(req, self.tool_call_parser)
+        guided, guided_param = guided_from_request(req)
+        if plan.guided is not None:
+            if guided is not None:
+                raise APIError(f"{guided_param}: cannot be combined with tool_choice "
+                               f"{req.tool_choice!r}", param=guided_param)
+            guided, guided_param = plan.guided, "tools"
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs: requires logprobs to be true", param="top_logprobs")
         self.check_stream_flags(req)
         prompt = await self.offload.run(
             self.render, req.messages, add_generation_prompt=req.add_generation_prompt,
                              continue_final_message=req.continue_final_message,
-                             template_kwargs=req.chat_template_kwargs)
+                             template_kwargs=req.chat_template_kwargs, tools=plan.tools)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
         max_tokens = self.resolve_max_tokens(len(prompt.token_ids), requested)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
-                                      logprobs_param="top_logprobs")
+                                      logprobs_param="top_logprobs", guided_decoding=guided)
+        for schema in plan.schemas.values():  # a malformed parameters schema is a 400 on tools
+            await self.guided_validator.check(GuidedDecodingParams(json=schema), "tools")
+        await self.guided_validator.check(guided, guided_param)
         self.offload.trim_later(len(prompt.token_ids))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -146,15 +156,18 @@ class OpenAIServingChat(ServingBase):
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
-                self._stream(req, pairs, prompt, request_id, created, include_usage),
+                self._stream(req, pairs, prompt, request_id, created, include_usage, plan),
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         (final,) = await self.collect(pairs, raw_request)
-        choices = [
-            {"index": c.index, "message": {"role": "assistant", "content": c.text},
-             "logprobs": self._logprobs(req, c.token_ids, c.logprobs) if req.logprobs else None,
-             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-            for c in final.outputs
-        ]
+        choices = []
+        for c in final.outputs:
+            message, reason = ({"role": "assistant", "content": c.text}, c.finish_reason)
+            if plan.active:
+                message, reason = tool_message(plan, c)
+            choices.append(
+                {"index": c.index, "message": message,
+                 "logprobs": self._logprobs(req, c.token_ids, c.logprobs) if req.logprobs
+                 else None, "finish_reason": reason, "stop_reason": c.stop_reason})
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
         return {"id": request_id, "object": "chat.completion", "created": created,
                 "model": self.model.name, "choices": choices,
@@ -174,7 +187,8 @@ class OpenAIServingChat(ServingBase):
 
     async def _stream(self, req: ChatCompletionRequest,
                       pairs: list[tuple[RequestStream, RequestOutput]], prompt: PromptInput,
-                      request_id: str, created: int, include_usage: bool) -> AsyncIterator[str]:
+                      request_id: str, created: int, include_usage: bool,
+                      plan: ToolPlan) -> AsyncIterator[str]:
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                 "model": self.model.name}
 
@@ -187,6 +201,7 @@ class OpenAIServingChat(ServingBase):
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         completion_tokens: dict[int, int] = {}
+        tool_streams: dict[int, ToolStreamer] = {}
         try:
             async for _, out in merge_streams(pairs):
                 for c in out.outputs:
@@ -195,7 +210,12 @@ class OpenAIServingChat(ServingBase):
                         yield event([{"index": c.index,
                                       "delta": {"role": "assistant", "content": ""},
                                       "logprobs": None, "finish_reason": None}])
-                    choice = self._delta(req, c, sent_text, sent_tokens)
+                    if plan.active:
+                        choice = self._tool_delta(
+                            req, c, tool_streams.setdefault(c.index, ToolStreamer(plan)),
+                            sent_tokens)
+                    else:
+                        choice = self._delta(req, c, sent_text, sent_tokens)
                     completion_tokens[c.index] = len(c.token_ids)
                     if choice is not None:
                         yield event([choice])
@@ -222,3 +242,19 @@ class OpenAIServingChat(ServingBase):
             lp = self._logprobs(req, new_tokens, (c.logprobs or [])[tokens_from:])
         return {"index": c.index, "delta": {"content": delta} if delta else {},
                 "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+
+    def _tool_delta(self, req: ChatCompletionRequest, c: CompletionOutput,
+                    streamer: ToolStreamer, sent_tokens: dict[int, int]
+                    ) -> dict[str, Any] | None:
+        """One chunk's choice when tools are in play: content or tool-call deltas."""
+        delta, reason = streamer.delta(c)
+        tokens_from = sent_tokens[c.index]
+        new_tokens = c.token_ids[tokens_from:]
+        if delta is None and reason is None and not (req.logprobs and new_tokens):
+            return None
+        sent_tokens[c.index] = len(c.token_ids)
+        lp = None
+        if req.logprobs:
+            lp = self._logprobs(req, new_tokens, (c.logprobs or [])[tokens_from:])
+        return {"index": c.index, "delta": delta or {}, "logprobs": lp,
+                "finish_reason": reason, "stop_reason": c.stop_reason}

@@ -21,6 +21,7 @@ from pagedllm.entrypoints.openai.serving_base import (
     merge_streams,
     usage,
 )
+from pagedllm.entrypoints.openai.serving_structured import guided_from_request
 from pagedllm.outputs import CompletionOutput, RequestOutput
 
 _PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of token id lists"
@@ -67,12 +68,15 @@ class OpenAIServingCompletion(ServingBase):
         prompts = await self.offload.run(self.parse_prompts, req.prompt)
         self.offload.trim_later(sum(len(p.token_ids) for p in prompts))
         logprobs = req.logprobs
+        guided, guided_param = guided_from_request(req)
         params = []
         for p in prompts:
             max_tokens = self.resolve_max_tokens(len(p.token_ids), req.max_tokens)
             params.append(self.sampling_params(
                 req, max_tokens=max_tokens, logprobs=logprobs,
-                prompt_logprobs=logprobs if req.echo and logprobs is not None else None))
+                prompt_logprobs=logprobs if req.echo and logprobs is not None else None,
+                guided_decoding=guided))
+        await self.guided_validator.check(guided, guided_param)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         pairs = await self.start(request_id, prompts, params, priority=req.priority,

@@ -21,19 +21,47 @@ _QMAX = 127
 _ROWS_PER_CHUNK = 1024  # quantise this many rows at a time: no float32 copy of a whole weight
 
 
-def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``weight[N, K]`` (any float dtype) -> (int8 ``[N, K]``, float32 scales ``[N]``)."""
+def row_absmax(weight: torch.Tensor) -> torch.Tensor:
+    """``max|W[n, :]|`` as float32 ``[N]``, a chunk of rows at a time (no float32 copy)."""
+    out = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
+    for start in range(0, weight.shape[0], _ROWS_PER_CHUNK):
+        out[start : start + _ROWS_PER_CHUNK] = (
+            weight[start : start + _ROWS_PER_CHUNK].float().abs().amax(dim=1)
+        )
+    return out
+
+
+def quantize_per_channel(
+    weight: torch.Tensor, absmax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight[N, K]`` (any float dtype) -> (int8 ``[N, K]``, float32 scales ``[N]``).
+
+    ``absmax`` overrides each row's own maximum: a row-parallel rank holds only part of every
+    row, and must scale it as the whole row is scaled, or two ranks would not quantise the model
+    one process quantises.
+    """
+    if absmax is None:
+        absmax = row_absmax(weight)
+    scale = absmax / _QMAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # all-zero rows: any scale
     q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
-    scale = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
     for start in range(0, weight.shape[0], _ROWS_PER_CHUNK):
         rows = weight[start : start + _ROWS_PER_CHUNK].float()  # [r, K]
-        s = rows.abs().amax(dim=1) / _QMAX  # [r]
-        s = torch.where(s > 0, s, torch.ones_like(s))  # all-zero rows: any scale works
+        s = scale[start : start + _ROWS_PER_CHUNK]
         q[start : start + _ROWS_PER_CHUNK] = (
             torch.round(rows / s[:, None]).clamp_(-_QMAX, _QMAX).to(torch.int8)
         )
-        scale[start : start + _ROWS_PER_CHUNK] = s
     return q, scale
+
+
+def _whole_row_absmax(layer: nn.Module) -> torch.Tensor | None:
+    """Every rank's row maxima joined (max over ranks) for a row-parallel layer, else None."""
+    from pagedllm.layers.linear import RowParallelLinear
+
+    tp = getattr(layer, "tp", None)
+    if not isinstance(layer, RowParallelLinear) or tp is None or tp.size == 1:
+        return None
+    return tp.all_reduce_max(row_absmax(layer.weight.detach()))
 
 
 def weight_scale(layer: nn.Module) -> torch.Tensor:
@@ -75,7 +103,7 @@ class Int8WeightOnly(LinearMethod):
             scale = layer.weight_scale.detach().float().reshape(-1).contiguous()
             del layer.weight_scale
         else:
-            q, scale = quantize_per_channel(layer.weight.detach())
+            q, scale = quantize_per_channel(layer.weight.detach(), _whole_row_absmax(layer))
             layer.weight = nn.Parameter(q, requires_grad=False)
         layer.register_buffer("weight_scale_bits", scale.view(torch.int32))
 

@@ -1,0 +1,233 @@
+"""``pagedllm bench serve``: a load generator against a running OpenAI-style server.
+
+Requests leave at ``--request-rate`` per second (Poisson arrivals, seeded; ``inf`` sends them
+all at once), at most ``--max-concurrency`` at a time, each streamed. Measured per request on the
+client: time to first token (TTFT), gaps between streamed chunks (ITL), time per output token
+after the first (TPOT) and end-to-end latency. The server's /metrics are read before and after,
+so the report also shows what the server counted over the same interval.
+
+TTFT ends when the response starts: pagedllm's server answers a stream only once the first
+token exists (so that errors come back as a status), and a first token may carry no text (a
+special token, or half a UTF-8 character held back), so the first text chunk can come later.
+ITL is measured between chunks that carry text, which can hold several tokens; TPOT counts
+tokens (from the final usage) and is what the server's ``time_per_output_token`` measures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+import httpx
+
+from pagedllm.entrypoints.bench.datasets import BenchRequest
+from pagedllm.entrypoints.bench.stats import latency_rows, print_table, server_side, summarize
+
+
+@dataclass
+class Outcome:
+    ok: bool = False
+    error: str = ""
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    chunks: int = 0  # streamed chunks that carried text
+
+
+def _error_text(body: bytes, status: int) -> str:
+    try:
+        return str(json.loads(body)["error"]["message"])
+    except Exception:
+        return f"HTTP {status}: {body[:200].decode(errors='replace')}"
+
+
+def request_body(req: BenchRequest, model: str, chat: bool, ignore_eos: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": req.output_len,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0,
+    }
+    if ignore_eos:
+        body["ignore_eos"] = True
+    if chat:
+        body["messages"] = [{"role": "user", "content": req.prompt}]
+    else:
+        body["prompt"] = req.prompt
+    return body
+
+
+async def one_request(
+    client: httpx.AsyncClient, body: dict[str, Any], chat: bool, headers: dict[str, str]
+) -> Outcome:
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    res = Outcome()
+    start = time.perf_counter()
+    last = start
+    try:
+        async with client.stream("POST", path, json=body, headers=headers) as r:
+            if r.status_code != 200:
+                res.error = _error_text(await r.aread(), r.status_code)
+                return res
+            res.ttft = last = time.perf_counter() - start  # the first token exists
+            last += start
+            async for line in r.aiter_lines():
+                if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                    continue
+                event = json.loads(line[5:])
+                if "error" in event:
+                    res.error = event["error"].get("message", "error event")
+                    return res
+                now = time.perf_counter()
+                choices = event.get("choices") or []
+                piece = (
+                    choices[0].get("delta", {}).get("content")
+                    if chat and choices
+                    else (choices[0].get("text") if choices else None)
+                )
+                if piece:
+                    if res.chunks:
+                        res.itl.append(now - last)
+                    res.chunks += 1
+                    last = now
+                if event.get("usage"):
+                    res.prompt_tokens = event["usage"]["prompt_tokens"]
+                    res.output_tokens = event["usage"]["completion_tokens"]
+    except httpx.HTTPError as exc:
+        res.error = f"{type(exc).__name__}: {exc}"
+        return res
+    res.e2e = time.perf_counter() - start
+    res.ok = res.output_tokens > 0
+    if not res.ok:
+        res.error = "the stream ended without usage (no tokens)"
+    return res
+
+
+async def run(
+    base_url: str,
+    requests: list[BenchRequest],
+    *,
+    model: str | None = None,
+    api_key: str | None = None,
+    chat: bool = False,
+    request_rate: float = float("inf"),
+    max_concurrency: int | None = None,
+    ignore_eos: bool = True,
+    seed: int = 0,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Send ``requests`` and return the report (also the server's view from /metrics)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limit = max_concurrency or len(requests)
+    limits = httpx.Limits(max_connections=limit + 4, max_keepalive_connections=limit + 4)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(requests), desc="requests", unit="req")
+    async with httpx.AsyncClient(
+        base_url=base_url, timeout=httpx.Timeout(600, connect=10), limits=limits
+    ) as client:
+        if model is None:
+            r = await client.get("/v1/models", headers=headers)
+            if r.status_code != 200:
+                raise RuntimeError(f"cannot list models: {_error_text(r.content, r.status_code)}")
+            model = str(r.json()["data"][0]["id"])
+        gate = asyncio.Semaphore(limit)
+        rng = random.Random(seed)
+
+        async def limited(req: BenchRequest) -> Outcome:
+            async with gate:
+                out = await one_request(
+                    client, request_body(req, model, chat, ignore_eos), chat, headers
+                )
+            if bar is not None:
+                bar.update(1)
+            return out
+
+        metrics_before = (await client.get("/metrics")).text
+        start = time.perf_counter()
+        tasks = []
+        for i, req in enumerate(requests):
+            if i and request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(request_rate))
+            tasks.append(asyncio.ensure_future(limited(req)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+        metrics_after = (await client.get("/metrics")).text
+    if bar is not None:
+        bar.close()
+    report = _report(results, duration, model, request_rate, limit)
+    report["server"] = server_side(metrics_before, metrics_after)
+    return report
+
+
+def _report(
+    results: list[Outcome], duration: float, model: str, rate: float, concurrency: int
+) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    return {
+        "model": model,
+        "num_requests": len(results),
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if r.error})[:10],
+        "request_rate": None if rate == float("inf") else rate,
+        "max_concurrency": concurrency,
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": out_tokens / duration,
+        "total_token_throughput": (in_tokens + out_tokens) / duration,
+        "prompt_tokens": in_tokens,
+        "output_tokens": out_tokens,
+        "ttft_ms": summarize([r.ttft for r in ok]),
+        "tpot_ms": summarize(tpot),
+        "itl_ms": summarize([t for r in ok for t in r.itl]),
+        "e2e_ms": summarize([r.e2e for r in ok]),
+        # Per request, in seconds, for whoever wants other statistics than the ones above.
+        "ttfts_s": [r.ttft for r in ok],
+        "tpots_s": tpot,
+    }
+
+
+def print_report(report: dict[str, Any], out: TextIO) -> None:
+    server = report.get("server", {})
+    rows: list[tuple[str, Any]] = [
+        ("Successful requests", report["completed"]),
+        ("Failed requests", report["failed"]),
+        ("Benchmark duration (s)", report["duration_s"]),
+        ("Total input tokens", report["prompt_tokens"]),
+        ("Total generated tokens", report["output_tokens"]),
+        ("Request throughput (req/s)", report["request_throughput"]),
+        ("Output token throughput (tok/s)", report["output_throughput"]),
+        ("Total token throughput (tok/s)", report["total_token_throughput"]),
+    ]
+    for key, name in (
+        ("ttft_ms", "TTFT"),
+        ("tpot_ms", "TPOT"),
+        ("itl_ms", "ITL"),
+        ("e2e_ms", "E2E"),
+    ):
+        rows += latency_rows(name, report[key])
+    if server:
+        rows += [
+            ("Server /metrics over the run", None),
+            ("Requests finished", int(server["requests"])),
+            ("Generated tokens", int(server["generation_tokens"])),
+        ]
+        for key, name in (("ttft", "TTFT"), ("tpot", "TPOT")):
+            if "mean_ms" in server[key]:
+                rows.append((f"Mean {name} (ms)", server[key]["mean_ms"]))
+    print_table("Serving Benchmark Result", rows, out)
+    for error in report["errors"]:
+        out.write(f"error: {error}\n")

@@ -1,0 +1,237 @@
+"""Tool calling on /v1/chat/completions: checking tools, constraining or parsing calls, replies.
+
+``tool_choice`` decides how calls are produced:
+- ``"none"``: tools are not shown to the model; a plain reply.
+- ``"auto"``: tools are rendered by the chat template; the reply is parsed by the server's
+  ``--tool-call-parser`` and carries ``tool_calls`` if it made any.
+- ``"required"``: constrained decoding to a JSON array of ``{"name", "arguments"}`` objects, one
+  schema per tool (``parallel_tool_calls: false`` allows one call).
+- a named function: constrained decoding to that function's ``parameters`` schema; the whole reply
+  is its arguments.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedllm.core.guided_params import GuidedDecodingParams
+from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+from pagedllm.entrypoints.openai.tool_parsers import ParsedCall, ToolParser, get_tool_parser
+from pagedllm.outputs import CompletionOutput
+
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+def _bad(param: str, message: str) -> APIError:
+    return APIError(f"{param}: {message}", param=param)
+
+
+@dataclass
+class ToolPlan:
+    mode: str  # "none" | "auto" | "required" | "named"
+    tools: list[dict[str, Any]] | None = None  # what the chat template renders
+    schemas: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> parameters
+    named: str | None = None
+    guided: GuidedDecodingParams | None = None
+    parser: ToolParser | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.mode != "none"
+
+
+def check_tools(tools: Any) -> dict[str, dict[str, Any]]:
+    """``tools`` in OpenAI's shape; returns name -> parameters schema (400 naming ``tools``)."""
+    if not isinstance(tools, list) or not tools:
+        raise _bad("tools", "must be a non-empty list")
+    schemas: dict[str, dict[str, Any]] = {}
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise _bad("tools", f"{where}: only tools of type 'function' are supported")
+        fn = tool.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise _bad("tools", f"{where}.function: must be an object with a 'name'")
+        name = fn["name"]
+        if not _NAME.match(name):
+            raise _bad("tools", f"{where}.function.name: must be 1-64 of a-z, A-Z, 0-9, _ and -")
+        if name in schemas:
+            raise _bad("tools", f"{where}.function.name: {name!r} appears twice")
+        params = fn.get("parameters", _ANY_OBJECT)
+        if not isinstance(params, dict):
+            raise _bad("tools", f"{where}.function.parameters: must be a JSON schema object")
+        schemas[name] = params
+    return schemas
+
+
+def _required_schema(schemas: dict[str, dict[str, Any]], parallel: bool) -> dict[str, Any]:
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": name}, "arguments": params},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for name, params in schemas.items()
+    ]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def plan_tools(req: ChatCompletionRequest, parser_name: str | None) -> ToolPlan:
+    """What the request's tools and tool_choice ask for, checked (400 naming the parameter)."""
+    choice = req.tool_choice
+    if not req.tools:
+        if choice not in (None, "none"):
+            raise _bad("tool_choice", "requires tools")
+        return ToolPlan("none")
+    schemas = check_tools(req.tools)
+    if choice is None:
+        choice = "auto"
+    if choice == "none":
+        return ToolPlan("none")
+    plan = ToolPlan("auto", tools=list(req.tools), schemas=schemas)
+    if choice == "auto":
+        if parser_name is None:
+            raise APIError(
+                "tool_choice: 'auto' needs the server started with --tool-call-parser "
+                "(hermes or llama3_json); 'required' and a named function work without it",
+                param="tool_choice",
+            )
+        plan.parser = get_tool_parser(parser_name)
+        return plan
+    if choice == "required":
+        plan.mode = "required"
+        plan.guided = GuidedDecodingParams(json=_required_schema(schemas, req.parallel_tool_calls))
+    elif isinstance(choice, dict) and choice.get("type") == "function":
+        name = (choice.get("function") or {}).get("name")
+        if name not in schemas:
+            raise _bad("tool_choice", f"no tool named {name!r}; tools are {sorted(schemas)}")
+        plan.mode, plan.named = "named", name
+        plan.guided = GuidedDecodingParams(json=schemas[name])
+    else:
+        raise _bad(
+            "tool_choice",
+            "must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
+        )
+    return plan
+
+
+def history_message(
+    item: dict[str, Any], tool_calls: list[dict[str, Any]] | None, tool_call_id: str | None
+) -> dict[str, Any]:
+    """Tool-calling history as chat templates expect it: arguments as objects, ids kept."""
+    if tool_calls:
+        calls = []
+        for call in tool_calls:
+            fn = dict(call.get("function") or {})
+            args = fn.get("arguments")
+            if isinstance(args, str):
+                with contextlib.suppress(ValueError):
+                    fn["arguments"] = json.loads(args)
+            calls.append({**call, "function": fn})
+        item["tool_calls"] = calls
+    if tool_call_id is not None:
+        item["tool_call_id"] = tool_call_id
+    return item
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _calls_of(plan: ToolPlan, text: str) -> tuple[str | None, list[ParsedCall]]:
+    if plan.mode == "named":
+        assert plan.named is not None
+        return None, [ParsedCall(plan.named, text)]
+    if plan.mode == "required":
+        try:
+            items = json.loads(text)
+        except ValueError:
+            return text, []
+        return None, [ParsedCall(c["name"], json.dumps(c["arguments"])) for c in items]
+    assert plan.parser is not None
+    return plan.parser.parse(text)
+
+
+def tool_message(plan: ToolPlan, c: CompletionOutput) -> tuple[dict[str, Any], str | None]:
+    """The assistant message of a finished choice, and its finish_reason."""
+    if c.finish_reason != "stop":  # cut short: arguments would not parse; report the text
+        return {"role": "assistant", "content": c.text}, c.finish_reason
+    content, calls = _calls_of(plan, c.text)
+    if not calls:
+        return {"role": "assistant", "content": content}, c.finish_reason
+    tool_calls = [
+        {
+            "id": call_id(),
+            "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments},
+        }
+        for call in calls
+    ]
+    return {"role": "assistant", "content": content, "tool_calls": tool_calls}, "tool_calls"
+
+
+class ToolStreamer:
+    """Per choice: turns growing outputs into chat deltas, tool calls in OpenAI's stream shape.
+
+    A named function streams its arguments as they are generated (the first delta carries the
+    call's id and name); ``required`` and ``auto`` stream the text that is certainly content and
+    send each call whole when the reply ends.
+    """
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self._sent = 0  # characters of text already sent (content or arguments)
+        self._started = False
+
+    def delta(self, c: CompletionOutput) -> tuple[dict[str, Any] | None, str | None]:
+        """The delta for this output (None if nothing new) and the finish_reason to report."""
+        if self.plan.mode == "named":
+            return self._named(c)
+        if c.finish_reason is None:
+            safe = 0 if self.plan.mode == "required" else self._content_prefix(c.text)
+            if safe <= self._sent:
+                return None, None
+            piece, self._sent = c.text[self._sent : safe], safe
+            return {"content": piece}, None
+        message, reason = tool_message(self.plan, c)
+        delta: dict[str, Any] = {}
+        if "tool_calls" in message:
+            end = self._content_prefix(c.text) if self.plan.mode == "auto" else 0
+            rest = c.text[self._sent : end]
+            delta["tool_calls"] = [
+                {"index": i, **call} for i, call in enumerate(message["tool_calls"])
+            ]
+        else:
+            rest = c.text[self._sent :]
+        if rest:
+            delta["content"] = rest
+        return delta, reason
+
+    def _content_prefix(self, text: str) -> int:
+        assert self.plan.parser is not None
+        return self.plan.parser.content_prefix(text)
+
+    def _named(self, c: CompletionOutput) -> tuple[dict[str, Any] | None, str | None]:
+        reason = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+        call: dict[str, Any] = {"index": 0}
+        if not self._started:
+            self._started = True
+            call.update(id=call_id(), type="function", function={"name": self.plan.named})
+            call["function"]["arguments"] = ""
+        piece, self._sent = c.text[self._sent :], len(c.text)
+        if piece:
+            call.setdefault("function", {})["arguments"] = piece
+        if len(call) == 1 and reason is None:
+            return None, None
+        return ({"tool_calls": [call]} if len(call) > 1 else {}), reason

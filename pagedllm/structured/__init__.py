@@ -1,0 +1,1 @@
+"""Structured output: constraints compiled to grammar matchers, applied as token bitmasks."""
