@@ -7,6 +7,15 @@
     python benchmarks/serving.py --launch ./my-llama -- --device cuda --max-num-seqs 64
     # CI: a tiny random model on the CPU, a few requests, exit 1 on any failure
     python benchmarks/serving.py --smoke
+    # served vs offline side by side: Engine in this process, then the server, same requests
+    python benchmarks/serving.py --launch ./my-llama --compare-offline --concurrency 1,16,64
+
+``--compare-offline`` (with ``--launch`` or ``--smoke``) runs the same requests through the
+offline ``Engine`` in this process (add_request/step, what ``Engine.generate`` runs, with at
+most C requests in flight like C clients) and through HTTP, taking turns per concurrency C (the
+server's engine core idles meanwhile); it reports
+both, their output-throughput ratio, and TTFT at one client against offline TTFT plus one HTTP
+round trip (GET /health).
 
 Prompts are built from a fixed word list with a seeded RNG, so every run sends the same requests.
 Requests ask for ``ignore_eos`` so each produces exactly ``--output-len`` tokens. Reported:
@@ -148,6 +157,73 @@ async def run_benchmark(base_url: str, model: str | None, prompts: list[str], ou
     }
 
 
+def run_offline(engine: Any, prompts: list[str], output_len: int, concurrency: int
+                ) -> dict[str, Any]:
+    """The same requests through the in-process ``Engine``, at most ``concurrency`` in flight."""
+    from pagedllm import SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    pending = list(enumerate(prompts))
+    sent: dict[str, float] = {}
+    ttft: dict[str, float] = {}
+    in_tokens = out_tokens = 0
+    start = time.perf_counter()
+    while pending or sent:
+        while pending and len(sent) < concurrency:
+            i, prompt = pending.pop(0)
+            rid = f"offline-{concurrency}-{i}"
+            sent[rid] = time.perf_counter()
+            engine.add_request(rid, prompt, params)
+        for out in engine.step():
+            now = time.perf_counter()
+            if out.request_id not in ttft and out.outputs and out.outputs[0].token_ids:
+                ttft[out.request_id] = now - sent[out.request_id]
+            if out.finished:
+                sent.pop(out.request_id, None)
+                in_tokens += len(out.prompt_token_ids)
+                out_tokens += sum(len(c.token_ids) for c in out.outputs)
+    duration = time.perf_counter() - start
+    return {"concurrency": concurrency, "num_requests": len(prompts), "duration_s": duration,
+            "output_throughput": out_tokens / duration, "output_tokens": out_tokens,
+            "total_token_throughput": (in_tokens + out_tokens) / duration,
+            "ttft_ms": percentiles(list(ttft.values()))}
+
+
+def offline_engine(model: str, extra: list[str]) -> Any:
+    """The engine as `pagedllm serve MODEL EXTRA` builds it, here in this process, warmed up."""
+    from pagedllm import Engine
+    from pagedllm.entrypoints.cli import build_parser, engine_kwargs
+
+    ns = build_parser().parse_args(["serve", model, *extra])
+    engine = Engine(model, ns.device, **engine_kwargs(ns))
+    run_offline(engine, make_prompts(2, 8, seed=99), 4, 2)
+    return engine
+
+
+def http_round_trip_ms(base_url: str, n: int = 20) -> float:
+    with httpx.Client(base_url=base_url, timeout=10) as c:
+        c.get("/health")
+        times = []
+        for _ in range(n):
+            start = time.perf_counter()
+            c.get("/health")
+            times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def compare(offline: dict[int, dict[str, Any]], served: dict[int, dict[str, Any]],
+            rtt_ms: float) -> dict[str, Any]:
+    """Ratios served/offline per concurrency, and TTFT at the lowest concurrency."""
+    ratios = {str(c): served[c]["output_throughput"] / offline[c]["output_throughput"]
+              for c in offline if offline[c]["output_throughput"] > 0}
+    low = min(offline)
+    off_ttft = offline[low]["ttft_ms"].get("p50", 0.0)
+    srv_ttft = served[low]["ttft_ms"].get("p50", 0.0)
+    return {"output_throughput_ratio": ratios, "http_round_trip_ms": rtt_ms,
+            "ttft_p50_ms": {"concurrency": low, "offline": off_ttft, "served": srv_ttft,
+                            "served_minus_offline_minus_rtt": srv_ttft - off_ttft - rtt_ms}}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -226,22 +302,37 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--api-key", default=env_api_key(),
                    help="bearer key (default: $PAGEDLLM_API_KEY)")
     p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--concurrency", default="8",
+                   help="concurrent clients; a comma list (1,16,64) runs each in turn")
+    p.add_argument("--compare-offline", action="store_true",
+                   help="also run the same requests through the offline Engine (needs --launch "
+                   "or --smoke) and report the ratios")
     p.add_argument("--input-len", type=int, default=64, help="words per prompt")
     p.add_argument("--output-len", type=int, default=128, help="tokens per response")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--startup-timeout", type=float, default=600)
     args = p.parse_args(argv)
     if args.smoke:
-        args.num_requests, args.concurrency = 8, 4
+        args.num_requests, args.concurrency = 8, "1,4"
         args.input_len, args.output_len = 16, 16
+        args.compare_offline = True
+    args.concurrency = [int(c) for c in str(args.concurrency).split(",")]
+    if args.compare_offline and not (args.launch or args.smoke):
+        p.error("--compare-offline needs --launch MODEL or --smoke (the engine is built here)")
     return args, extra
+
+
+def prompt_sets(args: argparse.Namespace) -> dict[int, list[str]]:
+    """Per concurrency, the requests: all of them, but at most 8 for one client at a time."""
+    prompts = make_prompts(args.num_requests, args.input_len, args.seed)
+    return {c: prompts[: min(len(prompts), 8)] if c == 1 else prompts for c in args.concurrency}
 
 
 def main(argv: list[str] | None = None) -> int:
     args, extra = parse_args(argv)
-    prompts = make_prompts(args.num_requests, args.input_len, args.seed)
-    proc = None
+    prompts = prompt_sets(args)
+    proc, engine = None, None
+    offline: dict[int, dict[str, Any]] | None = None
     with tempfile.TemporaryDirectory() as tmp:
         base_url = args.base_url
         if args.smoke or args.launch:
@@ -250,24 +341,46 @@ def main(argv: list[str] | None = None) -> int:
                 model = str(build_tiny_model(Path(tmp) / "tiny-llama"))
                 extra = ["--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "128",
                          "--block-size", "16", "--max-model-len", "256", *extra]
+            if args.compare_offline:
+                engine = offline_engine(model, extra)
             port = free_port()
             base_url = f"http://127.0.0.1:{port}"
             proc = launch(model, extra, port)
         try:
             if proc is not None:
                 wait_healthy(base_url, proc, args.startup_timeout)
-            report = asyncio.run(run_benchmark(base_url, args.model, prompts, args.output_len,
-                                               args.concurrency, args.api_key))
+            # Offline and served take turns per concurrency, so a machine whose load drifts
+            # (a shared CI box) tilts both columns alike rather than one.
+            served, offline = {}, {} if engine is not None else None
+            for c, ps in prompts.items():
+                if engine is not None:
+                    offline[c] = run_offline(engine, ps, args.output_len, c)
+                served[c] = asyncio.run(run_benchmark(base_url, args.model, ps, args.output_len,
+                                                      c, args.api_key))
+            rtt = http_round_trip_ms(base_url) if engine is not None else 0.0
         finally:
             if proc is not None:
                 stop(proc)
+            if engine is not None:
+                engine.shutdown()
+    if offline is not None:
+        report: dict[str, Any] = {"served": {str(c): r for c, r in served.items()},
+                                  "offline": {str(c): r for c, r in offline.items()},
+                                  **compare(offline, served, rtt)}
+    elif len(served) == 1:
+        report = next(iter(served.values()))
+    else:
+        report = {"served": {str(c): r for c, r in served.items()}}
     print(json.dumps(report, indent=2))
+    failed = sum(r["failed"] for r in served.values())
     if args.smoke:
-        bad = report["failed"] or report["output_tokens"] != args.num_requests * args.output_len
+        want = {c: len(ps) * args.output_len for c, ps in prompts.items()}
+        bad = failed or any(served[c]["output_tokens"] != n for c, n in want.items()) or any(
+            offline[c]["output_tokens"] != n for c, n in want.items())
         if bad or (proc is not None and proc.returncode != 0):
             print("smoke test FAILED", file=sys.stderr)
             return 1
-    return 0 if report["failed"] == 0 else 1
+    return 0 if failed == 0 else 1
 
 
 if __name__ == "__main__":

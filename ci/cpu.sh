@@ -8,6 +8,9 @@ PY="$VENV/bin/python"
 # Ray runs the multi-machine executor's tests on a local cluster; it leaves torch as it is.
 "$PY" -c "import ray" 2>/dev/null || "$PY" -m pip install -q --disable-pip-version-check \
     -r ci/requirements-ray.txt
+# The engine-core channel (pinned in pyproject.toml too), for a .venv made before it existed.
+"$PY" -c "import zmq, msgspec" 2>/dev/null || "$PY" -m pip install -q --disable-pip-version-check \
+    pyzmq==26.2.0 msgspec==0.19.0
 # The web pages are tested in the system's headless Chromium (selenium), `pagedllm chat` in a
 # pseudo-terminal (pexpect).
 bash ci/install_browser.sh

@@ -127,10 +127,13 @@ class AsyncEngine:
     def __init__(self, engine: Any, *, log_stats_interval: float | None = 5.0) -> None:
         self.engine = engine
         self.on_request_finished: list[Callable[[RequestOutput], None]] = []
+        # (kind, seconds): "step" per step and "core_queue" per request (see EngineCoreClient).
+        self.on_timing: list[Callable[[str, float], None]] = []
         self._commands: queue.SimpleQueue[_Add | _Call | _Abort | _Stop | _Cut] = (
             queue.SimpleQueue()
         )
         self._streams: dict[str, RequestStream] = {}  # owned by the engine thread
+        self._timed: set[str] = set()  # requests whose core_queue time was reported
         self._stats: dict[str, float] = dict(engine.get_stats())
         self._stat_logger = StatLogger(log_stats_interval) if log_stats_interval else None
         self._failures = 0
@@ -175,6 +178,13 @@ class AsyncEngine:
     def get_stats(self) -> dict[str, float]:
         """The engine's stats as of the end of the latest loop iteration (a copy)."""
         return dict(self._stats)
+
+    def describe(self) -> dict[str, Any]:
+        """The served model: ``model``, ``served_model_name``, ``max_model_len``, ``vocab_size``."""
+        cfg = self.engine.config
+        return {"model": cfg.model.model, "served_model_name": cfg.model.served_model_name,
+                "max_model_len": cfg.scheduler.max_model_len,
+                "vocab_size": int(self.engine.vocab_size)}
 
     # -- requests --------------------------------------------------------------------------------
     async def add_request(
@@ -341,16 +351,25 @@ class AsyncEngine:
                 cmd.done.set_exception(exc)
 
     def _step(self) -> None:
+        start = time.monotonic()
         try:
             outputs = self.engine.step()
         except Exception as exc:
             self._on_step_failure(exc)
             return
         self._failures = 0
+        self._timing("step", time.monotonic() - start)
         for out in outputs:
             stream = self._streams.get(out.request_id)
+            m = out.metrics
+            if m is not None and m.first_scheduled_time is not None and out.request_id not in (
+                self._timed
+            ):
+                self._timed.add(out.request_id)
+                self._timing("core_queue", max(0.0, m.first_scheduled_time - m.arrival_time))
             if out.finished:
                 self._streams.pop(out.request_id, None)
+                self._timed.discard(out.request_id)
                 for callback in self.on_request_finished:
                     try:
                         callback(out)
@@ -360,6 +379,13 @@ class AsyncEngine:
                 # A request ended by containment hears of it as a failed step (a 500).
                 failed = out.failed and out.finished
                 self._deliver(stream, EngineStepError(out.error or "") if failed else out)
+
+    def _timing(self, kind: str, seconds: float) -> None:
+        for callback in self.on_timing:
+            try:
+                callback(kind, seconds)
+            except Exception:
+                logger.exception("on_timing callback failed")
 
     def _on_step_failure(self, exc: Exception) -> None:
         """Fail every request in flight, drop them from the engine, and keep serving."""

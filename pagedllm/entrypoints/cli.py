@@ -108,6 +108,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no periodic throughput log line")
     s.add_argument("--disable-docs", action="store_true",
                    help="no /docs, /redoc or /openapi.json (they are behind --api-key otherwise)")
+    s.add_argument("--engine-in-process", action="store_true",
+                   help="step the engine on a thread of the server process instead of in its "
+                   "own engine-core process (slower; for debugging)")
+    s.add_argument("--max-prompt-chars", type=int, default=256 * 1024,
+                   help="longest text prompt accepted, in characters (413 beyond)")
+    s.add_argument("--max-prompt-tokens", type=int, default=128 * 1024,
+                   help="most prompt token ids accepted (400 beyond)")
+    s.add_argument("--max-detokenize-tokens", type=int, default=64 * 1024,
+                   help="most ids /detokenize accepts (413 beyond)")
     add_engine_args(serve)
 
     gen = sub.add_parser("generate", help="generate text offline, streamed to the terminal",
@@ -206,13 +215,18 @@ def resolve_model(model: str | None) -> tuple[str, str | None]:
 def cmd_serve(args: argparse.Namespace) -> int:
     from pagedllm.config import env_api_key
     from pagedllm.engine.async_engine import AsyncEngine
+    from pagedllm.engine.core_client import EngineCoreClient
     from pagedllm.entrypoints.openai.api_server import ServerSettings, model_info, run_server
+    from pagedllm.entrypoints.openai.offload import RequestLimits
     from pagedllm.entrypoints.openai.serving_chat import load_chat_template
 
     _setup_logging(args.log_level)
     model, demo_name = resolve_model(args.model)
     try:
         template = load_chat_template(args.chat_template)
+        limits = RequestLimits(max_prompt_chars=args.max_prompt_chars,
+                               max_prompt_tokens=args.max_prompt_tokens,
+                               max_detokenize_tokens=args.max_detokenize_tokens)
         check_serve_settings(args, template)
         check_engine_settings(args)
     except ValueError as exc:
@@ -221,16 +235,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     kwargs = engine_kwargs(args)
     kwargs["served_model_name"] = names[0]
     kwargs["max_logprobs"] = args.max_logprobs
+    engine_class = AsyncEngine if args.engine_in_process else EngineCoreClient
     try:
-        engine = AsyncEngine.from_engine_args(
+        engine = engine_class.from_engine_args(
             model, args.device, log_stats_interval=None if args.disable_log_stats else 5.0,
             **kwargs)
-    except ValueError as exc:
+    except (ValueError, RuntimeError) as exc:
         raise SystemExit(f"pagedllm serve: {exc}") from None
     settings = ServerSettings(
         api_key=args.api_key or env_api_key(), chat_template=template,
         max_logprobs=args.max_logprobs, shutdown_timeout=args.shutdown_timeout,
-        disable_docs=args.disable_docs, tool_call_parser=args.tool_call_parser)
+        disable_docs=args.disable_docs, tool_call_parser=args.tool_call_parser,
+        limits=limits)
     return run_server(engine, model_info(engine, names), settings, host=args.host,
                       port=args.port, log_level=args.log_level)
 

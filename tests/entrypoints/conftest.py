@@ -37,7 +37,7 @@ def free_port() -> int:
 @dataclass
 class ServerHandle:
     base_url: str  # http://127.0.0.1:PORT
-    engine: Any  # AsyncEngine
+    engine: Any  # EngineCoreClient: the engine runs in its own process, as `pagedllm serve` does
     server: Any  # uvicorn.Server
     thread: threading.Thread
 
@@ -69,10 +69,17 @@ class ServerHandle:
         assert free == total, f"KV blocks leaked: {free} free of {total}"
 
     def offline(self, prompts: list[Any], params: Any) -> list[Any]:
-        """``LLMEngine.generate`` run on the engine thread (only when the server is idle)."""
+        """``LLMEngine.generate`` run in the engine core (only when the server is idle)."""
         self.wait_idle()
-        return asyncio.run(
-            self.engine.call(lambda e: e.generate(prompts, params, use_tqdm=False)))
+        return self.in_core(offline_generate, prompts, params)
+
+    def in_core(self, fn: Any, *args: Any) -> Any:
+        """``fn(llm_engine, *args)`` between steps in the engine core process (fn must pickle)."""
+        return asyncio.run(self.engine.call(fn, *args))
+
+
+def offline_generate(engine: Any, prompts: list[Any], params: Any) -> list[Any]:
+    return engine.generate(prompts, params, use_tqdm=False)
 
 
 def start_server(app: Any, config: Any = None) -> tuple[Any, threading.Thread, int]:
@@ -96,10 +103,10 @@ def start_server(app: Any, config: Any = None) -> tuple[Any, threading.Thread, i
 
 @pytest.fixture(scope="session")
 def server(llama_path: Path) -> Iterator[ServerHandle]:
-    from pagedllm.engine.async_engine import AsyncEngine
+    from pagedllm.engine.core_client import EngineCoreClient
     from pagedllm.entrypoints.openai.api_server import ServerSettings, build_app, model_info
 
-    engine = AsyncEngine.from_engine_args(
+    engine = EngineCoreClient.from_engine_args(
         str(llama_path), "cpu", dtype="float32", num_kv_blocks=NUM_KV_BLOCKS,
         block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, max_num_seqs=64,
         log_stats_interval=None,

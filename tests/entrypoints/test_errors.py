@@ -195,7 +195,7 @@ def test_api_key(server: Any, client: Any) -> None:
 
 
 class StepFailer:
-    """Wraps the engine's step(); raises once when armed (runs on the engine thread)."""
+    """Wraps the engine's step(); raises once when armed (lives in the engine core process)."""
 
     def __init__(self, step: Any) -> None:
         import threading
@@ -210,29 +210,42 @@ class StepFailer:
         return self.step()
 
 
-def test_engine_step_failure_is_reported_and_the_server_recovers(
-    server: Any, http: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _install_failer(engine: Any) -> None:
+    engine.step = StepFailer(engine.step)
+
+
+def _arm_failer(engine: Any) -> None:
+    engine.step.armed.set()
+
+
+def _remove_failer(engine: Any) -> None:
+    if isinstance(engine.step, StepFailer):
+        engine.step = engine.step.step
+
+
+def test_engine_step_failure_is_reported_and_the_server_recovers(server: Any, http: Any) -> None:
     import json
 
-    failer = StepFailer(server.engine.engine.step)
-    monkeypatch.setattr(server.engine.engine, "step", failer)
-    # Non-streaming: a 500 in the usual error shape.
-    failer.armed.set()
-    r = http.post("/v1/completions", json=OK)
-    err = _check_error(r, 500, None, None)
-    assert err["type"] == "internal_server_error" and "injected step failure" in err["message"]
-    _still_serving(http)
-    # Streaming: the stream has begun, so the error comes in-band, then [DONE].
-    body = {**OK, "max_tokens": 60, "ignore_eos": True, "stream": True}
-    events = []
-    with http.stream("POST", "/v1/completions", json=body) as resp:
-        assert resp.status_code == 200
-        for line in resp.iter_lines():
-            if line.startswith("data: "):
-                events.append(line[6:])
-                if len(events) == 1:
-                    failer.armed.set()
+    server.in_core(_install_failer)
+    try:
+        # Non-streaming: a 500 in the usual error shape.
+        server.in_core(_arm_failer)
+        r = http.post("/v1/completions", json=OK)
+        err = _check_error(r, 500, None, None)
+        assert err["type"] == "internal_server_error" and "injected step failure" in err["message"]
+        _still_serving(http)
+        # Streaming: the stream has begun, so the error comes in-band, then [DONE].
+        body = {**OK, "max_tokens": 60, "ignore_eos": True, "stream": True}
+        events = []
+        with http.stream("POST", "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 1:
+                        server.in_core(_arm_failer)
+    finally:
+        server.in_core(_remove_failer)
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
     assert error["type"] == "internal_server_error" and "injected" in error["message"]

@@ -264,13 +264,24 @@ def test_idle_and_half_sent_connections_are_closed(server: Any) -> None:
         thread.join(10)
 
 
-def test_broken_engine_marks_health_503_and_the_server_exits_nonzero(llama_path: Any) -> None:
-    from pagedllm.engine.async_engine import AsyncEngine
+def _broken_step() -> None:  # what LLMEngine.step raises when every request fails on its own
     from pagedllm.engine.containment import EngineBrokenError
+
+    raise EngineBrokenError("every request fails on its own: device lost")
+
+
+def _break_engine(engine: Any) -> None:
+    engine.step = _broken_step
+
+
+def test_broken_engine_marks_health_503_and_the_server_exits_nonzero(llama_path: Any) -> None:
+    import asyncio
+
+    from pagedllm.engine.core_client import EngineCoreClient
     from pagedllm.entrypoints.openai.api_server import ServerSettings, model_info, run_server
     from tests.entrypoints.conftest import free_port
 
-    engine = AsyncEngine.from_engine_args(
+    engine = EngineCoreClient.from_engine_args(
         str(llama_path),
         "cpu",
         dtype="float32",
@@ -280,10 +291,7 @@ def test_broken_engine_marks_health_503_and_the_server_exits_nonzero(llama_path:
         log_stats_interval=None,
     )
 
-    def broken() -> None:  # what LLMEngine.step raises when every request fails on its own
-        raise EngineBrokenError("every request fails on its own: device lost")
-
-    engine.engine.step = broken
+    asyncio.run(engine.call(_break_engine))
     port, result = free_port(), {}
     thread = threading.Thread(
         target=lambda: result.update(
@@ -314,19 +322,38 @@ def test_broken_engine_marks_health_503_and_the_server_exits_nonzero(llama_path:
     assert result == {"status": 1}
 
 
-def test_a_request_that_fails_the_step_is_ended_alone(
-    server: Any, http: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    executor = server.engine.engine.executor
-    real = executor.execute_model
+class _Poisoned:
+    """Fails the step whenever the marked request is batched (lives in the engine core)."""
 
-    def poisoned(sched_out: Any) -> Any:  # fails whenever the marked request is batched
+    def __init__(self, real: Any) -> None:
+        self.real = real
+
+    def __call__(self, sched_out: Any) -> Any:
         if any(s.sampling_params.seed == 4242 for s in sched_out.seqs):
             raise RuntimeError("Overflow when unpacking long long")
-        return real(sched_out)
+        return self.real(sched_out)
 
+
+def _poison(engine: Any) -> None:
+    engine.executor.execute_model = _Poisoned(engine.executor.execute_model)
+
+
+def _unpoison(engine: Any) -> None:
+    engine.executor.__dict__.pop("execute_model", None)
+
+
+def test_a_request_that_fails_the_step_is_ended_alone(server: Any, http: Any) -> None:
     baseline = greedy_baseline(http)
-    monkeypatch.setattr(executor, "execute_model", poisoned)
+    server.in_core(_poison)
+    try:
+        _run_poisoned_and_innocent(server, http, baseline)
+    finally:
+        server.in_core(_unpoison)
+    assert server.engine.is_healthy
+    server.assert_all_blocks_free()
+
+
+def _run_poisoned_and_innocent(server: Any, http: Any, baseline: dict[str, str]) -> None:
     got: dict[str, str] = {}
     threads = [
         threading.Thread(target=_stream_tokens, args=(server.base_url, p, got)) for p in INNOCENT

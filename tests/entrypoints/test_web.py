@@ -23,21 +23,33 @@ from tests.entrypoints.test_concurrency import finish_counts
 PROMPT = "The quick brown fox"
 
 
+class _SlowStep:
+    """The engine's step, ``delay`` seconds longer (lives in the engine core process)."""
+
+    def __init__(self, step: Any, delay: float) -> None:
+        self.step, self.delay = step, delay
+
+    def __call__(self) -> Any:
+        time.sleep(self.delay)
+        return self.step()
+
+
+def _slow_down(engine: Any, delay: float) -> None:
+    engine.step = _SlowStep(engine.step, delay)
+
+
+def _speed_up(engine: Any) -> None:
+    engine.__dict__.pop("step", None)  # the class's method again
+
+
 @contextlib.contextmanager
 def slowed(server: Any, delay: float) -> Iterator[None]:
-    """Every engine step takes ``delay`` seconds longer (the engine thread calls ``step``)."""
-    llm = server.engine.engine
-    step = llm.step
-
-    def slow_step() -> Any:
-        time.sleep(delay)
-        return step()
-
-    llm.step = slow_step
+    """Every engine step takes ``delay`` seconds longer (in the engine core, between steps)."""
+    server.in_core(_slow_down, delay)
     try:
         yield
     finally:
-        del llm.step  # the class's method again
+        server.in_core(_speed_up)
 
 
 @pytest.fixture(scope="module")

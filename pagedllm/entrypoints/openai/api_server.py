@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, TypeVar
 
@@ -31,6 +31,7 @@ from pagedllm.engine.async_engine import AsyncEngine
 from pagedllm.entrypoints.openai.errors import APIError, from_validation_error, install_handlers
 from pagedllm.entrypoints.openai.http_limits import timed_protocol
 from pagedllm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from pagedllm.entrypoints.openai.offload import Offloader, RequestLimits
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -61,6 +62,8 @@ class ServerSettings:
     timeout_keep_alive: float = 5.0
     read_timeout: float = 10.0
     h11_max_incomplete_event_size: int = 64 * 1024
+    # Per-request sizes (see offload.py): prompt characters, prompt token ids, /detokenize ids.
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
 
 def is_json_content_type(value: str | None) -> bool:
@@ -73,14 +76,18 @@ def is_json_content_type(value: str | None) -> bool:
 
 
 def model_info(engine: AsyncEngine, served_names: list[str] | None = None) -> ModelInfo:
-    llm = engine.engine
-    root = llm.config.model.model
-    names = tuple(served_names or [llm.config.model.served_model_name or root])
-    return ModelInfo(names=names, root=root, max_model_len=llm.config.scheduler.max_model_len,
-                     vocab_size=int(llm.vocab_size), created=int(time.time()))
+    info = engine.describe()  # AsyncEngine in-process, or EngineCoreClient (core process)
+    root = info["model"]
+    names = tuple(served_names or [info["served_model_name"] or root])
+    return ModelInfo(names=names, root=root, max_model_len=info["max_model_len"],
+                     vocab_size=int(info["vocab_size"]), created=int(time.time()))
 
 
-async def read_body(request: Request, model: type[B], limit: int) -> B:
+_PARSE_IN_POOL_BYTES = 1 << 20  # bodies this large are parsed off the event loop
+
+
+async def read_body(request: Request, model: type[B], limit: int,
+                    offload: Offloader | None = None) -> B:
     """Parse the JSON body into ``model``; 413 past ``limit`` bytes, 400 when it is invalid.
 
     Only a JSON content type is read (415 otherwise): a web page on another origin can send
@@ -103,8 +110,11 @@ async def read_body(request: Request, model: type[B], limit: int) -> B:
             chunks.append(chunk)
     except ClientDisconnect:
         raise APIError("client disconnected", status=499, code="client_closed_request") from None
+    body = b"".join(chunks)
     try:
-        return model.model_validate_json(b"".join(chunks))
+        if offload is not None and size >= _PARSE_IN_POOL_BYTES:
+            return await offload.run(model.model_validate_json, body)
+        return model.model_validate_json(body)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
 
@@ -135,6 +145,7 @@ def build_app(engine: AsyncEngine, model: ModelInfo, settings: ServerSettings | 
         watcher.cancel()
         if owns_engine:
             await engine.shutdown(timeout=min(settings.shutdown_timeout, 5.0))
+        offload.shutdown()
 
     app = FastAPI(title="pagedllm OpenAI-compatible server", version=pagedllm.__version__,
                   lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -143,14 +154,20 @@ def build_app(engine: AsyncEngine, model: ModelInfo, settings: ServerSettings | 
     app.add_middleware(ArrivalTime)
     tracker = RequestTracker()  # the dashboard's table of requests in flight
     served = TrackingEngine(engine, tracker)
-    completion = OpenAIServingCompletion(served, model, max_logprobs=settings.max_logprobs)
+    offload, limits = Offloader(), settings.limits
+    completion = OpenAIServingCompletion(served, model, max_logprobs=settings.max_logprobs,
+                                         offload=offload, limits=limits)
     chat = OpenAIServingChat(served, model, chat_template=settings.chat_template,
                              max_logprobs=settings.max_logprobs,
-                             tool_call_parser=settings.tool_call_parser)
+                             tool_call_parser=settings.tool_call_parser, offload=offload,
+                             limits=limits)
     metrics = ServerMetrics(engine)
     app.state.engine, app.state.metrics = engine, metrics
     auth = _auth_dependency(settings.api_key)
     limit = settings.max_body_bytes
+
+    async def body(request: Request, model: type[B]) -> B:
+        return await read_body(request, model, limit, offload)
 
     @app.get("/health")
     async def health() -> Response:
@@ -178,12 +195,12 @@ def build_app(engine: AsyncEngine, model: ModelInfo, settings: ServerSettings | 
 
     @v1.post("/completions")
     async def completions(request: Request) -> Any:
-        req = await read_body(request, CompletionRequest, limit)
+        req = await body(request, CompletionRequest)
         return await completion.create(req, request)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Any:
-        req = await read_body(request, ChatCompletionRequest, limit)
+        req = await body(request, ChatCompletionRequest)
         return await chat.create(req, request)
 
     app.include_router(v1)
@@ -191,26 +208,32 @@ def build_app(engine: AsyncEngine, model: ModelInfo, settings: ServerSettings | 
 
     @extra.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
-        req = await read_body(request, TokenizeRequest, limit)
+        req = await body(request, TokenizeRequest)
         if req.model is not None:
             completion.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError("give exactly one of 'prompt' and 'messages'", param="prompt")
         if req.messages is not None:
-            ids = chat.render(req.messages,
-                              add_generation_prompt=req.add_generation_prompt).token_ids
+            ids = (await offload.run(chat.render, req.messages,
+                                     add_generation_prompt=req.add_generation_prompt)).token_ids
         else:
-            ids = engine.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            limits.check_chars(len(req.prompt), "prompt")
+            ids = await offload.run(engine.tokenizer.encode, req.prompt,
+                                    add_special_tokens=req.add_special_tokens)
+        offload.trim_later(len(ids))
         return {"tokens": ids, "count": len(ids), "max_model_len": model.max_model_len}
 
     @extra.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
-        req = await read_body(request, DetokenizeRequest, limit)
+        req = await body(request, DetokenizeRequest)
         if req.model is not None:
             completion.check_model(req.model)
+        limits.check_detokenize(len(req.tokens))
         if req.tokens:
             completion.check_token_ids(req.tokens, "tokens")
-        return {"prompt": engine.tokenizer.decode(req.tokens)}
+        text = await offload.run(engine.tokenizer.decode, req.tokens)
+        offload.trim_later(len(req.tokens))
+        return {"prompt": text}
 
     app.include_router(extra)
     mount_web(app, engine=engine, metrics=metrics, tracker=tracker, auth=auth)

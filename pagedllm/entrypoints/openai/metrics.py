@@ -77,10 +77,32 @@ class ServerMetrics:
         self.finished = Counter(
             PREFIX + "request_success", "Finished requests by finish reason.",
             labelnames=("finished_reason",), registry=self.registry)
+        # The split between the API server and the engine core (see engine/core_client.py).
+        self.timings = {
+            "server_queue": Histogram(
+                PREFIX + "server_queue_time_seconds",
+                "Time from the HTTP request's arrival to the request's arrival in the engine core.",
+                buckets=_TOKEN_BUCKETS, registry=self.registry),
+            "core_queue": Histogram(
+                PREFIX + "core_queue_time_seconds",
+                "Time from arrival in the engine core to first being scheduled.",
+                buckets=_LATENCY_BUCKETS, registry=self.registry),
+            "step": Histogram(
+                PREFIX + "step_time_seconds", "Time of one engine step in the engine core.",
+                buckets=_TOKEN_BUCKETS, registry=self.registry),
+        }
         # (finish time, TTFT, TPOT) of recent requests: the dashboard's latency percentiles over
         # the last minutes come from the same observations as the histograms.
         self.recent: deque[tuple[float, float | None, float | None]] = deque(maxlen=20000)
         engine.on_request_finished.append(self.observe)
+        timing_hooks = getattr(engine, "on_timing", None)
+        if timing_hooks is not None:
+            timing_hooks.append(self.observe_timing)
+
+    def observe_timing(self, kind: str, seconds: float) -> None:
+        histogram = self.timings.get(kind)
+        if histogram is not None:
+            histogram.observe(seconds)
 
     def observe(self, out: RequestOutput) -> None:
         """Called on the engine thread once per finished request (prometheus_client locks)."""

@@ -25,6 +25,7 @@ from pagedllm.engine.async_engine import (
     RequestStream,
 )
 from pagedllm.entrypoints.openai.errors import APIError, from_value_error, model_not_found
+from pagedllm.entrypoints.openai.offload import Offloader, RequestLimits
 from pagedllm.entrypoints.openai.protocol import SamplingFields
 from pagedllm.entrypoints.openai.serving_structured import GuidedValidator
 from pagedllm.outputs import RequestOutput
@@ -168,10 +169,14 @@ class ServingBase:
 
     prompt_param = "prompt"
 
-    def __init__(self, engine: AsyncEngine, model: ModelInfo, *, max_logprobs: int = 20) -> None:
+    def __init__(self, engine: AsyncEngine, model: ModelInfo, *, max_logprobs: int = 20,
+                 offload: Offloader | None = None, limits: RequestLimits | None = None) -> None:
         self.engine = engine
         self.model = model
         self.max_logprobs = max_logprobs
+        # Tokenizer work runs in this pool, never on the event loop (see offload.py).
+        self.offload = offload or Offloader()
+        self.limits = limits or RequestLimits()
         self.guided_validator = GuidedValidator(engine.tokenizer, model.vocab_size)
 
     @property
@@ -186,6 +191,7 @@ class ServingBase:
     def check_token_ids(self, ids: list[int], param: str) -> None:
         if not ids:
             raise APIError(f"{param}: the prompt is empty", param=param)
+        self.limits.check_tokens(len(ids), param)
         vocab = self.model.vocab_size
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:

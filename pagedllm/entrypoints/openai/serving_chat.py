@@ -74,12 +74,22 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
+def _chars(content: Any) -> int:
+    """A message's text length (string content or text parts), for the prompt-size limit."""
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(getattr(p, "text", None) or "") for p in content)
+    return 0
+
+
 class OpenAIServingChat(ServingBase):
     prompt_param = "messages"
 
     def __init__(self, engine: AsyncEngine, model: ModelInfo, *, chat_template: str | None = None,
-                 max_logprobs: int = 20, tool_call_parser: str | None = None) -> None:
-        super().__init__(engine, model, max_logprobs=max_logprobs)
+                 max_logprobs: int = 20, tool_call_parser: str | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(engine, model, max_logprobs=max_logprobs, **kwargs)
         self.chat_template = chat_template
         self.tool_call_parser = tool_call_parser
 
@@ -90,6 +100,7 @@ class OpenAIServingChat(ServingBase):
         """The conversation as prompt text and token ids, via the chat template."""
         if not messages:
             raise APIError("messages: must not be empty", param="messages")
+        self.limits.check_chars(sum(_chars(m.content) for m in messages), "messages")
         template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise APIError(
@@ -124,7 +135,8 @@ class OpenAIServingChat(ServingBase):
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs: requires logprobs to be true", param="top_logprobs")
         self.check_stream_flags(req)
-        prompt = self.render(req.messages, add_generation_prompt=req.add_generation_prompt,
+        prompt = await self.offload.run(
+            self.render, req.messages, add_generation_prompt=req.add_generation_prompt,
                              continue_final_message=req.continue_final_message,
                              template_kwargs=req.chat_template_kwargs, tools=plan.tools)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None \
@@ -136,6 +148,7 @@ class OpenAIServingChat(ServingBase):
         for schema in plan.schemas.values():  # a malformed parameters schema is a 400 on tools
             await self.guided_validator.check(GuidedDecodingParams(json=schema), "tools")
         await self.guided_validator.check(guided, guided_param)
+        self.offload.trim_later(len(prompt.token_ids))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         pairs = await self.start(request_id, [prompt], [params], priority=req.priority,

@@ -47,6 +47,7 @@ class OpenAIServingCompletion(ServingBase):
             items = prompt
         else:
             raise APIError(f"prompt: must be {_PROMPT_SHAPES} (and not empty)", param="prompt")
+        self.limits.check_chars(sum(len(i) for i in items if isinstance(i, str)), "prompt")
         out = []
         for item in items:
             if isinstance(item, str):
@@ -64,7 +65,8 @@ class OpenAIServingCompletion(ServingBase):
             raise APIError("suffix: is not supported by this server", param="suffix",
                            code="unsupported_parameter")
         self.check_stream_flags(req)
-        prompts = self.parse_prompts(req.prompt)
+        prompts = await self.offload.run(self.parse_prompts, req.prompt)
+        self.offload.trim_later(sum(len(p.token_ids) for p in prompts))
         logprobs = req.logprobs
         guided, guided_param = guided_from_request(req)
         params = []

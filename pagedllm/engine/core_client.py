@@ -1,0 +1,483 @@
+"""EngineCoreClient: ``AsyncEngine``'s surface, with the engine in a process of its own.
+
+The server calls the same methods as on :class:`AsyncEngine` (``add_request``, ``generate``,
+``abort``, ``call``, ``get_stats``, ``is_healthy``, ``shutdown``, ``cut_in_flight``, ...), so
+the routes do not change. Underneath: a spawned core process (``core_process.py``) and two
+ZeroMQ sockets (``core_wire.py``). Requests are sent from the caller's thread (a send is a
+non-blocking copy into ZeroMQ's queue); one thread here receives the core's per-step messages,
+folds the deltas into cumulative outputs and hands each event loop its batch in one wake-up.
+
+The core's death is seen at once: that thread polls the process's sentinel next to the socket,
+so every stream fails with ``EngineDeadError`` and ``is_healthy`` turns false (the server's
+/health answers 503 and the server exits non-zero), never a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import itertools
+import logging
+import multiprocessing as mp
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.engine import core_wire as wire
+from pagedllm.engine.async_engine import EngineDeadError, EngineStepError, RequestStream
+from pagedllm.engine.stat_logger import StatLogger
+from pagedllm.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 100  # the receiving thread's wake-up to notice a stop
+_ERRORS: dict[str, type[Exception]] = {"ValueError": ValueError, "TypeError": ValueError}
+
+
+class EngineCoreClient:
+    """Start the core for ``model`` and talk to it; see the module docstring.
+
+    ``on_request_finished`` callbacks get each final RequestOutput; ``on_timing`` callbacks get
+    ``(kind, seconds)`` with kind ``server_queue`` (the request's arrival, as the server stamps
+    it when the HTTP request comes in, to its arrival in the core),
+    ``core_queue`` (arrival in the core to first scheduled) or ``step``. Both run on the
+    receiving thread: keep them quick and thread-safe.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        device: str = "auto",
+        *,
+        log_stats_interval: float | None = 5.0,
+        startup_timeout: float = 900.0,
+        **engine_args: Any,
+    ) -> None:
+        import zmq
+
+        from pagedllm.engine.core_process import core_main
+
+        self.on_request_finished: list[Callable[[RequestOutput], None]] = []
+        self.on_timing: list[Callable[[str, float], None]] = []
+        self.num_cut = 0
+        self._streams: dict[str, RequestStream] = {}
+        self._accs: dict[str, wire.OutputAccumulator] = {}
+        self._arrivals: dict[str, float] = {}
+        self._adds: dict[str, concurrent.futures.Future[None]] = {}
+        self._calls: dict[int, concurrent.futures.Future[Any]] = {}
+        self._call_ids = itertools.count()
+        self._dead: BaseException | None = None
+        self._accepting = True
+        self._stopping = False
+        self._stopped = False
+        self._core_in_flight = 0
+        self._stat_logger = StatLogger(log_stats_interval) if log_stats_interval else None
+        self._send_lock = threading.RLock()  # reentrant: a signal handler may send mid-send
+        self._dir = tempfile.mkdtemp(prefix="pagedllm-core-")  # mode 0700: this user only
+        self._ctx = zmq.Context()
+        self._in = self._ctx.socket(zmq.PUSH)
+        self._in.setsockopt(zmq.SNDHWM, 0)
+        self._in.setsockopt(zmq.LINGER, 0)
+        self._in.bind(f"ipc://{self._dir}/in")
+        self._out = self._ctx.socket(zmq.PULL)
+        self._out.setsockopt(zmq.RCVHWM, 0)
+        self._out.bind(f"ipc://{self._dir}/out")
+        self.proc = mp.get_context("spawn").Process(
+            target=core_main,
+            name="pagedllm-core",
+            daemon=False,
+            args=(
+                model,
+                device,
+                engine_args,
+                f"ipc://{self._dir}/in",
+                f"ipc://{self._dir}/out",
+                _getpid(),
+                logging.getLogger().getEffectiveLevel(),
+            ),
+        )
+        self.proc.start()
+        try:
+            self.info = self._wait_ready(startup_timeout)
+        except BaseException:
+            self._kill()
+            self._close()
+            raise
+        self._stats: dict[str, float] = dict(self.info["stats"])
+        self.tokenizer: Any = None
+        if self.info["has_tokenizer"]:
+            from pagedllm.engine.llm_engine import load_tokenizer
+
+            self.tokenizer = load_tokenizer(self.info["tokenizer"])
+        self._thread = threading.Thread(target=self._receive, name="pagedllm-core-out", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(
+        cls,
+        model: str,
+        device: str = "auto",
+        *,
+        log_stats_interval: float | None = 5.0,
+        **engine_args: Any,
+    ) -> EngineCoreClient:
+        return cls(model, device, log_stats_interval=log_stats_interval, **engine_args)
+
+    def _wait_ready(self, timeout: float) -> dict[str, Any]:
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(self._out, zmq.POLLIN)
+        poller.register(self.proc.sentinel, zmq.POLLIN)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            events = dict(poller.poll(500))
+            if self._out in events:
+                kind, payload = wire.decode_out(self._out.recv())
+                if kind == wire.READY:
+                    return payload
+                if kind == wire.DEAD:  # [exception type, message]: ValueError stays one
+                    name, message = payload
+                    if name == "ValueError":
+                        raise ValueError(message)
+                    raise RuntimeError(f"the engine core failed to start: {name}: {message}")
+            elif events:
+                self.proc.join(1)
+                raise RuntimeError(
+                    f"the engine core exited while starting (exit code {self.proc.exitcode})"
+                )
+        raise RuntimeError(f"the engine core did not start within {timeout:.0f} s")
+
+    # -- what the server reads -----------------------------------------------------------------
+    @property
+    def is_healthy(self) -> bool:
+        return self._dead is None and not self._stopped and self.proc.is_alive()
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return self._dead
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def get_stats(self) -> dict[str, float]:
+        return dict(self._stats)
+
+    def describe(self) -> dict[str, Any]:
+        """The served model: ``model``, ``served_model_name``, ``max_model_len``, ``vocab_size``."""
+        return {
+            k: self.info[k] for k in ("model", "served_model_name", "max_model_len", "vocab_size")
+        }
+
+    # -- requests ----------------------------------------------------------------------------
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> RequestStream:
+        """Send a request and return its stream once the core took it (ValueError if not).
+
+        ``arrival_time`` (``time.monotonic()``, one clock for both processes; default now) is
+        where its TTFT starts: the server passes the moment the HTTP request came in.
+        """
+        self._check_alive()
+        if request_id in self._streams:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        stream = RequestStream(request_id, asyncio.get_running_loop(), self._request_abort)
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._streams[request_id] = stream
+        self._accs[request_id] = wire.OutputAccumulator(request_id)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        self._arrivals[request_id] = arrival
+        self._adds[request_id] = done
+        try:
+            self._send((wire.ADD, request_id, prompt, params, priority, arrival))
+        except BaseException:
+            self._drop(request_id)
+            self._adds.pop(request_id, None)
+            raise
+        try:
+            await asyncio.wrap_future(done)
+        except asyncio.CancelledError:
+            stream.abort()  # queued behind the add, so the core sees both in order
+            raise
+        return stream
+
+    async def generate(
+        self,
+        prompt: Any,
+        params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs; cancelling or closing the iterator aborts it."""
+        stream = await self.add_request(
+            request_id, prompt, params, priority=priority, arrival_time=arrival_time
+        )
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    async def abort(self, request_id: str | list[str]) -> None:
+        self._request_abort(request_id)
+
+    def _request_abort(self, request_id: str | list[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        if self._dead is None and not self._stopped:
+            with contextlib.suppress(Exception):
+                self._send((wire.ABORT, ids))
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(engine, *args)`` in the core between steps; ``fn`` must pickle (no lambda)."""
+        self._check_alive()
+        call_id = next(self._call_ids)
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._calls[call_id] = done
+        try:
+            self._send((wire.CALL, call_id, fn, args))
+        except BaseException:
+            self._calls.pop(call_id, None)
+            raise
+        return await asyncio.wrap_future(done)
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        """Never blocks: with the core connected the queue is unbounded; without, it is gone."""
+        import zmq
+
+        data = wire.encode_in(message)
+        with self._send_lock:
+            try:
+                self._in.send(data, zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                raise EngineDeadError("the engine core is not connected") from None
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine has stopped: {self._dead}")
+        if not self._accepting or self._stopped:
+            raise EngineDeadError("the engine is shutting down")
+
+    def _drop(self, request_id: str) -> RequestStream | None:
+        self._accs.pop(request_id, None)
+        self._arrivals.pop(request_id, None)
+        return self._streams.pop(request_id, None)
+
+    # -- shutdown ------------------------------------------------------------------------------
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop taking requests, let those in flight finish for ``timeout`` s, abort the rest."""
+        self._accepting = False
+        deadline = time.monotonic() + timeout
+        while self._streams and time.monotonic() < deadline and self.is_healthy:
+            await asyncio.sleep(0.05)
+        if self._streams:
+            logger.warning("shutdown: aborting %d requests still in flight", len(self._streams))
+        await asyncio.to_thread(self.stop)
+
+    def stop_accepting(self) -> None:
+        self._accepting = False
+
+    def cut_in_flight(self, reason: str) -> None:
+        """End every request in flight now with EngineDeadError(reason); thread-safe."""
+        self._accepting = False
+        streams = list(self._streams.items())
+        for rid, _ in streams:
+            self._drop(rid)
+        self.num_cut += len(streams)
+        if streams:
+            logger.warning("cutting %d requests still in flight: %s", len(streams), reason)
+            self._request_abort([rid for rid, _ in streams])
+        self._deliver([(s, EngineDeadError(reason)) for _, s in streams])
+
+    def stop(self, join_timeout: float = 30.0) -> None:
+        """Ask the core to stop (what runs is aborted), wait for it, release everything."""
+        self._accepting = False
+        if self._stopped:
+            return
+        self._stopping = True
+        if self.proc.is_alive():
+            with contextlib.suppress(Exception):
+                self._send((wire.STOP,))
+            self.proc.join(join_timeout)
+        self._kill()
+        if self._thread.is_alive():
+            self._thread.join(5)
+        self._stopped = True
+        self._fail_all(EngineDeadError("the engine shut down before the request finished"))
+        self._close()
+
+    def _kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+    def _close(self) -> None:
+        with self._send_lock:
+            self._in.close(linger=0)
+        self._out.close(linger=0)
+        self._ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    # -- the receiving thread ------------------------------------------------------------------
+    def _receive(self) -> None:
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(self._out, zmq.POLLIN)
+        poller.register(self.proc.sentinel, zmq.POLLIN)
+        try:
+            while True:
+                events = dict(poller.poll(_POLL_MS))
+                if self._out in events:
+                    while True:
+                        try:
+                            data = self._out.recv(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._handle(*wire.decode_out(data.buffer))
+                elif events:  # the sentinel: the core is gone
+                    self.proc.join(1)
+                    if not self._stopping and self._dead is None:
+                        self._on_dead(
+                            EngineDeadError(
+                                f"the engine core process died (exit code {self.proc.exitcode})"
+                            )
+                        )
+                    return
+                if self._stopping and not self.proc.is_alive():
+                    return
+        except Exception as exc:  # never let the thread vanish silently
+            logger.exception("the engine client's receiving thread failed")
+            self._on_dead(EngineDeadError(f"the engine client failed: {exc!r}"))
+
+    def _handle(self, kind: str, payload: Any) -> None:
+        if kind == wire.STEP:
+            self._on_step(*payload)
+        elif kind == wire.ACKS:
+            for rid, error_type, message, received in payload:
+                done = self._adds.pop(rid, None)
+                sent = self._arrivals.get(rid)
+                if sent is not None and error_type is None:
+                    self._timing("server_queue", max(0.0, received - sent))
+                    self._arrivals[rid] = received  # from now on: its arrival in the core
+                if error_type is not None:
+                    self._drop(rid)
+                    error = _ERRORS.get(error_type, EngineStepError)(message)
+                    if done is not None and done.set_running_or_notify_cancel():
+                        done.set_exception(error)
+                elif done is not None and done.set_running_or_notify_cancel():
+                    done.set_result(None)
+        elif kind == wire.REPLY:
+            call_id, blob = payload
+            done = self._calls.pop(call_id, None)
+            result, error = wire.decode_in(blob)
+            if done is not None and done.set_running_or_notify_cancel():
+                if error is not None:
+                    done.set_exception(error)
+                else:
+                    done.set_result(result)
+        elif kind == wire.FAILED:
+            ids, text = payload
+            error = EngineStepError(text)
+            self._deliver([(s, error) for s in (self._drop(r) for r in ids) if s is not None])
+        elif kind == wire.DEAD:
+            self._on_dead(EngineStepError(str(payload)))
+
+    def _on_step(
+        self,
+        entries: list[Any],
+        step_s: float | None,
+        stats: dict[str, float] | None,
+        core_in_flight: int,
+    ) -> None:
+        items: list[tuple[RequestStream, RequestOutput | BaseException]] = []
+        for entry in entries:
+            rid = entry[0]
+            acc = self._accs.get(rid)
+            if acc is None:  # cut or failed here already; the core's late output is moot
+                continue
+            out = acc.apply(entry)
+            self._time_first(rid, out)
+            stream = self._streams.get(rid)
+            if out.finished:
+                self._drop(rid)
+                for callback in self.on_request_finished:
+                    try:
+                        callback(out)
+                    except Exception:
+                        logger.exception("on_request_finished callback failed")
+            if stream is not None:
+                failed = out.failed and out.finished
+                items.append((stream, EngineStepError(out.error or "") if failed else out))
+        self._deliver(items)
+        self._core_in_flight = core_in_flight
+        if step_s is not None:
+            self._timing("step", step_s)
+        if stats is not None:
+            self._stats = stats
+            if self._stat_logger is not None:
+                self._stat_logger.maybe_log(stats)
+
+    def _time_first(self, rid: str, out: RequestOutput) -> None:
+        received = self._arrivals.pop(rid, None)  # its arrival in the core (set by the ack)
+        m = out.metrics
+        if received is not None and m is not None and m.first_scheduled_time is not None:
+            self._timing("core_queue", max(0.0, m.first_scheduled_time - received))
+
+    def _timing(self, kind: str, seconds: float) -> None:
+        for callback in self.on_timing:
+            try:
+                callback(kind, seconds)
+            except Exception:
+                logger.exception("on_timing callback failed")
+
+    def _on_dead(self, error: BaseException) -> None:
+        logger.error("the engine core is dead: %s", error)
+        self._dead = error
+        self._fail_all(EngineDeadError(str(error)))
+
+    def _fail_all(self, error: BaseException) -> None:
+        streams = [s for s in (self._drop(r) for r in list(self._streams)) if s is not None]
+        self._deliver([(s, error) for s in streams])
+        for pending in (self._adds, self._calls):
+            for key in list(pending):
+                fut = pending.pop(key, None)
+                if fut is not None and fut.set_running_or_notify_cancel():
+                    fut.set_exception(EngineDeadError(str(error)))
+
+    @staticmethod
+    def _deliver(items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
+        """One wake-up per event loop for the whole step."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[Any]] = {}
+        for stream, item in items:
+            by_loop.setdefault(stream.loop, []).append((stream, item))
+        for loop, batch in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # that loop is closed: nobody listens
+                loop.call_soon_threadsafe(_put_all, batch)
+
+
+def _put_all(batch: list[tuple[RequestStream, Any]]) -> None:
+    for stream, item in batch:
+        stream.put(item)
+
+
+def _getpid() -> int:
+    import os
+
+    return os.getpid()
