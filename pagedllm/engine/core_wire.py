@@ -117,7 +117,6 @@ class DeltaEncoder:
             out.error,
             out.failed,
             out.num_cached_tokens,
-            out.extra or None,
             seqs,
         ]
 
@@ -143,7 +142,7 @@ class OutputAccumulator:
         self.seqs: dict[int, _Seq] = {}
 
     def apply(self, entry: list[Any]) -> RequestOutput:
-        _, finished, head, metrics, error, failed, num_cached, extra, seqs = entry
+        _, finished, head, metrics, error, failed, num_cached, seqs = entry
         if head is not None:
             self.prompt, self.prompt_token_ids, self.prompt_logprobs = head
             if self.prompt_logprobs is not None:
@@ -183,7 +182,6 @@ class OutputAccumulator:
             error=error,
             failed=failed,
             num_cached_tokens=num_cached,
-            extra=extra or {},
         )
 
 
