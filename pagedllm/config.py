@@ -143,9 +143,16 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # None | "mp" | "ray"
+    # MoE layers place whole experts on ranks (instead of slicing every expert)
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         _positive_int(self.tensor_parallel_size, "tensor_parallel_size")
+        _require(
+            isinstance(self.enable_expert_parallel, bool),
+            "enable_expert_parallel",
+            f"must be true or false, got {self.enable_expert_parallel!r}",
+        )
         _require(
             self.distributed_executor_backend in (None, "uni", "mp", "ray"),
             "distributed_executor_backend",
@@ -193,6 +200,7 @@ class EngineArgs:
     skip_tokenizer_init: bool = False
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs one request may ask for
     quantization: str | None = None
+    enable_expert_parallel: bool = False
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
@@ -253,6 +261,7 @@ class EngineArgs:
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
                 distributed_executor_backend=self.distributed_executor_backend,
+                enable_expert_parallel=self.enable_expert_parallel,
             ),
             device=device,
         )
