@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from tests.layers.test_fused_moe import E, H, INTER, TOP_K, check, reference_moe, routing_case
+from tests.layers.test_fused_moe import INTER, TOP_K, E, H, check, reference_moe, routing_case
 
 ON_CUDA = torch.cuda.is_available()
 if not ON_CUDA:
