@@ -147,12 +147,15 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tens
             "TRITON_INTERPRET=1 set before triton is first imported"
         )
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
-        raise ValueError(f"x [T, H], w13 [E, 2I, H], w2 [E, H, I] expected, got "
-                         f"{tuple(x.shape)}, {tuple(w13.shape)}, {tuple(w2.shape)}")
+        raise ValueError(
+            f"x [T, H], w13 [E, 2I, H], w2 [E, H, I] expected, got "
+            f"{tuple(x.shape)}, {tuple(w13.shape)}, {tuple(w2.shape)}"
+        )
     e, two_i, h = w13.shape
     if x.shape[1] != h or w2.shape != (e, h, two_i // 2) or two_i % 2:
-        raise ValueError(f"shapes disagree: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, "
-                         f"w2 {tuple(w2.shape)}")
+        raise ValueError(
+            f"shapes disagree: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}"
+        )
     if not (x.dtype == w13.dtype == w2.dtype):
         raise ValueError(f"dtypes differ: x {x.dtype}, w13 {w13.dtype}, w2 {w2.dtype}")
     if x.stride(-1) != 1 or w13.stride(-1) != 1 or w2.stride(-1) != 1:
