@@ -171,9 +171,9 @@ def fused_experts_torch(
     """The grouped computation with a pluggable GEMM per expert (``expert_fns[e] = (w13, w2)``);
     a loop over the experts that received tokens, one GEMM pair per expert."""
     groups = group_by_expert(topk_ids, layer.num_local_experts, layer.expert_start)
-    out = torch.zeros_like(hidden)
+    num_tokens, top_k = topk_ids.shape
     if groups.order.numel() == 0:
-        return out
+        return torch.zeros_like(hidden)
     x = hidden.index_select(0, groups.tokens)  # [P, H] rows grouped by expert
     rows = torch.empty_like(x)  # [P, H]
     bounds = groups.offsets.tolist()
@@ -192,8 +192,13 @@ def fused_experts_torch(
         else:
             rows[lo:hi] = expert_fns[e][1](act)
     weights = topk_weights.reshape(-1).index_select(0, groups.order)  # [P]
-    out.index_add_(0, groups.tokens, (rows * weights[:, None]).to(out.dtype))
-    return out
+    # Back to (token, choice) order, then each token's top_k rows summed: a plain scatter and a
+    # reduction, cheaper than index_add_ and independent of thread scheduling.
+    size = (num_tokens * top_k, hidden.shape[1])
+    every = groups.order.numel() == size[0]  # else pairs of other ranks' experts stay zero
+    per_pair = hidden.new_empty(size) if every else hidden.new_zeros(size)  # [T*k, H]
+    per_pair[groups.order] = (rows * weights[:, None]).to(hidden.dtype)
+    return per_pair.view(num_tokens, top_k, -1).sum(1)
 
 
 class SparseMoeBlock(nn.Module):
