@@ -27,6 +27,7 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
 fi
 
 "$PY" -m pytest -q -rfEs -p no:cacheprovider -m gpu \
-    tests/backends/test_triton_kernels.py tests/backends/test_triton_engine.py
+    tests/backends/test_triton_kernels.py tests/backends/test_triton_engine.py \
+    tests/backends/test_triton_fused_moe.py
 "$PY" benchmarks/attention_gpu.py --smoke > /dev/null
 echo "benchmark smoke run: ok"

@@ -113,3 +113,32 @@ def test_gpu_backend_installs_the_kernel_on_moe_layers() -> None:
     weights, ids = routing_case("random")
     x = torch.randn(13, H)
     check(layer(x, weights, ids), reference_moe(x, w13, w2, weights, ids), 1e-4, "installed")
+
+
+def test_engine_with_the_triton_moe_path_matches_transformers(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole engine on the tiny Mixtral with its experts on the Triton kernels (interpreted
+    on CPU tensors here), greedy tokens equal to transformers'."""
+    from transformers import AutoTokenizer
+
+    from pagedllm import Engine, SamplingParams
+    from pagedllm.backends.cpu.backend import CpuBackend
+    from pagedllm.backends.gpu.backend import CudaBackend
+    from pagedllm.layers.fused_moe import FusedMoE
+    from tests.conftest import PROMPTS
+    from tests.hf_reference import assert_greedy_match, hf_greedy
+    from tests.models.moe_models import build_moe
+
+    path = build_moe(tmp_path / "mixtral", "mixtral")
+    monkeypatch.setattr(CpuBackend, "prepare_model", CudaBackend.prepare_model)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    ids = [tok.encode(p) for p in PROMPTS[:4]]
+    refs = hf_greedy(path, ids, 6)
+    engine = Engine(str(path), device="cpu", dtype="float32", block_size=8, num_kv_blocks=64)
+    model = engine.executor.worker.runner.model  # type: ignore[attr-defined]
+    assert {m.path for m in model.modules() if isinstance(m, FusedMoE)} == {"triton"}
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    outs = engine.generate([{"prompt_token_ids": i} for i in ids], params, use_tqdm=False)
+    for i, (out, ref) in enumerate(zip(outs, refs, strict=True)):
+        assert_greedy_match(out.outputs[0].token_ids, ref, f"triton-moe prompt {i}")
