@@ -189,3 +189,28 @@ def test_expert_parallel_needs_divisible_experts(moe_paths: dict[str, Path]) -> 
     with pytest.raises(ValueError, match="^tensor_parallel_size: num_experts"):
         FusedMoE(num_experts=6, hidden_size=8, intermediate_size=8,
                  tp=TPContext(rank=0, size=4, expert_parallel=True))
+
+
+@pytest.mark.parametrize(
+    ("name", "change"),
+    [("qwen2_moe", {"decoder_sparse_step": 2, "num_hidden_layers": 4}),
+     ("qwen3_moe", {"mlp_only_layers": [1, 2], "num_hidden_layers": 4}),
+     ("qwen3_moe", {"decoder_sparse_step": 3, "mlp_only_layers": [5], "num_hidden_layers": 6})],
+)
+def test_sparse_layers_are_where_transformers_puts_them(name: str, change: dict[str, Any]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.backends.reference import ReferenceAttention
+    from pagedllm.layers.fused_moe import SparseMoeBlock
+    from pagedllm.models.registry import resolve_model_class
+    from tests.models.moe_models import make_moe_config
+
+    config = make_moe_config(name, 64, **change)
+    with torch.device("meta"):
+        theirs = AutoModelForCausalLM.from_config(config)
+        ours = resolve_model_class(config.architectures or [type(theirs).__name__])(
+            config, attn_backend=ReferenceAttention()
+        )
+    want = [hasattr(layer.mlp, "experts") for layer in theirs.model.layers]
+    got = [isinstance(layer.mlp, SparseMoeBlock) for layer in ours.layers]
+    assert got == want and any(want) and not all(want), (got, want)
