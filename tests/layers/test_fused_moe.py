@@ -181,3 +181,35 @@ def test_cpu_packed_path_equals_loop(case: str, dtype) -> None:
     atol = 5e-2 if dtype == torch.bfloat16 else 1e-4
     check(packed_out, want, atol, f"{case}/{dtype}/{path}")
     check(torch_out, want, atol, f"{case}/{dtype}/torch")
+
+
+class SliceOnly:
+    """A checkpoint tensor that may only be narrowed (what a lazily read rank may touch)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor, self.shape, self.reads = tensor, tensor.shape, []
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        self.reads.append((dim, start, length))
+        return self.tensor.narrow(dim, start, length)
+
+    def materialize(self) -> torch.Tensor:
+        raise AssertionError("the whole tensor was read")
+
+
+def test_tensor_parallel_rank_reads_only_its_slices_into_the_stack() -> None:
+    from pagedllm.models.loading import _reads_slices
+
+    layer = FusedMoE(num_experts=E, hidden_size=H, intermediate_size=INTER,
+                     tp=TPContext(rank=1, size=2))
+    loader = layer.w13_weight.weight_loader
+    assert _reads_slices(loader)  # the checkpoint reader hands it lazy slices
+    storage = layer.w13_weight.data_ptr()
+    gate, down = SliceOnly(torch.randn(INTER, H)), SliceOnly(torch.randn(H, INTER))
+    loader(layer.w13_weight, gate, (4, 0))
+    layer.w2_weight.weight_loader(layer.w2_weight, down, (4, None))
+    half = INTER // 2
+    assert gate.reads == [(0, half, half)] and down.reads == [(1, half, half)]
+    assert layer.w13_weight.data_ptr() == storage  # copied into the stack, no second tensor
+    torch.testing.assert_close(layer.w13_weight[4, :half], gate.tensor[half:])
+    torch.testing.assert_close(layer.w2_weight[4], down.tensor[:, half:])
