@@ -161,6 +161,27 @@ def _expert_linear(layer: FusedMoE, name: str, e: int, x: torch.Tensor) -> torch
     return F.linear(x, w.to(x.dtype)) * scale[e].to(x.dtype)  # int8 values are exact in 16-bit
 
 
+def _per_expert(
+    layer: FusedMoE,
+    expert_fns: list[tuple[Callable, Callable]] | None,
+    which: int,  # 0: w13, 1: w2
+    inp: torch.Tensor,  # [P, K] rows grouped by expert
+    width: int,
+    bounds: list[int],
+) -> torch.Tensor:  # [P, width]
+    out = inp.new_empty(inp.shape[0], width)
+    name = ("w13_weight", "w2_weight")[which]
+    for e in range(layer.num_local_experts):
+        lo, hi = bounds[e], bounds[e + 1]
+        if lo == hi:
+            continue  # an expert without tokens costs nothing
+        if expert_fns is None:
+            out[lo:hi] = _expert_linear(layer, name, e, inp[lo:hi])
+        else:
+            out[lo:hi] = expert_fns[e][which](inp[lo:hi])
+    return out
+
+
 def fused_experts_torch(
     layer: FusedMoE,
     hidden: torch.Tensor,  # [T, H]
@@ -170,27 +191,20 @@ def fused_experts_torch(
 ) -> torch.Tensor:  # [T, H]
     """The grouped computation with a pluggable GEMM per expert (``expert_fns[e] = (w13, w2)``);
     a loop over the experts that received tokens, one GEMM pair per expert."""
-    groups = group_by_expert(topk_ids, layer.num_local_experts, layer.expert_start)
+    groups = group_by_expert(
+        topk_ids, layer.num_local_experts, layer.expert_start, layer.num_experts
+    )
     num_tokens, top_k = topk_ids.shape
     if groups.order.numel() == 0:
         return torch.zeros_like(hidden)
     x = hidden.index_select(0, groups.tokens)  # [P, H] rows grouped by expert
-    rows = torch.empty_like(x)  # [P, H]
     bounds = groups.offsets.tolist()
-    for e in range(layer.num_local_experts):
-        lo, hi = bounds[e], bounds[e + 1]
-        if lo == hi:
-            continue
-        if expert_fns is None:
-            gate_up = _expert_linear(layer, "w13_weight", e, x[lo:hi])  # [n, 2I]
-        else:
-            gate_up = expert_fns[e][0](x[lo:hi])
-        gate, up = gate_up.chunk(2, dim=-1)
-        act = F.silu(gate) * up  # [n, I]
-        if expert_fns is None:
-            rows[lo:hi] = _expert_linear(layer, "w2_weight", e, act)
-        else:
-            rows[lo:hi] = expert_fns[e][1](act)
+    # Two passes over the experts with the activation between them over all rows at once: per
+    # expert only its GEMMs run (few, larger ops matter on a CPU shared with other work).
+    gate_up = _per_expert(layer, expert_fns, 0, x, 2 * layer.intermediate_shard, bounds)
+    gate, up = gate_up.chunk(2, dim=-1)
+    act = F.silu(gate) * up  # [P, I]
+    rows = _per_expert(layer, expert_fns, 1, act, hidden.shape[1], bounds)  # [P, H]
     weights = topk_weights.reshape(-1).index_select(0, groups.order)  # [P]
     # Back to (token, choice) order, then each token's top_k rows summed: a plain scatter and a
     # reduction, cheaper than index_add_ and independent of thread scheduling.

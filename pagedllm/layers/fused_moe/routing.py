@@ -57,14 +57,18 @@ def group_by_expert(
     topk_ids: torch.Tensor,  # [T, k]
     num_local_experts: int,
     expert_start: int = 0,
+    num_experts: int | None = None,  # all experts of the layer; None: assume some are remote
 ) -> ExpertGroups:
     top_k = topk_ids.shape[1]
-    local = topk_ids.reshape(-1) - expert_start  # [T*k]
-    outside = (local < 0) | (local >= num_local_experts)
-    key = local.masked_fill(outside, num_local_experts)
+    key = topk_ids.reshape(-1)  # [T*k]
+    # Only under expert parallelism can a choice fall outside this rank's experts.
+    partial = expert_start != 0 or num_local_experts != num_experts
+    if partial:  # expert parallelism: other ranks' experts sort last and are dropped
+        key = key - expert_start
+        key = key.masked_fill((key < 0) | (key >= num_local_experts), num_local_experts)
     counts = torch.bincount(key, minlength=num_local_experts + 1)[:num_local_experts]
     order = torch.argsort(key, stable=True)  # [T*k]: stable keeps tokens in order per expert
     offsets = torch.zeros(num_local_experts + 1, dtype=torch.int64, device=topk_ids.device)
     torch.cumsum(counts, 0, out=offsets[1:])
-    kept = order[: int(offsets[-1])] if bool(outside.any()) else order
+    kept = order[: int(offsets[-1])] if partial else order
     return ExpertGroups(kept, kept // top_k, counts, offsets)
