@@ -19,7 +19,8 @@ bash ci/install_browser.sh
 "$PY" -m pytest -q -p no:cacheprovider -m "not gpu and not xpu" tests "$@"
 for bench in benchmarks/throughput.py benchmarks/attention_cpu.py benchmarks/engine_overhead.py \
              benchmarks/prefix_caching.py benchmarks/chunked_prefill.py benchmarks/serving.py \
-             benchmarks/linear_cpu.py benchmarks/loading.py benchmarks/structured.py; do
+             benchmarks/linear_cpu.py benchmarks/loading.py benchmarks/structured.py \
+             benchmarks/moe.py; do
     if [ -f "$bench" ]; then
         "$PY" "$bench" --smoke > /dev/null
         echo "benchmark smoke run ok: $bench"

@@ -143,9 +143,16 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # None | "mp" | "ray"
+    # MoE layers place whole experts on ranks (instead of slicing every expert)
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         _positive_int(self.tensor_parallel_size, "tensor_parallel_size")
+        _require(
+            isinstance(self.enable_expert_parallel, bool),
+            "enable_expert_parallel",
+            f"must be true or false, got {self.enable_expert_parallel!r}",
+        )
         _require(
             self.distributed_executor_backend in (None, "uni", "mp", "ray"),
             "distributed_executor_backend",
@@ -243,6 +250,9 @@ class EngineArgs:
         "weight-only quantization of linear layers (int8: per-channel, at load)",
         choices=_QUANTIZATIONS[1:],
     )
+    enable_expert_parallel: bool = engine_arg(
+        False, "place whole experts of mixture-of-experts layers on the tensor-parallel ranks"
+    )
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
@@ -303,6 +313,7 @@ class EngineArgs:
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
                 distributed_executor_backend=self.distributed_executor_backend,
+                enable_expert_parallel=self.enable_expert_parallel,
             ),
             device=device,
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -65,13 +66,16 @@ class Worker:
         self.runner: ModelRunner | None = None
 
     def load_model(self) -> None:
+        tp = self.tp
+        if self.config.parallel.enable_expert_parallel:
+            tp = dataclasses.replace(tp, expert_parallel=True)  # read by MoE layers only
         model = load_model(
             self.config.model.model,
             self.hf_config,
             attn_backend=self.attention,
             device=self.device,
             dtype=self.dtype,
-            tp=self.tp,
+            tp=tp,
             quantization=self.config.model.quantization,
         )
         self.backend.prepare_model(model)

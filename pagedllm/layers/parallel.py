@@ -17,6 +17,8 @@ class TPContext:
     rank: int = 0
     size: int = 1
     group: Any = None  # a torch.distributed ProcessGroup when size > 1
+    # Mixture-of-experts layers place whole experts on ranks instead of slicing each expert.
+    expert_parallel: bool = False
 
     def shard(self, total: int, what: str) -> int:
         if total % self.size:

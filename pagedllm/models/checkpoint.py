@@ -133,6 +133,8 @@ def _reads_slices(loader: Any) -> bool:
         VocabParallelEmbedding,
     )
 
+    if getattr(loader, "reads_slices", False):  # declared by the loader (MoE expert stacks)
+        return True
     func = getattr(loader, "__func__", None)
     return func in (
         ColumnParallelLinear.load_shard,

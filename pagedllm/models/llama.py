@@ -138,13 +138,7 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = model.attention_cls(
             config, layer_idx, backend, rotary, qkv_bias=qkv_bias, tp=tp
         )
-        self.mlp = LlamaMLP(
-            config.hidden_size,
-            config.intermediate_size,
-            bias=bool(getattr(config, "mlp_bias", False)),
-            tp=tp,
-            act=model.make_act(config),
-        )
+        self.mlp = model.make_mlp(config, layer_idx, tp)
         eps, offset = config.rms_norm_eps, model.norm_offset
         self.input_layernorm = RMSNorm(config.hidden_size, eps, offset=offset)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, offset=offset)
@@ -174,6 +168,16 @@ class LlamaForCausalLM(nn.Module):
 
     def make_act(self, config: Any) -> nn.Module:
         return SiluAndMul()
+
+    def make_mlp(self, config: Any, layer_idx: int, tp: TPContext) -> nn.Module:
+        """The feed-forward part of layer ``layer_idx`` (mixture-of-experts models override it)."""
+        return LlamaMLP(
+            config.hidden_size,
+            config.intermediate_size,
+            bias=bool(getattr(config, "mlp_bias", False)),
+            tp=tp,
+            act=self.make_act(config),
+        )
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)

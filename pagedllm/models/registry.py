@@ -16,6 +16,10 @@ _MODELS: dict[str, str] = {
     "PhiForCausalLM": "pagedllm.models.phi:PhiForCausalLM",
     "Phi3ForCausalLM": "pagedllm.models.phi:Phi3ForCausalLM",
     "GemmaForCausalLM": "pagedllm.models.gemma:GemmaForCausalLM",
+    "MixtralForCausalLM": "pagedllm.models.mixtral:MixtralForCausalLM",
+    "Qwen2MoeForCausalLM": "pagedllm.models.qwen_moe:Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM": "pagedllm.models.qwen_moe:Qwen3MoeForCausalLM",
+    "OlmoeForCausalLM": "pagedllm.models.olmoe:OlmoeForCausalLM",
 }
 
 

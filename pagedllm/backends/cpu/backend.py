@@ -52,10 +52,14 @@ class CpuBackend(DeviceBackend):
 
     def prepare_model(self, model: torch.nn.Module) -> None:
         """Per layer, the fastest correct GEMM for its weight dtype (see packed_linear)."""
+        from pagedllm.backends.cpu.fused_moe import pack_moe_layers
         from pagedllm.backends.cpu.packed_linear import pack_linear_layers
 
         paths = pack_linear_layers(model)
         self.linear_path = ", ".join(f"{kind}={path}" for kind, path in paths.items())
+        moe = pack_moe_layers(model)
+        if moe:
+            self.linear_path += ", " + moe
         model.linear_path = self.linear_path
 
     def configure_threads(self, world_size: int = 1) -> None:

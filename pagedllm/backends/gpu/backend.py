@@ -55,6 +55,19 @@ class CudaBackend(DeviceBackend):
     def memory_reserved(self, rank: int = 0) -> int:
         return int(torch.cuda.memory_reserved(self.device(rank)))
 
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        """Mixture-of-experts layers run the Triton fused-MoE kernels (float and 16-bit experts;
+        int8 experts keep the layer's PyTorch path)."""
+        import functools
+
+        from pagedllm.backends.gpu.fused_moe import fused_moe
+        from pagedllm.layers.fused_moe import FusedMoE
+
+        for layer in model.modules():
+            if isinstance(layer, FusedMoE) and not layer.is_int8:
+                layer.fast_moe = functools.partial(_run_fused_moe, fused_moe, layer)
+                layer.path = "triton"
+
     def profile_peak_bytes(self, fn: Callable[[], object], rank: int = 0) -> int:
         dev = self.device(rank)
         torch.cuda.synchronize(dev)
@@ -81,3 +94,16 @@ class CudaBackend(DeviceBackend):
         except Exception:  # no usable device: the caller fails later with a clearer error
             bf16 = False
         return torch.bfloat16 if bf16 else torch.float16
+
+
+def _run_fused_moe(
+    kernel: Callable[..., torch.Tensor],
+    layer: torch.nn.Module,
+    x: torch.Tensor,  # [T, H]
+    topk_weights: torch.Tensor,  # [T, k]
+    topk_ids: torch.Tensor,  # [T, k]
+) -> torch.Tensor:
+    return kernel(
+        x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+        expert_start=layer.expert_start,
+    )  # fmt: skip

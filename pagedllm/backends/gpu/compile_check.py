@@ -109,7 +109,24 @@ def _cases(dtype: str, quick: bool) -> list[tuple[Any, dict[str, str], dict[str,
                 },
             )
         )
+    cases.extend(_moe_cases(t, prec))
     return cases
+
+
+def _moe_cases(t: str, prec: str) -> list[tuple[Any, dict[str, str], dict[str, Any]]]:
+    """The fused-MoE kernels at the tile sizes the launcher uses."""
+    from pagedllm.backends.gpu import fused_moe as moe
+
+    consts = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "DOT_PRECISION": prec}
+    index = {"sorted_ptr": "i32", "block_expert_ptr": "i32"}
+    return [
+        (moe._moe_gate_up_kernel, {"x_ptr": t, "w_ptr": t, "out_ptr": t, **index}, consts),
+        (
+            moe._moe_down_kernel,
+            {"h_ptr": t, "w_ptr": t, "weight_ptr": "fp32", "out_ptr": t, **index},
+            consts,
+        ),
+    ]
 
 
 def compile_all(archs: list[int], dtypes: list[str], *, quick: bool = False) -> list[str]:

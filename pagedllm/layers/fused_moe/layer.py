@@ -1,0 +1,256 @@
+"""The fused MoE layer: stacked expert weights, routing, grouped expert GEMMs, a shared expert.
+
+Expert weights are stacked per layer (``w13 [E, 2I, H]`` = gate and up, ``w2 [E, H, I]``), filled
+expert by expert from the checkpoint's per-expert tensors, each copied straight into its slice.
+A step's (token, choice) pairs are sorted by expert once (:func:`group_by_expert`); each expert's
+two GEMMs then run once over all its tokens and the results are added back to their tokens,
+weighted by the router. A backend may install a faster implementation of that middle part in the
+``fast_moe`` slot (the CPU's packed GEMMs, the GPU's Triton kernel); the layer stays
+device-agnostic and its own forward is the PyTorch path (XPU, and everything else).
+
+Parallelism: under tensor parallelism each rank holds every expert's slice of the intermediate
+dimension (as for dense MLPs); with ``expert_parallel`` each rank holds whole experts, a
+contiguous range of them. Either way every rank sees every token of the step (attention leaves
+the hidden states replicated), computes a partial sum, and one all-reduce completes it. So
+expert parallelism here exchanges partial outputs by all-reduce, not tokens by all-to-all: the
+same bytes move as for a TP MLP, and no rank waits on a token shuffle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.layers.fused_moe.routing import RoutingConfig, group_by_expert, select_experts
+from pagedllm.layers.linear import default_weight_loader
+from pagedllm.layers.parallel import SINGLE, TPContext
+
+# (hidden [T, H], topk_weights [T, k], topk_ids [T, k]) -> this rank's partial output [T, H]
+MoEFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class ReplicatedLinear(nn.Module):
+    """``x W^T`` with the whole weight on every rank (routers, the shared-expert gate).
+
+    Not a column/row-parallel layer on purpose: quantization and GEMM repacking leave it alone,
+    so routing decisions are computed from the checkpoint's own weights, as transformers does.
+    """
+
+    def __init__(self, input_size: int, output_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class _ExpertLoader:
+    """Copies one expert's checkpoint tensor (or this rank's slice of it) into the stack.
+
+    ``shard`` is ``(expert id, part)``: part 0/1 = gate/up rows of ``w13``, None = ``w2``. It only
+    narrows what it is given, so tensor-parallel ranks read their slices lazily
+    (``reads_slices``); experts placed on other ranks are not read at all.
+    """
+
+    reads_slices = True
+
+    def __init__(self, layer: FusedMoE) -> None:
+        self.layer = layer
+
+    def __call__(self, param: nn.Parameter, loaded: Any, shard: tuple[int, int | None]) -> None:
+        layer = self.layer
+        expert, part = shard
+        local = expert - layer.expert_start
+        if not 0 <= expert < layer.num_experts:
+            raise ValueError(f"expert {expert} is outside num_experts ({layer.num_experts})")
+        if not 0 <= local < layer.num_local_experts:
+            return  # another rank's expert (expert parallelism)
+        size, full = layer.intermediate_shard, layer.intermediate_size
+        start = 0 if layer.expert_parallel else layer.tp.rank * size
+        if part is None:  # down: [H, I] -> columns of this rank
+            if tuple(loaded.shape) != (layer.hidden_size, full):
+                raise ValueError(f"shape {tuple(loaded.shape)} != {(layer.hidden_size, full)}")
+            param.data[local].copy_(loaded.narrow(1, start, size))
+        else:  # gate / up: [I, H] -> rows of this rank
+            if tuple(loaded.shape) != (full, layer.hidden_size):
+                raise ValueError(f"shape {tuple(loaded.shape)} != {(full, layer.hidden_size)}")
+            param.data[local].narrow(0, part * size, size).copy_(loaded.narrow(0, start, size))
+
+
+class FusedMoE(nn.Module):
+    """The routed experts of one layer; ``forward`` takes the router's choice and returns the
+    weighted sum of the chosen experts' outputs (complete on every rank)."""
+
+    fast_moe: MoEFn | None = None  # installed by a backend's prepare_model
+    path = "torch"  # which implementation runs, for logs and benchmark JSON
+
+    def __init__(
+        self,
+        *,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        tp: TPContext = SINGLE,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.expert_parallel = bool(getattr(tp, "expert_parallel", False)) and tp.size > 1
+        if self.expert_parallel:
+            self.num_local_experts = tp.shard(num_experts, "num_experts (expert parallel)")
+            self.expert_start = tp.rank * self.num_local_experts
+            self.intermediate_shard = intermediate_size
+        else:
+            self.num_local_experts, self.expert_start = num_experts, 0
+            self.intermediate_shard = tp.shard(intermediate_size, "moe intermediate size")
+        e, i = self.num_local_experts, self.intermediate_shard
+        loader = _ExpertLoader(self)
+        self.w13_weight = nn.Parameter(torch.empty(e, 2 * i, hidden_size), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(e, hidden_size, i), requires_grad=False)
+        self.w13_weight.weight_loader = loader  # type: ignore[attr-defined]
+        self.w2_weight.weight_loader = loader  # type: ignore[attr-defined]
+
+    # -- int8 (weight-only, per expert and output channel, like the dense layers) --------------
+    def quantize_int8(self) -> None:
+        """Replace both stacks by int8 values and float32 per-row scales (kept as int32 bits,
+        so that a later cast of floating tensors cannot round them)."""
+        from pagedllm.layers.quantization import quantize_per_channel
+
+        for name in ("w13_weight", "w2_weight"):
+            w = getattr(self, name)  # [E, N, K]
+            e, n, k = w.shape
+            q, scale = quantize_per_channel(w.detach().reshape(e * n, k))
+            setattr(self, name, nn.Parameter(q.reshape(e, n, k), requires_grad=False))
+            self.register_buffer(f"{name}_scale_bits", scale.reshape(e, n).view(torch.int32))
+
+    @property
+    def is_int8(self) -> bool:
+        return hasattr(self, "w13_weight_scale_bits")
+
+    def scales(self, name: str) -> torch.Tensor | None:
+        """Float32 scales ``[E, N]`` of an int8 stack, None for float weights."""
+        bits = getattr(self, f"{name}_scale_bits", None)
+        return None if bits is None else bits.view(torch.float32)
+
+    # -- compute -------------------------------------------------------------------------------
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [T, H]
+        topk_weights: torch.Tensor,  # [T, k]
+        topk_ids: torch.Tensor,  # [T, k]
+    ) -> torch.Tensor:  # [T, H]
+        if self.fast_moe is not None:
+            out = self.fast_moe(hidden, topk_weights, topk_ids)
+        else:
+            out = fused_experts_torch(self, hidden, topk_weights, topk_ids)
+        return self.tp.all_reduce(out)
+
+
+def _expert_linear(layer: FusedMoE, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
+    w = getattr(layer, name)[e]  # [N, K]
+    scale = layer.scales(name)
+    if scale is None:
+        return F.linear(x, w)
+    return F.linear(x, w.to(x.dtype)) * scale[e].to(x.dtype)  # int8 values are exact in 16-bit
+
+
+def _per_expert(
+    layer: FusedMoE,
+    expert_fns: list[tuple[Callable, Callable]] | None,
+    which: int,  # 0: w13, 1: w2
+    inp: torch.Tensor,  # [P, K] rows grouped by expert
+    width: int,
+    bounds: list[int],
+) -> torch.Tensor:  # [P, width]
+    out = inp.new_empty(inp.shape[0], width)
+    name = ("w13_weight", "w2_weight")[which]
+    for e in range(layer.num_local_experts):
+        lo, hi = bounds[e], bounds[e + 1]
+        if lo == hi:
+            continue  # an expert without tokens costs nothing
+        if expert_fns is None:
+            out[lo:hi] = _expert_linear(layer, name, e, inp[lo:hi])
+        else:
+            out[lo:hi] = expert_fns[e][which](inp[lo:hi])
+    return out
+
+
+def fused_experts_torch(
+    layer: FusedMoE,
+    hidden: torch.Tensor,  # [T, H]
+    topk_weights: torch.Tensor,  # [T, k]
+    topk_ids: torch.Tensor,  # [T, k]
+    expert_fns: list[tuple[Callable, Callable]] | None = None,
+) -> torch.Tensor:  # [T, H]
+    """The grouped computation with a pluggable GEMM per expert (``expert_fns[e] = (w13, w2)``);
+    a loop over the experts that received tokens, one GEMM pair per expert."""
+    groups = group_by_expert(
+        topk_ids, layer.num_local_experts, layer.expert_start, layer.num_experts
+    )
+    num_tokens, top_k = topk_ids.shape
+    if groups.order.numel() == 0:
+        return torch.zeros_like(hidden)
+    x = hidden.index_select(0, groups.tokens)  # [P, H] rows grouped by expert
+    bounds = groups.offsets.tolist()
+    # Two passes over the experts with the activation between them over all rows at once: per
+    # expert only its GEMMs run (few, larger ops matter on a CPU shared with other work).
+    gate_up = _per_expert(layer, expert_fns, 0, x, 2 * layer.intermediate_shard, bounds)
+    gate, up = gate_up.chunk(2, dim=-1)
+    act = F.silu(gate) * up  # [P, I]
+    rows = _per_expert(layer, expert_fns, 1, act, hidden.shape[1], bounds)  # [P, H]
+    weights = topk_weights.reshape(-1).index_select(0, groups.order)  # [P]
+    # Back to (token, choice) order, then each token's top_k rows summed: a plain scatter and a
+    # reduction, cheaper than index_add_ and independent of thread scheduling.
+    size = (num_tokens * top_k, hidden.shape[1])
+    every = groups.order.numel() == size[0]  # else pairs of other ranks' experts stay zero
+    per_pair = hidden.new_empty(size) if every else hidden.new_zeros(size)  # [T*k, H]
+    per_pair[groups.order] = (rows * weights[:, None]).to(hidden.dtype)
+    return per_pair.view(num_tokens, top_k, -1).sum(1)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + routed experts (+ Qwen2-MoE's shared expert behind a sigmoid gate).
+
+    Names follow the checkpoints: ``gate`` (router), ``experts``, ``shared_expert``,
+    ``shared_expert_gate``.
+    """
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        intermediate_size: int,
+        routing: RoutingConfig,
+        tp: TPContext = SINGLE,
+        shared_expert: nn.Module | None = None,
+    ) -> None:
+        super().__init__()
+        self.routing = routing
+        self.gate = ReplicatedLinear(hidden_size, routing.num_experts)
+        self.experts = FusedMoE(
+            num_experts=routing.num_experts,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            tp=tp,
+        )
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = (
+            ReplicatedLinear(hidden_size, 1) if shared_expert is not None else None
+        )
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        router_logits = self.gate(hidden)  # [T, E]
+        weights, ids = select_experts(router_logits, self.routing)
+        out = self.experts(hidden, weights, ids)
+        if self.shared_expert is not None:
+            assert self.shared_expert_gate is not None
+            gate = torch.sigmoid(self.shared_expert_gate(hidden))  # [T, 1]
+            out = out + gate * self.shared_expert(hidden)
+        return out
