@@ -18,8 +18,8 @@ from torch import nn
 
 from pagedllm.layers.fused_moe import FusedMoE, RoutingConfig, SparseMoeBlock
 from pagedllm.layers.parallel import TPContext
-from pagedllm.models.llama import LlamaForCausalLM, LlamaMLP
 from pagedllm.models.checkpoint import WeightMapper, load_mapped_weights
+from pagedllm.models.llama import LlamaForCausalLM, LlamaMLP
 
 # Routing variants of other MoE families (DeepSeek, GLM, ...) that these families never set;
 # field -> the only value(s) we compute.
