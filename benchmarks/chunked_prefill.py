@@ -27,15 +27,26 @@ from pagedllm import Engine, SamplingParams
 
 
 def run(model: Path, args: argparse.Namespace, vocab: int, chunked: bool) -> dict:
-    extra = {"enable_chunked_prefill": True, "max_num_batched_tokens": args.chunk} if chunked \
+    extra = (
+        {"enable_chunked_prefill": True, "max_num_batched_tokens": args.chunk}
+        if chunked
         else {"max_num_batched_tokens": args.long_len + 64}
-    engine = Engine(str(model), device="cpu", dtype="float32", skip_tokenizer_init=True,
-                    max_model_len=args.long_len + 64, kv_cache_space=2, **extra)
+    )
+    engine = Engine(
+        str(model),
+        device="cpu",
+        dtype="float32",
+        skip_tokenizer_init=True,
+        max_model_len=args.long_len + 64,
+        kv_cache_space=2,
+        **extra,
+    )
     rng = random.Random(0)
     decode = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
     for i in range(args.num_decodes):
-        engine.add_request(f"d{i}", {"prompt_token_ids": [rng.randrange(3, vocab)
-                                                          for _ in range(16)]}, decode)
+        engine.add_request(
+            f"d{i}", {"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(16)]}, decode
+        )
     last: dict[str, float] = {}
     gaps: list[float] = []
     arrived, step = 0, 0
@@ -43,8 +54,11 @@ def run(model: Path, args: argparse.Namespace, vocab: int, chunked: bool) -> dic
     while engine.has_unfinished_requests():
         if arrived < args.num_long and step >= 4 + arrived * args.long_every:
             prompt = [rng.randrange(3, vocab) for _ in range(args.long_len)]
-            engine.add_request(f"long{arrived}", {"prompt_token_ids": prompt},
-                               SamplingParams(max_tokens=4, ignore_eos=True))
+            engine.add_request(
+                f"long{arrived}",
+                {"prompt_token_ids": prompt},
+                SamplingParams(max_tokens=4, ignore_eos=True),
+            )
             arrived += 1
         for out in engine.step():
             if not out.request_id.startswith("d"):
@@ -82,13 +96,21 @@ def main(argv: list[str] | None = None) -> None:
         model = build_model(Path(tmp) / "model", spec, max_positions=args.long_len + 128)
         off = run(model, args, spec["vocab_size"], chunked=False)
         on = run(model, args, spec["vocab_size"], chunked=True)
-    print(json.dumps({
-        "benchmark": "chunked_prefill",
-        "num_decodes": args.num_decodes, "long_prompt_len": args.long_len,
-        "num_long_prompts": args.num_long, "chunk_tokens": args.chunk,
-        "off": off, "on": on,
-        "itl_p99_speedup": off["itl_p99_ms"] / on["itl_p99_ms"],
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "benchmark": "chunked_prefill",
+                "num_decodes": args.num_decodes,
+                "long_prompt_len": args.long_len,
+                "num_long_prompts": args.num_long,
+                "chunk_tokens": args.chunk,
+                "off": off,
+                "on": on,
+                "itl_p99_speedup": off["itl_p99_ms"] / on["itl_p99_ms"],
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

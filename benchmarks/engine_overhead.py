@@ -54,15 +54,21 @@ def fake_executor(engine: Engine):
     def execute(sched_out: SchedulerOutput) -> ModelRunnerOutput:
         batch = flatten(sched_out, block_size)
         runner.attention.build_metadata(
-            num_prefills=sched_out.num_prefill_seqs, seq_lens=batch.seq_lens,
-            query_lens=batch.query_lens, slot_mapping=batch.slot_mapping,
-            block_tables=batch.block_tables, block_size=block_size, device=runner.device,
+            num_prefills=sched_out.num_prefill_seqs,
+            seq_lens=batch.seq_lens,
+            query_lens=batch.query_lens,
+            slot_mapping=batch.slot_mapping,
+            block_tables=batch.block_tables,
+            block_size=block_size,
+            device=runner.device,
         )
         torch.tensor(batch.input_ids)
         torch.tensor(batch.positions)
-        return ModelRunnerOutput(sampled={
-            s.seq_id: SampledToken(s.seq_id, 5, -1.0) for s in sched_out.seqs if s.do_sample
-        })
+        return ModelRunnerOutput(
+            sampled={
+                s.seq_id: SampledToken(s.seq_id, 5, -1.0) for s in sched_out.seqs if s.do_sample
+            }
+        )
 
     return execute
 
@@ -80,22 +86,33 @@ def main(argv: list[str] | None = None) -> None:
     steps = 3 if args.smoke else args.steps
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model(args.model_dir or Path(tmp) / "model", spec)
-        engine = Engine(str(model), device="cpu", dtype="float32", skip_tokenizer_init=True,
-                        max_num_seqs=num_seqs, kv_cache_space=2)
+        engine = Engine(
+            str(model),
+            device="cpu",
+            dtype="float32",
+            skip_tokenizer_init=True,
+            max_num_seqs=num_seqs,
+            kv_cache_space=2,
+        )
         fill(engine, num_seqs, args.prompt_len, spec["vocab_size"])
         real = time_steps(engine, steps)
         engine.executor.execute_model = fake_executor(engine)  # type: ignore[method-assign]
         overhead = time_steps(engine, steps * 5)
-    print(json.dumps({
-        "benchmark": "engine_overhead",
-        "running_sequences": num_seqs,
-        "context_tokens": args.prompt_len,
-        "overhead_us_per_step": overhead * 1e6,
-        "real_step_ms": real * 1e3,
-        "overhead_share_of_real_step": overhead / real,
-        "note": "overhead = scheduling + block tables + input tensors + output processing "
+    print(
+        json.dumps(
+            {
+                "benchmark": "engine_overhead",
+                "running_sequences": num_seqs,
+                "context_tokens": args.prompt_len,
+                "overhead_us_per_step": overhead * 1e6,
+                "real_step_ms": real * 1e3,
+                "overhead_share_of_real_step": overhead / real,
+                "note": "overhead = scheduling + block tables + input tensors + output processing "
                 "(no detokenization: the benchmark model has no tokenizer)",
-    }, indent=2))
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

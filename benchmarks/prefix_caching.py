@@ -30,8 +30,15 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run(model: Path, prompts: list[list[int]], max_tokens: int, caching: bool) -> dict:
-    engine = Engine(str(model), device="cpu", dtype="float32", skip_tokenizer_init=True,
-                    enable_prefix_caching=caching, max_num_seqs=len(prompts), kv_cache_space=2)
+    engine = Engine(
+        str(model),
+        device="cpu",
+        dtype="float32",
+        skip_tokenizer_init=True,
+        enable_prefix_caching=caching,
+        max_num_seqs=len(prompts),
+        kv_cache_space=2,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     engine.generate([{"prompt_token_ids": [5, 6, 7]}], params.clone(max_tokens=2), use_tqdm=False)
     start = time.perf_counter()
@@ -65,8 +72,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
     spec = SMOKE_MODEL if args.smoke else FULL_MODEL
-    n, prefix_len, suffix_len = (4, 64, 8) if args.smoke else (
-        args.num_requests, args.prefix_len, args.suffix_len)
+    n, prefix_len, suffix_len = (
+        (4, 64, 8) if args.smoke else (args.num_requests, args.prefix_len, args.suffix_len)
+    )
     rng = random.Random(0)
     vocab = spec["vocab_size"]
     prefix = [rng.randrange(3, vocab) for _ in range(prefix_len)]
@@ -75,13 +83,21 @@ def main(argv: list[str] | None = None) -> None:
         model = build_model(Path(tmp) / "model", spec, max_positions=2048)
         off = run(model, prompts, args.max_tokens, caching=False)
         on = run(model, prompts, args.max_tokens, caching=True)
-    print(json.dumps({
-        "benchmark": "prefix_caching",
-        "num_requests": n, "prefix_len": prefix_len, "suffix_len": suffix_len,
-        "off": off, "on": on,
-        "ttft_mean_speedup": off["ttft_mean_s"] / on["ttft_mean_s"],
-        "total_time_speedup": off["total_s"] / on["total_s"],
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "benchmark": "prefix_caching",
+                "num_requests": n,
+                "prefix_len": prefix_len,
+                "suffix_len": suffix_len,
+                "off": off,
+                "on": on,
+                "ttft_mean_speedup": off["ttft_mean_s"] / on["ttft_mean_s"],
+                "total_time_speedup": off["total_s"] / on["total_s"],
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

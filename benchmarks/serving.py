@@ -70,10 +70,18 @@ def make_prompts(n: int, words: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(n)]
 
 
-async def one_request(client: httpx.AsyncClient, model: str, prompt: str, output_len: int,
-                      headers: dict[str, str]) -> Result:
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+async def one_request(
+    client: httpx.AsyncClient, model: str, prompt: str, output_len: int, headers: dict[str, str]
+) -> Result:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     start = time.perf_counter()
     last, res = start, Result(ok=False)
     try:
@@ -116,12 +124,23 @@ def percentiles(values: list[float]) -> dict[str, float]:
     def pct(p: float) -> float:
         return 1e3 * ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
 
-    return {"mean": 1e3 * statistics.fmean(ordered), "p50": pct(50), "p90": pct(90),
-            "p99": pct(99), "max": 1e3 * ordered[-1]}
+    return {
+        "mean": 1e3 * statistics.fmean(ordered),
+        "p50": pct(50),
+        "p90": pct(90),
+        "p99": pct(99),
+        "max": 1e3 * ordered[-1],
+    }
 
 
-async def run_benchmark(base_url: str, model: str | None, prompts: list[str], output_len: int,
-                        concurrency: int, api_key: str | None) -> dict[str, Any]:
+async def run_benchmark(
+    base_url: str,
+    model: str | None,
+    prompts: list[str],
+    output_len: int,
+    concurrency: int,
+    api_key: str | None,
+) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
@@ -143,13 +162,18 @@ async def run_benchmark(base_url: str, model: str | None, prompts: list[str], ou
     in_tokens = sum(r.prompt_tokens for r in ok)
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     return {
-        "model": model, "num_requests": len(results), "completed": len(ok),
-        "failed": len(results) - len(ok), "errors": sorted({r.error for r in results if r.error}),
-        "concurrency": concurrency, "duration_s": duration,
+        "model": model,
+        "num_requests": len(results),
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if r.error}),
+        "concurrency": concurrency,
+        "duration_s": duration,
         "request_throughput": len(ok) / duration,
         "output_throughput": out_tokens / duration,
         "total_token_throughput": (in_tokens + out_tokens) / duration,
-        "prompt_tokens": in_tokens, "output_tokens": out_tokens,
+        "prompt_tokens": in_tokens,
+        "output_tokens": out_tokens,
         "ttft_ms": percentiles([r.ttft for r in ok]),
         "itl_ms": percentiles([t for r in ok for t in r.itl]),
         "tpot_ms": percentiles(tpot),
@@ -157,8 +181,9 @@ async def run_benchmark(base_url: str, model: str | None, prompts: list[str], ou
     }
 
 
-def run_offline(engine: Any, prompts: list[str], output_len: int, concurrency: int
-                ) -> dict[str, Any]:
+def run_offline(
+    engine: Any, prompts: list[str], output_len: int, concurrency: int
+) -> dict[str, Any]:
     """The same requests through the in-process ``Engine``, at most ``concurrency`` in flight."""
     from pagedllm import SamplingParams
 
@@ -183,10 +208,15 @@ def run_offline(engine: Any, prompts: list[str], output_len: int, concurrency: i
                 in_tokens += len(out.prompt_token_ids)
                 out_tokens += sum(len(c.token_ids) for c in out.outputs)
     duration = time.perf_counter() - start
-    return {"concurrency": concurrency, "num_requests": len(prompts), "duration_s": duration,
-            "output_throughput": out_tokens / duration, "output_tokens": out_tokens,
-            "total_token_throughput": (in_tokens + out_tokens) / duration,
-            "ttft_ms": percentiles(list(ttft.values()))}
+    return {
+        "concurrency": concurrency,
+        "num_requests": len(prompts),
+        "duration_s": duration,
+        "output_throughput": out_tokens / duration,
+        "output_tokens": out_tokens,
+        "total_token_throughput": (in_tokens + out_tokens) / duration,
+        "ttft_ms": percentiles(list(ttft.values())),
+    }
 
 
 def offline_engine(model: str, extra: list[str]) -> Any:
@@ -211,17 +241,28 @@ def http_round_trip_ms(base_url: str, n: int = 20) -> float:
     return 1e3 * statistics.median(times)
 
 
-def compare(offline: dict[int, dict[str, Any]], served: dict[int, dict[str, Any]],
-            rtt_ms: float) -> dict[str, Any]:
+def compare(
+    offline: dict[int, dict[str, Any]], served: dict[int, dict[str, Any]], rtt_ms: float
+) -> dict[str, Any]:
     """Ratios served/offline per concurrency, and TTFT at the lowest concurrency."""
-    ratios = {str(c): served[c]["output_throughput"] / offline[c]["output_throughput"]
-              for c in offline if offline[c]["output_throughput"] > 0}
+    ratios = {
+        str(c): served[c]["output_throughput"] / offline[c]["output_throughput"]
+        for c in offline
+        if offline[c]["output_throughput"] > 0
+    }
     low = min(offline)
     off_ttft = offline[low]["ttft_ms"].get("p50", 0.0)
     srv_ttft = served[low]["ttft_ms"].get("p50", 0.0)
-    return {"output_throughput_ratio": ratios, "http_round_trip_ms": rtt_ms,
-            "ttft_p50_ms": {"concurrency": low, "offline": off_ttft, "served": srv_ttft,
-                            "served_minus_offline_minus_rtt": srv_ttft - off_ttft - rtt_ms}}
+    return {
+        "output_throughput_ratio": ratios,
+        "http_round_trip_ms": rtt_ms,
+        "ttft_p50_ms": {
+            "concurrency": low,
+            "offline": off_ttft,
+            "served": srv_ttft,
+            "served_minus_offline_minus_rtt": srv_ttft - off_ttft - rtt_ms,
+        },
+    }
 
 
 def free_port() -> int:
@@ -231,8 +272,18 @@ def free_port() -> int:
 
 
 def launch(model: str, extra: list[str], port: int) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", model,
-           "--host", "127.0.0.1", "--port", str(port), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pagedllm.entrypoints.cli",
+        "serve",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *extra,
+    ]
     print("launching:", " ".join(cmd), file=sys.stderr)
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -272,14 +323,25 @@ def build_tiny_model(folder: Path) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=384,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(make_prompts(200, 12, seed=1), trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(str(folder))
-    config = LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=512, bos_token_id=0, eos_token_id=1)
+    config = LlamaConfig(
+        vocab_size=len(fast),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(str(folder))
     return folder
@@ -290,23 +352,34 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     extra: list[str] = []
     if "--" in argv:
         cut = argv.index("--")
-        argv, extra = argv[:cut], argv[cut + 1:]
+        argv, extra = argv[:cut], argv[cut + 1 :]
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     target = p.add_mutually_exclusive_group()
-    target.add_argument("--base-url", default="http://127.0.0.1:8000",
-                        help="a running server (default http://127.0.0.1:8000)")
+    target.add_argument(
+        "--base-url",
+        default="http://127.0.0.1:8000",
+        help="a running server (default http://127.0.0.1:8000)",
+    )
     target.add_argument("--launch", metavar="MODEL", help="start `pagedllm serve MODEL`")
-    target.add_argument("--smoke", action="store_true",
-                        help="tiny random model on the CPU, a few requests (for CI)")
+    target.add_argument(
+        "--smoke", action="store_true", help="tiny random model on the CPU, a few requests (for CI)"
+    )
     p.add_argument("--model", help="model name to request (default: the server's first)")
-    p.add_argument("--api-key", default=env_api_key(),
-                   help="bearer key (default: $PAGEDLLM_API_KEY)")
+    p.add_argument(
+        "--api-key", default=env_api_key(), help="bearer key (default: $PAGEDLLM_API_KEY)"
+    )
     p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--concurrency", default="8",
-                   help="concurrent clients; a comma list (1,16,64) runs each in turn")
-    p.add_argument("--compare-offline", action="store_true",
-                   help="also run the same requests through the offline Engine (needs --launch "
-                   "or --smoke) and report the ratios")
+    p.add_argument(
+        "--concurrency",
+        default="8",
+        help="concurrent clients; a comma list (1,16,64) runs each in turn",
+    )
+    p.add_argument(
+        "--compare-offline",
+        action="store_true",
+        help="also run the same requests through the offline Engine (needs --launch "
+        "or --smoke) and report the ratios",
+    )
     p.add_argument("--input-len", type=int, default=64, help="words per prompt")
     p.add_argument("--output-len", type=int, default=128, help="tokens per response")
     p.add_argument("--seed", type=int, default=0)
@@ -339,8 +412,19 @@ def main(argv: list[str] | None = None) -> int:
             model = args.launch
             if args.smoke:
                 model = str(build_tiny_model(Path(tmp) / "tiny-llama"))
-                extra = ["--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "128",
-                         "--block-size", "16", "--max-model-len", "256", *extra]
+                extra = [
+                    "--device",
+                    "cpu",
+                    "--dtype",
+                    "float32",
+                    "--num-kv-blocks",
+                    "128",
+                    "--block-size",
+                    "16",
+                    "--max-model-len",
+                    "256",
+                    *extra,
+                ]
             if args.compare_offline:
                 engine = offline_engine(model, extra)
             port = free_port()
@@ -355,8 +439,9 @@ def main(argv: list[str] | None = None) -> int:
             for c, ps in prompts.items():
                 if engine is not None:
                     offline[c] = run_offline(engine, ps, args.output_len, c)
-                served[c] = asyncio.run(run_benchmark(base_url, args.model, ps, args.output_len,
-                                                      c, args.api_key))
+                served[c] = asyncio.run(
+                    run_benchmark(base_url, args.model, ps, args.output_len, c, args.api_key)
+                )
             rtt = http_round_trip_ms(base_url) if engine is not None else 0.0
         finally:
             if proc is not None:
@@ -364,9 +449,11 @@ def main(argv: list[str] | None = None) -> int:
             if engine is not None:
                 engine.shutdown()
     if offline is not None:
-        report: dict[str, Any] = {"served": {str(c): r for c, r in served.items()},
-                                  "offline": {str(c): r for c, r in offline.items()},
-                                  **compare(offline, served, rtt)}
+        report: dict[str, Any] = {
+            "served": {str(c): r for c, r in served.items()},
+            "offline": {str(c): r for c, r in offline.items()},
+            **compare(offline, served, rtt),
+        }
     elif len(served) == 1:
         report = next(iter(served.values()))
     else:
@@ -375,8 +462,11 @@ def main(argv: list[str] | None = None) -> int:
     failed = sum(r["failed"] for r in served.values())
     if args.smoke:
         want = {c: len(ps) * args.output_len for c, ps in prompts.items()}
-        bad = failed or any(served[c]["output_tokens"] != n for c, n in want.items()) or any(
-            offline[c]["output_tokens"] != n for c, n in want.items())
+        bad = (
+            failed
+            or any(served[c]["output_tokens"] != n for c, n in want.items())
+            or any(offline[c]["output_tokens"] != n for c, n in want.items())
+        )
         if bad or (proc is not None and proc.returncode != 0):
             print("smoke test FAILED", file=sys.stderr)
             return 1

@@ -38,12 +38,24 @@ from model_builder import LLAMA_1B, LLAMA_TINY, build_random_llama
 MODELS: dict[str, dict[str, Any]] = {
     "smoke": {**LLAMA_TINY, "dtype": "float32"},
     "56m": dict(
-        hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
-        intermediate_size=1408, vocab_size=32000, tie_word_embeddings=False, dtype="float32",
+        hidden_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=1408,
+        vocab_size=32000,
+        tie_word_embeddings=False,
+        dtype="float32",
     ),
     "125m": dict(
-        hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
-        intermediate_size=2048, vocab_size=32000, tie_word_embeddings=False, dtype="float32",
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        intermediate_size=2048,
+        vocab_size=32000,
+        tie_word_embeddings=False,
+        dtype="float32",
     ),
     # Llama-3.2-1B's shape with a 32000-token vocabulary, saved in bfloat16.
     "1b": {**LLAMA_1B, "dtype": "bfloat16"},

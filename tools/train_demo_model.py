@@ -104,10 +104,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # One thread by default: on a loaded 2-core machine two OpenMP threads spin-wait on each other
     # and ran 5x slower than one (15.7 s vs 3.2 s a step, measured).
     for name, default in (
-        ("seed", 0), ("vocab-size", 4096), ("hidden", 256), ("layers", 6), ("heads", 8),
-        ("kv-heads", 4), ("intermediate", 704), ("seq-len", 256), ("batch-size", 8),
-        ("warmup", 50), ("threads", 1), ("log-every", 25),
-        ("lr", 2e-3), ("min-lr-ratio", 0.1), ("weight-decay", 0.1),
+        ("seed", 0),
+        ("vocab-size", 4096),
+        ("hidden", 256),
+        ("layers", 6),
+        ("heads", 8),
+        ("kv-heads", 4),
+        ("intermediate", 704),
+        ("seq-len", 256),
+        ("batch-size", 8),
+        ("warmup", 50),
+        ("threads", 1),
+        ("log-every", 25),
+        ("lr", 2e-3),
+        ("min-lr-ratio", 0.1),
+        ("weight-decay", 0.1),
     ):
         p.add_argument(f"--{name}", type=type(default), default=default)
     return p.parse_args(argv)
@@ -315,7 +326,7 @@ def complete(
     enc = tokenizer(prompt, return_tensors="pt")
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)
-    new = out[0, enc["input_ids"].shape[1]:]  # [num_new_tokens]
+    new = out[0, enc["input_ids"].shape[1] :]  # [num_new_tokens]
     return tokenizer.decode(new, skip_special_tokens=True)
 
 
@@ -413,7 +424,8 @@ def _repro_flags(args: argparse.Namespace) -> str:
     """The command-line flags that differ from the defaults (``--out`` aside)."""
     defaults = vars(parse_args([]))
     flags = [
-        f"--{name.replace('_', '-')} {value:g}" if isinstance(value, float)
+        f"--{name.replace('_', '-')} {value:g}"
+        if isinstance(value, float)
         else f"--{name.replace('_', '-')} {value}"
         for name, value in vars(args).items()
         if name not in ("out", "stdlib") and value != defaults[name]
@@ -431,24 +443,47 @@ def write_card(args: argparse.Namespace, corpus: Corpus, stats: RunStats, eot_id
     )
     timed = args.steps is None
     text = CARD.format(
-        python=platform.python_version(), heldout_mod=HELDOUT_MODULUS,
-        n_train=len(corpus.train), train_bytes=_num_bytes(corpus.train),
-        train_tokens=stats.train_tokens, n_heldout=len(corpus.heldout),
-        heldout_bytes=_num_bytes(corpus.heldout), heldout_tokens=stats.heldout_tokens,
+        python=platform.python_version(),
+        heldout_mod=HELDOUT_MODULUS,
+        n_train=len(corpus.train),
+        train_bytes=_num_bytes(corpus.train),
+        train_tokens=stats.train_tokens,
+        n_heldout=len(corpus.heldout),
+        heldout_bytes=_num_bytes(corpus.heldout),
+        heldout_tokens=stats.heldout_tokens,
         heldout_list=", ".join(f"`{f}`" for f in corpus.heldout),
-        tokenizers=sys.modules["tokenizers"].__version__, vocab=args.vocab_size, eot_id=eot_id,
-        hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
-        intermediate=args.intermediate, num_params=stats.num_params,
-        bytes_on_disk=stats.bytes_on_disk, seq_len=args.seq_len, batch=args.batch_size,
-        wd=args.weight_decay, warmup=args.warmup, lr=args.lr, min_lr=args.lr * args.min_lr_ratio,
+        tokenizers=sys.modules["tokenizers"].__version__,
+        vocab=args.vocab_size,
+        eot_id=eot_id,
+        hidden=args.hidden,
+        layers=args.layers,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        intermediate=args.intermediate,
+        num_params=stats.num_params,
+        bytes_on_disk=stats.bytes_on_disk,
+        seq_len=args.seq_len,
+        batch=args.batch_size,
+        wd=args.weight_decay,
+        warmup=args.warmup,
+        lr=args.lr,
+        min_lr=args.lr * args.min_lr_ratio,
         horizon=f"{args.minutes:g} min of wall-clock" if timed else f"{args.steps} steps",
-        steps=stats.steps, tokens_seen=stats.tokens_seen,
-        epochs=stats.tokens_seen / stats.train_tokens, minutes=stats.seconds / 60,
-        threads=args.threads, seed=args.seed, torch=torch.__version__,
-        transformers=transformers.__version__, machine=f"{platform.machine()} {platform.system()}",
-        eval_windows=EVAL_WINDOWS, train_loss=stats.train_loss, heldout_loss=stats.heldout_loss,
+        steps=stats.steps,
+        tokens_seen=stats.tokens_seen,
+        epochs=stats.tokens_seen / stats.train_tokens,
+        minutes=stats.seconds / 60,
+        threads=args.threads,
+        seed=args.seed,
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        machine=f"{platform.machine()} {platform.system()}",
+        eval_windows=EVAL_WINDOWS,
+        train_loss=stats.train_loss,
+        heldout_loss=stats.heldout_loss,
         heldout_ppl=math.exp(stats.heldout_loss),
-        loss_curve=", ".join(f"{s}: {lo:.3f}" for s, lo in curve), max_new=MAX_NEW_TOKENS,
+        loss_curve=", ".join(f"{s}: {lo:.3f}" for s, lo in curve),
+        max_new=MAX_NEW_TOKENS,
         completions=completions,
         plausible="is plausible Python" if stats.fibonacci_plausible else "is NOT plausible Python",
         repro=_repro_flags(args),
@@ -456,7 +491,9 @@ def write_card(args: argparse.Namespace, corpus: Corpus, stats: RunStats, eot_id
             "The cosine followed wall-clock time, so a rerun takes a different number of steps "
             f"and gives a similar, not identical, model; `--steps {stats.steps}` runs as many "
             "steps with a step-based cosine, which is repeatable."
-        ) if timed else "Step-based cosine: repeatable on the same machine and library versions.",
+        )
+        if timed
+        else "Step-based cosine: repeatable on the same machine and library versions.",
     )
     (args.out / "README.md").write_text(text)
 
@@ -466,19 +503,28 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(args.threads)
     corpus = collect_corpus(args.stdlib)
-    logger.info("corpus: %d train files (%d bytes), %d held-out files (%d bytes)",
-                len(corpus.train), _num_bytes(corpus.train), len(corpus.heldout),
-                _num_bytes(corpus.heldout))
+    logger.info(
+        "corpus: %d train files (%d bytes), %d held-out files (%d bytes)",
+        len(corpus.train),
+        _num_bytes(corpus.train),
+        len(corpus.heldout),
+        _num_bytes(corpus.heldout),
+    )
     tokenizer = train_tokenizer(list(corpus.train.values()), args.vocab_size)
     train_data = pack(encode_documents(tokenizer, list(corpus.train.values())))  # [n_train]
     heldout_data = pack(encode_documents(tokenizer, list(corpus.heldout.values())))  # [n_heldout]
     model = build_model(args, tokenizer)
     stats = RunStats(
         num_params=sum(p.numel() for p in model.parameters()),
-        train_tokens=train_data.numel(), heldout_tokens=heldout_data.numel(),
+        train_tokens=train_data.numel(),
+        heldout_tokens=heldout_data.numel(),
     )
-    logger.info("tokens: %d train, %d held-out; model: %d parameters",
-                stats.train_tokens, stats.heldout_tokens, stats.num_params)
+    logger.info(
+        "tokens: %d train, %d held-out; model: %d parameters",
+        stats.train_tokens,
+        stats.heldout_tokens,
+        stats.num_params,
+    )
     train(model, train_data, args, stats)
     stats.train_loss = evaluate(model, train_data, args.seq_len, EVAL_WINDOWS)
     stats.heldout_loss = evaluate(model, heldout_data, args.seq_len, EVAL_WINDOWS)
@@ -493,11 +539,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--- {prompt!r}\n{prompt}{stats.completions[prompt]}\n")
     stats.fibonacci_plausible = looks_like_python(PROMPTS[0], stats.completions[PROMPTS[0]])
     write_card(args, corpus, stats, tokenizer.bos_token_id)
-    logger.info("wrote %s (%d bytes); fibonacci completion plausible: %s",
-                args.out, stats.bytes_on_disk, stats.fibonacci_plausible)
+    logger.info(
+        "wrote %s (%d bytes); fibonacci completion plausible: %s",
+        args.out,
+        stats.bytes_on_disk,
+        stats.fibonacci_plausible,
+    )
     if stats.bytes_on_disk > MAX_BYTES_ON_DISK:
-        logger.error("model folder is %d bytes, over the %d limit", stats.bytes_on_disk,
-                     MAX_BYTES_ON_DISK)
+        logger.error(
+            "model folder is %d bytes, over the %d limit", stats.bytes_on_disk, MAX_BYTES_ON_DISK
+        )
         return 1
     return 0 if stats.fibonacci_plausible else 2
 

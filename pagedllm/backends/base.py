@@ -50,6 +50,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+
 class AttentionBackend(ABC):
     """Paged attention and the KV-cache layout it reads.
 

@@ -182,13 +182,21 @@ class AsyncEngine:
     def describe(self) -> dict[str, Any]:
         """The served model: ``model``, ``served_model_name``, ``max_model_len``, ``vocab_size``."""
         cfg = self.engine.config
-        return {"model": cfg.model.model, "served_model_name": cfg.model.served_model_name,
-                "max_model_len": cfg.scheduler.max_model_len,
-                "vocab_size": int(self.engine.vocab_size)}
+        return {
+            "model": cfg.model.model,
+            "served_model_name": cfg.model.served_model_name,
+            "max_model_len": cfg.scheduler.max_model_len,
+            "vocab_size": int(self.engine.vocab_size),
+        }
 
     # -- requests --------------------------------------------------------------------------------
     async def add_request(
-        self, request_id: str, prompt: Any, params: SamplingParams, *, priority: int = 0,
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        *,
+        priority: int = 0,
         arrival_time: float | None = None,
     ) -> RequestStream:
         """Queue a request and return its stream; ValueError ("field: msg") if it is invalid.
@@ -210,12 +218,18 @@ class AsyncEngine:
         return stream
 
     async def generate(
-        self, prompt: Any, params: SamplingParams, request_id: str, *, priority: int = 0,
+        self,
+        prompt: Any,
+        params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
         arrival_time: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; cancelling or closing the iterator aborts it."""
-        stream = await self.add_request(request_id, prompt, params, priority=priority,
-                                        arrival_time=arrival_time)
+        stream = await self.add_request(
+            request_id, prompt, params, priority=priority, arrival_time=arrival_time
+        )
         try:
             async for out in stream:
                 yield out
@@ -335,7 +349,10 @@ class AsyncEngine:
                 return
             try:
                 self.engine.add_request(
-                    cmd.stream.request_id, cmd.prompt, cmd.params, priority=cmd.priority,
+                    cmd.stream.request_id,
+                    cmd.prompt,
+                    cmd.params,
+                    priority=cmd.priority,
                     arrival_time=cmd.arrival_time,
                 )
             except BaseException as exc:
@@ -362,8 +379,10 @@ class AsyncEngine:
         for out in outputs:
             stream = self._streams.get(out.request_id)
             m = out.metrics
-            if m is not None and m.first_scheduled_time is not None and out.request_id not in (
-                self._timed
+            if (
+                m is not None
+                and m.first_scheduled_time is not None
+                and out.request_id not in (self._timed)
             ):
                 self._timed.add(out.request_id)
                 self._timing("core_queue", max(0.0, m.first_scheduled_time - m.arrival_time))

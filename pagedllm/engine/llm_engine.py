@@ -423,8 +423,11 @@ class LLMEngine:
             "num_device_blocks": bm.num_device_blocks,
             "num_free_host_blocks": bm.get_num_free_host_blocks(),
             "num_host_blocks": bm.num_host_blocks,
-            "cpu_cache_usage_perc": (1.0 - bm.get_num_free_host_blocks() / bm.num_host_blocks
-                                     if bm.num_host_blocks else 0.0),
+            "cpu_cache_usage_perc": (
+                1.0 - bm.get_num_free_host_blocks() / bm.num_host_blocks
+                if bm.num_host_blocks
+                else 0.0
+            ),
             "prompt_tokens_total": c.prompt_tokens,
             "generation_tokens_total": c.generation_tokens,
             "num_preemptions_total": s.stats.preemptions,

@@ -79,59 +79,107 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="pagedllm", description="A high-throughput LLM inference and serving engine.",
-        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        prog="pagedllm",
+        description="A high-throughput LLM inference and serving engine.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"pagedllm {pagedllm.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{serve,generate,chat,bench}")
 
-    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
-                           description="Serve MODEL with an OpenAI-compatible API (/v1/...).")
-    serve.add_argument("model", nargs="?", metavar="MODEL",
-                       help="Hugging Face model folder (default: the bundled demo model)")
+    serve = sub.add_parser(
+        "serve",
+        help="run the OpenAI-compatible HTTP server",
+        description="Serve MODEL with an OpenAI-compatible API (/v1/...).",
+    )
+    serve.add_argument(
+        "model",
+        nargs="?",
+        metavar="MODEL",
+        help="Hugging Face model folder (default: the bundled demo model)",
+    )
     s = serve.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes "
-                   "(default: $PAGEDLLM_API_KEY)")
-    s.add_argument("--served-model-name", nargs="+", metavar="NAME",
-                   help="model name(s) clients use; the first is reported (default: MODEL)")
+    s.add_argument(
+        "--api-key",
+        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PAGEDLLM_API_KEY)",
+    )
+    s.add_argument(
+        "--served-model-name",
+        nargs="+",
+        metavar="NAME",
+        help="model name(s) clients use; the first is reported (default: MODEL)",
+    )
     s.add_argument("--chat-template", help="Jinja chat template: a file or the template itself")
     s.add_argument("--max-logprobs", type=int, default=20, help="max logprobs per token")
-    s.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"],
-                   help="parse tool calls from replies when tool_choice is 'auto' (Hermes/Qwen "
-                   "<tool_call> JSON, or Llama 3 JSON); without it 'auto' is refused")
-    s.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
-    s.add_argument("--log-level", default="info",
-                   choices=["debug", "info", "warning", "error"])
-    s.add_argument("--disable-log-stats", action="store_true",
-                   help="no periodic throughput log line")
-    s.add_argument("--disable-docs", action="store_true",
-                   help="no /docs, /redoc or /openapi.json (they are behind --api-key otherwise)")
-    s.add_argument("--engine-in-process", action="store_true",
-                   help="step the engine on a thread of the server process instead of in its "
-                   "own engine-core process (slower; for debugging)")
-    s.add_argument("--max-prompt-chars", type=int, default=256 * 1024,
-                   help="longest text prompt accepted, in characters (413 beyond)")
-    s.add_argument("--max-prompt-tokens", type=int, default=128 * 1024,
-                   help="most prompt token ids accepted (400 beyond)")
-    s.add_argument("--max-detokenize-tokens", type=int, default=64 * 1024,
-                   help="most ids /detokenize accepts (413 beyond)")
+    s.add_argument(
+        "--tool-call-parser",
+        choices=["hermes", "llama3_json"],
+        help="parse tool calls from replies when tool_choice is 'auto' (Hermes/Qwen "
+        "<tool_call> JSON, or Llama 3 JSON); without it 'auto' is refused",
+    )
+    s.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get to finish on SIGTERM/SIGINT",
+    )
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument(
+        "--disable-log-stats", action="store_true", help="no periodic throughput log line"
+    )
+    s.add_argument(
+        "--disable-docs",
+        action="store_true",
+        help="no /docs, /redoc or /openapi.json (they are behind --api-key otherwise)",
+    )
+    s.add_argument(
+        "--engine-in-process",
+        action="store_true",
+        help="step the engine on a thread of the server process instead of in its "
+        "own engine-core process (slower; for debugging)",
+    )
+    s.add_argument(
+        "--max-prompt-chars",
+        type=int,
+        default=256 * 1024,
+        help="longest text prompt accepted, in characters (413 beyond)",
+    )
+    s.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=128 * 1024,
+        help="most prompt token ids accepted (400 beyond)",
+    )
+    s.add_argument(
+        "--max-detokenize-tokens",
+        type=int,
+        default=64 * 1024,
+        help="most ids /detokenize accepts (413 beyond)",
+    )
     add_engine_args(serve)
 
-    gen = sub.add_parser("generate", help="generate text offline, streamed to the terminal",
-                         description="Generate from MODEL without a server.")
+    gen = sub.add_parser(
+        "generate",
+        help="generate text offline, streamed to the terminal",
+        description="Generate from MODEL without a server.",
+    )
     gen.add_argument("model", metavar="MODEL", help="Hugging Face model folder")
-    gen.add_argument("--prompt", action="append", required=True,
-                     help="prompt text (repeat for several prompts)")
+    gen.add_argument(
+        "--prompt", action="append", required=True, help="prompt text (repeat for several prompts)"
+    )
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    gen.add_argument("--log-level", default="warning",
-                     choices=["debug", "info", "warning", "error"],
-                     help="debug also shows tracebacks of errors")
+    gen.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["debug", "info", "warning", "error"],
+        help="debug also shows tracebacks of errors",
+    )
     add_engine_args(gen)
     from pagedllm.entrypoints import bench, chat
 
@@ -141,9 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _setup_logging(level: str = "info") -> None:
-    logging.basicConfig(level=getattr(logging, level.upper()),
-                        format="%(levelname)s %(asctime)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(levelname)s %(asctime)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
 
 
 class UsageError(Exception):
@@ -165,8 +215,9 @@ def check_serve_settings(args: argparse.Namespace, template: str | None) -> None
         try:
             ImmutableSandboxedEnvironment().parse(template)
         except TemplateSyntaxError as exc:
-            raise ValueError(f"--chat-template: does not parse: {exc.message} (line "
-                             f"{exc.lineno})") from None
+            raise ValueError(
+                f"--chat-template: does not parse: {exc.message} (line {exc.lineno})"
+            ) from None
 
 
 def check_engine_settings(args: argparse.Namespace) -> None:
@@ -184,14 +235,16 @@ def check_engine_settings(args: argparse.Namespace) -> None:
         except ImportError:
             available = False
         if not available:
-            raise ValueError(f"--device: {device!r} was requested but is not available on "
-                             "this machine")
+            raise ValueError(
+                f"--device: {device!r} was requested but is not available on this machine"
+            )
     space = args.kv_cache_space
     if space is not None:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
         if not 0 < space < total:
-            raise ValueError(f"--kv-cache-space: {space} GiB is not in (0, {total:.1f}) (the "
-                             "machine's memory)")
+            raise ValueError(
+                f"--kv-cache-space: {space} GiB is not in (0, {total:.1f}) (the machine's memory)"
+            )
     for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -208,7 +261,8 @@ def resolve_model(model: str | None) -> tuple[str, str | None]:
     if not (path / "config.json").exists():
         raise SystemExit(
             f"pagedllm serve: no MODEL given and the demo model is not at {path} yet "
-            "(it is built separately); pass a model folder: pagedllm serve PATH")
+            "(it is built separately); pass a model folder: pagedllm serve PATH"
+        )
     return str(path), DEMO_SERVED_NAME
 
 
@@ -224,9 +278,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     model, demo_name = resolve_model(args.model)
     try:
         template = load_chat_template(args.chat_template)
-        limits = RequestLimits(max_prompt_chars=args.max_prompt_chars,
-                               max_prompt_tokens=args.max_prompt_tokens,
-                               max_detokenize_tokens=args.max_detokenize_tokens)
+        limits = RequestLimits(
+            max_prompt_chars=args.max_prompt_chars,
+            max_prompt_tokens=args.max_prompt_tokens,
+            max_detokenize_tokens=args.max_detokenize_tokens,
+        )
         check_serve_settings(args, template)
         check_engine_settings(args)
     except ValueError as exc:
@@ -238,17 +294,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine_class = AsyncEngine if args.engine_in_process else EngineCoreClient
     try:
         engine = engine_class.from_engine_args(
-            model, args.device, log_stats_interval=None if args.disable_log_stats else 5.0,
-            **kwargs)
+            model, args.device, log_stats_interval=None if args.disable_log_stats else 5.0, **kwargs
+        )
     except (ValueError, RuntimeError) as exc:
         raise SystemExit(f"pagedllm serve: {exc}") from None
     settings = ServerSettings(
-        api_key=args.api_key or env_api_key(), chat_template=template,
-        max_logprobs=args.max_logprobs, shutdown_timeout=args.shutdown_timeout,
-        disable_docs=args.disable_docs, tool_call_parser=args.tool_call_parser,
-        limits=limits)
-    return run_server(engine, model_info(engine, names), settings, host=args.host,
-                      port=args.port, log_level=args.log_level)
+        api_key=args.api_key or env_api_key(),
+        chat_template=template,
+        max_logprobs=args.max_logprobs,
+        shutdown_timeout=args.shutdown_timeout,
+        disable_docs=args.disable_docs,
+        tool_call_parser=args.tool_call_parser,
+        limits=limits,
+    )
+    return run_server(
+        engine,
+        model_info(engine, names),
+        settings,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+    )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -261,8 +327,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise UsageError(f"pagedllm generate: {exc}") from None
     try:
         engine = Engine(args.model, args.device, **engine_kwargs(args))
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                top_p=args.top_p, top_k=args.top_k, stop=args.stop or [])
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            stop=args.stop or [],
+        )
     except ValueError as exc:
         raise SystemExit(f"pagedllm generate: {exc}") from None
     out = sys.stdout
@@ -289,8 +360,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     total_tokens += len(result.outputs[0].token_ids)
         out.write("\n")
     elapsed = time.perf_counter() - start
-    print(f"[{total_tokens} tokens in {elapsed:.2f}s, {total_tokens / elapsed:.1f} tokens/s]",
-          file=sys.stderr)
+    print(
+        f"[{total_tokens} tokens in {elapsed:.2f}s, {total_tokens / elapsed:.1f} tokens/s]",
+        file=sys.stderr,
+    )
     engine.shutdown()
     return 0
 
@@ -312,8 +385,11 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "log_level", "info") == "debug":
             raise
         message = str(exc).splitlines()[0] if str(exc) else ""
-        print(f"pagedllm {args.command}: {type(exc).__name__}: {message} "
-              "(--log-level debug shows the traceback)", file=sys.stderr)
+        print(
+            f"pagedllm {args.command}: {type(exc).__name__}: {message} "
+            "(--log-level debug shows the traceback)",
+            file=sys.stderr,
+        )
         return 1
 
 

@@ -15,7 +15,7 @@ DEMO_PROMPTS = [
     "def fibonacci(n):",
     "import os\n\n\ndef list_files(path):",
     "class Stack:\n    def __init__(self):",
-    "def is_prime(n):\n    \"\"\"Return True if n is a prime number.\"\"\"",
+    'def is_prime(n):\n    """Return True if n is a prime number."""',
     "for i in range(10):",
     "with open(filename) as f:",
     "def quicksort(items):",

@@ -5,6 +5,7 @@ scales) lives in ``test_attention_conformance.py``. Here: each ISA build of the 
 every cache dtype, the error fp8 quantisation itself brings, the NaN fill of fresh pools, and the
 one-place refusal of a cache dtype a backend cannot read.
 """
+
 from __future__ import annotations
 
 import shutil

@@ -53,8 +53,14 @@ def test_kernel_equals_per_token_loop(fm, dtype: torch.dtype, case: str, num_tok
     x = torch.randn(num_tokens, H).to(dtype)
     want = reference_moe(x, w13, w2, weights, ids)
     got = fm.fused_moe(
-        x.to(DEVICE), w13.to(DEVICE), w2.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE),
-        block_m=16, block_n=32, block_k=16,
+        x.to(DEVICE),
+        w13.to(DEVICE),
+        w2.to(DEVICE),
+        weights.to(DEVICE),
+        ids.to(DEVICE),
+        block_m=16,
+        block_n=32,
+        block_k=16,
     )
     check(got.cpu(), want, ATOL[dtype], f"{case}/{dtype}/T={num_tokens}")
 
@@ -65,9 +71,17 @@ def test_expert_parallel_halves_sum_to_the_whole(fm) -> None:
     x = torch.randn(13, H)
     half = E // 2
     total = sum(
-        fm.fused_moe(x, w13[r * half : (r + 1) * half].contiguous(),
-                     w2[r * half : (r + 1) * half].contiguous(), weights, ids,
-                     expert_start=r * half, block_m=16, block_n=32, block_k=16)
+        fm.fused_moe(
+            x,
+            w13[r * half : (r + 1) * half].contiguous(),
+            w2[r * half : (r + 1) * half].contiguous(),
+            weights,
+            ids,
+            expert_start=r * half,
+            block_m=16,
+            block_n=32,
+            block_k=16,
+        )
         for r in range(2)
     )
     check(total, reference_moe(x, w13, w2, weights, ids), 1e-4, "ep")
@@ -77,8 +91,20 @@ def test_alignment_pads_each_expert_to_whole_blocks(fm) -> None:
     ids = torch.tensor([[2, 0], [0, 2], [2, 1]])
     sorted_ids, block_expert = fm.align_by_expert(ids, 3, 0, 4)
     sentinel = 6
-    assert sorted_ids.tolist()[:12] == [1, 2, sentinel, sentinel, 5, sentinel, sentinel, sentinel,
-                                        0, 3, 4, sentinel]
+    assert sorted_ids.tolist()[:12] == [
+        1,
+        2,
+        sentinel,
+        sentinel,
+        5,
+        sentinel,
+        sentinel,
+        sentinel,
+        0,
+        3,
+        4,
+        sentinel,
+    ]
     assert block_expert.tolist()[:3] == [0, 1, 2]
     assert all(b == -1 for b in block_expert.tolist()[3:])
 

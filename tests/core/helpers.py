@@ -47,7 +47,11 @@ def make_scheduler(
 ) -> Scheduler:
     config.setdefault("max_model_len", 64)
     bm = BlockSpaceManager(
-        block_size, num_blocks, num_host_blocks, watermark=0.0, enable_caching=enable_caching,
+        block_size,
+        num_blocks,
+        num_host_blocks,
+        watermark=0.0,
+        enable_caching=enable_caching,
         sliding_window=sliding_window,
     )
     kwargs = {"clock": clock} if clock is not None else {}

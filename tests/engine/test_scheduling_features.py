@@ -39,11 +39,19 @@ def baseline(llama_path: Path) -> list[list[int]]:
     [
         {"enable_prefix_caching": True},
         {"enable_chunked_prefill": True, "max_num_batched_tokens": 24},
-        {"enable_chunked_prefill": True, "max_num_batched_tokens": 24,
-         "enable_prefix_caching": True},
+        {
+            "enable_chunked_prefill": True,
+            "max_num_batched_tokens": 24,
+            "enable_prefix_caching": True,
+        },
         {"enable_prefix_caching": True, "num_kv_blocks": 24, "preemption_mode": "recompute"},
-        {"enable_chunked_prefill": True, "max_num_batched_tokens": 64, "num_kv_blocks": 18,
-         "preemption_mode": "swap", "enable_prefix_caching": True},
+        {
+            "enable_chunked_prefill": True,
+            "max_num_batched_tokens": 64,
+            "num_kv_blocks": 18,
+            "preemption_mode": "swap",
+            "enable_prefix_caching": True,
+        },
     ],
     ids=["prefix", "chunked", "both", "prefix-preempt", "both-preempt-swap"],
 )
@@ -66,8 +74,9 @@ def test_same_tokens_as_plain_scheduling(
 
 
 def test_prefix_hit_skips_computation(llama_path: Path) -> None:
-    engine = Engine(str(llama_path), device="cpu", block_size=8, num_kv_blocks=128,
-                    enable_prefix_caching=True)
+    engine = Engine(
+        str(llama_path), device="cpu", block_size=8, num_kv_blocks=128, enable_prefix_caching=True
+    )
     engine.generate([SHARED_PROMPTS[0]], PARAMS, use_tqdm=False)
     prompt_tokens_before = engine.counters.prompt_tokens
     engine.generate([SHARED_PROMPTS[1]], PARAMS, use_tqdm=False)

@@ -54,8 +54,10 @@ class ServerHandle:
         while True:
             stats = self.engine.get_stats()
             idle = (
-                stats["num_requests_running"] == 0 and stats["num_requests_waiting"] == 0
-                and stats["num_requests_swapped"] == 0 and self.engine.num_in_flight == 0
+                stats["num_requests_running"] == 0
+                and stats["num_requests_waiting"] == 0
+                and stats["num_requests_swapped"] == 0
+                and self.engine.num_in_flight == 0
             )
             if idle:
                 return stats
@@ -107,12 +109,18 @@ def server(llama_path: Path) -> Iterator[ServerHandle]:
     from pagedllm.entrypoints.openai.api_server import ServerSettings, build_app, model_info
 
     engine = EngineCoreClient.from_engine_args(
-        str(llama_path), "cpu", dtype="float32", num_kv_blocks=NUM_KV_BLOCKS,
-        block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, max_num_seqs=64,
+        str(llama_path),
+        "cpu",
+        dtype="float32",
+        num_kv_blocks=NUM_KV_BLOCKS,
+        block_size=BLOCK_SIZE,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=64,
         log_stats_interval=None,
     )
-    settings = ServerSettings(api_key=API_KEY, chat_template=CHAT_TEMPLATE,
-                              max_body_bytes=64 * 1024)
+    settings = ServerSettings(
+        api_key=API_KEY, chat_template=CHAT_TEMPLATE, max_body_bytes=64 * 1024
+    )
     app = build_app(engine, model_info(engine, [MODEL_NAME, "alias"]), settings)
     srv, thread, port = start_server(app)
     yield ServerHandle(f"http://127.0.0.1:{port}", engine, srv, thread)
@@ -131,6 +139,7 @@ def client(server: ServerHandle) -> Any:
 def http(server: ServerHandle) -> Iterator[Any]:
     import httpx
 
-    with httpx.Client(base_url=server.base_url, timeout=60,
-                      headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+    with httpx.Client(
+        base_url=server.base_url, timeout=60, headers={"Authorization": f"Bearer {API_KEY}"}
+    ) as c:
         yield c

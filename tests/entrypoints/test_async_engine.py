@@ -26,7 +26,9 @@ from pagedllm.outputs import CompletionOutput, RequestOutput
 
 def _output(rid: str, n: int, reason: str | None) -> RequestOutput:
     return RequestOutput(
-        request_id=rid, prompt=None, prompt_token_ids=[1],
+        request_id=rid,
+        prompt=None,
+        prompt_token_ids=[1],
         outputs=[CompletionOutput(0, "x" * n, list(range(n)), finish_reason=reason)],
         finished=reason is not None,
     )
@@ -45,8 +47,15 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.shut_down = False
 
-    def add_request(self, rid: str, prompt: Any, params: SamplingParams, *,
-                    priority: int = 0, arrival_time: float | None = None) -> None:
+    def add_request(
+        self,
+        rid: str,
+        prompt: Any,
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
         if rid in self.requests:
             raise ValueError(f"request_id: {rid!r} is already in use")
         if prompt == "bad":
@@ -78,9 +87,14 @@ class FakeEngine:
         return outs
 
     def get_stats(self) -> dict[str, float]:
-        return {"num_requests_running": len(self.requests), "num_requests_waiting": 0,
-                "num_requests_swapped": 0, "kv_cache_usage_perc": 0.0,
-                "prompt_tokens_total": 0, "generation_tokens_total": 0}
+        return {
+            "num_requests_running": len(self.requests),
+            "num_requests_waiting": 0,
+            "num_requests_swapped": 0,
+            "kv_cache_usage_perc": 0.0,
+            "prompt_tokens_total": 0,
+            "generation_tokens_total": 0,
+        }
 
     def shutdown(self) -> None:
         self.shut_down = True
@@ -90,8 +104,9 @@ def _run(coro: Any) -> Any:
     return asyncio.run(asyncio.wait_for(coro, timeout=20))
 
 
-async def _collect(engine: AsyncEngine, prompt: Any, max_tokens: int, rid: str
-                   ) -> list[RequestOutput]:
+async def _collect(
+    engine: AsyncEngine, prompt: Any, max_tokens: int, rid: str
+) -> list[RequestOutput]:
     return [o async for o in engine.generate(prompt, SamplingParams(max_tokens=max_tokens), rid)]
 
 
@@ -237,13 +252,25 @@ def test_shutdown_lets_short_requests_finish_and_aborts_the_rest() -> None:
 
 
 def test_stat_logger_reports_throughput_while_busy() -> None:
-    stats = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "num_requests_running": 0,
-             "num_requests_waiting": 0, "num_requests_swapped": 0, "kv_cache_usage_perc": 0.0}
+    stats = {
+        "prompt_tokens_total": 0,
+        "generation_tokens_total": 0,
+        "num_requests_running": 0,
+        "num_requests_waiting": 0,
+        "num_requests_swapped": 0,
+        "kv_cache_usage_perc": 0.0,
+    }
     log = StatLogger(interval=5.0, last_time=100.0)
     assert log.maybe_log(stats, now=103.0) is None  # too soon
     assert log.maybe_log(stats, now=105.0) is None  # idle: nothing to say
-    busy = {**stats, "prompt_tokens_total": 500, "generation_tokens_total": 100,
-            "num_requests_running": 3, "num_requests_waiting": 2, "kv_cache_usage_perc": 0.25}
+    busy = {
+        **stats,
+        "prompt_tokens_total": 500,
+        "generation_tokens_total": 100,
+        "num_requests_running": 3,
+        "num_requests_waiting": 2,
+        "kv_cache_usage_perc": 0.25,
+    }
     line = log.maybe_log(busy, now=110.0)
     assert line is not None
     assert "Avg prompt throughput: 100.0 tokens/s" in line

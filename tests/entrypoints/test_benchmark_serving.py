@@ -36,7 +36,8 @@ def test_benchmark_report(server: Any) -> None:
         assert 0 < p["p50"] <= p["p90"] <= p["p99"] <= p["max"], (key, p)
     assert report["ttft_ms"]["max"] <= report["e2e_ms"]["max"]
     assert report["request_throughput"] > 0 and report["output_throughput"] > 0
-    failed = asyncio.run(bench.run_benchmark(server.base_url, MODEL_NAME, prompts[:2], 5, 2,
-                                             "wrong-key"))
+    failed = asyncio.run(
+        bench.run_benchmark(server.base_url, MODEL_NAME, prompts[:2], 5, 2, "wrong-key")
+    )
     assert failed["failed"] == 2 and "HTTP 401" in failed["errors"][0]
     server.assert_all_blocks_free()

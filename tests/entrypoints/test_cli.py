@@ -34,25 +34,49 @@ def test_version_and_help(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         cli.main(["serve", "--help"])
     out = capsys.readouterr().out
-    for flag in ("--device", "--api-key", "--max-model-len", "--kv-cache-space",
-                 "--chat-template", "--served-model-name", "--enable-prefix-caching"):
+    for flag in (
+        "--device",
+        "--api-key",
+        "--max-model-len",
+        "--kv-cache-space",
+        "--chat-template",
+        "--served-model-name",
+        "--enable-prefix-caching",
+    ):
         assert flag in out
 
 
 def test_engine_flags_reach_engine_args() -> None:
     args = cli.build_parser().parse_args(
-        ["serve", "m", "--max-num-seqs", "4", "--block-size", "8", "--enable-prefix-caching",
-         "--preemption-mode", "swap", "--kv-cache-space", "0.5"])
-    assert cli.engine_kwargs(args) == {"max_num_seqs": 4, "block_size": 8,
-                                       "enable_prefix_caching": True, "preemption_mode": "swap",
-                                       "kv_cache_space": 0.5}
+        [
+            "serve",
+            "m",
+            "--max-num-seqs",
+            "4",
+            "--block-size",
+            "8",
+            "--enable-prefix-caching",
+            "--preemption-mode",
+            "swap",
+            "--kv-cache-space",
+            "0.5",
+        ]
+    )
+    assert cli.engine_kwargs(args) == {
+        "max_num_seqs": 4,
+        "block_size": 8,
+        "enable_prefix_caching": True,
+        "preemption_mode": "swap",
+        "kv_cache_space": 0.5,
+    }
     from pagedllm.config import EngineArgs
 
     EngineArgs.from_kwargs("m", **cli.engine_kwargs(args))  # every name is a real engine arg
 
 
-def test_serve_without_model_needs_the_demo_model(monkeypatch: pytest.MonkeyPatch,
-                                                  tmp_path: Path) -> None:
+def test_serve_without_model_needs_the_demo_model(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     from pagedllm.entrypoints import demo
 
     monkeypatch.setattr(demo, "DEMO_MODEL", tmp_path / "no-such-demo")
@@ -66,17 +90,33 @@ def test_generate_streams_the_same_text_as_the_engine(
 ) -> None:
     prompt = "def fibonacci(n):"
     expected = server.offline([prompt], SamplingParams(temperature=0, max_tokens=6))[0]
-    code = cli.main(["generate", str(llama_path), "--prompt", prompt, "--max-tokens", "6",
-                     "--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "16",
-                     "--block-size", "8"])
+    code = cli.main(
+        [
+            "generate",
+            str(llama_path),
+            "--prompt",
+            prompt,
+            "--max-tokens",
+            "6",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--num-kv-blocks",
+            "16",
+            "--block-size",
+            "8",
+        ]
+    )
     captured = capsys.readouterr()
     assert code == 0
     assert captured.out == prompt + expected.outputs[0].text + "\n"
     assert "tokens/s" in captured.err
 
 
-def _wait_healthy(base: str, proc: subprocess.Popen[bytes], log: Path,
-                  timeout: float = 120) -> None:
+def _wait_healthy(
+    base: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 120
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -90,15 +130,35 @@ def _wait_healthy(base: str, proc: subprocess.Popen[bytes], log: Path,
     raise AssertionError("server did not become healthy")
 
 
-def test_serve_subprocess_env_key_and_graceful_sigterm(llama_path: Path, tmp_path: Path
-                                                        ) -> None:
+def test_serve_subprocess_env_key_and_graceful_sigterm(llama_path: Path, tmp_path: Path) -> None:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PAGEDLLM_API_KEY": "env-key", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", str(llama_path),
-           "--port", str(port), "--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "64",
-           "--block-size", "8", "--max-model-len", "128", "--served-model-name", "tiny",
-           "--chat-template", CHAT_TEMPLATE, "--shutdown-timeout", "20"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pagedllm.entrypoints.cli",
+        "serve",
+        str(llama_path),
+        "--port",
+        str(port),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--num-kv-blocks",
+        "64",
+        "--block-size",
+        "8",
+        "--max-model-len",
+        "128",
+        "--served-model-name",
+        "tiny",
+        "--chat-template",
+        CHAT_TEMPLATE,
+        "--shutdown-timeout",
+        "20",
+    ]
     log = tmp_path / "serve.log"
     with log.open("wb") as sink:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT)
@@ -108,12 +168,19 @@ def test_serve_subprocess_env_key_and_graceful_sigterm(llama_path: Path, tmp_pat
         auth = {"Authorization": "Bearer env-key"}
         models = httpx.get(base + "/v1/models", headers=auth).json()
         assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 128
-        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-                "max_tokens": 100, "temperature": 0, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}
+        body = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 100,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         events: list[str] = []
-        with httpx.stream("POST", base + "/v1/chat/completions", json=body, headers=auth,
-                          timeout=60) as r:
+        with httpx.stream(
+            "POST", base + "/v1/chat/completions", json=body, headers=auth, timeout=60
+        ) as r:
             assert r.status_code == 200
             lines = r.iter_lines()
             for line in lines:

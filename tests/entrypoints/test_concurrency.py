@@ -18,8 +18,14 @@ import openai
 from tests.entrypoints.conftest import API_KEY, MODEL_NAME
 
 PROMPTS = [
-    "The quick brown fox", "def fibonacci(n):", "Paged attention keeps", "你好", "import os",
-    "Continuous batching", "A", "Emoji: 🚀",
+    "The quick brown fox",
+    "def fibonacci(n):",
+    "Paged attention keeps",
+    "你好",
+    "import os",
+    "Continuous batching",
+    "A",
+    "Emoji: 🚀",
 ]
 NUM_REQUESTS = 32
 MAX_TOKENS = 24
@@ -32,7 +38,7 @@ def finish_counts(server: Any) -> dict[str, float]:
     counts = {}
     for line in text.splitlines():
         if line.startswith(prefix):
-            label, _, value = line[len(prefix):].partition('"} ')
+            label, _, value = line[len(prefix) :].partition('"} ')
             counts[label] = float(value)
     return counts
 
@@ -64,9 +70,15 @@ class HealthProbe(threading.Thread):
 
 async def _one(client: openai.AsyncOpenAI, i: int, cancel: bool) -> dict[str, Any]:
     stream = await client.completions.create(
-        model=MODEL_NAME, prompt=PROMPTS[i % len(PROMPTS)], max_tokens=MAX_TOKENS,
-        temperature=0 if i % 2 else 0.9, seed=i, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        model=MODEL_NAME,
+        prompt=PROMPTS[i % len(PROMPTS)],
+        max_tokens=MAX_TOKENS,
+        temperature=0 if i % 2 else 0.9,
+        seed=i,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     text, finish, usage, chunks = "", None, None, 0
     async with stream:
         async for chunk in stream:
@@ -94,11 +106,11 @@ def test_32_streams_some_cancelled_free_every_block(server: Any) -> None:
     watcher = threading.Thread(target=watch, daemon=True)
 
     async def main() -> list[dict[str, Any]]:
-        client = openai.AsyncOpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0,
-                                    timeout=60)
+        client = openai.AsyncOpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0, timeout=60)
         async with client:
             return await asyncio.gather(
-                *(_one(client, i, cancel=i % 4 == 3) for i in range(NUM_REQUESTS)))
+                *(_one(client, i, cancel=i % 4 == 3) for i in range(NUM_REQUESTS))
+            )
 
     before = finish_counts(server)
     watcher.start()
@@ -122,8 +134,10 @@ def test_32_streams_some_cancelled_free_every_block(server: Any) -> None:
     assert saw_busy.is_set()
     assert probe.statuses and set(probe.statuses) == {200}
     worst, median = max(probe.latencies), statistics.median(probe.latencies)
-    print(f"/health while busy: {len(probe.latencies)} probes, median {median * 1e3:.1f} ms, "
-          f"max {worst * 1e3:.1f} ms")
+    print(
+        f"/health while busy: {len(probe.latencies)} probes, median {median * 1e3:.1f} ms, "
+        f"max {worst * 1e3:.1f} ms"
+    )
     assert median < 0.2, f"/health median {median * 1e3:.0f} ms while busy"
     # One slow outlier on a loaded 2-core machine is tolerated, a pattern is not.
     slow = [t for t in probe.latencies if t >= 0.2]
@@ -131,8 +145,13 @@ def test_32_streams_some_cancelled_free_every_block(server: Any) -> None:
 
 
 def test_client_timeout_on_non_streaming_request_aborts_it(server: Any) -> None:
-    body = {"model": MODEL_NAME, "prompt": "The quick brown fox", "max_tokens": 120,
-            "temperature": 0, "ignore_eos": True}
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "The quick brown fox",
+        "max_tokens": 120,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     headers = {"Authorization": f"Bearer {API_KEY}"}
     before = finish_counts(server)
     with httpx.Client(base_url=server.base_url, headers=headers, timeout=0.1) as c:
@@ -154,8 +173,7 @@ def test_cancel_while_waiting_for_first_token(server: Any) -> None:
     """Clients that leave before their first token (the engine is stalled) are aborted too."""
 
     async def main() -> None:
-        client = openai.AsyncOpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0,
-                                    timeout=60)
+        client = openai.AsyncOpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0, timeout=60)
         async with client:
             # Hold the engine thread so the requests queue up without any output.
             stall = asyncio.create_task(server.engine.call(_stall, 0.6))

@@ -13,8 +13,7 @@ import pytest
 from tests.entrypoints.conftest import API_KEY, MAX_MODEL_LEN, MODEL_NAME
 
 OK = {"model": MODEL_NAME, "prompt": "The quick brown fox", "max_tokens": 1, "temperature": 0}
-CHAT_OK = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}],
-           "max_tokens": 1}
+CHAT_OK = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 LONG_PROMPT = list(range(3, 3 + MAX_MODEL_LEN + 5))
 
 # (name, body changes (None deletes a field), status, param, code)
@@ -28,8 +27,13 @@ COMPLETION_CASES: list[tuple[str, dict[str, Any], int, str | None, str | None]] 
     ("token id past vocab", {"prompt": [5, 10_000]}, 400, "prompt", "invalid_token_id"),
     ("negative token id", {"prompt": [[5, -1]]}, 400, "prompt", "invalid_token_id"),
     ("prompt beyond window", {"prompt": LONG_PROMPT}, 400, "prompt", "context_length_exceeded"),
-    ("prompt + max_tokens beyond window", {"max_tokens": MAX_MODEL_LEN}, 400, "max_tokens",
-     "context_length_exceeded"),
+    (
+        "prompt + max_tokens beyond window",
+        {"max_tokens": MAX_MODEL_LEN},
+        400,
+        "max_tokens",
+        "context_length_exceeded",
+    ),
     ("max_tokens zero", {"max_tokens": 0}, 400, "max_tokens", None),
     ("max_tokens not a number", {"max_tokens": "many"}, 400, "max_tokens", "invalid_value"),
     ("negative temperature", {"temperature": -0.5}, 400, "temperature", None),
@@ -39,8 +43,7 @@ COMPLETION_CASES: list[tuple[str, dict[str, Any], int, str | None, str | None]] 
     ("n zero", {"n": 0}, 400, "n", None),
     ("best_of below n", {"n": 3, "best_of": 2, "temperature": 1}, 400, "best_of", None),
     ("presence_penalty out of range", {"presence_penalty": 3}, 400, "presence_penalty", None),
-    ("frequency_penalty out of range", {"frequency_penalty": -3}, 400, "frequency_penalty",
-     None),
+    ("frequency_penalty out of range", {"frequency_penalty": -3}, 400, "frequency_penalty", None),
     ("repetition_penalty zero", {"repetition_penalty": 0}, 400, "repetition_penalty", None),
     ("min_tokens above max_tokens", {"min_tokens": 5}, 400, "min_tokens", None),
     ("too many logprobs", {"logprobs": 50}, 400, "logprobs", None),
@@ -51,39 +54,99 @@ COMPLETION_CASES: list[tuple[str, dict[str, Any], int, str | None, str | None]] 
     ("stop_token_ids past vocab", {"stop_token_ids": [99999]}, 400, "stop_token_ids", None),
     ("empty stop string", {"stop": [""]}, 400, "stop", None),
     ("suffix unsupported", {"suffix": "tail"}, 400, "suffix", "unsupported_parameter"),
-    ("stream_options without stream", {"stream_options": {"include_usage": True}}, 400,
-     "stream_options", None),
-    ("streaming best_of > n", {"stream": True, "best_of": 2, "temperature": 1}, 400, "best_of",
-     None),
+    (
+        "stream_options without stream",
+        {"stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+        None,
+    ),
+    (
+        "streaming best_of > n",
+        {"stream": True, "best_of": 2, "temperature": 1},
+        400,
+        "best_of",
+        None,
+    ),
     ("bad sampling value while streaming", {"stream": True, "top_p": 7}, 400, "top_p", None),
-    ("window exceeded while streaming", {"stream": True, "prompt": LONG_PROMPT}, 400, "prompt",
-     "context_length_exceeded"),
+    (
+        "window exceeded while streaming",
+        {"stream": True, "prompt": LONG_PROMPT},
+        400,
+        "prompt",
+        "context_length_exceeded",
+    ),
 ]
 
 CHAT_CASES: list[tuple[str, dict[str, Any], int, str | None, str | None]] = [
     ("missing messages", {"messages": None}, 400, "messages", "missing_required_field"),
     ("empty messages", {"messages": []}, 400, "messages", None),
     ("message without role", {"messages": [{"content": "hi"}]}, 400, "messages", None),
-    ("image content", {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "messages",
-     "unsupported_content"),
+    (
+        "image content",
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}],
+                }
+            ]
+        },
+        400,
+        "messages",
+        "unsupported_content",
+    ),
     ("top_logprobs without logprobs", {"top_logprobs": 2}, 400, "top_logprobs", None),
-    ("too many top_logprobs", {"logprobs": True, "top_logprobs": 50}, 400, "top_logprobs",
-     None),
-    ("auto tool choice without a parser",
-     {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice", None),
-    ("tool without a name", {"tools": [{"type": "function", "function": {}}],
-                             "tool_choice": "required"}, 400, "tools", None),
-    ("unknown response_format", {"response_format": {"type": "yaml"}}, 400,
-     "response_format", None),
-    ("invalid json schema", {"response_format": {"type": "json_schema", "json_schema": {
-        "schema": {"type": "nonsense"}}}}, 400, "response_format", None),
+    ("too many top_logprobs", {"logprobs": True, "top_logprobs": 50}, 400, "top_logprobs", None),
+    (
+        "auto tool choice without a parser",
+        {"tools": [{"type": "function", "function": {"name": "f"}}]},
+        400,
+        "tool_choice",
+        None,
+    ),
+    (
+        "tool without a name",
+        {"tools": [{"type": "function", "function": {}}], "tool_choice": "required"},
+        400,
+        "tools",
+        None,
+    ),
+    (
+        "unknown response_format",
+        {"response_format": {"type": "yaml"}},
+        400,
+        "response_format",
+        None,
+    ),
+    (
+        "invalid json schema",
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"schema": {"type": "nonsense"}},
+            }
+        },
+        400,
+        "response_format",
+        None,
+    ),
     ("invalid guided_regex", {"guided_regex": "("}, 400, "guided_regex", None),
-    ("max_completion_tokens beyond window", {"max_completion_tokens": MAX_MODEL_LEN}, 400,
-     "max_tokens", "context_length_exceeded"),
+    (
+        "max_completion_tokens beyond window",
+        {"max_completion_tokens": MAX_MODEL_LEN},
+        400,
+        "max_tokens",
+        "context_length_exceeded",
+    ),
     ("unknown model", {"model": "nope"}, 404, "model", "model_not_found"),
-    ("bad temperature while streaming", {"stream": True, "temperature": -1}, 400, "temperature",
-     None),
+    (
+        "bad temperature while streaming",
+        {"stream": True, "temperature": -1},
+        400,
+        "temperature",
+        None,
+    ),
 ]
 
 
@@ -115,20 +178,25 @@ def _still_serving(http: Any) -> None:
     assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
 
 
-@pytest.mark.parametrize("name,changes,status,param,code", COMPLETION_CASES,
-                         ids=[c[0] for c in COMPLETION_CASES])
-def test_completion_errors(http: Any, name: str, changes: dict[str, Any], status: int,
-                           param: str | None, code: str | None) -> None:
+@pytest.mark.parametrize(
+    "name,changes,status,param,code", COMPLETION_CASES, ids=[c[0] for c in COMPLETION_CASES]
+)
+def test_completion_errors(
+    http: Any, name: str, changes: dict[str, Any], status: int, param: str | None, code: str | None
+) -> None:
     _check_error(http.post("/v1/completions", json=_body(OK, changes)), status, param, code)
     _still_serving(http)
 
 
-@pytest.mark.parametrize("name,changes,status,param,code", CHAT_CASES,
-                         ids=[c[0] for c in CHAT_CASES])
-def test_chat_errors(http: Any, name: str, changes: dict[str, Any], status: int,
-                     param: str | None, code: str | None) -> None:
-    _check_error(http.post("/v1/chat/completions", json=_body(CHAT_OK, changes)), status,
-                 param, code)
+@pytest.mark.parametrize(
+    "name,changes,status,param,code", CHAT_CASES, ids=[c[0] for c in CHAT_CASES]
+)
+def test_chat_errors(
+    http: Any, name: str, changes: dict[str, Any], status: int, param: str | None, code: str | None
+) -> None:
+    _check_error(
+        http.post("/v1/chat/completions", json=_body(CHAT_OK, changes)), status, param, code
+    )
     r = http.post("/v1/chat/completions", json=CHAT_OK)
     assert r.status_code == 200, r.text
 
@@ -136,13 +204,15 @@ def test_chat_errors(http: Any, name: str, changes: dict[str, Any], status: int,
 def test_malformed_bodies(server: Any, http: Any) -> None:
     headers = {"Content-Type": "application/json"}
     for raw in (b"{not json", b"", b"[1, 2]", b'"text"', b'{"model": '):
-        err = _check_error(http.post("/v1/completions", content=raw, headers=headers), 400,
-                           None, "invalid_json")
+        err = _check_error(
+            http.post("/v1/completions", content=raw, headers=headers), 400, None, "invalid_json"
+        )
         assert "JSON" in err["message"]
         _still_serving(http)
     big = b'{"model": "' + b"x" * (80 * 1024) + b'"}'
-    _check_error(http.post("/v1/completions", content=big, headers=headers), 413, None,
-                 "request_too_large")
+    _check_error(
+        http.post("/v1/completions", content=big, headers=headers), 413, None, "request_too_large"
+    )
     _still_serving(http)
     server.assert_all_blocks_free()
 
@@ -161,8 +231,9 @@ def test_chat_without_template_is_a_clear_400(server: Any) -> None:
 
     from pagedllm.entrypoints.openai.api_server import ServerSettings, build_app, model_info
 
-    app = build_app(server.engine, model_info(server.engine, [MODEL_NAME]), ServerSettings(),
-                    owns_engine=False)
+    app = build_app(
+        server.engine, model_info(server.engine, [MODEL_NAME]), ServerSettings(), owns_engine=False
+    )
 
     async def main() -> httpx.Response:
         transport = httpx.ASGITransport(app=app)
@@ -179,10 +250,18 @@ def test_api_key(server: Any, client: Any) -> None:
     import openai
 
     base = server.base_url
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
-                    {"Authorization": f"Basic {API_KEY}"}):
-        for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"),
-                             ("POST", "/v1/chat/completions"), ("POST", "/tokenize")):
+    for headers in (
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": API_KEY},
+        {"Authorization": f"Basic {API_KEY}"},
+    ):
+        for method, path in (
+            ("GET", "/v1/models"),
+            ("POST", "/v1/completions"),
+            ("POST", "/v1/chat/completions"),
+            ("POST", "/tokenize"),
+        ):
             r = httpx.request(method, base + path, json=OK, headers=headers)
             err = _check_error(r, 401, None, "invalid_api_key")
             assert err["type"] == "authentication_error"

@@ -200,8 +200,9 @@ class SliceOnly:
 def test_tensor_parallel_rank_reads_only_its_slices_into_the_stack() -> None:
     from pagedllm.models.checkpoint import _reads_slices
 
-    layer = FusedMoE(num_experts=E, hidden_size=H, intermediate_size=INTER,
-                     tp=TPContext(rank=1, size=2))
+    layer = FusedMoE(
+        num_experts=E, hidden_size=H, intermediate_size=INTER, tp=TPContext(rank=1, size=2)
+    )
     loader = layer.w13_weight.weight_loader
     assert _reads_slices(loader)  # the checkpoint reader hands it lazy slices
     storage = layer.w13_weight.data_ptr()

@@ -73,8 +73,11 @@ def test_weights_are_float32_and_within_budget(model: torch.nn.Module) -> None:
     num_params = sum(p.numel() for p in model.parameters())
     assert num_params * 4 <= MAX_BYTES, f"{num_params} parameters"
     torch.testing.assert_close(
-        model.get_input_embeddings().weight, model.get_output_embeddings().weight,
-        atol=0.0, rtol=0.0, msg="embeddings are meant to be tied",
+        model.get_input_embeddings().weight,
+        model.get_output_embeddings().weight,
+        atol=0.0,
+        rtol=0.0,
+        msg="embeddings are meant to be tied",
     )
 
 
@@ -102,8 +105,12 @@ def test_greedy_generation_of_16_tokens(
     prompt_len = enc["input_ids"].shape[1]
     with torch.no_grad():
         gen = model.generate(
-            **enc, max_new_tokens=16, min_new_tokens=16, do_sample=False,
-            output_logits=True, return_dict_in_generate=True,
+            **enc,
+            max_new_tokens=16,
+            min_new_tokens=16,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
         )
     new = gen.sequences[0, prompt_len:]  # [16]
     assert new.numel() == 16

@@ -65,8 +65,12 @@ def check_against(outs: list[Any], refs: list[Any], label: str) -> None:
 
 @pytest.mark.parametrize(
     ("name", "mode"),
-    [("mixtral", "recompute"), ("qwen2_moe", "swap"), ("qwen3_moe", "recompute"),
-     ("olmoe", "swap")],
+    [
+        ("mixtral", "recompute"),
+        ("qwen2_moe", "swap"),
+        ("qwen3_moe", "recompute"),
+        ("olmoe", "swap"),
+    ],
 )
 def test_family_matches_transformers_with_preemption_and_prefix_caching(
     moe_paths: dict[str, Path], moe_refs: Any, name: str, mode: str
@@ -74,8 +78,13 @@ def test_family_matches_transformers_with_preemption_and_prefix_caching(
     ids, refs = moe_refs(name)
     # 9 prompts of up to ~30 tokens plus 12 new ones cannot all fit in 14 blocks of 8 tokens.
     engine = Engine(
-        str(moe_paths[name]), device="cpu", dtype="float32", block_size=8, num_kv_blocks=14,
-        preemption_mode=mode, enable_prefix_caching=True,
+        str(moe_paths[name]),
+        device="cpu",
+        dtype="float32",
+        block_size=8,
+        num_kv_blocks=14,
+        preemption_mode=mode,
+        enable_prefix_caching=True,
     )
     assert "FusedMoE=" in engine.executor.worker.linear_path()  # type: ignore[attr-defined]
     for attempt in ("cold", "cached"):
@@ -96,8 +105,9 @@ def test_plain_pytorch_expert_path_matches_too(
 
     monkeypatch.setattr(cpu_backend.CpuBackend, "prepare_model", lambda self, model: None)
     ids, refs = moe_refs(name)
-    engine = Engine(str(moe_paths[name]), device="cpu", dtype="float32", block_size=16,
-                    num_kv_blocks=64)
+    engine = Engine(
+        str(moe_paths[name]), device="cpu", dtype="float32", block_size=16, num_kv_blocks=64
+    )
     check_against(generate(engine, ids), refs, f"{name}/torch-path")
 
 
@@ -118,8 +128,18 @@ def test_bfloat16_matches_transformers_in_bfloat16(
 
 
 # -- int8 experts --------------------------------------------------------------------------------
-_QUANTISED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-              ".w1.", ".w2.", ".w3.")
+_QUANTISED = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    ".w1.",
+    ".w2.",
+    ".w3.",
+)
 
 
 def dequantized_copy(src: Path, dst: Path) -> Path:
@@ -146,8 +166,14 @@ def test_int8_experts_equal_transformers_on_the_dequantized_weights(
 
     ids, _ = moe_refs(name)
     refs = hf_greedy(dequantized_copy(moe_paths[name], tmp_path / name), ids, MAX_NEW)
-    engine = Engine(str(moe_paths[name]), device="cpu", dtype="float32", quantization="int8",
-                    block_size=8, num_kv_blocks=96)
+    engine = Engine(
+        str(moe_paths[name]),
+        device="cpu",
+        dtype="float32",
+        quantization="int8",
+        block_size=8,
+        num_kv_blocks=96,
+    )
     model = engine.executor.worker.runner.model  # type: ignore[attr-defined]
     experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
     assert experts and all(m.is_int8 for m in experts)
@@ -187,15 +213,21 @@ def test_expert_parallel_needs_divisible_experts(moe_paths: dict[str, Path]) -> 
     from pagedllm.layers.parallel import TPContext
 
     with pytest.raises(ValueError, match="^tensor_parallel_size: num_experts"):
-        FusedMoE(num_experts=6, hidden_size=8, intermediate_size=8,
-                 tp=TPContext(rank=0, size=4, expert_parallel=True))
+        FusedMoE(
+            num_experts=6,
+            hidden_size=8,
+            intermediate_size=8,
+            tp=TPContext(rank=0, size=4, expert_parallel=True),
+        )
 
 
 @pytest.mark.parametrize(
     ("name", "change"),
-    [("qwen2_moe", {"decoder_sparse_step": 2, "num_hidden_layers": 4}),
-     ("qwen3_moe", {"mlp_only_layers": [1, 2], "num_hidden_layers": 4}),
-     ("qwen3_moe", {"decoder_sparse_step": 3, "mlp_only_layers": [5], "num_hidden_layers": 6})],
+    [
+        ("qwen2_moe", {"decoder_sparse_step": 2, "num_hidden_layers": 4}),
+        ("qwen3_moe", {"mlp_only_layers": [1, 2], "num_hidden_layers": 4}),
+        ("qwen3_moe", {"decoder_sparse_step": 3, "mlp_only_layers": [5], "num_hidden_layers": 6}),
+    ],
 )
 def test_sparse_layers_are_where_transformers_puts_them(name: str, change: dict[str, Any]) -> None:
     from transformers import AutoModelForCausalLM

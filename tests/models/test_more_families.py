@@ -28,37 +28,105 @@ WINDOW = 8
 # 16, 32 (OPT-350m style with project_in/out), 8 (GPT-2), 16 with 8 rotary dims (Phi),
 # 16 with 12 rotary dims and GQA (Phi-3), 32 with q wider than hidden (Gemma), 16 (Qwen3).
 FAMILIES: dict[str, tuple[str, dict[str, Any], int]] = {
-    "opt": ("OPTConfig", dict(
-        hidden_size=64, num_attention_heads=4, ffn_dim=128, num_hidden_layers=2,
-        do_layer_norm_before=True, word_embed_proj_dim=64,
-    ), 16),
-    "opt350m": ("OPTConfig", dict(
-        hidden_size=64, num_attention_heads=2, ffn_dim=96, num_hidden_layers=2,
-        do_layer_norm_before=False, word_embed_proj_dim=32,
-    ), 8),
-    "gpt2": ("GPT2Config", dict(
-        n_embd=64, n_head=8, n_layer=2, n_positions=512, activation_function="gelu_new",
-    ), 16),
-    "phi": ("PhiConfig", dict(
-        hidden_size=64, num_attention_heads=4, intermediate_size=128, num_hidden_layers=2,
-        partial_rotary_factor=0.5, hidden_act="gelu_new",
-    ), 8),
-    "phi3": ("Phi3Config", dict(
-        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
-        num_hidden_layers=2, partial_rotary_factor=0.75, tie_word_embeddings=False,
-    ), 16),
-    "gemma": ("GemmaConfig", dict(
-        hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
-        intermediate_size=128, num_hidden_layers=2, hidden_act="gelu_pytorch_tanh",
-    ), 8),
-    "qwen3": ("Qwen3Config", dict(
-        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        intermediate_size=96, num_hidden_layers=2, tie_word_embeddings=True,
-    ), 16),
-    "mistral_window": ("MistralConfig", dict(
-        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-        num_hidden_layers=2, sliding_window=WINDOW, tie_word_embeddings=False,
-    ), 8),
+    "opt": (
+        "OPTConfig",
+        dict(
+            hidden_size=64,
+            num_attention_heads=4,
+            ffn_dim=128,
+            num_hidden_layers=2,
+            do_layer_norm_before=True,
+            word_embed_proj_dim=64,
+        ),
+        16,
+    ),
+    "opt350m": (
+        "OPTConfig",
+        dict(
+            hidden_size=64,
+            num_attention_heads=2,
+            ffn_dim=96,
+            num_hidden_layers=2,
+            do_layer_norm_before=False,
+            word_embed_proj_dim=32,
+        ),
+        8,
+    ),
+    "gpt2": (
+        "GPT2Config",
+        dict(
+            n_embd=64,
+            n_head=8,
+            n_layer=2,
+            n_positions=512,
+            activation_function="gelu_new",
+        ),
+        16,
+    ),
+    "phi": (
+        "PhiConfig",
+        dict(
+            hidden_size=64,
+            num_attention_heads=4,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            partial_rotary_factor=0.5,
+            hidden_act="gelu_new",
+        ),
+        8,
+    ),
+    "phi3": (
+        "Phi3Config",
+        dict(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            partial_rotary_factor=0.75,
+            tie_word_embeddings=False,
+        ),
+        16,
+    ),
+    "gemma": (
+        "GemmaConfig",
+        dict(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=32,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            hidden_act="gelu_pytorch_tanh",
+        ),
+        8,
+    ),
+    "qwen3": (
+        "Qwen3Config",
+        dict(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            tie_word_embeddings=True,
+        ),
+        16,
+    ),
+    "mistral_window": (
+        "MistralConfig",
+        dict(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            sliding_window=WINDOW,
+            tie_word_embeddings=False,
+        ),
+        8,
+    ),
 }
 
 
@@ -157,8 +225,15 @@ def test_unsupported_architecture_lists_supported() -> None:
     with pytest.raises(ValueError, match="not supported") as info:
         resolve_model_class(["BloomForCausalLM"])
     message = str(info.value)
-    for arch in ("OPTForCausalLM", "GPT2LMHeadModel", "PhiForCausalLM", "Phi3ForCausalLM",
-                 "GemmaForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM"):
+    for arch in (
+        "OPTForCausalLM",
+        "GPT2LMHeadModel",
+        "PhiForCausalLM",
+        "Phi3ForCausalLM",
+        "GemmaForCausalLM",
+        "Qwen3ForCausalLM",
+        "LlamaForCausalLM",
+    ):
         assert arch in message and arch in supported_architectures(), message
 
 
@@ -209,9 +284,7 @@ def legacy_layout(name: str, weights: dict[str, torch.Tensor]) -> dict[str, torc
 
 
 @pytest.mark.parametrize("name", ["gpt2", "opt"])
-def test_legacy_checkpoint_layouts_load_the_same(
-    family_paths: dict[str, Path], name: str
-) -> None:
+def test_legacy_checkpoint_layouts_load_the_same(family_paths: dict[str, Path], name: str) -> None:
     weights = checkpoint(family_paths[name])
     current, legacy = fresh_model(family_paths[name]), fresh_model(family_paths[name])
     current.load_weights(weights.items())

@@ -13,6 +13,7 @@ from pagedllm.backends.base import DeviceBackend
 
 logger = logging.getLogger(__name__)
 
+
 def physical_cores() -> int:
     """Cores this process may run on, counting hyper-threads of one core once."""
     allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None

@@ -21,6 +21,7 @@ from pagedllm.backends.base import DeviceBackend
 
 logger = logging.getLogger(__name__)
 
+
 def triton_supports_xpu() -> bool:
     """True when triton is importable and has its Intel GPU backend (pytorch-triton-xpu)."""
     try:

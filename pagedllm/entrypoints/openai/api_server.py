@@ -72,33 +72,44 @@ def is_json_content_type(value: str | None) -> bool:
         return False
     media = value.split(";", 1)[0].strip().lower()
     return media == "application/json" or (
-        media.startswith("application/") and media.endswith("+json"))
+        media.startswith("application/") and media.endswith("+json")
+    )
 
 
 def model_info(engine: AsyncEngine, served_names: list[str] | None = None) -> ModelInfo:
     info = engine.describe()  # AsyncEngine in-process, or EngineCoreClient (core process)
     root = info["model"]
     names = tuple(served_names or [info["served_model_name"] or root])
-    return ModelInfo(names=names, root=root, max_model_len=info["max_model_len"],
-                     vocab_size=int(info["vocab_size"]), created=int(time.time()))
+    return ModelInfo(
+        names=names,
+        root=root,
+        max_model_len=info["max_model_len"],
+        vocab_size=int(info["vocab_size"]),
+        created=int(time.time()),
+    )
 
 
 _PARSE_IN_POOL_BYTES = 1 << 20  # bodies this large are parsed off the event loop
 
 
-async def read_body(request: Request, model: type[B], limit: int,
-                    offload: Offloader | None = None) -> B:
+async def read_body(
+    request: Request, model: type[B], limit: int, offload: Offloader | None = None
+) -> B:
     """Parse the JSON body into ``model``; 413 past ``limit`` bytes, 400 when it is invalid.
 
     Only a JSON content type is read (415 otherwise): a web page on another origin can send
     text/plain, form or multipart bodies without a CORS preflight, never application/json.
     """
     if not is_json_content_type(request.headers.get("content-type")):
-        raise APIError("request bodies must be JSON, sent with 'Content-Type: application/json'",
-                       status=415, code="unsupported_media_type")
+        raise APIError(
+            "request bodies must be JSON, sent with 'Content-Type: application/json'",
+            status=415,
+            code="unsupported_media_type",
+        )
     declared = request.headers.get("content-length")
-    too_big = APIError(f"request body larger than {limit} bytes", status=413,
-                       code="request_too_large")
+    too_big = APIError(
+        f"request body larger than {limit} bytes", status=413, code="request_too_large"
+    )
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_big
     chunks, size = [], 0
@@ -127,14 +138,23 @@ def _auth_dependency(api_key: str | None) -> Any:
         if scheme.lower() != "bearer" or not hmac.compare_digest(
             token.strip().encode(), api_key.encode()
         ):
-            raise APIError("invalid or missing API key (send 'Authorization: Bearer <key>')",
-                           status=401, type="authentication_error", code="invalid_api_key")
+            raise APIError(
+                "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                status=401,
+                type="authentication_error",
+                code="invalid_api_key",
+            )
 
     return Depends(check)
 
 
-def build_app(engine: AsyncEngine, model: ModelInfo, settings: ServerSettings | None = None, *,
-              owns_engine: bool = True) -> FastAPI:
+def build_app(
+    engine: AsyncEngine,
+    model: ModelInfo,
+    settings: ServerSettings | None = None,
+    *,
+    owns_engine: bool = True,
+) -> FastAPI:
     """The app; with ``owns_engine`` its shutdown also stops the engine."""
     settings = settings or ServerSettings()
 
@@ -147,20 +167,32 @@ def build_app(engine: AsyncEngine, model: ModelInfo, settings: ServerSettings | 
             await engine.shutdown(timeout=min(settings.shutdown_timeout, 5.0))
         offload.shutdown()
 
-    app = FastAPI(title="pagedllm OpenAI-compatible server", version=pagedllm.__version__,
-                  lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="pagedllm OpenAI-compatible server",
+        version=pagedllm.__version__,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
     app.state.on_engine_dead = None
     install_handlers(app)
     app.add_middleware(ArrivalTime)
     tracker = RequestTracker()  # the dashboard's table of requests in flight
     served = TrackingEngine(engine, tracker)
     offload, limits = Offloader(), settings.limits
-    completion = OpenAIServingCompletion(served, model, max_logprobs=settings.max_logprobs,
-                                         offload=offload, limits=limits)
-    chat = OpenAIServingChat(served, model, chat_template=settings.chat_template,
-                             max_logprobs=settings.max_logprobs,
-                             tool_call_parser=settings.tool_call_parser, offload=offload,
-                             limits=limits)
+    completion = OpenAIServingCompletion(
+        served, model, max_logprobs=settings.max_logprobs, offload=offload, limits=limits
+    )
+    chat = OpenAIServingChat(
+        served,
+        model,
+        chat_template=settings.chat_template,
+        max_logprobs=settings.max_logprobs,
+        tool_call_parser=settings.tool_call_parser,
+        offload=offload,
+        limits=limits,
+    )
     metrics = ServerMetrics(engine)
     app.state.engine, app.state.metrics = engine, metrics
     auth = _auth_dependency(settings.api_key)
@@ -172,8 +204,9 @@ def build_app(engine: AsyncEngine, model: ModelInfo, settings: ServerSettings | 
     @app.get("/health")
     async def health() -> Response:
         if not engine.is_healthy:
-            raise APIError(f"engine unhealthy: {engine.dead_error}", status=503,
-                           type="service_unavailable")
+            raise APIError(
+                f"engine unhealthy: {engine.dead_error}", status=503, type="service_unavailable"
+            )
         return JSONResponse({"status": "ok"})
 
     @app.get("/version")
@@ -188,9 +221,18 @@ def build_app(engine: AsyncEngine, model: ModelInfo, settings: ServerSettings | 
 
     @v1.get("/models")
     async def models() -> dict[str, Any]:
-        data = [{"id": name, "object": "model", "created": model.created, "owned_by": "pagedllm",
-                 "root": model.root, "parent": None, "max_model_len": model.max_model_len}
-                for name in model.names]
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": model.created,
+                "owned_by": "pagedllm",
+                "root": model.root,
+                "parent": None,
+                "max_model_len": model.max_model_len,
+            }
+            for name in model.names
+        ]
         return {"object": "list", "data": data}
 
     @v1.post("/completions")
@@ -214,12 +256,16 @@ def build_app(engine: AsyncEngine, model: ModelInfo, settings: ServerSettings | 
         if (req.prompt is None) == (req.messages is None):
             raise APIError("give exactly one of 'prompt' and 'messages'", param="prompt")
         if req.messages is not None:
-            ids = (await offload.run(chat.render, req.messages,
-                                     add_generation_prompt=req.add_generation_prompt)).token_ids
+            ids = (
+                await offload.run(
+                    chat.render, req.messages, add_generation_prompt=req.add_generation_prompt
+                )
+            ).token_ids
         else:
             limits.check_chars(len(req.prompt), "prompt")
-            ids = await offload.run(engine.tokenizer.encode, req.prompt,
-                                    add_special_tokens=req.add_special_tokens)
+            ids = await offload.run(
+                engine.tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens
+            )
         offload.trim_later(len(ids))
         return {"tokens": ids, "count": len(ids), "max_model_len": model.max_model_len}
 
@@ -276,8 +322,9 @@ def _add_docs(app: FastAPI, auth: Any) -> None:
     app.include_router(docs)
 
 
-async def _watch_engine(app: FastAPI, engine: AsyncEngine, interval: float = 0.2,
-                        grace: float = 2.0) -> None:
+async def _watch_engine(
+    app: FastAPI, engine: AsyncEngine, interval: float = 0.2, grace: float = 2.0
+) -> None:
     """A broken engine (a step failing whatever it runs) ends the server: /health answers 503
     for ``grace`` seconds (for whoever watches it), then ``run_server`` exits non-zero."""
     while engine.is_healthy:
@@ -321,8 +368,10 @@ class GracefulServer:
             self.server.should_exit = True
             self.engine.stop_accepting()
             self._timer = threading.Timer(
-                self.shutdown_timeout, self.engine.cut_in_flight,
-                args=("the server is shutting down",))
+                self.shutdown_timeout,
+                self.engine.cut_in_flight,
+                args=("the server is shutting down",),
+            )
             self._timer.daemon = True
             self._timer.start()
         elif sig == signal.SIGINT and not self.forced:
@@ -348,24 +397,36 @@ class GracefulServer:
         return 1 if failed else 0
 
 
-def uvicorn_config(app: FastAPI, settings: ServerSettings, *, host: str, port: int,
-                   log_level: str) -> Any:
+def uvicorn_config(
+    app: FastAPI, settings: ServerSettings, *, host: str, port: int, log_level: str
+) -> Any:
     """uvicorn's settings for this app: its connection limits and shutdown wait."""
     import uvicorn
 
     return uvicorn.Config(
-        app, host=host, port=port, log_level=log_level,
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
         http=timed_protocol(settings.read_timeout),
         # uvicorn's own wait outlasts ours: we cut the requests first, they then end cleanly.
         timeout_graceful_shutdown=max(1, int(settings.shutdown_timeout) + 10),
         timeout_keep_alive=max(1, int(settings.timeout_keep_alive)),
         h11_max_incomplete_event_size=settings.h11_max_incomplete_event_size,
         log_config=None,  # uvicorn logs through our root logger
-        access_log=log_level == "debug")
+        access_log=log_level == "debug",
+    )
 
 
-def run_server(engine: AsyncEngine, model: ModelInfo, settings: ServerSettings, *,
-               host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> int:
+def run_server(
+    engine: AsyncEngine,
+    model: ModelInfo,
+    settings: ServerSettings,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    log_level: str = "info",
+) -> int:
     """Serve until SIGTERM/SIGINT (see :class:`GracefulServer`); returns the exit status."""
 
     app = build_app(engine, model, settings)

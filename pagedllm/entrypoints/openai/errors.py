@@ -26,8 +26,15 @@ _PARAM_ALIASES = {"prompt_token_ids": "prompt", "request_id": None, "sampling_pa
 class APIError(Exception):
     """A request the server refuses; ``status`` is the HTTP status code."""
 
-    def __init__(self, message: str, *, status: int = 400, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
@@ -36,8 +43,14 @@ class APIError(Exception):
         self.code = code
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status)
@@ -47,8 +60,9 @@ class APIError(Exception):
         return f"data: {json.dumps(self.body())}\n\n"
 
 
-def from_value_error(exc: ValueError, *, default_param: str | None = None,
-                     aliases: dict[str, str] | None = None) -> APIError:
+def from_value_error(
+    exc: ValueError, *, default_param: str | None = None, aliases: dict[str, str] | None = None
+) -> APIError:
     """Map the engine's ``ValueError("field: message")`` to a 400 naming that field."""
     text = str(exc)
     field, sep, _ = text.partition(": ")
@@ -60,8 +74,12 @@ def from_value_error(exc: ValueError, *, default_param: str | None = None,
 
 
 def model_not_found(name: str | None, served: list[str]) -> APIError:
-    return APIError(f"The model '{name}' does not exist; this server serves {served}",
-                    status=404, param="model", code="model_not_found")
+    return APIError(
+        f"The model '{name}' does not exist; this server serves {served}",
+        status=404,
+        param="model",
+        code="model_not_found",
+    )
 
 
 def from_validation_error(exc: ValidationError | RequestValidationError) -> APIError:
@@ -75,8 +93,9 @@ def from_validation_error(exc: ValidationError | RequestValidationError) -> APIE
     param = loc[0] if loc else None
     where = ".".join(loc)
     if kind == "missing":
-        return APIError(f"missing required field '{where}'", param=param,
-                        code="missing_required_field")
+        return APIError(
+            f"missing required field '{where}'", param=param, code="missing_required_field"
+        )
     if kind in ("model_type", "dict_type") and not loc:
         return APIError("the request body must be a JSON object", code="invalid_json")
     message = f"{where}: {first.get('msg', 'invalid value')}" if where else str(first.get("msg"))
@@ -107,6 +126,9 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        err = APIError(f"internal server error: {type(exc).__name__}: {exc}", status=500,
-                       type="internal_server_error")
+        err = APIError(
+            f"internal server error: {type(exc).__name__}: {exc}",
+            status=500,
+            type="internal_server_error",
+        )
         return err.response()

@@ -35,16 +35,56 @@ _COUNTERS = {
     "prefix_cache_queries": ("prefix_cache_queries_total", "Blocks looked up in the prefix cache."),
     "prefix_cache_hits": ("prefix_cache_hits_total", "Blocks found in the prefix cache."),
     "num_preemptions_recompute": (
-        "num_preemptions_recompute_total", "Preemptions that freed blocks for recompute."),
+        "num_preemptions_recompute_total",
+        "Preemptions that freed blocks for recompute.",
+    ),
     "num_preemptions_swap": (
-        "num_preemptions_swap_total", "Preemptions that swapped blocks to host memory."),
+        "num_preemptions_swap_total",
+        "Preemptions that swapped blocks to host memory.",
+    ),
     "chunked_prefill_steps": (
-        "chunked_prefill_steps_total", "Steps that ran part of a prompt (chunked prefill)."),
+        "chunked_prefill_steps_total",
+        "Steps that ran part of a prompt (chunked prefill).",
+    ),
 }
-_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                    7.5, 10.0, 20.0, 40.0, 80.0)
-_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
-                  0.75, 1.0, 2.5)
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_TOKEN_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+)
 
 
 class EngineStatsCollector(Collector):
@@ -66,30 +106,49 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(EngineStatsCollector(engine.get_stats))
         self.ttft = Histogram(
-            PREFIX + "time_to_first_token_seconds", "Time from arrival to the first token.",
-            buckets=_LATENCY_BUCKETS, registry=self.registry)
+            PREFIX + "time_to_first_token_seconds",
+            "Time from arrival to the first token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.tpot = Histogram(
-            PREFIX + "time_per_output_token_seconds", "Mean time between output tokens.",
-            buckets=_TOKEN_BUCKETS, registry=self.registry)
+            PREFIX + "time_per_output_token_seconds",
+            "Mean time between output tokens.",
+            buckets=_TOKEN_BUCKETS,
+            registry=self.registry,
+        )
         self.e2e = Histogram(
-            PREFIX + "e2e_request_latency_seconds", "Time from arrival to the last token.",
-            buckets=_LATENCY_BUCKETS, registry=self.registry)
+            PREFIX + "e2e_request_latency_seconds",
+            "Time from arrival to the last token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.finished = Counter(
-            PREFIX + "request_success", "Finished requests by finish reason.",
-            labelnames=("finished_reason",), registry=self.registry)
+            PREFIX + "request_success",
+            "Finished requests by finish reason.",
+            labelnames=("finished_reason",),
+            registry=self.registry,
+        )
         # The split between the API server and the engine core (see engine/core_client.py).
         self.timings = {
             "server_queue": Histogram(
                 PREFIX + "server_queue_time_seconds",
                 "Time from the HTTP request's arrival to the request's arrival in the engine core.",
-                buckets=_TOKEN_BUCKETS, registry=self.registry),
+                buckets=_TOKEN_BUCKETS,
+                registry=self.registry,
+            ),
             "core_queue": Histogram(
                 PREFIX + "core_queue_time_seconds",
                 "Time from arrival in the engine core to first being scheduled.",
-                buckets=_LATENCY_BUCKETS, registry=self.registry),
+                buckets=_LATENCY_BUCKETS,
+                registry=self.registry,
+            ),
             "step": Histogram(
-                PREFIX + "step_time_seconds", "Time of one engine step in the engine core.",
-                buckets=_TOKEN_BUCKETS, registry=self.registry),
+                PREFIX + "step_time_seconds",
+                "Time of one engine step in the engine core.",
+                buckets=_TOKEN_BUCKETS,
+                registry=self.registry,
+            ),
         }
         # (finish time, TTFT, TPOT) of recent requests: the dashboard's latency percentiles over
         # the last minutes come from the same observations as the histograms.

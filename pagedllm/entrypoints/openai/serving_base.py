@@ -169,8 +169,15 @@ class ServingBase:
 
     prompt_param = "prompt"
 
-    def __init__(self, engine: AsyncEngine, model: ModelInfo, *, max_logprobs: int = 20,
-                 offload: Offloader | None = None, limits: RequestLimits | None = None) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        model: ModelInfo,
+        *,
+        max_logprobs: int = 20,
+        offload: Offloader | None = None,
+        limits: RequestLimits | None = None,
+    ) -> None:
         self.engine = engine
         self.model = model
         self.max_logprobs = max_logprobs
@@ -195,8 +202,11 @@ class ServingBase:
         vocab = self.model.vocab_size
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise APIError(f"{param}: token id {t!r} is outside the vocabulary [0, {vocab})",
-                               param=param, code="invalid_token_id")
+                raise APIError(
+                    f"{param}: token id {t!r} is outside the vocabulary [0, {vocab})",
+                    param=param,
+                    code="invalid_token_id",
+                )
 
     def resolve_max_tokens(self, prompt_len: int, requested: int | None) -> int:
         """``requested`` (None: the rest of the context window), checked against the window."""
@@ -204,8 +214,10 @@ class ServingBase:
         if prompt_len >= limit:
             raise APIError(
                 f"This model's maximum context length is {limit} tokens, but the prompt has "
-                f"{prompt_len} tokens, leaving no room for output", param=self.prompt_param,
-                code="context_length_exceeded")
+                f"{prompt_len} tokens, leaving no room for output",
+                param=self.prompt_param,
+                code="context_length_exceeded",
+            )
         if requested is None:
             return limit - prompt_len
         if isinstance(requested, int) and requested > 0 and prompt_len + requested > limit:
@@ -213,23 +225,31 @@ class ServingBase:
                 f"This model's maximum context length is {limit} tokens; the prompt has "
                 f"{prompt_len} tokens and max_tokens asks for {requested} more "
                 f"({prompt_len + requested} in all); lower max_tokens or shorten the prompt",
-                param="max_tokens", code="context_length_exceeded")
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
         return requested
 
     def check_stream_flags(self, req: SamplingFields) -> None:
         if req.stream_options is not None and not req.stream:
-            raise APIError("stream_options: only allowed when stream is true",
-                           param="stream_options")
+            raise APIError(
+                "stream_options: only allowed when stream is true", param="stream_options"
+            )
         if req.stream_options is not None and req.stream_options.continuous_usage_stats:
-            raise APIError("stream_options: continuous_usage_stats is not supported",
-                           param="stream_options", code="unsupported_parameter")
+            raise APIError(
+                "stream_options: continuous_usage_stats is not supported",
+                param="stream_options",
+                code="unsupported_parameter",
+            )
         if req.stream and req.best_of is not None and req.best_of > req.n:
-            raise APIError("best_of: streaming is not supported when best_of > n",
-                           param="best_of")
+            raise APIError("best_of: streaming is not supported when best_of > n", param="best_of")
         unknown = [f for f in req.unknown_fields() if f not in IGNORED_FIELDS]
         if unknown:  # a field we would ignore could change what the client expects back
-            raise APIError(f"{unknown[0]}: is not a supported field of this endpoint",
-                           param=unknown[0], code="unsupported_parameter")
+            raise APIError(
+                f"{unknown[0]}: is not a supported field of this endpoint",
+                param=unknown[0],
+                code="unsupported_parameter",
+            )
 
     def _logit_bias(self, bias: dict[str, float] | None) -> dict[int, float] | None:
         if not bias:
@@ -239,30 +259,45 @@ class ServingBase:
             try:
                 token = int(key)
             except ValueError:
-                raise APIError(f"logit_bias: key {key!r} is not a token id",
-                               param="logit_bias") from None
+                raise APIError(
+                    f"logit_bias: key {key!r} is not a token id", param="logit_bias"
+                ) from None
             if not 0 <= token < self.model.vocab_size:
-                raise APIError(f"logit_bias: token id {token} is outside the vocabulary "
-                               f"[0, {self.model.vocab_size})", param="logit_bias")
+                raise APIError(
+                    f"logit_bias: token id {token} is outside the vocabulary "
+                    f"[0, {self.model.vocab_size})",
+                    param="logit_bias",
+                )
             if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
-                raise APIError(f"logit_bias: values must be in [-100, 100], got {value}",
-                               param="logit_bias")
+                raise APIError(
+                    f"logit_bias: values must be in [-100, 100], got {value}", param="logit_bias"
+                )
             out[token] = value
         return out
 
-    def sampling_params(self, req: SamplingFields, *, max_tokens: int, logprobs: int | None,
-                        prompt_logprobs: int | None = None,
-                        logprobs_param: str = "logprobs",
-                        guided_decoding: GuidedDecodingParams | None = None) -> SamplingParams:
+    def sampling_params(
+        self,
+        req: SamplingFields,
+        *,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        logprobs_param: str = "logprobs",
+        guided_decoding: GuidedDecodingParams | None = None,
+    ) -> SamplingParams:
         """The request's sampling fields as validated SamplingParams (400 naming the field)."""
         if logprobs is not None and logprobs > self.max_logprobs:
-            raise APIError(f"{logprobs_param}: at most {self.max_logprobs} are supported, got "
-                           f"{logprobs}", param=logprobs_param)
+            raise APIError(
+                f"{logprobs_param}: at most {self.max_logprobs} are supported, got {logprobs}",
+                param=logprobs_param,
+            )
         stop_ids = list(req.stop_token_ids or [])
         bad = [t for t in stop_ids if not 0 <= t < self.model.vocab_size]
         if bad:
-            raise APIError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary",
-                           param="stop_token_ids")
+            raise APIError(
+                f"stop_token_ids: token id {bad[0]} is outside the vocabulary",
+                param="stop_token_ids",
+            )
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
 
         def pick(value: Any, default: Any) -> Any:
@@ -270,17 +305,25 @@ class ServingBase:
 
         try:
             return SamplingParams(
-                n=req.n, best_of=req.best_of,
-                temperature=pick(req.temperature, 1.0), top_p=pick(req.top_p, 1.0),
-                top_k=pick(req.top_k, -1), min_p=pick(req.min_p, 0.0), seed=req.seed,
+                n=req.n,
+                best_of=req.best_of,
+                temperature=pick(req.temperature, 1.0),
+                top_p=pick(req.top_p, 1.0),
+                top_k=pick(req.top_k, -1),
+                min_p=pick(req.min_p, 0.0),
+                seed=req.seed,
                 presence_penalty=pick(req.presence_penalty, 0.0),
                 frequency_penalty=pick(req.frequency_penalty, 0.0),
                 repetition_penalty=pick(req.repetition_penalty, 1.0),
                 logit_bias=self._logit_bias(req.logit_bias),
-                stop=stop, stop_token_ids=stop_ids,
+                stop=stop,
+                stop_token_ids=stop_ids,
                 include_stop_str_in_output=req.include_stop_str_in_output,
-                ignore_eos=req.ignore_eos, max_tokens=max_tokens, min_tokens=req.min_tokens,
-                logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                ignore_eos=req.ignore_eos,
+                max_tokens=max_tokens,
+                min_tokens=req.min_tokens,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=req.skip_special_tokens,
                 spaces_between_special_tokens=req.spaces_between_special_tokens,
                 guided_decoding=guided_decoding,
@@ -290,8 +333,13 @@ class ServingBase:
 
     # -- running -------------------------------------------------------------------------------
     async def start(
-        self, request_id: str, prompts: list[PromptInput], params: list[SamplingParams],
-        *, priority: int, raw_request: Request | None,
+        self,
+        request_id: str,
+        prompts: list[PromptInput],
+        params: list[SamplingParams],
+        *,
+        priority: int,
+        raw_request: Request | None,
     ) -> list[tuple[RequestStream, RequestOutput]]:
         """Add every prompt and wait for each one's first output; any failure aborts them all."""
         streams: list[RequestStream] = []
@@ -300,34 +348,48 @@ class ServingBase:
                 engine_prompt = {"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}
                 try:
                     with engine_errors():
-                        streams.append(await self.engine.add_request(
-                            f"{request_id}-{i}", engine_prompt, sp, priority=priority,
-                            arrival_time=arrival_time(raw_request)))
+                        streams.append(
+                            await self.engine.add_request(
+                                f"{request_id}-{i}",
+                                engine_prompt,
+                                sp,
+                                priority=priority,
+                                arrival_time=arrival_time(raw_request),
+                            )
+                        )
                 except ValueError as exc:
                     raise from_value_error(
-                        exc, default_param=self.prompt_param,
-                        aliases={"prompt": self.prompt_param,
-                                 "prompt_token_ids": self.prompt_param}) from exc
+                        exc,
+                        default_param=self.prompt_param,
+                        aliases={
+                            "prompt": self.prompt_param,
+                            "prompt_token_ids": self.prompt_param,
+                        },
+                    ) from exc
             with engine_errors():
                 firsts = await until_disconnected(
-                    raw_request, asyncio.gather(*(anext(s) for s in streams)))
+                    raw_request, asyncio.gather(*(anext(s) for s in streams))
+                )
             for first in firsts:
                 if first.error:
-                    raise APIError(first.error, param=self.prompt_param,
-                                   code="context_length_exceeded")
+                    raise APIError(
+                        first.error, param=self.prompt_param, code="context_length_exceeded"
+                    )
             return list(zip(streams, firsts, strict=True))
         except BaseException:
             for stream in streams:
                 stream.abort()
             raise
 
-    async def collect(self, pairs: list[tuple[RequestStream, RequestOutput]],
-                      raw_request: Request | None) -> list[RequestOutput]:
+    async def collect(
+        self, pairs: list[tuple[RequestStream, RequestOutput]], raw_request: Request | None
+    ) -> list[RequestOutput]:
         """Run every request to the end (non-streaming); aborts them if the client leaves."""
         try:
             with engine_errors():
                 return await until_disconnected(
-                    raw_request, asyncio.gather(*(_last(s, f) for s, f in pairs)))
+                    raw_request, asyncio.gather(*(_last(s, f) for s, f in pairs))
+                )
         finally:
             for stream, _ in pairs:
                 stream.abort()
@@ -336,13 +398,17 @@ class ServingBase:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def top_entries(self, entry: dict[int, float] | None, limit: int | None = None
-                    ) -> list[tuple[int, float]]:
+    def top_entries(
+        self, entry: dict[int, float] | None, limit: int | None = None
+    ) -> list[tuple[int, float]]:
         """A logprob dict as (token, logprob), most likely first."""
         items = sorted((entry or {}).items(), key=lambda kv: kv[1], reverse=True)
         return items if limit is None else items[:limit]
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }

@@ -62,9 +62,11 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             texts = []
             for part in content:
                 if part.type != "text" or part.text is None:
-                    raise APIError(f"messages.{i}.content: only text parts are supported, got "
-                                   f"{part.type!r}", param="messages",
-                                   code="unsupported_content")
+                    raise APIError(
+                        f"messages.{i}.content: only text parts are supported, got {part.type!r}",
+                        param="messages",
+                        code="unsupported_content",
+                    )
                 texts.append(part.text)
             content = "\n".join(texts)
         item: dict[str, Any] = {"role": m.role, "content": content or ""}
@@ -86,17 +88,29 @@ def _chars(content: Any) -> int:
 class OpenAIServingChat(ServingBase):
     prompt_param = "messages"
 
-    def __init__(self, engine: AsyncEngine, model: ModelInfo, *, chat_template: str | None = None,
-                 max_logprobs: int = 20, tool_call_parser: str | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        model: ModelInfo,
+        *,
+        chat_template: str | None = None,
+        max_logprobs: int = 20,
+        tool_call_parser: str | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(engine, model, max_logprobs=max_logprobs, **kwargs)
         self.chat_template = chat_template
         self.tool_call_parser = tool_call_parser
 
-    def render(self, messages: list[ChatMessage], *, add_generation_prompt: bool = True,
-               continue_final_message: bool = False,
-               template_kwargs: dict[str, Any] | None = None,
-               tools: list[dict[str, Any]] | None = None) -> PromptInput:
+    def render(
+        self,
+        messages: list[ChatMessage],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> PromptInput:
         """The conversation as prompt text and token ids, via the chat template."""
         if not messages:
             raise APIError("messages: must not be empty", param="messages")
@@ -105,59 +119,80 @@ class OpenAIServingChat(ServingBase):
         if not template:
             raise APIError(
                 "this model has no chat template; start the server with --chat-template "
-                "(a file or a Jinja string) or use /v1/completions", param="messages",
-                code="chat_template_missing")
+                "(a file or a Jinja string) or use /v1/completions",
+                param="messages",
+                code="chat_template_missing",
+            )
         try:
             text = self.tokenizer.apply_chat_template(
-                message_dicts(messages), chat_template=template, tokenize=False,
+                message_dicts(messages),
+                chat_template=template,
+                tokenize=False,
                 add_generation_prompt=add_generation_prompt and not continue_final_message,
                 continue_final_message=continue_final_message,
-                **({"tools": tools} if tools else {}), **(template_kwargs or {}))
+                **({"tools": tools} if tools else {}),
+                **(template_kwargs or {}),
+            )
         except APIError:
             raise
         except Exception as exc:  # jinja errors, raise_exception() in templates
-            raise APIError(f"messages: the chat template failed: {exc}",
-                           param="messages") from exc
+            raise APIError(f"messages: the chat template failed: {exc}", param="messages") from exc
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         self.check_token_ids(ids, "messages")
         return PromptInput(text, ids)
 
-    async def create(self, req: ChatCompletionRequest, raw_request: Request | None
-                     ) -> dict[str, Any] | StreamingResponse:
+    async def create(
+        self, req: ChatCompletionRequest, raw_request: Request | None
+    ) -> dict[str, Any] | StreamingResponse:
         self.check_model(req.model)
         plan = plan_tools(req, self.tool_call_parser)
         guided, guided_param = guided_from_request(req)
         if plan.guided is not None:
             if guided is not None:
-                raise APIError(f"{guided_param}: cannot be combined with tool_choice "
-                               f"{req.tool_choice!r}", param=guided_param)
+                raise APIError(
+                    f"{guided_param}: cannot be combined with tool_choice {req.tool_choice!r}",
+                    param=guided_param,
+                )
             guided, guided_param = plan.guided, "tools"
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs: requires logprobs to be true", param="top_logprobs")
         self.check_stream_flags(req)
         prompt = await self.offload.run(
-            self.render, req.messages, add_generation_prompt=req.add_generation_prompt,
-                             continue_final_message=req.continue_final_message,
-                             template_kwargs=req.chat_template_kwargs, tools=plan.tools)
-        requested = req.max_completion_tokens if req.max_completion_tokens is not None \
-            else req.max_tokens
+            self.render,
+            req.messages,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            template_kwargs=req.chat_template_kwargs,
+            tools=plan.tools,
+        )
+        requested = (
+            req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        )
         max_tokens = self.resolve_max_tokens(len(prompt.token_ids), requested)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self.sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
-                                      logprobs_param="top_logprobs", guided_decoding=guided)
+        params = self.sampling_params(
+            req,
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            logprobs_param="top_logprobs",
+            guided_decoding=guided,
+        )
         for schema in plan.schemas.values():  # a malformed parameters schema is a 400 on tools
             await self.guided_validator.check(GuidedDecodingParams(json=schema), "tools")
         await self.guided_validator.check(guided, guided_param)
         self.offload.trim_later(len(prompt.token_ids))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        pairs = await self.start(request_id, [prompt], [params], priority=req.priority,
-                                 raw_request=raw_request)
+        pairs = await self.start(
+            request_id, [prompt], [params], priority=req.priority, raw_request=raw_request
+        )
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
                 self._stream(req, pairs, prompt, request_id, created, include_usage, plan),
-                media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
         (final,) = await self.collect(pairs, raw_request)
         choices = []
         for c in final.outputs:
@@ -165,16 +200,32 @@ class OpenAIServingChat(ServingBase):
             if plan.active:
                 message, reason = tool_message(plan, c)
             choices.append(
-                {"index": c.index, "message": message,
-                 "logprobs": self._logprobs(req, c.token_ids, c.logprobs) if req.logprobs
-                 else None, "finish_reason": reason, "stop_reason": c.stop_reason})
+                {
+                    "index": c.index,
+                    "message": message,
+                    "logprobs": self._logprobs(req, c.token_ids, c.logprobs)
+                    if req.logprobs
+                    else None,
+                    "finish_reason": reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
-        return {"id": request_id, "object": "chat.completion", "created": created,
-                "model": self.model.name, "choices": choices,
-                "usage": usage(len(prompt.token_ids), completion_tokens)}
+        return {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": self.model.name,
+            "choices": choices,
+            "usage": usage(len(prompt.token_ids), completion_tokens),
+        }
 
-    def _logprobs(self, req: ChatCompletionRequest, token_ids: list[int],
-                  entries: list[dict[int, float]] | None) -> dict[str, Any]:
+    def _logprobs(
+        self,
+        req: ChatCompletionRequest,
+        token_ids: list[int],
+        entries: list[dict[int, float]] | None,
+    ) -> dict[str, Any]:
         def item(token: int, logprob: float | None) -> dict[str, Any]:
             text = self.token_text(token)
             return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
@@ -185,12 +236,22 @@ class OpenAIServingChat(ServingBase):
             content.append({**item(token, entry.get(token)), "top_logprobs": top})
         return {"content": content}
 
-    async def _stream(self, req: ChatCompletionRequest,
-                      pairs: list[tuple[RequestStream, RequestOutput]], prompt: PromptInput,
-                      request_id: str, created: int, include_usage: bool,
-                      plan: ToolPlan) -> AsyncIterator[str]:
-        head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                "model": self.model.name}
+    async def _stream(
+        self,
+        req: ChatCompletionRequest,
+        pairs: list[tuple[RequestStream, RequestOutput]],
+        prompt: PromptInput,
+        request_id: str,
+        created: int,
+        include_usage: bool,
+        plan: ToolPlan,
+    ) -> AsyncIterator[str]:
+        head = {
+            "id": request_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": self.model.name,
+        }
 
         def event(choices: list[dict[str, Any]], **extra: Any) -> str:
             body = {**head, "choices": choices, **extra}
@@ -207,13 +268,23 @@ class OpenAIServingChat(ServingBase):
                 for c in out.outputs:
                     if c.index not in sent_text:
                         sent_text[c.index], sent_tokens[c.index] = 0, 0
-                        yield event([{"index": c.index,
-                                      "delta": {"role": "assistant", "content": ""},
-                                      "logprobs": None, "finish_reason": None}])
+                        yield event(
+                            [
+                                {
+                                    "index": c.index,
+                                    "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None,
+                                    "finish_reason": None,
+                                }
+                            ]
+                        )
                     if plan.active:
                         choice = self._tool_delta(
-                            req, c, tool_streams.setdefault(c.index, ToolStreamer(plan)),
-                            sent_tokens)
+                            req,
+                            c,
+                            tool_streams.setdefault(c.index, ToolStreamer(plan)),
+                            sent_tokens,
+                        )
                     else:
                         choice = self._delta(req, c, sent_text, sent_tokens)
                     completion_tokens[c.index] = len(c.token_ids)
@@ -229,8 +300,13 @@ class OpenAIServingChat(ServingBase):
                 stream.abort()
         yield "data: [DONE]\n\n"
 
-    def _delta(self, req: ChatCompletionRequest, c: CompletionOutput, sent_text: dict[int, int],
-               sent_tokens: dict[int, int]) -> dict[str, Any] | None:
+    def _delta(
+        self,
+        req: ChatCompletionRequest,
+        c: CompletionOutput,
+        sent_text: dict[int, int],
+        sent_tokens: dict[int, int],
+    ) -> dict[str, Any] | None:
         text_from, tokens_from = sent_text[c.index], sent_tokens[c.index]
         delta = c.text[text_from:]
         new_tokens = c.token_ids[tokens_from:]
@@ -240,12 +316,21 @@ class OpenAIServingChat(ServingBase):
         lp = None
         if req.logprobs:
             lp = self._logprobs(req, new_tokens, (c.logprobs or [])[tokens_from:])
-        return {"index": c.index, "delta": {"content": delta} if delta else {},
-                "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        return {
+            "index": c.index,
+            "delta": {"content": delta} if delta else {},
+            "logprobs": lp,
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
 
-    def _tool_delta(self, req: ChatCompletionRequest, c: CompletionOutput,
-                    streamer: ToolStreamer, sent_tokens: dict[int, int]
-                    ) -> dict[str, Any] | None:
+    def _tool_delta(
+        self,
+        req: ChatCompletionRequest,
+        c: CompletionOutput,
+        streamer: ToolStreamer,
+        sent_tokens: dict[int, int],
+    ) -> dict[str, Any] | None:
         """One chunk's choice when tools are in play: content or tool-call deltas."""
         delta, reason = streamer.delta(c)
         tokens_from = sent_tokens[c.index]
@@ -256,5 +341,10 @@ class OpenAIServingChat(ServingBase):
         lp = None
         if req.logprobs:
             lp = self._logprobs(req, new_tokens, (c.logprobs or [])[tokens_from:])
-        return {"index": c.index, "delta": delta or {}, "logprobs": lp,
-                "finish_reason": reason, "stop_reason": c.stop_reason}
+        return {
+            "index": c.index,
+            "delta": delta or {},
+            "logprobs": lp,
+            "finish_reason": reason,
+            "stop_reason": c.stop_reason,
+        }

@@ -29,7 +29,8 @@ _PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of 
 
 def _is_ids(value: Any) -> bool:
     return isinstance(value, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value)
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    )
 
 
 class OpenAIServingCompletion(ServingBase):
@@ -41,8 +42,10 @@ class OpenAIServingCompletion(ServingBase):
             items: list[Any] = [prompt]
         elif isinstance(prompt, list) and prompt and _is_ids(prompt):
             items = [prompt]
-        elif isinstance(prompt, list) and prompt and (
-            all(isinstance(p, str) for p in prompt) or all(_is_ids(p) for p in prompt)
+        elif (
+            isinstance(prompt, list)
+            and prompt
+            and (all(isinstance(p, str) for p in prompt) or all(_is_ids(p) for p in prompt))
         ):
             items = prompt
         else:
@@ -58,12 +61,16 @@ class OpenAIServingCompletion(ServingBase):
             self.check_token_ids(out[-1].token_ids, "prompt")
         return out
 
-    async def create(self, req: CompletionRequest, raw_request: Request | None
-                     ) -> dict[str, Any] | StreamingResponse:
+    async def create(
+        self, req: CompletionRequest, raw_request: Request | None
+    ) -> dict[str, Any] | StreamingResponse:
         self.check_model(req.model)
         if req.suffix is not None:
-            raise APIError("suffix: is not supported by this server", param="suffix",
-                           code="unsupported_parameter")
+            raise APIError(
+                "suffix: is not supported by this server",
+                param="suffix",
+                code="unsupported_parameter",
+            )
         self.check_stream_flags(req)
         prompts = await self.offload.run(self.parse_prompts, req.prompt)
         self.offload.trim_later(sum(len(p.token_ids) for p in prompts))
@@ -72,26 +79,40 @@ class OpenAIServingCompletion(ServingBase):
         params = []
         for p in prompts:
             max_tokens = self.resolve_max_tokens(len(p.token_ids), req.max_tokens)
-            params.append(self.sampling_params(
-                req, max_tokens=max_tokens, logprobs=logprobs,
-                prompt_logprobs=logprobs if req.echo and logprobs is not None else None,
-                guided_decoding=guided))
+            params.append(
+                self.sampling_params(
+                    req,
+                    max_tokens=max_tokens,
+                    logprobs=logprobs,
+                    prompt_logprobs=logprobs if req.echo and logprobs is not None else None,
+                    guided_decoding=guided,
+                )
+            )
         await self.guided_validator.check(guided, guided_param)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        pairs = await self.start(request_id, prompts, params, priority=req.priority,
-                                 raw_request=raw_request)
+        pairs = await self.start(
+            request_id, prompts, params, priority=req.priority, raw_request=raw_request
+        )
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
                 self._stream(req, pairs, prompts, request_id, created, include_usage),
-                media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
         finals = await self.collect(pairs, raw_request)
         return self._response(req, finals, prompts, request_id, created)
 
     # -- non-streaming ---------------------------------------------------------------------------
-    def _response(self, req: CompletionRequest, finals: list[RequestOutput],
-                  prompts: list[PromptInput], request_id: str, created: int) -> dict[str, Any]:
+    def _response(
+        self,
+        req: CompletionRequest,
+        finals: list[RequestOutput],
+        prompts: list[PromptInput],
+        request_id: str,
+        created: int,
+    ) -> dict[str, Any]:
         choices = []
         completion_tokens = 0
         for i, (final, prompt) in enumerate(zip(finals, prompts, strict=True)):
@@ -105,20 +126,33 @@ class OpenAIServingCompletion(ServingBase):
                     if lp is not None:
                         lp = self._merge_echo(prompt, final, lp, len(prompt_text))
                     text = prompt_text + text
-                choices.append({"index": i * req.n + c.index, "text": text, "logprobs": lp,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                choices.append(
+                    {
+                        "index": i * req.n + c.index,
+                        "text": text,
+                        "logprobs": lp,
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                )
         prompt_tokens = sum(len(p.token_ids) for p in prompts)
-        return {"id": request_id, "object": "text_completion", "created": created,
-                "model": self.model.name, "choices": choices,
-                "usage": usage(prompt_tokens, completion_tokens)}
+        return {
+            "id": request_id,
+            "object": "text_completion",
+            "created": created,
+            "model": self.model.name,
+            "choices": choices,
+            "usage": usage(prompt_tokens, completion_tokens),
+        }
 
     def _prompt_text(self, prompt: PromptInput) -> str:
         if prompt.text is not None:
             return prompt.text
         return self.tokenizer.decode(prompt.token_ids)
 
-    def _logprobs(self, token_ids: list[int], entries: list[dict[int, float]],
-                  offset: int) -> dict[str, Any]:
+    def _logprobs(
+        self, token_ids: list[int], entries: list[dict[int, float]], offset: int
+    ) -> dict[str, Any]:
         """OpenAI's legacy logprobs object for generated tokens, text offsets from ``offset``."""
         tokens, token_lps, tops, offsets = [], [], [], []
         for token, entry in zip(token_ids, entries, strict=False):
@@ -128,11 +162,16 @@ class OpenAIServingCompletion(ServingBase):
             tops.append({self.token_text(t): v for t, v in self.top_entries(entry)})
             offsets.append(offset)
             offset += len(text)
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
-                "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_lps,
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
 
-    def _merge_echo(self, prompt: PromptInput, final: RequestOutput, lp: dict[str, Any],
-                    prompt_chars: int) -> dict[str, Any]:
+    def _merge_echo(
+        self, prompt: PromptInput, final: RequestOutput, lp: dict[str, Any], prompt_chars: int
+    ) -> dict[str, Any]:
         """Prepend the prompt tokens (and their logprobs, first one None) for ``echo``."""
         entries = list(final.prompt_logprobs or [])
         entries += [None] * (len(prompt.token_ids) - len(entries))
@@ -141,26 +180,40 @@ class OpenAIServingCompletion(ServingBase):
             text = self.token_text(token)
             tokens.append(text)
             token_lps.append(None if entry is None else entry.get(token))
-            tops.append(None if entry is None else
-                        {self.token_text(t): v for t, v in self.top_entries(entry)})
+            tops.append(
+                None
+                if entry is None
+                else {self.token_text(t): v for t, v in self.top_entries(entry)}
+            )
             offsets.append(offset)
             offset += len(text)
         shift = prompt_chars
-        return {"tokens": tokens + lp["tokens"],
-                "token_logprobs": token_lps + lp["token_logprobs"],
-                "top_logprobs": tops + lp["top_logprobs"],
-                "text_offset": offsets + [o + shift for o in lp["text_offset"]]}
+        return {
+            "tokens": tokens + lp["tokens"],
+            "token_logprobs": token_lps + lp["token_logprobs"],
+            "top_logprobs": tops + lp["top_logprobs"],
+            "text_offset": offsets + [o + shift for o in lp["text_offset"]],
+        }
 
     # -- streaming -------------------------------------------------------------------------------
-    async def _stream(self, req: CompletionRequest,
-                      pairs: list[tuple[RequestStream, RequestOutput]],
-                      prompts: list[PromptInput], request_id: str, created: int,
-                      include_usage: bool) -> AsyncIterator[str]:
+    async def _stream(
+        self,
+        req: CompletionRequest,
+        pairs: list[tuple[RequestStream, RequestOutput]],
+        prompts: list[PromptInput],
+        request_id: str,
+        created: int,
+        include_usage: bool,
+    ) -> AsyncIterator[str]:
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         completion_tokens: dict[int, int] = {}
-        head = {"id": request_id, "object": "text_completion", "created": created,
-                "model": self.model.name}
+        head = {
+            "id": request_id,
+            "object": "text_completion",
+            "created": created,
+            "model": self.model.name,
+        }
         try:
             async for i, out in merge_streams(pairs):
                 for c in out.outputs:
@@ -174,8 +227,11 @@ class OpenAIServingCompletion(ServingBase):
                         yield f"data: {json.dumps(body)}\n\n"
             if include_usage:
                 prompt_tokens = sum(len(p.token_ids) for p in prompts)
-                body = {**head, "choices": [],
-                        "usage": usage(prompt_tokens, sum(completion_tokens.values()))}
+                body = {
+                    **head,
+                    "choices": [],
+                    "usage": usage(prompt_tokens, sum(completion_tokens.values())),
+                }
                 yield f"data: {json.dumps(body)}\n\n"
         except Exception as exc:  # the stream has begun: report in-band, then end it
             yield error_event(exc).sse_event()
@@ -184,9 +240,16 @@ class OpenAIServingCompletion(ServingBase):
                 stream.abort()
         yield "data: [DONE]\n\n"
 
-    def _delta(self, req: CompletionRequest, prompt: PromptInput, out: RequestOutput,
-               c: CompletionOutput, index: int, sent_text: dict[int, int],
-               sent_tokens: dict[int, int]) -> dict[str, Any] | None:
+    def _delta(
+        self,
+        req: CompletionRequest,
+        prompt: PromptInput,
+        out: RequestOutput,
+        c: CompletionOutput,
+        index: int,
+        sent_text: dict[int, int],
+        sent_tokens: dict[int, int],
+    ) -> dict[str, Any] | None:
         first = index not in sent_text
         text_from, tokens_from = sent_text.get(index, 0), sent_tokens.get(index, 0)
         delta = c.text[text_from:]
@@ -206,5 +269,10 @@ class OpenAIServingCompletion(ServingBase):
                     lp = self._merge_echo(prompt, out, lp, len(prompt_text))
             elif lp is not None:
                 lp["text_offset"] = [o + len(prompt_text) for o in lp["text_offset"]]
-        return {"index": index, "text": delta, "logprobs": lp,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        return {
+            "index": index,
+            "text": delta,
+            "logprobs": lp,
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
