@@ -16,7 +16,8 @@ PY="$VENV/bin/python"
 bash ci/install_browser.sh
 "$PY" -c "import selenium, pexpect" 2>/dev/null || "$PY" -m pip install -q \
     --disable-pip-version-check -r ci/requirements-web.txt
-# The whole tree stays `ruff check` clean (tests/test_lint.py) and `ruff format`ted.
+# The whole tree stays `ruff check` clean and `ruff format`ted.
+"$VENV/bin/ruff" check --quiet .
 "$VENV/bin/ruff" format --check --quiet .
 "$PY" -m pytest -q -p no:cacheprovider -m "not gpu and not xpu" tests "$@"
 for bench in benchmarks/throughput.py benchmarks/attention_cpu.py benchmarks/engine_overhead.py \
