@@ -102,10 +102,12 @@ def _iterate_lazy(path: Path) -> Iterator[tuple[str, LazyTensor]]:
 
 @dataclass
 class WeightMapper:
-    """How checkpoint names become parameter names (prefixes, fused projections)."""
+    """How checkpoint names become parameter names (prefixes, renames, fused projections)."""
 
     strip_prefixes: tuple[str, ...] = ()
     fused: dict[str, tuple[str, int]] = field(default_factory=dict)
+    # Substrings replaced in every name, e.g. Mixtral's ".block_sparse_moe." -> ".mlp.".
+    renames: dict[str, str] = field(default_factory=dict)
     ignore: tuple[str, ...] = ()
 
     def map(self, name: str) -> tuple[str, int | None] | None:
@@ -115,6 +117,8 @@ class WeightMapper:
             if name.startswith(prefix):
                 name = name[len(prefix) :]
                 break
+        for old, new in self.renames.items():
+            name = name.replace(old, new)
         parts = name.split(".")
         for i, part in enumerate(parts):
             if part in self.fused:

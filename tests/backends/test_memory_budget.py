@@ -73,4 +73,5 @@ def test_cpu_budget_is_the_explicit_one() -> None:
     budget = CpuBackend().kv_cache_budget_bytes(
         profile=lambda: ran.append(True), gpu_memory_utilization=0.9, cpu_kv_cache_bytes=123
     )
-    assert budget == 123 and ran == [True]  # the profiling pass still proves the batch fits
+    # No profiling pass: it decided nothing on the CPU and was most of a 1B model's start.
+    assert budget == 123 and ran == []
