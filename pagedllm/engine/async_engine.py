@@ -9,6 +9,7 @@ thread-safe command queue that the thread drains between steps, and outputs trav
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import concurrent.futures
 import contextlib
@@ -24,7 +25,14 @@ from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.engine.containment import EngineBrokenError
 from pagedllm.engine.stat_logger import StatLogger
 
-__all__ = ["AsyncEngine", "EngineDeadError", "EngineStepError", "RequestStream", "StatLogger"]
+__all__ = [
+    "AsyncEngine",
+    "EngineClient",
+    "EngineDeadError",
+    "EngineStepError",
+    "RequestStream",
+    "StatLogger",
+]
 from pagedllm.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -84,6 +92,51 @@ class RequestStream:
             self._abort(self.request_id)
 
 
+class EngineClient(abc.ABC):
+    """What the server holds: the in-process :class:`AsyncEngine`, or the client of an engine
+    core process. Both hand out one :class:`RequestStream` per request; they differ only in how
+    a request and an abort reach the engine, so the streaming and aborting around them is here.
+    """
+
+    @abc.abstractmethod
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> RequestStream:
+        """Hand the request to the engine; its stream once taken (ValueError if refused)."""
+
+    @abc.abstractmethod
+    def _request_abort(self, request_id: str | list[str]) -> None:
+        """Tell the engine to abort (thread-safe, never blocks; unknown ids are ignored)."""
+
+    async def generate(
+        self,
+        prompt: Any,
+        params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs; cancelling or closing the iterator aborts it."""
+        stream = await self.add_request(
+            request_id, prompt, params, priority=priority, arrival_time=arrival_time
+        )
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    async def abort(self, request_id: str | list[str]) -> None:
+        self._request_abort(request_id)
+
+
 @dataclass
 class _Add:
     stream: RequestStream
@@ -117,7 +170,7 @@ class _Cut:
     reason: str
 
 
-class AsyncEngine:
+class AsyncEngine(EngineClient):
     """Serve an :class:`LLMEngine` to coroutines; see the module docstring for the threading.
 
     ``on_request_finished`` callbacks run on the engine thread with each final RequestOutput
@@ -216,28 +269,6 @@ class AsyncEngine:
             stream.abort()
             raise
         return stream
-
-    async def generate(
-        self,
-        prompt: Any,
-        params: SamplingParams,
-        request_id: str,
-        *,
-        priority: int = 0,
-        arrival_time: float | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream one request's outputs; cancelling or closing the iterator aborts it."""
-        stream = await self.add_request(
-            request_id, prompt, params, priority=priority, arrival_time=arrival_time
-        )
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            stream.abort()
-
-    async def abort(self, request_id: str | list[str]) -> None:
-        self._request_abort(request_id)
 
     def _request_abort(self, request_id: str | list[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)

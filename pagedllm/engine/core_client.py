@@ -24,12 +24,17 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.engine import core_wire as wire
-from pagedllm.engine.async_engine import EngineDeadError, EngineStepError, RequestStream
+from pagedllm.engine.async_engine import (
+    EngineClient,
+    EngineDeadError,
+    EngineStepError,
+    RequestStream,
+)
 from pagedllm.engine.stat_logger import StatLogger
 from pagedllm.outputs import RequestOutput
 
@@ -39,7 +44,7 @@ _POLL_MS = 100  # the receiving thread's wake-up to notice a stop
 _ERRORS: dict[str, type[Exception]] = {"ValueError": ValueError, "TypeError": ValueError}
 
 
-class EngineCoreClient:
+class EngineCoreClient(EngineClient):
     """Start the core for ``model`` and talk to it; see the module docstring.
 
     ``on_request_finished`` callbacks get each final RequestOutput; ``on_timing`` callbacks get
@@ -212,28 +217,6 @@ class EngineCoreClient:
             stream.abort()  # queued behind the add, so the core sees both in order
             raise
         return stream
-
-    async def generate(
-        self,
-        prompt: Any,
-        params: SamplingParams,
-        request_id: str,
-        *,
-        priority: int = 0,
-        arrival_time: float | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream one request's outputs; cancelling or closing the iterator aborts it."""
-        stream = await self.add_request(
-            request_id, prompt, params, priority=priority, arrival_time=arrival_time
-        )
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            stream.abort()
-
-    async def abort(self, request_id: str | list[str]) -> None:
-        self._request_abort(request_id)
 
     def _request_abort(self, request_id: str | list[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
