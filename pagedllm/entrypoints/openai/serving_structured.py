@@ -87,24 +87,31 @@ class GuidedValidator:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._compiler: Any = None
+        self._lock = asyncio.Lock()
 
-    def _get(self) -> Any:
-        if self._compiler is None:
-            from pagedllm.structured.compiler import GrammarCompiler
+    def _build(self) -> Any:
+        from pagedllm.structured.compiler import GrammarCompiler
 
-            eos = getattr(self._tokenizer, "eos_token_id", None)
-            self._compiler = GrammarCompiler(
-                self._tokenizer,
-                vocab_size=self._vocab_size,
-                eos_token_ids=set() if eos is None else {int(eos)},
-            )
+        eos = getattr(self._tokenizer, "eos_token_id", None)
+        return GrammarCompiler(
+            self._tokenizer,
+            vocab_size=self._vocab_size,
+            eos_token_ids=set() if eos is None else {int(eos)},
+        )
+
+    async def _get(self) -> Any:
+        """The compiler, built once in a thread: its tokenizer setup takes a few hundred ms on
+        a 32k vocabulary, which must not freeze the event loop on the first guided request."""
+        async with self._lock:
+            if self._compiler is None:
+                self._compiler = await asyncio.to_thread(self._build)
         return self._compiler
 
     async def check(self, guided: GuidedDecodingParams | None, param: str | None) -> None:
         if guided is None:
             return
         try:
-            await asyncio.wrap_future(self._get().submit(guided))
+            await asyncio.wrap_future((await self._get()).submit(guided))
         except ValueError as exc:
             raise APIError(f"{param}: {exc}", param=param) from exc
 
