@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from pagedllm.spec_decode.config import SpeculativeConfig, parse_speculative_config
+
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 # "auto": the model's compute dtype; "fp8" is "fp8_e4m3", as in vLLM.
 _KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -167,6 +169,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     parallel: ParallelConfig
     device: str  # resolved: "cpu" | "cuda" | "xpu"
+    speculative: SpeculativeConfig | None = None
 
 
 def _device_names() -> list[str]:
@@ -254,6 +257,14 @@ class EngineArgs:
         False, "place whole experts of mixture-of-experts layers on the tensor-parallel ranks"
     )
 
+    # A dict from Python, a JSON object string from the command line.
+    speculative_config: str | None = engine_arg(
+        None,
+        'speculative decoding as JSON: {"method": "ngram" | "draft_model", '
+        '"num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m, '
+        '"model": DRAFT_FOLDER}',
+    )
+
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
         names = {f.name for f in dataclasses.fields(cls)} - {"model"}
@@ -276,6 +287,12 @@ class EngineArgs:
             max_len <= model_max_len,
             "max_model_len",
             f"({max_len}) exceeds the model's context window ({model_max_len})",
+        )
+        speculative = parse_speculative_config(self.speculative_config)
+        _require(
+            speculative is None or self.tensor_parallel_size == 1,
+            "speculative_config",
+            "not supported with tensor_parallel_size > 1 yet",
         )
         kv_space = self.kv_cache_space
         if kv_space is None:
@@ -316,6 +333,7 @@ class EngineArgs:
                 enable_expert_parallel=self.enable_expert_parallel,
             ),
             device=device,
+            speculative=speculative,
         )
 
 

@@ -300,6 +300,17 @@ class BlockSpaceManager:
                 pairs.append((block, new))
         return pairs
 
+    def trim(self, seq: Sequence) -> None:
+        """Free trailing blocks past the sequence's tokens: the lookahead slots of rejected
+        speculative tokens (never registered in the prefix cache: their tokens never counted
+        as computed)."""
+        table = self.block_tables.get(seq.seq_id)
+        if table is None:
+            return
+        keep = max(seq.num_blocks_needed(), self._dead.get(seq.seq_id, 0) + 1)
+        while len(table) > keep:
+            self.device.free(table.pop())
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         table = self.block_tables[parent.seq_id]
         for block in self._live(parent.seq_id):

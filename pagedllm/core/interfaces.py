@@ -36,6 +36,13 @@ class ScheduledSeq:
     sample_index: int = 0
     # The request's end-of-sequence ids, which min_tokens keeps from being sampled.
     eos_token_ids: frozenset[int] = frozenset()
+    # Speculative decoding (a decode only): slots are reserved for ``num_spec_tokens`` proposed
+    # tokens after ``token_ids``; n-gram proposals come with the step (``spec_token_ids``), a
+    # draft model's are made by the worker (None here). ``prev_token_id`` is the token before
+    # ``token_ids``, which a draft model re-reads so that its cache never misses a position.
+    num_spec_tokens: int = 0
+    spec_token_ids: list[int] | None = None
+    prev_token_id: int | None = None
 
 
 @dataclass(frozen=True)
@@ -74,7 +81,21 @@ class SampledToken:
 
 
 @dataclass(frozen=True)
+class SpecStepStats:
+    """What speculation did in one step (seconds are the worker's wall time)."""
+
+    num_seqs: int = 0  # sequences that verified proposals
+    num_proposed: int = 0
+    num_accepted: int = 0
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+
+
+@dataclass(frozen=True)
 class ModelRunnerOutput:
     sampled: dict[int, SampledToken]
     # seq_id -> one entry per prompt position computed this step (None for the first token).
     prompt_logprobs: dict[int, list[dict[int, float] | None]] = field(default_factory=dict)
+    # Speculative decoding: seq_id -> the tokens accepted after ``sampled[seq_id]``, in order.
+    spec_tokens: dict[int, list[SampledToken]] = field(default_factory=dict)
+    spec_stats: SpecStepStats | None = None

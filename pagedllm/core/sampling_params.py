@@ -63,6 +63,8 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     # Constrained decoding (structured output); a dict is accepted and converted.
     guided_decoding: GuidedDecodingParams | None = None
+    # Speculative decoding (when the engine has it): False decodes this request one token a step.
+    allow_speculation: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -23,6 +23,7 @@ from pagedllm.core.block_manager import AllocStatus, BlockSpaceManager
 from pagedllm.core.interfaces import ModelRunnerOutput, ScheduledSeq, SchedulerOutput
 from pagedllm.core.policy import POLICIES, sort_groups
 from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedllm.core.speculation import LookaheadPlanner, accept_run
 from pagedllm.core.step_plan import Budget, SchedulerStats, StepPlan, build_scheduled_seq
 
 logger = logging.getLogger(__name__)
@@ -36,8 +37,10 @@ class Scheduler:
         *,
         clock: Callable[[], float] = time.monotonic,
         next_seq_id: Callable[[], int] | None = None,
+        lookahead: LookaheadPlanner | None = None,
     ) -> None:
         self.config = config
+        self.lookahead = lookahead  # speculative decoding: lookahead slots for decodes
         self._next_seq_id = next_seq_id or itertools.count(1 << 40).__next__
         self.block_manager = block_manager
         self.clock = clock
@@ -121,6 +124,8 @@ class Scheduler:
             self._schedule_running(budget, step, chunked=False)
             if step.preempted == 0:
                 self._schedule_swapped(budget, step)
+        if self.lookahead is not None:
+            self.lookahead.reserve(step, budget, self.block_manager)
         self.prev_prompt = bool(step.prefills)
         return step
 
@@ -133,6 +138,8 @@ class Scheduler:
             self._schedule_swapped(budget, step)
         if not self.swapped:
             self._schedule_prefills(budget, step, chunked=True)
+        if self.lookahead is not None:
+            self.lookahead.reserve(step, budget, self.block_manager)
         if any(chunk < g.seqs[0].get_num_uncomputed_tokens() for g, chunk in step.prefills):
             self.stats.chunked_prefill_steps += 1
         self.prev_prompt = bool(step.prefills)
@@ -353,14 +360,17 @@ class Scheduler:
         for group in step.decodes:
             group.set_first_scheduled(now)
             for seq in group.get_seqs(SequenceStatus.RUNNING):
-                scheduled.append(self._scheduled_seq(group, seq, 1, False))
+                item = self._scheduled_seq(group, seq, 1, False)
+                if self.lookahead is not None:
+                    item = self.lookahead.decorate(item, seq, step)
+                scheduled.append(item)
         return SchedulerOutput(
             seqs=scheduled,
             num_prefill_seqs=num_prefill_seqs,
             blocks_to_swap_in=step.swap_in,
             blocks_to_swap_out=step.swap_out,
             blocks_to_copy=step.copies,
-            num_batched_tokens=sum(len(s.token_ids) for s in scheduled),
+            num_batched_tokens=sum(len(s.token_ids) + s.num_spec_tokens for s in scheduled),
             num_preempted=step.preempted,
         )
 
@@ -388,9 +398,12 @@ class Scheduler:
             seq = group.seqs_dict.get(item.seq_id) if group is not None else None
             if group is None or seq is None or seq.is_finished():
                 continue  # aborted while the step ran
-            seq.update_num_computed_tokens(len(item.token_ids))
-            self.block_manager.mark_computed(seq)
-            self.block_manager.reclaim_out_of_window(seq)
+            if item.num_spec_tokens:
+                accept_run(self.block_manager, seq, item, runner_out)  # appends the tokens
+            else:
+                seq.update_num_computed_tokens(len(item.token_ids))
+                self.block_manager.mark_computed(seq)
+                self.block_manager.reclaim_out_of_window(seq)
             if seq.seq_id in runner_out.prompt_logprobs:
                 self._record_prompt_logprobs(group, runner_out.prompt_logprobs[seq.seq_id])
             if not item.do_sample:
@@ -398,7 +411,7 @@ class Scheduler:
             sampled = runner_out.sampled[seq.seq_id]
             if group.sampling_params.use_beam_search:
                 group.beam_candidates[seq.seq_id] = sampled.candidates or []
-            else:
+            elif not item.num_spec_tokens:
                 for i, sib in enumerate(sampled.siblings or [], start=1):
                     child = self.fork(group, seq, index=i)
                     child.append_token(sib.token_id, sib.logprob, sib.top_logprobs)

@@ -67,6 +67,9 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.detok = DetokenizerState()
         self._prefill_done = False
+        # Speculative decoding: accepted tokens after the newest one, not yet appended; the
+        # output processor appends them one at a time so that stop conditions see each.
+        self.pending_tokens: list[tuple[int, float, dict[int, float] | None]] = []
 
     # -- lengths ---------------------------------------------------------------------------
     def get_len(self) -> int:

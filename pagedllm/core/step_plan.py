@@ -48,6 +48,8 @@ class StepPlan:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: int = 0
+    # Speculative decoding: seq_id -> (lookahead slots reserved, n-gram proposals or None).
+    lookahead: dict[int, tuple[int, list[int] | None]] = field(default_factory=dict)
 
 
 def build_scheduled_seq(

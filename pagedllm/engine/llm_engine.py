@@ -18,6 +18,7 @@ from pagedllm.core.interfaces import SchedulerOutput
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.sequence import Sequence, SequenceGroup
+from pagedllm.core.speculation import LookaheadPlanner
 from pagedllm.engine.admission import EngineLimits, check_request, fit_max_model_len
 from pagedllm.engine.containment import EngineBrokenError, execute_contained, without
 from pagedllm.engine.guided import GuidedRequests
@@ -25,6 +26,7 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.executors.base import create_executor
 from pagedllm.models.model_loader import load_hf_config, max_model_len_of
 from pagedllm.outputs import RequestOutput
+from pagedllm.spec_decode.metrics import SpecDecodeMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -123,9 +125,16 @@ class LLMEngine:
             lazy_prompt_blocks=lazy,
         )
         self._seq_ids = itertools.count()
+        spec = self.config.speculative
         self.scheduler = Scheduler(
-            self.config.scheduler, self.block_manager, next_seq_id=lambda: next(self._seq_ids)
+            self.config.scheduler,
+            self.block_manager,
+            next_seq_id=lambda: next(self._seq_ids),
+            lookahead=None
+            if spec is None
+            else LookaheadPlanner(spec, max_model_len=self.config.scheduler.max_model_len),
         )
+        self.spec_metrics = SpecDecodeMetrics()
         self.output_processor = OutputProcessor(
             tokenizer=self.tokenizer,
             eos_token_ids=self.eos_token_ids,
@@ -287,6 +296,8 @@ class LLMEngine:
         sched_out = self.guided.with_bitmask(sched_out)
         runner_out, ran = self._execute(sched_out, outputs)
         self._count(ran)
+        self.spec_metrics.observe(runner_out.spec_stats)
+        self.counters.generation_tokens += sum(len(t) for t in runner_out.spec_tokens.values())
         touched = self.scheduler.update_from_output(sched_out, runner_out)
         for group in touched:
             self.output_processor.process(group)
@@ -436,6 +447,7 @@ class LLMEngine:
             "chunked_prefill_steps": s.stats.chunked_prefill_steps,
             "prefix_cache_queries": bm.prefix_stats.queries,
             "prefix_cache_hits": bm.prefix_stats.hits,
+            **self.spec_metrics.as_stats(),
         }
 
     def shutdown(self) -> None:

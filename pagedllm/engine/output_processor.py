@@ -33,10 +33,19 @@ class OutputProcessor:
             self._beam_step(group)
             return
         for seq in group.get_seqs(SequenceStatus.RUNNING):
-            new_chars = 0
-            if self.detokenizer is not None:
-                new_chars = len(self.detokenizer.decode_new(seq, params))
-            self.check_stop(seq, params, new_chars)
+            self._process_token(seq, params)
+            # Speculative decoding: the rest of an accepted run, one token at a time, exactly
+            # as if decoded one per step; a stop inside the run drops what follows it.
+            while seq.pending_tokens and not seq.is_finished():
+                seq.append_token(*seq.pending_tokens.pop(0))
+                self._process_token(seq, params)
+            seq.pending_tokens = []
+
+    def _process_token(self, seq: Sequence, params: SamplingParams) -> None:
+        new_chars = 0
+        if self.detokenizer is not None:
+            new_chars = len(self.detokenizer.decode_new(seq, params))
+        self.check_stop(seq, params, new_chars)
 
     def _beam_step(self, group: SequenceGroup) -> None:
         beam_step(

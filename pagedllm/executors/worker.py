@@ -64,6 +64,7 @@ class Worker:
         )
         self.cache_engine: CacheEngine | None = None
         self.runner: ModelRunner | None = None
+        self.spec: Any = None  # spec_decode.verify.SpecDecodeRunner under speculative decoding
 
     def load_model(self) -> None:
         tp = self.tp
@@ -86,6 +87,10 @@ class Worker:
             block_size=self.config.cache.block_size,
             seed=self.config.model.seed,
         )
+        if self.config.speculative is not None:
+            from pagedllm.spec_decode.setup import build_spec_runner
+
+            self.spec = build_spec_runner(self)
         logger.info(
             "model on %s in %s with %s attention (%s), KV cache in %s",
             self.device,
@@ -125,6 +130,10 @@ class Worker:
         """Device blocks from the memory budget left after a profiling pass; host from swap."""
         spec = self.cache_spec()
         per_block = CacheEngine.bytes_per_block(spec)
+        if self.spec is not None:  # a draft model's cache has as many blocks
+            from pagedllm.spec_decode.setup import draft_bytes_per_block
+
+            per_block += draft_bytes_per_block(self, self.spec)
         cache = self.config.cache
         budget = self.backend.kv_cache_budget_bytes(
             profile=self._profile_run,
@@ -158,6 +167,10 @@ class Worker:
             attention=self.attention,
             rank=self.rank,
         )
+        if self.spec is not None:
+            from pagedllm.spec_decode.setup import init_draft_cache
+
+            init_draft_cache(self, self.spec, num_device_blocks, num_host_blocks)
 
     @torch.inference_mode()
     def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
@@ -165,4 +178,6 @@ class Worker:
         self.cache_engine.swap_out(sched_out.blocks_to_swap_out)
         self.cache_engine.swap_in(sched_out.blocks_to_swap_in)
         self.cache_engine.copy(sched_out.blocks_to_copy)
+        if self.spec is not None:
+            return self.spec.execute(sched_out, self.cache_engine.kv_caches)
         return self.runner.execute(sched_out, self.cache_engine.kv_caches)

@@ -27,6 +27,8 @@ _GAUGES = {
     "num_requests_swapped": "Requests whose KV blocks are swapped out to host memory.",
     "kv_cache_usage_perc": "Fraction of device KV-cache blocks in use (1 = full).",
     "cpu_cache_usage_perc": "Fraction of host (swap space) KV-cache blocks in use (1 = full).",
+    "spec_decode_draft_acceptance_rate": "Share of speculative tokens accepted (0 without).",
+    "spec_decode_mean_accepted_length": "Tokens emitted per verified speculative run.",
 }
 _COUNTERS = {
     "prompt_tokens_total": ("prompt_tokens_total", "Prompt tokens processed (prefill)."),
@@ -45,6 +47,22 @@ _COUNTERS = {
     "chunked_prefill_steps": (
         "chunked_prefill_steps_total",
         "Steps that ran part of a prompt (chunked prefill).",
+    ),
+    "spec_decode_num_draft_tokens": (
+        "spec_decode_num_draft_tokens_total",
+        "Speculative tokens proposed and scored by the target.",
+    ),
+    "spec_decode_num_accepted_tokens": (
+        "spec_decode_num_accepted_tokens_total",
+        "Speculative tokens the target accepted.",
+    ),
+    "spec_decode_draft_time_seconds": (
+        "spec_decode_draft_time_seconds_total",
+        "Seconds spent proposing speculative tokens (draft model).",
+    ),
+    "spec_decode_verify_time_seconds": (
+        "spec_decode_verify_time_seconds_total",
+        "Seconds spent verifying speculative tokens on the target.",
     ),
 }
 _LATENCY_BUCKETS = (
