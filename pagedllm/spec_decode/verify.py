@@ -160,9 +160,11 @@ class SpecDecodeRunner:
             s = step.seqs[i]
             props = proposals[s.seq_id]
             a = accepted_prefix(out.token_ids[r : r + len(props) + 1], props)
+            # The accepted proposals, then the target's own draw where the run ends.
+            tokens = [*props[:a], out.token_ids[r + a]]
             run = [
-                SampledToken(s.seq_id, out.token_ids[j], out.logprobs[j], out.top_logprobs[j])
-                for j in range(r, r + a + 1)
+                SampledToken(s.seq_id, t, out.logprobs[r + j], out.top_logprobs[r + j])
+                for j, t in enumerate(tokens)
             ]
             sampled[s.seq_id] = run[0]
             spec_tokens[s.seq_id] = run[1:]

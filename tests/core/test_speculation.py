@@ -51,7 +51,7 @@ def run_step(s: Scheduler, accept: int | None = None) -> SchedulerOutput:
             continue
         props = item.spec_token_ids or []
         a = len(props) if accept is None else min(accept, len(props))
-        run = props[:a] + [99]
+        run = [*props[:a], 99]
         sampled[item.seq_id] = SampledToken(item.seq_id, run[0], -0.5)
         if item.num_spec_tokens:
             extra[item.seq_id] = [SampledToken(item.seq_id, t, -0.5) for t in run[1:]]

@@ -1,4 +1,4 @@
-"""Draft models for speculative decoding: the tiny llama with one layer fewer, and a tiny-vocab pair."""
+"""Draft models for speculative decoding: the tiny llama with a layer fewer; a tiny-vocab pair."""
 
 from __future__ import annotations
 
