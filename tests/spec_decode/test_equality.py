@@ -25,8 +25,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 
 SCENARIOS: dict[str, dict[str, Any]] = {
     "roomy": {"num_kv_blocks": 256},
-    # Tight cache: preemption by recompute (and swap for n > 1 groups) happens mid-run.
-    "preempt": {"num_kv_blocks": 40, "max_num_seqs": 8},
+    # Tight cache: preemption by recompute happens mid-run,
+    # with prefix caching: only full blocks of accepted tokens may become cache hits.
+    "preempt": {"num_kv_blocks": 40, "max_num_seqs": 8, "enable_prefix_caching": True},
     "chunked": {"enable_chunked_prefill": True, "max_num_batched_tokens": 24, "num_kv_blocks": 48},
 }
 
@@ -155,6 +156,28 @@ def test_per_position_features_match(
     assert_pool_whole(engine)
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_parallel_samples_under_swap_preemption(
+    llama_path: Path, draft_path: Path, method: str
+) -> None:
+    """n = 3 seeded samples per prompt in a cache so tight that groups are swapped out."""
+    params = FEATURES["seeded-n3"]
+    common = {"num_kv_blocks": 48, "preemption_mode": "swap", "swap_space": 0.01}
+    _, plain = run(llama_path, ALL_PROMPTS, params, **common)
+    engine, spec = run(
+        llama_path,
+        ALL_PROMPTS,
+        params,
+        speculative_config=spec_config(method, 3, draft_path),
+        **common,
+    )
+    for a, b in zip(plain, spec, strict=True):
+        assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    assert engine.get_stats()["num_preemptions_swap"] > 0
+    assert engine.get_stats()["spec_decode_num_accepted_tokens"] > 0
+    assert_pool_whole(engine)
+
+
 def test_stops_inside_an_accepted_run(llama_path: Path) -> None:
     """A stop token id or stop string in the middle of a run ends the output exactly there."""
     spec = {"method": "draft_model", "model": str(llama_path), "num_speculative_tokens": 5}
@@ -178,7 +201,7 @@ def test_stops_inside_an_accepted_run(llama_path: Path) -> None:
             assert a.outputs[0].finish_reason == b.outputs[0].finish_reason
             assert a.outputs[0].stop_reason == b.outputs[0].stop_reason
             assert_pool_whole(engine)
-        if i >= 3:
+        if i >= 2:
             break
 
 
