@@ -144,8 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
-    max_tokens = 12 if args.smoke else args.max_tokens
-    batches = [1, 2] if args.smoke else [int(b) for b in args.batches.split(",")]
+    max_tokens = 8 if args.smoke else args.max_tokens
+    batches = [1] if args.smoke else [int(b) for b in args.batches.split(",")]
     model = Path(args.model)
     workloads = {
         "code-edit": (
