@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from pagedllm import Engine, SamplingParams  # noqa: E402
+from pagedllm import Engine, SamplingParams
 
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "pagedllm" / "assets" / "demo-model"
 
@@ -40,7 +40,7 @@ _CODE = [
         raise ValueError("empty header name: %r" % line)
     return name, value
 ''',
-    '''class Counter:
+    """class Counter:
     def __init__(self):
         self.counts = {}
 
@@ -51,8 +51,8 @@ _CODE = [
     def most_common(self, n):
         items = sorted(self.counts.items(), key=lambda kv: kv[1], reverse=True)
         return items[:n]
-''',
-    '''def read_config(path):
+""",
+    """def read_config(path):
     result = {}
     with open(path) as f:
         for line in f:
@@ -62,7 +62,7 @@ _CODE = [
             key, value = line.split("=", 1)
             result[key.strip()] = value.strip()
     return result
-''',
+""",
 ]
 _PROSE = [
     "The committee met on a cold morning to discuss the",
