@@ -10,7 +10,9 @@ with its embeddings, final norm and head (self-speculation by layer skipping, no
 next to the run. Every method runs ``--repeats`` times, interleaved, and its fastest run counts.
 
 Prints JSON: output tokens/s per (workload, batch, method), acceptance rate, mean accepted
-length, and the speedup over plain decoding of the same workload and batch.
+length, and the speedup over plain decoding of the same workload and batch; also the engine steps
+each run took and their reduction against plain decoding, which no other load on the machine
+changes.
 
     python benchmarks/speculative.py
     python benchmarks/speculative.py --smoke
@@ -114,11 +116,11 @@ _SPEC_KEYS = (
 
 def time_one(engine: Engine, prompts: list[str], params: SamplingParams) -> dict[str, Any]:
     """One batch to completion: output tokens/s and what speculation did meanwhile."""
-    before = engine.get_stats()
+    before, steps = engine.get_stats(), engine.scheduler.stats.steps
     start = time.perf_counter()
     outs = engine.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    after = engine.get_stats()
+    after, steps = engine.get_stats(), engine.scheduler.stats.steps - steps
     d = {k: after[k] - before[k] for k in _SPEC_KEYS}
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     proposed, accepted = d["spec_decode_num_draft_tokens"], d["spec_decode_num_accepted_tokens"]
@@ -127,6 +129,9 @@ def time_one(engine: Engine, prompts: list[str], params: SamplingParams) -> dict
         "output_tokens": tokens,
         "seconds": elapsed,
         "output_tokens_per_s": tokens / elapsed,
+        # Machine-independent: engine steps (forward passes) per output token of the batch.
+        "steps": steps,
+        "output_tokens_per_step": tokens / steps,
         "acceptance_rate": accepted / proposed if proposed else None,
         "mean_accepted_length": (accepted + runs) / runs if runs else None,
         "draft_time_s": d["spec_decode_draft_time_seconds"],
@@ -165,6 +170,7 @@ def compare(
     for method, r in best.items():
         r["method"] = method
         r["speedup"] = r["output_tokens_per_s"] / base
+        r["step_reduction"] = best["plain"]["steps"] / r["steps"]
     return list(best.values())
 
 
