@@ -1,8 +1,9 @@
 """Speculative decoding side by side: plain vs n-gram vs draft model, batch 1 and 8, in one run.
 
 Target: the shipped demo model (a real 5.5M-parameter Llama trained on Python code). Workloads:
-- ``code-edit``: "rewrite this code" prompts, greedy; the output repeats spans of the prompt
-  and of itself, which n-gram prompt lookup proposes.
+- ``code-edit``: version 1 of a file (a start of code and the target's own continuation of it)
+  and a request for version 2, greedy: the answer restates long spans of version 1 with some
+  changes, which n-gram prompt lookup proposes.
 - ``no-repeat``: prose-like prompts sampled at temperature 1.0 (seeded): little repetition, so
   proposals are rare and mostly rejected; speculation must cost little there.
 Draft model: a copy of three of the target's six layers (``--draft-layers``, default 0, 1 and 5)
@@ -75,16 +76,24 @@ _PROSE = [
 ]
 
 
-def code_edit_prompts(n: int) -> list[str]:
-    """Rewrite-this-code prompts: the answer restates the code with a small change."""
-    out = []
-    for i in range(n):
-        code = _CODE[i % len(_CODE)]
-        out.append(f"# Original:\n{code}\n\n# The same code with type hints added:\n{code[:24]}")
-    return out
+def code_heads(n: int) -> list[str]:
+    """``n`` different starts of code (the snippets cut at different lengths)."""
+    return [_CODE[i % len(_CODE)][: 40 + 12 * (i // len(_CODE))] for i in range(n)]
 
 
-def no_repeat_prompts(n: int) -> list[str]:
+def code_edit_prompts(engine: Engine, n: int, max_tokens: int) -> list[str]:
+    """A file's version 1 (a start of code and the target's own greedy continuation), then the
+    request to write version 2: the answer restates version 1 where it does not change it."""
+    heads = code_heads(n)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    bodies = [o.outputs[0].text for o in engine.generate(heads, params, use_tqdm=False)]
+    return [
+        f"# Version 1:\n{h}{b}\n\n# Version 2, with the docstrings fixed:\n{h}"
+        for h, b in zip(heads, bodies, strict=True)
+    ]
+
+
+def no_repeat_prompts(engine: Engine, n: int, max_tokens: int) -> list[str]:
     return [_PROSE[i % len(_PROSE)] for i in range(n)]
 
 
@@ -219,7 +228,8 @@ def main(argv: list[str] | None = None) -> None:
         engines = make_engines(model, specs, max(batches))
         for workload, (make_prompts, params) in workloads.items():
             for batch in batches:
-                for r in compare(engines, make_prompts(batch), params, repeats):
+                prompts = make_prompts(engines["plain"], batch, max_tokens)
+                for r in compare(engines, prompts, params, repeats):
                     r.update(workload=workload, batch=batch)
                     results.append(r)
                     print(json.dumps(r), file=sys.stderr, flush=True)  # progress
