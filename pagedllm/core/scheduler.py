@@ -398,8 +398,9 @@ class Scheduler:
             seq = group.seqs_dict.get(item.seq_id) if group is not None else None
             if group is None or seq is None or seq.is_finished():
                 continue  # aborted while the step ran
-            if item.num_spec_tokens:
-                accept_run(self.block_manager, seq, item, runner_out)  # appends the tokens
+            if item.num_spec_tokens and self.lookahead is not None:
+                accepted = accept_run(self.block_manager, seq, item, runner_out)  # appends
+                self.lookahead.record(seq, accepted)
             else:
                 seq.update_num_computed_tokens(len(item.token_ids))
                 self.block_manager.mark_computed(seq)

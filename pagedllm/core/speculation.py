@@ -56,12 +56,23 @@ def speculates(group: SequenceGroup) -> bool:
     return p.allow_speculation and not p.use_beam_search and p.guided_decoding is None
 
 
+MAX_BACKOFF_STEPS = 16
+
+
 class LookaheadPlanner:
-    """Decides per step how many tokens each running decode speculates, and reserves slots."""
+    """Decides per step how many tokens each running decode speculates, and reserves slots.
+
+    A sequence whose proposals were all rejected waits 2, 4, .. up to 16 steps before it
+    speculates again (one accepted proposal resets it): where the output does not repeat,
+    verifying rejected proposals would only cost time. Outputs do not depend on this choice.
+    """
 
     def __init__(self, config: SpeculativeConfig, *, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
+        # seq_id -> (consecutive all-rejected runs, steps left to wait); only sequences that
+        # decoded in the last step are kept, so finished ones drop out.
+        self._backoff: dict[int, tuple[int, int]] = {}
 
     def _proposal(self, group: SequenceGroup, seq: Sequence) -> tuple[int, list[int] | None]:
         cfg = self.config
@@ -78,10 +89,15 @@ class LookaheadPlanner:
 
     def reserve(self, step: StepPlan, budget: Budget, bm: BlockSpaceManager) -> None:
         """Lookahead slots for the step's decodes, from what the step has left."""
+        backoff, self._backoff = self._backoff, {}
         for group in step.decodes:
             if not speculates(group):
                 continue
             for seq in group.get_seqs(SequenceStatus.RUNNING):
+                fails, wait = backoff.get(seq.seq_id, (0, 0))
+                self._backoff[seq.seq_id] = (fails, max(0, wait - 1))
+                if wait > 0:
+                    continue
                 k, props = self._proposal(group, seq)
                 k = min(k, budget.tokens_left)
                 table = bm.get_block_table(seq)
@@ -106,15 +122,21 @@ class LookaheadPlanner:
             item, num_spec_tokens=k, spec_token_ids=props, prev_token_id=prev
         )
 
+    def record(self, seq: Sequence, num_accepted: int) -> None:
+        """A verified run's outcome: all rejected doubles the wait before the next one."""
+        fails = 0 if num_accepted else self._backoff.get(seq.seq_id, (0, 0))[0] + 1
+        self._backoff[seq.seq_id] = (fails, min(2**fails, MAX_BACKOFF_STEPS) if fails else 0)
+
 
 def accept_run(
     bm: BlockSpaceManager, seq: Sequence, item: ScheduledSeq, runner_out: ModelRunnerOutput
-) -> None:
+) -> int:
     """Record a verified run: KV of the fed token and accepted proposals, then the tokens.
 
     Every accepted token is appended while the blocks are marked computed (prefix hashes read
     the sequence's tokens); then all but the first go to ``seq.pending_tokens``, which the
-    output processor appends one at a time (a stop inside the run drops the rest).
+    output processor appends one at a time (a stop inside the run drops the rest). Returns how
+    many proposals were accepted.
     """
     first = runner_out.sampled[seq.seq_id]
     rest: list[SampledToken] = runner_out.spec_tokens.get(seq.seq_id, [])
@@ -135,3 +157,4 @@ def accept_run(
         del seq.output_logprobs[num_lps:]
         seq.cumulative_logprob = cumulative
         seq.pending_tokens = [(t.token_id, t.logprob, t.top_logprobs) for t in rest]
+    return len(rest)  # accepted proposals

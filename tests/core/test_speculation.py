@@ -149,3 +149,17 @@ def test_max_tokens_caps_the_lookahead() -> None:
     out = run_step(s)
     # Two tokens exist; the third is the last one allowed, so one proposal at most.
     assert out.seqs[0].num_spec_tokens == 1 and out.seqs[0].spec_token_ids == [2]
+
+
+def test_rejected_runs_back_off() -> None:
+    """All proposals rejected: the sequence waits 2, then 4 steps before speculating again."""
+    s = make(num_blocks=32, k=2)
+    group = make_group("a", 6, max_tokens=40, tokens=[7, 7, 7, 7, 7, 7])
+    s.add(group)
+    run_step(s)  # prefill: 99 appended; after the next step every step could propose [99, ..]
+    pattern = [run_step(s, accept=0).seqs[0].num_spec_tokens > 0 for _ in range(12)]
+    assert pattern == [False, True, False, False, True] + [False] * 4 + [True] + [False] * 2
+    out = run_step(s)  # the third rejection's wait of 8 steps is still running
+    assert out.seqs[0].num_spec_tokens == 0
+    pattern = [run_step(s, accept=None).seqs[0].num_spec_tokens > 0 for _ in range(8)]
+    assert pattern == [False] * 5 + [True] * 3  # an accepted run resets the wait
