@@ -145,9 +145,12 @@ class ParallelConfig:
     distributed_executor_backend: str | None = None  # None | "mp" | "ray"
     # MoE layers place whole experts on ranks (instead of slicing every expert)
     enable_expert_parallel: bool = False
+    # intra-op threads of a CPU engine, shared by its ranks; None: the device decides
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         _positive_int(self.tensor_parallel_size, "tensor_parallel_size")
+        _positive_int(self.cpu_threads, "cpu_threads", allow_none=True)
         _require(
             isinstance(self.enable_expert_parallel, bool),
             "enable_expert_parallel",
@@ -253,6 +256,11 @@ class EngineArgs:
     enable_expert_parallel: bool = engine_arg(
         False, "place whole experts of mixture-of-experts layers on the tensor-parallel ranks"
     )
+    cpu_threads: int | None = engine_arg(
+        None,
+        "intra-op threads of the CPU device, shared by tensor-parallel ranks (default: the "
+        "physical cores; served, one fewer on 3 or more cores, to leave the API server one)",
+    )
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
@@ -314,6 +322,7 @@ class EngineArgs:
                 tensor_parallel_size=self.tensor_parallel_size,
                 distributed_executor_backend=self.distributed_executor_backend,
                 enable_expert_parallel=self.enable_expert_parallel,
+                cpu_threads=self.cpu_threads,
             ),
             device=device,
         )
