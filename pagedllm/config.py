@@ -333,6 +333,21 @@ def env_api_key() -> str | None:
     return os.environ.get("PAGEDLLM_API_KEY") or None
 
 
+def core_openmp_env() -> dict[str, str]:
+    """OpenMP settings for the engine core process, set before torch loads: its threads sleep
+    while they wait rather than spin, unless the user chose a policy.
+
+    The core shares the machine with the API server and its clients. A thread spinning at a
+    barrier holds a core the server needs, and when the kernel parks one of the core's threads
+    to run the server, every parallel region of the step waits for it: on a loaded 2-core
+    machine the spinning engine ran at a tenth of its speed. (The offline ``Engine`` lives in
+    the user's process, whose OpenMP runtime may be loaded before pagedllm is imported.)
+    """
+    if any(k in os.environ for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")):
+        return {}
+    return {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
 def env_cpu_isa() -> str | None:
     """``PAGEDLLM_CPU_ISA``: force one ISA level of the CPU kernels (tests, benchmarks)."""
     return os.environ.get("PAGEDLLM_CPU_ISA") or None
