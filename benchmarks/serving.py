@@ -26,10 +26,8 @@ streamed chunks), time per output token (TPOT) and end-to-end latency, as percen
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
-import random
 import signal
 import socket
 import statistics
@@ -37,148 +35,76 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from pagedllm.config import env_api_key
-
-_TEXT = (
-    "the quick brown fox jumps over lazy dog paged attention keeps cache in fixed size blocks "
-    "continuous batching schedules every iteration anew def return import print while for "
-    "class self value list dict token model server request stream latency throughput memory "
-    "kernel block table slot mapping prefill decode sampler logits softmax"
-)
-WORDS = _TEXT.split()
-
-
-@dataclass
-class Result:
-    ok: bool
-    error: str = ""
-    ttft: float = 0.0
-    e2e: float = 0.0
-    itl: list[float] = field(default_factory=list)
-    prompt_tokens: int = 0
-    output_tokens: int = 0
+from pagedllm.entrypoints.bench import serve
+from pagedllm.entrypoints.bench.datasets import BenchRequest, random_text
+from pagedllm.entrypoints.bench.sse_client import run as run_async
+from pagedllm.entrypoints.bench.stats import summarize
 
 
 def make_prompts(n: int, words: int, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(n)]
+    return random_text(n, words, seed)
 
 
-async def one_request(
-    client: httpx.AsyncClient, model: str, prompt: str, output_len: int, headers: dict[str, str]
-) -> Result:
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": output_len,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    start = time.perf_counter()
-    last, res = start, Result(ok=False)
-    try:
-        async with client.stream("POST", "/v1/completions", json=body, headers=headers) as r:
-            if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
-                return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    res.error = event["error"]["message"]
-                    return res
-                now = time.perf_counter()
-                if event.get("choices") and event["choices"][0]["text"]:
-                    if res.ttft == 0.0:
-                        res.ttft = now - start
-                    else:
-                        res.itl.append(now - last)
-                    last = now
-                if event.get("usage"):
-                    res.prompt_tokens = event["usage"]["prompt_tokens"]
-                    res.output_tokens = event["usage"]["completion_tokens"]
-    except httpx.HTTPError as exc:
-        res.error = f"{type(exc).__name__}: {exc}"
-        return res
-    res.e2e = time.perf_counter() - start
-    res.ok = res.output_tokens > 0
-    if not res.ok:
-        res.error = "no usage reported"
-    return res
-
-
-def percentiles(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {}
-    ordered = sorted(values)
-
-    def pct(p: float) -> float:
-        return 1e3 * ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
-
-    return {
-        "mean": 1e3 * statistics.fmean(ordered),
-        "p50": pct(50),
-        "p90": pct(90),
-        "p99": pct(99),
-        "max": 1e3 * ordered[-1],
-    }
-
-
-async def run_benchmark(
+def serve_requests(
     base_url: str,
     model: str | None,
     prompts: list[str],
     output_len: int,
     concurrency: int,
     api_key: str | None,
+    server_pid: int | None,
 ) -> dict[str, Any]:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=concurrency + 4)
-    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
-        if model is None:
-            r = await client.get("/v1/models", headers=headers)
-            r.raise_for_status()
-            model = r.json()["data"][0]["id"]
-        gate = asyncio.Semaphore(concurrency)
+    """The prompts as streaming clients (``pagedllm bench serve``'s load generator), with the
+    CPU seconds the client, the server and the engine core spent on them."""
+    requests = [BenchRequest(p, output_len) for p in prompts]
+    before = cpu_seconds(server_pid)
+    report = run_async(
+        serve.run(base_url, requests, model=model, api_key=api_key, max_concurrency=concurrency)
+    )
+    after = cpu_seconds(server_pid)
+    for key in ("ttfts_s", "tpots_s"):
+        report.pop(key, None)
+    report["concurrency"] = concurrency
+    report["cpu_seconds"] = {k: after[k] - before.get(k, 0.0) for k in after}
+    return report
 
-        async def limited(prompt: str) -> Result:
-            async with gate:
-                return await one_request(client, model, prompt, output_len, headers)
 
-        start = time.perf_counter()
-        results = await asyncio.gather(*(limited(p) for p in prompts))
-        duration = time.perf_counter() - start
-    ok = [r for r in results if r.ok]
-    out_tokens = sum(r.output_tokens for r in ok)
-    in_tokens = sum(r.prompt_tokens for r in ok)
-    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
-    return {
-        "model": model,
-        "num_requests": len(results),
-        "completed": len(ok),
-        "failed": len(results) - len(ok),
-        "errors": sorted({r.error for r in results if r.error}),
-        "concurrency": concurrency,
-        "duration_s": duration,
-        "request_throughput": len(ok) / duration,
-        "output_throughput": out_tokens / duration,
-        "total_token_throughput": (in_tokens + out_tokens) / duration,
-        "prompt_tokens": in_tokens,
-        "output_tokens": out_tokens,
-        "ttft_ms": percentiles([r.ttft for r in ok]),
-        "itl_ms": percentiles([t for r in ok for t in r.itl]),
-        "tpot_ms": percentiles(tpot),
-        "e2e_ms": percentiles([r.e2e for r in ok]),
-    }
+def cpu_seconds(server_pid: int | None) -> dict[str, float]:
+    """CPU seconds so far: this process (the client), the server, and the server's children
+    (the engine core and its workers); read from /proc, so empty where there is none. On a
+    machine this small the three share the cores, so their sum is what the wall time pays."""
+    out = {"client": time.process_time()}
+    if server_pid is None or not Path(f"/proc/{server_pid}").exists():
+        return out
+    out["server"] = _proc_cpu(server_pid)
+    out["core"] = sum(_proc_cpu(c) for c in _descendants(server_pid))
+    return out
+
+
+def _proc_cpu(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def _descendants(pid: int) -> list[int]:
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children = [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+        for child in children:
+            found += [child, *_descendants(child)]
+    return found
 
 
 def run_offline(
@@ -192,7 +118,7 @@ def run_offline(
     sent: dict[str, float] = {}
     ttft: dict[str, float] = {}
     in_tokens = out_tokens = 0
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     while pending or sent:
         while pending and len(sent) < concurrency:
             i, prompt = pending.pop(0)
@@ -215,7 +141,8 @@ def run_offline(
         "output_throughput": out_tokens / duration,
         "output_tokens": out_tokens,
         "total_token_throughput": (in_tokens + out_tokens) / duration,
-        "ttft_ms": percentiles(list(ttft.values())),
+        "ttft_ms": summarize(list(ttft.values())),
+        "cpu_seconds": {"engine": time.process_time() - cpu_start},
     }
 
 
@@ -251,12 +178,12 @@ def compare(
         if offline[c]["output_throughput"] > 0
     }
     low = min(offline)
-    off_ttft = offline[low]["ttft_ms"].get("p50", 0.0)
-    srv_ttft = served[low]["ttft_ms"].get("p50", 0.0)
+    off_ttft = offline[low]["ttft_ms"].get("median", 0.0)
+    srv_ttft = served[low]["ttft_ms"].get("median", 0.0)
     return {
         "output_throughput_ratio": ratios,
         "http_round_trip_ms": rtt_ms,
-        "ttft_p50_ms": {
+        "ttft_median_ms": {
             "concurrency": low,
             "offline": off_ttft,
             "served": srv_ttft,
@@ -380,6 +307,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         help="also run the same requests through the offline Engine (needs --launch "
         "or --smoke) and report the ratios",
     )
+    p.add_argument(
+        "--server-args",
+        default="",
+        help="extra `pagedllm serve` flags for the server only, not the offline engine "
+        "(e.g. '--cpu-threads 1')",
+    )
     p.add_argument("--input-len", type=int, default=64, help="words per prompt")
     p.add_argument("--output-len", type=int, default=128, help="tokens per response")
     p.add_argument("--seed", type=int, default=0)
@@ -429,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
                 engine = offline_engine(model, extra)
             port = free_port()
             base_url = f"http://127.0.0.1:{port}"
-            proc = launch(model, extra, port)
+            proc = launch(model, [*extra, *args.server_args.split()], port)
         try:
             if proc is not None:
                 wait_healthy(base_url, proc, args.startup_timeout)
@@ -439,8 +372,14 @@ def main(argv: list[str] | None = None) -> int:
             for c, ps in prompts.items():
                 if engine is not None:
                     offline[c] = run_offline(engine, ps, args.output_len, c)
-                served[c] = asyncio.run(
-                    run_benchmark(base_url, args.model, ps, args.output_len, c, args.api_key)
+                served[c] = serve_requests(
+                    base_url,
+                    args.model,
+                    ps,
+                    args.output_len,
+                    c,
+                    args.api_key,
+                    proc.pid if proc is not None else None,
                 )
             rtt = http_round_trip_ms(base_url) if engine is not None else 0.0
         finally:

@@ -147,9 +147,12 @@ class ParallelConfig:
     distributed_executor_backend: str | None = None  # None | "mp" | "ray"
     # MoE layers place whole experts on ranks (instead of slicing every expert)
     enable_expert_parallel: bool = False
+    # intra-op threads of a CPU engine, shared by its ranks; None: the device decides
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         _positive_int(self.tensor_parallel_size, "tensor_parallel_size")
+        _positive_int(self.cpu_threads, "cpu_threads", allow_none=True)
         _require(
             isinstance(self.enable_expert_parallel, bool),
             "enable_expert_parallel",
@@ -256,6 +259,11 @@ class EngineArgs:
     enable_expert_parallel: bool = engine_arg(
         False, "place whole experts of mixture-of-experts layers on the tensor-parallel ranks"
     )
+    cpu_threads: int | None = engine_arg(
+        None,
+        "intra-op threads of the CPU device, shared by tensor-parallel ranks (default: the "
+        "physical cores; served, one fewer on 3 or more cores, to leave the API server one)",
+    )
 
     # A dict from Python, a JSON object string from the command line.
     speculative_config: str | None = engine_arg(
@@ -331,6 +339,7 @@ class EngineArgs:
                 tensor_parallel_size=self.tensor_parallel_size,
                 distributed_executor_backend=self.distributed_executor_backend,
                 enable_expert_parallel=self.enable_expert_parallel,
+                cpu_threads=self.cpu_threads,
             ),
             device=device,
             speculative=speculative,
@@ -340,6 +349,21 @@ class EngineArgs:
 def env_api_key() -> str | None:
     """The server's API key from the environment, when ``--api-key`` is not given."""
     return os.environ.get("PAGEDLLM_API_KEY") or None
+
+
+def core_openmp_env() -> dict[str, str]:
+    """OpenMP settings for the engine core process, set before torch loads: its threads sleep
+    while they wait rather than spin, unless the user chose a policy.
+
+    The core shares the machine with the API server and its clients. A thread spinning at a
+    barrier holds a core the server needs, and when the kernel parks one of the core's threads
+    to run the server, every parallel region of the step waits for it: on a loaded 2-core
+    machine the spinning engine ran at a tenth of its speed. (The offline ``Engine`` lives in
+    the user's process, whose OpenMP runtime may be loaded before pagedllm is imported.)
+    """
+    if any(k in os.environ for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")):
+        return {}
+    return {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def env_cpu_isa() -> str | None:

@@ -363,7 +363,7 @@ class DeviceBackend(ABC):
     def prepare_model(self, model: torch.nn.Module) -> None:
         """Device-specific tuning of a loaded model (repacked weights, say); default: none."""
 
-    def configure_threads(self, world_size: int = 1) -> None:
+    def configure_threads(self, world_size: int = 1, total: int | None = None) -> None:
         """Set host-side thread counts for a worker once, before its first forward pass."""
 
     def synchronize(self, rank: int = 0) -> None:

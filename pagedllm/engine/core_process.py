@@ -203,6 +203,9 @@ def core_main(
     log_level: int,
 ) -> None:
     """The process's entry point (spawned): build the engine, say READY, run the loop."""
+    from pagedllm.config import core_openmp_env
+
+    os.environ.update(core_openmp_env())  # before torch loads its OpenMP runtime
     import zmq
 
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [core] %(message)s")

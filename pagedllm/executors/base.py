@@ -47,7 +47,7 @@ class UniProcExecutor(Executor):
 
         self.worker = Worker(config, hf_config)
         # Multi-process executors give each rank its own share instead.
-        self.worker.backend.configure_threads(1)
+        self.worker.backend.configure_threads(1, config.parallel.cpu_threads)
         self.worker.load_model()
 
     def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:

@@ -114,7 +114,8 @@ class MultiprocExecutor(Executor):
         self.world_size = config.parallel.tensor_parallel_size
         self.step_timeout_s = step_timeout_s
         self._failure: str | None = None
-        threads = threads_per_worker or max(1, (os.cpu_count() or 1) // self.world_size)
+        total = config.parallel.cpu_threads or os.cpu_count() or 1
+        threads = threads_per_worker or max(1, total // self.world_size)
         ctx = mp.get_context("spawn")
         port = get_open_port()
         self._procs: list[Any] = []

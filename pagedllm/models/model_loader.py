@@ -37,8 +37,21 @@ def load_hf_config(model: str) -> Any:
 
     try:
         return AutoConfig.from_pretrained(str(folder), local_files_only=True)
-    except (ValueError, OSError, KeyError) as exc:
-        raise CheckpointError(f"{config_file}: cannot be read as a model config ({exc})") from exc
+    except (ValueError, OSError, KeyError, *_config_validation_errors()) as exc:
+        detail = " ".join(str(exc).split())  # validation errors span lines
+        raise CheckpointError(
+            f"{config_file}: cannot be read as a model config ({detail})"
+        ) from exc
+
+
+def _config_validation_errors() -> tuple[type[Exception], ...]:
+    """The errors of the configs' field validation (huggingface_hub's strict dataclasses, which
+    newer transformers configs are): a mistyped field in config.json is the user's input."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return ()
+    return (StrictDataclassError,)
 
 
 def config_dtype(hf_config: Any) -> torch.dtype:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import sys
 from pathlib import Path
@@ -27,17 +26,16 @@ def test_benchmark_report(server: Any) -> None:
     bench = _load()
     prompts = bench.make_prompts(6, 8, seed=0)
     assert prompts == bench.make_prompts(6, 8, seed=0)  # a fixed request set
-    report = asyncio.run(bench.run_benchmark(server.base_url, None, prompts, 5, 3, API_KEY))
+    report = bench.serve_requests(server.base_url, None, prompts, 5, 3, API_KEY, None)
     assert report["model"] == MODEL_NAME
     assert report["completed"] == 6 and report["failed"] == 0, report["errors"]
     assert report["output_tokens"] == 30
     for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
         p = report[key]
         assert 0 < p["p50"] <= p["p90"] <= p["p99"] <= p["max"], (key, p)
+    assert report["concurrency"] == 3 and report["cpu_seconds"]["client"] > 0
     assert report["ttft_ms"]["max"] <= report["e2e_ms"]["max"]
     assert report["request_throughput"] > 0 and report["output_throughput"] > 0
-    failed = asyncio.run(
-        bench.run_benchmark(server.base_url, MODEL_NAME, prompts[:2], 5, 2, "wrong-key")
-    )
-    assert failed["failed"] == 2 and "HTTP 401" in failed["errors"][0]
+    failed = bench.serve_requests(server.base_url, MODEL_NAME, prompts[:2], 5, 2, "wrong-key", None)
+    assert failed["failed"] == 2 and "API key" in failed["errors"][0], failed["errors"]
     server.assert_all_blocks_free()

@@ -376,3 +376,27 @@ def test_tensor_parallel_serving_through_the_core(llama_path: Any) -> None:
     finally:
         client.stop()
     assert not client.proc.is_alive()
+
+
+def _core_environment(engine: Any) -> dict[str, str | None]:
+    import torch
+
+    return {
+        "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def test_the_core_waits_passively(server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The core's OpenMP threads sleep while they wait (the server needs the cores they would
+    spin on), and a policy the user set is theirs."""
+    from pagedllm.config import core_openmp_env
+
+    if "OMP_WAIT_POLICY" not in os.environ:
+        assert server.in_core(_core_environment)["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("KMP_BLOCKTIME", raising=False)
+    assert core_openmp_env() == {"OMP_WAIT_POLICY": "PASSIVE"}
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert core_openmp_env() == {}

@@ -63,9 +63,11 @@ class CpuBackend(DeviceBackend):
             self.linear_path += ", " + moe
         model.linear_path = self.linear_path
 
-    def configure_threads(self, world_size: int = 1) -> None:
-        """Intra-op threads = physical cores (shared evenly by co-located TP ranks)."""
-        threads = max(1, physical_cores() // max(1, world_size))
+    def configure_threads(self, world_size: int = 1, total: int | None = None) -> None:
+        """Intra-op threads = ``total`` or the physical cores, shared evenly by co-located TP
+        ranks (more threads than cores only make each parallel region wait for a thread the
+        kernel has parked)."""
+        threads = max(1, (total or physical_cores()) // max(1, world_size))
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
             logger.info("using %d intra-op threads", threads)

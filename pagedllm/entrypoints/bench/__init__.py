@@ -7,7 +7,6 @@ progress bar runs on stderr unless ``--no-progress`` is given.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 from collections.abc import Callable
@@ -171,6 +170,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from pagedllm.config import env_api_key
     from pagedllm.entrypoints.bench import datasets, serve
+    from pagedllm.entrypoints.bench.sse_client import run as run_async
 
     key = args.api_key or env_api_key()
     url = args.url.rstrip("/")
@@ -196,7 +196,7 @@ def run_serve(args: argparse.Namespace) -> int:
         requests = datasets.random_requests(
             args.num_prompts, args.input_len, args.output_len, args.seed
         )
-    report = asyncio.run(
+    report = run_async(
         serve.run(
             url,
             requests,

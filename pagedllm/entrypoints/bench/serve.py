@@ -25,6 +25,7 @@ from typing import Any, TextIO
 import httpx
 
 from pagedllm.entrypoints.bench.datasets import BenchRequest
+from pagedllm.entrypoints.bench.sse_client import StatusError, StreamClient
 from pagedllm.entrypoints.bench.stats import latency_rows, print_table, server_side, summarize
 
 
@@ -65,43 +66,47 @@ def request_body(req: BenchRequest, model: str, chat: bool, ignore_eos: bool) ->
 
 
 async def one_request(
-    client: httpx.AsyncClient, body: dict[str, Any], chat: bool, headers: dict[str, str]
+    client: StreamClient, body: dict[str, Any], chat: bool, timeout: float = 600
 ) -> Outcome:
     path = "/v1/chat/completions" if chat else "/v1/completions"
     res = Outcome()
     start = time.perf_counter()
-    last = start
-    try:
-        async with client.stream("POST", path, json=body, headers=headers) as r:
-            if r.status_code != 200:
-                res.error = _error_text(await r.aread(), r.status_code)
-                return res
-            res.ttft = last = time.perf_counter() - start  # the first token exists
-            last += start
-            async for line in r.aiter_lines():
-                if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                    continue
-                event = json.loads(line[5:])
-                if "error" in event:
-                    res.error = event["error"].get("message", "error event")
-                    return res
+    last = 0.0
+
+    def started() -> None:  # the server answers once the first token exists
+        nonlocal last
+        last = time.perf_counter()
+        res.ttft = last - start
+
+    async def read() -> None:
+        nonlocal last
+        async for event in client.events(path, body, started):
+            if "error" in event:
+                res.error = event["error"].get("message", "error event")
+                return
+            choices = event.get("choices") or []
+            piece = (
+                choices[0].get("delta", {}).get("content")
+                if chat and choices
+                else (choices[0].get("text") if choices else None)
+            )
+            if piece:
                 now = time.perf_counter()
-                choices = event.get("choices") or []
-                piece = (
-                    choices[0].get("delta", {}).get("content")
-                    if chat and choices
-                    else (choices[0].get("text") if choices else None)
-                )
-                if piece:
-                    if res.chunks:
-                        res.itl.append(now - last)
-                    res.chunks += 1
-                    last = now
-                if event.get("usage"):
-                    res.prompt_tokens = event["usage"]["prompt_tokens"]
-                    res.output_tokens = event["usage"]["completion_tokens"]
-    except httpx.HTTPError as exc:
+                if res.chunks:
+                    res.itl.append(now - last)
+                res.chunks += 1
+                last = now
+            if event.get("usage"):
+                res.prompt_tokens = event["usage"]["prompt_tokens"]
+                res.output_tokens = event["usage"]["completion_tokens"]
+
+    try:
+        await asyncio.wait_for(read(), timeout)
+    except StatusError as exc:
+        res.error = _error_text(exc.body, exc.status)
+    except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, ValueError) as exc:
         res.error = f"{type(exc).__name__}: {exc}"
+    if res.error:
         return res
     res.e2e = time.perf_counter() - start
     res.ok = res.output_tokens > 0
@@ -126,14 +131,14 @@ async def run(
     """Send ``requests`` and return the report (also the server's view from /metrics)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limit = max_concurrency or len(requests)
-    limits = httpx.Limits(max_connections=limit + 4, max_keepalive_connections=limit + 4)
     bar = None
     if progress:
         from tqdm import tqdm
 
         bar = tqdm(total=len(requests), desc="requests", unit="req")
+    streams = StreamClient(base_url, headers)
     async with httpx.AsyncClient(
-        base_url=base_url, timeout=httpx.Timeout(600, connect=10), limits=limits
+        base_url=base_url, timeout=httpx.Timeout(600, connect=10)
     ) as client:
         if model is None:
             r = await client.get("/v1/models", headers=headers)
@@ -145,9 +150,7 @@ async def run(
 
         async def limited(req: BenchRequest) -> Outcome:
             async with gate:
-                out = await one_request(
-                    client, request_body(req, model, chat, ignore_eos), chat, headers
-                )
+                out = await one_request(streams, request_body(req, model, chat, ignore_eos), chat)
             if bar is not None:
                 bar.update(1)
             return out
@@ -162,6 +165,7 @@ async def run(
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         metrics_after = (await client.get("/metrics")).text
+    await streams.aclose()
     if bar is not None:
         bar.close()
     report = _report(results, duration, model, request_rate, limit)
