@@ -36,6 +36,8 @@ class ScheduledSeq:
     sample_index: int = 0
     # The request's end-of-sequence ids, which min_tokens keeps from being sampled.
     eos_token_ids: frozenset[int] = frozenset()
+    # Multi-LoRA: the request's adapter (a pagedllm.lora.LoRARequest, opaque here), None: base.
+    lora_request: Any = None
 
 
 @dataclass(frozen=True)

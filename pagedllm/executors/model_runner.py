@@ -27,8 +27,10 @@ class ModelRunner:
         device: torch.device,
         block_size: int,
         seed: int,
+        lora: Any = None,
     ) -> None:
         self.model = model
+        self.lora = lora  # a pagedllm.lora.manager.LoRAManager when LoRA is enabled
         self.attention = attention
         self.device = device
         self.block_size = block_size
@@ -41,6 +43,8 @@ class ModelRunner:
         if not sched_out.seqs:
             return ModelRunnerOutput(sampled={})
         batch = flatten(sched_out, self.block_size)
+        if self.lora is not None:
+            self.lora.set_step([s.lora_request for s in sched_out.seqs], batch.query_lens)
         hidden = self.forward(batch, sched_out.num_prefill_seqs, kv_caches)
         sampled = self._sample(hidden, batch, sched_out)
         prompt_lps = self._prompt_logprobs(hidden, batch, sched_out.seqs)

@@ -78,6 +78,21 @@ class Worker:
             tp=tp,
             quantization=self.config.model.quantization,
         )
+        lora = self.config.lora
+        self.lora_manager = None
+        if lora is not None:
+            from pagedllm.lora.manager import LoRAManager
+
+            self.lora_manager = LoRAManager(
+                model,
+                kernel=self.backend.lora_kernel(),
+                max_loras=lora.max_loras,
+                max_lora_rank=lora.max_lora_rank,
+                max_cpu_loras=lora.host_capacity,
+                dtype=self.dtype,
+                device=self.device,
+            )
+        # After the wrappers read the layers' shapes: a backend may repack the base weights.
         self.backend.prepare_model(model)
         self.runner = ModelRunner(
             model,
@@ -85,6 +100,7 @@ class Worker:
             device=self.device,
             block_size=self.config.cache.block_size,
             seed=self.config.model.seed,
+            lora=self.lora_manager,
         )
         logger.info(
             "model on %s in %s with %s attention (%s), KV cache in %s",
@@ -94,6 +110,15 @@ class Worker:
             self.attention.describe(),
             self.kv_cache_dtype,
         )
+
+    # -- LoRA adapters (the engine checks enable_lora first) ----------------------------------
+    def add_lora(self, request: Any) -> None:
+        assert self.lora_manager is not None
+        self.lora_manager.add(request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        assert self.lora_manager is not None
+        return self.lora_manager.remove(lora_id)
 
     def uniform_sliding_window(self) -> int | None:
         """The window when every attention layer slides by the same; None otherwise."""
