@@ -161,10 +161,9 @@ class Scheduler:
         skipped: list[SequenceGroup] = []  # their adapter finds no free slot this step
         while self.waiting:
             group = self.waiting[0]
-            if loras is not None and group.lora_id and group.lora_id not in loras:
-                if len(loras) >= (self.max_loras or 0):
-                    skipped.append(self.waiting.popleft())
-                    continue
+            if loras is not None and self._no_slot_for(group, loras):
+                skipped.append(self.waiting.popleft())
+                continue
             seqs = group.get_seqs(SequenceStatus.WAITING)
             if seqs[0].get_prompt_len() > self._prompt_limit(chunked):
                 self._ignore(group, f"prompt of {seqs[0].get_prompt_len()} tokens is too long")
@@ -202,6 +201,11 @@ class Scheduler:
             if loras is not None and group.lora_id:
                 loras.add(group.lora_id)
         self.waiting.extendleft(reversed(skipped))
+
+    def _no_slot_for(self, group: SequenceGroup, loras: set[int]) -> bool:
+        """The group's adapter would be one more than ``max_loras`` running at once."""
+        lora = group.lora_id
+        return bool(lora) and lora not in loras and len(loras) >= (self.max_loras or 0)
 
     def _active_loras(self) -> set[int] | None:
         """Adapters of running and swapped groups (None: no LoRA limit to keep)."""

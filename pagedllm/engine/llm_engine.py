@@ -21,12 +21,12 @@ from pagedllm.core.sequence import Sequence, SequenceGroup
 from pagedllm.engine.admission import EngineLimits, check_request, fit_max_model_len
 from pagedllm.engine.containment import EngineBrokenError, execute_contained, without
 from pagedllm.engine.guided import GuidedRequests
-from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.lora_registry import (
     LoRARegistry,
     lora_cache_root,
     per_prompt_loras,
 )
+from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.executors.base import create_executor
 from pagedllm.lora.request import LoRARequest
 from pagedllm.models.model_loader import load_hf_config, max_model_len_of

@@ -120,6 +120,9 @@ class LoRALinear(nn.Module):
             b_dst = b[:, i * r_max : i * r_max + r]  # [out_shard, r]
             scaled_b = lora_b.to(torch.float32) * scale
             if self.row_parallel:
+                full_in = self.in_features * self.base.tp.size
+                if lora_a.dim() != 2 or lora_a.shape[1] != full_in:
+                    raise ValueError(f"lora_A is {tuple(lora_a.shape)}, expected [{r}, {full_in}]")
                 self.base.load_weight(_as_param(a_dst), lora_a.to(a.dtype))
                 _copy_checked(b_dst, scaled_b, "lora_B")
             else:

@@ -25,7 +25,9 @@ FUSED_PARTS: dict[str, tuple[str, int]] = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
-_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
+_KEY = re.compile(
+    r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$"
+)
 
 
 @dataclass
@@ -131,7 +133,7 @@ def resolve_target(module: str, layers: dict[str, Any]) -> tuple[str, int | None
     candidates: list[tuple[list[str], int | None]] = [(parts, None)]
     if leaf in FUSED_PARTS:
         fused, index = FUSED_PARTS[leaf]
-        candidates.insert(0, (parts[:-1] + [fused], index))
+        candidates.insert(0, ([*parts[:-1], fused], index))
     for cand, index in candidates:
         for start in range(len(cand)):
             path = ".".join(cand[start:])

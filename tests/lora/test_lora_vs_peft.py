@@ -64,7 +64,8 @@ def test_mixed_batch_matches_peft(
         use_tqdm=False,
     )
     for i, (name, out) in enumerate(zip(names, outs, strict=True)):
-        ref = peft_greedy(llama_path, None if name is None else adapters[name], [prompts[i]], MAX_NEW)
+        adapter = None if name is None else adapters[name]
+        ref = peft_greedy(llama_path, adapter, [prompts[i]], MAX_NEW)
         assert_greedy_match(list(out.outputs[0].token_ids), ref[0], f"prompt {i} lora {name}")
 
 
