@@ -95,11 +95,11 @@ class EngineCore:
     def apply(self, message: tuple[Any, ...], acks: list[list[Any]]) -> None:
         kind = message[0]
         if kind == wire.ADD:
-            _, rid, prompt, params, priority, arrival = message
+            _, rid, prompt, params, priority, arrival, lora = message
             received = time.monotonic()  # the request's TTFT starts at ``arrival`` (the server's)
             try:
                 self.engine.add_request(
-                    rid, prompt, params, priority=priority, arrival_time=arrival
+                    rid, prompt, params, priority=priority, arrival_time=arrival, lora_request=lora
                 )
             except Exception as exc:  # the request alone is refused
                 acks.append([rid, type(exc).__name__, str(exc), received])

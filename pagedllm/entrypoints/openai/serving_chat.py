@@ -144,7 +144,7 @@ class OpenAIServingChat(ServingBase):
     async def create(
         self, req: ChatCompletionRequest, raw_request: Request | None
     ) -> dict[str, Any] | StreamingResponse:
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         plan = plan_tools(req, self.tool_call_parser)
         guided, guided_param = guided_from_request(req)
         if plan.guided is not None:
@@ -184,7 +184,12 @@ class OpenAIServingChat(ServingBase):
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         pairs = await self.start(
-            request_id, [prompt], [params], priority=req.priority, raw_request=raw_request
+            request_id,
+            [prompt],
+            [params],
+            priority=req.priority,
+            raw_request=raw_request,
+            lora_request=lora,
         )
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
