@@ -31,6 +31,16 @@ LoRAPart = tuple[torch.Tensor, torch.Tensor, float]
 class LoRAKernel(Protocol):
     name: str
 
+    def __call__(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        lora_a: torch.Tensor,
+        lora_b: torch.Tensor,
+        mapping: LoRAMapping,
+    ) -> None:
+        """``y += `` each adapter token's ``(x A_s^T) B_s^T`` (shrink then expand)."""
+
     def shrink(self, x: torch.Tensor, lora_a: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
         """``[num_lora_tokens, k]`` in slot order: each token's row times its slot's A^T."""
 
@@ -95,9 +105,11 @@ class LoRALinear(nn.Module):
         if mapping is None:
             return y
         kernel = self.ctx.kernel
+        if not (self.row_parallel and self.base.tp.size > 1):
+            kernel(y, x, self.lora_a, self.lora_b, mapping)
+            return y
         s = kernel.shrink(x, self.lora_a, mapping)  # [num_lora_tokens, slices * R]
-        if self.row_parallel:
-            s = self.base.tp.all_reduce(s)  # partial sums over this rank's input columns
+        s = self.base.tp.all_reduce(s)  # partial sums over this rank's input columns
         kernel.expand(y, s, self.lora_b, mapping)
         return y
 

@@ -12,6 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+
+# One padded bmm replaces the per-segment GEMMs while padding adds at most this factor of rows.
+PAD_WASTE = 1.5
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,12 @@ class LoRAMapping:
     seg_start: torch.Tensor  # [num_segments + 1] int32
     max_seg_len: int
     num_tokens: int  # all tokens of the step (base ones included)
+    # Padded batches for one bmm over every segment (None when padding would waste too much):
+    # each segment's tokens padded to max_seg_len; ``pad_gather`` points padding at an extra
+    # zero row (index num_tokens), ``pad_scatter`` at row 0 (it adds zeros there).
+    pad_gather: torch.Tensor | None = None  # [segments * max_seg_len] int64
+    pad_scatter: torch.Tensor | None = None  # [segments * max_seg_len] int64
+    slot_index: torch.Tensor | None = None  # [segments] int64; None when slots are 0..S-1
 
     @property
     def num_lora_tokens(self) -> int:
@@ -67,20 +77,61 @@ def build_mapping(
             perm.extend(range(starts[i], starts[i] + seq_lens[i]))
         segments.append((slot, begin, len(perm)))
     bounds = [s for _, s, _ in segments] + [segments[-1][2]]
+    longest = max(e - b for _, b, e in segments)
+    pads: dict[str, torch.Tensor | None] = {"pad_gather": None, "pad_scatter": None}
+    slot_ids = [s for s, _, _ in segments]
+    if len(segments) > 1 and len(segments) * longest <= PAD_WASTE * len(perm):
+        gather = [pos] * (len(segments) * longest)
+        scatter = [0] * len(gather)
+        for j, (_, b, e) in enumerate(segments):
+            gather[j * longest : j * longest + e - b] = perm[b:e]
+            scatter[j * longest : j * longest + e - b] = perm[b:e]
+        pads["pad_gather"] = torch.tensor(gather, dtype=torch.long).to(device)
+        pads["pad_scatter"] = torch.tensor(scatter, dtype=torch.long).to(device)
+    contiguous = slot_ids == list(range(len(slot_ids)))
     return LoRAMapping(
         perm=torch.tensor(perm, dtype=torch.long).to(device),
         segments=segments,
         seg_slot=torch.tensor([s for s, _, _ in segments], dtype=torch.int32).to(device),
         seg_start=torch.tensor(bounds, dtype=torch.int32).to(device),
-        max_seg_len=max(e - b for _, b, e in segments),
+        max_seg_len=longest,
         num_tokens=pos,
+        slot_index=None if contiguous else torch.tensor(slot_ids, dtype=torch.long).to(device),
+        **pads,
     )
 
 
 class TorchLoRAOps:
-    """Segmented GEMMs with torch.mm: the CPU and XPU path (and the kernels' reference)."""
+    """Segmented GEMMs with torch.mm: the CPU and XPU path (and the kernels' reference).
+
+    With several segments of similar length (a decode step mixing adapters) the segments are
+    padded into one ``bmm`` each way instead, a few large calls rather than two per slot.
+    """
 
     name = "torch"
+
+    def __call__(
+        self,
+        y: torch.Tensor,  # [num_tokens, out], updated in place
+        x: torch.Tensor,  # [num_tokens, in]
+        lora_a: torch.Tensor,  # [max_loras, k, in]
+        lora_b: torch.Tensor,  # [max_loras, out, k]
+        mapping: LoRAMapping,
+    ) -> None:
+        """Shrink and expand in one go (no collective between them)."""
+        if mapping.pad_gather is None or mapping.pad_scatter is None:
+            self.expand(y, self.shrink(x, lora_a, mapping), lora_b, mapping)
+            return
+        segs, longest = len(mapping.segments), mapping.max_seg_len
+        if mapping.slot_index is None:
+            a, b = lora_a[:segs], lora_b[:segs]
+        else:
+            a = lora_a.index_select(0, mapping.slot_index)
+            b = lora_b.index_select(0, mapping.slot_index)
+        xs = F.pad(x, (0, 0, 0, 1)).index_select(0, mapping.pad_gather)  # zero row for padding
+        s = torch.bmm(xs.view(segs, longest, -1), a.transpose(1, 2))  # [segs, longest, k]
+        delta = torch.bmm(s, b.transpose(1, 2))  # [segs, longest, out]
+        y.index_add_(0, mapping.pad_scatter, delta.view(segs * longest, -1))
 
     def shrink(
         self,

@@ -124,6 +124,16 @@ class TritonLoRAOps:
 
     name = "triton"
 
+    def __call__(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        lora_a: torch.Tensor,
+        lora_b: torch.Tensor,
+        mapping: LoRAMapping,
+    ) -> None:
+        self.expand(y, self.shrink(x, lora_a, mapping), lora_b, mapping)
+
     def shrink(
         self,
         x: torch.Tensor,  # [num_tokens, in]
