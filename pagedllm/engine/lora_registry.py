@@ -50,7 +50,10 @@ class LoRARegistry:
                     f"lora {request.lora_name!r}: the name is already loaded with id "
                     f"{other.lora_int_id} from {other.lora_path}"
                 )
-        self.executor.collective_rpc("add_lora", request)
+        errors = [e for e in self.executor.collective_rpc("add_lora", request) if e]
+        if errors:
+            self.executor.collective_rpc("remove_lora", request.lora_int_id)
+            raise ValueError(errors[0])
         self.known[request.lora_int_id] = request
 
     def remove(self, lora_id: int) -> bool:

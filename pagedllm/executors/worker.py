@@ -112,9 +112,15 @@ class Worker:
         )
 
     # -- LoRA adapters (the engine checks enable_lora first) ----------------------------------
-    def add_lora(self, request: Any) -> None:
+    def add_lora(self, request: Any) -> str | None:
+        """Read and pack an adapter; its error message when it is bad (returned, not raised,
+        so a tensor-parallel executor does not take a bad folder for a dead worker)."""
         assert self.lora_manager is not None
-        self.lora_manager.add(request)
+        try:
+            self.lora_manager.add(request)
+        except ValueError as exc:
+            return str(exc)
+        return None
 
     def remove_lora(self, lora_id: int) -> bool:
         assert self.lora_manager is not None
