@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 # One padded bmm replaces the per-segment GEMMs while padding adds at most this factor of rows.
 PAD_WASTE = 1.5
@@ -25,20 +24,29 @@ class LoRAMapping:
     ``perm[i]`` is the flat token index of the i-th adapter token in slot order; segment ``j``
     covers ``perm[seg_start[j] : seg_start[j + 1]]`` and uses slot ``seg_slot[j]``. The Python
     lists drive the PyTorch path with no device sync; the tensors feed the kernels.
+
+    Results come back to token order by a gather, not a scatter (``index_add_`` is a slow
+    ``scatter_add`` on the CPU): ``inv[t]`` is token ``t``'s row in the slot-ordered results,
+    or the extra zero row past them for a base-model token.
     """
 
     perm: torch.Tensor  # [num_lora_tokens] int64
+    inv: torch.Tensor  # [num_tokens] int64, into num_lora_tokens + 1 rows
     segments: list[tuple[int, int, int]]  # (slot, start, end) in perm order
     seg_slot: torch.Tensor  # [num_segments] int32
     seg_start: torch.Tensor  # [num_segments + 1] int32
     max_seg_len: int
     num_tokens: int  # all tokens of the step (base ones included)
-    # Padded batches for one bmm over every segment (None when padding would waste too much):
-    # each segment's tokens padded to max_seg_len; ``pad_gather`` points padding at an extra
-    # zero row (index num_tokens), ``pad_scatter`` at row 0 (it adds zeros there).
+    # One padded bmm over every segment (None when padding would waste too much): each
+    # segment padded to max_seg_len rows; ``pad_gather`` points padding rows at token 0 (their
+    # results are never read), ``pad_inv`` is ``inv`` into the padded rows (+1 zero row).
     pad_gather: torch.Tensor | None = None  # [segments * max_seg_len] int64
-    pad_scatter: torch.Tensor | None = None  # [segments * max_seg_len] int64
+    pad_inv: torch.Tensor | None = None  # [num_tokens] int64
     slot_index: torch.Tensor | None = None  # [segments] int64; None when slots are 0..S-1
+
+    @property
+    def has_base_tokens(self) -> bool:
+        return self.num_lora_tokens < self.num_tokens
 
     @property
     def num_lora_tokens(self) -> int:
@@ -46,8 +54,12 @@ class LoRAMapping:
 
     @property
     def covers_all(self) -> bool:
-        """Every token of the step runs one adapter (no gather or scatter needed)."""
+        """Every token of the step runs one adapter (no gather needed)."""
         return len(self.segments) == 1 and self.num_lora_tokens == self.num_tokens
+
+
+def _long(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long).to(device)
 
 
 def build_mapping(
@@ -76,27 +88,32 @@ def build_mapping(
         for i in by_slot[slot]:
             perm.extend(range(starts[i], starts[i] + seq_lens[i]))
         segments.append((slot, begin, len(perm)))
+    inv = [len(perm)] * pos
+    for row, token in enumerate(perm):
+        inv[token] = row
     bounds = [s for _, s, _ in segments] + [segments[-1][2]]
     longest = max(e - b for _, b, e in segments)
-    pads: dict[str, torch.Tensor | None] = {"pad_gather": None, "pad_scatter": None}
-    slot_ids = [s for s, _, _ in segments]
+    pads: dict[str, torch.Tensor | None] = {"pad_gather": None, "pad_inv": None}
     if len(segments) > 1 and len(segments) * longest <= PAD_WASTE * len(perm):
-        gather = [pos] * (len(segments) * longest)
-        scatter = [0] * len(gather)
+        padded = len(segments) * longest
+        gather = [0] * padded
+        pad_inv = [padded] * pos
         for j, (_, b, e) in enumerate(segments):
-            gather[j * longest : j * longest + e - b] = perm[b:e]
-            scatter[j * longest : j * longest + e - b] = perm[b:e]
-        pads["pad_gather"] = torch.tensor(gather, dtype=torch.long).to(device)
-        pads["pad_scatter"] = torch.tensor(scatter, dtype=torch.long).to(device)
+            for r in range(e - b):
+                gather[j * longest + r] = perm[b + r]
+                pad_inv[perm[b + r]] = j * longest + r
+        pads = {"pad_gather": _long(gather, device), "pad_inv": _long(pad_inv, device)}
+    slot_ids = [s for s, _, _ in segments]
     contiguous = slot_ids == list(range(len(slot_ids)))
     return LoRAMapping(
-        perm=torch.tensor(perm, dtype=torch.long).to(device),
+        perm=_long(perm, device),
+        inv=_long(inv, device),
         segments=segments,
-        seg_slot=torch.tensor([s for s, _, _ in segments], dtype=torch.int32).to(device),
+        seg_slot=torch.tensor(slot_ids, dtype=torch.int32).to(device),
         seg_start=torch.tensor(bounds, dtype=torch.int32).to(device),
         max_seg_len=longest,
         num_tokens=pos,
-        slot_index=None if contiguous else torch.tensor(slot_ids, dtype=torch.long).to(device),
+        slot_index=None if contiguous else _long(slot_ids, device),
         **pads,
     )
 
@@ -119,7 +136,7 @@ class TorchLoRAOps:
         mapping: LoRAMapping,
     ) -> None:
         """Shrink and expand in one go (no collective between them)."""
-        if mapping.pad_gather is None or mapping.pad_scatter is None:
+        if mapping.pad_gather is None or mapping.pad_inv is None:
             self.expand(y, self.shrink(x, lora_a, mapping), lora_b, mapping)
             return
         segs, longest = len(mapping.segments), mapping.max_seg_len
@@ -128,10 +145,13 @@ class TorchLoRAOps:
         else:
             a = lora_a.index_select(0, mapping.slot_index)
             b = lora_b.index_select(0, mapping.slot_index)
-        xs = F.pad(x, (0, 0, 0, 1)).index_select(0, mapping.pad_gather)  # zero row for padding
+        xs = x.index_select(0, mapping.pad_gather)  # [segs * longest, in]
         s = torch.bmm(xs.view(segs, longest, -1), a.transpose(1, 2))  # [segs, longest, k]
-        delta = torch.bmm(s, b.transpose(1, 2))  # [segs, longest, out]
-        y.index_add_(0, mapping.pad_scatter, delta.view(segs * longest, -1))
+        delta = y.new_empty((segs * longest + 1, y.shape[1]))
+        if mapping.has_base_tokens:
+            delta[-1].zero_()  # the row base-model tokens read
+        torch.bmm(s, b.transpose(1, 2), out=delta[:-1].view(segs, longest, -1))
+        y.add_(delta.index_select(0, mapping.pad_inv))
 
     def shrink(
         self,
@@ -156,7 +176,10 @@ class TorchLoRAOps:
             slot = mapping.segments[0][0]
             y.addmm_(s, lora_b[slot].t())
             return
-        delta = y.new_empty((s.shape[0], y.shape[1]))
+        n = s.shape[0]
+        delta = y.new_empty((n + 1, y.shape[1]))
+        if mapping.has_base_tokens:
+            delta[n].zero_()  # the row base-model tokens read
         for slot, begin, end in mapping.segments:
             torch.mm(s[begin:end], lora_b[slot].t(), out=delta[begin:end])
-        y.index_add_(0, mapping.perm, delta)
+        y.add_(delta.index_select(0, mapping.inv))

@@ -15,6 +15,7 @@ CASES = {
     "one_slot_all": ([1, 1], [7, 1]),
     "decode_all_slots": ([0, 1, 2, 3, 0, 1, -1, 2], [1] * 8),
     "decode_sparse_slots": ([3, 1, -1, 3, 1], [1] * 5),
+    "decode_no_base": ([0, 2, 0, 2, 1], [1] * 5),
 }
 
 
