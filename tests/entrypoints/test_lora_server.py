@@ -164,3 +164,30 @@ def test_runtime_updates_refused_without_the_flag(
     body = {"lora_name": "a2", "lora_path": str(adapters["a2"])}
     _error(http.post("/v1/load_lora_adapter", json=body), 403, "--enable-lora-runtime-updates")
     _error(http.post("/v1/unload_lora_adapter", json={"lora_name": "a1"}), 403)
+
+
+def test_cli_generate_with_lora(
+    llama_path: Path, adapters: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from transformers import AutoTokenizer
+
+    from pagedllm.entrypoints import cli
+
+    prompt = "def fibonacci(n):"
+    tok = AutoTokenizer.from_pretrained(str(llama_path))
+    ref = peft_greedy(llama_path, adapters["a1"], [tok.encode(prompt)], 6)[0].token_ids
+    args = ["generate", str(llama_path), "--prompt", prompt, "--max-tokens", "6"]
+    args += ["--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "16"]
+    code = cli.main([*args, "--lora", f"a1={adapters['a1']}"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert captured.out == prompt + tok.decode(ref) + "\n"
+
+
+def test_cli_lora_flags_need_enable_lora(capsys: pytest.CaptureFixture[str]) -> None:
+    from pagedllm.entrypoints import cli
+
+    assert cli.main(["serve", "m", "--lora-modules", "a=/x"]) == 2
+    assert "--enable-lora" in capsys.readouterr().err
+    assert cli.main(["generate", "m", "--prompt", "A", "--lora", "no-equals-sign"]) == 2
+    assert "name=path" in capsys.readouterr().err
