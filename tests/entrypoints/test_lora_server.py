@@ -113,7 +113,9 @@ def test_model_field_picks_the_adapter(
     tok = AutoTokenizer.from_pretrained(str(llama_path))
     prompt = tok.encode("The quick brown fox")
     http = servers["on"]
-    got_lora = _tokens(_complete(http, "a1", prompt))
+    resp = _complete(http, "a1", prompt)
+    got_lora = _tokens(resp)
+    assert resp.json()["model"] == "a1"
     got_base = _tokens(_complete(http, BASE, prompt))
     ref_lora = peft_greedy(llama_path, adapters["a1"], [prompt], MAX_NEW)[0].token_ids
     ref_base = peft_greedy(llama_path, None, [prompt], MAX_NEW)[0].token_ids

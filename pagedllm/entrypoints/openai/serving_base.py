@@ -203,6 +203,10 @@ class ServingBase:
             raise model_not_found(name, [*self.model.names, *self.model.adapters])
         return adapter
 
+    def response_model(self, name: str) -> str:
+        """The ``model`` of a reply: the adapter's name when one ran, else the served name."""
+        return name if name in self.model.adapters else self.model.name
+
     def check_token_ids(self, ids: list[int], param: str) -> None:
         if not ids:
             raise APIError(f"{param}: the prompt is empty", param=param)

@@ -220,7 +220,7 @@ class OpenAIServingChat(ServingBase):
             "id": request_id,
             "object": "chat.completion",
             "created": created,
-            "model": self.model.name,
+            "model": self.response_model(req.model),
             "choices": choices,
             "usage": usage(len(prompt.token_ids), completion_tokens),
         }
@@ -255,7 +255,7 @@ class OpenAIServingChat(ServingBase):
             "id": request_id,
             "object": "chat.completion.chunk",
             "created": created,
-            "model": self.model.name,
+            "model": self.response_model(req.model),
         }
 
         def event(choices: list[dict[str, Any]], **extra: Any) -> str:

@@ -145,7 +145,7 @@ class OpenAIServingCompletion(ServingBase):
             "id": request_id,
             "object": "text_completion",
             "created": created,
-            "model": self.model.name,
+            "model": self.response_model(req.model),
             "choices": choices,
             "usage": usage(prompt_tokens, completion_tokens),
         }
@@ -217,7 +217,7 @@ class OpenAIServingCompletion(ServingBase):
             "id": request_id,
             "object": "text_completion",
             "created": created,
-            "model": self.model.name,
+            "model": self.response_model(req.model),
         }
         try:
             async for i, out in merge_streams(pairs):
