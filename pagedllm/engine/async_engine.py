@@ -387,6 +387,7 @@ class AsyncEngine(EngineClient):
         elif isinstance(cmd, _Add):
             if not cmd.done.set_running_or_notify_cancel():
                 return
+            lora = {} if cmd.lora_request is None else {"lora_request": cmd.lora_request}
             try:
                 self.engine.add_request(
                     cmd.stream.request_id,
@@ -394,7 +395,7 @@ class AsyncEngine(EngineClient):
                     cmd.params,
                     priority=cmd.priority,
                     arrival_time=cmd.arrival_time,
-                    lora_request=cmd.lora_request,
+                    **lora,
                 )
             except BaseException as exc:
                 cmd.done.set_exception(exc)

@@ -97,9 +97,10 @@ class EngineCore:
         if kind == wire.ADD:
             _, rid, prompt, params, priority, arrival, lora = message
             received = time.monotonic()  # the request's TTFT starts at ``arrival`` (the server's)
+            extra = {} if lora is None else {"lora_request": lora}
             try:
                 self.engine.add_request(
-                    rid, prompt, params, priority=priority, arrival_time=arrival, lora_request=lora
+                    rid, prompt, params, priority=priority, arrival_time=arrival, **extra
                 )
             except Exception as exc:  # the request alone is refused
                 acks.append([rid, type(exc).__name__, str(exc), received])
