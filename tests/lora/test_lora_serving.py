@@ -174,3 +174,28 @@ def test_bad_request_leaves_engine_serving(
         small_engine.add_lora(LoRARequest("a3", 2, str(five_adapters[3])))
     assert small_engine.remove_lora(2) and not small_engine.remove_lora(2)
     assert small_engine.list_loras() == []
+
+
+def test_chunked_prefill_mixes_prompt_chunks_and_decodes(
+    llama_path: Path, five_adapters: list[Path]
+) -> None:
+    """Steps that hold prompt chunks of one adapter next to decodes of others."""
+    engine = _engine(
+        llama_path, max_loras=3, enable_chunked_prefill=True, max_num_batched_tokens=16
+    )
+    tok = engine.get_tokenizer()
+    prompts = [tok.encode(p) for p in (PROMPTS[8], PROMPTS[5], PROMPTS[1], PROMPTS[8])]
+    which = [0, 1, None, 2]
+    outs = engine.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        GREEDY,
+        lora_request=[
+            None if w is None else LoRARequest(f"a{w}", w + 1, str(five_adapters[w])) for w in which
+        ],
+        use_tqdm=False,
+    )
+    assert engine.scheduler.stats.chunked_prefill_steps > 0
+    for i, (w, out) in enumerate(zip(which, outs, strict=True)):
+        adapter = None if w is None else five_adapters[w]
+        ref = peft_greedy(llama_path, adapter, [prompts[i]], MAX_NEW)[0]
+        assert_greedy_match(list(out.outputs[0].token_ids), ref, f"chunked prompt {i} a{w}")
