@@ -42,9 +42,9 @@ class ModelRunner:
     ) -> ModelRunnerOutput:
         if not sched_out.seqs:
             return ModelRunnerOutput(sampled={})
+        if self.lora is not None:  # adapters: slots, the step ordered by slot, the mapping
+            sched_out = self.lora.prepare_step(sched_out)
         batch = flatten(sched_out, self.block_size)
-        if self.lora is not None:
-            self.lora.set_step([s.lora_request for s in sched_out.seqs], batch.query_lens)
         hidden = self.forward(batch, sched_out.num_prefill_seqs, kv_caches)
         sampled = self._sample(hidden, batch, sched_out)
         prompt_lps = self._prompt_logprobs(hidden, batch, sched_out.seqs)

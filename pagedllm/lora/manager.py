@@ -8,6 +8,7 @@ scheduler never lets a step need more than ``max_loras`` adapters.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import OrderedDict
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.core.interfaces import SchedulerOutput
 from pagedllm.layers.lora import LoRAContext, LoRAKernel, LoRALinear, LoRAPart, wrap_linear_layers
 from pagedllm.lora.adapter import read_adapter, resolve_target
 from pagedllm.lora.ops import build_mapping
@@ -155,15 +157,32 @@ class LoRAManager:
         self.slot_of[lora_id] = slot
         logger.debug("LoRA %d loaded into slot %d", lora_id, slot)
 
-    def set_step(self, seq_requests: list[Any], seq_lens: list[int]) -> None:
-        """The mapping every wrapped layer reads this step (None when no adapter runs)."""
-        ids = {r.lora_int_id: r for r in seq_requests if r is not None}
+    def prepare_step(self, sched_out: SchedulerOutput) -> SchedulerOutput:
+        """Slots for the step's adapters, the step ordered by slot, and its mapping.
+
+        Prefills stay first (the attention metadata wants them there): base prefills, then
+        prefills by ascending slot; then decodes by ascending slot, then base decodes. So the
+        adapter tokens form one run of the batch in slot order. Outputs are keyed by sequence
+        id, so the order is the runner's own business.
+        """
+        seqs = sched_out.seqs
+        ids = {s.lora_request.lora_int_id: s.lora_request for s in seqs if s.lora_request}
         if not ids:
             self.ctx.mapping = None
-            return
+            return sched_out
         slots = self.activate(ids)
-        seq_slots = [-1 if r is None else slots[r.lora_int_id] for r in seq_requests]
-        self.ctx.mapping = build_mapping(seq_slots, seq_lens, self.device)
+
+        def slot(s: Any) -> int:
+            return -1 if s.lora_request is None else slots[s.lora_request.lora_int_id]
+
+        n = sched_out.num_prefill_seqs
+        prefills = sorted(seqs[:n], key=slot)
+        decodes = sorted(seqs[n:], key=lambda s: slot(s) if s.lora_request else 1 << 30)
+        ordered = prefills + decodes
+        self.ctx.mapping = build_mapping(
+            [slot(s) for s in ordered], [len(s.token_ids) for s in ordered], self.device
+        )
+        return dataclasses.replace(sched_out, seqs=ordered)
 
     def clear_step(self) -> None:
         self.ctx.mapping = None

@@ -43,6 +43,11 @@ class LoRAMapping:
     pad_gather: torch.Tensor | None = None  # [segments * max_seg_len] int64
     pad_inv: torch.Tensor | None = None  # [num_tokens] int64
     slot_index: torch.Tensor | None = None  # [segments] int64; None when slots are 0..S-1
+    # The runner orders a step's sequences by slot, so the adapter tokens are usually one run
+    # ``[lo, hi)`` of the batch already in slot order (no gather at all), and in a decode step
+    # often in segments of one length (one strided bmm each way).
+    token_range: tuple[int, int] | None = None
+    equal_len: int | None = None
 
     @property
     def has_base_tokens(self) -> bool:
@@ -68,7 +73,8 @@ def build_mapping(
     """The step's mapping from each scheduled sequence's slot (-1: base) and token count.
 
     A sequence's tokens are contiguous in the flat batch, so sorting is over sequences, once
-    per step; None when no token of the step runs an adapter.
+    per step; a slot's segment follows the order in which slots first appear (ascending slots
+    when the runner sorted the batch). None when no token of the step runs an adapter.
     """
     starts: list[int] = []
     pos = 0
@@ -83,7 +89,7 @@ def build_mapping(
         return None
     perm: list[int] = []
     segments: list[tuple[int, int, int]] = []
-    for slot in sorted(by_slot):
+    for slot in by_slot:
         begin = len(perm)
         for i in by_slot[slot]:
             perm.extend(range(starts[i], starts[i] + seq_lens[i]))
@@ -105,6 +111,8 @@ def build_mapping(
         pads = {"pad_gather": _long(gather, device), "pad_inv": _long(pad_inv, device)}
     slot_ids = [s for s, _, _ in segments]
     contiguous = slot_ids == list(range(len(slot_ids)))
+    lengths = {e - b for _, b, e in segments}
+    one_run = perm == list(range(perm[0], perm[0] + len(perm)))
     return LoRAMapping(
         perm=_long(perm, device),
         inv=_long(inv, device),
@@ -114,8 +122,20 @@ def build_mapping(
         max_seg_len=longest,
         num_tokens=pos,
         slot_index=None if contiguous else _long(slot_ids, device),
+        token_range=(perm[0], perm[0] + len(perm)) if one_run else None,
+        equal_len=longest if len(lengths) == 1 else None,
         **pads,
     )
+
+
+def _slot_weights(
+    lora_a: torch.Tensor, lora_b: torch.Tensor, mapping: LoRAMapping
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each segment's A and B stacked: views when the segments use slots 0..S-1 in order."""
+    if mapping.slot_index is None:
+        segs = len(mapping.segments)
+        return lora_a[:segs], lora_b[:segs]
+    return lora_a.index_select(0, mapping.slot_index), lora_b.index_select(0, mapping.slot_index)
 
 
 class TorchLoRAOps:
@@ -136,15 +156,14 @@ class TorchLoRAOps:
         mapping: LoRAMapping,
     ) -> None:
         """Shrink and expand in one go (no collective between them)."""
+        if mapping.token_range is not None and mapping.equal_len is not None:
+            self._strided(y, x, lora_a, lora_b, mapping)
+            return
         if mapping.pad_gather is None or mapping.pad_inv is None:
             self.expand(y, self.shrink(x, lora_a, mapping), lora_b, mapping)
             return
         segs, longest = len(mapping.segments), mapping.max_seg_len
-        if mapping.slot_index is None:
-            a, b = lora_a[:segs], lora_b[:segs]
-        else:
-            a = lora_a.index_select(0, mapping.slot_index)
-            b = lora_b.index_select(0, mapping.slot_index)
+        a, b = _slot_weights(lora_a, lora_b, mapping)
         xs = x.index_select(0, mapping.pad_gather)  # [segs * longest, in]
         s = torch.bmm(xs.view(segs, longest, -1), a.transpose(1, 2))  # [segs, longest, k]
         delta = y.new_empty((segs * longest + 1, y.shape[1]))
@@ -152,6 +171,22 @@ class TorchLoRAOps:
             delta[-1].zero_()  # the row base-model tokens read
         torch.bmm(s, b.transpose(1, 2), out=delta[:-1].view(segs, longest, -1))
         y.add_(delta.index_select(0, mapping.pad_inv))
+
+    @staticmethod
+    def _strided(
+        y: torch.Tensor,
+        x: torch.Tensor,
+        lora_a: torch.Tensor,
+        lora_b: torch.Tensor,
+        mapping: LoRAMapping,
+    ) -> None:
+        """Segments of one length in one run of the batch: views, one bmm and one baddbmm."""
+        assert mapping.token_range is not None and mapping.equal_len is not None
+        lo, hi = mapping.token_range
+        segs, length = len(mapping.segments), mapping.equal_len
+        a, b = _slot_weights(lora_a, lora_b, mapping)
+        s = torch.bmm(x[lo:hi].view(segs, length, -1), a.transpose(1, 2))  # [segs, len, k]
+        y[lo:hi].view(segs, length, -1).baddbmm_(s, b.transpose(1, 2))
 
     def shrink(
         self,

@@ -16,6 +16,9 @@ CASES = {
     "decode_all_slots": ([0, 1, 2, 3, 0, 1, -1, 2], [1] * 8),
     "decode_sparse_slots": ([3, 1, -1, 3, 1], [1] * 5),
     "decode_no_base": ([0, 2, 0, 2, 1], [1] * 5),
+    # as the runner orders a step: one run of adapter tokens, slot by slot
+    "sorted_decode": ([-1, 0, 0, 2, 2], [1] * 5),
+    "sorted_slots_0_1": ([0, 0, 1, 1, -1], [1] * 5),
 }
 
 
@@ -65,6 +68,13 @@ def test_padded_path_is_chosen_for_balanced_decodes() -> None:
     skewed = build_mapping(*CASES["mixed_prefill"], torch.device("cpu"))
     assert balanced is not None and balanced.pad_gather is not None
     assert skewed is not None and skewed.pad_gather is None
+
+
+def test_sorted_steps_need_no_gather() -> None:
+    m = build_mapping(*CASES["sorted_decode"], torch.device("cpu"))
+    assert m is not None and m.token_range == (1, 5) and m.equal_len == 2
+    m = build_mapping(*CASES["sorted_slots_0_1"], torch.device("cpu"))
+    assert m is not None and m.slot_index is None  # slot weights are views
 
 
 def test_no_adapter_tokens_is_no_mapping() -> None:
