@@ -67,6 +67,26 @@ def _long(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long).to(device)
 
 
+def _padding(
+    segments: list[tuple[int, int, int]],
+    perm: list[int],
+    num_tokens: int,
+    longest: int,
+    device: torch.device,
+) -> dict[str, torch.Tensor | None]:
+    """``pad_gather`` and ``pad_inv`` when padding every segment to the longest costs little."""
+    if len(segments) == 1 or len(segments) * longest > PAD_WASTE * len(perm):
+        return {"pad_gather": None, "pad_inv": None}
+    padded = len(segments) * longest
+    gather = [0] * padded
+    pad_inv = [padded] * num_tokens
+    for j, (_, b, e) in enumerate(segments):
+        for r in range(e - b):
+            gather[j * longest + r] = perm[b + r]
+            pad_inv[perm[b + r]] = j * longest + r
+    return {"pad_gather": _long(gather, device), "pad_inv": _long(pad_inv, device)}
+
+
 def build_mapping(
     seq_slots: list[int], seq_lens: list[int], device: torch.device
 ) -> LoRAMapping | None:
@@ -99,16 +119,7 @@ def build_mapping(
         inv[token] = row
     bounds = [s for _, s, _ in segments] + [segments[-1][2]]
     longest = max(e - b for _, b, e in segments)
-    pads: dict[str, torch.Tensor | None] = {"pad_gather": None, "pad_inv": None}
-    if len(segments) > 1 and len(segments) * longest <= PAD_WASTE * len(perm):
-        padded = len(segments) * longest
-        gather = [0] * padded
-        pad_inv = [padded] * pos
-        for j, (_, b, e) in enumerate(segments):
-            for r in range(e - b):
-                gather[j * longest + r] = perm[b + r]
-                pad_inv[perm[b + r]] = j * longest + r
-        pads = {"pad_gather": _long(gather, device), "pad_inv": _long(pad_inv, device)}
+    pads = _padding(segments, perm, pos, longest, device)
     slot_ids = [s for s, _, _ in segments]
     contiguous = slot_ids == list(range(len(slot_ids)))
     lengths = {e - b for _, b, e in segments}
