@@ -64,6 +64,7 @@ class Worker:
         )
         self.cache_engine: CacheEngine | None = None
         self.runner: ModelRunner | None = None
+        self.lora_manager: Any = None  # a LoRAManager once the model loads with LoRA enabled
 
     def load_model(self) -> None:
         tp = self.tp
@@ -79,7 +80,6 @@ class Worker:
             quantization=self.config.model.quantization,
         )
         lora = self.config.lora
-        self.lora_manager = None
         if lora is not None:
             from pagedllm.lora.manager import LoRAManager
 
