@@ -434,9 +434,13 @@ class LLMEngine:
         return [done[i] for i in ids]
 
     # -- LoRA adapters ----------------------------------------------------------------------
-    def add_lora(self, lora_request: LoRARequest) -> None:
-        """Read and check an adapter now (a ValueError naming it if bad); kept in host memory."""
-        self.loras.add(lora_request)
+    def add_lora(self, lora_request: LoRARequest, weights: Any = None) -> None:
+        """Read and check an adapter now (a ValueError naming it if bad); kept in host memory.
+
+        ``weights`` (``pagedllm.lora.adapter.read_adapter``'s result) skips the reading: the
+        server reads a new adapter on a thread of its own, so the engine only packs it.
+        """
+        self.loras.add(lora_request, weights)
 
     def remove_lora(self, lora_id: int) -> bool:
         """Forget an adapter; requests already running under it finish first. False: unknown."""

@@ -31,7 +31,8 @@ class LoRARegistry:
             return
         self.add(request)
 
-    def add(self, request: LoRARequest) -> None:
+    def add(self, request: LoRARequest, weights: Any = None) -> None:
+        """Every worker reads (or, given ``weights`` read elsewhere, only packs) the adapter."""
         if not isinstance(request, LoRARequest):
             raise ValueError("lora_request: must be a LoRARequest")
         if self.config is None:
@@ -50,7 +51,7 @@ class LoRARegistry:
                     f"lora {request.lora_name!r}: the name is already loaded with id "
                     f"{other.lora_int_id} from {other.lora_path}"
                 )
-        errors = [e for e in self.executor.collective_rpc("add_lora", request) if e]
+        errors = [e for e in self.executor.collective_rpc("add_lora", request, weights) if e]
         if errors:
             self.executor.collective_rpc("remove_lora", request.lora_int_id)
             raise ValueError(errors[0])

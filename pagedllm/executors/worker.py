@@ -112,12 +112,12 @@ class Worker:
         )
 
     # -- LoRA adapters (the engine checks enable_lora first) ----------------------------------
-    def add_lora(self, request: Any) -> str | None:
+    def add_lora(self, request: Any, weights: Any = None) -> str | None:
         """Read and pack an adapter; its error message when it is bad (returned, not raised,
         so a tensor-parallel executor does not take a bad folder for a dead worker)."""
         assert self.lora_manager is not None
         try:
-            self.lora_manager.add(request)
+            self.lora_manager.add(request, weights)
         except ValueError as exc:
             return str(exc)
         return None

@@ -18,7 +18,7 @@ from torch import nn
 
 from pagedllm.core.interfaces import SchedulerOutput
 from pagedllm.layers.lora import LoRAContext, LoRAKernel, LoRALinear, LoRAPart, wrap_linear_layers
-from pagedllm.lora.adapter import read_adapter, resolve_target
+from pagedllm.lora.adapter import AdapterWeights, read_adapter, resolve_target
 from pagedllm.lora.ops import build_mapping
 from pagedllm.lora.request import LoRARequest
 
@@ -58,8 +58,12 @@ class LoRAManager:
         self.free_slots = list(range(max_loras))
 
     # -- host ----------------------------------------------------------------------------------
-    def add(self, request: LoRARequest) -> None:
-        """Read, check and keep an adapter in host memory (ValueError naming it if bad)."""
+    def add(self, request: LoRARequest, weights: AdapterWeights | None = None) -> None:
+        """Read, check and keep an adapter in host memory (ValueError naming it if bad).
+
+        ``weights``: the adapter already read (off the engine's thread, by the server), so
+        only the packing happens here.
+        """
         known = self.requests.get(request.lora_int_id)
         if known is not None and known != request:
             raise ValueError(
@@ -69,16 +73,21 @@ class LoRAManager:
         if request.lora_int_id in self.host:
             self.host.move_to_end(request.lora_int_id)
             return
-        packed = self._pack(request)
+        packed = self._pack(request, weights)
         self.requests[request.lora_int_id] = request
         self.host[request.lora_int_id] = packed
         while len(self.host) > self.max_cpu_loras:
             evicted, _ = self.host.popitem(last=False)
             logger.info("LoRA %d dropped from host memory (LRU)", evicted)
 
-    def _pack(self, request: LoRARequest) -> PackedAdapter:
+    def _pack(self, request: LoRARequest, weights: AdapterWeights | None) -> PackedAdapter:
         name = request.lora_name
-        weights = read_adapter(name, request.lora_path, max_rank=self.max_lora_rank)
+        if weights is None:
+            weights = read_adapter(name, request.lora_path, max_rank=self.max_lora_rank)
+        elif weights.rank > self.max_lora_rank:
+            raise ValueError(
+                f"lora {name!r}: rank {weights.rank} exceeds max_lora_rank ({self.max_lora_rank})"
+            )
         by_layer: dict[str, dict[int, LoRAPart]] = {}
         for module, (a, b, scale) in weights.modules.items():
             target = resolve_target(module, self.layers)

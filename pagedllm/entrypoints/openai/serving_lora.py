@@ -1,14 +1,16 @@
 """LoRA adapters over HTTP: ``/v1/models`` entries, and vLLM's load/unload routes.
 
 The served adapters live in ``ModelInfo.adapters`` (name -> LoRARequest), which the completion
-and chat handlers read to turn a request's ``model`` into its adapter. Loading reads and checks
-the folder in the engine (``Engine.add_lora``) before the name is served, so a bad folder is a
-400 naming the adapter and nothing changes. Runtime updates are refused (403) unless the server
+and chat handlers read to turn a request's ``model`` into its adapter. Loading reads the folder
+on a thread of the server (the engine keeps stepping), then the engine checks it against the
+model and packs it (``Engine.add_lora``) before the name is served, so a bad folder is a 400
+naming the adapter and nothing changes. Runtime updates are refused (403) unless the server
 was started with ``--enable-lora-runtime-updates``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from typing import Any
@@ -18,6 +20,7 @@ from pydantic import BaseModel
 
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.serving_base import ModelInfo, engine_errors
+from pagedllm.lora.adapter import read_adapter
 from pagedllm.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -33,8 +36,8 @@ class UnloadLoRARequest(BaseModel):
     lora_int_id: int | None = None
 
 
-def _engine_add_lora(request: LoRARequest, engine: Any) -> None:
-    engine.add_lora(request)
+def _engine_add_lora(request: LoRARequest, weights: Any, engine: Any) -> None:
+    engine.add_lora(request, weights)
 
 
 def _engine_remove_lora(lora_id: int, engine: Any) -> bool:
@@ -66,8 +69,11 @@ async def load_adapter(engine: Any, model: ModelInfo, name: str, path: str) -> L
     next_id = max((r.lora_int_id for r in model.adapters.values()), default=0) + 1
     try:
         request = LoRARequest(name, next_id, path)
+        # Read off the event loop and off the engine's thread: steps go on meanwhile, and the
+        # engine only packs the tensors (its max_lora_rank is checked there).
+        weights = await asyncio.to_thread(read_adapter, name, path, max_rank=1 << 30)
         with engine_errors():
-            await engine.call(functools.partial(_engine_add_lora, request))
+            await engine.call(functools.partial(_engine_add_lora, request, weights))
     except ValueError as exc:
         raise APIError(str(exc), param="lora_path", code="invalid_lora") from None
     model.adapters[name] = request
