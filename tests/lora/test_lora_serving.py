@@ -199,3 +199,24 @@ def test_chunked_prefill_mixes_prompt_chunks_and_decodes(
         adapter = None if w is None else five_adapters[w]
         ref = peft_greedy(llama_path, adapter, [prompts[i]], MAX_NEW)[0]
         assert_greedy_match(list(out.outputs[0].token_ids), ref, f"chunked prompt {i} a{w}")
+
+
+def test_removed_adapter_finishes_its_running_requests(
+    llama_path: Path, five_adapters: list[Path]
+) -> None:
+    engine = _engine(llama_path, max_loras=1)
+    tok = engine.get_tokenizer()
+    prompt = tok.encode(PROMPTS[1])
+    req = LoRARequest("a1", 2, str(five_adapters[1]))
+    engine.add_request("r", {"prompt_token_ids": prompt}, GREEDY, lora_request=req)
+    engine.step()
+    engine.step()
+    assert engine.remove_lora(2)
+    assert engine.list_loras() == []
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            final = out if out.finished else final
+    assert final is not None
+    ref = peft_greedy(llama_path, five_adapters[1], [prompt], MAX_NEW)[0]
+    assert_greedy_match(list(final.outputs[0].token_ids), ref, "removed mid-run")
