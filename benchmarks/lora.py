@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
         for a in adapters:
             engine.add_lora(a)  # read and packed up front, as a server's --lora-modules are
         spread = [adapters[i % num_adapters] for i in range(n)]
-        run(engine, prompts[:num_adapters], [2] * num_adapters, spread[:num_adapters])  # warm-up
+        run(engine, prompts, [2] * n, spread)  # warm-up: every prompt's prefill, a few decodes
         runs: dict[str, list[dict[str, Any]]] = {"lora": [], "base": []}
         for _ in range(1 if args.smoke else args.repeats):  # alternating: load drifts
             runs["lora"].append(run(engine, prompts, lengths, spread))
