@@ -171,6 +171,12 @@ class TorchLoRAOps:
             self._strided(y, x, lora_a, lora_b, mapping)
             return
         if mapping.pad_gather is None or mapping.pad_inv is None:
+            if mapping.token_range is not None:  # sorted: each segment is a slice of the batch
+                lo = mapping.token_range[0]
+                for slot, begin, end in mapping.segments:
+                    rows = slice(lo + begin, lo + end)
+                    y[rows].addmm_(torch.mm(x[rows], lora_a[slot].t()), lora_b[slot].t())
+                return
             self.expand(y, self.shrink(x, lora_a, mapping), lora_b, mapping)
             return
         segs, longest = len(mapping.segments), mapping.max_seg_len

@@ -19,6 +19,7 @@ CASES = {
     # as the runner orders a step: one run of adapter tokens, slot by slot
     "sorted_decode": ([-1, 0, 0, 2, 2], [1] * 5),
     "sorted_slots_0_1": ([0, 0, 1, 1, -1], [1] * 5),
+    "sorted_prefill_skewed": ([-1, 1, 2, 2, 3], [2, 30, 1, 2, 4]),
 }
 
 
@@ -73,6 +74,8 @@ def test_padded_path_is_chosen_for_balanced_decodes() -> None:
 def test_sorted_steps_need_no_gather() -> None:
     m = build_mapping(*CASES["sorted_decode"], torch.device("cpu"))
     assert m is not None and m.token_range == (1, 5) and m.equal_len == 2
+    m = build_mapping(*CASES["sorted_prefill_skewed"], torch.device("cpu"))
+    assert m is not None and m.token_range == (2, 39) and m.pad_gather is None
     m = build_mapping(*CASES["sorted_slots_0_1"], torch.device("cpu"))
     assert m is not None and m.slot_index is None  # slot weights are views
 
