@@ -11,6 +11,9 @@ PY="$VENV/bin/python"
 # The engine-core channel (pinned in pyproject.toml too), for a .venv made before it existed.
 "$PY" -c "import zmq, msgspec" 2>/dev/null || "$PY" -m pip install -q --disable-pip-version-check \
     pyzmq==26.2.0 msgspec==0.19.0
+# The LoRA tests' reference (pinned in pyproject.toml too), for a .venv made before it existed.
+"$PY" -c "import peft" 2>/dev/null || "$PY" -m pip install -q --disable-pip-version-check \
+    peft==0.21.2
 # The web pages are tested in the system's headless Chromium (selenium), `pagedllm chat` in a
 # pseudo-terminal (pexpect).
 bash ci/install_browser.sh
@@ -23,7 +26,7 @@ bash ci/install_browser.sh
 for bench in benchmarks/throughput.py benchmarks/attention_cpu.py benchmarks/engine_overhead.py \
              benchmarks/prefix_caching.py benchmarks/chunked_prefill.py benchmarks/serving.py \
              benchmarks/linear_cpu.py benchmarks/loading.py benchmarks/structured.py \
-             benchmarks/moe.py benchmarks/speculative.py; do
+             benchmarks/moe.py benchmarks/speculative.py benchmarks/lora.py; do
     if [ -f "$bench" ]; then
         "$PY" "$bench" --smoke > /dev/null
         echo "benchmark smoke run ok: $bench"

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import CompletionOutput, RequestOutput
 
 __version__ = "0.1.0"
@@ -18,6 +19,7 @@ __all__ = [
     "CompletionOutput",
     "Engine",
     "LLMEngine",
+    "LoRARequest",
     "RequestOutput",
     "SamplingParams",
     "__version__",

@@ -166,6 +166,29 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving: device slots, the largest rank they hold, adapters kept on the host."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # default: max_loras
+
+    def __post_init__(self) -> None:
+        _positive_int(self.max_loras, "max_loras")
+        _positive_int(self.max_lora_rank, "max_lora_rank")
+        _positive_int(self.max_cpu_loras, "max_cpu_loras", allow_none=True)
+        _require(
+            self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+            "max_cpu_loras",
+            f"({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})",
+        )
+
+    @property
+    def host_capacity(self) -> int:
+        return self.max_cpu_loras or self.max_loras
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -173,6 +196,7 @@ class EngineConfig:
     parallel: ParallelConfig
     device: str  # resolved: "cpu" | "cuda" | "xpu"
     speculative: SpeculativeConfig | None = None
+    lora: LoRAConfig | None = None  # None: LoRA adapters are refused
 
 
 def _device_names() -> list[str]:
@@ -272,6 +296,12 @@ class EngineArgs:
         '"num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m, '
         '"model": DRAFT_FOLDER}',
     )
+    enable_lora: bool = engine_arg(False, "serve LoRA adapters over the base model")
+    max_loras: int = engine_arg(1, "LoRA adapters one batch may mix (device slots, default 1)")
+    max_lora_rank: int = engine_arg(16, "largest LoRA rank served (default 16)")
+    max_cpu_loras: int | None = engine_arg(
+        None, "LoRA adapters kept in host memory (default: max_loras)"
+    )
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
@@ -343,6 +373,11 @@ class EngineArgs:
             ),
             device=device,
             speculative=speculative,
+            lora=(
+                LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+                if self.enable_lora
+                else None
+            ),
         )
 
 

@@ -21,6 +21,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -362,6 +363,15 @@ class DeviceBackend(ABC):
 
     def prepare_model(self, model: torch.nn.Module) -> None:
         """Device-specific tuning of a loaded model (repacked weights, say); default: none."""
+
+    def lora_kernel(self) -> Any:
+        """The batched LoRA shrink/expand (``pagedllm.layers.lora.LoRAKernel``) on this device.
+
+        Default: segmented ``torch.mm`` GEMMs, one pair per active adapter slot (CPU, XPU).
+        """
+        from pagedllm.lora.ops import TorchLoRAOps
+
+        return TorchLoRAOps()
 
     def configure_threads(self, world_size: int = 1, total: int | None = None) -> None:
         """Set host-side thread counts for a worker once, before its first forward pass."""

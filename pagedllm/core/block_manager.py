@@ -199,7 +199,7 @@ class BlockSpaceManager:
         """
         if not self.enable_caching:
             return []
-        bs, parent, hits = self.block_size, None, []
+        bs, parent, hits = self.block_size, seq.cache_root, []
         for i in range((seq.get_len() - 1) // bs):
             chunk = tuple(seq.token_slice(i * bs, (i + 1) * bs))
             parent = block_hash(parent, chunk)
@@ -258,7 +258,7 @@ class BlockSpaceManager:
             self.prefix_stats.hits += len(hits)
         bs = self.block_size
         table: list[int] = []
-        parent: int | None = None
+        parent = seq.cache_root
         for i in range(self._initial_blocks(seq, lazy=lazy)):
             chunk = tuple(seq.token_slice(i * bs, (i + 1) * bs))
             if i < len(hits):
@@ -352,7 +352,10 @@ class BlockSpaceManager:
         for idx in range(done, full):
             block = table[idx]
             if self.enable_caching and self.device.hashes[block] is None:
-                parent = self.device.hashes[table[idx - 1]] if idx > dead else None
+                if idx > dead:
+                    parent = self.device.hashes[table[idx - 1]]
+                else:
+                    parent = seq.cache_root if idx == 0 else None
                 if idx == 0 or parent is not None:
                     chunk = tuple(seq.token_slice(idx * bs, (idx + 1) * bs))
                     self.device.register(block, block_hash(parent, chunk), chunk)

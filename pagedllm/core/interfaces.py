@@ -43,6 +43,8 @@ class ScheduledSeq:
     num_spec_tokens: int = 0
     spec_token_ids: list[int] | None = None
     prev_token_id: int | None = None
+    # Multi-LoRA: the request's adapter (a pagedllm.lora.LoRARequest, opaque here), None: base.
+    lora_request: Any = None
 
 
 @dataclass(frozen=True)

@@ -38,9 +38,12 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         next_seq_id: Callable[[], int] | None = None,
         lookahead: LookaheadPlanner | None = None,
+        max_loras: int | None = None,
     ) -> None:
         self.config = config
         self.lookahead = lookahead  # speculative decoding: lookahead slots for decodes
+        # Multi-LoRA: distinct adapters running (or swapped) at once, the device slots.
+        self.max_loras = max_loras
         self._next_seq_id = next_seq_id or itertools.count(1 << 40).__next__
         self.block_manager = block_manager
         self.clock = clock
@@ -161,8 +164,13 @@ class Scheduler:
         bm = self.block_manager
         if self.config.policy != "fcfs":
             self.waiting = sort_groups(self.waiting, self.sort_key)
+        loras = self._active_loras()
+        skipped: list[SequenceGroup] = []  # their adapter finds no free slot this step
         while self.waiting:
             group = self.waiting[0]
+            if loras is not None and self._no_slot_for(group, loras):
+                skipped.append(self.waiting.popleft())
+                continue
             seqs = group.get_seqs(SequenceStatus.WAITING)
             if seqs[0].get_prompt_len() > self._prompt_limit(chunked):
                 self._ignore(group, f"prompt of {seqs[0].get_prompt_len()} tokens is too long")
@@ -197,6 +205,20 @@ class Scheduler:
             chunk = self._prefill_chunk(group, budget, step, chunked)
             self.running.append(group)
             step.prefills.append((group, chunk))
+            if loras is not None and group.lora_id:
+                loras.add(group.lora_id)
+        self.waiting.extendleft(reversed(skipped))
+
+    def _no_slot_for(self, group: SequenceGroup, loras: set[int]) -> bool:
+        """The group's adapter would be one more than ``max_loras`` running at once."""
+        lora = group.lora_id
+        return bool(lora) and lora not in loras and len(loras) >= (self.max_loras or 0)
+
+    def _active_loras(self) -> set[int] | None:
+        """Adapters of running and swapped groups (None: no LoRA limit to keep)."""
+        if self.max_loras is None:
+            return None
+        return {g.lora_id for q in (self.running, self.swapped) for g in q if g.lora_id}
 
     def _prefill_chunk(
         self,

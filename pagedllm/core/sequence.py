@@ -70,6 +70,9 @@ class Sequence:
         # Speculative decoding: accepted tokens after the newest one, not yet appended; the
         # output processor appends them one at a time so that stop conditions see each.
         self.pending_tokens: list[tuple[int, float, dict[int, float] | None]] = []
+        # Parent key of the first KV block in the prefix cache: the adapter's, so that the same
+        # prompt under two adapters (or the base) never shares blocks. None: the base model.
+        self.cache_root: int | None = None
 
     # -- lengths ---------------------------------------------------------------------------
     def get_len(self) -> int:
@@ -145,6 +148,7 @@ class Sequence:
             self.detok.decoded_outputs,
         )
         child._prefill_done = self._prefill_done
+        child.cache_root = self.cache_root
         return child
 
     def __repr__(self) -> str:
@@ -185,11 +189,17 @@ class SequenceGroup:
     # Beam search: candidates per running beam from the last step, and the search's own state.
     beam_candidates: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
     beam_state: Any = None
+    # Multi-LoRA: the adapter (opaque here); ``lora_id`` 0 is the base model.
+    lora_request: Any = None
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         self.seqs_dict: dict[int, Sequence] = {s.seq_id: s for s in self.seqs}
         self.prompt_token_ids: list[int] = self.seqs[0].prompt_token_ids
+
+    @property
+    def lora_id(self) -> int:
+        return int(getattr(self.lora_request, "lora_int_id", 0) or 0)
 
     def add_seq(self, seq: Sequence) -> None:
         self.seqs.append(seq)

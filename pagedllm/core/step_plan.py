@@ -95,4 +95,5 @@ def build_scheduled_seq(
         num_samples=num_samples,
         sample_index=seq.index,
         eos_token_ids=group.eos_token_ids,
+        lora_request=group.lora_request,
     )

@@ -107,6 +107,7 @@ class EngineClient(abc.ABC):
         *,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: Any = None,
     ) -> RequestStream:
         """Hand the request to the engine; its stream once taken (ValueError if refused)."""
 
@@ -122,10 +123,16 @@ class EngineClient(abc.ABC):
         *,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: Any = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; cancelling or closing the iterator aborts it."""
         stream = await self.add_request(
-            request_id, prompt, params, priority=priority, arrival_time=arrival_time
+            request_id,
+            prompt,
+            params,
+            priority=priority,
+            arrival_time=arrival_time,
+            lora_request=lora_request,
         )
         try:
             async for out in stream:
@@ -147,6 +154,7 @@ class _Add:
     # When the caller asked (monotonic): the request's TTFT and latency start here, not when
     # the engine thread gets to it after the step in progress.
     arrival_time: float = 0.0
+    lora_request: Any = None  # a pagedllm.lora.LoRARequest, or None for the base model
 
 
 @dataclass
@@ -251,6 +259,7 @@ class AsyncEngine(EngineClient):
         *,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: Any = None,
     ) -> RequestStream:
         """Queue a request and return its stream; ValueError ("field: msg") if it is invalid.
 
@@ -261,7 +270,7 @@ class AsyncEngine(EngineClient):
         arrival = time.monotonic() if arrival_time is None else arrival_time
         stream = RequestStream(request_id, asyncio.get_running_loop(), self._request_abort)
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._commands.put(_Add(stream, prompt, params, priority, done, arrival))
+        self._commands.put(_Add(stream, prompt, params, priority, done, arrival, lora_request))
         try:
             await asyncio.wrap_future(done)
         except asyncio.CancelledError:
@@ -378,6 +387,7 @@ class AsyncEngine(EngineClient):
         elif isinstance(cmd, _Add):
             if not cmd.done.set_running_or_notify_cancel():
                 return
+            lora = {} if cmd.lora_request is None else {"lora_request": cmd.lora_request}
             try:
                 self.engine.add_request(
                     cmd.stream.request_id,
@@ -385,6 +395,7 @@ class AsyncEngine(EngineClient):
                     cmd.params,
                     priority=cmd.priority,
                     arrival_time=cmd.arrival_time,
+                    **lora,
                 )
             except BaseException as exc:
                 cmd.done.set_exception(exc)

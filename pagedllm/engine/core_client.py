@@ -189,6 +189,7 @@ class EngineCoreClient(EngineClient):
         *,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: Any = None,
     ) -> RequestStream:
         """Send a request and return its stream once the core took it (ValueError if not).
 
@@ -206,7 +207,7 @@ class EngineCoreClient(EngineClient):
         self._arrivals[request_id] = arrival
         self._adds[request_id] = done
         try:
-            self._send((wire.ADD, request_id, prompt, params, priority, arrival))
+            self._send((wire.ADD, request_id, prompt, params, priority, arrival, lora_request))
         except BaseException:
             self._drop(request_id)
             self._adds.pop(request_id, None)

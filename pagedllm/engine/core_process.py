@@ -95,11 +95,12 @@ class EngineCore:
     def apply(self, message: tuple[Any, ...], acks: list[list[Any]]) -> None:
         kind = message[0]
         if kind == wire.ADD:
-            _, rid, prompt, params, priority, arrival = message
+            _, rid, prompt, params, priority, arrival, lora = message
             received = time.monotonic()  # the request's TTFT starts at ``arrival`` (the server's)
+            extra = {} if lora is None else {"lora_request": lora}
             try:
                 self.engine.add_request(
-                    rid, prompt, params, priority=priority, arrival_time=arrival
+                    rid, prompt, params, priority=priority, arrival_time=arrival, **extra
                 )
             except Exception as exc:  # the request alone is refused
                 acks.append([rid, type(exc).__name__, str(exc), received])

@@ -22,8 +22,14 @@ from pagedllm.core.speculation import LookaheadPlanner
 from pagedllm.engine.admission import EngineLimits, check_request, fit_max_model_len
 from pagedllm.engine.containment import EngineBrokenError, execute_contained, without
 from pagedllm.engine.guided import GuidedRequests
+from pagedllm.engine.lora_registry import (
+    LoRARegistry,
+    lora_cache_root,
+    per_prompt_loras,
+)
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.executors.base import create_executor
+from pagedllm.lora.request import LoRARequest
 from pagedllm.models.model_loader import load_hf_config, max_model_len_of
 from pagedllm.outputs import RequestOutput
 from pagedllm.spec_decode.metrics import SpecDecodeMetrics
@@ -133,8 +139,10 @@ class LLMEngine:
             lookahead=None
             if spec is None
             else LookaheadPlanner(spec, max_model_len=self.config.scheduler.max_model_len),
+            max_loras=self.config.lora.max_loras if self.config.lora else None,
         )
         self.spec_metrics = SpecDecodeMetrics()
+        self.loras = LoRARegistry(self.config.lora, self.executor)
         self.output_processor = OutputProcessor(
             tokenizer=self.tokenizer,
             eos_token_ids=self.eos_token_ids,
@@ -197,8 +205,12 @@ class LLMEngine:
         *,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue a request; a ValueError naming the field if anything about it is invalid."""
+        """Queue a request; a ValueError naming the field if anything about it is invalid.
+
+        ``lora_request`` runs it under an adapter, read and checked here on first use.
+        """
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id: must be a non-empty string")
         if request_id in self._requests:
@@ -213,8 +225,10 @@ class LLMEngine:
         if params.max_tokens is None:
             params = params.clone(max_tokens=max(1, max_len - len(token_ids)))
         check_request(params, len(token_ids), self.limits)
+        self.loras.ensure(lora_request)
         block_size = self.config.cache.block_size
         seq = Sequence(next(self._seq_ids), token_ids, block_size)
+        seq.cache_root = lora_cache_root(lora_request)
         group = SequenceGroup(
             request_id=request_id,
             seqs=[seq],
@@ -223,6 +237,7 @@ class LLMEngine:
             prompt=text,
             priority=priority,
             eos_token_ids=self.eos_token_ids,
+            lora_request=lora_request,
         )
         schedulable = self.guided.admit(group)  # a known-bad constraint raises here
         self._requests[request_id] = group
@@ -373,8 +388,12 @@ class LLMEngine:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Offline batch: every prompt runs to completion; outputs come back in input order."""
+        """Offline batch: every prompt runs to completion; outputs come back in input order.
+
+        ``lora_request``: one adapter for every prompt, or one (or None) per prompt.
+        """
         from tqdm.auto import tqdm
 
         if isinstance(prompts, (str, dict)) or (
@@ -388,13 +407,14 @@ class LLMEngine:
             params_list = sampling_params
         else:
             params_list = [sampling_params or SamplingParams()] * len(prompts)
+        loras = per_prompt_loras(lora_request, len(prompts))
         ids = [f"generate-{next(self._seq_ids)}" for _ in prompts]
         for params in params_list:  # offline: an invalid constraint raises before anything runs
             if params is not None and params.guided_decoding is not None:
                 self.guided.submit(params.guided_decoding).result()
         try:
-            for rid, prompt, params in zip(ids, prompts, params_list, strict=True):
-                self.add_request(rid, prompt, params)
+            for rid, prompt, params, lora in zip(ids, prompts, params_list, loras, strict=True):
+                self.add_request(rid, prompt, params, lora_request=lora)
         except ValueError:
             self.abort_request([r for r in ids if r in self._requests])
             self._pending_outputs.clear()
@@ -421,6 +441,22 @@ class LLMEngine:
             )
         bar.close()
         return [done[i] for i in ids]
+
+    # -- LoRA adapters ----------------------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest, weights: Any = None) -> None:
+        """Read and check an adapter now (a ValueError naming it if bad); kept in host memory.
+
+        ``weights`` (``pagedllm.lora.adapter.read_adapter``'s result) skips the reading: the
+        server reads a new adapter on a thread of its own, so the engine only packs it.
+        """
+        self.loras.add(lora_request, weights)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget an adapter; requests already running under it finish first. False: unknown."""
+        return self.loras.remove(lora_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.loras.list()
 
     # -- introspection ----------------------------------------------------------------------
     def get_stats(self) -> dict[str, float]:

@@ -158,6 +158,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=64 * 1024,
         help="most ids /detokenize accepts (413 beyond)",
     )
+    s.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters to serve (PEFT folders); the request's model field picks one "
+        "(needs --enable-lora)",
+    )
+    s.add_argument(
+        "--enable-lora-runtime-updates",
+        action="store_true",
+        help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter",
+    )
     add_engine_args(serve)
 
     gen = sub.add_parser(
@@ -174,6 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=-1)
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    gen.add_argument(
+        "--lora", metavar="NAME=PATH", help="run the prompts under this LoRA adapter (PEFT folder)"
+    )
     gen.add_argument(
         "--log-level",
         default="warning",
@@ -273,6 +289,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pagedllm.entrypoints.openai.api_server import ServerSettings, model_info, run_server
     from pagedllm.entrypoints.openai.offload import RequestLimits
     from pagedllm.entrypoints.openai.serving_chat import load_chat_template
+    from pagedllm.lora import parse_lora_module
 
     _setup_logging(args.log_level)
     model, demo_name = resolve_model(args.model)
@@ -285,6 +302,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
         check_serve_settings(args, template)
         check_engine_settings(args)
+        lora_modules = tuple(parse_lora_module(m) for m in args.lora_modules)
+        if (lora_modules or args.enable_lora_runtime_updates) and not args.enable_lora:
+            raise ValueError("--lora-modules and --enable-lora-runtime-updates need --enable-lora")
     except ValueError as exc:
         raise UsageError(f"pagedllm serve: {exc}") from None
     names = args.served_model_name or ([demo_name] if demo_name else [args.model])
@@ -306,6 +326,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         disable_docs=args.disable_docs,
         tool_call_parser=args.tool_call_parser,
         limits=limits,
+        lora_modules=lora_modules,
+        enable_lora_runtime_updates=args.enable_lora_runtime_updates,
     )
     return run_server(
         engine,
@@ -319,14 +341,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from pagedllm import Engine, SamplingParams
+    from pagedllm.lora import LoRARequest, parse_lora_module
 
     _setup_logging(args.log_level)
     try:
         check_engine_settings(args)
+        lora = None
+        kwargs = engine_kwargs(args)
+        if args.lora:
+            name, path = parse_lora_module(args.lora)
+            lora = LoRARequest(name, 1, path)
+            kwargs["enable_lora"] = True
+            kwargs.setdefault("max_lora_rank", 64)
     except ValueError as exc:
         raise UsageError(f"pagedllm generate: {exc}") from None
     try:
-        engine = Engine(args.model, args.device, **engine_kwargs(args))
+        engine = Engine(args.model, args.device, **kwargs)
         params = SamplingParams(
             max_tokens=args.max_tokens,
             temperature=args.temperature,
@@ -344,7 +374,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         out.write(prompt)
         out.flush()
         try:
-            engine.add_request(f"cli-{i}", prompt, params)
+            engine.add_request(f"cli-{i}", prompt, params, lora_request=lora)
         except ValueError as exc:
             raise SystemExit(f"pagedllm generate: {exc}") from None
         shown = 0

@@ -27,8 +27,10 @@ class ModelRunner:
         device: torch.device,
         block_size: int,
         seed: int,
+        lora: Any = None,
     ) -> None:
         self.model = model
+        self.lora = lora  # a pagedllm.lora.manager.LoRAManager when LoRA is enabled
         self.attention = attention
         self.device = device
         self.block_size = block_size
@@ -40,6 +42,8 @@ class ModelRunner:
     ) -> ModelRunnerOutput:
         if not sched_out.seqs:
             return ModelRunnerOutput(sampled={})
+        if self.lora is not None:  # adapters: slots, the step ordered by slot, the mapping
+            sched_out = self.lora.prepare_step(sched_out)
         batch = flatten(sched_out, self.block_size)
         hidden = self.forward(batch, sched_out.num_prefill_seqs, kv_caches)
         sampled = self._sample(hidden, batch, sched_out)

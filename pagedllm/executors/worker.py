@@ -65,6 +65,7 @@ class Worker:
         self.cache_engine: CacheEngine | None = None
         self.runner: ModelRunner | None = None
         self.spec: Any = None  # spec_decode.verify.SpecDecodeRunner under speculative decoding
+        self.lora_manager: Any = None  # a LoRAManager once the model loads with LoRA enabled
 
     def load_model(self) -> None:
         tp = self.tp
@@ -79,6 +80,20 @@ class Worker:
             tp=tp,
             quantization=self.config.model.quantization,
         )
+        lora = self.config.lora
+        if lora is not None:
+            from pagedllm.lora.manager import LoRAManager
+
+            self.lora_manager = LoRAManager(
+                model,
+                kernel=self.backend.lora_kernel(),
+                max_loras=lora.max_loras,
+                max_lora_rank=lora.max_lora_rank,
+                max_cpu_loras=lora.host_capacity,
+                dtype=self.dtype,
+                device=self.device,
+            )
+        # After the wrappers read the layers' shapes: a backend may repack the base weights.
         self.backend.prepare_model(model)
         self.runner = ModelRunner(
             model,
@@ -86,6 +101,7 @@ class Worker:
             device=self.device,
             block_size=self.config.cache.block_size,
             seed=self.config.model.seed,
+            lora=self.lora_manager,
         )
         if self.config.speculative is not None:
             from pagedllm.spec_decode.setup import build_spec_runner
@@ -99,6 +115,21 @@ class Worker:
             self.attention.describe(),
             self.kv_cache_dtype,
         )
+
+    # -- LoRA adapters (the engine checks enable_lora first) ----------------------------------
+    def add_lora(self, request: Any, weights: Any = None) -> str | None:
+        """Read and pack an adapter; its error message when it is bad (returned, not raised,
+        so a tensor-parallel executor does not take a bad folder for a dead worker)."""
+        assert self.lora_manager is not None
+        try:
+            self.lora_manager.add(request, weights)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    def remove_lora(self, lora_id: int) -> bool:
+        assert self.lora_manager is not None
+        return self.lora_manager.remove(lora_id)
 
     def uniform_sliding_window(self) -> int | None:
         """The window when every attention layer slides by the same; None otherwise."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -67,6 +68,12 @@ class CudaBackend(DeviceBackend):
             if isinstance(layer, FusedMoE) and not layer.is_int8:
                 layer.fast_moe = functools.partial(_run_fused_moe, fused_moe, layer)
                 layer.path = "triton"
+
+    def lora_kernel(self) -> Any:
+        """Multi-LoRA shrink/expand as Triton segmented GEMMs (one launch each per layer)."""
+        from pagedllm.backends.gpu.lora import TritonLoRAOps
+
+        return TritonLoRAOps()
 
     def profile_peak_bytes(self, fn: Callable[[], object], rank: int = 0) -> int:
         dev = self.device(rank)

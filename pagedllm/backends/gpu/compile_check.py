@@ -110,7 +110,22 @@ def _cases(dtype: str, quick: bool) -> list[tuple[Any, dict[str, str], dict[str,
             )
         )
     cases.extend(_moe_cases(t, prec))
+    cases.extend(_lora_cases(t, prec))
     return cases
+
+
+def _lora_cases(t: str, prec: str) -> list[tuple[Any, dict[str, str], dict[str, Any]]]:
+    """The LoRA segmented GEMM as shrink (gather) and expand (scatter-add), launcher tiles."""
+    from pagedllm.backends.gpu import lora
+
+    ptrs = {"x_ptr": t, "w_ptr": t, "out_ptr": t, "perm_ptr": "i64", "seg_slot_ptr": "i32"}
+    ptrs["seg_start_ptr"] = "i32"
+    shrink = {"GATHER": True, "SCATTER_ADD": False, "BLOCK_N": 32, "BLOCK_K": 32}
+    expand = {"GATHER": False, "SCATTER_ADD": True, "BLOCK_N": 64, "BLOCK_K": 16}
+    return [
+        (lora._sgmv_kernel, ptrs, {**c, "BLOCK_M": 16, "DOT_PRECISION": prec})
+        for c in (shrink, expand)
+    ]
 
 
 def _moe_cases(t: str, prec: str) -> list[tuple[Any, dict[str, str], dict[str, Any]]]:

@@ -41,6 +41,7 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving_base import ModelInfo
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_lora import adapter_entries, add_lora_routes, load_adapter
 from pagedllm.entrypoints.web import RequestTracker, TrackingEngine, mount_web
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,9 @@ class ServerSettings:
     h11_max_incomplete_event_size: int = 64 * 1024
     # Per-request sizes (see offload.py): prompt characters, prompt token ids, /detokenize ids.
     limits: RequestLimits = field(default_factory=RequestLimits)
+    # LoRA adapters served from the start (name, folder); run-time load/unload routes allowed.
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    enable_lora_runtime_updates: bool = False
 
 
 def is_json_content_type(value: str | None) -> bool:
@@ -160,6 +164,8 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        for name, path in settings.lora_modules:  # a bad adapter stops the start-up
+            await load_adapter(engine, model, name, path)
         watcher = asyncio.ensure_future(_watch_engine(app, engine))
         yield
         watcher.cancel()
@@ -233,7 +239,7 @@ def build_app(
             }
             for name in model.names
         ]
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": data + adapter_entries(model)}
 
     @v1.post("/completions")
     async def completions(request: Request) -> Any:
@@ -245,6 +251,9 @@ def build_app(
         req = await body(request, ChatCompletionRequest)
         return await chat.create(req, request)
 
+    add_lora_routes(
+        v1, engine, model, runtime_updates=settings.enable_lora_runtime_updates, body=body
+    )
     app.include_router(v1)
     extra = APIRouter(dependencies=[auth])
 

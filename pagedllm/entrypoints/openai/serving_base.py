@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -48,6 +48,9 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     created: int
+    # LoRA adapters served over the base: name -> pagedllm.lora.LoRARequest (changes at run
+    # time through /v1/load_lora_adapter and /v1/unload_lora_adapter).
+    adapters: dict[str, Any] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -191,9 +194,18 @@ class ServingBase:
         return self.engine.tokenizer
 
     # -- validation ------------------------------------------------------------------------
-    def check_model(self, name: str | None) -> None:
-        if name not in self.model.names:
-            raise model_not_found(name, list(self.model.names))
+    def check_model(self, name: str | None) -> Any:
+        """The adapter (a LoRARequest) the ``model`` field names; None for the base model."""
+        if name in self.model.names:
+            return None
+        adapter = self.model.adapters.get(name) if isinstance(name, str) else None
+        if adapter is None:
+            raise model_not_found(name, [*self.model.names, *self.model.adapters])
+        return adapter
+
+    def response_model(self, name: str) -> str:
+        """The ``model`` of a reply: the adapter's name when one ran, else the served name."""
+        return name if name in self.model.adapters else self.model.name
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         if not ids:
@@ -340,6 +352,7 @@ class ServingBase:
         *,
         priority: int,
         raw_request: Request | None,
+        lora_request: Any = None,
     ) -> list[tuple[RequestStream, RequestOutput]]:
         """Add every prompt and wait for each one's first output; any failure aborts them all."""
         streams: list[RequestStream] = []
@@ -355,6 +368,7 @@ class ServingBase:
                                 sp,
                                 priority=priority,
                                 arrival_time=arrival_time(raw_request),
+                                lora_request=lora_request,
                             )
                         )
                 except ValueError as exc:

@@ -144,7 +144,7 @@ class OpenAIServingChat(ServingBase):
     async def create(
         self, req: ChatCompletionRequest, raw_request: Request | None
     ) -> dict[str, Any] | StreamingResponse:
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         plan = plan_tools(req, self.tool_call_parser)
         guided, guided_param = guided_from_request(req)
         if plan.guided is not None:
@@ -184,7 +184,12 @@ class OpenAIServingChat(ServingBase):
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         pairs = await self.start(
-            request_id, [prompt], [params], priority=req.priority, raw_request=raw_request
+            request_id,
+            [prompt],
+            [params],
+            priority=req.priority,
+            raw_request=raw_request,
+            lora_request=lora,
         )
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -215,7 +220,7 @@ class OpenAIServingChat(ServingBase):
             "id": request_id,
             "object": "chat.completion",
             "created": created,
-            "model": self.model.name,
+            "model": self.response_model(req.model),
             "choices": choices,
             "usage": usage(len(prompt.token_ids), completion_tokens),
         }
@@ -250,7 +255,7 @@ class OpenAIServingChat(ServingBase):
             "id": request_id,
             "object": "chat.completion.chunk",
             "created": created,
-            "model": self.model.name,
+            "model": self.response_model(req.model),
         }
 
         def event(choices: list[dict[str, Any]], **extra: Any) -> str:

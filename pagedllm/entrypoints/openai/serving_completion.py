@@ -64,7 +64,7 @@ class OpenAIServingCompletion(ServingBase):
     async def create(
         self, req: CompletionRequest, raw_request: Request | None
     ) -> dict[str, Any] | StreamingResponse:
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         if req.suffix is not None:
             raise APIError(
                 "suffix: is not supported by this server",
@@ -92,7 +92,12 @@ class OpenAIServingCompletion(ServingBase):
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         pairs = await self.start(
-            request_id, prompts, params, priority=req.priority, raw_request=raw_request
+            request_id,
+            prompts,
+            params,
+            priority=req.priority,
+            raw_request=raw_request,
+            lora_request=lora,
         )
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -140,7 +145,7 @@ class OpenAIServingCompletion(ServingBase):
             "id": request_id,
             "object": "text_completion",
             "created": created,
-            "model": self.model.name,
+            "model": self.response_model(req.model),
             "choices": choices,
             "usage": usage(prompt_tokens, completion_tokens),
         }
@@ -212,7 +217,7 @@ class OpenAIServingCompletion(ServingBase):
             "id": request_id,
             "object": "text_completion",
             "created": created,
-            "model": self.model.name,
+            "model": self.response_model(req.model),
         }
         try:
             async for i, out in merge_streams(pairs):
