@@ -332,6 +332,11 @@ class EngineArgs:
             "speculative_config",
             "not supported with tensor_parallel_size > 1 yet",
         )
+        _require(
+            speculative is None or not self.enable_lora,
+            "speculative_config",
+            "not supported together with enable_lora yet (the verifying pass has no adapters)",
+        )
         kv_space = self.kv_cache_space
         if kv_space is None:
             kv_space = float(os.environ.get("PAGEDLLM_CPU_KVCACHE_SPACE", "4"))

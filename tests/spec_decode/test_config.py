@@ -67,6 +67,16 @@ def test_tensor_parallel_refused() -> None:
         args.create_config(model_max_len=64, device="cpu")
 
 
+def test_lora_refused() -> None:
+    args = EngineArgs(
+        model="m",
+        enable_lora=True,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 2},  # type: ignore[arg-type]
+    )
+    with pytest.raises(ValueError, match="^speculative_config: not supported together with"):
+        args.create_config(model_max_len=64, device="cpu")
+
+
 def test_engine_refuses_unknown_method(llama_path: Path) -> None:
     with pytest.raises(ValueError, match="^speculative_config.method"):
         Engine(
