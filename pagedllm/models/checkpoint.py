@@ -162,8 +162,8 @@ def _adopt(param: nn.Parameter, loader: Any, tensor: torch.Tensor, shard: int | 
     """
     if shard not in (None, 0) or param.shape != tensor.shape or param.device != tensor.device:
         return False
-    if not _copies(loader):
-        return False
+    if not _copies(loader) or getattr(loader, "finishes_layer", False):
+        return False  # (a loader that quantises the layer once loaded must see the tensor)
     owner = getattr(loader, "__self__", None)
     tp = getattr(owner, "tp", None)
     if tp is not None and tp.size != 1:

@@ -90,9 +90,14 @@ class _FinishingLoader:
     """The layer's own weight loader, then ``finish_loading`` once its last shard is in.
 
     Quantising each layer as soon as it is complete keeps one layer's float copy alive, not the
-    model's. It exposes the wrapped loader's ``__func__`` so that the checkpoint reader still
-    knows the loader only reads slices (tensor-parallel ranks read only their part).
+    model's: the float parameter's storage is released right after (the checkpoint reader still
+    holds the parameter object in its name table until loading ends). It exposes the wrapped
+    loader's ``__func__`` so that the checkpoint reader still knows the loader only reads slices
+    (tensor-parallel ranks read only their part), and ``finishes_layer`` so that the reader
+    never adopts a read buffer as the parameter, which would bypass this loader.
     """
+
+    finishes_layer = True
 
     def __init__(self, layer: nn.Module, method: LinearMethod, inner: Any, shards: int) -> None:
         self.layer, self.method, self.inner, self.shards = layer, method, inner, shards
@@ -110,6 +115,8 @@ class _FinishingLoader:
         self.seen.add(shard_id or 0)
         if len(self.seen) == self.shards:
             self.method.finish_loading(self.layer)
+            if self.layer.weight is not param:  # replaced by the quantised weight
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
 
 def _linear_layers(model: nn.Module) -> Iterator[nn.Module]:
