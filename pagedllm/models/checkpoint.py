@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from pagedllm.layers.linear import default_weight_loader
+from pagedllm.models.checkpoint_kv_scales import load_kv_scale
 from pagedllm.models.safetensors_reader import CheckpointError, read_safetensors
 
 __all__ = ["CheckpointError", "WeightMapper", "iterate_weights", "load_mapped_weights"]
@@ -189,6 +190,8 @@ def load_mapped_weights(
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     for ckpt_name, tensor in weights:
+        if load_kv_scale(model, mapper, ckpt_name, tensor):
+            continue  # an fp8 KV-cache scale: an attribute of the attention layer
         mapped = mapper.map(ckpt_name)
         if mapped is None:
             continue
