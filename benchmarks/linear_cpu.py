@@ -1,4 +1,4 @@
-"""Linear layers on the CPU: float32 oneDNN-packed vs bf16 F.linear vs our bf16/fp16/int8 GEMM.
+"""Linear layers on the CPU: float32 oneDNN-packed vs bf16 F.linear vs our 16/8-bit GEMMs.
 
 Shapes of a 1B Llama-shaped model (K=2048; N = 2560 fused qkv, 16384 fused gate_up, 2048 o_proj,
 32000 LM head) at decode-ish batches (M = 1, 16, 64) and a prefill-ish one (M = 512). For each
@@ -8,6 +8,8 @@ shape, side by side in one run:
 * ``bf16_torch``: ``F.linear`` on bf16 weights and activations (what bf16 gets without us);
 * ``bf16_cpp`` / ``fp16_cpp`` / ``int8_cpp``: our GEMM (``csrc/gemm.cpp``) on 2- or 1-byte
   weights, bf16 activations;
+* ``w8a8_cpp``: our integer GEMM (``csrc/gemm_i8.cpp``): the same int8 weights, the bf16
+  activations rounded to int8 per row inside the call, integer dot products;
 * ``linear_path``: what ``CpuBackend.prepare_model`` would pick for a bf16 weight on this CPU.
 
 Reports milliseconds per call (best of several), ratios to float32 and to bf16 F.linear, and for
@@ -34,6 +36,7 @@ from pagedllm.backends.cpu.packed_linear import (
     gemm_ops,
     make_cpp_linear,
     make_packed_linear,
+    make_w8a8_linear,
 )
 from pagedllm.layers.quantization import quantize_per_channel
 
@@ -67,6 +70,7 @@ def run_shape(n: int, k: int, batches: list[int], budget_s: float) -> list[dict[
         "bf16_cpp": (make_cpp_linear(w16, None, None), torch.bfloat16, 2),
         "fp16_cpp": (make_cpp_linear(w32.half(), None, None), torch.bfloat16, 2),
         "int8_cpp": (make_cpp_linear(q, scale, None), torch.bfloat16, 1),
+        "w8a8_cpp": (make_w8a8_linear(q, scale, None), torch.bfloat16, 1),
     }
     rows = []
     for m in batches:
@@ -80,12 +84,15 @@ def run_shape(n: int, k: int, batches: list[int], budget_s: float) -> list[dict[
             row[f"{name}_ms"] = round(seconds * 1e3, 3)
             if m == 1:
                 row[f"{name}_weight_GBps"] = round(n * k * nbytes / seconds / 1e9, 2)
-        for name in ("bf16_cpp", "fp16_cpp", "int8_cpp", "bf16_torch"):
+        for name in ("bf16_cpp", "fp16_cpp", "int8_cpp", "w8a8_cpp", "bf16_torch"):
             if f"{name}_ms" in row and "f32_onednn_ms" in row:
                 row[f"{name}_vs_f32"] = round(row["f32_onednn_ms"] / row[f"{name}_ms"], 2)
         if "int8_cpp_ms" in row:
             row["int8_vs_bf16_cpp"] = round(row["bf16_cpp_ms"] / row["int8_cpp_ms"], 2)
             row["bf16_cpp_vs_bf16_torch"] = round(row["bf16_torch_ms"] / row["bf16_cpp_ms"], 2)
+        if "w8a8_cpp_ms" in row:
+            row["w8a8_vs_bf16_cpp"] = round(row["bf16_cpp_ms"] / row["w8a8_cpp_ms"], 2)
+            row["w8a8_vs_int8_cpp"] = round(row["int8_cpp_ms"] / row["w8a8_cpp_ms"], 2)
         rows.append(row)
     return rows
 
@@ -109,6 +116,7 @@ def main() -> None:
         "processor": cpu_model_name(),
         "isa": resolve_isa(),
         "gemm_isa": ops.built_isa() if ops is not None else None,
+        "w8a8_isa": ops.w8a8_isa() if ops is not None else None,
         "linear_path_bf16": "onednn-bfloat16" if probe is not None else "cpp-bfloat16",
         "threads": torch.get_num_threads(),
         "shapes": {name: run_shape(n, k, batches, budget) for name, n in shapes.items()},

@@ -65,13 +65,20 @@ FULL_MODEL = MODELS["56m"]
 SMOKE_MODEL = MODELS["smoke"]
 # Which engines each size compares by default (name -> how it runs).
 ENGINES: dict[str, list[str]] = {
-    "smoke": ["pagedllm-float32", "pagedllm-bfloat16", "transformers-float32"],
-    "56m": ["pagedllm-float32", "pagedllm-bfloat16", "pagedllm-int8", "transformers-float32"],
+    "smoke": ["pagedllm-float32", "pagedllm-bfloat16", "pagedllm-w8a8", "transformers-float32"],
+    "56m": [
+        "pagedllm-float32",
+        "pagedllm-bfloat16",
+        "pagedllm-int8",
+        "pagedllm-w8a8",
+        "transformers-float32",
+    ],
     "125m": ["pagedllm-float32", "pagedllm-bfloat16", "transformers-float32"],
     "1b": [
         "pagedllm-bfloat16",
         "pagedllm-float32",
         "pagedllm-int8",
+        "pagedllm-w8a8",
         "transformers-bfloat16",
         "llama.cpp-f16",
         "llama.cpp-q8_0",
@@ -150,7 +157,7 @@ def streamed_weight_bytes(spec: dict[str, Any], engine: str) -> int:
     linear = layers * (h * (h + 2 * kv) + h * h + 3 * h * inter)
     head = h * spec["vocab_size"]
     dtype = engine.rsplit("-", 1)[1]
-    if dtype == "int8":  # int8 linear layers, the head stays in the checkpoint's dtype
+    if dtype in ("int8", "w8a8"):  # int8 linear layers, the head stays in the checkpoint's dtype
         return linear + head * (4 if spec["dtype"] == "float32" else 2)
     size = 4 if dtype == "float32" else 2
     return (linear + head) * size
@@ -161,8 +168,8 @@ def streamed_weight_bytes(spec: dict[str, Any], engine: str) -> int:
 
 def _engine_kwargs(engine: str, spec: dict[str, Any]) -> dict[str, Any]:
     dtype = engine.rsplit("-", 1)[1]
-    if dtype == "int8":
-        return {"dtype": spec["dtype"], "quantization": "int8"}
+    if dtype in ("int8", "w8a8"):  # int8 weight-only / int8 weights and activations
+        return {"dtype": spec["dtype"], "quantization": dtype}
     return {"dtype": dtype}
 
 

@@ -20,7 +20,7 @@ _KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3",
 _PREEMPTION_MODES = (None, "recompute", "swap")
 _POLICIES = ("fcfs", "priority")
 _GiB = 1 << 30
-_QUANTIZATIONS = (None, "int8")
+_QUANTIZATIONS = (None, "int8", "w8a8")
 
 
 def _require(cond: bool, name: str, message: str) -> None:
@@ -48,7 +48,7 @@ class ModelConfig:
     served_model_name: str | None = None
     attention_backend: str | None = None
     trust_remote_code: bool = False
-    quantization: str | None = None  # weight-only: None or "int8"
+    quantization: str | None = None  # None, "int8" (weight-only) or "w8a8"
 
     def __post_init__(self) -> None:
         _require(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
@@ -277,7 +277,8 @@ class EngineArgs:
     )
     quantization: str | None = engine_arg(
         None,
-        "weight-only quantization of linear layers (int8: per-channel, at load)",
+        "quantization of linear layers at load: int8 (weight-only, per channel) or w8a8 (int8 "
+        "weights and dynamic per-token int8 activations)",
         choices=_QUANTIZATIONS[1:],
     )
     enable_expert_parallel: bool = engine_arg(

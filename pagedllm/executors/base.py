@@ -57,10 +57,27 @@ class UniProcExecutor(Executor):
         return [getattr(self.worker, method)(*args)]
 
 
+def check_worker_choices(config: EngineConfig, hf_config: Any) -> None:
+    """Raise here the ``ValueError`` a worker would raise as it starts (``kv_cache_dtype`` or
+    ``attention_backend`` its backend refuses): from a rank process it would come only after the
+    processes were spawned, and as a ``RuntimeError`` about that rank."""
+    from pagedllm.backends.registry import get_backend
+    from pagedllm.models.model_loader import resolve_dtype
+
+    backend = get_backend(config.device)
+    dtype = resolve_dtype(config.model.dtype, hf_config, backend.default_dtype)
+    try:
+        attention = backend.attention(config.model.attention_backend)
+    except (ImportError, RuntimeError, OSError):
+        return  # no usable kernels in this process: each rank reports it in its own words
+    attention.resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype)
+
+
 def create_executor(config: EngineConfig, hf_config: Any) -> Executor:
     backend = config.parallel.distributed_executor_backend
     if config.parallel.tensor_parallel_size == 1 and backend in (None, "uni"):
         return UniProcExecutor(config, hf_config)
+    check_worker_choices(config, hf_config)
     if backend == "ray":
         from pagedllm.executors.ray_executor import RayExecutor
 

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from pagedllm.backends.base import AttentionBackend, AttentionMetadata
+from pagedllm.backends.kv_layout import FP8_DTYPES
 
 
 class Attention(nn.Module):
@@ -30,6 +31,10 @@ class Attention(nn.Module):
         self.head_size = head_size
         self.scale = scale
         self.sliding_window = sliding_window
+        # An fp8 cache holds k / k_scale and v / v_scale. Checkpoints calibrated for it carry
+        # the scales (read by models/checkpoint_kv_scales.py); the others keep 1.0.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(
         self,
@@ -43,8 +48,14 @@ class Attention(nn.Module):
         q = q.view(n, self.num_heads, self.head_size)
         k = k.view(n, self.num_kv_heads, self.head_size)
         v = v.view(n, self.num_kv_heads, self.head_size)
-        self.backend.write_kv(k, v, kv_cache, meta.slot_mapping)
+        # Only backends that accept fp8 caches take the scales (16-bit caches have none).
+        scales = (
+            {"k_scale": self.k_scale, "v_scale": self.v_scale}
+            if kv_cache.dtype in FP8_DTYPES
+            else {}
+        )
+        self.backend.write_kv(k, v, kv_cache, meta.slot_mapping, **scales)
         out = self.backend.forward(
-            q, kv_cache, meta, self.scale, sliding_window=self.sliding_window
+            q, kv_cache, meta, self.scale, sliding_window=self.sliding_window, **scales
         )
         return out.reshape(n, self.num_heads * self.head_size)

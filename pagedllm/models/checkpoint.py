@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from pagedllm.layers.linear import default_weight_loader
+from pagedllm.models.checkpoint_kv_scales import load_kv_scale
 from pagedllm.models.safetensors_reader import CheckpointError, read_safetensors
 
 __all__ = ["CheckpointError", "WeightMapper", "iterate_weights", "load_mapped_weights"]
@@ -162,8 +163,8 @@ def _adopt(param: nn.Parameter, loader: Any, tensor: torch.Tensor, shard: int | 
     """
     if shard not in (None, 0) or param.shape != tensor.shape or param.device != tensor.device:
         return False
-    if not _copies(loader):
-        return False
+    if not _copies(loader) or getattr(loader, "finishes_layer", False):
+        return False  # (a loader that quantises the layer once loaded must see the tensor)
     owner = getattr(loader, "__self__", None)
     tp = getattr(owner, "tp", None)
     if tp is not None and tp.size != 1:
@@ -189,6 +190,8 @@ def load_mapped_weights(
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     for ckpt_name, tensor in weights:
+        if load_kv_scale(model, mapper, ckpt_name, tensor):
+            continue  # an fp8 KV-cache scale: an attribute of the attention layer
         mapped = mapper.map(ckpt_name)
         if mapped is None:
             continue

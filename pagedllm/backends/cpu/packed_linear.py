@@ -8,7 +8,8 @@ processors without bf16 arithmetic. So each layer gets, by weight dtype and proc
 - bf16 / fp16 where the processor computes them (avx512_bf16, AMX, avx_ne_convert): oneDNN's
   packed 16-bit weights;
 - bf16 / fp16 elsewhere, and int8 (weight-only quantised): our C++ GEMM (``csrc/gemm.cpp``),
-  which reads the 2- or 1-byte weights and converts them in registers.
+  which reads the 2- or 1-byte weights and converts them in registers;
+- W8A8 (int8 weights, int8 activations per token): our integer GEMM (``csrc/gemm_i8.cpp``).
 
 Every packed layer is checked against a PyTorch reference when it is packed; a layer whose result
 differs, or a missing op / extension, keeps the layer's own forward. The unpacked weight is then
@@ -137,15 +138,7 @@ def make_cpp_linear(
 
     # Checked on a sample of output rows (the first, last and a spread between, so every panel
     # position and the tail panel are covered) to keep a float copy of the weight out of loading.
-    rows = torch.unique(
-        torch.cat(
-            [
-                torch.arange(min(n, 48)),
-                torch.arange(max(0, n - 48), n),
-                torch.linspace(0, n - 1, steps=min(n, 128)).long(),
-            ]
-        )
-    )
+    rows = _sample_rows(n)
     dequant = weight[rows].float()
     if scale is not None:
         dequant = dequant * scale[rows, None]
@@ -159,6 +152,50 @@ def make_cpp_linear(
     return linear
 
 
+def make_w8a8_linear(
+    weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> LinearFn | None:
+    """Our integer GEMM on int8 ``weight [N, K]`` with int8 activations made per token."""
+    from pagedllm.layers.quantization.w8a8 import w8a8_linear_reference
+
+    ops = gemm_ops()
+    if ops is None or weight.device.type != "cpu" or weight.dim() != 2:
+        return None
+    n, k = weight.shape
+    packed, colsum = ops.pack_w8a8(weight.detach())
+    scale = scale.detach().float().contiguous()
+    bias32 = None if bias is None else bias.detach().float().contiguous()
+
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        y = ops.w8a8_gemm(x.reshape(-1, k), packed, colsum, n, scale, bias32)  # [T, N]
+        return y.reshape(*x.shape[:-1], n)
+
+    rows = _sample_rows(n)
+    probe = torch.randn(3, k)
+    try:
+        sampled = w8a8_linear_reference(
+            probe, weight[rows], scale[rows], None if bias32 is None else bias32[rows]
+        )
+        _check(lambda x: linear(x)[:, rows], sampled, probe, 1e-5)
+    except (RuntimeError, AssertionError) as exc:
+        logger.warning("W8A8 GEMM disagrees on a %s weight; keeping PyTorch: %s", weight.shape, exc)
+        return None
+    return linear
+
+
+def _sample_rows(n: int) -> torch.Tensor:
+    """The first, last and a spread of output rows: every panel position and the tail panel."""
+    return torch.unique(
+        torch.cat(
+            [
+                torch.arange(min(n, 48)),
+                torch.arange(max(0, n - 48), n),
+                torch.linspace(0, n - 1, steps=min(n, 128)).long(),
+            ]
+        )
+    )
+
+
 def _kind(module: nn.Module, head: nn.Module | None) -> str:
     return "lm_head" if module is head else type(module).__name__
 
@@ -170,6 +207,9 @@ def _pack_one(module: nn.Module) -> tuple[LinearFn | None, str]:
     weight = module.weight
     bias = getattr(module, "bias", None) if module.fast_linear_has_bias else None
     method = getattr(module, "quant_method", None)
+    if method is not None and method.is_quantized(module) and method.name == "w8a8":
+        fn = make_w8a8_linear(weight, weight_scale(module), bias)
+        return fn, f"cpp-w8a8-{gemm_ops().w8a8_isa()}" if fn else "torch-w8a8"
     if method is not None and method.is_quantized(module):
         fn = make_cpp_linear(weight, weight_scale(module), bias)
         return fn, f"cpp-int8-{gemm_ops().built_isa()}" if fn else "torch-int8"

@@ -17,6 +17,9 @@ from types import ModuleType
 import torch
 
 from pagedllm.backends.base import AttentionBackend, AttentionMetadata
+from pagedllm.backends.kv_layout import KV_CACHE_DTYPES
+
+FP8_NAMES = tuple(name for name in KV_CACHE_DTYPES if name.startswith("fp8"))
 
 
 def _load_ops() -> ModuleType:
@@ -29,6 +32,13 @@ def _load_ops() -> ModuleType:
         ) from exc
 
 
+def _e4m3_lowers() -> bool:
+    """Triton lowers fp8 e4m3 from sm_89; off CUDA the interpreter runs it anywhere."""
+    if not torch.cuda.is_available():
+        return True
+    return torch.cuda.get_device_capability() >= (8, 9)
+
+
 class TritonPagedAttention(AttentionBackend):
     """Prefill chunks go to the prefill kernel, decodes to the split-K decode kernel.
 
@@ -39,9 +49,9 @@ class TritonPagedAttention(AttentionBackend):
     """
 
     name = "triton"
-    # The kernels load K/V in the query's dtype (tl.dot of matching types): a cache in the
-    # compute dtype only; fp8 would need a dequantising load and is refused at construction.
-    supported_kv_cache_dtypes = ("float32", "bfloat16", "float16")
+    # The kernels load K/V in the query's dtype (tl.dot of matching types): a 16/32-bit cache
+    # in the compute dtype, or fp8 with a per-layer scale, dequantised to it as it is loaded.
+    supported_kv_cache_dtypes = ("float32", "bfloat16", "float16", *FP8_NAMES)
     kv_cache_dtype_follows_compute = True
     #: Used when no ``partition_size`` is given (the engine constructs the backend without
     #: arguments); engine-level tests set it to engage split-K on short contexts.
@@ -55,14 +65,39 @@ class TritonPagedAttention(AttentionBackend):
         self.prefill_block_m = prefill_block_m
         self.tile_n = tile_n
 
+    def resolve_kv_cache_dtype(
+        self, kv_cache_dtype: str, compute_dtype: torch.dtype
+    ) -> torch.dtype:
+        """fp8 with any compute dtype; a 16/32-bit cache only in the compute dtype."""
+        if kv_cache_dtype in FP8_NAMES:
+            wanted = KV_CACHE_DTYPES[kv_cache_dtype]
+            if wanted == torch.float8_e4m3fn and not _e4m3_lowers():
+                raise ValueError(
+                    f"kv_cache_dtype: {kv_cache_dtype!r} (fp8 e4m3) needs a GPU of compute "
+                    "capability 8.9 or later with the triton backend; use 'fp8_e5m2' here"
+                )
+            return wanted
+        try:
+            return super().resolve_kv_cache_dtype(kv_cache_dtype, compute_dtype)
+        except ValueError:
+            same = [n for n, d in KV_CACHE_DTYPES.items() if d == compute_dtype]
+            works = ["auto", *[n for n in same if n in self.supported_kv_cache_dtypes], *FP8_NAMES]
+            raise ValueError(
+                f"kv_cache_dtype: {kv_cache_dtype!r} cannot run on the {self.name!r} attention "
+                f"backend with dtype {str(compute_dtype).removeprefix('torch.')}; this backend "
+                f"supports {works}"
+            ) from None
+
     def write_kv(
         self,
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,  # [num_tokens] int64
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> None:
-        self._ops.reshape_and_cache(key, value, kv_cache, slot_mapping)
+        self._ops.reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale)
 
     def forward(
         self,
@@ -72,6 +107,8 @@ class TritonPagedAttention(AttentionBackend):
         scale: float,
         *,
         sliding_window: int | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
         out = torch.empty_like(query)
         p, p_tok = meta.num_prefills, meta.num_prefill_tokens
@@ -88,6 +125,8 @@ class TritonPagedAttention(AttentionBackend):
                 block_m=self.prefill_block_m,
                 tile_n=self.tile_n,
                 out=out[:p_tok],
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         if meta.num_decode_tokens:
             self._ops.paged_decode_attention(
@@ -101,6 +140,8 @@ class TritonPagedAttention(AttentionBackend):
                 partition_size=self.partition_size,
                 tile_n=self.tile_n,
                 out=out[p_tok:],
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         return out
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # read dequantised, any compute
+CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, *FP8_CACHE_DTYPES)
 
 
 def check_cache(kv_cache: torch.Tensor, device: torch.device) -> tuple[int, int, int]:
@@ -54,7 +55,7 @@ def check_attention_inputs(
     """Shared checks; returns (num_kv_heads, block_size, head_size, group)."""
     kvh, block_size, head_size = check_cache(kv_cache, query.device)
     check_tokens("query", query, None, head_size)
-    if query.dtype != kv_cache.dtype:
+    if query.dtype != kv_cache.dtype and kv_cache.dtype not in FP8_CACHE_DTYPES:
         raise ValueError(f"query dtype {query.dtype} != kv_cache dtype {kv_cache.dtype}")
     if query.shape[1] % kvh:
         raise ValueError(f"num_heads {query.shape[1]} is not a multiple of num_kv_heads {kvh}")

@@ -21,7 +21,7 @@ _TT_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 
 
 def _signature(kernel: Any, pointers: dict[str, str], constexprs: dict[str, Any]) -> dict[str, str]:
-    """Pointer args get their element type, ``qk_scale`` fp32, every other runtime arg i32."""
+    """Pointer args get their element type, the scales fp32, every other runtime arg i32."""
     sig = {}
     for name in kernel.arg_names:
         if name in constexprs:
@@ -31,7 +31,7 @@ def _signature(kernel: Any, pointers: dict[str, str], constexprs: dict[str, Any]
         elif name == "stride_c0":
             sig[name] = "i64"  # the V half of a large cache lies past 2**31 elements
         else:
-            sig[name] = "fp32" if name == "qk_scale" else "i32"
+            sig[name] = "fp32" if name in ("qk_scale", "k_scale", "v_scale") else "i32"
     return sig
 
 
@@ -50,7 +50,7 @@ def _cases(dtype: str, quick: bool) -> list[tuple[Any, dict[str, str], dict[str,
         (
             ops._reshape_and_cache_kernel,
             {"key_ptr": t, "value_ptr": t, "cache_ptr": t, "slot_ptr": "i64"},
-            {"BLOCK_SIZE": 16, "BLOCK_H": 8, "BLOCK_D": 128},
+            {"BLOCK_SIZE": 16, "BLOCK_H": 8, "BLOCK_D": 128, **_NO_FP8_WRITE},
         )
     )
     windows, heads, groups = ((256,), (128,), (4,)) if quick else ((0, 256), (64, 128), (1, 4))
@@ -77,6 +77,7 @@ def _cases(dtype: str, quick: bool) -> list[tuple[Any, dict[str, str], dict[str,
                     "BLOCK_G": 16,
                     "BLOCK_D": head,
                     "DOT_PRECISION": prec,
+                    "FP8": False,
                 },
             )
         )
@@ -106,6 +107,7 @@ def _cases(dtype: str, quick: bool) -> list[tuple[Any, dict[str, str], dict[str,
                     "BLOCK_G": block_g,
                     "BLOCK_D": head,
                     "DOT_PRECISION": prec,
+                    "FP8": False,
                 },
             )
         )
@@ -126,6 +128,57 @@ def _lora_cases(t: str, prec: str) -> list[tuple[Any, dict[str, str], dict[str, 
         (lora._sgmv_kernel, ptrs, {**c, "BLOCK_M": 16, "DOT_PRECISION": prec})
         for c in (shrink, expand)
     ]
+
+
+_NO_FP8_WRITE = {"FP8_MANTISSA": 0, "FP8_MIN_EXP": 0, "FP8_MAX": 0.0}
+# Triton's fp8 element types and the write kernel's rounding constants for each.
+_FP8_CASES = {"fp8e4nv": (3, -6, 448.0), "fp8e5": (2, -14, 57344.0)}
+
+
+def fp8_cases(dtype: str, arch: int) -> list[tuple[Any, dict[str, str], dict[str, Any]]]:
+    """The fp8-cache variants (write, split decode, prefill) for a compute ``dtype``; e4m3 only
+    from sm_89 (Ada, Hopper), as Triton lowers it nowhere earlier (the backend refuses it)."""
+    from pagedllm.backends.gpu import triton_ops as ops
+
+    t = _TT_DTYPES[dtype]
+    prec = "ieee" if dtype == "float32" else "tf32"
+    cases: list[tuple[Any, dict[str, str], dict[str, Any]]] = []
+    for c, (mantissa, min_exp, max_value) in _FP8_CASES.items():
+        if c == "fp8e4nv" and arch < 89:
+            continue
+        cache_ptrs = {"cache_ptr": c, "table_ptr": "i32", "seq_lens_ptr": "i32"}
+        write = {"FP8_MANTISSA": mantissa, "FP8_MIN_EXP": min_exp, "FP8_MAX": max_value}
+        cases.append(
+            (
+                ops._reshape_and_cache_kernel,
+                {"key_ptr": t, "value_ptr": t, "cache_ptr": c, "slot_ptr": "i64"},
+                {"BLOCK_SIZE": 16, "BLOCK_H": 8, "BLOCK_D": 128, **write},
+            )
+        )
+        attend = {"SLIDING_WINDOW": 256, "BLOCK_SIZE": 16, "TILE_N": 64, "BLOCK_D": 128}
+        partials = {"part_out_ptr": "fp32", "part_max_ptr": "fp32", "part_sum_ptr": "fp32"}
+        cases.append(
+            (
+                ops._decode_partition_kernel,
+                {**cache_ptrs, "q_ptr": t, "out_ptr": t, **partials},
+                {
+                    **attend,
+                    "PARTITION": 512,
+                    "SPLIT": True,
+                    "BLOCK_G": 16,
+                    "DOT_PRECISION": prec,
+                    "FP8": True,
+                },
+            )
+        )
+        cases.append(
+            (
+                ops._prefill_kernel,
+                {**cache_ptrs, "q_ptr": t, "out_ptr": t, "query_start_ptr": "i32"},
+                {**attend, "BLOCK_Q": 16, "BLOCK_G": 4, "DOT_PRECISION": prec, "FP8": True},
+            )
+        )
+    return cases
 
 
 def _moe_cases(t: str, prec: str) -> list[tuple[Any, dict[str, str], dict[str, Any]]]:
@@ -152,7 +205,7 @@ def compile_all(archs: list[int], dtypes: list[str], *, quick: bool = False) -> 
 
     lines = []
     for arch, dtype in itertools.product(archs, dtypes):
-        for kernel, ptrs, consts in _cases(dtype, quick):
+        for kernel, ptrs, consts in _cases(dtype, quick) + fp8_cases(dtype, arch):
             t0 = time.perf_counter()
             src = ASTSource(
                 fn=kernel, signature=_signature(kernel, ptrs, consts), constexprs=consts

@@ -44,12 +44,41 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _round_to_fp8(x, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr, MAX_VALUE: tl.constexpr):
+    """float32 ``x`` saturated to +-MAX_VALUE and rounded (half to even) to the fp8 grid.
+
+    The cast to fp8 that follows is then exact. Rounding here rather than in the cast gives
+    the reference's bytes on every target: Triton's interpreter mis-rounds casts whose mantissa
+    carries into the exponent (7.97 -> 4.0 instead of 8.0).
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    a = tl.minimum(tl.abs(x), MAX_VALUE)
+    exp = (a.to(tl.int32, bitcast=True) >> 23) - 127  # floor(log2(a)), exact
+    exp = tl.maximum(exp, MIN_EXP)  # subnormals share the smallest normal exponent's step
+    ulp = ((exp - MANTISSA + 127) << 23).to(tl.float32, bitcast=True)  # 2^(exp - MANTISSA)
+    magic = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds y < 2^22 half to even
+    r = ((a / ulp + magic) - magic) * ulp  # a / ulp < 2^(MANTISSA + 1) is exact
+    return tl.where(bits < 0, -r, r)  # the sign bit, so that -0.0 and tiny negatives stay -0
+
+
+@triton.jit
+def _cache_values(x, scale, FP8_MANTISSA: tl.constexpr, FP8_MIN_EXP: tl.constexpr,
+                  FP8_MAX: tl.constexpr):
+    """What the cache stores, before the cast: ``x``, or for fp8 ``x / scale`` rounded as
+    above (``FP8_MANTISSA`` 0 means a 16/32-bit cache)."""
+    if FP8_MANTISSA > 0:
+        x = _round_to_fp8(x.to(tl.float32) / scale, FP8_MANTISSA, FP8_MIN_EXP, FP8_MAX)
+    return x
+
+
+@triton.jit
 def _reshape_and_cache_kernel(
     key_ptr, value_ptr, cache_ptr, slot_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_c0, stride_cb, stride_ch, stride_cs,
-    num_kv_heads, head_size,
+    num_kv_heads, head_size, k_scale, v_scale,
     BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    FP8_MANTISSA: tl.constexpr, FP8_MIN_EXP: tl.constexpr, FP8_MAX: tl.constexpr,
 ):
     """One program per token: its [num_kv_heads, head_size] keys and values go to its slot."""
     tok = tl.program_id(0)
@@ -69,6 +98,8 @@ def _reshape_and_cache_kernel(
     v = tl.load(
         value_ptr + tok * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask
     )
+    k = _cache_values(k, k_scale, FP8_MANTISSA, FP8_MIN_EXP, FP8_MAX)
+    v = _cache_values(v, v_scale, FP8_MANTISSA, FP8_MIN_EXP, FP8_MAX)
     tl.store(cache_ptr + dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
     tl.store(cache_ptr + stride_c0 + dst, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
@@ -80,11 +111,14 @@ def _attend_range(
     kv_lo, kv_hi,  # key positions [kv_lo, kv_hi) of this sequence to visit
     table_ptr, k_base, v_base, stride_cb, stride_cs,
     offs_d, d_mask,
-    qk_scale,
+    qk_scale, k_scale, v_scale,
     SLIDING_WINDOW: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
-    """Online softmax of query rows ``q`` [M, D] over keys kv_lo..kv_hi, TILE_N keys at a time."""
+    """Online softmax of query rows ``q`` [M, D] over keys kv_lo..kv_hi, TILE_N keys at a time.
+
+    An fp8 cache (``FP8``) is dequantised as it is loaded: times its scale, in q's dtype.
+    """
     for start in range(kv_lo, kv_hi, TILE_N):
         offs_n = start + tl.arange(0, TILE_N)
         n_mask = offs_n < kv_hi
@@ -92,6 +126,8 @@ def _attend_range(
         tok_off = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs  # [TILE_N]
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_base + tok_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if FP8:
+            k = (k.to(tl.float32) * k_scale).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, TILE_N]
         allowed = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
         if SLIDING_WINDOW > 0:
@@ -104,6 +140,8 @@ def _attend_range(
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_base + tok_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if FP8:
+            v = (v.to(tl.float32) * v_scale).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
@@ -117,10 +155,11 @@ def _decode_partition_kernel(
     stride_c0, stride_cb, stride_ch, stride_cs, stride_tb,
     stride_pt, stride_ph, stride_pp,  # partial outputs [seq, head, part, D]
     stride_mt, stride_mh,  # partial max / sum [seq, head, part]
-    qk_scale, group, head_size,
+    qk_scale, k_scale, v_scale, group, head_size,
     SLIDING_WINDOW: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     PARTITION: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """Grid (decode seq, KV head, partition): one context partition for one group of heads.
 
@@ -154,8 +193,8 @@ def _decode_partition_kernel(
     acc, m_i, l_i = _attend_range(
         q, acc, m_i, l_i, q_pos, lo, hi,
         table_ptr + seq * stride_tb, k_base, k_base + stride_c0, stride_cb, stride_cs,
-        offs_d, d_mask, qk_scale,
-        SLIDING_WINDOW, BLOCK_SIZE, TILE_N, DOT_PRECISION,
+        offs_d, d_mask, qk_scale, k_scale, v_scale,
+        SLIDING_WINDOW, BLOCK_SIZE, TILE_N, DOT_PRECISION, FP8,
     )
     if SPLIT:
         row = seq * stride_mt + heads * stride_mh + part
@@ -211,10 +250,10 @@ def _prefill_kernel(
     q_ptr, out_ptr, cache_ptr, table_ptr, seq_lens_ptr, query_start_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c0, stride_cb, stride_ch, stride_cs, stride_tb,
-    qk_scale, group, head_size,
+    qk_scale, k_scale, v_scale, group, head_size,
     SLIDING_WINDOW: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
     """Grid (query tile, prefill seq, KV head): BLOCK_Q new tokens x the heads of one group.
 
@@ -252,8 +291,8 @@ def _prefill_kernel(
         acc, m_i, l_i = _attend_range(
             q, acc, m_i, l_i, q_pos, lo, hi,
             table_ptr + seq * stride_tb, k_base, k_base + stride_c0, stride_cb, stride_cs,
-            offs_d, d_mask, qk_scale,
-            SLIDING_WINDOW, BLOCK_SIZE, TILE_N, DOT_PRECISION,
+            offs_d, d_mask, qk_scale, k_scale, v_scale,
+            SLIDING_WINDOW, BLOCK_SIZE, TILE_N, DOT_PRECISION, FP8,
         )
         # Padding rows (g >= group, tok >= q_len) have l = 0; keep them finite, they are masked.
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -284,13 +323,23 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+# fp8 formats: (mantissa bits, smallest normal exponent, largest finite value).
+_FP8_FORMATS = {torch.float8_e4m3fn: (3, -6, 448.0), torch.float8_e5m2: (2, -14, 57344.0)}
+
+
 def reshape_and_cache(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
     kv_cache: torch.Tensor,  # [2, num_blocks, num_kv_heads, block_size, head_size]
     slot_mapping: torch.Tensor,  # [num_tokens] int; -1 skips a token
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Write each token's keys and values at ``slot = block * block_size + offset``."""
+    """Write each token's keys and values at ``slot = block * block_size + offset``.
+
+    An fp8 cache stores ``key / k_scale`` and ``value / v_scale``, saturated and rounded half
+    to even (the bytes of ``kv_layout.to_cache_dtype``); the scales are ignored otherwise.
+    """
     kvh, block_size, head_size = check_cache(kv_cache, key.device)
     check_tokens("key", key, kvh, head_size)
     check_tokens("value", value, kvh, head_size)
@@ -303,12 +352,14 @@ def reshape_and_cache(
     if key.shape[0] == 0:
         return
     _check_runnable(key.device)
+    fp8 = _FP8_FORMATS.get(kv_cache.dtype, (0, 0, 0.0))
     _reshape_and_cache_kernel[(key.shape[0],)](
         key, value, kv_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        kvh, head_size,
+        kvh, head_size, float(k_scale), float(v_scale),
         BLOCK_SIZE=block_size, BLOCK_H=_pow2(kvh), BLOCK_D=_pow2(head_size),
+        FP8_MANTISSA=fp8[0], FP8_MIN_EXP=fp8[1], FP8_MAX=fp8[2],
     )
 
 
@@ -340,6 +391,8 @@ def paged_decode_attention(
     partition_size: int | None = None,
     tile_n: int = 64,
     out: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_size]
     """Decode attention; contexts over ``partition_size`` tokens are split across programs.
 
@@ -386,10 +439,11 @@ def paged_decode_attention(
         block_tables.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2) if split else 0,
         part_max.stride(0), part_max.stride(1),
-        scale * _LOG2E, group, head_size,
+        scale * _LOG2E, float(k_scale), float(v_scale), group, head_size,
         SLIDING_WINDOW=window, BLOCK_SIZE=block_size, TILE_N=tile,
         PARTITION=partition_size, SPLIT=split,
         BLOCK_G=_pow2(group, 16), BLOCK_D=block_d, DOT_PRECISION=_dot_precision(query.dtype),
+        FP8=kv_cache.dtype in _FP8_FORMATS,
         num_warps=4,
     )
     if split:
@@ -419,6 +473,8 @@ def prefill_attention(
     block_m: int = 64,
     tile_n: int = 64,
     out: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
     """Causal attention of new tokens over their cached context and themselves.
 
@@ -448,10 +504,10 @@ def prefill_attention(
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0),
-        scale * _LOG2E, group, head_size,
+        scale * _LOG2E, float(k_scale), float(v_scale), group, head_size,
         SLIDING_WINDOW=window, BLOCK_SIZE=block_size, TILE_N=tile_n,
         BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_D=_pow2(head_size, 16),
-        DOT_PRECISION=_dot_precision(query.dtype),
+        DOT_PRECISION=_dot_precision(query.dtype), FP8=kv_cache.dtype in _FP8_FORMATS,
         num_warps=4,
     )
     return out

@@ -1,9 +1,11 @@
 """Quantization schemes of linear layers (see :mod:`.base` for the method interface).
 
 ``quantization=None`` keeps checkpoint weights as they are, unless the checkpoint itself is
-quantised (compressed-tensors W8A16), which is then read as int8. ``quantization="int8"``
-quantises 16/32-bit checkpoints at load. The LM head and embeddings are never quantised: they are
-not column/row-parallel linear layers.
+quantised (compressed-tensors W8A16 or W8A8), which is then run as the checkpoint says.
+``quantization="int8"`` (weight-only) and ``"w8a8"`` (int8 weights and dynamic per-token int8
+activations, :mod:`.w8a8`) quantise 16/32-bit checkpoints at load, or choose how an int8
+checkpoint's weights are run (a W8A8 checkpoint may run weight-only, and the reverse). The LM head
+and embeddings are never quantised: they are not column/row-parallel linear layers.
 """
 
 from __future__ import annotations
@@ -23,12 +25,15 @@ from pagedllm.layers.quantization.int8 import (
     quantize_per_channel,
     weight_scale,
 )
+from pagedllm.layers.quantization.w8a8 import Int8W8A8, quantize_per_token
 
-QUANTIZATION_METHODS = ("int8",)
+QUANTIZATION_METHODS = ("int8", "w8a8")
+_METHODS: dict[str, type[Int8WeightOnly]] = {"int8": Int8WeightOnly, "w8a8": Int8W8A8}
 
 __all__ = [
     "QUANTIZATION_METHODS",
     "UNQUANTIZED",
+    "Int8W8A8",
     "Int8WeightOnly",
     "LinearMethod",
     "QuantConfig",
@@ -37,6 +42,7 @@ __all__ = [
     "finish_quantization",
     "get_quant_config",
     "quantize_per_channel",
+    "quantize_per_token",
     "weight_scale",
 ]
 
@@ -70,12 +76,13 @@ def get_quant_config(quantization: str | None, hf_config: Any) -> QuantConfig | 
         if method != "compressed-tensors":
             raise ValueError(
                 f"quantization: checkpoint quantised with {method!r} is not supported "
-                "(only compressed-tensors int8 per-channel W8A16)"
+                "(only compressed-tensors int8 per-channel W8A16 / W8A8)"
             )
-        fmt = check_config(qc)
-        return QuantConfig(Int8WeightOnly(prequantized=True), checkpoint_format=fmt)
-    if quantization == "int8":
-        return QuantConfig(Int8WeightOnly())
+        fmt, scheme = check_config(qc)
+        cls = _METHODS[quantization or scheme]  # the request chooses how int8 weights run
+        return QuantConfig(cls(prequantized=True), checkpoint_format=fmt)
+    if quantization is not None:
+        return QuantConfig(_METHODS[quantization]())
     return None
 
 
@@ -83,9 +90,14 @@ class _FinishingLoader:
     """The layer's own weight loader, then ``finish_loading`` once its last shard is in.
 
     Quantising each layer as soon as it is complete keeps one layer's float copy alive, not the
-    model's. It exposes the wrapped loader's ``__func__`` so that the checkpoint reader still
-    knows the loader only reads slices (tensor-parallel ranks read only their part).
+    model's: the float parameter's storage is released right after (the checkpoint reader still
+    holds the parameter object in its name table until loading ends). It exposes the wrapped
+    loader's ``__func__`` so that the checkpoint reader still knows the loader only reads slices
+    (tensor-parallel ranks read only their part), and ``finishes_layer`` so that the reader
+    never adopts a read buffer as the parameter, which would bypass this loader.
     """
+
+    finishes_layer = True
 
     def __init__(self, layer: nn.Module, method: LinearMethod, inner: Any, shards: int) -> None:
         self.layer, self.method, self.inner, self.shards = layer, method, inner, shards
@@ -103,6 +115,8 @@ class _FinishingLoader:
         self.seen.add(shard_id or 0)
         if len(self.seen) == self.shards:
             self.method.finish_loading(self.layer)
+            if self.layer.weight is not param:  # replaced by the quantised weight
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
 
 def _linear_layers(model: nn.Module) -> Iterator[nn.Module]:

@@ -1,7 +1,9 @@
-"""Checkpoints quantised in the compressed-tensors format (llm-compressor's W8A16 output).
+"""Checkpoints quantised in the compressed-tensors format (llm-compressor's W8A16 / W8A8 output).
 
 Supported: ``quant_method: "compressed-tensors"`` whose every config group quantises weights to
-8-bit symmetric ints per output channel with no activation quantisation, stored either as int8
+8-bit symmetric ints per output channel, with either no activation quantisation (W8A16) or
+dynamic symmetric int8 per-token activations (W8A8; the scales are computed at run time, so the
+checkpoint carries none), the same in every group, stored either as int8
 ``weight`` tensors (``int-quantized`` / ``naive-quantized``) or packed four to an int32
 (``pack-quantized``: ``weight_packed`` with values offset by 128, first value in the low byte,
 plus ``weight_shape``), each with a ``weight_scale`` ``[N, 1]``. Anything else is refused with a
@@ -23,30 +25,48 @@ def _refuse(message: str) -> ValueError:
     return ValueError(f"quantization: compressed-tensors checkpoint {message}")
 
 
-def check_config(qc: dict[str, Any]) -> str:
-    """Validate a ``quantization_config``; returns its format."""
+_W8A8_INPUTS = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True}
+
+
+def _group_scheme(name: str, group: dict[str, Any]) -> str:
+    """``"int8"`` (W8A16) or ``"w8a8"`` for one config group; refuses anything else."""
+    weights = group.get("weights") or {}
+    wanted = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
+    got = {key: weights.get(key) for key in wanted}
+    inputs = group.get("input_activations")
+    if got != wanted or weights.get("dynamic"):
+        raise _refuse(
+            f"group {name!r} does not quantise weights to int8 per channel, symmetric "
+            f"(W8A16 / W8A8); got weights={got}"
+        )
+    if not inputs:
+        return "int8"
+    got_inputs = {key: inputs.get(key) for key in _W8A8_INPUTS}
+    if got_inputs != _W8A8_INPUTS or inputs.get("strategy") not in ("token", None):
+        raise _refuse(
+            f"group {name!r} quantises activations other than to dynamic symmetric int8 per "
+            f"token (W8A8); got input_activations={inputs!r}"
+        )
+    return "w8a8"
+
+
+def check_config(qc: dict[str, Any]) -> tuple[str, str]:
+    """Validate a ``quantization_config``; returns (its format, ``"int8"`` or ``"w8a8"``)."""
     fmt = qc.get("format", "int-quantized")
     if fmt not in _FORMATS:
         raise _refuse(f"format {fmt!r} is not supported (only {_FORMATS})")
     groups = qc.get("config_groups") or {}
     if not groups:
         raise _refuse("has no config_groups")
-    for name, group in groups.items():
-        weights = group.get("weights") or {}
-        wanted = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
-        got = {key: weights.get(key) for key in wanted}
-        if got != wanted or weights.get("dynamic") or group.get("input_activations"):
-            raise _refuse(
-                f"group {name!r} is not int8 per-channel symmetric weight-only "
-                f"(W8A16); got weights={got}, input_activations="
-                f"{group.get('input_activations')!r}"
-            )
+    schemes = {_group_scheme(name, group) for name, group in groups.items()}
+    if len(schemes) > 1:
+        raise _refuse("mixes W8A16 and W8A8 groups")
     for entry in qc.get("ignore") or []:
         if not any(s in entry for s in _SKIPPED_NAMES):
             raise _refuse(
                 f"leaves {entry!r} unquantized; only the LM head and embeddings may stay 16-bit"
             )
-    return fmt
+    return fmt, schemes.pop()
 
 
 def unpack_int8(packed: torch.Tensor, columns: int) -> torch.Tensor:

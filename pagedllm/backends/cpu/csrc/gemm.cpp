@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "gemm_i8.h"
 #include "gemm_vec.h"
 
 namespace pagedllm::gemm {
@@ -265,7 +266,7 @@ std::string built_isa() {
 }  // namespace pagedllm::gemm
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "pagedllm CPU weight GEMM: bf16/fp16/int8 weights converted in registers";
+  m.doc() = "pagedllm CPU weight GEMM: 16/8-bit weights in registers; W8A8 integer dot products";
   m.def("weight_gemm", &pagedllm::gemm::weight_gemm,
         "y = x @ W^T (* scale) (+ bias), W packed as [N/16, K, 16]",
         py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("packed"), py::arg("n"),
@@ -273,6 +274,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_panels", &pagedllm::gemm::pack_panels,
         "[N, K] -> [ceil(N/16), K, 16], the layout weight_gemm reads",
         py::call_guard<py::gil_scoped_release>(), py::arg("weight"));
+  m.def("pack_w8a8", &pagedllm::gemm::pack_w8a8,
+        "int8 [N, K] -> (int8 [N/16, K/4, 64] panels, int32 column sums), the W8A8 layout",
+        py::call_guard<py::gil_scoped_release>(), py::arg("weight"));
+  m.def("quantize_rows", &pagedllm::gemm::quantize_rows,
+        "x [M, K] -> (int8 [M, K], float32 [M]): per-row symmetric, round(x / (max|x| / 127))",
+        py::call_guard<py::gil_scoped_release>(), py::arg("x"));
+  m.def("w8a8_gemm_s32", &pagedllm::gemm::w8a8_gemm_s32, "the exact int32 sums qx @ W^T",
+        py::call_guard<py::gil_scoped_release>(), py::arg("qx"), py::arg("packed"),
+        py::arg("colsum"), py::arg("n"));
+  m.def("w8a8_gemm", &pagedllm::gemm::w8a8_gemm,
+        "y = quantize_rows(x) @ W^T * sx * w_scale (+ bias), integer dot products",
+        py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("packed"),
+        py::arg("colsum"), py::arg("n"), py::arg("w_scale"), py::arg("bias") = py::none());
+  m.def("w8a8_isa", &pagedllm::gemm::w8a8_isa, "the integer dot product this build uses");
   m.def("built_isa", &pagedllm::gemm::built_isa, "the ISA level this library was compiled for");
   m.def("rows_per_tile", [] { return pagedllm::gemm::kRows; }, "rows of the micro-kernel");
 }

@@ -1,0 +1,358 @@
+// W8A8 GEMM: y[M, N] = (qx[M, K] . qw[N, K]) * sx[M] * sw[N] (+ bias[N]), where qx is x rounded
+// per row (token) to int8 with sx = max|x[m, :]| / 127, and qw the per-output-channel int8 weight.
+//
+// Why: at a few dozen rows the weight-only int8 GEMM (gemm.cpp) is bound by float32 FMAs, not by
+// bytes, so it is barely faster than bf16. Integer dot products do 4 multiply-adds per byte lane:
+// on AVX2, vpmaddubsw (u8 x s8 -> pairs summed to s16) then vpmaddwd by ones (-> s32) do 32 MACs
+// in two multiply uops, twice the MACs of two FMAs. vpmaddubsw saturates when both pair products
+// are large, so its unsigned operand is |x| and the sign of x moves onto w (vpsignb): with both
+// sides in [-127, 127] a pair sums to at most 2 * 127 * 127 < 2^15, nothing saturates and the
+// int32 sums are exact. AVX-512 VNNI's vpdpbusd (u8 x s8 summed straight into s32) cannot
+// saturate, so there x is offset by 128 to make it unsigned and 128 * sum_k(w) is taken off once
+// per output (sums precomputed at packing).
+//
+// Layout: weights packed once at load as [ceil(N/16)][ceil(K/4)][16][4]: for each group of 4
+// consecutive k, a panel's 16 columns x 4 k are 64 contiguous bytes (one zmm, two ymm), which is
+// what the dot-product instructions consume against a broadcast 4-byte group of x. K is padded
+// with zero weights (and zero activations).
+#include "gemm_i8.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace pagedllm::gemm {
+namespace {
+
+constexpr int64_t kCols = 16;                  // output columns per panel
+constexpr int64_t kGroup = 4;                  // consecutive k per group
+constexpr int64_t kGroupBytes = kCols * kGroup;  // 64
+// K-groups per block: a 16 KiB block of one panel's weights stays in L1 across all row tiles.
+constexpr int64_t kBlockGroups = 256;
+
+inline int32_t load_group(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+#if defined(__AVX512VNNI__)
+constexpr int kTileRows = 8;  // 8 zmm accumulators, 1 weight register, broadcasts
+constexpr bool kOffsetX = true;
+
+template <int R>
+inline void tile(const int8_t* x, int64_t ldx, const int8_t* w, int64_t gc, int32_t* c,
+                 bool accumulate) {
+  __m512i acc[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+    acc[r] = accumulate ? _mm512_loadu_si512(c + r * kCols) : _mm512_setzero_si512();
+  constexpr int32_t kFlip = static_cast<int32_t>(0x80808080u);  // s8 -> u8 = s8 + 128
+  for (int64_t g = 0; g < gc; ++g) {
+    const __m512i wv = _mm512_loadu_si512(w + g * kGroupBytes);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512i xv = _mm512_set1_epi32(load_group(x + r * ldx + g * kGroup) ^ kFlip);
+      acc[r] = _mm512_dpbusd_epi32(acc[r], xv, wv);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) _mm512_storeu_si512(c + r * kCols, acc[r]);
+}
+
+#elif defined(__AVX2__)
+constexpr int kTileRows = 4;  // 8 ymm accumulators + 2 weights + 4 temporaries of 16 registers
+constexpr bool kOffsetX = false;
+
+template <int R>
+inline void tile(const int8_t* x, int64_t ldx, const int8_t* w, int64_t gc, int32_t* c,
+                 bool accumulate) {
+  __m256i lo[R], hi[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    lo[r] = accumulate ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + r * kCols))
+                       : _mm256_setzero_si256();
+    hi[r] = accumulate ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + r * kCols + 8))
+                       : _mm256_setzero_si256();
+  }
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < gc; ++g) {
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * kGroupBytes));
+    const __m256i w1 =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * kGroupBytes + 32));
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256i xs = _mm256_set1_epi32(load_group(x + r * ldx + g * kGroup));
+      const __m256i xa = _mm256_abs_epi8(xs);  // |x| as u8; the sign moves onto w
+      const __m256i p0 = _mm256_maddubs_epi16(xa, _mm256_sign_epi8(w0, xs));
+      const __m256i p1 = _mm256_maddubs_epi16(xa, _mm256_sign_epi8(w1, xs));
+      lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(p0, ones));
+      hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(p1, ones));
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + r * kCols), lo[r]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + r * kCols + 8), hi[r]);
+  }
+}
+
+#else
+constexpr int kTileRows = 4;
+constexpr bool kOffsetX = false;
+
+template <int R>
+inline void tile(const int8_t* x, int64_t ldx, const int8_t* w, int64_t gc, int32_t* c,
+                 bool accumulate) {
+  for (int r = 0; r < R; ++r) {
+    for (int64_t j = 0; j < kCols; ++j) {
+      int32_t s = accumulate ? c[r * kCols + j] : 0;
+      for (int64_t g = 0; g < gc; ++g)
+        for (int64_t t = 0; t < kGroup; ++t)
+          s += static_cast<int32_t>(x[r * ldx + g * kGroup + t]) *
+               static_cast<int32_t>(w[g * kGroupBytes + j * kGroup + t]);
+      c[r * kCols + j] = s;
+    }
+  }
+}
+#endif
+
+// tile<rows> for a run-time row count 1..kTileRows.
+template <int R = kTileRows>
+inline void tile_rows(int rows, const int8_t* x, int64_t ldx, const int8_t* w, int64_t gc,
+                      int32_t* c, bool accumulate) {
+  if constexpr (R > 1) {
+    if (rows < R) return tile_rows<R - 1>(rows, x, ldx, w, gc, c, accumulate);
+  }
+  tile<R>(x, ldx, w, gc, c, accumulate);
+}
+
+// acc[M][16] = qx[M, 4 * groups] . panel; qx rows are ldx bytes apart.
+void panel_s32(const int8_t* qx, int64_t m, int64_t ldx, const int8_t* wp, int64_t groups,
+               int32_t* acc) {
+  for (int64_t g0 = 0; g0 < groups; g0 += kBlockGroups) {
+    const int64_t gc = std::min(kBlockGroups, groups - g0);
+    for (int64_t m0 = 0; m0 < m; m0 += kTileRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kTileRows, m - m0));
+      tile_rows(rows, qx + m0 * ldx + g0 * kGroup, ldx, wp + g0 * kGroupBytes, gc,
+                acc + m0 * kCols, g0 > 0);
+    }
+  }
+}
+
+// Runs every panel (threads split them) and hands each panel's int32 sums, corrected for the
+// offset of x where the build uses one, to store(acc, n0, cols).
+template <typename Store>
+void for_each_panel(const int8_t* qx, int64_t m, int64_t ldx, const int8_t* w, int64_t groups,
+                    const int32_t* colsum, int64_t n, const Store& store) {
+  const int64_t panels = (n + kCols - 1) / kCols;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int32_t> acc(static_cast<size_t>(m * kCols));
+    for (int64_t p = begin; p < end; ++p) {
+      panel_s32(qx, m, ldx, w + p * groups * kGroupBytes, groups, acc.data());
+      const int64_t n0 = p * kCols;
+      if constexpr (kOffsetX) {
+        for (int64_t r = 0; r < m; ++r)
+          for (int64_t j = 0; j < kCols; ++j) acc[r * kCols + j] -= 128 * colsum[n0 + j];
+      }
+      store(acc.data(), n0, std::min(kCols, n - n0));
+    }
+  });
+}
+
+// Row r of x -> q[r, 0:ldq] (zeros past k) and s[r]; the rounding is PyTorch's round(x / s).
+template <typename In>
+void quantize_into(const In* x, int64_t m, int64_t k, int64_t ldq, int8_t* q, float* s) {
+  at::parallel_for(0, m, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(static_cast<size_t>(k));
+    for (int64_t r = begin; r < end; ++r) {
+      float amax = 0.f;
+      for (int64_t i = 0; i < k; ++i) {
+        row[i] = static_cast<float>(x[r * k + i]);
+        amax = std::max(amax, std::fabs(row[i]));
+      }
+      float scale = amax / 127.f;
+      if (!(scale > 0.f)) scale = 1.f;  // an all-zero row: any scale gives zeros
+      s[r] = scale;
+      int8_t* qr = q + r * ldq;
+      for (int64_t i = 0; i < k; ++i) {
+        const float v = std::nearbyint(row[i] / scale);
+        qr[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
+      }
+      std::fill(qr + k, qr + ldq, int8_t{0});
+    }
+  });
+}
+
+void check_packed(const torch::Tensor& packed, const torch::Tensor& colsum, int64_t k,
+                  int64_t n) {
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kChar && packed.dim() == 3 &&
+                  packed.size(2) == kGroupBytes && packed.is_contiguous(),
+              "w8a8_gemm: packed weight must be a contiguous int8 [N/16, K/4, 64], got ",
+              packed.sizes());
+  const int64_t panels = packed.size(0);
+  TORCH_CHECK(packed.size(1) == (k + kGroup - 1) / kGroup, "w8a8_gemm: x has K=", k,
+              ", weight has ", packed.size(1), " groups of 4");
+  TORCH_CHECK(n > (panels - 1) * kCols && n <= panels * kCols, "w8a8_gemm: N=", n,
+              " does not fit ", panels, " panels of 16");
+  TORCH_CHECK(colsum.scalar_type() == at::kInt && colsum.is_contiguous() &&
+                  colsum.numel() == panels * kCols,
+              "w8a8_gemm: colsum must be a contiguous int32 [N/16 * 16]");
+}
+
+// (int8 [M, 4 * groups], float32 [M]) for x [M, K] of any supported dtype.
+std::tuple<torch::Tensor, torch::Tensor> quantize_padded(const torch::Tensor& x, int64_t groups) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "w8a8: x must be a CPU [M, K], got ",
+              x.sizes());
+  const torch::Tensor xc = x.contiguous();
+  const int64_t m = xc.size(0), k = xc.size(1), ldq = groups * kGroup;
+  torch::Tensor q = torch::empty({m, ldq}, xc.options().dtype(at::kChar));
+  torch::Tensor s = torch::empty({m}, xc.options().dtype(at::kFloat));
+  auto* qp = q.data_ptr<int8_t>();
+  auto* sp = s.data_ptr<float>();
+  switch (xc.scalar_type()) {
+    case at::kFloat:
+      quantize_into(xc.data_ptr<float>(), m, k, ldq, qp, sp);
+      break;
+    case at::kBFloat16:
+      quantize_into(xc.data_ptr<at::BFloat16>(), m, k, ldq, qp, sp);
+      break;
+    case at::kHalf:
+      quantize_into(xc.data_ptr<at::Half>(), m, k, ldq, qp, sp);
+      break;
+    default:
+      TORCH_CHECK(false, "w8a8: x must be float32, bfloat16 or float16, got ", xc.scalar_type());
+  }
+  return {q, s};
+}
+
+template <typename Out>
+void gemm_out(const torch::Tensor& qx, const torch::Tensor& sx, const torch::Tensor& packed,
+              const torch::Tensor& colsum, int64_t n, const float* sw, const float* bias,
+              Out* y) {
+  const float* sxp = sx.data_ptr<float>();
+  const int64_t m = qx.size(0);
+  for_each_panel(qx.data_ptr<int8_t>(), m, qx.size(1), packed.data_ptr<int8_t>(), packed.size(1),
+                 colsum.data_ptr<int32_t>(), n,
+                 [&](const int32_t* acc, int64_t n0, int64_t cols) {
+                   for (int64_t r = 0; r < m; ++r) {
+                     for (int64_t j = 0; j < cols; ++j) {
+                       float v = static_cast<float>(acc[r * kCols + j]) * sxp[r] * sw[n0 + j];
+                       if (bias != nullptr) v += bias[n0 + j];
+                       y[r * n + n0 + j] = static_cast<Out>(v);
+                     }
+                   }
+                 });
+}
+
+}  // namespace
+
+std::tuple<torch::Tensor, torch::Tensor> pack_w8a8(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 && weight.scalar_type() == at::kChar,
+              "pack_w8a8: weight must be a CPU int8 [N, K], got ", weight.scalar_type(), " ",
+              weight.sizes());
+  const torch::Tensor w = weight.contiguous();
+  const int64_t n = w.size(0), k = w.size(1);
+  const int64_t panels = (n + kCols - 1) / kCols, groups = (k + kGroup - 1) / kGroup;
+  torch::Tensor out = torch::zeros({panels, groups, kGroupBytes}, w.options());
+  torch::Tensor colsum = torch::zeros({panels * kCols}, w.options().dtype(at::kInt));
+  const int8_t* src = w.data_ptr<int8_t>();
+  int8_t* dst = out.data_ptr<int8_t>();
+  int32_t* cs = colsum.data_ptr<int32_t>();
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t rows = std::min<int64_t>(kCols, n - p * kCols);
+      int8_t* panel = dst + p * groups * kGroupBytes;
+      for (int64_t j = 0; j < rows; ++j) {
+        const int8_t* row = src + (p * kCols + j) * k;
+        int32_t sum = 0;
+        for (int64_t i = 0; i < k; ++i) sum += row[i];
+        cs[p * kCols + j] = sum;
+        const int64_t whole = k / kGroup;
+        for (int64_t g = 0; g < whole; ++g)
+          std::memcpy(panel + g * kGroupBytes + j * kGroup, row + g * kGroup, kGroup);
+        for (int64_t i = whole * kGroup; i < k; ++i)
+          panel[whole * kGroupBytes + j * kGroup + (i - whole * kGroup)] = row[i];
+      }
+    }
+  });
+  return {out, colsum};
+}
+
+std::tuple<torch::Tensor, torch::Tensor> quantize_rows(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2, "quantize_rows: x must be [M, K], got ", x.sizes());
+  auto [q, s] = quantize_padded(x, (x.size(1) + kGroup - 1) / kGroup);
+  return {q.narrow(1, 0, x.size(1)).contiguous(), s};
+}
+
+torch::Tensor w8a8_gemm_s32(const torch::Tensor& qx, const torch::Tensor& packed,
+                            const torch::Tensor& colsum, int64_t n) {
+  TORCH_CHECK(qx.device().is_cpu() && qx.dim() == 2 && qx.scalar_type() == at::kChar,
+              "w8a8_gemm_s32: qx must be a CPU int8 [M, K]");
+  const int64_t m = qx.size(0), k = qx.size(1);
+  check_packed(packed, colsum, k, n);
+  const int64_t ldx = packed.size(1) * kGroup;
+  torch::Tensor xp = torch::zeros({m, ldx}, qx.options());
+  xp.narrow(1, 0, k).copy_(qx);
+  torch::Tensor y = torch::empty({m, n}, qx.options().dtype(at::kInt));
+  int32_t* yp = y.data_ptr<int32_t>();
+  for_each_panel(xp.data_ptr<int8_t>(), m, ldx, packed.data_ptr<int8_t>(), packed.size(1),
+                 colsum.data_ptr<int32_t>(), n,
+                 [&](const int32_t* acc, int64_t n0, int64_t cols) {
+                   for (int64_t r = 0; r < m; ++r)
+                     std::memcpy(yp + r * n + n0, acc + r * kCols, cols * sizeof(int32_t));
+                 });
+  return y;
+}
+
+torch::Tensor w8a8_gemm(const torch::Tensor& x, const torch::Tensor& packed,
+                        const torch::Tensor& colsum, int64_t n, const torch::Tensor& w_scale,
+                        const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "w8a8_gemm: x must be a CPU [M, K], got ",
+              x.sizes());
+  check_packed(packed, colsum, x.size(1), n);
+  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() &&
+                  w_scale.numel() == n,
+              "w8a8_gemm: w_scale must be a contiguous float32 [N]");
+  torch::Tensor b;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == n, "w8a8_gemm: bias must have N=", n, " elements");
+    b = bias->to(at::kFloat).contiguous();
+  }
+  auto [qx, sx] = quantize_padded(x, packed.size(1));
+  torch::Tensor y = torch::empty({x.size(0), n}, x.options());
+  if (x.size(0) == 0) return y;
+  const float* sw = w_scale.data_ptr<float>();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  switch (y.scalar_type()) {
+    case at::kFloat:
+      gemm_out(qx, sx, packed, colsum, n, sw, bp, y.data_ptr<float>());
+      break;
+    case at::kBFloat16:
+      gemm_out(qx, sx, packed, colsum, n, sw, bp, y.data_ptr<at::BFloat16>());
+      break;
+    default:
+      gemm_out(qx, sx, packed, colsum, n, sw, bp, y.data_ptr<at::Half>());
+  }
+  return y;
+}
+
+std::string w8a8_isa() {
+#if defined(__AVX512VNNI__)
+  return "avx512vnni";
+#elif defined(__AVX2__)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+}  // namespace pagedllm::gemm

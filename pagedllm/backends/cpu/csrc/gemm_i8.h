@@ -1,0 +1,30 @@
+// W8A8 GEMM of the CPU backend (gemm_i8.cpp): int8 activations (dynamic, per token) times int8
+// weights (per output channel), integer dot products, int32 sums. Bound into the weight-GEMM
+// extension by gemm.cpp's module.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <tuple>
+
+namespace pagedllm::gemm {
+
+// int8 [N, K] -> (int8 [ceil(N/16), ceil(K/4), 64], int32 column sums [ceil(N/16) * 16]).
+std::tuple<torch::Tensor, torch::Tensor> pack_w8a8(const torch::Tensor& weight);
+
+// x [M, K] (float32/bf16/fp16) -> (int8 [M, K], float32 scales [M]): round(x / (max|x| / 127)).
+std::tuple<torch::Tensor, torch::Tensor> quantize_rows(const torch::Tensor& x);
+
+// int32 [M, N] = qx [M, K] int8 @ W^T: the exact sums, for tests.
+torch::Tensor w8a8_gemm_s32(const torch::Tensor& qx, const torch::Tensor& packed,
+                            const torch::Tensor& colsum, int64_t n);
+
+// y [M, N] = quantize_rows(x) . W^T * sx[M] * sw[N] (+ bias), in x's dtype.
+torch::Tensor w8a8_gemm(const torch::Tensor& x, const torch::Tensor& packed,
+                        const torch::Tensor& colsum, int64_t n, const torch::Tensor& w_scale,
+                        const c10::optional<torch::Tensor>& bias);
+
+// Which integer dot product this build uses ("avx512vnni", "avx2", "scalar").
+std::string w8a8_isa();
+
+}  // namespace pagedllm::gemm

@@ -1,0 +1,136 @@
+"""The C++ W8A8 GEMM (int8 activations per token x int8 weights per channel) against PyTorch.
+
+References, all plain PyTorch: the activation rounding is ``quantize_per_token`` (equal bit for
+bit); the integer sums are an int64 matmul (equal exactly: nothing may saturate, even at +-127
+everywhere); the whole GEMM is ``w8a8_linear_reference`` in float64, within the rounding of the
+float32 epilogue (2e-6 relative to the largest output) or of the 16-bit output (bf16 8e-3, fp16
+2e-3).
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.backends.cpu._ops import load_gemm_ops, supported_isas
+from pagedllm.layers.quantization.w8a8 import quantize_per_token
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
+
+ISAS = [isa for isa in ("avx2", "scalar") if isa in supported_isas()]
+TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 8e-3, torch.float16: 2e-3}
+# (M, N, K): one row; N off the 16-column panels; K off the 4-byte groups and past one
+# 1024-wide block; M past the 4-row tile with a remainder.
+SHAPES = [(1, 37, 1103), (5, 16, 8), (17, 100, 2050), (3, 1, 3), (64, 48, 256)]
+
+
+@pytest.fixture(scope="module", params=ISAS)
+def ops(request: pytest.FixtureRequest):
+    module = load_gemm_ops(isa=request.param)
+    assert module.built_isa() == request.param
+    assert module.w8a8_isa() == request.param
+    return module
+
+
+def _int8(*shape: int) -> torch.Tensor:
+    return torch.randint(-127, 128, shape, dtype=torch.int8)
+
+
+def _packed_reference(w: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` -> ``[ceil(N/16), ceil(K/4), 64]``: per 4-k group, 16 columns x 4 k."""
+    n, k = w.shape
+    padded = F.pad(w, (0, (-k) % 4, 0, (-n) % 16))
+    panels, groups = padded.shape[0] // 16, padded.shape[1] // 4
+    return padded.reshape(panels, 16, groups, 4).permute(0, 2, 1, 3).reshape(panels, groups, 64)
+
+
+@pytest.mark.parametrize(("n", "k"), [(16, 8), (37, 1103), (1, 3)])
+def test_pack_layout_and_column_sums(ops, n: int, k: int) -> None:
+    w = _int8(n, k)
+    packed, colsum = ops.pack_w8a8(w)
+    assert torch.equal(packed, _packed_reference(w))
+    assert torch.equal(colsum[:n], w.sum(dim=1, dtype=torch.int32))
+    assert not colsum[n:].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_activation_rounding_matches_pytorch(ops, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    x = (torch.randn(9, 301) * torch.rand(9, 1) * 5).to(dtype)
+    x[3] = 0  # an all-zero row: scale 1, zeros
+    x[4, 7] = -x[4].abs().max() * 2  # the negative extreme must round to -127
+    q, scale = ops.quantize_rows(x)
+    q_ref, scale_ref = quantize_per_token(x)
+    assert torch.equal(scale, scale_ref)
+    assert torch.equal(q, q_ref)
+    assert int(q[4, 7]) == -127 and not q[3].any()
+
+
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
+def test_int32_sums_are_exact(ops, m: int, n: int, k: int) -> None:
+    torch.manual_seed(m * n + k)
+    qx, w = _int8(m, k), _int8(n, k)
+    packed, colsum = ops.pack_w8a8(w)
+    got = ops.w8a8_gemm_s32(qx, packed, colsum, n)
+    assert torch.equal(got, (qx.long() @ w.long().T).int())
+
+
+@pytest.mark.parametrize(("xv", "wv"), [(127, 127), (-127, 127), (-127, -127), (127, -127)])
+def test_extremes_do_not_saturate(ops, xv: int, wv: int) -> None:
+    """Every pair of products at its largest magnitude: 16-bit pair sums would overflow if
+    the sign trick were wrong (32258 fits, 2 * 127 * 255 would not)."""
+    m, n, k = 6, 20, 2052
+    qx = torch.full((m, k), xv, dtype=torch.int8)
+    w = torch.full((n, k), wv, dtype=torch.int8)
+    w[1, ::2] = -wv  # mixed signs within a pair
+    packed, colsum = ops.pack_w8a8(w)
+    got = ops.w8a8_gemm_s32(qx, packed, colsum, n)
+    assert torch.equal(got, (qx.long() @ w.long().T).int())
+
+
+def _reference64(x, w, w_scale, bias) -> torch.Tensor:
+    q, sx = quantize_per_token(x)
+    y = (q.double() @ w.double().T) * sx.double()[:, None] * w_scale.double()
+    return y if bias is None else y + bias.double()
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_gemm_matches_reference(ops, xdtype, m: int, n: int, k: int, bias: bool) -> None:
+    torch.manual_seed(m + n + k)
+    x = torch.randn(m, k).to(xdtype)
+    w, w_scale = _int8(n, k), torch.rand(n) * 0.02 + 1e-3
+    b = torch.randn(n).to(xdtype) if bias else None
+    packed, colsum = ops.pack_w8a8(w)
+    y = ops.w8a8_gemm(x, packed, colsum, n, w_scale, b)
+    assert y.dtype == xdtype and y.shape == (m, n)
+    ref = _reference64(x, w, w_scale, b)
+    err = (y.double() - ref).abs().max().item() / ref.abs().max().item()
+    assert err < TOLERANCE[xdtype], f"relative error {err:.2e}"
+
+
+def test_empty_batch(ops) -> None:
+    packed, colsum = ops.pack_w8a8(_int8(20, 8))
+    y = ops.w8a8_gemm(torch.empty(0, 8), packed, colsum, 20, torch.ones(20))
+    assert y.shape == (0, 20)
+
+
+def test_bad_inputs_raise(ops) -> None:
+    packed, colsum = ops.pack_w8a8(_int8(20, 8))
+    scale = torch.ones(20)
+    with pytest.raises(RuntimeError, match="K="):
+        ops.w8a8_gemm(torch.randn(2, 9), packed, colsum, 20, scale)
+    with pytest.raises(RuntimeError, match="panels"):
+        ops.w8a8_gemm(torch.randn(2, 8), packed, colsum, 40, scale)
+    with pytest.raises(RuntimeError, match="w_scale"):
+        ops.w8a8_gemm(torch.randn(2, 8), packed, colsum, 20, torch.ones(20).double())
+    with pytest.raises(RuntimeError, match="colsum"):
+        ops.w8a8_gemm(torch.randn(2, 8), packed, colsum[:16], 20, scale)
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        ops.w8a8_gemm(torch.randn(2, 8).double(), packed, colsum, 20, scale)
+    with pytest.raises(RuntimeError, match="int8"):
+        ops.pack_w8a8(torch.randn(4, 4))
