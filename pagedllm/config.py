@@ -287,7 +287,7 @@ class EngineArgs:
     cpu_threads: int | None = engine_arg(
         None,
         "intra-op threads of the CPU device, shared by tensor-parallel ranks (default: the "
-        "physical cores; served, one fewer on 3 or more cores, to leave the API server one)",
+        "physical cores)",
     )
 
     # A dict from Python, a JSON object string from the command line.

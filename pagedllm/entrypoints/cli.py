@@ -286,6 +286,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pagedllm.config import env_api_key
     from pagedllm.engine.async_engine import AsyncEngine
     from pagedllm.engine.core_client import EngineCoreClient
+    from pagedllm.engine.core_process import freeze_startup_objects
     from pagedllm.entrypoints.openai.api_server import ServerSettings, model_info, run_server
     from pagedllm.entrypoints.openai.offload import RequestLimits
     from pagedllm.entrypoints.openai.serving_chat import load_chat_template
@@ -318,25 +319,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     except (ValueError, RuntimeError) as exc:
         raise SystemExit(f"pagedllm serve: {exc}") from None
-    settings = ServerSettings(
-        api_key=args.api_key or env_api_key(),
-        chat_template=template,
-        max_logprobs=args.max_logprobs,
-        shutdown_timeout=args.shutdown_timeout,
-        disable_docs=args.disable_docs,
-        tool_call_parser=args.tool_call_parser,
-        limits=limits,
-        lora_modules=lora_modules,
-        enable_lora_runtime_updates=args.enable_lora_runtime_updates,
-    )
-    return run_server(
-        engine,
-        model_info(engine, names),
-        settings,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-    )
+    try:
+        settings = ServerSettings(
+            api_key=args.api_key or env_api_key(),
+            chat_template=template,
+            max_logprobs=args.max_logprobs,
+            shutdown_timeout=args.shutdown_timeout,
+            disable_docs=args.disable_docs,
+            tool_call_parser=args.tool_call_parser,
+            limits=limits,
+            lora_modules=lora_modules,
+            enable_lora_runtime_updates=args.enable_lora_runtime_updates,
+        )
+        freeze_startup_objects()  # this process serves until it exits
+        return run_server(
+            engine,
+            model_info(engine, names),
+            settings,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+        )
+    finally:
+        engine.stop()  # idempotent; also when the server could not be built
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

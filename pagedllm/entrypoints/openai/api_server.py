@@ -438,12 +438,14 @@ def run_server(
 ) -> int:
     """Serve until SIGTERM/SIGINT (see :class:`GracefulServer`); returns the exit status."""
 
-    app = build_app(engine, model, settings)
-    config = uvicorn_config(app, settings, host=host, port=port, log_level=log_level)
-    server = GracefulServer(config, engine, settings.shutdown_timeout)
-    app.state.on_engine_dead = server.request_exit
-    logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", model.name, host, port)
+    # Whatever fails from here on, the engine is stopped: a core process left running would
+    # hold its memory and keep this process from exiting.
     try:
+        app = build_app(engine, model, settings)
+        config = uvicorn_config(app, settings, host=host, port=port, log_level=log_level)
+        server = GracefulServer(config, engine, settings.shutdown_timeout)
+        app.state.on_engine_dead = server.request_exit
+        logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", model.name, host, port)
         status = server.run()
     finally:
         engine.stop()
