@@ -91,7 +91,8 @@ def test_triton_engine_matches_transformers(
 
 
 def test_kv_cache_dtype_accepted_or_refused(llama_path: Path) -> None:
-    """The cache may hold the compute dtype (named or "auto"); fp8 is refused at construction."""
+    """The cache may hold the compute dtype (named or "auto") or fp8; another 16-bit type is
+    refused at construction, naming what works."""
     engine = Engine(
         str(llama_path),
         device="cpu",
@@ -108,12 +109,21 @@ def test_kv_cache_dtype_accepted_or_refused(llama_path: Path) -> None:
         PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False
     )
     assert len(out[0].outputs[0].token_ids) == 2
-    for bad in ("fp8", "fp8_e5m2", "bfloat16"):
-        with pytest.raises(ValueError, match=r"^kv_cache_dtype: .*supports \['auto', 'float16'"):
-            Engine(
-                str(llama_path),
-                device="cpu",
-                dtype="float16",
-                kv_cache_dtype=bad,
-                attention_backend="triton",
-            )
+    fp8 = Engine(
+        str(llama_path),
+        device="cpu",
+        dtype="float16",
+        kv_cache_dtype="fp8_e5m2",
+        attention_backend="triton",
+        num_kv_blocks=8,
+        max_model_len=64,
+    )
+    assert fp8.executor.worker.cache_engine.kv_caches[0].dtype == torch.float8_e5m2
+    with pytest.raises(ValueError, match=r"^kv_cache_dtype: .*supports \['auto', 'float16', 'fp8"):
+        Engine(
+            str(llama_path),
+            device="cpu",
+            dtype="float16",
+            kv_cache_dtype="bfloat16",
+            attention_backend="triton",
+        )
