@@ -315,7 +315,7 @@ class LLMEngine:
         self.counters.generation_tokens += sum(len(t) for t in runner_out.spec_tokens.values())
         touched = self.scheduler.update_from_output(sched_out, runner_out)
         for group in touched:
-            self.output_processor.process(group)
+            self.counters.generation_tokens -= self.output_processor.process(group)
             self.guided.advance(group)
         finished = {g.request_id for g in self.scheduler.free_finished()}
         for group in touched:

@@ -26,12 +26,14 @@ class OutputProcessor:
         self.tables = tables  # the scheduler: beams fork and free through it
 
     # -- per step --------------------------------------------------------------------------
-    def process(self, group: SequenceGroup) -> None:
-        """Handle the tokens a group just received."""
+    def process(self, group: SequenceGroup) -> int:
+        """Handle the tokens a group just received; returns how many accepted speculative
+        tokens a stop dropped (the engine counted them as generated)."""
         params = group.sampling_params
         if params.use_beam_search:
             self._beam_step(group)
-            return
+            return 0
+        dropped = 0
         for seq in group.get_seqs(SequenceStatus.RUNNING):
             self._process_token(seq, params)
             # Speculative decoding: the rest of an accepted run, one token at a time, exactly
@@ -39,7 +41,9 @@ class OutputProcessor:
             while seq.pending_tokens and not seq.is_finished():
                 seq.append_token(*seq.pending_tokens.pop(0))
                 self._process_token(seq, params)
+            dropped += len(seq.pending_tokens)
             seq.pending_tokens = []
+        return dropped
 
     def _process_token(self, seq: Sequence, params: SamplingParams) -> None:
         new_chars = 0

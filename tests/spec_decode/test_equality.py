@@ -200,6 +200,9 @@ def test_stops_inside_an_accepted_run(llama_path: Path) -> None:
             assert a.outputs[0].text == b.outputs[0].text
             assert a.outputs[0].finish_reason == b.outputs[0].finish_reason
             assert a.outputs[0].stop_reason == b.outputs[0].stop_reason
+            # What a stop dropped from an accepted run was never generated, as far as the
+            # counters (and /metrics) are concerned.
+            assert engine.counters.generation_tokens == len(b.outputs[0].token_ids)
             assert_pool_whole(engine)
         if i >= 2:
             break
