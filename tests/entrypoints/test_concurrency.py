@@ -47,6 +47,21 @@ def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float
     return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
 
 
+def ended_since(server: Any, before: dict[str, float], total: int) -> dict[str, float]:
+    """Finish reasons counted since ``before``, once ``total`` requests are counted (5 s at most).
+
+    A request is counted by the server's receiving thread when its final output arrives, just
+    after the request leaves the table of requests in flight that ``wait_idle`` polls, so a
+    read of /metrics straight after ``wait_idle`` can miss the last few (seen for aborts).
+    """
+    deadline = time.monotonic() + 5.0
+    while True:
+        ended = _delta(finish_counts(server), before)
+        if sum(ended.values()) >= total or time.monotonic() > deadline:
+            return ended
+        time.sleep(0.02)
+
+
 class HealthProbe(threading.Thread):
     """GET /health from its own thread while the engine is busy; records each latency."""
 
@@ -127,7 +142,7 @@ def test_32_streams_some_cancelled_free_every_block(server: Any) -> None:
         assert r["finish"] == "length", r
         assert r["usage"].completion_tokens == MAX_TOKENS, r
     server.assert_all_blocks_free()
-    ended = _delta(finish_counts(server), before)
+    ended = ended_since(server, before, NUM_REQUESTS)
     print(f"finish reasons of the {NUM_REQUESTS} requests: {ended}")
     assert set(ended) <= {"length", "abort"} and sum(ended.values()) == NUM_REQUESTS
     assert ended["length"] >= 24 and ended.get("abort", 0) >= 1
@@ -161,7 +176,7 @@ def test_client_timeout_on_non_streaming_request_aborts_it(server: Any) -> None:
         except httpx.TimeoutException:
             timed_out = True
     server.assert_all_blocks_free()
-    ended = _delta(finish_counts(server), before)
+    ended = ended_since(server, before, 1)
     assert ended == ({"abort": 1} if timed_out else {"length": 1}), ended
 
 
@@ -190,5 +205,5 @@ def test_cancel_while_waiting_for_first_token(server: Any) -> None:
     before = finish_counts(server)
     asyncio.run(asyncio.wait_for(main(), timeout=60))
     server.assert_all_blocks_free()
-    ended = _delta(finish_counts(server), before)
+    ended = ended_since(server, before, 8)
     assert ended == {"length": 4, "abort": 4}, ended
