@@ -400,12 +400,14 @@ class EngineCoreClient(EngineClient):
             self._time_first(rid, out)
             stream = self._streams.get(rid)
             if out.finished:
-                self._drop(rid)
+                # Counted (metrics) before it leaves the requests in flight: whoever sees the
+                # engine idle sees its finish counted too.
                 for callback in self.on_request_finished:
                     try:
                         callback(out)
                     except Exception:
                         logger.exception("on_request_finished callback failed")
+                self._drop(rid)
             if stream is not None:
                 failed = out.failed and out.finished
                 items.append((stream, EngineStepError(out.error or "") if failed else out))
