@@ -429,13 +429,14 @@ class AsyncEngine(EngineClient):
                 self._timed.add(out.request_id)
                 self._timing("core_queue", max(0.0, m.first_scheduled_time - m.arrival_time))
             if out.finished:
-                self._streams.pop(out.request_id, None)
-                self._timed.discard(out.request_id)
+                # Counted before it leaves the requests in flight (see EngineCoreClient).
                 for callback in self.on_request_finished:
                     try:
                         callback(out)
                     except Exception:
                         logger.exception("on_request_finished callback failed")
+                self._streams.pop(out.request_id, None)
+                self._timed.discard(out.request_id)
             if stream is not None:
                 # A request ended by containment hears of it as a failed step (a 500).
                 failed = out.failed and out.finished
