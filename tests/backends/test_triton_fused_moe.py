@@ -1,30 +1,20 @@
 """The Triton fused-MoE kernels vs a plain per-token PyTorch loop.
 
 Off CUDA they run under Triton's interpreter on CPU tensors (small shapes); TRITON_INTERPRET must
-be set before triton is first imported, which is why this module sets it at import time. The
+be set before triton is first imported, which is why `triton_env` (imported before
+anything that loads triton) sets it. The
 sm_80/sm_90 compilation of these kernels is part of ``compile_check`` (see test_triton_kernels).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
+from tests.backends.triton_env import DEVICE, ON_CUDA, TRITON_MARKS
 from tests.layers.test_fused_moe import INTER, TOP_K, E, H, check, reference_moe, routing_case
 
-ON_CUDA = torch.cuda.is_available()
-if not ON_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-HAVE_TRITON = importlib.util.find_spec("triton") is not None
-DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (ci/requirements-gpu.txt)"),
-]
+pytestmark = TRITON_MARKS
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_CUDA else [])
 ATOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}

@@ -4,8 +4,8 @@ without triton, and compilation to sm_80/sm_90 cubins in a subprocess (no GPU ne
 
 The kernel-against-reference matrix is ``test_attention_conformance.py`` (kind "triton"). On a
 CUDA machine the kernels run compiled; elsewhere under Triton's interpreter on CPU tensors:
-TRITON_INTERPRET must be set before triton is first imported, which is why this module sets it
-at import time.
+TRITON_INTERPRET must be set before triton is first imported, which is why `triton_env`
+(imported before anything that loads triton) sets it.
 """
 
 from __future__ import annotations
@@ -21,17 +21,9 @@ import torch
 from pagedllm.backends.base import AttentionMetadata, CacheSpec
 from pagedllm.backends.reference import ReferenceAttention
 from tests.backends import test_attention_conformance as conformance
+from tests.backends.triton_env import DEVICE, ON_CUDA, TRITON_MARKS
 
-ON_CUDA = torch.cuda.is_available()
-if not ON_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-HAVE_TRITON = importlib.util.find_spec("triton") is not None
-DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (ci/requirements-gpu.txt)"),
-]
+pytestmark = TRITON_MARKS
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_CUDA else [])
 ATOL = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}

@@ -1,30 +1,20 @@
 """The Triton LoRA shrink/expand vs a per-token PyTorch loop (and the PyTorch path).
 
 Off CUDA they run under Triton's interpreter on CPU tensors (small shapes); TRITON_INTERPRET must
-be set before triton is first imported, which is why this module sets it at import time.
+be set before triton is first imported, which is why `triton_env` (imported before
+anything that loads triton) sets it.
 """
 
 from __future__ import annotations
-
-import importlib.util
-import os
 
 import pytest
 import torch
 
 from pagedllm.lora.ops import TorchLoRAOps, build_mapping
+from tests.backends.triton_env import DEVICE, TRITON_MARKS
 from tests.lora.test_ops import CASES, make_case
 
-ON_CUDA = torch.cuda.is_available()
-if not ON_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-HAVE_TRITON = importlib.util.find_spec("triton") is not None
-DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed (ci/requirements-gpu.txt)"),
-]
+pytestmark = TRITON_MARKS
 
 ATOL = {torch.float32: 1e-4, torch.float16: 2e-2}
 
