@@ -264,6 +264,56 @@ def test_idle_and_half_sent_connections_are_closed(server: Any) -> None:
         thread.join(10)
 
 
+def test_request_heads_past_the_bound_get_431_and_are_closed(server: Any) -> None:
+    """llhttp accepts headers of any size; the server bounds the head (``max_head_bytes``):
+    one sent whole, one trickled in pieces that never end, and one just under the bound."""
+    from pagedllm.entrypoints.openai.api_server import (
+        ServerSettings,
+        build_app,
+        model_info,
+        uvicorn_config,
+    )
+
+    settings = ServerSettings(max_head_bytes=4096)
+    app = build_app(
+        server.engine, model_info(server.engine, [MODEL_NAME]), settings, owns_engine=False
+    )
+    srv, thread, port = start_server(
+        app, config=uvicorn_config(app, settings, host="127.0.0.1", port=0, log_level="warning")
+    )
+
+    def answer(sock: socket.socket) -> bytes:
+        sock.settimeout(5)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+        return data
+
+    try:
+        big = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 8000 + b"\r\n\r\n"
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(big)
+            reply = answer(sock)  # returns once the server closes
+        assert reply.startswith(b"HTTP/1.1 431 ")
+        body = json.loads(reply.split(b"\r\n\r\n", 1)[1])
+        assert body["error"]["code"] == "request_header_too_large"
+
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+            for _ in range(10):  # 10 x 500 bytes of one header that never ends
+                sock.sendall(b"X-Slow: " + b"b" * 490 + b"\r\n")
+                time.sleep(0.01)
+            assert answer(sock).startswith(b"HTTP/1.1 431 ")
+
+        ok = b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-Pad: "
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(ok + b"a" * 3000 + b"\r\n\r\n")
+            assert answer(sock).startswith(b"HTTP/1.1 200 ")
+    finally:
+        srv.should_exit = True
+        thread.join(10)
+
+
 def _broken_step() -> None:  # what LLMEngine.step raises when every request fails on its own
     from pagedllm.engine.containment import EngineBrokenError
 

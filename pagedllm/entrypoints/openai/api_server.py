@@ -29,7 +29,7 @@ from starlette.requests import ClientDisconnect
 import pagedllm
 from pagedllm.engine.async_engine import AsyncEngine
 from pagedllm.entrypoints.openai.errors import APIError, from_validation_error, install_handlers
-from pagedllm.entrypoints.openai.http_limits import timed_protocol
+from pagedllm.entrypoints.openai.http_limits import limited_protocol
 from pagedllm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from pagedllm.entrypoints.openai.offload import Offloader, RequestLimits
 from pagedllm.entrypoints.openai.protocol import (
@@ -42,6 +42,7 @@ from pagedllm.entrypoints.openai.serving_base import ModelInfo
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_lora import adapter_entries, add_lora_routes, load_adapter
+from pagedllm.entrypoints.openai.sse import ServerApp
 from pagedllm.entrypoints.web import RequestTracker, TrackingEngine, mount_web
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ class ServerSettings:
     # request (see http_limits), are closed after these many seconds; request heads are bounded.
     timeout_keep_alive: float = 5.0
     read_timeout: float = 10.0
-    h11_max_incomplete_event_size: int = 64 * 1024
+    max_head_bytes: int = 64 * 1024
     # Per-request sizes (see offload.py): prompt characters, prompt token ids, /detokenize ids.
     limits: RequestLimits = field(default_factory=RequestLimits)
     # LoRA adapters served from the start (name, folder); run-time load/unload routes allowed.
@@ -173,7 +174,7 @@ def build_app(
             await engine.shutdown(timeout=min(settings.shutdown_timeout, 5.0))
         offload.shutdown()
 
-    app = FastAPI(
+    app = ServerApp(
         title="pagedllm OpenAI-compatible server",
         version=pagedllm.__version__,
         lifespan=lifespan,
@@ -183,7 +184,6 @@ def build_app(
     )
     app.state.on_engine_dead = None
     install_handlers(app)
-    app.add_middleware(ArrivalTime)
     tracker = RequestTracker()  # the dashboard's table of requests in flight
     served = TrackingEngine(engine, tracker)
     offload, limits = Offloader(), settings.limits
@@ -297,19 +297,6 @@ def build_app(
     return app
 
 
-class ArrivalTime:
-    """Stamps ``request.state.arrival_time`` (monotonic) as a request comes in: a request's TTFT
-    and latency metrics start there, not after the event loop has parsed and tokenized it."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            scope.setdefault("state", {})["arrival_time"] = time.monotonic()
-        await self.app(scope, receive, send)
-
-
 def _add_docs(app: FastAPI, auth: Any) -> None:
     """/docs, /redoc and /openapi.json, behind the API key like every other route."""
     from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
@@ -417,11 +404,10 @@ def uvicorn_config(
         host=host,
         port=port,
         log_level=log_level,
-        http=timed_protocol(settings.read_timeout),
+        http=limited_protocol(settings.read_timeout, settings.max_head_bytes),
         # uvicorn's own wait outlasts ours: we cut the requests first, they then end cleanly.
         timeout_graceful_shutdown=max(1, int(settings.shutdown_timeout) + 10),
         timeout_keep_alive=max(1, int(settings.timeout_keep_alive)),
-        h11_max_incomplete_event_size=settings.h11_max_incomplete_event_size,
         log_config=None,  # uvicorn logs through our root logger
         access_log=log_level == "debug",
     )

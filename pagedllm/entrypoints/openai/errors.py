@@ -6,7 +6,6 @@ JSON response by one exception handler, so no route builds error bodies by hand.
 
 from __future__ import annotations
 
-import json
 import logging
 from http import HTTPStatus
 from typing import Any
@@ -16,6 +15,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedllm.entrypoints.openai.sse import sse_event
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +56,9 @@ class APIError(Exception):
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status)
 
-    def sse_event(self) -> str:
+    def sse_event(self) -> bytes:
         """The error as one server-sent event, for failures after a stream has begun."""
-        return f"data: {json.dumps(self.body())}\n\n"
+        return sse_event(self.body())
 
 
 def from_value_error(

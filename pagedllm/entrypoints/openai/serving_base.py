@@ -163,7 +163,7 @@ async def merge_streams(
 
 
 def arrival_time(request: Request | None) -> float | None:
-    """When the HTTP request came in (stamped by the app's middleware), for TTFT metrics."""
+    """When the HTTP request came in (stamped by ``sse.ServerApp`` as it enters the app), for TTFT metrics."""
     return getattr(request.state, "arrival_time", None) if request is not None else None
 
 

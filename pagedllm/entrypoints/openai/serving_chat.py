@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -11,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
 
 from pagedllm.core.guided_params import GuidedDecodingParams
 from pagedllm.engine.async_engine import AsyncEngine, RequestStream
@@ -33,6 +31,7 @@ from pagedllm.entrypoints.openai.serving_tools import (
     plan_tools,
     tool_message,
 )
+from pagedllm.entrypoints.openai.sse import DONE, EventStreamResponse, sse_event
 from pagedllm.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -143,7 +142,7 @@ class OpenAIServingChat(ServingBase):
 
     async def create(
         self, req: ChatCompletionRequest, raw_request: Request | None
-    ) -> dict[str, Any] | StreamingResponse:
+    ) -> dict[str, Any] | EventStreamResponse:
         lora = self.check_model(req.model)
         plan = plan_tools(req, self.tool_call_parser)
         guided, guided_param = guided_from_request(req)
@@ -193,10 +192,8 @@ class OpenAIServingChat(ServingBase):
         )
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(
-                self._stream(req, pairs, prompt, request_id, created, include_usage, plan),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
+            return EventStreamResponse(
+                self._stream(req, pairs, prompt, request_id, created, include_usage, plan)
             )
         (final,) = await self.collect(pairs, raw_request)
         choices = []
@@ -250,7 +247,7 @@ class OpenAIServingChat(ServingBase):
         created: int,
         include_usage: bool,
         plan: ToolPlan,
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[bytes]:
         head = {
             "id": request_id,
             "object": "chat.completion.chunk",
@@ -258,11 +255,11 @@ class OpenAIServingChat(ServingBase):
             "model": self.response_model(req.model),
         }
 
-        def event(choices: list[dict[str, Any]], **extra: Any) -> str:
+        def event(choices: list[dict[str, Any]], **extra: Any) -> bytes:
             body = {**head, "choices": choices, **extra}
             if include_usage and "usage" not in extra:
                 body["usage"] = None
-            return f"data: {json.dumps(body)}\n\n"
+            return sse_event(body)
 
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
@@ -303,7 +300,7 @@ class OpenAIServingChat(ServingBase):
         finally:
             for stream, _ in pairs:
                 stream.abort()
-        yield "data: [DONE]\n\n"
+        yield DONE
 
     def _delta(
         self,

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
 
 from pagedllm.engine.async_engine import RequestStream
 from pagedllm.entrypoints.openai.errors import APIError
@@ -22,6 +20,7 @@ from pagedllm.entrypoints.openai.serving_base import (
     usage,
 )
 from pagedllm.entrypoints.openai.serving_structured import guided_from_request
+from pagedllm.entrypoints.openai.sse import DONE, EventStreamResponse, sse_event
 from pagedllm.outputs import CompletionOutput, RequestOutput
 
 _PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of token id lists"
@@ -63,7 +62,7 @@ class OpenAIServingCompletion(ServingBase):
 
     async def create(
         self, req: CompletionRequest, raw_request: Request | None
-    ) -> dict[str, Any] | StreamingResponse:
+    ) -> dict[str, Any] | EventStreamResponse:
         lora = self.check_model(req.model)
         if req.suffix is not None:
             raise APIError(
@@ -101,10 +100,8 @@ class OpenAIServingCompletion(ServingBase):
         )
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(
-                self._stream(req, pairs, prompts, request_id, created, include_usage),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
+            return EventStreamResponse(
+                self._stream(req, pairs, prompts, request_id, created, include_usage)
             )
         finals = await self.collect(pairs, raw_request)
         return self._response(req, finals, prompts, request_id, created)
@@ -209,7 +206,7 @@ class OpenAIServingCompletion(ServingBase):
         request_id: str,
         created: int,
         include_usage: bool,
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[bytes]:
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         completion_tokens: dict[int, int] = {}
@@ -229,7 +226,7 @@ class OpenAIServingCompletion(ServingBase):
                         body = {**head, "choices": [chunk]}
                         if include_usage:
                             body["usage"] = None
-                        yield f"data: {json.dumps(body)}\n\n"
+                        yield sse_event(body)
             if include_usage:
                 prompt_tokens = sum(len(p.token_ids) for p in prompts)
                 body = {
@@ -237,13 +234,13 @@ class OpenAIServingCompletion(ServingBase):
                     "choices": [],
                     "usage": usage(prompt_tokens, sum(completion_tokens.values())),
                 }
-                yield f"data: {json.dumps(body)}\n\n"
+                yield sse_event(body)
         except Exception as exc:  # the stream has begun: report in-band, then end it
             yield error_event(exc).sse_event()
         finally:
             for stream, _ in pairs:
                 stream.abort()
-        yield "data: [DONE]\n\n"
+        yield DONE
 
     def _delta(
         self,
