@@ -17,6 +17,7 @@ import torch
 from pagedllm.backends.base import (
     AttentionBackend,
     AttentionMetadata,
+    byte_view,
     from_cache_dtype,
     to_cache_dtype,
 )
@@ -29,10 +30,12 @@ def gather_seq_kv(
     _, _, kv_heads, block_size, head_size = kv_cache.shape
     num_blocks = (seq_len + block_size - 1) // block_size
     idx = torch.tensor(block_table[:num_blocks], dtype=torch.long, device=kv_cache.device)
-    # [n, kvh, block_size, d] -> [n, block_size, kvh, d] -> token rows
-    k = kv_cache[0, idx].transpose(1, 2).reshape(-1, kv_heads, head_size)[:seq_len]
-    v = kv_cache[1, idx].transpose(1, 2).reshape(-1, kv_heads, head_size)[:seq_len]
-    return k, v
+    # [n, kvh, block_size, d] -> [n, block_size, kvh, d] -> token rows. Gathered as bytes: some
+    # torch builds (2.8, which IPEX pins) have no fp8 gather kernel on the CPU.
+    raw = byte_view(kv_cache)
+    k = raw[0, idx].transpose(1, 2).reshape(-1, kv_heads, head_size)[:seq_len]
+    v = raw[1, idx].transpose(1, 2).reshape(-1, kv_heads, head_size)[:seq_len]
+    return k.view(kv_cache.dtype), v.view(kv_cache.dtype)
 
 
 def attend(

@@ -20,7 +20,13 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
-from pagedllm.backends.base import AttentionBackend, AttentionMetadata, CacheEngine, CacheSpec
+from pagedllm.backends.base import (
+    FP8_DTYPES,
+    AttentionBackend,
+    AttentionMetadata,
+    CacheEngine,
+    CacheSpec,
+)
 from pagedllm.backends.reference import ReferenceAttention
 from pagedllm.backends.xpu.backend import XpuBackend
 
@@ -63,6 +69,13 @@ def attn() -> IpexPagedAttention:
     return IpexPagedAttention()
 
 
+def fp8_kwargs(cache_dtype: torch.dtype, scales: tuple[float, float]) -> dict[str, float]:
+    """The scale keywords the attention layer passes: only for fp8 caches."""
+    if cache_dtype not in FP8_DTYPES:
+        return {}
+    return {"k_scale": scales[0], "v_scale": scales[1]}
+
+
 def _check(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     diff = (actual.float().cpu() - expected.float().cpu()).abs().max().item()
     atol, rtol = TOL[actual.dtype]
@@ -85,13 +98,16 @@ def _batch(
     num_kv_heads: int,
     head_size: int,
     dtype: torch.dtype = torch.float32,
+    cache_dtype: torch.dtype | None = None,
+    scales: tuple[float, float] = (1.0, 1.0),
     device: str = "cpu",
     seed: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
     """Random blocks assigned at random, garbage in unused slots, every token written.
 
     Context and new tokens are all written through ``attn.write_kv`` into the IPEX cache and
-    through the reference's ``write_kv`` into a reference-layout cache holding the same garbage.
+    through the reference's ``write_kv`` into a reference-layout cache holding the same garbage;
+    the cache holds ``cache_dtype`` (default ``dtype``), fp8 with ``scales`` (k_scale, v_scale).
     Returns (IPEX cache, reference cache, metadata, query).
     """
     gen = torch.Generator().manual_seed(seed)
@@ -115,55 +131,66 @@ def _batch(
         device=torch.device(device),
     )
     shape = attn.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
-    cache = torch.randn(shape, generator=gen).to(dtype=dtype, device=device)
+    cache_dtype = cache_dtype or dtype
+    cache = torch.randn(shape, generator=gen).to(dtype=cache_dtype, device=device)
     ref_cache = cache.clone()  # the reference reads the same layout
     n_all = len(slots_all)
     key = torch.randn((n_all, num_kv_heads, head_size), generator=gen).to(dtype=dtype)
     value = torch.randn((n_all, num_kv_heads, head_size), generator=gen).to(dtype=dtype)
-    slots = torch.tensor(slots_all, dtype=torch.int64)
-    attn.write_kv(key.to(device), value.to(device), cache, slots.to(device))
-    ReferenceAttention().write_kv(key.to(device), value.to(device), ref_cache, slots.to(device))
+    slots = torch.tensor(slots_all, dtype=torch.int64).to(device)
+    kw = fp8_kwargs(cache_dtype, scales)
+    attn.write_kv(key.to(device), value.to(device), cache, slots, **kw)
+    ReferenceAttention().write_kv(key.to(device), value.to(device), ref_cache, slots, **kw)
     query = torch.randn((meta.num_tokens, num_heads, head_size), generator=gen)
     return cache, ref_cache, meta, query.to(dtype=dtype, device=device)
 
 
+# (compute dtype, cache dtype): a 16/32-bit cache, and fp8 e5m2 (moved as bytes: torch 2.8 has
+# no CPU gather for fp8 tensors).
+CACHE_MOVES = [(torch.float32, torch.float32), (torch.bfloat16, torch.float8_e5m2)]
+
+
 @ipex_test
 @pytest.mark.parametrize("device", DEVICES)
-def test_copy_and_swap_through_cache_engine(attn, device: str) -> None:
+@pytest.mark.parametrize(("dtype", "cache_dtype"), CACHE_MOVES, ids=str)
+def test_copy_and_swap_through_cache_engine(
+    attn, device: str, dtype: torch.dtype, cache_dtype: torch.dtype
+) -> None:
     """CacheEngine.copy / swap_out / swap_in move whole blocks; attention reads them back."""
     bs, kvh, d = 16, 2, 64
     seqs = [(0, 1), (40, 1)]
-    spec = CacheSpec(
-        num_layers=2, num_kv_heads=kvh, head_size=d, block_size=bs, dtype=torch.float32
-    )
+    spec = CacheSpec(num_layers=2, num_kv_heads=kvh, head_size=d, block_size=bs, dtype=cache_dtype)
     engine = CacheEngine(
         spec, attn, device=torch.device(device), num_device_blocks=8, num_host_blocks=4
     )
+    kw = fp8_kwargs(cache_dtype, (0.5, 2.0))
     cache, _, meta, query = _batch(
-        attn, seqs, 0, block_size=bs, num_heads=4, num_kv_heads=kvh, head_size=d, device=device
-    )
+        attn, seqs, 0, block_size=bs, num_heads=4, num_kv_heads=kvh, head_size=d,
+        dtype=dtype, cache_dtype=cache_dtype, scales=(0.5, 2.0), device=device,
+    )  # fmt: skip
     assert cache.shape[1] <= 8
     for layer in engine.kv_caches:
         layer.zero_()
         layer[:, : cache.shape[1]] = cache
-    expected = attn.forward(query, engine.kv_caches[0], meta, SCALE)
+    expected = attn.forward(query, engine.kv_caches[0], meta, SCALE, **kw)
     table = meta.block_tables[1, :3].tolist()  # the 41-token sequence's blocks
 
     # Copy-on-write: blocks onto fresh ones; the remapped table must give the same attention.
     fresh = [b for b in range(8) if b not in meta.block_tables.flatten().tolist()][:3]
     engine.copy(list(zip(table, fresh, strict=True)))
     for layer in engine.kv_caches:
-        torch.testing.assert_close(layer[:, fresh], layer[:, table], atol=0, rtol=0)
+        as_bytes = layer.view(torch.uint8)
+        assert torch.equal(as_bytes[:, fresh], as_bytes[:, table])
     meta.block_tables[1, :3] = torch.tensor(fresh, dtype=torch.int32)
-    _check(attn.forward(query, engine.kv_caches[1], meta, SCALE), expected, "after copy")
+    _check(attn.forward(query, engine.kv_caches[1], meta, SCALE, **kw), expected, "after copy")
 
     # Swap out to host, wipe the device blocks, swap back in to the original block ids.
     engine.swap_out(list(zip(fresh, [3, 0, 2], strict=True)))
-    for layer in engine.kv_caches:
-        layer[:, fresh + table] = float("nan")  # only the host copies survive
+    for layer in engine.kv_caches:  # all-ones bytes are NaN in every dtype
+        layer.view(torch.uint8)[:, fresh + table] = 0xFF  # only the host copies survive
     engine.swap_in(list(zip([3, 0, 2], table, strict=True)))
     meta.block_tables[1, :3] = torch.tensor(table, dtype=torch.int32)
-    _check(attn.forward(query, engine.kv_caches[0], meta, SCALE), expected, "after swap")
+    _check(attn.forward(query, engine.kv_caches[0], meta, SCALE, **kw), expected, "after swap")
 
 
 @ipex_test

@@ -23,6 +23,20 @@ Ops and the conventions checked against ``backends/reference.py`` (IPEX 2.8, CPU
   chunk with ``sliding_window == 1`` is computed here instead; each token then attends only to
   itself, so its output is exactly its own value row, read back from the cache.
 
+fp8 KV cache (``kv_cache_dtype="fp8_e5m2"``, with bfloat16 compute only). What IPEX 2.8's CPU
+ops do with 8-bit caches, and so what this class does around them:
+
+* only ``torch.float8_e5m2`` caches; an e4m3 cache is refused by every op ("only float8_e5m2
+  supported", "not supported kv_cahce_dtype"), so "fp8"/"fp8_e4m3" are refused by name here;
+* the decode op reads e5m2 only with bfloat16 queries (float32 and float16 fail with "expected
+  scalar type ... but found Float8_e5m2"), hence bfloat16 compute only;
+* ``k_scale``/``v_scale`` are accepted and ignored, and the store is a plain cast (out-of-range
+  values become inf). So ``write_kv`` quantises with ``to_cache_dtype`` (``x / scale``,
+  saturated, the reference's bytes) and hands IPEX values bfloat16 holds exactly, and
+  ``forward`` folds ``k_scale`` into the softmax scale and multiplies the output by ``v_scale``;
+  the ops always get scales of 1, so a build that does honour them cannot apply them twice;
+* torch 2.8 has no CPU gather for fp8 tensors, so block copies and swaps move byte views.
+
 intel_extension_for_pytorch is imported when the backend is constructed, never at module import,
 so ``import pagedllm`` works without it.
 """
@@ -35,7 +49,23 @@ from typing import Any
 
 import torch
 
-from pagedllm.backends.base import AttentionBackend, AttentionMetadata, build_attention_metadata
+from pagedllm.backends.base import (
+    FP8_DTYPES,
+    KV_CACHE_DTYPES,
+    AttentionBackend,
+    AttentionMetadata,
+    build_attention_metadata,
+    byte_view,
+    to_cache_dtype,
+)
+
+#: The one fp8 format IPEX's ops store and read, and the only compute dtype they read it with.
+FP8_NAME = "fp8_e5m2"
+FP8_COMPUTE_DTYPE = torch.bfloat16
+_FP8_WHY = (
+    "IPEX's paged-attention ops store fp8 only as e5m2 and read it only with bfloat16 queries"
+)
+_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, KV_CACHE_DTYPES[FP8_NAME])
 
 _INSTALL_HINT = (
     "pip install intel-extension-for-pytorch (the release matching your torch version, e.g. "
@@ -77,14 +107,37 @@ class IpexPagedAttention(AttentionBackend):
     """Prompt chunks go to IPEX's varlen flash attention, decodes to its paged decode kernel."""
 
     name = "ipex"
-    # IPEX's ops take the cache in the query's dtype; its fp8 cache path is not wired up here.
-    supported_kv_cache_dtypes = ("float32", "bfloat16", "float16")
+    # A 16/32-bit cache in the query's dtype, or e5m2 under bfloat16 compute (see the module doc).
+    supported_kv_cache_dtypes = ("float32", "bfloat16", "float16", FP8_NAME)
     kv_cache_dtype_follows_compute = True
 
     def __init__(self) -> None:
         self._ops = load_ipex_paged_attention()
         # (num_heads, num_kv_heads, device) -> [num_heads] int32 query head -> KV head.
         self._head_mappings: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+    def resolve_kv_cache_dtype(
+        self, kv_cache_dtype: str, compute_dtype: torch.dtype
+    ) -> torch.dtype:
+        """The compute dtype, or e5m2 under bfloat16 compute; anything else is refused by name."""
+        if kv_cache_dtype == "auto":
+            return compute_dtype
+        wanted = KV_CACHE_DTYPES.get(kv_cache_dtype)
+        if wanted == compute_dtype and kv_cache_dtype in self.supported_kv_cache_dtypes:
+            return compute_dtype
+        if kv_cache_dtype == FP8_NAME and compute_dtype == FP8_COMPUTE_DTYPE:
+            return KV_CACHE_DTYPES[FP8_NAME]
+        works = ["auto", *[n for n, d in KV_CACHE_DTYPES.items() if d == compute_dtype]]
+        if compute_dtype == FP8_COMPUTE_DTYPE:
+            works.append(FP8_NAME)
+        why = ""
+        if wanted in FP8_DTYPES:
+            why = f" ({_FP8_WHY}: use kv_cache_dtype={FP8_NAME!r} with dtype='bfloat16')"
+        raise ValueError(
+            f"kv_cache_dtype: {kv_cache_dtype!r} cannot run on the {self.name!r} attention backend "
+            f"with dtype {str(compute_dtype).removeprefix('torch.')}; this backend supports "
+            f"{works}{why}"
+        )
 
     def build_metadata(self, **kwargs: object) -> AttentionMetadata:
         base = build_attention_metadata(**kwargs)  # type: ignore[arg-type]
@@ -97,6 +150,9 @@ class IpexPagedAttention(AttentionBackend):
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
         kv_cache: torch.Tensor,  # [2, num_blocks, num_kv_heads, block_size, head_size]
         slot_mapping: torch.Tensor,  # [num_tokens] int64
+        *,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> None:
         _check_cache(kv_cache, key.shape[-1], key.shape[-2])
         if key.shape != value.shape or key.shape[0] != slot_mapping.shape[0]:
@@ -112,12 +168,21 @@ class IpexPagedAttention(AttentionBackend):
             key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
         if key.shape[0] == 0:
             return
+        fp8 = kv_cache.dtype in FP8_DTYPES
+        if fp8:
+            # IPEX ignores the scales and casts without saturating: quantise here (the
+            # reference's bytes); bfloat16 holds every e5m2 value, so its cast stores them as is.
+            key = to_cache_dtype(key, kv_cache.dtype, k_scale).to(FP8_COMPUTE_DTYPE)
+            value = to_cache_dtype(value, kv_cache.dtype, v_scale).to(FP8_COMPUTE_DTYPE)
+        else:
+            key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)
         self._ops.reshape_and_cache(
-            key.to(kv_cache.dtype).contiguous(),
-            value.to(kv_cache.dtype).contiguous(),
+            key.contiguous(),
+            value.contiguous(),
             kv_cache[0],
             kv_cache[1],
             slot_mapping,
+            FP8_NAME if fp8 else "auto",
         )
 
     def forward(
@@ -128,19 +193,15 @@ class IpexPagedAttention(AttentionBackend):
         scale: float,
         *,
         sliding_window: int | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
-        if query.dim() != 3:
-            raise ValueError(f"query must be [num_tokens, num_heads, head_size], got {query.shape}")
-        _check_cache(kv_cache, query.shape[2], None)
-        num_heads, num_kv_heads = query.shape[1], kv_cache.shape[2]
-        if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads={num_heads} is not a multiple of kv heads={num_kv_heads}")
-        if query.dtype != kv_cache.dtype:
-            raise ValueError(f"query dtype {query.dtype} != KV cache dtype {kv_cache.dtype}")
-        if query.shape[0] != meta.num_tokens:
-            raise ValueError(f"query has {query.shape[0]} tokens, metadata {meta.num_tokens}")
-        if sliding_window is not None and sliding_window < 1:
-            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        """fp8 caches: ``q . (k * k_scale) = (q . k) * k_scale`` and the output is linear in
+        the values, so the ops see scales of 1 and the layer's scales are applied around them."""
+        _check_forward(query, kv_cache, meta, sliding_window)
+        fp8 = kv_cache.dtype in FP8_DTYPES
+        if fp8:
+            scale = scale * k_scale
         query = query.contiguous()
         out = torch.empty_like(query)
         p = meta.num_prefill_tokens
@@ -149,7 +210,19 @@ class IpexPagedAttention(AttentionBackend):
             self._prefill(query[:p], kv_cache, meta, scale, sliding_window, out[:p])
         if meta.num_decode_tokens:
             self._decode(query[p:], kv_cache, meta, scale, sliding_window, out[p:])
+        if fp8 and v_scale != 1.0:
+            out.mul_(v_scale)
         return out
+
+    def copy_blocks(self, kv_caches: list[torch.Tensor], pairs: torch.Tensor) -> None:
+        """The generic copy on byte views: torch 2.8 has no CPU gather for fp8 tensors."""
+        super().copy_blocks([byte_view(c) for c in kv_caches], pairs)
+
+    def swap_blocks(self, src: torch.Tensor, dst: torch.Tensor, pairs: torch.Tensor) -> None:
+        """The generic swap on byte views (fp8 caches, as in :meth:`copy_blocks`)."""
+        if src.dtype != dst.dtype:
+            raise ValueError(f"swap_blocks: {src.dtype} pool -> {dst.dtype} pool")
+        super().swap_blocks(byte_view(src), byte_view(dst), pairs)
 
     def _head_mapping(
         self, num_heads: int, num_kv_heads: int, device: torch.device
@@ -193,6 +266,7 @@ class IpexPagedAttention(AttentionBackend):
             None,  # alibi slopes
             -1 if sliding_window is None else sliding_window - 1,
             -1 if sliding_window is None else 0,
+            kv_cache_dtype=FP8_NAME if kv_cache.dtype in FP8_DTYPES else "auto",
         )
 
     def _decode(
@@ -234,6 +308,37 @@ def _check_cache(kv_cache: torch.Tensor, head_size: int, num_kv_heads: int | Non
         raise ValueError(f"{num_kv_heads} KV heads != KV cache's {kv_cache.shape[2]}")
     if not kv_cache[0].is_contiguous():
         raise ValueError("IPEX KV cache must be contiguous")
+    if kv_cache.dtype not in _CACHE_DTYPES:
+        raise ValueError(
+            f"IPEX KV cache dtype {kv_cache.dtype} is not one of {list(_CACHE_DTYPES)} "
+            f"(kv_cache_dtype: {_FP8_WHY})"
+        )
+
+
+def _check_forward(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    sliding_window: int | None,
+) -> None:
+    """Shapes and dtypes the ops would misread, refused with what was expected."""
+    if query.dim() != 3:
+        raise ValueError(f"query must be [num_tokens, num_heads, head_size], got {query.shape}")
+    _check_cache(kv_cache, query.shape[2], None)
+    num_heads, num_kv_heads = query.shape[1], kv_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of kv heads={num_kv_heads}")
+    if kv_cache.dtype in FP8_DTYPES:
+        if query.dtype != FP8_COMPUTE_DTYPE:
+            raise ValueError(
+                f"query dtype {query.dtype} over a {kv_cache.dtype} KV cache: {_FP8_WHY}"
+            )
+    elif query.dtype != kv_cache.dtype:
+        raise ValueError(f"query dtype {query.dtype} != KV cache dtype {kv_cache.dtype}")
+    if query.shape[0] != meta.num_tokens:
+        raise ValueError(f"query has {query.shape[0]} tokens, metadata {meta.num_tokens}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
 
 
 def _own_values(
@@ -241,8 +346,12 @@ def _own_values(
     slots: torch.Tensor,  # [n] int64, slots of the query tokens (already written)
     num_heads: int,
 ) -> torch.Tensor:  # [n, num_heads, head_size]
-    """Attention of each token over itself alone is its own value, broadcast over its group."""
+    """Attention of each token over itself alone is its own value, broadcast over its group.
+
+    Read through a byte view (torch 2.8 cannot gather fp8), and unscaled: ``forward`` applies
+    ``v_scale`` to every output row alike.
+    """
     block_size = kv_cache.shape[3]
     blocks = torch.div(slots, block_size, rounding_mode="floor")
-    values = kv_cache[1][blocks, :, slots % block_size]  # [n, num_kv_heads, head_size]
-    return values.repeat_interleave(num_heads // kv_cache.shape[2], dim=1)
+    rows = byte_view(kv_cache[1])[blocks, :, slots % block_size]  # [n, num_kv_heads, head_size]
+    return rows.repeat_interleave(num_heads // kv_cache.shape[2], dim=1).view(kv_cache.dtype)
