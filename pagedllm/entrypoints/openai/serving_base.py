@@ -163,7 +163,8 @@ async def merge_streams(
 
 
 def arrival_time(request: Request | None) -> float | None:
-    """When the HTTP request came in (stamped by ``sse.ServerApp`` as it enters the app), for TTFT metrics."""
+    """When the HTTP request came in (stamped by ``sse.ServerApp`` as it enters the app): where
+    TTFT and latency metrics start."""
     return getattr(request.state, "arrival_time", None) if request is not None else None
 
 
