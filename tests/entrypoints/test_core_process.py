@@ -406,22 +406,23 @@ def _core_environment(engine: Any) -> dict[str, str | None]:
     import torch
 
     return {
-        "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
+        "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT"),
         "threads": torch.get_num_threads(),
     }
 
 
-def test_the_core_waits_passively(server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The core's OpenMP threads sleep while they wait (the server needs the cores they would
-    spin on), and a policy the user set is theirs."""
-    from pagedllm.config import core_openmp_env
+def test_the_core_spins_briefly(server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The core's OpenMP threads spin briefly, then sleep (the server needs the cores they
+    would spin on), and a policy the user set is theirs."""
+    from pagedllm.config import CORE_GOMP_SPINCOUNT, core_openmp_env
 
-    if "OMP_WAIT_POLICY" not in os.environ:
-        assert server.in_core(_core_environment)["OMP_WAIT_POLICY"] == "PASSIVE"
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    monkeypatch.delenv("KMP_BLOCKTIME", raising=False)
-    assert core_openmp_env() == {"OMP_WAIT_POLICY": "PASSIVE"}
+    user_set = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+    if not any(k in os.environ for k in user_set):
+        spin = server.in_core(_core_environment)["GOMP_SPINCOUNT"]
+        assert spin == str(CORE_GOMP_SPINCOUNT)
+    for key in user_set:
+        monkeypatch.delenv(key, raising=False)
+    assert core_openmp_env() == {"GOMP_SPINCOUNT": str(CORE_GOMP_SPINCOUNT)}
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     assert core_openmp_env() == {}
 
