@@ -9,6 +9,8 @@
     python benchmarks/serving.py --smoke
     # served vs offline side by side: Engine in this process, then the server, same requests
     python benchmarks/serving.py --launch ./my-llama --compare-offline --concurrency 1,16,64
+    # the same on throughput.py's random-weight 56M Llama, built for the run
+    python benchmarks/serving.py --model-size 56m --compare-offline --concurrency 16,64
 
 ``--compare-offline`` (with ``--launch`` or ``--smoke``) runs the same requests through the
 offline ``Engine`` in this process (add_request/step, what ``Engine.generate`` runs, with at
@@ -241,6 +243,22 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
+def build_sized_model(folder: Path, size: str) -> Path:
+    """throughput.py's random-weight Llama of ``size``, with the demo model's tokenizer (its
+    4,096 ids are a subset of the model's vocabulary) so that text prompts can be served."""
+    import shutil
+
+    from throughput import MODELS, build_model
+
+    from pagedllm.entrypoints.demo import DEMO_MODEL
+
+    path = build_model(folder, MODELS[size])
+    for item in DEMO_MODEL.iterdir():
+        if item.name.startswith("tokenizer") or item.name == "special_tokens_map.json":
+            shutil.copy(item, path / item.name)
+    return path
+
+
 def build_tiny_model(folder: Path) -> Path:
     """A random-weight two-layer Llama with a small byte-level BPE tokenizer (for --smoke)."""
     import torch
@@ -291,6 +309,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     target.add_argument(
         "--smoke", action="store_true", help="tiny random model on the CPU, a few requests (for CI)"
     )
+    target.add_argument(
+        "--model-size",
+        choices=("56m", "125m"),
+        help="build benchmarks/throughput.py's random-weight Llama of this size (with the demo "
+        "model's tokenizer) and launch it: a step long enough to be a real model's",
+    )
     p.add_argument("--model", help="model name to request (default: the server's first)")
     p.add_argument(
         "--api-key", default=env_api_key(), help="bearer key (default: $PAGEDLLM_API_KEY)"
@@ -323,8 +347,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         args.input_len, args.output_len = 16, 16
         args.compare_offline = True
     args.concurrency = [int(c) for c in str(args.concurrency).split(",")]
-    if args.compare_offline and not (args.launch or args.smoke):
-        p.error("--compare-offline needs --launch MODEL or --smoke (the engine is built here)")
+    if args.compare_offline and not (args.launch or args.smoke or args.model_size):
+        p.error(
+            "--compare-offline needs --launch MODEL, --model-size or --smoke "
+            "(the engine is built here)"
+        )
     return args, extra
 
 
@@ -341,8 +368,12 @@ def main(argv: list[str] | None = None) -> int:
     offline: dict[int, dict[str, Any]] | None = None
     with tempfile.TemporaryDirectory() as tmp:
         base_url = args.base_url
-        if args.smoke or args.launch:
+        if args.smoke or args.launch or args.model_size:
             model = args.launch
+            if args.model_size:
+                model = str(
+                    build_sized_model(Path(tmp) / f"llama-{args.model_size}", args.model_size)
+                )
             if args.smoke:
                 model = str(build_tiny_model(Path(tmp) / "tiny-llama"))
                 extra = [
