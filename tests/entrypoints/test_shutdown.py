@@ -84,7 +84,7 @@ class Client(threading.Thread):
         body = {
             "model": "tiny",
             "prompt": "The quick brown fox",
-            "max_tokens": 400,
+            "max_tokens": 500,  # the most the 512-token context allows: outlive the cut
             "temperature": 0,
             "ignore_eos": True,
             "stream": self.stream,
@@ -122,7 +122,9 @@ def _start_clients(base: str) -> list[Client]:
 def test_sigterm_cuts_late_requests_with_errors_and_exits_nonzero(
     llama_path: Path, tmp_path: Path
 ) -> None:
-    proc, base, log = _serve(llama_path, tmp_path, timeout=1)
+    # The streams must still run when the 0.5 s are up (a fast core made 400 tokens finish
+    # inside the 1.8 s this test used to give them).
+    proc, base, log = _serve(llama_path, tmp_path, timeout=0.5)
     try:
         clients = _start_clients(base)
         proc.send_signal(signal.SIGTERM)
