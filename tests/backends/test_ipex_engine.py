@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from pagedllm.backends.base import AttentionMetadata
+from tests.backends.fp8_drift import FP8_MIN_AGREEMENT, greedy_drift
 from tests.backends.test_ipex_kernels import requires_ipex
 from tests.conftest import PROMPTS
 from tests.hf_reference import HFGreedy, assert_first_logprobs_close, assert_greedy_match, hf_greedy
@@ -168,23 +169,7 @@ def test_swap_preemption_gives_same_tokens(
 # Measured (IPEX 2.8, CPU): llama 0.12 with 116/118 tokens, qwen2 0.11 with 83/87 (mistral,
 # head size 8, agrees on only 28/37, its bfloat16 logits nearly tie; it is left out).
 FP8_LOGPROB_BOUND = 0.3
-FP8_MIN_AGREEMENT = 0.75
 FP8 = {"dtype": "bfloat16", "kv_cache_dtype": "fp8_e5m2"}
-
-
-def greedy_drift(base: list, other: list) -> tuple[float, int, int]:
-    """(worst logprob difference while the texts agree, tokens that agree, tokens compared)."""
-    agree = total = 0
-    worst = 0.0
-    for a, b in zip(base, other, strict=True):
-        x, y = a.outputs[0], b.outputs[0]
-        for step, (ta, tb) in enumerate(zip(x.token_ids, y.token_ids, strict=True)):
-            total += 1
-            if ta != tb:
-                break  # later tokens continue different texts: not comparable
-            agree += 1
-            worst = max(worst, abs(x.logprobs[step][ta] - y.logprobs[step][tb]))
-    return worst, agree, total
 
 
 @pytest.mark.parametrize("model", ["llama", "qwen2"])
@@ -196,7 +181,7 @@ def test_fp8_cache_stays_close_to_16_bit(
     engine, fp8 = run_ipex(tiny_models[model], ids, block_size=8, **FP8)
     assert engine.executor.worker.cache_engine.kv_caches[0].dtype == torch.float8_e5m2
     assert torch.float8_e5m2 in spy.cache_dtypes and spy.decodes > 0, f"IPEX unused: {spy}"
-    worst, agree, total = greedy_drift(base, fp8)
+    worst, agree, total = greedy_drift([o.outputs[0] for o in base], [o.outputs[0] for o in fp8])
     assert worst < FP8_LOGPROB_BOUND, f"fp8_e5m2: logprob drift {worst:.3f}"
     assert agree >= FP8_MIN_AGREEMENT * total, f"only {agree}/{total} greedy tokens agree"
 

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from pagedllm.backends.base import CacheEngine
+from tests.backends.fp8_drift import FP8_MIN_AGREEMENT, greedy_drift
 
 NEW_TOKENS = 8
 
@@ -122,7 +123,6 @@ def test_16_bit_cache_matches_transformers(
 # while the texts agree stays below this, and at least this share of tokens agree overall.
 # Measured on the tiny llama: 0.04 (e4m3) and 0.15 (e5m2), 56/58 and 60/63 tokens.
 FP8_LOGPROB_BOUND = {"fp8_e4m3": 0.15, "fp8_e5m2": 0.3}
-FP8_MIN_AGREEMENT = 0.75
 
 
 @pytest.mark.parametrize(
@@ -134,15 +134,7 @@ def test_fp8_cache_stays_close_to_16_bit(have_cpp, llama_path, kind: str, kv_cac
     _, base = run(llama_path, ids, kv_cache_dtype="bfloat16", **common)
     engine, fp8 = run(llama_path, ids, kv_cache_dtype=kv_cache_dtype, **common)
     assert engine.executor.worker.cache_engine.kv_caches[0].element_size() == 1
-    agree = total = 0
-    worst = 0.0
-    for a, b in zip(base, fp8, strict=True):
-        for step, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids, strict=True)):
-            total += 1
-            if ta != tb:
-                break  # later tokens continue different texts: not comparable
-            agree += 1
-            worst = max(worst, abs(a.logprobs[step][ta] - b.logprobs[step][tb]))
+    worst, agree, total = greedy_drift(base, fp8)
     bound = FP8_LOGPROB_BOUND[kv_cache_dtype]
     assert worst < bound, f"{kv_cache_dtype}: logprob drift {worst:.3f} >= {bound}"
     assert agree >= FP8_MIN_AGREEMENT * total, f"only {agree}/{total} greedy tokens agree"
