@@ -209,14 +209,32 @@ def test_unsupported_compressed_tensors_refused(
         _engine(folder)
 
 
-def test_bf16_cpp_gemm_matches_f_linear(llama_path: Path, monkeypatch) -> None:
-    """Same greedy tokens in bf16 with the C++ GEMM as with PyTorch's F.linear."""
+@pytest.mark.parametrize("path", ["cpp", "onednn"])
+def test_bf16_gemm_paths_match_f_linear(llama_path: Path, monkeypatch, path: str) -> None:
+    """Same greedy tokens in bf16 on each 16-bit GEMM path as with PyTorch's F.linear.
+
+    The backend picks oneDNN where the processor has bf16 arithmetic and our C++ GEMM elsewhere;
+    the C++ path is forced here (oneDNN refused for 16-bit weights) so it is tested on every
+    machine, and the oneDNN path runs where the processor offers it.
+    """
+    import pagedllm.backends.cpu.packed_linear as packed_linear
+    from pagedllm.backends.cpu._ops import cpu_flags
+
+    if path == "onednn" and not {"avx512_bf16", "amx_bf16", "avx_ne_convert"} & cpu_flags():
+        pytest.skip("oneDNN bf16 packing needs avx512_bf16, amx_bf16 or avx_ne_convert")
+    if path == "cpp":
+        onednn = packed_linear.make_packed_linear
+        monkeypatch.setattr(
+            packed_linear,
+            "make_packed_linear",
+            lambda w, b: onednn(w, b) if w.dtype == torch.float32 else None,
+        )
     params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
     engine = _engine(llama_path, dtype="bfloat16")
-    assert "cpp-bfloat16" in engine.executor.worker.backend.linear_path
+    linear_path = engine.executor.worker.backend.linear_path
+    assert f"{path}-bfloat16" in linear_path and "torch-" not in linear_path, linear_path
     fast = [o.outputs[0].token_ids for o in engine.generate(PROMPTS, params, use_tqdm=False)]
     del engine
-    import pagedllm.backends.cpu.packed_linear as packed_linear
 
     monkeypatch.setattr(packed_linear, "pack_linear_layers", lambda model: {})
     plain = _engine(llama_path, dtype="bfloat16").generate(PROMPTS, params, use_tqdm=False)

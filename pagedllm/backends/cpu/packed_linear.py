@@ -162,12 +162,12 @@ def make_w8a8_linear(
     if ops is None or weight.device.type != "cpu" or weight.dim() != 2:
         return None
     n, k = weight.shape
-    packed, colsum = ops.pack_w8a8(weight.detach())
+    packed = ops.pack_w8a8(weight.detach())
     scale = scale.detach().float().contiguous()
     bias32 = None if bias is None else bias.detach().float().contiguous()
 
     def linear(x: torch.Tensor) -> torch.Tensor:
-        y = ops.w8a8_gemm(x.reshape(-1, k), packed, colsum, n, scale, bias32)  # [T, N]
+        y = ops.w8a8_gemm(x.reshape(-1, k), packed, n, scale, bias32)  # [T, N]
         return y.reshape(*x.shape[:-1], n)
 
     rows = _sample_rows(n)

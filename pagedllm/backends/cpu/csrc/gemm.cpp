@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "gemm_dp.h"
 #include "gemm_i8.h"
 #include "gemm_vec.h"
 
@@ -115,20 +116,49 @@ void epilogue(const float* acc, int64_t m, int64_t n, int64_t n0, int64_t cols, 
   }
 }
 
-template <typename Tag, typename Out>
-void run(const float* x, const typename Tag::T* w, const float* scale, const float* bias, Out* y,
-         int64_t m, int64_t k, int64_t n) {
+// Threads split the panels; panel_fn(p, acc, scratch) fills one panel's [M][16] float32 sums,
+// which the epilogue scales, biases and stores.
+template <typename Out, typename PanelFn>
+void run_panels(int64_t m, int64_t n, size_t scratch_floats, const float* scale, const float* bias,
+                Out* y, const PanelFn& panel_fn) {
   const int64_t panels = (n + kPanel - 1) / kPanel;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(static_cast<size_t>(m * kPanel));
-    std::vector<float> scratch(m > kRows ? static_cast<size_t>(kBlockK * kPanel) : 0);
+    std::vector<float> scratch(scratch_floats);
     for (int64_t p = begin; p < end; ++p) {
-      panel_gemm<Tag>(x, m, k, w + p * k * kPanel, acc.data(), scratch.data());
+      panel_fn(p, acc.data(), scratch.data());
       const int64_t n0 = p * kPanel;
       epilogue(acc.data(), m, n, n0, std::min(kPanel, n - n0), scale, bias, y);
     }
   });
 }
+
+template <typename Tag, typename Out>
+void run(const float* x, const typename Tag::T* w, const float* scale, const float* bias, Out* y,
+         int64_t m, int64_t k, int64_t n) {
+  const size_t scratch = m > kRows ? static_cast<size_t>(kBlockK * kPanel) : 0;
+  run_panels(m, n, scratch, scale, bias, y, [&](int64_t p, float* acc, float* buf) {
+    panel_gemm<Tag>(x, m, k, w + p * k * kPanel, acc, buf);
+  });
+}
+
+#if defined(PAGEDLLM_GEMM_DP)
+// bf16 x [M, K] (K even) @ bf16 or int8 panels with vdpbf16ps (gemm_dp.h), bf16 y.
+template <typename Tag>
+void run_dp(const torch::Tensor& x, const torch::Tensor& w, const float* scale, const float* bias,
+            torch::Tensor& y) {
+  const int64_t m = x.size(0), k = x.size(1), n = y.size(1);
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const auto* wp = reinterpret_cast<const typename Tag::T*>(w.data_ptr());
+  // The scratch holds kBlockPairs rows of 32 bf16, i.e. 16 floats' worth each.
+  const size_t scratch = m > dp::kRows ? static_cast<size_t>(dp::kBlockPairs * kPanel) : 0;
+  run_panels(m, n, scratch, scale, bias, y.data_ptr<at::BFloat16>(),
+             [&](int64_t p, float* acc, float* buf) {
+               dp::panel<Tag>(xp, m, k, wp + p * k * kPanel, acc,
+                              reinterpret_cast<uint16_t*>(buf));
+             });
+}
+#endif
 
 template <typename Tag>
 void run_out(const torch::Tensor& x, const torch::Tensor& w, const float* scale, const float* bias,
@@ -178,6 +208,19 @@ torch::Tensor weight_gemm(const torch::Tensor& x, const torch::Tensor& packed, i
     TORCH_CHECK(bias->numel() == n, "weight_gemm: bias must have N=", n, " elements");
     b = bias->to(at::kFloat).contiguous();
   }
+#if defined(PAGEDLLM_GEMM_DP)
+  if (xdt == at::kBFloat16 && k % 2 == 0 && (wdt == at::kBFloat16 || wdt == at::kChar) &&
+      x.size(0) > 0) {
+    const torch::Tensor xb = x.contiguous();
+    torch::Tensor y = torch::empty({x.size(0), n}, x.options());
+    const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+    if (wdt == at::kBFloat16)
+      run_dp<Bf16W>(xb, packed, sp, bp, y);
+    else
+      run_dp<Int8W>(xb, packed, sp, bp, y);
+    return y;
+  }
+#endif
   const torch::Tensor xf = x.to(at::kFloat).contiguous();
   torch::Tensor y = torch::empty({x.size(0), n}, x.options());
   if (x.size(0) == 0) return y;
@@ -275,19 +318,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "[N, K] -> [ceil(N/16), K, 16], the layout weight_gemm reads",
         py::call_guard<py::gil_scoped_release>(), py::arg("weight"));
   m.def("pack_w8a8", &pagedllm::gemm::pack_w8a8,
-        "int8 [N, K] -> (int8 [N/16, K/4, 64] panels, int32 column sums), the W8A8 layout",
+        "int8 [N, K] -> int8 [N/16, K/4, 64] panels, the W8A8 layout",
         py::call_guard<py::gil_scoped_release>(), py::arg("weight"));
   m.def("quantize_rows", &pagedllm::gemm::quantize_rows,
         "x [M, K] -> (int8 [M, K], float32 [M]): per-row symmetric, round(x / (max|x| / 127))",
         py::call_guard<py::gil_scoped_release>(), py::arg("x"));
   m.def("w8a8_gemm_s32", &pagedllm::gemm::w8a8_gemm_s32, "the exact int32 sums qx @ W^T",
-        py::call_guard<py::gil_scoped_release>(), py::arg("qx"), py::arg("packed"),
-        py::arg("colsum"), py::arg("n"));
+        py::call_guard<py::gil_scoped_release>(), py::arg("qx"), py::arg("packed"), py::arg("n"));
   m.def("w8a8_gemm", &pagedllm::gemm::w8a8_gemm,
         "y = quantize_rows(x) @ W^T * sx * w_scale (+ bias), integer dot products",
-        py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("packed"),
-        py::arg("colsum"), py::arg("n"), py::arg("w_scale"), py::arg("bias") = py::none());
+        py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("packed"), py::arg("n"),
+        py::arg("w_scale"), py::arg("bias") = py::none());
   m.def("w8a8_isa", &pagedllm::gemm::w8a8_isa, "the integer dot product this build uses");
   m.def("built_isa", &pagedllm::gemm::built_isa, "the ISA level this library was compiled for");
+  m.def(
+      "has_bf16_dot",
+      [] {
+#if defined(PAGEDLLM_GEMM_DP)
+        return true;
+#else
+        return false;
+#endif
+      },
+      "whether bf16 activations use vdpbf16ps (bf16 and int8 weights)");
   m.def("rows_per_tile", [] { return pagedllm::gemm::kRows; }, "rows of the micro-kernel");
 }

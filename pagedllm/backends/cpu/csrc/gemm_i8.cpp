@@ -8,8 +8,8 @@
 // are large, so its unsigned operand is |x| and the sign of x moves onto w (vpsignb): with both
 // sides in [-127, 127] a pair sums to at most 2 * 127 * 127 < 2^15, nothing saturates and the
 // int32 sums are exact. AVX-512 VNNI's vpdpbusd (u8 x s8 summed straight into s32) cannot
-// saturate, so there x is offset by 128 to make it unsigned and 128 * sum_k(w) is taken off once
-// per output (sums precomputed at packing).
+// saturate, so there w is offset by 128 to make it unsigned and 128 * sum_k(x) is taken off once
+// per row of x.
 //
 // Layout: weights packed once at load as [ceil(N/16)][ceil(K/4)][16][4]: for each group of 4
 // consecutive k, a panel's 16 columns x 4 k are 64 contiguous bytes (one zmm, two ymm), which is
@@ -45,32 +45,35 @@ inline int32_t load_group(const int8_t* p) {
 }
 
 #if defined(__AVX512VNNI__)
-constexpr int kTileRows = 8;  // 8 zmm accumulators, 1 weight register, broadcasts
-constexpr bool kOffsetX = true;
+constexpr int kTileRows = 12;  // 12 zmm accumulators, the weights, the flip constant
+constexpr bool kOffsetW = true;
 
+// vpdpbusd multiplies unsigned by signed bytes. The weights take the unsigned side, offset by 128
+// in registers (one xor per 64 bytes, shared by every row), so that x, signed, is the operand
+// the instruction broadcasts straight from memory: one instruction per row and group of 4 k.
 template <int R>
 inline void tile(const int8_t* x, int64_t ldx, const int8_t* w, int64_t gc, int32_t* c,
                  bool accumulate) {
   __m512i acc[R];
-#pragma GCC unroll 8
+#pragma GCC unroll 12
   for (int r = 0; r < R; ++r)
     acc[r] = accumulate ? _mm512_loadu_si512(c + r * kCols) : _mm512_setzero_si512();
-  constexpr int32_t kFlip = static_cast<int32_t>(0x80808080u);  // s8 -> u8 = s8 + 128
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));  // s8 -> u8 = s8 + 128
   for (int64_t g = 0; g < gc; ++g) {
-    const __m512i wv = _mm512_loadu_si512(w + g * kGroupBytes);
-#pragma GCC unroll 8
+    const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512(w + g * kGroupBytes), flip);
+#pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
-      const __m512i xv = _mm512_set1_epi32(load_group(x + r * ldx + g * kGroup) ^ kFlip);
-      acc[r] = _mm512_dpbusd_epi32(acc[r], xv, wv);
+      const __m512i xv = _mm512_set1_epi32(load_group(x + r * ldx + g * kGroup));
+      acc[r] = _mm512_dpbusd_epi32(acc[r], wv, xv);
     }
   }
-#pragma GCC unroll 8
+#pragma GCC unroll 12
   for (int r = 0; r < R; ++r) _mm512_storeu_si512(c + r * kCols, acc[r]);
 }
 
 #elif defined(__AVX2__)
 constexpr int kTileRows = 4;  // 8 ymm accumulators + 2 weights + 4 temporaries of 16 registers
-constexpr bool kOffsetX = false;
+constexpr bool kOffsetW = false;
 
 template <int R>
 inline void tile(const int8_t* x, int64_t ldx, const int8_t* w, int64_t gc, int32_t* c,
@@ -107,7 +110,7 @@ inline void tile(const int8_t* x, int64_t ldx, const int8_t* w, int64_t gc, int3
 
 #else
 constexpr int kTileRows = 4;
-constexpr bool kOffsetX = false;
+constexpr bool kOffsetW = false;
 
 template <int R>
 inline void tile(const int8_t* x, int64_t ldx, const int8_t* w, int64_t gc, int32_t* c,
@@ -149,19 +152,28 @@ void panel_s32(const int8_t* qx, int64_t m, int64_t ldx, const int8_t* wp, int64
 }
 
 // Runs every panel (threads split them) and hands each panel's int32 sums, corrected for the
-// offset of x where the build uses one, to store(acc, n0, cols).
+// offset of the weights where the build uses one, to store(acc, n0, cols).
 template <typename Store>
 void for_each_panel(const int8_t* qx, int64_t m, int64_t ldx, const int8_t* w, int64_t groups,
-                    const int32_t* colsum, int64_t n, const Store& store) {
+                    int64_t n, const Store& store) {
   const int64_t panels = (n + kCols - 1) / kCols;
+  // sum_k (w + 128) x = sum_k w x + 128 sum_k x: one correction per row of x.
+  std::vector<int32_t> offset(kOffsetW ? static_cast<size_t>(m) : 0);
+  if constexpr (kOffsetW) {
+    for (int64_t r = 0; r < m; ++r) {
+      int32_t sum = 0;
+      for (int64_t i = 0; i < ldx; ++i) sum += qx[r * ldx + i];
+      offset[r] = 128 * sum;
+    }
+  }
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     std::vector<int32_t> acc(static_cast<size_t>(m * kCols));
     for (int64_t p = begin; p < end; ++p) {
       panel_s32(qx, m, ldx, w + p * groups * kGroupBytes, groups, acc.data());
       const int64_t n0 = p * kCols;
-      if constexpr (kOffsetX) {
+      if constexpr (kOffsetW) {
         for (int64_t r = 0; r < m; ++r)
-          for (int64_t j = 0; j < kCols; ++j) acc[r * kCols + j] -= 128 * colsum[n0 + j];
+          for (int64_t j = 0; j < kCols; ++j) acc[r * kCols + j] -= offset[r];
       }
       store(acc.data(), n0, std::min(kCols, n - n0));
     }
@@ -192,8 +204,7 @@ void quantize_into(const In* x, int64_t m, int64_t k, int64_t ldq, int8_t* q, fl
   });
 }
 
-void check_packed(const torch::Tensor& packed, const torch::Tensor& colsum, int64_t k,
-                  int64_t n) {
+void check_packed(const torch::Tensor& packed, int64_t k, int64_t n) {
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kChar && packed.dim() == 3 &&
                   packed.size(2) == kGroupBytes && packed.is_contiguous(),
               "w8a8_gemm: packed weight must be a contiguous int8 [N/16, K/4, 64], got ",
@@ -203,9 +214,6 @@ void check_packed(const torch::Tensor& packed, const torch::Tensor& colsum, int6
               ", weight has ", packed.size(1), " groups of 4");
   TORCH_CHECK(n > (panels - 1) * kCols && n <= panels * kCols, "w8a8_gemm: N=", n,
               " does not fit ", panels, " panels of 16");
-  TORCH_CHECK(colsum.scalar_type() == at::kInt && colsum.is_contiguous() &&
-                  colsum.numel() == panels * kCols,
-              "w8a8_gemm: colsum must be a contiguous int32 [N/16 * 16]");
 }
 
 // (int8 [M, 4 * groups], float32 [M]) for x [M, K] of any supported dtype.
@@ -236,12 +244,11 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_padded(const torch::Tensor& x,
 
 template <typename Out>
 void gemm_out(const torch::Tensor& qx, const torch::Tensor& sx, const torch::Tensor& packed,
-              const torch::Tensor& colsum, int64_t n, const float* sw, const float* bias,
-              Out* y) {
+              int64_t n, const float* sw, const float* bias, Out* y) {
   const float* sxp = sx.data_ptr<float>();
   const int64_t m = qx.size(0);
   for_each_panel(qx.data_ptr<int8_t>(), m, qx.size(1), packed.data_ptr<int8_t>(), packed.size(1),
-                 colsum.data_ptr<int32_t>(), n,
+                 n,
                  [&](const int32_t* acc, int64_t n0, int64_t cols) {
                    for (int64_t r = 0; r < m; ++r) {
                      for (int64_t j = 0; j < cols; ++j) {
@@ -255,7 +262,7 @@ void gemm_out(const torch::Tensor& qx, const torch::Tensor& sx, const torch::Ten
 
 }  // namespace
 
-std::tuple<torch::Tensor, torch::Tensor> pack_w8a8(const torch::Tensor& weight) {
+torch::Tensor pack_w8a8(const torch::Tensor& weight) {
   TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 && weight.scalar_type() == at::kChar,
               "pack_w8a8: weight must be a CPU int8 [N, K], got ", weight.scalar_type(), " ",
               weight.sizes());
@@ -263,19 +270,14 @@ std::tuple<torch::Tensor, torch::Tensor> pack_w8a8(const torch::Tensor& weight) 
   const int64_t n = w.size(0), k = w.size(1);
   const int64_t panels = (n + kCols - 1) / kCols, groups = (k + kGroup - 1) / kGroup;
   torch::Tensor out = torch::zeros({panels, groups, kGroupBytes}, w.options());
-  torch::Tensor colsum = torch::zeros({panels * kCols}, w.options().dtype(at::kInt));
   const int8_t* src = w.data_ptr<int8_t>();
   int8_t* dst = out.data_ptr<int8_t>();
-  int32_t* cs = colsum.data_ptr<int32_t>();
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t rows = std::min<int64_t>(kCols, n - p * kCols);
       int8_t* panel = dst + p * groups * kGroupBytes;
       for (int64_t j = 0; j < rows; ++j) {
         const int8_t* row = src + (p * kCols + j) * k;
-        int32_t sum = 0;
-        for (int64_t i = 0; i < k; ++i) sum += row[i];
-        cs[p * kCols + j] = sum;
         const int64_t whole = k / kGroup;
         for (int64_t g = 0; g < whole; ++g)
           std::memcpy(panel + g * kGroupBytes + j * kGroup, row + g * kGroup, kGroup);
@@ -284,7 +286,7 @@ std::tuple<torch::Tensor, torch::Tensor> pack_w8a8(const torch::Tensor& weight) 
       }
     }
   });
-  return {out, colsum};
+  return out;
 }
 
 std::tuple<torch::Tensor, torch::Tensor> quantize_rows(const torch::Tensor& x) {
@@ -293,19 +295,18 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_rows(const torch::Tensor& x) {
   return {q.narrow(1, 0, x.size(1)).contiguous(), s};
 }
 
-torch::Tensor w8a8_gemm_s32(const torch::Tensor& qx, const torch::Tensor& packed,
-                            const torch::Tensor& colsum, int64_t n) {
+torch::Tensor w8a8_gemm_s32(const torch::Tensor& qx, const torch::Tensor& packed, int64_t n) {
   TORCH_CHECK(qx.device().is_cpu() && qx.dim() == 2 && qx.scalar_type() == at::kChar,
               "w8a8_gemm_s32: qx must be a CPU int8 [M, K]");
   const int64_t m = qx.size(0), k = qx.size(1);
-  check_packed(packed, colsum, k, n);
+  check_packed(packed, k, n);
   const int64_t ldx = packed.size(1) * kGroup;
   torch::Tensor xp = torch::zeros({m, ldx}, qx.options());
   xp.narrow(1, 0, k).copy_(qx);
   torch::Tensor y = torch::empty({m, n}, qx.options().dtype(at::kInt));
   int32_t* yp = y.data_ptr<int32_t>();
   for_each_panel(xp.data_ptr<int8_t>(), m, ldx, packed.data_ptr<int8_t>(), packed.size(1),
-                 colsum.data_ptr<int32_t>(), n,
+                 n,
                  [&](const int32_t* acc, int64_t n0, int64_t cols) {
                    for (int64_t r = 0; r < m; ++r)
                      std::memcpy(yp + r * n + n0, acc + r * kCols, cols * sizeof(int32_t));
@@ -313,12 +314,12 @@ torch::Tensor w8a8_gemm_s32(const torch::Tensor& qx, const torch::Tensor& packed
   return y;
 }
 
-torch::Tensor w8a8_gemm(const torch::Tensor& x, const torch::Tensor& packed,
-                        const torch::Tensor& colsum, int64_t n, const torch::Tensor& w_scale,
+torch::Tensor w8a8_gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
+                        const torch::Tensor& w_scale,
                         const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "w8a8_gemm: x must be a CPU [M, K], got ",
               x.sizes());
-  check_packed(packed, colsum, x.size(1), n);
+  check_packed(packed, x.size(1), n);
   TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() &&
                   w_scale.numel() == n,
               "w8a8_gemm: w_scale must be a contiguous float32 [N]");
@@ -334,13 +335,13 @@ torch::Tensor w8a8_gemm(const torch::Tensor& x, const torch::Tensor& packed,
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   switch (y.scalar_type()) {
     case at::kFloat:
-      gemm_out(qx, sx, packed, colsum, n, sw, bp, y.data_ptr<float>());
+      gemm_out(qx, sx, packed, n, sw, bp, y.data_ptr<float>());
       break;
     case at::kBFloat16:
-      gemm_out(qx, sx, packed, colsum, n, sw, bp, y.data_ptr<at::BFloat16>());
+      gemm_out(qx, sx, packed, n, sw, bp, y.data_ptr<at::BFloat16>());
       break;
     default:
-      gemm_out(qx, sx, packed, colsum, n, sw, bp, y.data_ptr<at::Half>());
+      gemm_out(qx, sx, packed, n, sw, bp, y.data_ptr<at::Half>());
   }
   return y;
 }

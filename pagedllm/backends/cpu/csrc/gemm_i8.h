@@ -9,19 +9,18 @@
 
 namespace pagedllm::gemm {
 
-// int8 [N, K] -> (int8 [ceil(N/16), ceil(K/4), 64], int32 column sums [ceil(N/16) * 16]).
-std::tuple<torch::Tensor, torch::Tensor> pack_w8a8(const torch::Tensor& weight);
+// int8 [N, K] -> int8 [ceil(N/16), ceil(K/4), 64] (zero-padded).
+torch::Tensor pack_w8a8(const torch::Tensor& weight);
 
 // x [M, K] (float32/bf16/fp16) -> (int8 [M, K], float32 scales [M]): round(x / (max|x| / 127)).
 std::tuple<torch::Tensor, torch::Tensor> quantize_rows(const torch::Tensor& x);
 
 // int32 [M, N] = qx [M, K] int8 @ W^T: the exact sums, for tests.
-torch::Tensor w8a8_gemm_s32(const torch::Tensor& qx, const torch::Tensor& packed,
-                            const torch::Tensor& colsum, int64_t n);
+torch::Tensor w8a8_gemm_s32(const torch::Tensor& qx, const torch::Tensor& packed, int64_t n);
 
 // y [M, N] = quantize_rows(x) . W^T * sx[M] * sw[N] (+ bias), in x's dtype.
-torch::Tensor w8a8_gemm(const torch::Tensor& x, const torch::Tensor& packed,
-                        const torch::Tensor& colsum, int64_t n, const torch::Tensor& w_scale,
+torch::Tensor w8a8_gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
+                        const torch::Tensor& w_scale,
                         const c10::optional<torch::Tensor>& bias);
 
 // Which integer dot product this build uses ("avx512vnni", "avx2", "scalar").

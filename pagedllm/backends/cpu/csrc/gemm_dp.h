@@ -1,0 +1,136 @@
+// The weight GEMM's bf16 dot-product path (AVX512-BF16 builds only): bf16 activations times bf16
+// or int8 weights with vdpbf16ps, float32 sums.
+//
+// Why: widening each weight to float32 and using float32 FMAs (gemm.cpp's general path) does 16
+// multiply-adds per instruction; vdpbf16ps does 32 (a pair of k per float32 lane). Where the
+// processor has it, a batch of a few dozen tokens - bound by arithmetic, not by bytes - runs twice
+// as fast, and int8 weights (exact in bf16) ride on the same instruction instead of trailing
+// float32. Only bf16 activations take this path: rounding float32 activations to bf16 would
+// change the model's numbers.
+//
+// The packed layout stays gemm.cpp's [ceil(N/16)][K][16]: rows k and k+1 of a panel are 32
+// contiguous weights, interleaved per column in registers (one permute for bf16; for int8 the
+// byte unpack comes before the conversion). With many rows, a K-block of the panel is converted
+// once into pair order in a scratch buffer and read by every row tile.
+#pragma once
+
+#include "gemm_vec.h"
+
+#if defined(__AVX512BF16__)
+#define PAGEDLLM_GEMM_DP 1
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace pagedllm::gemm::dp {
+
+constexpr int kRows = 12;          // 12 zmm accumulators; x pairs are broadcast from memory
+constexpr int64_t kCols = 16;      // output columns per panel
+constexpr int64_t kPairWords = 32;  // bf16 per pair row: 16 columns x (k, k+1)
+// Pairs of k per scratch block: 256 x 64 bytes = 16 KiB, which stays in L1 across row tiles.
+constexpr int64_t kBlockPairs = 256;
+
+// Index of vpermw that turns [k: c0..c15 | k+1: c0..c15] into [c0k c0k1 c1k c1k1 ...].
+alignas(64) inline constexpr uint16_t kInterleave[32] = {
+    0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+    8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
+inline __m512i pair_row(Bf16W, const uint16_t* w) {
+  const __m512i idx = _mm512_load_si512(kInterleave);
+  return _mm512_permutexvar_epi16(idx, _mm512_loadu_si512(w));
+}
+
+// int8 is exact in bf16 (7 significant bits), so int8 -> float32 -> bf16 loses nothing.
+inline __m512i pair_row(Int8W, const int8_t* w) {
+  const __m128i k0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  const __m128i k1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + kCols));
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi8(k0, k1)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi8(k0, k1)));
+  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));  // lo in the low half
+}
+
+// The pair (x[k], x[k+1]) of one bf16 row, as the 32-bit lane vdpbf16ps broadcasts.
+inline __m512bh x_pair(const uint16_t* x) {
+  int32_t v;
+  std::memcpy(&v, x, sizeof(v));
+  return reinterpret_cast<__m512bh>(_mm512_set1_epi32(v));
+}
+
+inline __m512 dot(__m512 acc, __m512i w, const uint16_t* x) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(w), x_pair(x));
+}
+
+// c[R][16] (+)= x[R, 0:2 * pairs] @ W, with row i of pair order given by load(i).
+template <int R, typename Load>
+inline void tile(const uint16_t* x, int64_t ldx, int64_t pairs, const Load& load, float* c,
+                 bool accumulate) {
+  __m512 acc[R];
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r)
+    acc[r] = accumulate ? _mm512_loadu_ps(c + r * kCols) : _mm512_setzero_ps();
+  for (int64_t i = 0; i < pairs; ++i) {
+    const __m512i wv = load(i);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) acc[r] = dot(acc[r], wv, x + r * ldx + 2 * i);
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(c + r * kCols, acc[r]);
+}
+
+// One row (decode of one sequence): four chains over i % 4, so that consecutive dot products do
+// not wait on each other's latency; the loop is then bound by streaming the weights.
+template <typename Load>
+inline void tile_one(const uint16_t* x, int64_t pairs, const Load& load, float* c,
+                     bool accumulate) {
+  __m512 a0 = accumulate ? _mm512_loadu_ps(c) : _mm512_setzero_ps();
+  __m512 a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 4 <= pairs; i += 4) {
+    a0 = dot(a0, load(i), x + 2 * i);
+    a1 = dot(a1, load(i + 1), x + 2 * i + 2);
+    a2 = dot(a2, load(i + 2), x + 2 * i + 4);
+    a3 = dot(a3, load(i + 3), x + 2 * i + 6);
+  }
+  for (; i < pairs; ++i) a0 = dot(a0, load(i), x + 2 * i);
+  _mm512_storeu_ps(c, _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+}
+
+template <typename Load, int R = kRows>
+inline void tile_rows(int rows, const uint16_t* x, int64_t ldx, int64_t pairs, const Load& load,
+                      float* c, bool accumulate) {
+  if constexpr (R > 1) {
+    if (rows < R) return tile_rows<Load, R - 1>(rows, x, ldx, pairs, load, c, accumulate);
+    tile<R>(x, ldx, pairs, load, c, accumulate);
+  } else {
+    tile_one(x, pairs, load, c, accumulate);
+  }
+}
+
+// acc[M][16] = x[M, K] (bf16, K even) @ panel[K][16]; scratch holds kBlockPairs pair rows.
+template <typename Tag>
+void panel(const uint16_t* x, int64_t m, int64_t k, const typename Tag::T* wp, float* acc,
+           uint16_t* scratch) {
+  const int64_t pairs = k / 2;
+  if (m <= kRows) {
+    // Few rows (decode): each weight is converted once, in registers.
+    const auto load = [wp](int64_t i) { return pair_row(Tag{}, wp + 2 * i * kCols); };
+    tile_rows(static_cast<int>(m), x, k, pairs, load, acc, false);
+    return;
+  }
+  const auto load = [scratch](int64_t i) {
+    return _mm512_loadu_si512(scratch + i * kPairWords);
+  };
+  for (int64_t p0 = 0; p0 < pairs; p0 += kBlockPairs) {
+    const int64_t pc = std::min(kBlockPairs, pairs - p0);
+    for (int64_t i = 0; i < pc; ++i)
+      _mm512_storeu_si512(scratch + i * kPairWords, pair_row(Tag{}, wp + 2 * (p0 + i) * kCols));
+    for (int64_t m0 = 0; m0 < m; m0 += kRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kRows, m - m0));
+      tile_rows(rows, x + m0 * k + 2 * p0, k, pc, load, acc + m0 * kCols, p0 > 0);
+    }
+  }
+}
+
+}  // namespace pagedllm::gemm::dp
+#endif  // __AVX512BF16__
