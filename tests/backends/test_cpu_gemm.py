@@ -100,3 +100,35 @@ def test_pack_panels_matches_the_pytorch_layout(ops, dtype: torch.dtype, n: int,
     assert got.dtype == dtype
     assert torch.equal(got, pack_panels_reference(w))
     assert torch.equal(ops.pack_panels(w.t().contiguous().t()), got)  # a strided weight
+
+
+def test_amx_only_where_built_and_reported(ops) -> None:
+    from pagedllm.backends.cpu._ops import cpu_flags
+
+    if ops.built_isa() != "avx512bf16" or "amx_bf16" not in cpu_flags():
+        assert not ops.has_amx()
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("m", [6, 13, 16, 17, 64, 100, 300])
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.int8], ids=str)
+def test_amx_tiles_match_float64_reference(ops, wdtype, m: int, bias: bool) -> None:
+    """AMX tiles (bf16 activations, K % 32 == 0, 6+ rows): whole and partial row tiles, more
+    than one group of row tiles, K past two 512-wide blocks with a partial third, a tail panel;
+    and the same outputs as the vdpbf16ps path up to float32 summation order."""
+    if not ops.has_amx():
+        pytest.skip("AMX tiles need an avx512bf16 build on a processor with amx_bf16")
+    torch.manual_seed(m)
+    n, k = 37, 1088
+    w, scale = _weight(n, k, wdtype)
+    x = torch.randn(m, k).bfloat16()
+    b = torch.randn(n).bfloat16() if bias else None
+    packed = pack_panels(w)
+    y = ops.weight_gemm(x, packed, n, scale, b)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    ref = _reference(x, w, scale, b)
+    err = (y.double() - ref).abs().max().item() / ref.abs().max().item()
+    assert err < TOLERANCE[torch.bfloat16], f"relative error {err:.2e}"
+    dp = ops.weight_gemm(x, packed, n, scale, b, allow_amx=False)
+    diff = (y.double() - dp.double()).abs().max().item() / ref.abs().max().item()
+    assert diff < 2 * 2**-8, f"AMX vs vdpbf16ps: relative difference {diff:.2e}"

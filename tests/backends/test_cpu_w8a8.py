@@ -26,8 +26,19 @@ ISAS = supported_isas()  # every level this processor runs, AVX-512 ones include
 DOT_PRODUCT = {"avx512bf16": "avx512vnni", "avx512": "avx2", "avx2": "avx2", "scalar": "scalar"}
 TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 8e-3, torch.float16: 2e-3}
 # (M, N, K): one row; N off the 16-column panels; K off the 4-byte groups and past one
-# 1024-wide block; M past the 4-row tile with a remainder.
-SHAPES = [(1, 37, 1103), (5, 16, 8), (17, 100, 2050), (3, 1, 3), (64, 48, 256)]
+# 1024-wide block; M past the 4-row tile with a remainder. The last three have K in whole
+# 64-byte AMX tiles: 3 rows (the fewest that take the tiles), 17 (a partial row tile), 50 (more
+# than one group of three row tiles).
+SHAPES = [
+    (1, 37, 1103),
+    (5, 16, 8),
+    (17, 100, 2050),
+    (3, 1, 3),
+    (64, 48, 256),
+    (3, 16, 64),
+    (17, 100, 1024),
+    (50, 33, 192),
+]
 
 
 @pytest.fixture(scope="module", params=ISAS)
@@ -132,3 +143,26 @@ def test_bad_inputs_raise(ops) -> None:
         ops.w8a8_gemm(torch.randn(2, 8).double(), packed, 20, scale)
     with pytest.raises(RuntimeError, match="int8"):
         ops.pack_w8a8(torch.randn(4, 4))
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(3, 16, 64), (17, 100, 1024), (64, 48, 256)])
+def test_amx_tiles_equal_the_vector_path(ops, m: int, n: int, k: int) -> None:
+    """AMX-INT8 (signed x signed, no offset) gives bit for bit the vector path's outputs."""
+    if not ops.has_amx_int8():
+        pytest.skip("AMX-INT8 tiles need an avx512bf16 build on a processor with amx_int8")
+    torch.manual_seed(k)
+    qx, w = _int8(m, k), _int8(n, k)
+    packed = ops.pack_w8a8(w)
+    tiles = ops.w8a8_gemm_s32(qx, packed, n)
+    assert torch.equal(tiles, ops.w8a8_gemm_s32(qx, packed, n, allow_amx=False))
+    assert torch.equal(tiles, (qx.long() @ w.long().T).int())
+    x, w_scale = torch.randn(m, k).bfloat16(), torch.rand(n) * 0.02 + 1e-3
+    y = ops.w8a8_gemm(x, packed, n, w_scale)
+    assert torch.equal(y, ops.w8a8_gemm(x, packed, n, w_scale, allow_amx=False))
+
+
+def test_amx_int8_only_where_built_and_reported(ops) -> None:
+    from pagedllm.backends.cpu._ops import cpu_flags
+
+    if ops.built_isa() != "avx512bf16" or "amx_int8" not in cpu_flags():
+        assert not ops.has_amx_int8()

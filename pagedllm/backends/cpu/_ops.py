@@ -292,8 +292,8 @@ def load_ops(build_root: Path | None = None, *, isa: str | None = None) -> Modul
 
 
 GEMM_EXTENSION = "pagedllm_cpu_gemm"
-_GEMM_SOURCES = ("gemm.cpp", "gemm_i8.cpp")
-_GEMM_HEADERS = ("gemm_vec.h", "gemm_i8.h", "gemm_dp.h")
+_GEMM_SOURCES = ("gemm.cpp", "gemm_i8.cpp", "gemm_amx.cpp")
+_GEMM_HEADERS = ("gemm_vec.h", "gemm_i8.h", "gemm_dp.h", "gemm_amx.h")
 
 
 def load_gemm_ops(build_root: Path | None = None, *, isa: str | None = None) -> ModuleType:

@@ -142,10 +142,13 @@ def make_cpp_linear(
     dequant = weight[rows].float()
     if scale is not None:
         dequant = dequant * scale[rows, None]
-    probe = torch.randn(3, k)
+    # float32 activations, and bf16 ones in a batch of 16 rows: where the build has them, bf16
+    # rows take other code (vdpbf16ps, AMX tiles for 6+ rows), which must be checked as well.
+    probes = ((torch.randn(3, k), 1e-4), (torch.randn(16, k).bfloat16(), 2e-2))
     try:
-        sampled = F.linear(probe, dequant, None if bias32 is None else bias32[rows])
-        _check(lambda x: linear(x)[:, rows], sampled, probe, 1e-4)
+        for probe, rtol in probes:
+            sampled = F.linear(probe.float(), dequant, None if bias32 is None else bias32[rows])
+            _check(lambda x: linear(x)[:, rows], sampled, probe, rtol)
     except (RuntimeError, AssertionError) as exc:
         logger.warning("C++ GEMM disagrees on a %s weight; keeping PyTorch: %s", weight.shape, exc)
         return None
@@ -196,6 +199,12 @@ def _sample_rows(n: int) -> torch.Tensor:
     )
 
 
+def _cpp_isa() -> str:
+    """The C++ GEMM's build level, ``+amx`` where bf16 batches run on AMX tiles."""
+    ops = gemm_ops()
+    return ops.built_isa() + ("+amx" if ops.has_amx() else "")
+
+
 def _kind(module: nn.Module, head: nn.Module | None) -> str:
     return "lm_head" if module is head else type(module).__name__
 
@@ -209,10 +218,12 @@ def _pack_one(module: nn.Module) -> tuple[LinearFn | None, str]:
     method = getattr(module, "quant_method", None)
     if method is not None and method.is_quantized(module) and method.name == "w8a8":
         fn = make_w8a8_linear(weight, weight_scale(module), bias)
-        return fn, f"cpp-w8a8-{gemm_ops().w8a8_isa()}" if fn else "torch-w8a8"
+        ops = gemm_ops()
+        isa = ops.w8a8_isa() + ("+amx" if ops.has_amx_int8() else "")
+        return fn, f"cpp-w8a8-{isa}" if fn else "torch-w8a8"
     if method is not None and method.is_quantized(module):
         fn = make_cpp_linear(weight, weight_scale(module), bias)
-        return fn, f"cpp-int8-{gemm_ops().built_isa()}" if fn else "torch-int8"
+        return fn, f"cpp-int8-{_cpp_isa()}" if fn else "torch-int8"
     if weight.dtype == torch.float32:
         fn = make_packed_linear(weight, bias) if _ops_available() else None
         return fn, "onednn-float32" if fn else "torch-float32"
@@ -221,7 +232,7 @@ def _pack_one(module: nn.Module) -> tuple[LinearFn | None, str]:
     if fn is not None:
         return fn, f"onednn-{dtype}"
     fn = make_cpp_linear(weight, None, bias) if weight.dtype in _NATIVE_16BIT else None
-    return fn, f"cpp-{dtype}-{gemm_ops().built_isa()}" if fn else f"torch-{dtype}"
+    return fn, f"cpp-{dtype}-{_cpp_isa()}" if fn else f"torch-{dtype}"
 
 
 def pack_linear_layers(model: nn.Module) -> dict[str, str]:

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "gemm_amx.h"
 #include "gemm_dp.h"
 #include "gemm_i8.h"
 #include "gemm_vec.h"
@@ -181,7 +182,7 @@ void run_out(const torch::Tensor& x, const torch::Tensor& w, const float* scale,
 // Public launcher: checks everything the loops assume.
 torch::Tensor weight_gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
                           const c10::optional<torch::Tensor>& scale,
-                          const c10::optional<torch::Tensor>& bias) {
+                          const c10::optional<torch::Tensor>& bias, bool allow_amx) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "weight_gemm: CPU tensors only");
   TORCH_CHECK(x.dim() == 2, "weight_gemm: x must be [M, K], got ", x.sizes());
   const auto xdt = x.scalar_type();
@@ -214,6 +215,11 @@ torch::Tensor weight_gemm(const torch::Tensor& x, const torch::Tensor& packed, i
     const torch::Tensor xb = x.contiguous();
     torch::Tensor y = torch::empty({x.size(0), n}, x.options());
     const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+    if (allow_amx && x.size(0) >= amx::kMinRows && k % 32 == 0 && amx::available()) {
+      amx::gemm(reinterpret_cast<const uint16_t*>(xb.data_ptr()), x.size(0), k, packed.data_ptr(),
+                wdt == at::kChar, n, sp, bp, reinterpret_cast<uint16_t*>(y.data_ptr()));
+      return y;
+    }
     if (wdt == at::kBFloat16)
       run_dp<Bf16W>(xb, packed, sp, bp, y);
     else
@@ -313,7 +319,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("weight_gemm", &pagedllm::gemm::weight_gemm,
         "y = x @ W^T (* scale) (+ bias), W packed as [N/16, K, 16]",
         py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("packed"), py::arg("n"),
-        py::arg("scale") = py::none(), py::arg("bias") = py::none());
+        py::arg("scale") = py::none(), py::arg("bias") = py::none(),
+        py::arg("allow_amx") = true);
   m.def("pack_panels", &pagedllm::gemm::pack_panels,
         "[N, K] -> [ceil(N/16), K, 16], the layout weight_gemm reads",
         py::call_guard<py::gil_scoped_release>(), py::arg("weight"));
@@ -324,12 +331,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x [M, K] -> (int8 [M, K], float32 [M]): per-row symmetric, round(x / (max|x| / 127))",
         py::call_guard<py::gil_scoped_release>(), py::arg("x"));
   m.def("w8a8_gemm_s32", &pagedllm::gemm::w8a8_gemm_s32, "the exact int32 sums qx @ W^T",
-        py::call_guard<py::gil_scoped_release>(), py::arg("qx"), py::arg("packed"), py::arg("n"));
+        py::call_guard<py::gil_scoped_release>(), py::arg("qx"), py::arg("packed"), py::arg("n"),
+        py::arg("allow_amx") = true);
   m.def("w8a8_gemm", &pagedllm::gemm::w8a8_gemm,
         "y = quantize_rows(x) @ W^T * sx * w_scale (+ bias), integer dot products",
         py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("packed"), py::arg("n"),
-        py::arg("w_scale"), py::arg("bias") = py::none());
+        py::arg("w_scale"), py::arg("bias") = py::none(), py::arg("allow_amx") = true);
   m.def("w8a8_isa", &pagedllm::gemm::w8a8_isa, "the integer dot product this build uses");
+  m.def("has_amx_int8", &pagedllm::gemm::amx::int8_available,
+        "whether W8A8 sums run on AMX-INT8 tiles here (processor and OS; K in whole 64s)");
   m.def("built_isa", &pagedllm::gemm::built_isa, "the ISA level this library was compiled for");
   m.def(
       "has_bf16_dot",
@@ -341,5 +351,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
       },
       "whether bf16 activations use vdpbf16ps (bf16 and int8 weights)");
+  m.def("has_amx", &pagedllm::gemm::amx::available,
+        "whether bf16 activations of 13 rows or more use AMX tiles here (processor and OS)");
   m.def("rows_per_tile", [] { return pagedllm::gemm::kRows; }, "rows of the micro-kernel");
 }

@@ -17,6 +17,8 @@
 // with zero weights (and zero activations).
 #include "gemm_i8.h"
 
+#include "gemm_amx.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -152,14 +154,20 @@ void panel_s32(const int8_t* qx, int64_t m, int64_t ldx, const int8_t* wp, int64
 }
 
 // Runs every panel (threads split them) and hands each panel's int32 sums, corrected for the
-// offset of the weights where the build uses one, to store(acc, n0, cols).
+// offset of the weights where the build uses one, to store(acc, n0, cols). With AMX-INT8 (and
+// whole 64-k tiles) the tiles compute the same exact sums, signed by signed, with no offset.
 template <typename Store>
 void for_each_panel(const int8_t* qx, int64_t m, int64_t ldx, const int8_t* w, int64_t groups,
-                    int64_t n, const Store& store) {
+                    int64_t n, bool allow_amx, const Store& store) {
   const int64_t panels = (n + kCols - 1) / kCols;
+  const bool tiles =
+      allow_amx && m >= amx::kMinRowsInt8 && groups % 16 == 0 && amx::int8_available();
+  const int64_t m_tiles = (m + 15) / 16;
+  const std::vector<uint8_t> xa = tiles ? amx::pack_int8_rows(qx, m, ldx) : std::vector<uint8_t>{};
   // sum_k (w + 128) x = sum_k w x + 128 sum_k x: one correction per row of x.
-  std::vector<int32_t> offset(kOffsetW ? static_cast<size_t>(m) : 0);
-  if constexpr (kOffsetW) {
+  const bool offset_w = kOffsetW && !tiles;
+  std::vector<int32_t> offset(offset_w ? static_cast<size_t>(m) : 0);
+  if (offset_w) {
     for (int64_t r = 0; r < m; ++r) {
       int32_t sum = 0;
       for (int64_t i = 0; i < ldx; ++i) sum += qx[r * ldx + i];
@@ -167,16 +175,22 @@ void for_each_panel(const int8_t* qx, int64_t m, int64_t ldx, const int8_t* w, i
     }
   }
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int32_t> acc(static_cast<size_t>(m * kCols));
+    std::vector<int32_t> acc(static_cast<size_t>((tiles ? m_tiles * 16 : m) * kCols));
+    if (tiles) amx::begin_tiles();
     for (int64_t p = begin; p < end; ++p) {
-      panel_s32(qx, m, ldx, w + p * groups * kGroupBytes, groups, acc.data());
+      const int8_t* panel = w + p * groups * kGroupBytes;
+      if (tiles)
+        amx::panel_int8(xa.data(), m_tiles, groups, panel, acc.data());
+      else
+        panel_s32(qx, m, ldx, panel, groups, acc.data());
       const int64_t n0 = p * kCols;
-      if constexpr (kOffsetW) {
+      if (offset_w) {
         for (int64_t r = 0; r < m; ++r)
           for (int64_t j = 0; j < kCols; ++j) acc[r * kCols + j] -= offset[r];
       }
       store(acc.data(), n0, std::min(kCols, n - n0));
     }
+    if (tiles) amx::end_tiles();
   });
 }
 
@@ -242,21 +256,58 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_padded(const torch::Tensor& x,
   return {q, s};
 }
 
+#if defined(__AVX512F__)
+// 16 float32 -> Out, rounded to nearest even as the scalar casts round.
+inline void store16(float* y, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(y, mask, v); }
+inline void store16(at::Half* y, __m512 v, __mmask16 mask) {
+  _mm256_mask_storeu_epi16(y, mask, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+inline void store16(at::BFloat16* y, __m512 v, __mmask16 mask) {
+#if defined(__AVX512BF16__)
+  _mm256_mask_storeu_epi16(y, mask, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+#else
+  alignas(64) float f[16];
+  _mm512_store_ps(f, v);
+  for (int j = 0; j < 16; ++j)
+    if ((mask >> j) & 1) y[j] = static_cast<at::BFloat16>(f[j]);
+#endif
+}
+#endif
+
+// y[r, n0:n0+cols] = acc[r] * sx[r] * sw (+ bias): with AVX-512 16 outputs at a time (at 64 rows
+// and N = 16384 the scalar loop cost as much as the AMX tiles' whole GEMM).
+template <typename Out>
+void store_rows(const int32_t* acc, int64_t m, int64_t n, int64_t n0, int64_t cols,
+                const float* sx, const float* sw, const float* bias, Out* y) {
+#if defined(__AVX512F__)
+  const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1u);
+  const __m512 w = _mm512_maskz_loadu_ps(mask, sw + n0);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+  for (int64_t r = 0; r < m; ++r) {
+    __m512 v = _mm512_cvtepi32_ps(_mm512_loadu_si512(acc + r * kCols));
+    v = _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(sx[r])), w);
+    if (bias) v = _mm512_add_ps(v, b);
+    store16(y + r * n + n0, v, mask);
+  }
+#else
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t j = 0; j < cols; ++j) {
+      float v = static_cast<float>(acc[r * kCols + j]) * sx[r] * sw[n0 + j];
+      if (bias != nullptr) v += bias[n0 + j];
+      y[r * n + n0 + j] = static_cast<Out>(v);
+    }
+  }
+#endif
+}
+
 template <typename Out>
 void gemm_out(const torch::Tensor& qx, const torch::Tensor& sx, const torch::Tensor& packed,
-              int64_t n, const float* sw, const float* bias, Out* y) {
+              int64_t n, const float* sw, const float* bias, bool allow_amx, Out* y) {
   const float* sxp = sx.data_ptr<float>();
   const int64_t m = qx.size(0);
   for_each_panel(qx.data_ptr<int8_t>(), m, qx.size(1), packed.data_ptr<int8_t>(), packed.size(1),
-                 n,
-                 [&](const int32_t* acc, int64_t n0, int64_t cols) {
-                   for (int64_t r = 0; r < m; ++r) {
-                     for (int64_t j = 0; j < cols; ++j) {
-                       float v = static_cast<float>(acc[r * kCols + j]) * sxp[r] * sw[n0 + j];
-                       if (bias != nullptr) v += bias[n0 + j];
-                       y[r * n + n0 + j] = static_cast<Out>(v);
-                     }
-                   }
+                 n, allow_amx, [&](const int32_t* acc, int64_t n0, int64_t cols) {
+                   store_rows(acc, m, n, n0, cols, sxp, sw, bias, y);
                  });
 }
 
@@ -295,7 +346,8 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_rows(const torch::Tensor& x) {
   return {q.narrow(1, 0, x.size(1)).contiguous(), s};
 }
 
-torch::Tensor w8a8_gemm_s32(const torch::Tensor& qx, const torch::Tensor& packed, int64_t n) {
+torch::Tensor w8a8_gemm_s32(const torch::Tensor& qx, const torch::Tensor& packed, int64_t n,
+                            bool allow_amx) {
   TORCH_CHECK(qx.device().is_cpu() && qx.dim() == 2 && qx.scalar_type() == at::kChar,
               "w8a8_gemm_s32: qx must be a CPU int8 [M, K]");
   const int64_t m = qx.size(0), k = qx.size(1);
@@ -305,8 +357,8 @@ torch::Tensor w8a8_gemm_s32(const torch::Tensor& qx, const torch::Tensor& packed
   xp.narrow(1, 0, k).copy_(qx);
   torch::Tensor y = torch::empty({m, n}, qx.options().dtype(at::kInt));
   int32_t* yp = y.data_ptr<int32_t>();
-  for_each_panel(xp.data_ptr<int8_t>(), m, ldx, packed.data_ptr<int8_t>(), packed.size(1),
-                 n,
+  for_each_panel(xp.data_ptr<int8_t>(), m, ldx, packed.data_ptr<int8_t>(), packed.size(1), n,
+                 allow_amx,
                  [&](const int32_t* acc, int64_t n0, int64_t cols) {
                    for (int64_t r = 0; r < m; ++r)
                      std::memcpy(yp + r * n + n0, acc + r * kCols, cols * sizeof(int32_t));
@@ -316,7 +368,7 @@ torch::Tensor w8a8_gemm_s32(const torch::Tensor& qx, const torch::Tensor& packed
 
 torch::Tensor w8a8_gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
                         const torch::Tensor& w_scale,
-                        const c10::optional<torch::Tensor>& bias) {
+                        const c10::optional<torch::Tensor>& bias, bool allow_amx) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "w8a8_gemm: x must be a CPU [M, K], got ",
               x.sizes());
   check_packed(packed, x.size(1), n);
@@ -335,13 +387,13 @@ torch::Tensor w8a8_gemm(const torch::Tensor& x, const torch::Tensor& packed, int
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   switch (y.scalar_type()) {
     case at::kFloat:
-      gemm_out(qx, sx, packed, n, sw, bp, y.data_ptr<float>());
+      gemm_out(qx, sx, packed, n, sw, bp, allow_amx, y.data_ptr<float>());
       break;
     case at::kBFloat16:
-      gemm_out(qx, sx, packed, n, sw, bp, y.data_ptr<at::BFloat16>());
+      gemm_out(qx, sx, packed, n, sw, bp, allow_amx, y.data_ptr<at::BFloat16>());
       break;
     default:
-      gemm_out(qx, sx, packed, n, sw, bp, y.data_ptr<at::Half>());
+      gemm_out(qx, sx, packed, n, sw, bp, allow_amx, y.data_ptr<at::Half>());
   }
   return y;
 }

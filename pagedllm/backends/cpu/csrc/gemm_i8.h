@@ -16,12 +16,14 @@ torch::Tensor pack_w8a8(const torch::Tensor& weight);
 std::tuple<torch::Tensor, torch::Tensor> quantize_rows(const torch::Tensor& x);
 
 // int32 [M, N] = qx [M, K] int8 @ W^T: the exact sums, for tests.
-torch::Tensor w8a8_gemm_s32(const torch::Tensor& qx, const torch::Tensor& packed, int64_t n);
+// allow_amx=false keeps the AMX-INT8 tiles out (tests compare the paths).
+torch::Tensor w8a8_gemm_s32(const torch::Tensor& qx, const torch::Tensor& packed, int64_t n,
+                            bool allow_amx);
 
 // y [M, N] = quantize_rows(x) . W^T * sx[M] * sw[N] (+ bias), in x's dtype.
 torch::Tensor w8a8_gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
                         const torch::Tensor& w_scale,
-                        const c10::optional<torch::Tensor>& bias);
+                        const c10::optional<torch::Tensor>& bias, bool allow_amx);
 
 // Which integer dot product this build uses ("avx512vnni", "avx2", "scalar").
 std::string w8a8_isa();

@@ -1,0 +1,270 @@
+// AMX tiles for the weight GEMM (see gemm_amx.h for why and when).
+//
+// Per panel of 16 output columns and per K-block of 256 pairs of k, the weights are converted
+// once into pair order (gemm_dp.h's pair_row: row i holds (k=2i, 2i+1) for each of the 16
+// columns), which is exactly the layout of an AMX B tile: 16 pair rows of 64 bytes. x is copied
+// once per call into A-tile order (pack_rows; 16 rows x 32 bf16 per tile, zero-padded to whole
+// tiles), and each panel's [M][16] float32 sums live in C tiles (16 rows x 64 bytes) over an
+// accumulator of the same layout as the other paths'. One B tile feeds up to three C tiles (48
+// rows), each with an A tile of its own: a fourth would have to reuse an A tile that a tile
+// product may still be reading. So a converted weight is read from L1 once per 48 rows.
+#include "gemm_amx.h"
+
+#include "gemm_dp.h"
+
+#if defined(PAGEDLLM_GEMM_DP)
+#include <ATen/Parallel.h>
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16,amx-int8")
+
+namespace pagedllm::gemm::amx {
+namespace {
+
+constexpr int64_t kCols = 16;
+constexpr int64_t kTile = 16;          // rows of an A/C tile; pair rows of a B tile
+constexpr int64_t kBlockPairs = 256;   // pairs of k converted per block: 16 KiB
+constexpr int64_t kPairWords = 32;     // bf16 per pair row
+constexpr int kMaxRowTiles = 3;        // C tiles fed by one B tile
+constexpr int64_t kRowBytes = 64;      // every tile row
+constexpr int64_t kTileBytes = kTile * kRowBytes;
+constexpr int64_t kPrefetchTiles = 4;  // B tiles read ahead from memory (W8A8)
+
+// The 64-byte operand of ldtilecfg (palette 1): every tile used here is 16 rows x 64 bytes.
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+constexpr TileConfig make_config() {
+  TileConfig cfg{1, 0, {}, {}, {}};
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = kTile;
+  }
+  return cfg;
+}
+
+// A constant in memory, not a local: GCC's _tile_loadconfig tells the compiler that its asm
+// reads only the first 8 bytes of the operand, so the stores that fill a local configuration
+// may be dropped as dead (seen here: tilezero then faulted with an illegal instruction).
+alignas(64) constexpr TileConfig kTileConfig = make_config();
+
+void configure_tiles() { _tile_loadconfig(&kTileConfig); }
+
+// CPUID leaf 7 EDX: AMX-BF16 is bit 22, AMX-TILE bit 24, AMX-INT8 bit 25.
+constexpr unsigned kAmxBf16Bit = 22, kAmxTileBit = 24, kAmxInt8Bit = 25;
+
+bool ask_for_tiles(unsigned feature_bit) {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  if (!((d >> kAmxTileBit) & 1u) || !((d >> feature_bit) & 1u)) return false;
+  constexpr long kReqXcompPerm = 0x1023;  // arch_prctl: ask for an extended state component
+  constexpr long kXfeatureTileData = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureTileData) == 0;
+}
+
+// C tiles 0..NT-1 (+)= A tiles of NT row tiles @ `subs` B tiles, B tile s at wb + s * 1 KiB.
+// A tile (t, s) of the row tiles at xa + t * tile_stride + s * 1 KiB. Every tile row is 64 bytes:
+// 32 bf16 or 64 int8 for A, a pair (bf16) or a group of 4 (int8) of k for 16 columns for B.
+// Tile numbers are immediates, hence the unrolled body: C in tmm0-2, B in tmm4, A in tmm5-7.
+template <int NT, bool Int8>
+void row_tiles(const uint8_t* xa, int64_t tile_stride, const uint8_t* wb, int64_t subs, void* acc,
+               bool accumulate) {
+  constexpr int64_t kCStride = kCols * 4;  // 16 float32 or int32 per C row
+  uint8_t* c0 = static_cast<uint8_t*>(acc);
+  uint8_t* c1 = c0 + kTileBytes;
+  uint8_t* c2 = c0 + 2 * kTileBytes;
+  if (accumulate) {
+    _tile_loadd(0, c0, kCStride);
+    if constexpr (NT > 1) _tile_loadd(1, c1, kCStride);
+    if constexpr (NT > 2) _tile_loadd(2, c2, kCStride);
+  } else {
+    _tile_zero(0);
+    if constexpr (NT > 1) _tile_zero(1);
+    if constexpr (NT > 2) _tile_zero(2);
+  }
+  for (int64_t s = 0; s < subs; ++s) {
+    if constexpr (Int8) {
+      // The B tiles come straight from memory (1 KiB each, in order): tile loads alone leave
+      // the memory system idle between them, so the next tiles are asked for ahead.
+      const uint8_t* ahead = wb + (s + kPrefetchTiles) * kTileBytes;
+      for (int64_t line = 0; line < kTileBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
+    }
+    _tile_loadd(4, wb + s * kTileBytes, kRowBytes);
+    const uint8_t* a = xa + s * kTileBytes;
+    _tile_loadd(5, a, kRowBytes);
+    if constexpr (Int8) _tile_dpbssd(0, 5, 4); else _tile_dpbf16ps(0, 5, 4);
+    if constexpr (NT > 1) {
+      _tile_loadd(6, a + tile_stride, kRowBytes);
+      if constexpr (Int8) _tile_dpbssd(1, 6, 4); else _tile_dpbf16ps(1, 6, 4);
+    }
+    if constexpr (NT > 2) {
+      _tile_loadd(7, a + 2 * tile_stride, kRowBytes);
+      if constexpr (Int8) _tile_dpbssd(2, 7, 4); else _tile_dpbf16ps(2, 7, 4);
+    }
+  }
+  _tile_stored(0, c0, kCStride);
+  if constexpr (NT > 1) _tile_stored(1, c1, kCStride);
+  if constexpr (NT > 2) _tile_stored(2, c2, kCStride);
+}
+
+// All row tiles of xa (m_tiles of them, subs_total A tiles per row tile) against B tiles
+// wb[0:subs] that cover A tiles s0..s0+subs of every row tile; C rows at acc (16 per tile).
+template <bool Int8>
+void all_rows(const uint8_t* xa, int64_t m_tiles, int64_t subs_total, int64_t s0,
+              const uint8_t* wb, int64_t subs, uint8_t* acc, bool accumulate) {
+  const int64_t tile_stride = subs_total * kTileBytes;
+  for (int64_t t0 = 0; t0 < m_tiles; t0 += kMaxRowTiles) {
+    const uint8_t* a = xa + t0 * tile_stride + s0 * kTileBytes;
+    uint8_t* c = acc + t0 * kTileBytes;
+    switch (std::min<int64_t>(kMaxRowTiles, m_tiles - t0)) {
+      case 1:
+        row_tiles<1, Int8>(a, tile_stride, wb, subs, c, accumulate);
+        break;
+      case 2:
+        row_tiles<2, Int8>(a, tile_stride, wb, subs, c, accumulate);
+        break;
+      default:
+        row_tiles<3, Int8>(a, tile_stride, wb, subs, c, accumulate);
+    }
+  }
+}
+
+// acc[m_tiles * 16][16] float32 = xa (A-tile order) @ one panel [K][16] of bf16 or int8
+// weights, converted block by block into B-tile pair order in scratch.
+template <typename Tag>
+void panel_bf16(const uint8_t* xa, int64_t m_tiles, int64_t k, const typename Tag::T* wp,
+                float* acc, uint16_t* scratch) {
+  const int64_t pairs = k / 2, subs_total = pairs / kTile;
+  for (int64_t p0 = 0; p0 < pairs; p0 += kBlockPairs) {
+    const int64_t pc = std::min(kBlockPairs, pairs - p0);
+    for (int64_t i = 0; i < pc; ++i)
+      _mm512_storeu_si512(scratch + i * kPairWords,
+                          dp::pair_row(Tag{}, wp + 2 * (p0 + i) * kCols));
+    all_rows<false>(xa, m_tiles, subs_total, p0 / kTile,
+                    reinterpret_cast<const uint8_t*>(scratch), pc / kTile,
+                    reinterpret_cast<uint8_t*>(acc), p0 > 0);
+  }
+}
+
+// x [M, row_bytes] -> [ceil(M/16)][row_bytes/64][16][64 bytes]: every A tile 1 KiB contiguous
+// (rows past M zero). Read in place, a tile's 16 rows sit a row apart: for K = 2048 bf16 that
+// is 4 KiB, so all of them fall in one L1 set and evict each other.
+std::vector<uint8_t> pack_rows(const uint8_t* x, int64_t m, int64_t row_bytes) {
+  const int64_t m_tiles = (m + kTile - 1) / kTile, subs = row_bytes / kRowBytes;
+  std::vector<uint8_t> xa(static_cast<size_t>(m_tiles * subs * kTileBytes), 0);
+  at::parallel_for(0, m_tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t rows = std::min(kTile, m - t * kTile);
+      for (int64_t s = 0; s < subs; ++s) {
+        uint8_t* dst = xa.data() + (t * subs + s) * kTileBytes;
+        for (int64_t r = 0; r < rows; ++r)
+          std::memcpy(dst + r * kRowBytes, x + (t * kTile + r) * row_bytes + s * kRowBytes,
+                      kRowBytes);
+      }
+    }
+  });
+  return xa;
+}
+
+// y rows of one panel: sums * scale + bias, rounded to bf16 (round to nearest even).
+void store_panel(const float* acc, int64_t m, int64_t n, int64_t n0, const float* scale,
+                 const float* bias, uint16_t* y) {
+  const int64_t cols = std::min(kCols, n - n0);
+  const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1u);
+  const __m512 sc = scale ? _mm512_maskz_loadu_ps(mask, scale + n0) : _mm512_set1_ps(1.0f);
+  const __m512 bi = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+  for (int64_t r = 0; r < m; ++r) {
+    __m512 v = _mm512_loadu_ps(acc + r * kCols);
+    if (scale) v = _mm512_mul_ps(v, sc);
+    if (bias) v = _mm512_add_ps(v, bi);
+    const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+    _mm256_mask_storeu_epi16(y + r * n + n0, mask, h);
+  }
+}
+
+template <typename Tag>
+void run(const uint16_t* x, int64_t m, int64_t k, const typename Tag::T* w, int64_t n,
+         const float* scale, const float* bias, uint16_t* y) {
+  const std::vector<uint8_t> xa =
+      pack_rows(reinterpret_cast<const uint8_t*>(x), m, k * static_cast<int64_t>(sizeof(*x)));
+  const int64_t m_tiles = (m + kTile - 1) / kTile;
+  const int64_t panels = (n + kCols - 1) / kCols;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    configure_tiles();  // tile configuration is per thread
+    std::vector<float> acc(static_cast<size_t>(m_tiles * kTile * kCols));
+    std::vector<uint16_t> scratch(static_cast<size_t>(kBlockPairs * kPairWords));
+    for (int64_t p = begin; p < end; ++p) {
+      panel_bf16<Tag>(xa.data(), m_tiles, k, w + p * k * kCols, acc.data(), scratch.data());
+      store_panel(acc.data(), m, n, p * kCols, scale, bias, y);
+    }
+    _tile_release();
+  });
+}
+
+}  // namespace
+
+bool available() {
+  static const bool granted = ask_for_tiles(kAmxBf16Bit);  // once per process; thread-safe init
+  return granted;
+}
+
+bool int8_available() {
+  static const bool granted = ask_for_tiles(kAmxInt8Bit);
+  return granted;
+}
+
+std::vector<uint8_t> pack_int8_rows(const int8_t* qx, int64_t m, int64_t row_bytes) {
+  return pack_rows(reinterpret_cast<const uint8_t*>(qx), m, row_bytes);
+}
+
+void begin_tiles() { configure_tiles(); }
+
+void end_tiles() { _tile_release(); }
+
+void panel_int8(const uint8_t* xa, int64_t m_tiles, int64_t groups, const int8_t* panel,
+                int32_t* acc) {
+  const int64_t subs = groups / kTile;  // a B tile: 16 groups of 4 k, straight from the panel
+  all_rows<true>(xa, m_tiles, subs, 0, reinterpret_cast<const uint8_t*>(panel), subs,
+                 reinterpret_cast<uint8_t*>(acc), false);
+}
+
+void gemm(const uint16_t* x, int64_t m, int64_t k, const void* panels, bool weight_is_int8,
+          int64_t n, const float* scale, const float* bias, uint16_t* y) {
+  if (weight_is_int8)
+    run<Int8W>(x, m, k, static_cast<const int8_t*>(panels), n, scale, bias, y);
+  else
+    run<Bf16W>(x, m, k, static_cast<const uint16_t*>(panels), n, scale, bias, y);
+}
+
+}  // namespace pagedllm::gemm::amx
+
+#pragma GCC pop_options
+
+#else  // no AVX512-BF16 in this build: no AMX path
+
+namespace pagedllm::gemm::amx {
+bool available() { return false; }
+bool int8_available() { return false; }
+void gemm(const uint16_t*, int64_t, int64_t, const void*, bool, int64_t, const float*,
+          const float*, uint16_t*) {}
+std::vector<uint8_t> pack_int8_rows(const int8_t*, int64_t, int64_t) { return {}; }
+void begin_tiles() {}
+void end_tiles() {}
+void panel_int8(const uint8_t*, int64_t, int64_t, const int8_t*, int32_t*) {}
+}  // namespace pagedllm::gemm::amx
+
+#endif

@@ -1,0 +1,51 @@
+// The weight GEMM's AMX path (AVX512-BF16 builds, on processors with AMX-BF16): bf16 activations
+// times bf16 or int8 weights with tile dot products (tdpbf16ps), float32 sums.
+//
+// Why: a batch of rows (prefill, or decode of many sequences) is bound by arithmetic, and one
+// tdpbf16ps does 16 x 16 x 32 multiply-adds, 16x what vdpbf16ps does per instruction. oneDNN uses
+// AMX for bf16 weights already, but int8 weight-only layers would fall far behind it (at 64 rows
+// our vdpbf16ps path ran at a sixth of oneDNN's bf16); here int8 weights are converted to bf16
+// (exact) once per K-block of a panel and fed to the same tiles, so int8 keeps its halved weight
+// stream without losing the tiles.
+//
+// AMX is a run-time property, not only a compile-time one: Linux hands out the tile state only
+// after a process asks for it (arch_prctl ARCH_REQ_XCOMP_PERM). So this path lives inside the
+// avx512bf16 build (compiled with a target pragma) and is used only when available() says the
+// processor reports AMX-BF16 and the kernel granted the permission.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace pagedllm::gemm::amx {
+
+// Rows of x per tile: calls with fewer rows keep the vdpbf16ps path (a tile of 1-12 real rows
+// would do mostly padding; there the weight stream, not arithmetic, is the bound).
+constexpr int64_t kMinRows = 6;
+// W8A8 rows from which the int8 tiles beat VNNI's vpdpbusd (measured: equal at 1-2 rows).
+constexpr int64_t kMinRowsInt8 = 3;
+
+// Whether the processor has AMX-BF16 and this process may use the tiles (asked once).
+bool available();
+// Whether the processor has AMX-INT8 (tdpbssd, for W8A8) and the tiles are granted.
+bool int8_available();
+
+// y[M, N] (bf16) = x[M, K] (bf16, K % 32 == 0) @ panels[ceil(N/16)][K][16] (bf16 or int8)
+// (* scale[N]) (+ bias[N]). weight_is_int8 selects the panels' element type.
+void gemm(const uint16_t* x, int64_t m, int64_t k, const void* panels, bool weight_is_int8,
+          int64_t n, const float* scale, const float* bias, uint16_t* y);
+
+// W8A8 on AMX-INT8, in pieces gemm_i8.cpp's panel loop calls. The packed weights' layout
+// [N/16][K/4][16][4] is already the B-tile layout (16 groups of 4 k per tile), so nothing is
+// converted; only x's int8 rows are copied into A-tile order once per call (pack_int8_rows:
+// [ceil(M/16)][row_bytes/64][16][64], zero rows past M; row_bytes a multiple of 64). Signed by
+// signed products summed exactly in int32: the same sums as the VNNI and AVX2 paths.
+std::vector<uint8_t> pack_int8_rows(const int8_t* qx, int64_t m, int64_t row_bytes);
+// Tile configuration is per thread: around each thread's panels.
+void begin_tiles();
+void end_tiles();
+// acc[m_tiles * 16][16] int32 = packed rows xa @ one panel of `groups` groups (groups % 16 == 0).
+void panel_int8(const uint8_t* xa, int64_t m_tiles, int64_t groups, const int8_t* panel,
+                int32_t* acc);
+
+}  // namespace pagedllm::gemm::amx
