@@ -35,7 +35,12 @@ ops do with 8-bit caches, and so what this class does around them:
   saturated, the reference's bytes) and hands IPEX values bfloat16 holds exactly, and
   ``forward`` folds ``k_scale`` into the softmax scale and multiplies the output by ``v_scale``;
   the ops always get scales of 1, so a build that does honour them cannot apply them twice;
-* torch 2.8 has no CPU gather for fp8 tensors, so block copies and swaps move byte views.
+* torch 2.8 has no CPU gather for fp8 tensors, so block copies and swaps move byte views;
+* the varlen prompt kernel over an e5m2 cache crashed (a segfault in its fp8-to-bf16
+  conversion) on an AVX-512/AMX Xeon with ``head_size`` 16 and ``block_size`` 8, where 32 and
+  more ran correctly (on an AVX2 EPYC 16 had passed). Below ``head_size`` 32 prompt chunks read
+  a bfloat16 copy of the cache instead, which holds every e5m2 value exactly, so the numbers
+  are the same; only models that small (tests) pay for the copy.
 
 intel_extension_for_pytorch is imported when the backend is constructed, never at module import,
 so ``import pagedllm`` works without it.
@@ -59,6 +64,8 @@ from pagedllm.backends.base import (
     to_cache_dtype,
 )
 
+#: The smallest head size whose e5m2 cache IPEX's varlen prompt kernel reads (module doc).
+FP8_VARLEN_MIN_HEAD_SIZE = 32
 #: The one fp8 format IPEX's ops store and read, and the only compute dtype they read it with.
 FP8_NAME = "fp8_e5m2"
 FP8_COMPUTE_DTYPE = torch.bfloat16
@@ -251,6 +258,9 @@ class IpexPagedAttention(AttentionBackend):
         cu_kv = getattr(meta, "prefill_cu_seqlens_kv", None)
         if cu_kv is None:
             cu_kv = _prefill_cu_seqlens_kv(meta)
+        fp8 = kv_cache.dtype in FP8_DTYPES
+        if fp8 and kv_cache.shape[-1] < FP8_VARLEN_MIN_HEAD_SIZE:
+            kv_cache, fp8 = kv_cache.to(FP8_COMPUTE_DTYPE), False  # see the module doc
         self._ops.flash_attn_varlen_func(
             out,
             query,
@@ -266,7 +276,7 @@ class IpexPagedAttention(AttentionBackend):
             None,  # alibi slopes
             -1 if sliding_window is None else sliding_window - 1,
             -1 if sliding_window is None else 0,
-            kv_cache_dtype=FP8_NAME if kv_cache.dtype in FP8_DTYPES else "auto",
+            kv_cache_dtype=FP8_NAME if fp8 else "auto",
         )
 
     def _decode(
