@@ -11,6 +11,8 @@ shape, side by side in one run:
   weights, bf16 activations;
 * ``w8a8_cpp``: our integer GEMM (``csrc/gemm_i8.cpp``): the same int8 weights, the bf16
   activations rounded to int8 per row inside the call, integer dot products;
+* ``int8_split_cpp``: weight-only int8 on the same integer GEMM, the bf16 activations split into
+  two int8 planes (near-16-bit precision; what int8 layers use where there is AMX-INT8);
 * ``linear_path``: what ``CpuBackend.prepare_model`` would pick for a bf16 weight on this CPU.
 
 Reports milliseconds per call (best of several), ratios to float32 and to bf16 F.linear, and for
@@ -36,6 +38,8 @@ from pagedllm.backends.cpu._ops import cpu_model_name, resolve_isa
 from pagedllm.backends.cpu.packed_linear import (
     gemm_ops,
     make_cpp_linear,
+    make_int8_linear,
+    make_int8_split_linear,
     make_packed_linear,
     make_w8a8_linear,
 )
@@ -74,6 +78,7 @@ def run_shape(n: int, k: int, batches: list[int], budget_s: float) -> list[dict[
         "fp16_cpp": (make_cpp_linear(w32.half(), None, None), torch.bfloat16, 2),
         "int8_cpp": (make_cpp_linear(q, scale, None), torch.bfloat16, 1),
         "w8a8_cpp": (make_w8a8_linear(q, scale, None), torch.bfloat16, 1),
+        "int8_split_cpp": (make_int8_split_linear(q, scale, None), torch.bfloat16, 1),
     }
     rows = []
     for m in batches:
@@ -87,7 +92,15 @@ def run_shape(n: int, k: int, batches: list[int], budget_s: float) -> list[dict[
             row[f"{name}_ms"] = round(seconds * 1e3, 3)
             if m == 1:
                 row[f"{name}_weight_GBps"] = round(n * k * nbytes / seconds / 1e9, 2)
-        for name in ("bf16_cpp", "fp16_cpp", "int8_cpp", "w8a8_cpp", "bf16_torch", "bf16_onednn"):
+        for name in (
+            "bf16_cpp",
+            "fp16_cpp",
+            "int8_cpp",
+            "w8a8_cpp",
+            "int8_split_cpp",
+            "bf16_torch",
+            "bf16_onednn",
+        ):
             if f"{name}_ms" in row and "f32_onednn_ms" in row:
                 row[f"{name}_vs_f32"] = round(row["f32_onednn_ms"] / row[f"{name}_ms"], 2)
         if "int8_cpp_ms" in row:
@@ -96,6 +109,10 @@ def run_shape(n: int, k: int, batches: list[int], budget_s: float) -> list[dict[
         if "w8a8_cpp_ms" in row:
             row["w8a8_vs_bf16_cpp"] = round(row["bf16_cpp_ms"] / row["w8a8_cpp_ms"], 2)
             row["w8a8_vs_int8_cpp"] = round(row["int8_cpp_ms"] / row["w8a8_cpp_ms"], 2)
+        if "int8_split_cpp_ms" in row:
+            row["int8_split_vs_int8_cpp"] = round(row["int8_cpp_ms"] / row["int8_split_cpp_ms"], 2)
+            best_bf16 = min(row.get("bf16_onednn_ms", float("inf")), row["bf16_cpp_ms"])
+            row["int8_split_vs_best_bf16"] = round(best_bf16 / row["int8_split_cpp_ms"], 2)
         rows.append(row)
     return rows
 
@@ -121,6 +138,9 @@ def main() -> None:
         "gemm_isa": ops.built_isa() if ops is not None else None,
         "w8a8_isa": ops.w8a8_isa() if ops is not None else None,
         "linear_path_bf16": "onednn-bfloat16" if probe is not None else "cpp-bfloat16",
+        "linear_path_int8": make_int8_linear(
+            torch.zeros(16, 64, dtype=torch.int8), torch.ones(16), None
+        )[1],
         "threads": torch.get_num_threads(),
         "shapes": {name: run_shape(n, k, batches, budget) for name, n in shapes.items()},
     }

@@ -166,3 +166,94 @@ def test_amx_int8_only_where_built_and_reported(ops) -> None:
 
     if ops.built_isa() != "avx512bf16" or "amx_int8" not in cpu_flags():
         assert not ops.has_amx_int8()
+
+
+# The split planes of int8 weight-only layers (``int8_split_gemm``). Against float64 sums of x
+# and the dequantised weights, i.e. weight-only int8 with exact activations: the planes keep x
+# to max|x| / 64516 per row, so float32 outputs agree to 2e-4 of the largest (K up to 2050:
+# K * E|w| * max|x| / 64516 against an output of sqrt(K) * |x| * |w|); 16-bit outputs to their
+# own rounding.
+SPLIT_TOLERANCE = {torch.float32: 2e-4, torch.bfloat16: 8e-3, torch.float16: 2e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_split_planes_match_the_python_definition(ops, dtype: torch.dtype) -> None:
+    from pagedllm.layers.quantization.int8 import split_per_token
+
+    torch.manual_seed(1)
+    m, k = 19, 1103  # a partial chunk of 8 tokens, a tail past the 16-wide vectors
+    x = (torch.randn(m, k) * torch.rand(m, 1) * 5).to(dtype)
+    x[3] = 0  # an all-zero row: scales 1, zeros
+    x[4, 7] = -x[4].abs().max() * 2  # the extreme must take -127, its remainder the low plane
+    q, s = ops.split_rows(x)
+    hi, lo, s_hi, s_lo = split_per_token(x)
+    assert torch.equal(q[:m], hi) and torch.equal(q[m:], lo)
+    assert torch.equal(s[:m], s_hi) and torch.equal(s[m:], s_lo)
+    assert int(hi[4, 7]) == -127 and not hi[3].any() and not lo[3].any()
+    rebuilt = hi.double() * s_hi.double()[:, None] + lo.double() * s_lo.double()[:, None]
+    # Half a low step, plus the float32 rounding of the remainder x - hi * s_hi (< 1% of it).
+    bound = x.double().abs().amax(dim=1) / 64516 * 1.01
+    assert ((rebuilt - x.double()).abs().amax(dim=1) <= bound).all()
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_split_gemm_matches_weight_only_int8(ops, xdtype, m: int, n: int, k: int, bias: bool):
+    torch.manual_seed(m + n + k)
+    x = torch.randn(m, k).to(xdtype)
+    w, w_scale = _int8(n, k), torch.rand(n) * 0.02 + 1e-3
+    b = torch.randn(n).to(xdtype) if bias else None
+    y = ops.int8_split_gemm(x, ops.pack_w8a8(w), n, w_scale, b)
+    assert y.dtype == xdtype and y.shape == (m, n)
+    ref = x.double() @ (w.double() * w_scale.double()[:, None]).T
+    ref = ref if b is None else ref + b.double()
+    err = (y.double() - ref).abs().max().item() / ref.abs().max().item()
+    assert err < SPLIT_TOLERANCE[xdtype], f"relative error {err:.2e}"
+
+
+def test_split_is_much_finer_than_w8a8(ops) -> None:
+    """Two planes, not one: the error is a small fraction of per-token int8 rounding's."""
+    torch.manual_seed(2)
+    m, n, k = 17, 100, 1024
+    x, w, w_scale = torch.randn(m, k), _int8(n, k), torch.rand(n) * 0.02 + 1e-3
+    packed = ops.pack_w8a8(w)
+    ref = x.double() @ (w.double() * w_scale.double()[:, None]).T
+    split = (ops.int8_split_gemm(x, packed, n, w_scale).double() - ref).abs().max()
+    w8a8 = (ops.w8a8_gemm(x, packed, n, w_scale).double() - ref).abs().max()
+    assert split < w8a8 / 50, (split.item(), w8a8.item())
+
+
+@pytest.mark.parametrize("allow_amx", [True, False], ids=["amx", "vector"])
+def test_passes_over_rows_cover_every_row(ops, allow_amx: bool) -> None:
+    """Rows past one L2-sized pass (96 rows at K = 8192), a partial pass and a partial chunk."""
+    torch.manual_seed(3)
+    m, n, k = 211, 20, 8192
+    qx, w = _int8(m, k), _int8(n, k)
+    packed = ops.pack_w8a8(w)
+    got = ops.w8a8_gemm_s32(qx, packed, n, allow_amx=allow_amx)
+    assert torch.equal(got, (qx.long() @ w.long().T).int())
+    x, w_scale = torch.randn(m, k), torch.rand(n) * 0.02 + 1e-3
+    y = ops.int8_split_gemm(x, packed, n, w_scale, allow_amx=allow_amx)
+    ref = x.double() @ (w.double() * w_scale.double()[:, None]).T
+    assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < SPLIT_TOLERANCE[x.dtype]
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(2, 16, 64), (9, 100, 1024), (64, 48, 256)])
+def test_split_tiles_equal_the_vector_path(ops, m: int, n: int, k: int) -> None:
+    if not ops.has_amx_int8():
+        pytest.skip("AMX-INT8 tiles need an avx512bf16 build on a processor with amx_int8")
+    torch.manual_seed(k)
+    x, w, w_scale = torch.randn(m, k).bfloat16(), _int8(n, k), torch.rand(n) * 0.02 + 1e-3
+    packed = ops.pack_w8a8(w)
+    tiles = ops.int8_split_gemm(x, packed, n, w_scale)
+    assert torch.equal(tiles, ops.int8_split_gemm(x, packed, n, w_scale, allow_amx=False))
+
+
+def test_split_bad_inputs_raise(ops) -> None:
+    packed = ops.pack_w8a8(_int8(20, 8))
+    with pytest.raises(RuntimeError, match="int8_split_gemm: .*K="):
+        ops.int8_split_gemm(torch.randn(2, 9), packed, 20, torch.ones(20))
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        ops.int8_split_gemm(torch.randn(2, 8).double(), packed, 20, torch.ones(20))
+    assert ops.int8_split_gemm(torch.empty(0, 8), packed, 20, torch.ones(20)).shape == (0, 20)

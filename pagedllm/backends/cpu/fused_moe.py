@@ -23,8 +23,7 @@ logger = logging.getLogger(__name__)
 def pack_weight(weight: torch.Tensor, scale: torch.Tensor | None) -> tuple[pl.LinearFn | None, str]:
     """The fastest correct GEMM for one ``[N, K]`` expert weight, and its path's name."""
     if scale is not None:
-        fn = pl.make_cpp_linear(weight, scale, None)
-        return fn, "cpp-int8" if fn else "torch-int8"
+        return pl.make_int8_linear(weight, scale, None)
     dtype = str(weight.dtype).removeprefix("torch.")
     fn = pl.make_packed_linear(weight, None) if pl._ops_available() else None
     if fn is not None:

@@ -9,6 +9,9 @@ processors without bf16 arithmetic. So each layer gets, by weight dtype and proc
   packed 16-bit weights;
 - bf16 / fp16 elsewhere, and int8 (weight-only quantised): our C++ GEMM (``csrc/gemm.cpp``),
   which reads the 2- or 1-byte weights and converts them in registers;
+- int8 (weight-only) on processors with AMX-INT8: the activations split into two int8 planes
+  (``split_per_token``: near-16-bit precision) and the integer tiles of the W8A8 GEMM, which
+  need no conversion of the weights (2-3x the converting path there, measured on 1B shapes);
 - W8A8 (int8 weights, int8 activations per token): our integer GEMM (``csrc/gemm_i8.cpp``).
 
 Every packed layer is checked against a PyTorch reference when it is packed; a layer whose result
@@ -120,39 +123,78 @@ def make_packed_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Linea
     return linear
 
 
+def _reshaped(gemm: LinearFn, k: int, n: int) -> LinearFn:
+    """``gemm`` on ``[T, K]`` rows as a layer's ``x [..., K] -> [..., N]``."""
+
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        return gemm(x.reshape(-1, k)).reshape(*x.shape[:-1], n)
+
+    return linear
+
+
+def _dequantized_reference(
+    weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None, rows: torch.Tensor
+) -> LinearFn:
+    """``F.linear`` in float32 on the sampled output rows of the (dequantised) weight."""
+    dequant = weight[rows].float()
+    if scale is not None:
+        dequant = dequant * scale[rows, None]
+    bias_rows = None if bias is None else bias[rows]
+    return lambda probe: F.linear(probe.float(), dequant, bias_rows)
+
+
+def _checked(
+    linear: LinearFn,
+    weight: torch.Tensor,
+    reference: LinearFn,
+    rows: torch.Tensor,
+    probes: tuple[tuple[torch.Tensor, float], ...],
+    what: str,
+) -> LinearFn | None:
+    """``linear`` if it matches ``reference`` on every probe (sampled rows), else None.
+
+    A sample of output rows (the first, last and a spread between, so every panel position and
+    the tail panel are covered) keeps a float copy of the weight out of loading.
+    """
+    try:
+        for probe, rtol in probes:
+            _check(lambda x: linear(x)[:, rows], reference(probe), probe, rtol)
+    except (RuntimeError, AssertionError) as exc:
+        logger.warning("%s disagrees on a %s weight; not used: %s", what, weight.shape, exc)
+        return None
+    return linear
+
+
+def _prepared(
+    weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """(float32 scale, float32 bias, sampled rows) as the C++ GEMMs take them."""
+    scale32 = None if scale is None else scale.detach().float().contiguous()
+    bias32 = None if bias is None else bias.detach().float().contiguous()
+    return scale32, bias32, _sample_rows(weight.shape[0])
+
+
+def _usable(weight: torch.Tensor) -> ModuleType | None:
+    ops = gemm_ops()
+    return ops if ops is not None and weight.device.type == "cpu" and weight.dim() == 2 else None
+
+
 def make_cpp_linear(
     weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None
 ) -> LinearFn | None:
     """Our GEMM on bf16/fp16/int8 ``weight [N, K]`` (int8 with float32 ``scale [N]``)."""
-    ops = gemm_ops()
-    if ops is None or weight.device.type != "cpu" or weight.dim() != 2:
+    ops = _usable(weight)
+    if ops is None:
         return None
     n, k = weight.shape
     packed = pack_panels(weight.detach())
-    scale = None if scale is None else scale.detach().float().contiguous()
-    bias32 = None if bias is None else bias.detach().float().contiguous()
-
-    def linear(x: torch.Tensor) -> torch.Tensor:
-        y = ops.weight_gemm(x.reshape(-1, k), packed, n, scale, bias32)  # [T, N]
-        return y.reshape(*x.shape[:-1], n)
-
-    # Checked on a sample of output rows (the first, last and a spread between, so every panel
-    # position and the tail panel are covered) to keep a float copy of the weight out of loading.
-    rows = _sample_rows(n)
-    dequant = weight[rows].float()
-    if scale is not None:
-        dequant = dequant * scale[rows, None]
+    scale32, bias32, rows = _prepared(weight, scale, bias)
+    linear = _reshaped(lambda x: ops.weight_gemm(x, packed, n, scale32, bias32), k, n)
     # float32 activations, and bf16 ones in a batch of 16 rows: where the build has them, bf16
     # rows take other code (vdpbf16ps, AMX tiles for 6+ rows), which must be checked as well.
     probes = ((torch.randn(3, k), 1e-4), (torch.randn(16, k).bfloat16(), 2e-2))
-    try:
-        for probe, rtol in probes:
-            sampled = F.linear(probe.float(), dequant, None if bias32 is None else bias32[rows])
-            _check(lambda x: linear(x)[:, rows], sampled, probe, rtol)
-    except (RuntimeError, AssertionError) as exc:
-        logger.warning("C++ GEMM disagrees on a %s weight; keeping PyTorch: %s", weight.shape, exc)
-        return None
-    return linear
+    reference = _dequantized_reference(weight, scale32, bias32, rows)
+    return _checked(linear, weight, reference, rows, probes, "C++ GEMM")
 
 
 def make_w8a8_linear(
@@ -161,29 +203,57 @@ def make_w8a8_linear(
     """Our integer GEMM on int8 ``weight [N, K]`` with int8 activations made per token."""
     from pagedllm.layers.quantization.w8a8 import w8a8_linear_reference
 
-    ops = gemm_ops()
-    if ops is None or weight.device.type != "cpu" or weight.dim() != 2:
+    ops = _usable(weight)
+    if ops is None:
         return None
     n, k = weight.shape
     packed = ops.pack_w8a8(weight.detach())
-    scale = scale.detach().float().contiguous()
-    bias32 = None if bias is None else bias.detach().float().contiguous()
+    scale32, bias32, rows = _prepared(weight, scale, bias)
+    linear = _reshaped(lambda x: ops.w8a8_gemm(x, packed, n, scale32, bias32), k, n)
+    bias_rows = None if bias32 is None else bias32[rows]
 
-    def linear(x: torch.Tensor) -> torch.Tensor:
-        y = ops.w8a8_gemm(x.reshape(-1, k), packed, n, scale, bias32)  # [T, N]
-        return y.reshape(*x.shape[:-1], n)
+    def reference(probe: torch.Tensor) -> torch.Tensor:
+        return w8a8_linear_reference(probe, weight[rows], scale32[rows], bias_rows)
 
-    rows = _sample_rows(n)
-    probe = torch.randn(3, k)
-    try:
-        sampled = w8a8_linear_reference(
-            probe, weight[rows], scale[rows], None if bias32 is None else bias32[rows]
-        )
-        _check(lambda x: linear(x)[:, rows], sampled, probe, 1e-5)
-    except (RuntimeError, AssertionError) as exc:
-        logger.warning("W8A8 GEMM disagrees on a %s weight; keeping PyTorch: %s", weight.shape, exc)
+    return _checked(linear, weight, reference, rows, ((torch.randn(3, k), 1e-5),), "W8A8 GEMM")
+
+
+def make_int8_split_linear(
+    weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> LinearFn | None:
+    """Int8 weight-only ``weight [N, K]`` on the integer GEMM, x split into two int8 planes."""
+    ops = _usable(weight)
+    if ops is None:
         return None
-    return linear
+    n, k = weight.shape
+    packed = ops.pack_w8a8(weight.detach())
+    scale32, bias32, rows = _prepared(weight, scale, bias)
+    linear = _reshaped(lambda x: ops.int8_split_gemm(x, packed, n, scale32, bias32), k, n)
+    # The planes keep x to max|x| / 64516 per row: float32 results agree to ~1e-4 of the
+    # largest output; a batch of bf16 rows takes the tiles, checked to bf16's rounding.
+    probes = ((torch.randn(3, k), 1e-3), (torch.randn(16, k).bfloat16(), 2e-2))
+    reference = _dequantized_reference(weight, scale32, bias32, rows)
+    return _checked(linear, weight, reference, rows, probes, "int8 split GEMM")
+
+
+def make_int8_linear(
+    weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[LinearFn | None, str]:
+    """The fastest correct GEMM for an int8 weight-only ``weight [N, K]``, and its path's name.
+
+    The split planes only where their sums run on AMX-INT8 tiles (K in whole 64-byte tiles).
+    Without tiles twice the integer rows cost more than converting the weights from a few rows
+    on (measured on a Xeon with the tiles turned off: 0.8x the converting GEMM at 16 rows, and
+    it used AMX-BF16 there; no processor with VNNI and no AMX has been measured), so the
+    converting GEMM runs there.
+    """
+    ops = gemm_ops()
+    if ops is not None and ops.has_amx_int8() and weight.shape[-1] % 64 == 0:
+        fn = make_int8_split_linear(weight, scale, bias)
+        if fn is not None:
+            return fn, f"cpp-int8-split-{ops.w8a8_isa()}+amx"
+    fn = make_cpp_linear(weight, scale, bias)
+    return fn, f"cpp-int8-{_cpp_isa()}" if fn else "torch-int8"
 
 
 def _sample_rows(n: int) -> torch.Tensor:
@@ -222,8 +292,7 @@ def _pack_one(module: nn.Module) -> tuple[LinearFn | None, str]:
         isa = ops.w8a8_isa() + ("+amx" if ops.has_amx_int8() else "")
         return fn, f"cpp-w8a8-{isa}" if fn else "torch-w8a8"
     if method is not None and method.is_quantized(module):
-        fn = make_cpp_linear(weight, weight_scale(module), bias)
-        return fn, f"cpp-int8-{_cpp_isa()}" if fn else "torch-int8"
+        return make_int8_linear(weight, weight_scale(module), bias)
     if weight.dtype == torch.float32:
         fn = make_packed_linear(weight, bias) if _ops_available() else None
         return fn, "onednn-float32" if fn else "torch-float32"

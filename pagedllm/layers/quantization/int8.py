@@ -54,6 +54,32 @@ def quantize_per_channel(
     return q, scale
 
 
+# The low plane's step: the high plane's remainder is at most half a step, 127 low steps.
+SPLIT_LO_STEPS = 254
+
+
+def split_per_token(
+    x: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` -> (hi, lo int8 ``[M, K]``, s_hi, s_lo float32 ``[M]``) with
+    ``x ~= hi * s_hi + lo * s_lo`` per row, to within ``max|x| / 64516``.
+
+    How the CPU backend runs int8 weight-only layers on integer tile units (AMX-INT8): both
+    planes go through exact int8 x int8 sums, so activations keep near-16-bit precision while
+    the weights are never converted. The definition the C++ kernel reproduces, rounding for
+    rounding: ``s_hi = max|x| / 127`` (1 for an all-zero row), ``hi = round(x * (1 / s_hi))``,
+    ``s_lo = s_hi / 254``, ``lo = round((x - hi * s_hi) * (1 / s_lo))``, both clamped to +-127.
+    """
+    xf = x.float()
+    s_hi = xf.abs().amax(dim=-1) / _QMAX
+    s_hi = torch.where(s_hi > 0, s_hi, torch.ones_like(s_hi))
+    s_lo = s_hi / SPLIT_LO_STEPS
+    hi = torch.round(xf * (1 / s_hi)[:, None]).clamp_(-_QMAX, _QMAX)
+    rest = xf - hi * s_hi[:, None]
+    lo = torch.round(rest * (1 / s_lo)[:, None]).clamp_(-_QMAX, _QMAX)
+    return hi.to(torch.int8), lo.to(torch.int8), s_hi, s_lo
+
+
 def _whole_row_absmax(layer: nn.Module) -> torch.Tensor | None:
     """Every rank's row maxima joined (max over ranks) for a row-parallel layer, else None."""
     from pagedllm.layers.linear import RowParallelLinear

@@ -337,6 +337,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "y = quantize_rows(x) @ W^T * sx * w_scale (+ bias), integer dot products",
         py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("packed"), py::arg("n"),
         py::arg("w_scale"), py::arg("bias") = py::none(), py::arg("allow_amx") = true);
+  m.def("split_rows", &pagedllm::gemm::split_rows,
+        "x [M, K] -> (int8 [2M, K]: hi rows then lo rows, float32 [2M]): x = hi*s_hi + lo*s_lo",
+        py::call_guard<py::gil_scoped_release>(), py::arg("x"));
+  m.def("int8_split_gemm", &pagedllm::gemm::int8_split_gemm,
+        "y = (hi @ W^T * s_hi + lo @ W^T * s_lo) * w_scale (+ bias): x in two int8 planes",
+        py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("packed"), py::arg("n"),
+        py::arg("w_scale"), py::arg("bias") = py::none(), py::arg("allow_amx") = true);
   m.def("w8a8_isa", &pagedllm::gemm::w8a8_isa, "the integer dot product this build uses");
   m.def("has_amx_int8", &pagedllm::gemm::amx::int8_available,
         "whether W8A8 sums run on AMX-INT8 tiles here (processor and OS; K in whole 64s)");

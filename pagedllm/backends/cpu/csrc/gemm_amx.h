@@ -45,8 +45,9 @@ std::vector<uint8_t> pack_int8_rows(const int8_t* qx, int64_t m, int64_t row_byt
 // Tile configuration is per thread: around each thread's panels.
 void begin_tiles();
 void end_tiles();
-// acc[m_tiles * 16][16] int32 = packed rows xa @ one panel of `groups` groups (groups % 16 == 0).
-void panel_int8(const uint8_t* xa, int64_t m_tiles, int64_t groups, const int8_t* panel,
-                int32_t* acc);
+// acc0 [m_tiles * 16][16] int32 = packed rows xa @ panel0 of `groups` groups (groups % 16 == 0),
+// and acc1 = xa @ panel1 unless panel1 is null: two panels at a time share the loads of x's tiles.
+void panels_int8(const uint8_t* xa, int64_t m_tiles, int64_t groups, const int8_t* panel0,
+                 const int8_t* panel1, int32_t* acc0, int32_t* acc1);
 
 }  // namespace pagedllm::gemm::amx

@@ -153,16 +153,27 @@ void panel_s32(const int8_t* qx, int64_t m, int64_t ldx, const int8_t* wp, int64
   }
 }
 
+// Rows of x per pass over the panels. Every panel reads all rows of its pass again, so a pass
+// must stay in L2 (measured at K = 2048 on AMX-INT8: 1024 rows in one pass took 2.8x the time of
+// 512). A multiple of 48 rows: three AMX row tiles, four of the VNNI kernel's 12-row tiles.
+constexpr int64_t kPassBytes = int64_t{1} << 20;
+constexpr int64_t kPassRowMultiple = 48;
+
+int64_t pass_rows(int64_t m, int64_t ldx) {
+  const int64_t fit = std::max<int64_t>(1, kPassBytes / (ldx * kPassRowMultiple));
+  return std::min(m, fit * kPassRowMultiple);
+}
+
 // Runs every panel (threads split them) and hands each panel's int32 sums, corrected for the
-// offset of the weights where the build uses one, to store(acc, n0, cols). With AMX-INT8 (and
-// whole 64-k tiles) the tiles compute the same exact sums, signed by signed, with no offset.
+// offset of the weights where the build uses one, to store(acc, r0, rows, n0, cols): rows
+// r0..r0+rows of x (acc row 0 is row r0) against columns n0..n0+cols. With AMX-INT8 (and whole
+// 64-k tiles) the tiles compute the same exact sums, signed by signed, with no offset.
 template <typename Store>
 void for_each_panel(const int8_t* qx, int64_t m, int64_t ldx, const int8_t* w, int64_t groups,
                     int64_t n, bool allow_amx, const Store& store) {
   const int64_t panels = (n + kCols - 1) / kCols;
   const bool tiles =
       allow_amx && m >= amx::kMinRowsInt8 && groups % 16 == 0 && amx::int8_available();
-  const int64_t m_tiles = (m + 15) / 16;
   const std::vector<uint8_t> xa = tiles ? amx::pack_int8_rows(qx, m, ldx) : std::vector<uint8_t>{};
   // sum_k (w + 128) x = sum_k w x + 128 sum_k x: one correction per row of x.
   const bool offset_w = kOffsetW && !tiles;
@@ -174,24 +185,45 @@ void for_each_panel(const int8_t* qx, int64_t m, int64_t ldx, const int8_t* w, i
       offset[r] = 128 * sum;
     }
   }
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int32_t> acc(static_cast<size_t>((tiles ? m_tiles * 16 : m) * kCols));
-    if (tiles) amx::begin_tiles();
-    for (int64_t p = begin; p < end; ++p) {
-      const int8_t* panel = w + p * groups * kGroupBytes;
-      if (tiles)
-        amx::panel_int8(xa.data(), m_tiles, groups, panel, acc.data());
-      else
-        panel_s32(qx, m, ldx, panel, groups, acc.data());
+  const int64_t step = pass_rows(m, ldx);
+  for (int64_t r0 = 0; r0 < m; r0 += step) {  // r0 is a multiple of 16: a whole row tile
+    const int64_t rows = std::min(step, m - r0), row_tiles = (rows + 15) / 16;
+    auto panel_at = [&](int64_t p) { return w + p * groups * kGroupBytes; };
+    auto store_panel = [&](const int32_t* acc, int64_t p) {
       const int64_t n0 = p * kCols;
-      if (offset_w) {
-        for (int64_t r = 0; r < m; ++r)
-          for (int64_t j = 0; j < kCols; ++j) acc[r * kCols + j] -= offset[r];
-      }
-      store(acc.data(), n0, std::min(kCols, n - n0));
+      store(acc, r0, rows, n0, std::min(kCols, n - n0));
+    };
+    if (tiles) {  // two panels at a time share the loads of x's tiles
+      const int64_t tile_rows = row_tiles * 16;
+      at::parallel_for(0, (panels + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+        std::vector<int32_t> acc(static_cast<size_t>(2 * tile_rows * kCols));
+        int32_t* acc1 = acc.data() + tile_rows * kCols;
+        amx::begin_tiles();
+        for (int64_t q = begin; q < end; ++q) {
+          const int64_t p = 2 * q;
+          const bool pair = p + 1 < panels;
+          // A tiles are 16 rows x 64 bytes, so row r0 starts at byte r0 * ldx.
+          amx::panels_int8(xa.data() + r0 * ldx, row_tiles, groups, panel_at(p),
+                           pair ? panel_at(p + 1) : nullptr, acc.data(), acc1);
+          store_panel(acc.data(), p);
+          if (pair) store_panel(acc1, p + 1);
+        }
+        amx::end_tiles();
+      });
+      continue;
     }
-    if (tiles) amx::end_tiles();
-  });
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      std::vector<int32_t> acc(static_cast<size_t>(rows * kCols));
+      for (int64_t p = begin; p < end; ++p) {
+        panel_s32(qx + r0 * ldx, rows, ldx, panel_at(p), groups, acc.data());
+        if (offset_w) {
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t j = 0; j < kCols; ++j) acc[r * kCols + j] -= offset[r0 + r];
+        }
+        store_panel(acc.data(), p);
+      }
+    });
+  }
 }
 
 // Row r of x -> q[r, 0:ldq] (zeros past k) and s[r]; the rounding is PyTorch's round(x / s).
@@ -218,15 +250,96 @@ void quantize_into(const In* x, int64_t m, int64_t k, int64_t ldq, int8_t* q, fl
   });
 }
 
-void check_packed(const torch::Tensor& packed, int64_t k, int64_t n) {
+// The two-plane split of int8 weight-only layers (int8_split_gemm): each row of x becomes
+// hi * s_hi + lo * s_lo with int8 hi and lo, s_hi = max|x| / 127 and s_lo = s_hi / 254, so the
+// remainder x - hi * s_hi (at most s_hi / 2) is itself rounded to int8: x is kept to
+// max|x| / 64516, finer than bf16's own rounding of the row's large elements (2^-9 relative),
+// and the GEMM becomes an exact integer one on 2M rows, which AMX-INT8 runs at twice the
+// multiply-adds of AMX-BF16 and with no conversion of the weights.
+//
+// Plane rows: tokens in chunks of 8, each chunk one 16-row tile of its tokens' hi rows then their
+// lo rows (2 * tokens rows in the last, shorter chunk), so both planes of a token always fall in
+// the same pass over the panels and small batches fill a tile: 1-8 tokens take one.
+constexpr int64_t kSplitChunk = 8;
+constexpr float kLoSteps = 254.f;
+
+struct PlaneRows {
+  int64_t hi, lo;
+};
+
+inline PlaneRows plane_rows(int64_t token, int64_t m) {
+  const int64_t chunk = token / kSplitChunk, j = token % kSplitChunk;
+  const int64_t base = chunk * 2 * kSplitChunk;
+  const int64_t count = std::min(kSplitChunk, m - chunk * kSplitChunk);
+  return {base + j, base + count + j};
+}
+
+// The row's two planes and scales: the formula of pagedllm.layers.quantization.int8.split_rows,
+// rounding for rounding (products and differences as separate float operations).
+inline void split_row(const float* row, int64_t k, int64_t ldq, int8_t* hi, int8_t* lo,
+                      float* s_hi, float* s_lo) {
+  int64_t i = 0;
+  float amax = 0.f;
+#if defined(__AVX512F__)
+  __m512 vmax = _mm512_setzero_ps();
+  for (; i + 16 <= k; i += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(row + i)));
+  amax = _mm512_reduce_max_ps(vmax);
+#endif
+  for (; i < k; ++i) amax = std::max(amax, std::fabs(row[i]));
+  float sh = amax / 127.f;
+  if (!(sh > 0.f)) sh = 1.f;  // an all-zero row: any scale gives zeros
+  const float sl = sh / kLoSteps, inv_h = 1.f / sh, inv_l = 1.f / sl;
+  *s_hi = sh;
+  *s_lo = sl;
+  i = 0;
+#if defined(__AVX512F__)
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512 lim = _mm512_set1_ps(127.f), nlim = _mm512_set1_ps(-127.f);
+  const __m512 vh = _mm512_set1_ps(sh), vih = _mm512_set1_ps(inv_h), vil = _mm512_set1_ps(inv_l);
+  for (; i + 16 <= k; i += 16) {
+    const __m512 v = _mm512_loadu_ps(row + i);
+    __m512 h = _mm512_roundscale_ps(_mm512_mul_ps(v, vih), kRound);
+    h = _mm512_min_ps(lim, _mm512_max_ps(nlim, h));
+    // Explicitly rounded operations: GCC may fuse a plain vector multiply and subtract.
+    const __m512 r = _mm512_sub_round_ps(v, _mm512_mul_round_ps(h, vh, kRound), kRound);
+    __m512 l = _mm512_roundscale_ps(_mm512_mul_ps(r, vil), kRound);
+    l = _mm512_min_ps(lim, _mm512_max_ps(nlim, l));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + i), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(h)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + i), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(l)));
+  }
+#endif
+  for (; i < k; ++i) {
+    const float h = std::min(127.f, std::max(-127.f, std::nearbyint(row[i] * inv_h)));
+    volatile float p = h * sh;  // no fused multiply-subtract: the reference rounds the product
+    const float l = std::min(127.f, std::max(-127.f, std::nearbyint((row[i] - p) * inv_l)));
+    hi[i] = static_cast<int8_t>(h);
+    lo[i] = static_cast<int8_t>(l);
+  }
+  std::fill(hi + k, hi + ldq, int8_t{0});
+  std::fill(lo + k, lo + ldq, int8_t{0});
+}
+
+template <typename In>
+void split_into(const In* x, int64_t m, int64_t k, int64_t ldq, int8_t* q, float* s) {
+  at::parallel_for(0, m, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(static_cast<size_t>(k));
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t i = 0; i < k; ++i) row[i] = static_cast<float>(x[t * k + i]);
+      const PlaneRows pr = plane_rows(t, m);
+      split_row(row.data(), k, ldq, q + pr.hi * ldq, q + pr.lo * ldq, s + pr.hi, s + pr.lo);
+    }
+  });
+}
+
+void check_packed(const char* name, const torch::Tensor& packed, int64_t k, int64_t n) {
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kChar && packed.dim() == 3 &&
                   packed.size(2) == kGroupBytes && packed.is_contiguous(),
-              "w8a8_gemm: packed weight must be a contiguous int8 [N/16, K/4, 64], got ",
+              name, ": packed weight must be a contiguous int8 [N/16, K/4, 64], got ",
               packed.sizes());
   const int64_t panels = packed.size(0);
-  TORCH_CHECK(packed.size(1) == (k + kGroup - 1) / kGroup, "w8a8_gemm: x has K=", k,
+  TORCH_CHECK(packed.size(1) == (k + kGroup - 1) / kGroup, name, ": x has K=", k,
               ", weight has ", packed.size(1), " groups of 4");
-  TORCH_CHECK(n > (panels - 1) * kCols && n <= panels * kCols, "w8a8_gemm: N=", n,
+  TORCH_CHECK(n > (panels - 1) * kCols && n <= panels * kCols, name, ": N=", n,
               " does not fit ", panels, " panels of 16");
 }
 
@@ -252,6 +365,33 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_padded(const torch::Tensor& x,
       break;
     default:
       TORCH_CHECK(false, "w8a8: x must be float32, bfloat16 or float16, got ", xc.scalar_type());
+  }
+  return {q, s};
+}
+
+// (int8 [2M, 4 * groups] in plane-row order, float32 [2M]) for x [M, K].
+std::tuple<torch::Tensor, torch::Tensor> split_padded(const torch::Tensor& x, int64_t groups) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "int8_split: x must be a CPU [M, K], got ",
+              x.sizes());
+  const torch::Tensor xc = x.contiguous();
+  const int64_t m = xc.size(0), k = xc.size(1), ldq = groups * kGroup;
+  torch::Tensor q = torch::empty({2 * m, ldq}, xc.options().dtype(at::kChar));
+  torch::Tensor s = torch::empty({2 * m}, xc.options().dtype(at::kFloat));
+  auto* qp = q.data_ptr<int8_t>();
+  auto* sp = s.data_ptr<float>();
+  switch (xc.scalar_type()) {
+    case at::kFloat:
+      split_into(xc.data_ptr<float>(), m, k, ldq, qp, sp);
+      break;
+    case at::kBFloat16:
+      split_into(xc.data_ptr<at::BFloat16>(), m, k, ldq, qp, sp);
+      break;
+    case at::kHalf:
+      split_into(xc.data_ptr<at::Half>(), m, k, ldq, qp, sp);
+      break;
+    default:
+      TORCH_CHECK(false, "int8_split: x must be float32, bfloat16 or float16, got ",
+                  xc.scalar_type());
   }
   return {q, s};
 }
@@ -300,14 +440,62 @@ void store_rows(const int32_t* acc, int64_t m, int64_t n, int64_t n0, int64_t co
 #endif
 }
 
+// y[t, n0:n0+cols] = (hi . w * s_hi + lo . w * s_lo) * sw (+ bias) for the tokens of plane
+// rows r0..r0+rows (whole chunks: r0 is a multiple of 16); acc row 0 is plane row r0.
+template <typename Out>
+void store_split(const int32_t* acc, int64_t r0, int64_t rows, int64_t m, int64_t n, int64_t n0,
+                 int64_t cols, const float* s, const float* sw, const float* bias, Out* y) {
+#if defined(__AVX512F__)
+  const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1u);
+  const __m512 w = _mm512_maskz_loadu_ps(mask, sw + n0);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+#endif
+  for (int64_t c0 = 0; c0 < rows; c0 += 2 * kSplitChunk) {
+    const int64_t t0 = (r0 + c0) / 2;  // chunk (r0 + c0) / 16 starts at token 8 * that
+    const int64_t count = std::min(kSplitChunk, m - t0);
+    for (int64_t j = 0; j < count; ++j) {
+      const int32_t* hi = acc + (c0 + j) * kCols;
+      const int32_t* lo = acc + (c0 + count + j) * kCols;
+      const float sh = s[r0 + c0 + j], sl = s[r0 + c0 + count + j];
+      Out* out = y + (t0 + j) * n + n0;
+#if defined(__AVX512F__)
+      __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(lo)), _mm512_set1_ps(sl));
+      v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(hi)), _mm512_set1_ps(sh), v);
+      v = _mm512_mul_ps(v, w);
+      if (bias) v = _mm512_add_ps(v, b);
+      store16(out, v, mask);
+#else
+      for (int64_t c = 0; c < cols; ++c) {
+        float v = (static_cast<float>(hi[c]) * sh + static_cast<float>(lo[c]) * sl) * sw[n0 + c];
+        if (bias != nullptr) v += bias[n0 + c];
+        out[c] = static_cast<Out>(v);
+      }
+#endif
+    }
+  }
+}
+
+template <typename Out>
+void split_out(const torch::Tensor& q, const torch::Tensor& s, int64_t m,
+               const torch::Tensor& packed, int64_t n, const float* sw, const float* bias,
+               bool allow_amx, Out* y) {
+  const float* sp = s.data_ptr<float>();
+  for_each_panel(q.data_ptr<int8_t>(), 2 * m, q.size(1), packed.data_ptr<int8_t>(),
+                 packed.size(1), n, allow_amx,
+                 [&](const int32_t* acc, int64_t r0, int64_t rows, int64_t n0, int64_t cols) {
+                   store_split(acc, r0, rows, m, n, n0, cols, sp, sw, bias, y);
+                 });
+}
+
 template <typename Out>
 void gemm_out(const torch::Tensor& qx, const torch::Tensor& sx, const torch::Tensor& packed,
               int64_t n, const float* sw, const float* bias, bool allow_amx, Out* y) {
   const float* sxp = sx.data_ptr<float>();
   const int64_t m = qx.size(0);
   for_each_panel(qx.data_ptr<int8_t>(), m, qx.size(1), packed.data_ptr<int8_t>(), packed.size(1),
-                 n, allow_amx, [&](const int32_t* acc, int64_t n0, int64_t cols) {
-                   store_rows(acc, m, n, n0, cols, sxp, sw, bias, y);
+                 n, allow_amx,
+                 [&](const int32_t* acc, int64_t r0, int64_t rows, int64_t n0, int64_t cols) {
+                   store_rows(acc, rows, n, n0, cols, sxp + r0, sw, bias, y + r0 * n);
                  });
 }
 
@@ -351,7 +539,7 @@ torch::Tensor w8a8_gemm_s32(const torch::Tensor& qx, const torch::Tensor& packed
   TORCH_CHECK(qx.device().is_cpu() && qx.dim() == 2 && qx.scalar_type() == at::kChar,
               "w8a8_gemm_s32: qx must be a CPU int8 [M, K]");
   const int64_t m = qx.size(0), k = qx.size(1);
-  check_packed(packed, k, n);
+  check_packed("w8a8_gemm_s32", packed, k, n);
   const int64_t ldx = packed.size(1) * kGroup;
   torch::Tensor xp = torch::zeros({m, ldx}, qx.options());
   xp.narrow(1, 0, k).copy_(qx);
@@ -359,42 +547,84 @@ torch::Tensor w8a8_gemm_s32(const torch::Tensor& qx, const torch::Tensor& packed
   int32_t* yp = y.data_ptr<int32_t>();
   for_each_panel(xp.data_ptr<int8_t>(), m, ldx, packed.data_ptr<int8_t>(), packed.size(1), n,
                  allow_amx,
-                 [&](const int32_t* acc, int64_t n0, int64_t cols) {
-                   for (int64_t r = 0; r < m; ++r)
-                     std::memcpy(yp + r * n + n0, acc + r * kCols, cols * sizeof(int32_t));
+                 [&](const int32_t* acc, int64_t r0, int64_t rows, int64_t n0, int64_t cols) {
+                   for (int64_t r = 0; r < rows; ++r)
+                     std::memcpy(yp + (r0 + r) * n + n0, acc + r * kCols, cols * sizeof(int32_t));
                  });
   return y;
 }
 
+namespace {
+
+// The checks both float-output GEMMs make; returns the bias as float32 (undefined if none).
+torch::Tensor checked_bias(const char* name, const torch::Tensor& x, const torch::Tensor& packed,
+                           int64_t n, const torch::Tensor& w_scale,
+                           const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, name, ": x must be a CPU [M, K], got ",
+              x.sizes());
+  check_packed(name, packed, x.size(1), n);
+  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() &&
+                  w_scale.numel() == n,
+              name, ": w_scale must be a contiguous float32 [N]");
+  if (!bias.has_value()) return {};
+  TORCH_CHECK(bias->numel() == n, name, ": bias must have N=", n, " elements");
+  return bias->to(at::kFloat).contiguous();
+}
+
+// fn(Out*) for y's dtype (float32, bf16 or fp16: the dtypes x may have).
+template <typename Fn>
+void with_output(torch::Tensor& y, const Fn& fn) {
+  switch (y.scalar_type()) {
+    case at::kFloat:
+      return fn(y.data_ptr<float>());
+    case at::kBFloat16:
+      return fn(y.data_ptr<at::BFloat16>());
+    default:
+      return fn(y.data_ptr<at::Half>());
+  }
+}
+
+}  // namespace
+
 torch::Tensor w8a8_gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
                         const torch::Tensor& w_scale,
                         const c10::optional<torch::Tensor>& bias, bool allow_amx) {
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "w8a8_gemm: x must be a CPU [M, K], got ",
-              x.sizes());
-  check_packed(packed, x.size(1), n);
-  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() &&
-                  w_scale.numel() == n,
-              "w8a8_gemm: w_scale must be a contiguous float32 [N]");
-  torch::Tensor b;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == n, "w8a8_gemm: bias must have N=", n, " elements");
-    b = bias->to(at::kFloat).contiguous();
-  }
+  const torch::Tensor b = checked_bias("w8a8_gemm", x, packed, n, w_scale, bias);
   auto [qx, sx] = quantize_padded(x, packed.size(1));
   torch::Tensor y = torch::empty({x.size(0), n}, x.options());
   if (x.size(0) == 0) return y;
   const float* sw = w_scale.data_ptr<float>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  switch (y.scalar_type()) {
-    case at::kFloat:
-      gemm_out(qx, sx, packed, n, sw, bp, allow_amx, y.data_ptr<float>());
-      break;
-    case at::kBFloat16:
-      gemm_out(qx, sx, packed, n, sw, bp, allow_amx, y.data_ptr<at::BFloat16>());
-      break;
-    default:
-      gemm_out(qx, sx, packed, n, sw, bp, allow_amx, y.data_ptr<at::Half>());
+  with_output(y, [&](auto* out) { gemm_out(qx, sx, packed, n, sw, bp, allow_amx, out); });
+  return y;
+}
+
+std::tuple<torch::Tensor, torch::Tensor> split_rows(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2, "split_rows: x must be [M, K], got ", x.sizes());
+  const int64_t m = x.size(0), k = x.size(1);
+  auto [q, s] = split_padded(x, (k + kGroup - 1) / kGroup);
+  // Back to (hi rows, then lo rows) in token order: the layout a reference builds.
+  std::vector<int64_t> order(static_cast<size_t>(2 * m));
+  for (int64_t t = 0; t < m; ++t) {
+    const PlaneRows pr = plane_rows(t, m);
+    order[t] = pr.hi;
+    order[m + t] = pr.lo;
   }
+  const torch::Tensor index = torch::tensor(order, torch::kLong);
+  return {q.index_select(0, index).narrow(1, 0, k).contiguous(), s.index_select(0, index)};
+}
+
+torch::Tensor int8_split_gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
+                              const torch::Tensor& w_scale,
+                              const c10::optional<torch::Tensor>& bias, bool allow_amx) {
+  const torch::Tensor b = checked_bias("int8_split_gemm", x, packed, n, w_scale, bias);
+  const int64_t m = x.size(0);
+  auto [q, s] = split_padded(x, packed.size(1));
+  torch::Tensor y = torch::empty({m, n}, x.options());
+  if (m == 0) return y;
+  const float* sw = w_scale.data_ptr<float>();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  with_output(y, [&](auto* out) { split_out(q, s, m, packed, n, sw, bp, allow_amx, out); });
   return y;
 }
 

@@ -25,6 +25,17 @@ torch::Tensor w8a8_gemm(const torch::Tensor& x, const torch::Tensor& packed, int
                         const torch::Tensor& w_scale,
                         const c10::optional<torch::Tensor>& bias, bool allow_amx);
 
+// Int8 weight-only layers at near-16-bit activation precision: each row of x is split into two
+// int8 planes, x = hi * s_hi + lo * s_lo (s_hi = max|x| / 127, s_lo = s_hi / 254), and both run
+// through the W8A8 sums. split_rows gives (int8 [2M, K]: the M hi rows then the M lo rows,
+// float32 [2M]: their scales), for tests.
+std::tuple<torch::Tensor, torch::Tensor> split_rows(const torch::Tensor& x);
+
+// y [M, N] = (hi . W^T * s_hi + lo . W^T * s_lo) * sw[N] (+ bias), in x's dtype.
+torch::Tensor int8_split_gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
+                              const torch::Tensor& w_scale,
+                              const c10::optional<torch::Tensor>& bias, bool allow_amx);
+
 // Which integer dot product this build uses ("avx512vnni", "avx2", "scalar").
 std::string w8a8_isa();
 
