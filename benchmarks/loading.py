@@ -6,7 +6,7 @@ Builds (once, cached in ``--folder``) the Llama-3.2-1B-shaped checkpoint in bflo
 JSON object: checkpoint bytes, and per dtype the load seconds, packing seconds, peak RSS
 (``ru_maxrss``) and its ratio to the weights' in-memory size.
 
-    python benchmarks/loading.py                     # the 1B checkpoint, bf16 and float32
+    python benchmarks/loading.py                     # the 1B checkpoint: bf16, float32, int8, w8a8
     python benchmarks/loading.py --smoke             # a tiny checkpoint, for CI
 """
 
@@ -30,11 +30,13 @@ from pagedllm.backends.cpu.backend import CpuBackend
 from pagedllm.models.model_loader import load_hf_config, load_model
 
 path, dtype = sys.argv[1], getattr(torch, sys.argv[2])
+quantization = sys.argv[3] or None
 backend = CpuBackend()
 attention = backend.attention("auto")
 config = load_hf_config(path)  # imports transformers: not part of reading the weights
 start, cpu_start = time.perf_counter(), time.process_time()
-model = load_model(path, config, attn_backend=attention, device=torch.device("cpu"), dtype=dtype)
+model = load_model(path, config, attn_backend=attention, device=torch.device("cpu"), dtype=dtype,
+                   quantization=quantization, quantizer=backend.int8_quantizer())
 load_s, load_cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
 rss_after_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -50,21 +52,24 @@ print(json.dumps({
     "weight_bytes": weight_bytes,
     "peak_rss_over_weights": round(rss_after_load / weight_bytes, 3),
     "processor": cpu_model_name(),
+    "linear_path": backend.linear_path,
 }))
 """
 
 
-def measure(folder: Path, dtype: str) -> dict[str, object]:
+def measure(folder: Path, run: str) -> dict[str, object]:
+    """One ``dtype`` or ``dtype:quantization`` run (``bfloat16:int8``) in a fresh process."""
+    dtype, _, quantization = run.partition(":")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     proc = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(folder), dtype],
+        [sys.executable, "-c", _CHILD, str(folder), dtype, quantization],
         capture_output=True,
         text=True,
         env=env,
         check=False,
     )
     if proc.returncode != 0:
-        raise RuntimeError(f"loading in {dtype} failed:\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"loading in {run} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -72,7 +77,11 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="a tiny checkpoint (CI)")
     ap.add_argument("--folder", type=Path, default=None, help="where the checkpoint is cached")
-    ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument(
+        "--dtypes",
+        default="bfloat16,float32,bfloat16:int8,bfloat16:w8a8",
+        help="runs, comma-separated: a dtype, or dtype:quantization (int8 weights made at load)",
+    )
     args = ap.parse_args(argv)
     spec = LLAMA_TINY if args.smoke else LLAMA_1B
     with tempfile.TemporaryDirectory() as tmp:

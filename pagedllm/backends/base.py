@@ -21,7 +21,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,6 +34,9 @@ from pagedllm.backends.kv_layout import (
     from_cache_dtype,
     to_cache_dtype,
 )
+
+if TYPE_CHECKING:
+    from pagedllm.layers.quantization import WeightQuantizer
 
 __all__ = [
     "FP8_DTYPES",
@@ -363,6 +366,12 @@ class DeviceBackend(ABC):
 
     def prepare_model(self, model: torch.nn.Module) -> None:
         """Device-specific tuning of a loaded model (repacked weights, say); default: none."""
+
+    def int8_quantizer(self) -> WeightQuantizer | None:
+        """This device's kernel for int8 weights made at load (``quantization="int8"/"w8a8"``),
+        computing exactly ``layers.quantization.quantize_per_channel``; None: that definition,
+        in PyTorch (every device runs it; it costs a few passes over each float chunk)."""
+        return None
 
     def lora_kernel(self) -> Any:
         """The batched LoRA shrink/expand (``pagedllm.layers.lora.LoRAKernel``) on this device.

@@ -79,6 +79,7 @@ class Worker:
             dtype=self.dtype,
             tp=tp,
             quantization=self.config.model.quantization,
+            quantizer=self.backend.int8_quantizer(),
         )
         lora = self.config.lora
         if lora is not None:

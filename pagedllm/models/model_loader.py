@@ -13,6 +13,7 @@ from torch import nn
 from pagedllm.backends.base import AttentionBackend
 from pagedllm.layers.parallel import SINGLE, TPContext
 from pagedllm.layers.quantization import (
+    WeightQuantizer,
     attach_quantization,
     finish_quantization,
     get_quant_config,
@@ -93,16 +94,18 @@ def load_model(
     dtype: torch.dtype,
     tp: TPContext = SINGLE,
     quantization: str | None = None,
+    quantizer: WeightQuantizer | None = None,
 ) -> nn.Module:
     """Build the model with its parameters already in ``dtype`` and fill them from the checkpoint.
 
     Modules are constructed on the meta device (no storage at all), then every parameter gets
     empty storage in ``dtype`` on ``device`` and the checkpoint tensors are copied straight in.
     A 16-bit checkpoint therefore never passes through a float32 copy: memory peaks at the
-    model plus the largest single tensor.
+    model plus the largest single tensor. ``quantizer``: the device backend's kernel for weights
+    quantised at load (see :class:`~pagedllm.layers.quantization.Int8WeightOnly`).
     """
     cls = resolve_model_class(getattr(hf_config, "architectures", None))
-    quant = get_quant_config(quantization, hf_config)
+    quant = get_quant_config(quantization, hf_config, quantizer)
     with torch.device("meta"):
         module = cls(hf_config, attn_backend=attn_backend, tp=tp)
     materialize(module, device=device, dtype=dtype)

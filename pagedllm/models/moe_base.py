@@ -114,7 +114,7 @@ def quantize_experts_like_dense(model: nn.Module) -> int:
     layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
     with torch.no_grad():
         for layer in layers:
-            layer.quantize_int8()
+            layer.quantize_int8(method.quantize)
     return len(layers)
 
 

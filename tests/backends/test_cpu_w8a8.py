@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.backends.cpu._ops import load_gemm_ops, supported_isas
+from pagedllm.layers.quantization.int8 import quantize_per_channel, row_absmax
 from pagedllm.layers.quantization.w8a8 import quantize_per_token
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
@@ -78,6 +79,52 @@ def test_activation_rounding_matches_pytorch(ops, dtype: torch.dtype) -> None:
     assert torch.equal(scale, scale_ref)
     assert torch.equal(q, q_ref)
     assert int(q[4, 7]) == -127 and not q[3].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("k", [2048, 301, 36, 7])  # whole vectors (no copy), tails, short rows
+def test_weight_quantizer_matches_pytorch(ops, dtype: torch.dtype, k: int) -> None:
+    """The load-time int8 weights: quantize_rows == quantize_per_channel bit for bit, with the
+    rows' own maxima and with given ones (a row-parallel shard scaled as its whole row)."""
+    torch.manual_seed(k)
+    w = (torch.randn(37, k) * torch.rand(37, 1) * 3).to(dtype)
+    w[5] = 0
+    # Exact halves after the division (scale 1): round half to even, as torch.round does.
+    w[6] = torch.tensor([127.0, 2.5, -3.5, 0.5, -0.5, 1.5, -126.5][: min(k, 7)] * (k // 7 + 1))[
+        :k
+    ].to(dtype)
+    q, scale = ops.quantize_rows(w)
+    q_ref, scale_ref = quantize_per_channel(w)
+    assert q.shape == (37, k) and q.is_contiguous()
+    assert torch.equal(scale, scale_ref)
+    assert torch.equal(q, q_ref)
+    if k >= 7:
+        assert q[6, :7].tolist() == [127, 2, -4, 0, 0, 2, -126]
+    whole = row_absmax(w) * (1 + torch.rand(37))  # a whole row's maxima: >= this shard's
+    q, scale = ops.quantize_rows(w, whole)
+    q_ref, scale_ref = quantize_per_channel(w, whole)
+    assert torch.equal(scale, scale_ref)
+    assert torch.equal(q, q_ref)
+
+
+def test_weight_quantizer_bad_absmax(ops) -> None:
+    w = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="absmax must be a CPU float32"):
+        ops.quantize_rows(w, torch.ones(3))
+
+
+def test_backend_quantizes_at_load_with_the_kernel() -> None:
+    """What the loader is given: the C++ quantiser, which falls back to the definition for
+    weights it does not take (here a float64 one)."""
+    from pagedllm.backends.cpu.backend import CpuBackend
+
+    quantize = CpuBackend().int8_quantizer()
+    assert quantize is not None
+    w = torch.randn(20, 64).bfloat16()
+    for weight in (w, w.double()):
+        q, scale = quantize(weight, None)
+        q_ref, scale_ref = quantize_per_channel(weight)
+        assert torch.equal(q, q_ref) and torch.equal(scale, scale_ref)
 
 
 @pytest.mark.parametrize(("m", "n", "k"), SHAPES)

@@ -6,10 +6,14 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagedllm.backends.base import DeviceBackend
+
+if TYPE_CHECKING:
+    from pagedllm.layers.quantization import WeightQuantizer
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +66,13 @@ class CpuBackend(DeviceBackend):
         if moe:
             self.linear_path += ", " + moe
         model.linear_path = self.linear_path
+
+    def int8_quantizer(self) -> WeightQuantizer | None:
+        """The C++ per-row quantiser (one vectorised pass per row, threaded; the PyTorch
+        definition made ~8 passes and was most of an int8 1B model's load), where it builds."""
+        from pagedllm.backends.cpu.packed_linear import cpp_weight_quantizer
+
+        return cpp_weight_quantizer()
 
     def configure_threads(self, world_size: int = 1, total: int | None = None) -> None:
         """Intra-op threads = ``total`` or the physical cores, shared evenly by co-located TP

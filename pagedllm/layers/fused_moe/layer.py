@@ -19,7 +19,7 @@ same bytes move as for a TP MLP, and no rank waits on a token shuffle.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,9 @@ from torch import nn
 from pagedllm.layers.fused_moe.routing import RoutingConfig, group_by_expert, select_experts
 from pagedllm.layers.linear import default_weight_loader
 from pagedllm.layers.parallel import SINGLE, TPContext
+
+if TYPE_CHECKING:
+    from pagedllm.layers.quantization import WeightQuantizer
 
 # (hidden [T, H], topk_weights [T, k], topk_ids [T, k]) -> this rank's partial output [T, H]
 MoEFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -118,15 +121,16 @@ class FusedMoE(nn.Module):
         self.w2_weight.weight_loader = loader  # type: ignore[attr-defined]
 
     # -- int8 (weight-only, per expert and output channel, like the dense layers) --------------
-    def quantize_int8(self) -> None:
+    def quantize_int8(self, quantize: WeightQuantizer | None = None) -> None:
         """Replace both stacks by int8 values and float32 per-row scales (kept as int32 bits,
-        so that a later cast of floating tensors cannot round them)."""
+        so that a later cast of floating tensors cannot round them); ``quantize`` computes
+        ``quantize_per_channel`` (the dense layers' method's, the backend's kernel)."""
         from pagedllm.layers.quantization import quantize_per_channel
 
         for name in ("w13_weight", "w2_weight"):
             w = getattr(self, name)  # [E, N, K]
             e, n, k = w.shape
-            q, scale = quantize_per_channel(w.detach().reshape(e * n, k))
+            q, scale = (quantize or quantize_per_channel)(w.detach().reshape(e * n, k), None)
             setattr(self, name, nn.Parameter(q.reshape(e, n, k), requires_grad=False))
             self.register_buffer(f"{name}_scale_bits", scale.reshape(e, n).view(torch.int32))
 

@@ -21,6 +21,7 @@ from pagedllm.layers.quantization.base import UNQUANTIZED, LinearMethod
 from pagedllm.layers.quantization.compressed_tensors import check_config, transform_weights
 from pagedllm.layers.quantization.int8 import (
     Int8WeightOnly,
+    WeightQuantizer,
     dequantize,
     quantize_per_channel,
     weight_scale,
@@ -37,6 +38,7 @@ __all__ = [
     "Int8WeightOnly",
     "LinearMethod",
     "QuantConfig",
+    "WeightQuantizer",
     "attach_quantization",
     "dequantize",
     "finish_quantization",
@@ -61,8 +63,14 @@ class QuantConfig:
             yield from transform_weights(weights, self.checkpoint_format)
 
 
-def get_quant_config(quantization: str | None, hf_config: Any) -> QuantConfig | None:
-    """The scheme for this model: the requested one, or the checkpoint's own."""
+def get_quant_config(
+    quantization: str | None, hf_config: Any, quantizer: WeightQuantizer | None = None
+) -> QuantConfig | None:
+    """The scheme for this model: the requested one, or the checkpoint's own.
+
+    ``quantizer``: how weights quantised at load are computed (the device backend's kernel; the
+    PyTorch definition when None).
+    """
     if quantization is not None and quantization not in QUANTIZATION_METHODS:
         raise ValueError(
             f"quantization: {quantization!r} is not supported; choose one of "
@@ -82,7 +90,7 @@ def get_quant_config(quantization: str | None, hf_config: Any) -> QuantConfig | 
         cls = _METHODS[quantization or scheme]  # the request chooses how int8 weights run
         return QuantConfig(cls(prequantized=True), checkpoint_format=fmt)
     if quantization is not None:
-        return QuantConfig(_METHODS[quantization]())
+        return QuantConfig(_METHODS[quantization](quantizer=quantizer))
     return None
 
 

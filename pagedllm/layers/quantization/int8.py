@@ -12,6 +12,8 @@ error per channel on top of the quantisation's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -20,15 +22,23 @@ from pagedllm.layers.quantization.base import LinearMethod
 _QMAX = 127
 _ROWS_PER_CHUNK = 1024  # quantise this many rows at a time: no float32 copy of a whole weight
 
+# (weight [N, K], row maxima [N] or None) -> (int8 [N, K], float32 scales [N]), exactly as
+# quantize_per_channel computes them. A device backend may supply a faster one (its
+# ``int8_quantizer()``): the definition below makes ~8 passes over each float chunk, which was
+# most of an int8 1B model's load.
+WeightQuantizer = Callable[[torch.Tensor, "torch.Tensor | None"], tuple[torch.Tensor, torch.Tensor]]
+
 
 def row_absmax(weight: torch.Tensor) -> torch.Tensor:
-    """``max|W[n, :]|`` as float32 ``[N]``, a chunk of rows at a time (no float32 copy)."""
-    out = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
-    for start in range(0, weight.shape[0], _ROWS_PER_CHUNK):
-        out[start : start + _ROWS_PER_CHUNK] = (
-            weight[start : start + _ROWS_PER_CHUNK].float().abs().amax(dim=1)
-        )
-    return out
+    """``max|W[n, :]|`` as float32 ``[N]``.
+
+    Taken in the weight's own dtype from its row minima and maxima (exact in any floating
+    type), then widened: no copy of the weight at all.
+    """
+    if weight.shape[1] == 0:
+        return torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
+    low, high = torch.aminmax(weight, dim=1)
+    return torch.maximum(high, -low).float()
 
 
 def quantize_per_channel(
@@ -46,10 +56,10 @@ def quantize_per_channel(
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # all-zero rows: any scale
     q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
     for start in range(0, weight.shape[0], _ROWS_PER_CHUNK):
-        rows = weight[start : start + _ROWS_PER_CHUNK].float()  # [r, K]
+        rows = weight[start : start + _ROWS_PER_CHUNK]  # [r, K]
         s = scale[start : start + _ROWS_PER_CHUNK]
         q[start : start + _ROWS_PER_CHUNK] = (
-            torch.round(rows / s[:, None]).clamp_(-_QMAX, _QMAX).to(torch.int8)
+            torch.div(rows.float(), s[:, None]).round_().clamp_(-_QMAX, _QMAX)
         )
     return q, scale
 
@@ -101,12 +111,18 @@ def dequantize(layer: nn.Module, dtype: torch.dtype = torch.float32) -> torch.Te
 
 
 class Int8WeightOnly(LinearMethod):
-    """Int8 weights, scales applied to the outputs; ``prequantized`` reads int8 checkpoints."""
+    """Int8 weights, scales applied to the outputs; ``prequantized`` reads int8 checkpoints.
+
+    ``quantizer`` computes :func:`quantize_per_channel` (the device backend's own kernel, say).
+    """
 
     name = "int8"
 
-    def __init__(self, *, prequantized: bool = False) -> None:
+    def __init__(
+        self, *, prequantized: bool = False, quantizer: WeightQuantizer | None = None
+    ) -> None:
         self.prequantized = prequantized
+        self.quantize: WeightQuantizer = quantizer or quantize_per_channel
 
     def create_weights(self, layer: nn.Module) -> None:
         if not self.prequantized:
@@ -129,7 +145,7 @@ class Int8WeightOnly(LinearMethod):
             scale = layer.weight_scale.detach().float().reshape(-1).contiguous()
             del layer.weight_scale
         else:
-            q, scale = quantize_per_channel(layer.weight.detach(), _whole_row_absmax(layer))
+            q, scale = self.quantize(layer.weight.detach(), _whole_row_absmax(layer))
             layer.weight = nn.Parameter(q, requires_grad=False)
         layer.register_buffer("weight_scale_bits", scale.view(torch.int32))
 

@@ -328,8 +328,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "int8 [N, K] -> int8 [N/16, K/4, 64] panels, the W8A8 layout",
         py::call_guard<py::gil_scoped_release>(), py::arg("weight"));
   m.def("quantize_rows", &pagedllm::gemm::quantize_rows,
-        "x [M, K] -> (int8 [M, K], float32 [M]): per-row symmetric, round(x / (max|x| / 127))",
-        py::call_guard<py::gil_scoped_release>(), py::arg("x"));
+        "x [M, K] -> (int8 [M, K], float32 [M]): per-row symmetric, round(x / (max|x| / 127)), "
+        "or each row scaled by the given absmax [M] / 127",
+        py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("absmax") = py::none());
   m.def("w8a8_gemm_s32", &pagedllm::gemm::w8a8_gemm_s32, "the exact int32 sums qx @ W^T",
         py::call_guard<py::gil_scoped_release>(), py::arg("qx"), py::arg("packed"), py::arg("n"),
         py::arg("allow_amx") = true);

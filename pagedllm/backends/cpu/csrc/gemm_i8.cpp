@@ -17,6 +17,7 @@
 // with zero weights (and zero activations).
 #include "gemm_i8.h"
 
+#include "convert.h"
 #include "gemm_amx.h"
 
 #include <ATen/Parallel.h>
@@ -226,25 +227,70 @@ void for_each_panel(const int8_t* qx, int64_t m, int64_t ldx, const int8_t* w, i
   }
 }
 
-// Row r of x -> q[r, 0:ldq] (zeros past k) and s[r]; the rounding is PyTorch's round(x / s).
+// max|row[i]|, vectorised: max is exact in any order.
+inline float row_absmax(const float* row, int64_t k) {
+  int64_t i = 0;
+  float amax = 0.f;
+#if defined(__AVX512F__)
+  __m512 vmax = _mm512_setzero_ps();
+  for (; i + 16 <= k; i += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(row + i)));
+  amax = _mm512_reduce_max_ps(vmax);
+#elif PAGEDLLM_AVX2
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 vmax = _mm256_setzero_ps();
+  for (; i + 8 <= k; i += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, _mm256_loadu_ps(row + i)));
+  amax = hmax8(vmax);
+#endif
+  for (; i < k; ++i) amax = std::max(amax, std::fabs(row[i]));
+  return amax;
+}
+
+// q[i] = clamp(round(row[i] / scale), -127, 127): a true division and round-half-to-even, as
+// PyTorch's `(x / s).round()` computes it, so the vector bodies agree with it bit for bit.
+inline void quantize_row(const float* row, int64_t k, float scale, int8_t* q) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512 vs = _mm512_set1_ps(scale);
+  const __m512 lim = _mm512_set1_ps(127.f), nlim = _mm512_set1_ps(-127.f);
+  for (; i + 16 <= k; i += 16) {
+    __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(row + i), vs), kRound);
+    v = _mm512_min_ps(lim, _mm512_max_ps(nlim, v));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
+  }
+#elif PAGEDLLM_AVX2
+  const __m256 vs = _mm256_set1_ps(scale);
+  const __m256 lim = _mm256_set1_ps(127.f), nlim = _mm256_set1_ps(-127.f);
+  for (; i + 8 <= k; i += 8) {
+    __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(row + i), vs),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm256_min_ps(lim, _mm256_max_ps(nlim, v));
+    const __m256i w = _mm256_cvtps_epi32(v);
+    const __m128i h = _mm_packs_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i), _mm_packs_epi16(h, h));
+  }
+#endif
+  for (; i < k; ++i) {
+    const float v = std::nearbyint(row[i] / scale);
+    q[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
+  }
+}
+
+// Row r of x -> q[r, 0:ldq] (zeros past k) and s[r] = max|x[r]| / 127 (1 for an all-zero row),
+// or absmax[r] / 127 where the caller gives each row's maximum (a row-parallel shard of a weight
+// scaled as its whole row is).
 template <typename In>
-void quantize_into(const In* x, int64_t m, int64_t k, int64_t ldq, int8_t* q, float* s) {
+void quantize_into(const In* x, int64_t m, int64_t k, int64_t ldq, const float* absmax, int8_t* q,
+                   float* s) {
   at::parallel_for(0, m, 4, [&](int64_t begin, int64_t end) {
     std::vector<float> row(static_cast<size_t>(k));
     for (int64_t r = begin; r < end; ++r) {
-      float amax = 0.f;
-      for (int64_t i = 0; i < k; ++i) {
-        row[i] = static_cast<float>(x[r * k + i]);
-        amax = std::max(amax, std::fabs(row[i]));
-      }
-      float scale = amax / 127.f;
+      load_floats(x + r * k, row.data(), k);
+      float scale = (absmax ? absmax[r] : row_absmax(row.data(), k)) / 127.f;
       if (!(scale > 0.f)) scale = 1.f;  // an all-zero row: any scale gives zeros
       s[r] = scale;
       int8_t* qr = q + r * ldq;
-      for (int64_t i = 0; i < k; ++i) {
-        const float v = std::nearbyint(row[i] / scale);
-        qr[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
-      }
+      quantize_row(row.data(), k, scale, qr);
       std::fill(qr + k, qr + ldq, int8_t{0});
     }
   });
@@ -278,20 +324,12 @@ inline PlaneRows plane_rows(int64_t token, int64_t m) {
 // rounding for rounding (products and differences as separate float operations).
 inline void split_row(const float* row, int64_t k, int64_t ldq, int8_t* hi, int8_t* lo,
                       float* s_hi, float* s_lo) {
-  int64_t i = 0;
-  float amax = 0.f;
-#if defined(__AVX512F__)
-  __m512 vmax = _mm512_setzero_ps();
-  for (; i + 16 <= k; i += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(row + i)));
-  amax = _mm512_reduce_max_ps(vmax);
-#endif
-  for (; i < k; ++i) amax = std::max(amax, std::fabs(row[i]));
-  float sh = amax / 127.f;
+  float sh = row_absmax(row, k) / 127.f;
   if (!(sh > 0.f)) sh = 1.f;  // an all-zero row: any scale gives zeros
   const float sl = sh / kLoSteps, inv_h = 1.f / sh, inv_l = 1.f / sl;
   *s_hi = sh;
   *s_lo = sl;
-  i = 0;
+  int64_t i = 0;
 #if defined(__AVX512F__)
   constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   const __m512 lim = _mm512_set1_ps(127.f), nlim = _mm512_set1_ps(-127.f);
@@ -324,7 +362,7 @@ void split_into(const In* x, int64_t m, int64_t k, int64_t ldq, int8_t* q, float
   at::parallel_for(0, m, 4, [&](int64_t begin, int64_t end) {
     std::vector<float> row(static_cast<size_t>(k));
     for (int64_t t = begin; t < end; ++t) {
-      for (int64_t i = 0; i < k; ++i) row[i] = static_cast<float>(x[t * k + i]);
+      load_floats(x + t * k, row.data(), k);
       const PlaneRows pr = plane_rows(t, m);
       split_row(row.data(), k, ldq, q + pr.hi * ldq, q + pr.lo * ldq, s + pr.hi, s + pr.lo);
     }
@@ -343,57 +381,51 @@ void check_packed(const char* name, const torch::Tensor& packed, int64_t k, int6
               " does not fit ", panels, " panels of 16");
 }
 
-// (int8 [M, 4 * groups], float32 [M]) for x [M, K] of any supported dtype.
-std::tuple<torch::Tensor, torch::Tensor> quantize_padded(const torch::Tensor& x, int64_t groups) {
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "w8a8: x must be a CPU [M, K], got ",
+// fn(typed pointer to x's elements) for a float32, bfloat16 or float16 x; `name` in the error.
+template <typename Fn>
+void with_input(const torch::Tensor& x, const char* name, const Fn& fn) {
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      return fn(x.data_ptr<float>());
+    case at::kBFloat16:
+      return fn(x.data_ptr<at::BFloat16>());
+    case at::kHalf:
+      return fn(x.data_ptr<at::Half>());
+    default:
+      TORCH_CHECK(false, name, ": x must be float32, bfloat16 or float16, got ", x.scalar_type());
+  }
+}
+
+// (int8 [planes * M, 4 * groups], float32 [planes * M]) for x [M, K]: one row per token
+// (planes 1, quantize_into, optionally scaled by the given row maxima) or two (split_into).
+std::tuple<torch::Tensor, torch::Tensor> rows_padded(const char* name, const torch::Tensor& x,
+                                                     int64_t groups, int64_t planes,
+                                                     const float* absmax = nullptr) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, name, ": x must be a CPU [M, K], got ",
               x.sizes());
   const torch::Tensor xc = x.contiguous();
   const int64_t m = xc.size(0), k = xc.size(1), ldq = groups * kGroup;
-  torch::Tensor q = torch::empty({m, ldq}, xc.options().dtype(at::kChar));
-  torch::Tensor s = torch::empty({m}, xc.options().dtype(at::kFloat));
+  torch::Tensor q = torch::empty({planes * m, ldq}, xc.options().dtype(at::kChar));
+  torch::Tensor s = torch::empty({planes * m}, xc.options().dtype(at::kFloat));
   auto* qp = q.data_ptr<int8_t>();
   auto* sp = s.data_ptr<float>();
-  switch (xc.scalar_type()) {
-    case at::kFloat:
-      quantize_into(xc.data_ptr<float>(), m, k, ldq, qp, sp);
-      break;
-    case at::kBFloat16:
-      quantize_into(xc.data_ptr<at::BFloat16>(), m, k, ldq, qp, sp);
-      break;
-    case at::kHalf:
-      quantize_into(xc.data_ptr<at::Half>(), m, k, ldq, qp, sp);
-      break;
-    default:
-      TORCH_CHECK(false, "w8a8: x must be float32, bfloat16 or float16, got ", xc.scalar_type());
-  }
+  with_input(xc, name, [&](const auto* in) {
+    if (planes == 1) {
+      quantize_into(in, m, k, ldq, absmax, qp, sp);
+    } else {
+      split_into(in, m, k, ldq, qp, sp);
+    }
+  });
   return {q, s};
+}
+
+std::tuple<torch::Tensor, torch::Tensor> quantize_padded(const torch::Tensor& x, int64_t groups) {
+  return rows_padded("w8a8", x, groups, 1);
 }
 
 // (int8 [2M, 4 * groups] in plane-row order, float32 [2M]) for x [M, K].
 std::tuple<torch::Tensor, torch::Tensor> split_padded(const torch::Tensor& x, int64_t groups) {
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "int8_split: x must be a CPU [M, K], got ",
-              x.sizes());
-  const torch::Tensor xc = x.contiguous();
-  const int64_t m = xc.size(0), k = xc.size(1), ldq = groups * kGroup;
-  torch::Tensor q = torch::empty({2 * m, ldq}, xc.options().dtype(at::kChar));
-  torch::Tensor s = torch::empty({2 * m}, xc.options().dtype(at::kFloat));
-  auto* qp = q.data_ptr<int8_t>();
-  auto* sp = s.data_ptr<float>();
-  switch (xc.scalar_type()) {
-    case at::kFloat:
-      split_into(xc.data_ptr<float>(), m, k, ldq, qp, sp);
-      break;
-    case at::kBFloat16:
-      split_into(xc.data_ptr<at::BFloat16>(), m, k, ldq, qp, sp);
-      break;
-    case at::kHalf:
-      split_into(xc.data_ptr<at::Half>(), m, k, ldq, qp, sp);
-      break;
-    default:
-      TORCH_CHECK(false, "int8_split: x must be float32, bfloat16 or float16, got ",
-                  xc.scalar_type());
-  }
-  return {q, s};
+  return rows_padded("int8_split", x, groups, 2);
 }
 
 #if defined(__AVX512F__)
@@ -528,10 +560,24 @@ torch::Tensor pack_w8a8(const torch::Tensor& weight) {
   return out;
 }
 
-std::tuple<torch::Tensor, torch::Tensor> quantize_rows(const torch::Tensor& x) {
+std::tuple<torch::Tensor, torch::Tensor> quantize_rows(const torch::Tensor& x,
+                                                       const c10::optional<torch::Tensor>& absmax) {
   TORCH_CHECK(x.dim() == 2, "quantize_rows: x must be [M, K], got ", x.sizes());
-  auto [q, s] = quantize_padded(x, (x.size(1) + kGroup - 1) / kGroup);
-  return {q.narrow(1, 0, x.size(1)).contiguous(), s};
+  const int64_t m = x.size(0), k = x.size(1);
+  torch::Tensor amax;
+  if (absmax.has_value()) {
+    amax = absmax->contiguous();
+    TORCH_CHECK(amax.device().is_cpu() && amax.scalar_type() == at::kFloat && amax.dim() == 1 &&
+                    amax.size(0) == m,
+                "quantize_rows: absmax must be a CPU float32 [M] = [", m, "], got ",
+                amax.scalar_type(), " ", amax.sizes());
+  }
+  // Rows padded to whole groups only when K is not a multiple of 4: weights quantised at load
+  // are [N, K] exactly, and a copy of a 64 MB weight would cost as much as quantising it.
+  const int64_t groups = (k + kGroup - 1) / kGroup;
+  auto [q, s] = rows_padded("quantize_rows", x, groups, 1, amax.defined() ? amax.data_ptr<float>() : nullptr);
+  if (groups * kGroup == k) return {q, s};
+  return {q.narrow(1, 0, k).contiguous(), s};
 }
 
 torch::Tensor w8a8_gemm_s32(const torch::Tensor& qx, const torch::Tensor& packed, int64_t n,

@@ -12,8 +12,11 @@ namespace pagedllm::gemm {
 // int8 [N, K] -> int8 [ceil(N/16), ceil(K/4), 64] (zero-padded).
 torch::Tensor pack_w8a8(const torch::Tensor& weight);
 
-// x [M, K] (float32/bf16/fp16) -> (int8 [M, K], float32 scales [M]): round(x / (max|x| / 127)).
-std::tuple<torch::Tensor, torch::Tensor> quantize_rows(const torch::Tensor& x);
+// x [M, K] (float32/bf16/fp16) -> (int8 [M, K], float32 scales [M]): round(x / (max|x| / 127)),
+// or with each row's maximum given (absmax [M]): the activations of W8A8 layers, and the
+// per-output-channel int8 weights made at load (layers.quantization.int8.quantize_per_channel).
+std::tuple<torch::Tensor, torch::Tensor> quantize_rows(const torch::Tensor& x,
+                                                       const c10::optional<torch::Tensor>& absmax);
 
 // int32 [M, N] = qx [M, K] int8 @ W^T: the exact sums, for tests.
 // allow_amx=false keeps the AMX-INT8 tiles out (tests compare the paths).
