@@ -22,6 +22,7 @@ from pagedllm.layers.quantization import (
     finish_quantization,
     get_quant_config,
     quantize_per_channel,
+    weight_scale,
 )
 from pagedllm.layers.quantization.compressed_tensors import unpack_int8
 from tests.conftest import PROMPTS
@@ -267,6 +268,47 @@ def test_int8_layers_use_int8_storage(llama_path: Path) -> None:
     assert layers and all(m.weight.dtype == torch.int8 for m in layers)
     assert all(isinstance(m.quant_method, Int8WeightOnly) for m in layers)
     assert model.lm_head.weight.dtype == torch.bfloat16
+
+
+def _load_int8(path: Path, quantizer: Any) -> torch.nn.Module:
+    from pagedllm.backends.reference import ReferenceAttention
+    from pagedllm.models.model_loader import load_hf_config, load_model
+
+    return load_model(
+        str(path),
+        load_hf_config(str(path)),
+        attn_backend=ReferenceAttention(),
+        device=torch.device("cpu"),
+        dtype=torch.bfloat16,
+        quantization="int8",
+        quantizer=quantizer,
+    )
+
+
+def test_backend_quantizer_makes_the_same_int8_weights(llama_path: Path) -> None:
+    """The loader hands the device backend's quantiser to every layer (the CPU's C++ one where
+    it builds), and it gives exactly the weights and scales of the PyTorch definition."""
+    from pagedllm.backends.cpu.backend import CpuBackend
+
+    kernel = CpuBackend().int8_quantizer()
+    if kernel is None:
+        pytest.skip("the C++ GEMM extension did not build here")
+    calls: list[tuple[int, ...]] = []
+
+    def counting(weight: torch.Tensor, absmax: torch.Tensor | None) -> Any:
+        calls.append(tuple(weight.shape))
+        return kernel(weight, absmax)
+
+    fast, plain = _load_int8(llama_path, counting), _load_int8(llama_path, None)
+    pairs = [
+        (a, b)
+        for a, b in zip(fast.modules(), plain.modules(), strict=True)
+        if isinstance(a, (ColumnParallelLinear, RowParallelLinear))
+    ]
+    assert pairs and len(calls) == len(pairs)
+    for a, b in pairs:
+        assert a.weight.dtype == torch.int8 and torch.equal(a.weight, b.weight)
+        assert torch.equal(weight_scale(a), weight_scale(b))
 
 
 # Two ranks sum a row-parallel layer's halves in another order than one process does, so greedy

@@ -181,6 +181,46 @@ def test_int8_experts_equal_transformers_on_the_dequantized_weights(
     check_against(generate(engine, ids), refs, f"{name}/int8")
 
 
+def test_int8_experts_quantised_by_the_backend_kernel(moe_paths: dict[str, Path]) -> None:
+    """Expert stacks go through the dense layers' quantiser (the CPU's C++ one), with the
+    PyTorch definition's result exactly."""
+    from pagedllm.backends.cpu.backend import CpuBackend
+    from pagedllm.backends.reference import ReferenceAttention
+    from pagedllm.layers.fused_moe import FusedMoE
+    from pagedllm.models.model_loader import load_hf_config, load_model
+
+    kernel = CpuBackend().int8_quantizer()
+    if kernel is None:
+        pytest.skip("the C++ GEMM extension did not build here")
+    path = str(moe_paths["mixtral"])
+    shapes: list[tuple[int, ...]] = []
+
+    def counting(weight: torch.Tensor, absmax: torch.Tensor | None) -> Any:
+        shapes.append(tuple(weight.shape))
+        return kernel(weight, absmax)
+
+    def load(quantizer: Any) -> list[FusedMoE]:
+        model = load_model(
+            path,
+            load_hf_config(path),
+            attn_backend=ReferenceAttention(),
+            device=torch.device("cpu"),
+            dtype=torch.bfloat16,
+            quantization="int8",
+            quantizer=quantizer,
+        )
+        return [m for m in model.modules() if isinstance(m, FusedMoE)]
+
+    fast, plain = load(counting), load(None)
+    assert fast and all(m.is_int8 for m in fast)
+    stacks = {(m.w13_weight.shape[0] * m.w13_weight.shape[1], m.w13_weight.shape[2]) for m in fast}
+    assert stacks <= set(shapes)  # the expert stacks, reshaped [E * N, K], went through it
+    for a, b in zip(fast, plain, strict=True):
+        for name in ("w13_weight", "w2_weight"):
+            assert torch.equal(getattr(a, name), getattr(b, name))
+            assert torch.equal(a.scales(name), b.scales(name))
+
+
 # -- configs we do not implement -----------------------------------------------------------------
 BAD_CONFIGS = [
     ("mixtral", {"scoring_func": "sigmoid"}, "scoring_func"),
