@@ -117,6 +117,22 @@ def build_model(folder: Path, name: str, **overrides: Any) -> Path:
     return folder
 
 
+def load_on_reference(path: Path, dtype: torch.dtype, **kwargs: Any) -> torch.nn.Module:
+    """``load_model`` of a model folder on the CPU with the reference attention (no engine):
+    for tests that inspect the loaded parameters."""
+    from pagedllm.backends.reference import ReferenceAttention
+    from pagedllm.models.model_loader import load_hf_config, load_model
+
+    return load_model(
+        str(path),
+        load_hf_config(str(path)),
+        attn_backend=ReferenceAttention(),
+        device=torch.device("cpu"),
+        dtype=dtype,
+        **kwargs,
+    )
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")

@@ -25,7 +25,7 @@ from pagedllm.layers.quantization import (
     weight_scale,
 )
 from pagedllm.layers.quantization.compressed_tensors import unpack_int8
-from tests.conftest import PROMPTS
+from tests.conftest import PROMPTS, load_on_reference
 
 # int8 vs float32, teacher-forced on the prompts: per-token log-probability difference bounds
 # (measured ~0.01 max on the tiny llama; the bounds leave headroom, yet a scale applied twice or
@@ -249,40 +249,13 @@ def test_bf16_gemm_paths_match_f_linear(llama_path: Path, monkeypatch, path: str
 
 
 def test_int8_layers_use_int8_storage(llama_path: Path) -> None:
-    from pagedllm.models.model_loader import load_hf_config, load_model
-
-    hf_config = load_hf_config(str(llama_path))
-    from pagedllm.backends.reference import ReferenceAttention
-
-    model = load_model(
-        str(llama_path),
-        hf_config,
-        attn_backend=ReferenceAttention(),
-        device=torch.device("cpu"),
-        dtype=torch.bfloat16,
-        quantization="int8",
-    )
+    model = load_on_reference(llama_path, torch.bfloat16, quantization="int8")
     layers = [
         m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
     ]
     assert layers and all(m.weight.dtype == torch.int8 for m in layers)
     assert all(isinstance(m.quant_method, Int8WeightOnly) for m in layers)
     assert model.lm_head.weight.dtype == torch.bfloat16
-
-
-def _load_int8(path: Path, quantizer: Any) -> torch.nn.Module:
-    from pagedllm.backends.reference import ReferenceAttention
-    from pagedllm.models.model_loader import load_hf_config, load_model
-
-    return load_model(
-        str(path),
-        load_hf_config(str(path)),
-        attn_backend=ReferenceAttention(),
-        device=torch.device("cpu"),
-        dtype=torch.bfloat16,
-        quantization="int8",
-        quantizer=quantizer,
-    )
 
 
 def test_backend_quantizer_makes_the_same_int8_weights(llama_path: Path) -> None:
@@ -299,7 +272,10 @@ def test_backend_quantizer_makes_the_same_int8_weights(llama_path: Path) -> None
         calls.append(tuple(weight.shape))
         return kernel(weight, absmax)
 
-    fast, plain = _load_int8(llama_path, counting), _load_int8(llama_path, None)
+    fast, plain = (
+        load_on_reference(llama_path, torch.bfloat16, quantization="int8", quantizer=q)
+        for q in (counting, None)
+    )
     pairs = [
         (a, b)
         for a, b in zip(fast.modules(), plain.modules(), strict=True)

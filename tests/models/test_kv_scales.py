@@ -15,6 +15,7 @@ from pagedllm.backends.reference import ReferenceAttention
 from pagedllm.layers.attention import Attention
 from pagedllm.models.checkpoint import CheckpointError
 from pagedllm.models.checkpoint_kv_scales import kv_scale_target
+from tests.conftest import load_on_reference
 
 NAMINGS = {
     "compressed-tensors": ("self_attn.k_scale", "self_attn.v_scale"),
@@ -34,15 +35,7 @@ def _with_scales(src: Path, dst: Path, names: dict[str, torch.Tensor]) -> Path:
 
 
 def _load(path: Path) -> torch.nn.Module:
-    from pagedllm.models.model_loader import load_hf_config, load_model
-
-    return load_model(
-        str(path),
-        load_hf_config(str(path)),
-        attn_backend=ReferenceAttention(),
-        device=torch.device("cpu"),
-        dtype=torch.float32,
-    )
+    return load_on_reference(path, torch.float32)
 
 
 def _attention_layers(model: torch.nn.Module) -> list[Attention]:

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from pagedllm import Engine, SamplingParams
-from tests.conftest import PROMPTS
+from tests.conftest import PROMPTS, load_on_reference
 from tests.hf_reference import assert_first_logprobs_close, assert_greedy_match, hf_greedy
 from tests.models.moe_models import MOE_FAMILIES, build_moe
 
@@ -185,14 +185,12 @@ def test_int8_experts_quantised_by_the_backend_kernel(moe_paths: dict[str, Path]
     """Expert stacks go through the dense layers' quantiser (the CPU's C++ one), with the
     PyTorch definition's result exactly."""
     from pagedllm.backends.cpu.backend import CpuBackend
-    from pagedllm.backends.reference import ReferenceAttention
     from pagedllm.layers.fused_moe import FusedMoE
-    from pagedllm.models.model_loader import load_hf_config, load_model
 
     kernel = CpuBackend().int8_quantizer()
     if kernel is None:
         pytest.skip("the C++ GEMM extension did not build here")
-    path = str(moe_paths["mixtral"])
+    path = moe_paths["mixtral"]
     shapes: list[tuple[int, ...]] = []
 
     def counting(weight: torch.Tensor, absmax: torch.Tensor | None) -> Any:
@@ -200,15 +198,7 @@ def test_int8_experts_quantised_by_the_backend_kernel(moe_paths: dict[str, Path]
         return kernel(weight, absmax)
 
     def load(quantizer: Any) -> list[FusedMoE]:
-        model = load_model(
-            path,
-            load_hf_config(path),
-            attn_backend=ReferenceAttention(),
-            device=torch.device("cpu"),
-            dtype=torch.bfloat16,
-            quantization="int8",
-            quantizer=quantizer,
-        )
+        model = load_on_reference(path, torch.bfloat16, quantization="int8", quantizer=quantizer)
         return [m for m in model.modules() if isinstance(m, FusedMoE)]
 
     fast, plain = load(counting), load(None)
