@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
 class SiluAndMul(nn.Module):
+    """``fast_act`` is a backend's one-pass kernel (``prepare_model``), rounding as
+    :meth:`forward_native` does and handing it any input it cannot take."""
+
+    fast_act: Callable[[torch.Tensor], torch.Tensor] | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, 2d] -> [n, d]
+        if self.fast_act is not None:
+            return self.fast_act(x)
+        return self.forward_native(x)
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        """The definition (PyTorch ops): what every backend kernel is tested against."""
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

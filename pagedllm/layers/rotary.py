@@ -7,6 +7,7 @@ every position up to the context window.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,7 +39,20 @@ def inverse_frequencies(config: Any, rotary_dim: int) -> tuple[torch.Tensor, flo
     return inv_freq.float(), float(scaling)
 
 
+# (positions, q, k) -> (q, k) rotated: the shape of RotaryEmbedding.forward.
+RotaryFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
 class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding over float32 ``cos``/``sin`` tables.
+
+    ``fast_rotary`` is a backend's kernel (``prepare_model``): it may rotate q and k in place
+    (they are views of this step's fresh QKV output), rounds as :meth:`forward_native` does and
+    hands it any input it cannot take.
+    """
+
+    fast_rotary: RotaryFn | None = None
+
     def __init__(self, config: Any, head_size: int, rotary_dim: int, max_position: int) -> None:
         super().__init__()
         self.head_size = head_size
@@ -70,6 +84,15 @@ class RotaryEmbedding(nn.Module):
         q: torch.Tensor,  # [num_tokens, num_heads, head_size]
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fast_rotary is not None:
+            return self.fast_rotary(positions, q, k)
+        return self.forward_native(positions, q, k)
+
+    def forward_native(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The definition (PyTorch ops, new tensors): what every backend kernel is tested
+        against."""
         cos = self.cos[positions].to(q.dtype)[:, None, :]  # [num_tokens, 1, rotary_dim]
         sin = self.sin[positions].to(q.dtype)[:, None, :]
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -2,8 +2,8 @@
 
 This machine may lack AVX-512, so those paths cannot run here; compiling them (object files only,
 never linked or loaded: a load could execute an instruction the CPU lacks) keeps them from
-rotting. The kernels' sources carry all the ISA-specific code, so the attention, cache-op and
-weight-GEMM translation units are what is compiled; the bindings have none.
+rotting. The kernels' sources carry all the ISA-specific code, so the attention, cache-op,
+layer-kernel and weight-GEMM translation units are what is compiled; the bindings have none.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def test_avx512_variants_compile(isa: str, tmp_path: Path) -> None:
         pytest.skip("x86 ISA levels compile only with an x86 compiler")
     from pagedllm.backends.cpu._ops import compile_objects
 
-    sources = ("attention.cpp", "cache_ops.cpp", "gemm.cpp", "gemm_i8.cpp")
+    sources = ("attention.cpp", "cache_ops.cpp", "pointwise.cpp", "gemm.cpp", "gemm_i8.cpp")
     objects = compile_objects(isa, tmp_path, sources)
     assert [o.name for o in objects] == [f"{Path(s).stem}.{isa}.o" for s in sources]
     assert all(o.stat().st_size > 0 for o in objects)

@@ -276,12 +276,13 @@ def compile_objects(
 
 
 ATTENTION_EXTENSION = "pagedllm_cpu_ops"
-_ATTENTION_SOURCES = ("attention.cpp", "cache_ops.cpp", "bindings.cpp")
-_ATTENTION_HEADERS = ("attention.h", "convert.h", "vec.h")
+_ATTENTION_SOURCES = ("attention.cpp", "cache_ops.cpp", "pointwise.cpp", "bindings.cpp")
+_ATTENTION_HEADERS = ("attention.h", "pointwise.h", "convert.h", "vec.h")
 
 
 def load_ops(build_root: Path | None = None, *, isa: str | None = None) -> ModuleType:
-    """The paged-attention and cache-op extension for one ISA level (see :func:`load_extension`)."""
+    """The paged-attention, cache-op and row-wise layer-kernel extension for one ISA level (see
+    :func:`load_extension`)."""
     return load_extension(
         ATTENTION_EXTENSION,
         _ATTENTION_SOURCES,

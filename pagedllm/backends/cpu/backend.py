@@ -54,10 +54,13 @@ class CpuBackend(DeviceBackend):
     # Which GEMM each kind of linear layer got (e.g. "QKVParallelLinear=cpp-bf16-avx2, ..."),
     # set by prepare_model so that benchmarks can name it.
     linear_path = ""
+    layer_kernels = ""  # what install_layer_kernels put in, for the log and benchmarks
 
     def prepare_model(self, model: torch.nn.Module) -> None:
-        """Per layer, the fastest correct GEMM for its weight dtype (see packed_linear)."""
+        """Per layer, the fastest correct GEMM for its weight dtype (see packed_linear), and the
+        one-pass norm, activation and rotary kernels (see layer_kernels)."""
         from pagedllm.backends.cpu.fused_moe import pack_moe_layers
+        from pagedllm.backends.cpu.layer_kernels import install_layer_kernels
         from pagedllm.backends.cpu.packed_linear import pack_linear_layers
 
         paths = pack_linear_layers(model)
@@ -66,6 +69,7 @@ class CpuBackend(DeviceBackend):
         if moe:
             self.linear_path += ", " + moe
         model.linear_path = self.linear_path
+        self.layer_kernels = install_layer_kernels(model)
 
     def int8_quantizer(self) -> WeightQuantizer | None:
         """The C++ per-row quantiser (one vectorised pass per row, threaded; the PyTorch

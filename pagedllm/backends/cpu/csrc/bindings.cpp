@@ -1,17 +1,20 @@
-// Python bindings of the CPU paged-attention extension (loaded by pagedllm/backends/cpu/_ops.py).
+// Python bindings of the CPU kernel extension: paged attention, cache ops, row-wise layer kernels
+// (loaded by pagedllm/backends/cpu/_ops.py).
 //
 // Every kernel releases the GIL (arguments are converted before, results after), so another
 // Python thread, e.g. the server's event loop, keeps running while attention computes.
 #include <torch/extension.h>
 
 #include "attention.h"
+#include "pointwise.h"
 
 namespace {
 using NoGil = py::call_guard<py::gil_scoped_release>;
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "pagedllm CPU paged-attention kernels (f32/bf16/f16/fp8 caches; AVX-512/AVX2 per build)";
+  m.doc() =
+      "pagedllm CPU paged-attention, cache and row-wise layer kernels (AVX-512/AVX2 per build)";
   m.def("paged_attention", &pagedllm::paged_attention, "causal paged attention, flat batch",
         NoGil(), py::arg("query"), py::arg("kv_cache"), py::arg("block_tables"),
         py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("scale"),
@@ -23,6 +26,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         NoGil(), py::arg("kv_caches"), py::arg("pairs"));
   m.def("swap_blocks", &pagedllm::swap_blocks, "move blocks between two pools of one layer",
         NoGil(), py::arg("src"), py::arg("dst"), py::arg("pairs"));
+  m.def("rms_norm", &pagedllm::rms_norm, "RMSNorm with the residual add fused: (out, x + res)",
+        NoGil(), py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("offset") = 0.0,
+        py::arg("residual") = py::none());
+  m.def("silu_and_mul", &pagedllm::silu_and_mul, "silu(gate) * up of a [gate | up] tensor",
+        NoGil(), py::arg("x"));
+  m.def("rotary_embedding", &pagedllm::rotary_embedding, "neox rotary embedding, in place",
+        NoGil(), py::arg("positions"), py::arg("q"), py::arg("k"), py::arg("cos"),
+        py::arg("sin"), py::arg("rotary_dim"));
   m.def("built_with_avx2", &pagedllm::built_with_avx2, "whether the AVX2/FMA path was compiled");
   m.def("built_isa", &pagedllm::built_isa, "the widest vector path compiled in");
 }

@@ -1,0 +1,27 @@
+// Row-wise layer kernels of the CPU backend (pointwise.cpp); bindings.cpp exposes them.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <tuple>
+
+namespace pagedllm {
+
+// (out, h): h = x + residual rounded to x's dtype (x itself without a residual), out = RMSNorm(h)
+// rounded as the PyTorch layer does. x, residual [rows, n] with unit inner stride; weight [n] of
+// x's dtype; offset != 0 multiplies by (offset + weight) in float32 (Gemma) instead.
+std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight,
+                                            double eps, double offset,
+                                            const std::optional<at::Tensor>& residual);
+
+// [rows, 2d] ([gate | up]) -> [rows, d]: silu(gate) * up, rounded as F.silu(gate) * up.
+at::Tensor silu_and_mul(const at::Tensor& x);
+
+// Neox-style rotary embedding of the first rotary_dim dims of every head of q and k, in place.
+// positions [tokens] int64; q/k [tokens, heads, head_size] (any token/head strides); cos/sin
+// [max_position, rotary_dim] float32 (the rounding to q's dtype happens here, as .to() would).
+void rotary_embedding(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k,
+                      const at::Tensor& cos, const at::Tensor& sin, int64_t rotary_dim);
+
+}  // namespace pagedllm
