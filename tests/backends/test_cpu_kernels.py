@@ -239,3 +239,22 @@ def test_engine_beam_search_matches_transformers(cpp, llama_path, monkeypatch) -
         expected = [[t for t in r[len(ids) :].tolist() if t != 2] for r in ref]
         assert [c.token_ids for c in out.outputs] == expected, prompt
     assert calls["copy_blocks"] > 0, "no copy-on-write happened"
+
+
+@pytest.mark.parametrize("window", [None, 100, 200])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("head_size", [64, 96])
+def test_bf16_cache_spans_and_windows_match_reference(
+    cpp, head_size: int, block_size: int, window: int | None
+) -> None:
+    """bf16 queries over a bf16 cache: in avx512bf16 builds the scores come from vdpbf16ps on the
+    panel as stored and the values are widened in registers. Contexts cross several of the
+    128-key softmax spans, prompt chunks start mid-span, windows end inside spans."""
+    seqs = [(0, 150), (130, 40), (257, 1), (700, 1), (127, 1), (128, 1), (129, 3)]
+    kind = conformance.Kind("cpp", cpp, torch.device("cpu"), conformance.DTYPES)
+    batch = conformance.make_batch(
+        seqs, 2, block_size=block_size, heads=(8, 2), head_size=head_size, dtype=torch.bfloat16
+    )
+    conformance.write_and_compare(
+        kind, *batch, f"bf16 d={head_size} bs={block_size}", window=window
+    )
