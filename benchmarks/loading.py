@@ -53,6 +53,7 @@ print(json.dumps({
     "peak_rss_over_weights": round(rss_after_load / weight_bytes, 3),
     "processor": cpu_model_name(),
     "linear_path": backend.linear_path,
+    "layer_kernels": backend.layer_kernels,
 }))
 """
 

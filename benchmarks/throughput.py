@@ -211,16 +211,18 @@ def run_pagedllm(
         "kv_waste": 1 - used / alloc if alloc else 0.0,
         "attention_backend": engine.executor.collective_rpc("attention_name")[0],
         "isa": resolve_isa(),
-        "linear_path": _linear_path(engine),
+        "linear_path": _worker_report(engine, "linear_path"),
+        "layer_kernels": _worker_report(engine, "layer_kernels"),
     }
     if args.bandwidth:
         result["decode_step_seconds_64"] = _decode_step_seconds(engine, spec, 64)
     return result
 
 
-def _linear_path(engine: Any) -> str | None:
+def _worker_report(engine: Any, method: str) -> str | None:
+    """A worker's description of what the backend chose (``linear_path``, ``layer_kernels``)."""
     try:
-        return engine.executor.collective_rpc("linear_path")[0]
+        return engine.executor.collective_rpc(method)[0]
     except (AttributeError, RuntimeError, TypeError):
         return None
 

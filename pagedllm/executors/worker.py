@@ -146,6 +146,11 @@ class Worker:
         model = self.runner.model if self.runner is not None else None
         return str(getattr(model, "linear_path", "") or "F.linear")
 
+    def layer_kernels(self) -> str:
+        """Which norm/activation/rotary kernels the backend installed ("none": the PyTorch ops)."""
+        model = self.runner.model if self.runner is not None else None
+        return str(getattr(model, "layer_kernels", "") or "none")
+
     def cache_spec(self) -> CacheSpec:
         """What one token stores, read off the loaded model's attention layers (this rank's)."""
         assert self.runner is not None, "cache_spec needs the model loaded"

@@ -27,11 +27,21 @@ class SiluAndMul(nn.Module):
 
 
 class GeluAndMul(nn.Module):
+    """``fast_act``: as SiluAndMul's (a backend may fill it for ``approximate="tanh"``)."""
+
+    fast_act: Callable[[torch.Tensor], torch.Tensor] | None = None
+
     def __init__(self, approximate: str = "tanh") -> None:
         super().__init__()
         self.approximate = approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fast_act is not None:
+            return self.fast_act(x)
+        return self.forward_native(x)
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        """The definition (PyTorch ops): what every backend kernel is tested against."""
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate=self.approximate) * up
 

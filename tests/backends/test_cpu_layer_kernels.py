@@ -23,7 +23,7 @@ from pagedllm.backends.cpu.layer_kernels import (
     norm_kernel,
     rotary_kernel,
 )
-from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.activation import GeluAndMul, SiluAndMul
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
 
@@ -98,6 +98,34 @@ def test_silu_and_mul_matches_definition(ops, dtype: torch.dtype, width: int) ->
     ref = act.forward_native(x)
     assert_close_to_definition(out, ref)
     assert torch.equal(out[0, :2], ref[0, :2])  # signed zeros where exp(-g) overflows to inf
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_and_mul_matches_definition(ops, dtype: torch.dtype) -> None:
+    """Within two ulps, but for where PyTorch's 1 + tanh(z) cancels (gate below about -3): its
+    float32 absolute accuracy there, 6e-8 of 0.5 |gate|, times |up| (the kernel evaluates the
+    same function as gate / (1 + exp(-2z)), which does not cancel)."""
+    torch.manual_seed(1)
+    act = GeluAndMul("tanh")
+    fast = act_kernel(ops, act)
+    width = 1003
+    x = torch.randn(21, 2 * width, dtype=dtype) * 4
+    x[0, :5] = torch.tensor([-100.0, -30.0, 0.0, 5.0, 30.0]).to(dtype)
+    out, ref = fast(x).float(), act.forward_native(x).float()
+    gate, up = x[:, :width].float().abs(), x[:, width:].float().abs()
+    tiny = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps  # one subnormal step
+    bound = 2 * torch.finfo(dtype).eps * ref.abs() + 1e-7 * gate * up + 2 * tiny
+    assert ((out - ref).abs() <= bound).all()
+    big = gate < 2  # away from the cancellation: the last-bit rule of the other kernels
+    assert_close_to_definition(fast(x)[big].view(-1, 1), act.forward_native(x)[big].view(-1, 1))
+
+
+def test_gelu_without_tanh_is_left_to_the_definition() -> None:
+    from pagedllm.backends.cpu.layer_kernels import install_layer_kernels as install
+
+    model = torch.nn.Sequential(GeluAndMul("none"), GeluAndMul("tanh"))
+    assert "gelu_tanh_and_mul x1" in install(model)
+    assert model[0].fast_act is None and model[1].fast_act is not None
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

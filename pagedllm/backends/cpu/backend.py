@@ -70,6 +70,7 @@ class CpuBackend(DeviceBackend):
             self.linear_path += ", " + moe
         model.linear_path = self.linear_path
         self.layer_kernels = install_layer_kernels(model)
+        model.layer_kernels = self.layer_kernels
 
     def int8_quantizer(self) -> WeightQuantizer | None:
         """The C++ per-row quantiser (one vectorised pass per row, threaded; the PyTorch

@@ -1,13 +1,13 @@
 """The C++ row-wise layer kernels (``csrc/pointwise.cpp``) installed into a model's slots.
 
-RMSNorm (residual add fused), the gated SiLU and the rotary embedding are each a chain of small
-ATen ops in PyTorch; at decode sizes the chain costs more than the arithmetic (10.7 ms of a
-90 ms decode step of a 1B int8 model at 16 sequences), so the backend's ``prepare_model`` puts
-one-pass kernels into the layers' ``fast_norm`` / ``fast_act`` / ``fast_rotary`` slots. Each
-kernel rounds where the layer's ``forward_native`` rounds, and any input it cannot take (another
+RMSNorm (residual add fused), the gated SiLU / GELU (tanh) and the rotary embedding are each a
+chain of small ATen ops in PyTorch; at decode sizes the chain costs more than the arithmetic
+(10.7 ms of a 90 ms decode step of a 1B int8 model at 16 sequences), so the backend's
+``prepare_model`` puts one-pass kernels into the layers' ``fast_norm`` / ``fast_act`` /
+``fast_rotary`` slots. Each kernel rounds where the layer's ``forward_native`` rounds (results
+differ at most in the last bit of a float32 sum or exp), and any input it cannot take (another
 device or dtype, a view it cannot walk as rows, norm weights in another dtype than the
-activations) goes to ``forward_native``, so installing them never changes what runs, only how
-fast.
+activations) goes to ``forward_native``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from types import ModuleType
 
 import torch
 from torch import nn
+
+from pagedllm.layers.activation import GeluAndMul, SiluAndMul
 
 logger = logging.getLogger(__name__)
 
@@ -70,13 +72,14 @@ def norm_kernel(ops: ModuleType, module: nn.Module):
 
 
 def act_kernel(ops: ModuleType, module: nn.Module):
-    """``fast_act`` for one SiluAndMul."""
+    """``fast_act`` for one SiluAndMul, or a GeluAndMul with the tanh approximation."""
+    kernel = ops.silu_and_mul if isinstance(module, SiluAndMul) else ops.gelu_tanh_and_mul
 
     def act(x: torch.Tensor) -> torch.Tensor:
         rows = _as_rows(x)
         if rows is None or x.shape[-1] % 2:
             return module.forward_native(x)
-        return ops.silu_and_mul(rows).view(*x.shape[:-1], x.shape[-1] // 2)
+        return kernel(rows).view(*x.shape[:-1], x.shape[-1] // 2)
 
     return act
 
@@ -107,14 +110,13 @@ def rotary_kernel(ops: ModuleType, module: nn.Module):
 def install_layer_kernels(model: nn.Module) -> str:
     """Fill the norm, activation and rotary slots of every layer; returns what was installed
     (e.g. ``"rms_norm x33, silu_and_mul x16, rotary x16"``, or ``"none"``), for the log."""
-    from pagedllm.layers.activation import SiluAndMul
     from pagedllm.layers.norm import RMSNorm
     from pagedllm.layers.rotary import RotaryEmbedding
 
     ops = layer_ops()
     if ops is None:
         return "none"
-    counts = {"rms_norm": 0, "silu_and_mul": 0, "rotary": 0}
+    counts = {"rms_norm": 0, "silu_and_mul": 0, "gelu_tanh_and_mul": 0, "rotary": 0}
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.fast_norm = norm_kernel(ops, module)
@@ -122,6 +124,9 @@ def install_layer_kernels(model: nn.Module) -> str:
         elif isinstance(module, SiluAndMul):
             module.fast_act = act_kernel(ops, module)
             counts["silu_and_mul"] += 1
+        elif isinstance(module, GeluAndMul) and module.approximate == "tanh":
+            module.fast_act = act_kernel(ops, module)
+            counts["gelu_tanh_and_mul"] += 1
         elif isinstance(module, RotaryEmbedding):
             module.fast_rotary = rotary_kernel(ops, module)
             counts["rotary"] += 1

@@ -31,6 +31,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("residual") = py::none());
   m.def("silu_and_mul", &pagedllm::silu_and_mul, "silu(gate) * up of a [gate | up] tensor",
         NoGil(), py::arg("x"));
+  m.def("gelu_tanh_and_mul", &pagedllm::gelu_tanh_and_mul,
+        "gelu(gate, approximate='tanh') * up of a [gate | up] tensor", NoGil(), py::arg("x"));
   m.def("rotary_embedding", &pagedllm::rotary_embedding, "neox rotary embedding, in place",
         NoGil(), py::arg("positions"), py::arg("q"), py::arg("k"), py::arg("cos"),
         py::arg("sin"), py::arg("rotary_dim"));

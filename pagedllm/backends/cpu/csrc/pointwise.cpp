@@ -1,5 +1,5 @@
 // Row-wise layer kernels of the CPU backend: RMSNorm with the residual add fused, the gated SiLU
-// of the MLP, and the rotary embedding (in place on q and k).
+// and GELU (tanh) of the MLP, and the rotary embedding (in place on q and k).
 //
 // Why they exist: in PyTorch each is a chain of five to ten small ATen ops, every one a pass over
 // memory and a dispatch, and at decode sizes the chain costs far more than the arithmetic (in a
@@ -256,6 +256,36 @@ void silu_mul_row(const T* gate, const T* up, T* out, int64_t d) {
   }
 }
 
+// out = T(T(gelu_tanh(g)) * u) for one row of [gate | up]: gelu_tanh(g) = 0.5 g (1 + tanh(z)),
+// z = sqrt(2/pi) (g + 0.044715 g^3), evaluated as g / (1 + exp(-2z)), the same function without
+// the cancellation of 1 + tanh(z) where tanh nears -1 (g below about -3). PyTorch evaluates the
+// first form, whose 1 + tanh(z) keeps only float32's absolute accuracy there (6e-8): those tiny
+// outputs agree with it to that, not to the last bit; -0 where exp(-2z) overflows, as PyTorch's.
+template <typename T>
+void gelu_tanh_mul_row(const T* gate, const T* up, T* out, int64_t d) {
+  constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f;
+  int64_t c = 0;
+#if PAGEDLLM_AVX512 || PAGEDLLM_AVX2
+  {
+    const vf one = vset(1.f), neg_zero = vset(-0.f), lo = vset(-88.3f);
+    const vf beta2 = vset(2.f * kBeta), kappa = vset(kKappa), zero = vset(0.f);
+    for (; c + kLanes <= d; c += kLanes) {
+      const vf g = vload(gate + c);
+      const vf z2 = vmul(beta2, vadd(g, vmul(kappa, vmul(vmul(g, g), g))));  // 2z
+      vf s = vdiv(g, vadd(one, vexp(vsub(zero, z2))));
+      s = vselect_lt(z2, lo, neg_zero, s);
+      vstore(out + c, vmul(vround<T>(s), vload(up + c)));
+    }
+  }
+#endif
+  for (; c < d; ++c) {
+    const float g = static_cast<float>(gate[c]);
+    const float z = kBeta * (g + kKappa * (g * g * g));
+    const float s = g / (1.f + std::exp(-2.f * z));
+    out[c] = static_cast<T>(round_to<T>(s) * static_cast<float>(up[c]));
+  }
+}
+
 // Neox-style rotation of one head's first rot dims in place: with half = rot / 2,
 // x1' = T(T(x1 c1) - T(x2 s1)), x2' = T(T(x2 c2) + T(x1 s2)), the tables rounded to T first.
 template <typename T>
@@ -318,19 +348,40 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tenso
   return {out, h};
 }
 
-at::Tensor silu_and_mul(const at::Tensor& x) {
-  check_rows(x, "silu_and_mul", "x");
-  TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul: the last dim must be even ([gate | up])");
+namespace {
+
+// [rows, 2d] -> [rows, d] through one of the gated row kernels.
+template <template <typename> class Row>
+at::Tensor gated(const at::Tensor& x, const char* op) {
+  check_rows(x, op, "x");
+  TORCH_CHECK(x.size(1) % 2 == 0, op, ": the last dim must be even ([gate | up])");
   const int64_t rows = x.size(0), d = x.size(1) / 2;
   at::Tensor out = at::empty({rows, d}, x.options());
-  dispatch_compute(x.scalar_type(), "silu_and_mul", [&](auto tag) {
+  dispatch_compute(x.scalar_type(), op, [&](auto tag) {
     using T = decltype(tag);
     const Rows<T> xr = rows_of<T>(x), orow = rows_of<T>(out);
     at::parallel_for(0, rows, grain_for(d), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) silu_mul_row<T>(xr.row(r), xr.row(r) + d, orow.row(r), d);
+      for (int64_t r = begin; r < end; ++r) Row<T>::run(xr.row(r), xr.row(r) + d, orow.row(r), d);
     });
   });
   return out;
+}
+
+template <typename T>
+struct SiluRow {
+  static void run(const T* g, const T* u, T* o, int64_t d) { silu_mul_row<T>(g, u, o, d); }
+};
+template <typename T>
+struct GeluTanhRow {
+  static void run(const T* g, const T* u, T* o, int64_t d) { gelu_tanh_mul_row<T>(g, u, o, d); }
+};
+
+}  // namespace
+
+at::Tensor silu_and_mul(const at::Tensor& x) { return gated<SiluRow>(x, "silu_and_mul"); }
+
+at::Tensor gelu_tanh_and_mul(const at::Tensor& x) {
+  return gated<GeluTanhRow>(x, "gelu_tanh_and_mul");
 }
 
 void rotary_embedding(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k,

@@ -18,6 +18,9 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tenso
 // [rows, 2d] ([gate | up]) -> [rows, d]: silu(gate) * up, rounded as F.silu(gate) * up.
 at::Tensor silu_and_mul(const at::Tensor& x);
 
+// The same with gelu(gate, approximate="tanh") (Gemma).
+at::Tensor gelu_tanh_and_mul(const at::Tensor& x);
+
 // Neox-style rotary embedding of the first rotary_dim dims of every head of q and k, in place.
 // positions [tokens] int64; q/k [tokens, heads, head_size] (any token/head strides); cos/sin
 // [max_position, rotary_dim] float32 (the rounding to q's dtype happens here, as .to() would).
