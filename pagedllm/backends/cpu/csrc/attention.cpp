@@ -257,11 +257,6 @@ void accumulate_values(Workspace& ws, int rows, const float* v, int n, int d, co
 template <typename CT>
 constexpr bool kRegisterValues = std::is_same_v<CT, bf16_t>;
 
-inline __m512 widen_bf16x16(const bf16_t* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 // acc_r[c0, c0 + 32) = acc_r * alpha_r + sum_t p_r[t] v[t] for R (1..4) rows.
 template <int R>
 inline void values_rx32(float* acc, const float* alpha, const float* p, int ld, const bf16_t* v,

@@ -3,9 +3,10 @@
 // The cache may hold float32, bfloat16, float16, fp8 e4m3 (the "fn" variant: no infinities,
 // max 448) or fp8 e5m2. Kernels compute in float32: a block's K or V panel is widened into a
 // per-thread float buffer once (load_floats) and then reused by every query row of the tile, so
-// the micro-kernels stay the float ones. Writes narrow with round-to-nearest-even (c10's scalar
-// conversions, the same ones torch's .to() uses, so a cache written here is bit-identical to one
-// written by the PyTorch reference). fp8 values are stored as x / scale, saturated to the
+// the micro-kernels stay the float ones; kernels that widen bf16 in registers instead (the
+// attention's bf16 values, the row-wise layer kernels) share widen_bf16x16. Writes narrow with
+// round-to-nearest-even (c10's scalar conversions, the same ones torch's .to() uses, so a cache
+// written here is bit-identical to one written by the PyTorch reference). fp8 values are stored as x / scale, saturated to the
 // format's largest finite value, and read back as q * scale; the kernels fold the scales into
 // the query (K) and the output (V), never per element.
 #pragma once
@@ -53,6 +54,15 @@ inline T narrow(float x, float scale) {
   }
 }
 
+#if PAGEDLLM_AVX512
+// 16 bf16 -> 16 floats, exactly (a bf16 is a float's top half): shared by the panel widening
+// below and the kernels that widen in registers.
+inline __m512 widen_bf16x16(const bf16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
 // dst[i] = float(src[i]) for i < n.
 template <typename T>
 inline void load_floats(const T* src, float* dst, int64_t n) {
@@ -65,12 +75,7 @@ inline void load_floats(const T* src, float* dst, int64_t n) {
     for (; i + 16 <= n; i += 16) {
       __m512 f;
       if constexpr (std::is_same_v<T, bf16_t>) {
-        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
-#if PAGEDLLM_AVX512BF16
-        f = _mm512_cvtpbh_ps(reinterpret_cast<const __m256bh&>(h));
-#else
-        f = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-#endif
+        f = widen_bf16x16(src + i);
       } else if constexpr (std::is_same_v<T, fp16_t>) {
         f = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
       } else {

@@ -65,10 +65,7 @@ constexpr int kLanes = 0;  // no vector body: the scalar loops do everything
 
 #if PAGEDLLM_AVX512
 inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
-inline vf vload(const bf16_t* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+inline vf vload(const bf16_t* p) { return widen_bf16x16(p); }
 inline vf vload(const fp16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
