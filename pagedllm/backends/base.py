@@ -37,6 +37,7 @@ from pagedllm.backends.kv_layout import (
 
 if TYPE_CHECKING:
     from pagedllm.layers.quantization import WeightQuantizer
+    from pagedllm.layers.sampler import SampleKernel
 
 __all__ = [
     "FP8_DTYPES",
@@ -371,6 +372,11 @@ class DeviceBackend(ABC):
         """This device's kernel for int8 weights made at load (``quantization="int8"/"w8a8"``),
         computing exactly ``layers.quantization.quantize_per_channel``; None: that definition,
         in PyTorch (every device runs it; it costs a few passes over each float chunk)."""
+        return None
+
+    def sample_kernel(self) -> SampleKernel | None:
+        """This device's one-call sampler (``pagedllm.layers.sampler.SampleKernel``), or None:
+        ``draw_reference`` in PyTorch (default; its sort and cumsum suit a GPU)."""
         return None
 
     def lora_kernel(self) -> Any:

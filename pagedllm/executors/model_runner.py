@@ -15,7 +15,7 @@ from pagedllm.core.interfaces import (
     SchedulerOutput,
 )
 from pagedllm.executors.inputs import FlatBatch, flatten
-from pagedllm.layers.sampler import Sampler, SamplingRow
+from pagedllm.layers.sampler import SampleKernel, Sampler, SamplingRow
 
 
 class ModelRunner:
@@ -28,13 +28,14 @@ class ModelRunner:
         block_size: int,
         seed: int,
         lora: Any = None,
+        sample_kernel: SampleKernel | None = None,
     ) -> None:
         self.model = model
         self.lora = lora  # a pagedllm.lora.manager.LoRAManager when LoRA is enabled
         self.attention = attention
         self.device = device
         self.block_size = block_size
-        self.sampler = Sampler(seed=seed, device=device)
+        self.sampler = Sampler(seed=seed, device=device, kernel=sample_kernel)
 
     @torch.inference_mode()
     def execute(

@@ -103,6 +103,7 @@ class Worker:
             block_size=self.config.cache.block_size,
             seed=self.config.model.seed,
             lora=self.lora_manager,
+            sample_kernel=self.backend.sample_kernel(),
         )
         if self.config.speculative is not None:
             from pagedllm.spec_decode.setup import build_spec_runner

@@ -4,14 +4,18 @@ Order of operations (as in vLLM and Hugging Face): penalties and logit bias on t
 then the min-tokens EOS mask, then greedy argmax or temperature, top-k, top-p, min-p and a draw.
 Reported log-probabilities are those of the raw model distribution.
 
-Draws use the exponential race (``argmax(p / E)`` with ``E ~ Exp(1)``), which samples exactly from
-``p``. A seeded request draws its noise from a generator keyed by (seed, output position), so its
-tokens do not depend on which other requests share the batch, nor on preemption.
+Draws are by inverse CDF: one uniform per row, the first token (in vocabulary order) where the
+filtered distribution's running mass exceeds it, which samples exactly from that distribution and
+needs one random number per row, not one per token. A seeded request draws its uniform from a
+generator keyed by (seed, output position), so its tokens do not depend on which other requests
+share the batch, nor on preemption. ``draw_reference`` is the definition; a backend may supply a
+``SampleKernel`` that computes it in one call (the CPU backend's, ``csrc/sampling.cpp``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -88,22 +92,92 @@ def filter_logits(
     top_p: torch.Tensor,  # [n] float
     min_p: torch.Tensor,  # [n] float
 ) -> torch.Tensor:
-    """Mask everything outside each row's top-k, nucleus (top-p) and min-p sets."""
+    """Mask everything outside each row's top-k, nucleus (top-p) and min-p sets.
+
+    Every mask is a threshold, so equal values share their fate: top-k keeps every token at
+    least the k-th largest value (transformers' TopKLogitsWarper), top-p keeps a token when the
+    probability mass strictly above it is at most ``top_p``, min-p keeps probabilities at least
+    ``min_p`` times the largest; top-p and min-p judge the distribution after top-k. The most
+    likely token always stays.
+    """
+    vocab = logits.shape[1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(logits.shape[1], device=logits.device)[None, :]
-    mask = ranks >= top_k[:, None]
-    probs = sorted_logits.masked_fill(mask, float("-inf")).softmax(dim=-1)
-    before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
-    mask |= before > top_p[:, None]
-    mask |= probs < (min_p[:, None] * probs[:, :1])
-    mask[:, 0] = False  # always keep the most likely token
-    sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    if bool((top_k < vocab).any()):
+        kth = sorted_logits.gather(1, (top_k.clamp(1, vocab) - 1)[:, None])
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    keep = torch.ones_like(logits, dtype=torch.bool)
+    if bool((top_p < 1).any()):
+        sorted_probs = probs.gather(1, order)  # the same values, so thresholds compare exactly
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass above, in sorted order
+        last = (before <= top_p[:, None]).sum(dim=-1, keepdim=True) - 1
+        keep &= probs >= sorted_probs.gather(1, last.clamp(min=0))
+    if bool((min_p > 0).any()):
+        keep &= probs >= min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+def draw_reference(
+    logits: torch.Tensor,  # [n, vocab] after penalties, bias and masks
+    temperature: torch.Tensor,  # [n] float32, 0: greedy
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    u: torch.Tensor,  # [n] float32 in [0, 1)
+) -> torch.Tensor:
+    """The tokens, by definition: greedy rows take the first maximum; the others divide by their
+    temperature, filter (``filter_logits``) and draw by inverse CDF in vocabulary order with
+    their uniform ``u``. A backend's ``SampleKernel`` computes exactly this."""
+    logits = logits.float()
+    tokens = logits.argmax(dim=-1)
+    sampled = temperature > 0
+    if bool(sampled.any()):
+        vocab = logits.shape[1]
+        x = logits / torch.where(sampled, temperature, 1.0)[:, None]
+        if bool((top_k < vocab).any() or (top_p < 1).any() or (min_p > 0).any()):
+            x = filter_logits(x, top_k, top_p, min_p)
+        cdf = x.softmax(dim=-1).cumsum(dim=-1)
+        target = u[:, None].to(cdf.dtype) * cdf[:, -1:]
+        drawn = torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=vocab - 1)
+        tokens = torch.where(sampled, drawn, tokens)
+    return tokens
+
+
+class SampleKernel(Protocol):
+    """A backend's one-call sampler: ``(tokens, logprobs)``, tokens as ``draw_reference`` and
+    ``logprobs = log_softmax(raw if raw is not None else logits)[token]``."""
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        raw: torch.Tensor | None,
+        temperature: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        min_p: torch.Tensor,
+        u: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def _modifies(row: SamplingRow) -> bool:
+    """Whether the row's logits change before the draw (penalties, bias, the min-tokens mask)."""
+    p = row.params
+    return row.history is not None or bool(p.logit_bias) or row.output_len < p.min_tokens
 
 
 class Sampler:
-    def __init__(self, *, seed: int = 0, device: torch.device | None = None) -> None:
+    """``kernel`` is the backend's ``SampleKernel`` (none: ``draw_reference`` in PyTorch, which
+    sorts rows for top-k/top-p: fine on a GPU, 100+ ms for 64 rows on a CPU)."""
+
+    def __init__(
+        self,
+        *,
+        seed: int = 0,
+        device: torch.device | None = None,
+        kernel: SampleKernel | None = None,
+    ) -> None:
         self.generator = torch.Generator(device=device or "cpu").manual_seed(seed)
+        self.kernel = kernel
 
     def __call__(
         self,
@@ -113,50 +187,78 @@ class Sampler:
         token_bitmask: torch.Tensor | None = None,  # [guided rows, words] int32
         bitmask_rows: dict[int, int] | None = None,  # seq_id -> its bitmask row
     ) -> SamplerOutput:
-        logits = logits.float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
-        if any(r.history is not None for r in rows):
-            apply_penalties(logits, rows)
-        apply_bias_and_min_tokens(logits, rows)
-        if token_bitmask is not None and bitmask_rows:
-            # Structured output: after penalties, before temperature and the top-k/p filters.
-            row_of = [bitmask_rows.get(r.seq_id, -1) for r in rows]
-            apply_token_bitmask(logits, token_bitmask, row_of)
-        greedy = torch.tensor([r.params.is_greedy for r in rows], device=logits.device)
-        tokens = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
-            sampled = self._sample(logits, rows)
-            tokens = torch.where(greedy, tokens, sampled)
-        return self._outputs(tokens, raw_logprobs, rows)
+        raw = logits
+        guided = token_bitmask is not None and bool(bitmask_rows)
+        modified = guided or any(_modifies(r) for r in rows)
+        work = raw
+        if modified or self.kernel is None:
+            work = raw.float()
+        if modified:
+            if work is raw:  # never change the caller's tensor: raw logprobs are read from it
+                work = work.clone()
+            if any(r.history is not None for r in rows):
+                apply_penalties(work, rows)
+            apply_bias_and_min_tokens(work, rows)
+            if guided:
+                # Structured output: after penalties, before temperature and the top-k/p filters.
+                assert token_bitmask is not None and bitmask_rows is not None
+                row_of = [bitmask_rows.get(r.seq_id, -1) for r in rows]
+                apply_token_bitmask(work, token_bitmask, row_of)
+        params = self._row_params(rows, raw.shape[1])
+        if self.kernel is not None and work.device.type == "cpu":
+            tokens, chosen = self.kernel(work, raw if modified else None, *params)
+        else:
+            tokens = draw_reference(work, *params)
+            lps = torch.log_softmax(raw.float(), dim=-1)
+            chosen = lps.gather(1, tokens[:, None])[:, 0]
+        return self._outputs(tokens, chosen, raw, rows)
 
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        vocab = logits.shape[1]
-        dev = logits.device
-        temps = torch.tensor([max(r.params.temperature, 1e-5) for r in rows], device=dev)
-        logits = logits / temps[:, None]
-        top_k = torch.tensor(
-            [r.params.top_k if r.params.top_k > 0 else vocab for r in rows], device=dev
+    def _row_params(self, rows: list[SamplingRow], vocab: int) -> tuple[torch.Tensor, ...]:
+        """temperature (0: greedy), top_k (vocab: off), top_p, min_p and the draw's uniform.
+
+        A seeded row draws its uniform from a generator keyed by (seed, sample, position), so
+        its tokens depend neither on the batch nor on preemption.
+        """
+        dev = self.generator.device
+        temps = [0.0 if r.params.is_greedy else r.params.temperature for r in rows]
+        u = torch.zeros(len(rows), device=dev)
+        if any(temps):
+            u = torch.rand(len(rows), generator=self.generator, device=dev)
+            for i, row in enumerate(rows):
+                if row.params.seed is not None and temps[i]:
+                    g = torch.Generator(device=dev).manual_seed(
+                        hash((row.params.seed, row.sample_index, row.output_len)) & _SEED_MASK
+                    )
+                    u[i] = torch.rand(1, generator=g, device=dev)[0]
+        return (
+            torch.tensor(temps, dtype=torch.float32, device=dev),
+            torch.tensor(
+                [r.params.top_k if r.params.top_k > 0 else vocab for r in rows],
+                dtype=torch.long,
+                device=dev,
+            ),
+            torch.tensor([r.params.top_p for r in rows], dtype=torch.float32, device=dev),
+            torch.tensor([r.params.min_p for r in rows], dtype=torch.float32, device=dev),
+            u,
         )
-        top_p = torch.tensor([r.params.top_p for r in rows], device=dev)
-        min_p = torch.tensor([r.params.min_p for r in rows], device=dev)
-        if bool((top_k < vocab).any() or (top_p < 1).any() or (min_p > 0).any()):
-            logits = filter_logits(logits, top_k, top_p, min_p)
-        probs = logits.softmax(dim=-1)
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for i, row in enumerate(rows):
-            if row.params.seed is not None and not row.params.is_greedy:
-                g = torch.Generator(device=dev).manual_seed(
-                    hash((row.params.seed, row.sample_index, row.output_len)) & _SEED_MASK
-                )
-                noise[i] = torch.empty(vocab, device=dev).exponential_(generator=g)
-        return (probs / noise).argmax(dim=-1)
 
     @staticmethod
     def _outputs(
-        tokens: torch.Tensor, raw_logprobs: torch.Tensor, rows: list[SamplingRow]
+        tokens: torch.Tensor, chosen: torch.Tensor, raw: torch.Tensor, rows: list[SamplingRow]
     ) -> SamplerOutput:
         token_list = tokens.tolist()
-        chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+        chosen_list = chosen.tolist()
+        # Full log-probabilities only for the rows that report top tokens or search beams.
+        wanted = [
+            i
+            for i, r in enumerate(rows)
+            if (r.params.logprobs or 0) > 0 or r.params.use_beam_search
+        ]
+        full: dict[int, torch.Tensor] = {}
+        if wanted:
+            index = torch.tensor(wanted, device=raw.device)
+            lps = torch.log_softmax(raw[index].float(), dim=-1)
+            full = {i: lps[j] for j, i in enumerate(wanted)}
         tops: list[dict[int, float] | None] = []
         cands: list[list[tuple[int, float]] | None] = []
         for i, row in enumerate(rows):
@@ -164,15 +266,15 @@ class Sampler:
             if k is None:
                 tops.append(None)
             else:
-                top: dict[int, float] = {token_list[i]: chosen[i]}
+                top: dict[int, float] = {token_list[i]: chosen_list[i]}
                 if k > 0:
-                    vals, ids = raw_logprobs[i].topk(k)
+                    vals, ids = full[i].topk(k)
                     top.update(zip(ids.tolist(), vals.tolist(), strict=True))
                 tops.append(top)
             if row.params.use_beam_search:
                 width = 2 * (row.params.best_of or 1)
-                vals, ids = raw_logprobs[i].topk(width)
+                vals, ids = full[i].topk(width)
                 cands.append(list(zip(ids.tolist(), vals.tolist(), strict=True)))
             else:
                 cands.append(None)
-        return SamplerOutput(token_list, chosen, tops, cands)
+        return SamplerOutput(token_list, chosen_list, tops, cands)

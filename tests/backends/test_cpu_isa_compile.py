@@ -24,7 +24,14 @@ def test_avx512_variants_compile(isa: str, tmp_path: Path) -> None:
         pytest.skip("x86 ISA levels compile only with an x86 compiler")
     from pagedllm.backends.cpu._ops import compile_objects
 
-    sources = ("attention.cpp", "cache_ops.cpp", "pointwise.cpp", "gemm.cpp", "gemm_i8.cpp")
+    sources = (
+        "attention.cpp",
+        "cache_ops.cpp",
+        "pointwise.cpp",
+        "sampling.cpp",
+        "gemm.cpp",
+        "gemm_i8.cpp",
+    )
     objects = compile_objects(isa, tmp_path, sources)
     assert [o.name for o in objects] == [f"{Path(s).stem}.{isa}.o" for s in sources]
     assert all(o.stat().st_size > 0 for o in objects)

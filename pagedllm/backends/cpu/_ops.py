@@ -276,8 +276,14 @@ def compile_objects(
 
 
 ATTENTION_EXTENSION = "pagedllm_cpu_ops"
-_ATTENTION_SOURCES = ("attention.cpp", "cache_ops.cpp", "pointwise.cpp", "bindings.cpp")
-_ATTENTION_HEADERS = ("attention.h", "pointwise.h", "convert.h", "vec.h")
+_ATTENTION_SOURCES = (
+    "attention.cpp",
+    "cache_ops.cpp",
+    "pointwise.cpp",
+    "sampling.cpp",
+    "bindings.cpp",
+)
+_ATTENTION_HEADERS = ("attention.h", "pointwise.h", "sampling.h", "convert.h", "vec.h")
 
 
 def load_ops(build_root: Path | None = None, *, isa: str | None = None) -> ModuleType:

@@ -14,6 +14,7 @@ from pagedllm.backends.base import DeviceBackend
 
 if TYPE_CHECKING:
     from pagedllm.layers.quantization import WeightQuantizer
+    from pagedllm.layers.sampler import SampleKernel
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,13 @@ class CpuBackend(DeviceBackend):
         model.linear_path = self.linear_path
         self.layer_kernels = install_layer_kernels(model)
         model.layer_kernels = self.layer_kernels
+
+    def sample_kernel(self) -> SampleKernel | None:
+        """The C++ sampler (csrc/sampling.cpp): no sort and one random number per row; PyTorch's
+        sort-based top-k/top-p and per-token noise took 60-150 ms for 64 rows of 32,000 logits."""
+        from pagedllm.backends.cpu.layer_kernels import sample_kernel
+
+        return sample_kernel()
 
     def int8_quantizer(self) -> WeightQuantizer | None:
         """The C++ per-row quantiser (one vectorised pass per row, threaded; the PyTorch

@@ -1,4 +1,5 @@
-"""The C++ row-wise layer kernels (``csrc/pointwise.cpp``) installed into a model's slots.
+"""The C++ row-wise layer kernels (``csrc/pointwise.cpp``) installed into a model's slots, and the
+C++ sampler (``csrc/sampling.cpp``) the model runner's ``Sampler`` calls.
 
 RMSNorm (residual add fused), the gated SiLU / GELU (tanh) and the rotary embedding are each a
 chain of small ATen ops in PyTorch; at decode sizes the chain costs more than the arithmetic
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from pagedllm.layers.activation import GeluAndMul, SiluAndMul
+from pagedllm.layers.sampler import SampleKernel, draw_reference
 
 logger = logging.getLogger(__name__)
 
@@ -133,3 +135,29 @@ def install_layer_kernels(model: nn.Module) -> str:
     summary = ", ".join(f"{name} x{n}" for name, n in counts.items() if n) or "none"
     logger.info("C++ layer kernels: %s", summary)
     return summary
+
+
+def sample_kernel() -> SampleKernel | None:
+    """The C++ ``SampleKernel`` (``csrc/sampling.cpp``), or None without the extension; rows it
+    cannot read (another device or dtype, a strided last dim) go to ``draw_reference``."""
+    ops = layer_ops()
+    if ops is None:
+        return None
+
+    def sample(
+        logits: torch.Tensor,
+        raw: torch.Tensor | None,
+        temperature: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        min_p: torch.Tensor,
+        u: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if all(_as_rows(t) is not None and t.dim() == 2 for t in (logits, raw) if t is not None):
+            return ops.sample_rows(logits, raw, temperature, top_k, top_p, min_p, u)
+        tokens = draw_reference(logits, temperature, top_k, top_p, min_p, u)
+        source = logits if raw is None else raw
+        chosen = torch.log_softmax(source.float(), dim=-1).gather(1, tokens[:, None])[:, 0]
+        return tokens, chosen
+
+    return sample

@@ -7,6 +7,7 @@
 
 #include "attention.h"
 #include "pointwise.h"
+#include "sampling.h"
 
 namespace {
 using NoGil = py::call_guard<py::gil_scoped_release>;
@@ -14,7 +15,8 @@ using NoGil = py::call_guard<py::gil_scoped_release>;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() =
-      "pagedllm CPU paged-attention, cache and row-wise layer kernels (AVX-512/AVX2 per build)";
+      "pagedllm CPU paged-attention, cache, row-wise layer and sampling kernels (AVX-512/AVX2 "
+      "per build)";
   m.def("paged_attention", &pagedllm::paged_attention, "causal paged attention, flat batch",
         NoGil(), py::arg("query"), py::arg("kv_cache"), py::arg("block_tables"),
         py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("scale"),
@@ -36,6 +38,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding", &pagedllm::rotary_embedding, "neox rotary embedding, in place",
         NoGil(), py::arg("positions"), py::arg("q"), py::arg("k"), py::arg("cos"),
         py::arg("sin"), py::arg("rotary_dim"));
+  m.def("sample_rows", &pagedllm::sample_rows,
+        "one token per row (greedy / temperature, top-k, top-p, min-p) and its raw logprob",
+        NoGil(), py::arg("logits"), py::arg("raw"), py::arg("temperature"), py::arg("top_k"),
+        py::arg("top_p"), py::arg("min_p"), py::arg("u"));
   m.def("built_with_avx2", &pagedllm::built_with_avx2, "whether the AVX2/FMA path was compiled");
   m.def("built_isa", &pagedllm::built_isa, "the widest vector path compiled in");
 }
