@@ -78,7 +78,7 @@ def test_unknown_quantization_is_refused() -> None:
 
 
 def _prompt_logprobs(engine: Engine) -> tuple[list[list[float]], list[list[int]]]:
-    params = SamplingParams(max_tokens=8, ignore_eos=True, prompt_logprobs=0)
+    params = SamplingParams(max_tokens=8, ignore_eos=True, prompt_logprobs=0, temperature=0.0)
     outs = engine.generate(PROMPTS, params, use_tqdm=False)
     logprobs = []
     for out in outs:

