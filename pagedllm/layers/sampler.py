@@ -143,6 +143,22 @@ def draw_reference(
     return tokens
 
 
+def sample_reference(
+    logits: torch.Tensor,
+    raw: torch.Tensor | None,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    u: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``SampleKernel``'s contract in PyTorch: ``draw_reference``'s tokens, raw logprobs."""
+    tokens = draw_reference(logits, temperature, top_k, top_p, min_p, u)
+    source = logits if raw is None else raw
+    chosen = torch.log_softmax(source.float(), dim=-1).gather(1, tokens[:, None])[:, 0]
+    return tokens, chosen
+
+
 class SampleKernel(Protocol):
     """A backend's one-call sampler: ``(tokens, logprobs)``, tokens as ``draw_reference`` and
     ``logprobs = log_softmax(raw if raw is not None else logits)[token]``."""
@@ -204,13 +220,10 @@ class Sampler:
                 assert token_bitmask is not None and bitmask_rows is not None
                 row_of = [bitmask_rows.get(r.seq_id, -1) for r in rows]
                 apply_token_bitmask(work, token_bitmask, row_of)
-        params = self._row_params(rows, raw.shape[1])
-        if self.kernel is not None and work.device.type == "cpu":
-            tokens, chosen = self.kernel(work, raw if modified else None, *params)
-        else:
-            tokens = draw_reference(work, *params)
-            lps = torch.log_softmax(raw.float(), dim=-1)
-            chosen = lps.gather(1, tokens[:, None])[:, 0]
+        sample = self.kernel or sample_reference
+        tokens, chosen = sample(
+            work, raw if modified else None, *self._row_params(rows, raw.shape[1])
+        )
         return self._outputs(tokens, chosen, raw, rows)
 
     def _row_params(self, rows: list[SamplingRow], vocab: int) -> tuple[torch.Tensor, ...]:

@@ -10,13 +10,11 @@ last float32 bit lands on a rounding boundary (bounded below). The engine-level 
 
 from __future__ import annotations
 
-import shutil
 import types
 
 import pytest
 import torch
 
-from pagedllm.backends.cpu._ops import load_ops, supported_isas
 from pagedllm.backends.cpu.layer_kernels import (
     act_kernel,
     install_layer_kernels,
@@ -27,20 +25,10 @@ from pagedllm.layers.activation import GeluAndMul, SiluAndMul
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
 
-ISAS = supported_isas()
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # 16-bit outputs that may differ from the definition by one unit in the last place (a float32
 # statistic one ulp off, rounding the other way): at most this fraction of elements.
 MAX_ULP_FLIPS = 1e-3
-
-
-@pytest.fixture(scope="module", params=ISAS)
-def ops(request: pytest.FixtureRequest):
-    if shutil.which("c++") is None or shutil.which("ninja") is None:
-        pytest.skip("no C++ toolchain (c++ and ninja) to build the CPU kernels")
-    module = load_ops(isa=request.param)
-    assert module.built_isa() == request.param
-    return module
 
 
 def assert_close_to_definition(out: torch.Tensor, ref: torch.Tensor) -> None:

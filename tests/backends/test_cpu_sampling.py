@@ -10,26 +10,13 @@ are exact.
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
-from pagedllm.backends.cpu._ops import load_ops, supported_isas
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.layers.sampler import Sampler, SamplingRow, draw_reference, filter_logits
 
-ISAS = supported_isas()
 CDF_SLACK = 1e-5
-
-
-@pytest.fixture(scope="module", params=ISAS)
-def ops(request: pytest.FixtureRequest):
-    if shutil.which("c++") is None or shutil.which("ninja") is None:
-        pytest.skip("no C++ toolchain (c++ and ninja) to build the CPU kernels")
-    module = load_ops(isa=request.param)
-    assert module.built_isa() == request.param
-    return module
 
 
 def params(n: int, vocab: int, g: torch.Generator, *, kind: str) -> tuple[torch.Tensor, ...]:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from pagedllm.layers.activation import GeluAndMul, SiluAndMul
-from pagedllm.layers.sampler import SampleKernel, draw_reference
+from pagedllm.layers.sampler import SampleKernel, sample_reference
 
 logger = logging.getLogger(__name__)
 
@@ -155,9 +155,6 @@ def sample_kernel() -> SampleKernel | None:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if all(_as_rows(t) is not None and t.dim() == 2 for t in (logits, raw) if t is not None):
             return ops.sample_rows(logits, raw, temperature, top_k, top_p, min_p, u)
-        tokens = draw_reference(logits, temperature, top_k, top_p, min_p, u)
-        source = logits if raw is None else raw
-        chosen = torch.log_softmax(source.float(), dim=-1).gather(1, tokens[:, None])[:, 0]
-        return tokens, chosen
+        return sample_reference(logits, raw, temperature, top_k, top_p, min_p, u)
 
     return sample
