@@ -179,8 +179,12 @@ def test_cpu_packed_path_equals_loop(case: str, dtype) -> None:
     assert layer.w13_weight.numel() == 0  # the packed copies are the only ones kept
     packed_out = layer(x, weights.to(act_dtype), ids)
     atol = 5e-2 if dtype == torch.bfloat16 else 1e-4
-    check(packed_out, want, atol, f"{case}/{dtype}/{path}")
     check(torch_out, want, atol, f"{case}/{dtype}/torch")
+    if "split" in path:
+        # The split planes keep x to max|x| / 64516 per row (tests/backends/test_cpu_w8a8.py):
+        # 2e-4 of the largest output, as for one split GEMM, here through two of them.
+        atol = 2e-4 * want.abs().max().item()
+    check(packed_out, want, atol, f"{case}/{dtype}/{path}")
 
 
 class SliceOnly:

@@ -9,9 +9,10 @@ processors without bf16 arithmetic. So each layer gets, by weight dtype and proc
   packed 16-bit weights;
 - bf16 / fp16 elsewhere, and int8 (weight-only quantised): our C++ GEMM (``csrc/gemm.cpp``),
   which reads the 2- or 1-byte weights and converts them in registers;
-- int8 (weight-only) on processors with AMX-INT8: the activations split into two int8 planes
-  (``split_per_token``: near-16-bit precision) and the integer tiles of the W8A8 GEMM, which
-  need no conversion of the weights (2-3x the converting path there, measured on 1B shapes);
+- int8 (weight-only) on processors with AMX-INT8, or VNNI without AMX: the activations split
+  into two int8 planes (``split_per_token``: near-16-bit precision) and the integer GEMM of
+  W8A8, which needs no conversion of the weights (1.5-3x the converting path there, measured on
+  1B shapes; ``int8_split_planes``);
 - W8A8 (int8 weights, int8 activations per token): our integer GEMM (``csrc/gemm_i8.cpp``).
 
 Every packed layer is checked against a PyTorch reference when it is packed; a layer whose result
@@ -265,22 +266,37 @@ def make_int8_split_linear(
     return _checked(linear, weight, reference, rows, probes, "int8 split GEMM")
 
 
+def int8_split_planes(k: int) -> bool:
+    """Whether an int8 weight-only layer with ``K = k`` runs on the split planes here.
+
+    The planes double the integer rows, so they pay where integer dot products are cheap
+    against converting the weights: AMX-INT8 tiles (K in whole 64-byte tiles), or VNNI's
+    ``vpdpbusd`` where there is no AMX-BF16 for the converting GEMM. Measured with
+    ``benchmarks/linear_cpu.py`` on 1B shapes: an AMD EPYC with avx512_vnni and no AMX, 1.05-3.1x
+    the converting GEMM at 1-512 rows (1.5-1.9x on most layers); a Xeon with its tiles turned
+    off (VNNI, and AMX-BF16 for the converting GEMM), 0.8x at 16 rows; the AVX2 build
+    (``vpmaddubsw``, no VNNI), 0.6-0.8x from 16 rows. So the converting GEMM runs elsewhere.
+    """
+    ops = gemm_ops()
+    if ops is None:
+        return False
+    if ops.has_amx_int8():
+        return k % 64 == 0
+    return ops.w8a8_isa() == "avx512vnni" and not ops.has_amx()
+
+
 def make_int8_linear(
     weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
 ) -> tuple[LinearFn | None, str]:
-    """The fastest correct GEMM for an int8 weight-only ``weight [N, K]``, and its path's name.
-
-    The split planes only where their sums run on AMX-INT8 tiles (K in whole 64-byte tiles).
-    Without tiles twice the integer rows cost more than converting the weights from a few rows
-    on (measured on a Xeon with the tiles turned off: 0.8x the converting GEMM at 16 rows, and
-    it used AMX-BF16 there; no processor with VNNI and no AMX has been measured), so the
-    converting GEMM runs there.
+    """The fastest correct GEMM for an int8 weight-only ``weight [N, K]``, and its path's name:
+    the split planes where ``int8_split_planes`` says they are faster, else the converting GEMM.
     """
     ops = gemm_ops()
-    if ops is not None and ops.has_amx_int8() and weight.shape[-1] % 64 == 0:
+    if int8_split_planes(weight.shape[-1]):
         fn = make_int8_split_linear(weight, scale, bias)
         if fn is not None:
-            return fn, f"cpp-int8-split-{ops.w8a8_isa()}+amx"
+            amx = "+amx" if ops.has_amx_int8() else ""
+            return fn, f"cpp-int8-split-{ops.w8a8_isa()}{amx}"
     fn = make_cpp_linear(weight, scale, bias)
     return fn, f"cpp-int8-{_cpp_isa()}" if fn else "torch-int8"
 
