@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from pagedllm.backends.cpu._ops import cpu_model_name, resolve_isa
 from pagedllm.backends.cpu.packed_linear import (
     gemm_ops,
+    make_16bit_linear,
     make_cpp_linear,
     make_int8_linear,
     make_int8_split_linear,
@@ -130,14 +131,13 @@ def main() -> None:
     else:
         shapes, k, batches, budget = SHAPES_1B, HIDDEN_1B, [1, 16, 64, 512], args.budget
     ops = gemm_ops()
-    probe = make_packed_linear(torch.randn(32, 32).bfloat16(), None)
     result = {
         "benchmark": "linear_cpu",
         "processor": cpu_model_name(),
         "isa": resolve_isa(),
         "gemm_isa": ops.built_isa() if ops is not None else None,
         "w8a8_isa": ops.w8a8_isa() if ops is not None else None,
-        "linear_path_bf16": "onednn-bfloat16" if probe is not None else "cpp-bfloat16",
+        "linear_path_bf16": make_16bit_linear(torch.randn(32, 32).bfloat16(), None)[1],
         "linear_path_int8": make_int8_linear(
             torch.zeros(16, 64, dtype=torch.int8), torch.ones(16), None
         )[1],

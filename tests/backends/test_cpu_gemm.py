@@ -44,7 +44,7 @@ def _reference(x, w, scale, bias) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-@pytest.mark.parametrize("m", [1, 3, 17, 64, 300])
+@pytest.mark.parametrize("m", [1, 3, 8, 12, 17, 64, 300])
 @pytest.mark.parametrize("xdtype", ACT_DTYPES, ids=str)
 @pytest.mark.parametrize("wdtype", WEIGHT_DTYPES, ids=str)
 def test_matches_float64_reference(ops, wdtype, xdtype, m: int, bias: bool) -> None:

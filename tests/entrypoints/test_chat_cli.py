@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from typing import Any
 
@@ -47,6 +48,9 @@ def _spawn(server: Any, *extra: str) -> Any:
         encoding="utf-8",
         timeout=60,
         dimensions=(50, 400),
+        # Ctrl-C must reach the chat as SIGINT even when the test runner was started with it
+        # ignored (a shell's background job ignores SIGINT, and children inherit that).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     child.expect(f"chatting with {MODEL_NAME}")
     child.expect("> ")

@@ -220,15 +220,17 @@ def test_unsupported_compressed_tensors_refused(
 def test_bf16_gemm_paths_match_f_linear(llama_path: Path, monkeypatch, path: str) -> None:
     """Same greedy tokens in bf16 on each 16-bit GEMM path as with PyTorch's F.linear.
 
-    The backend picks oneDNN where the processor has bf16 arithmetic and our C++ GEMM elsewhere;
-    the C++ path is forced here (oneDNN refused for 16-bit weights) so it is tested on every
-    machine, and the oneDNN path runs where the processor offers it.
+    The backend picks oneDNN where the processor has bf16 arithmetic (except where
+    ``cpp_gemm_first`` prefers ours) and our C++ GEMM elsewhere; each path is forced here (the
+    C++ one by refusing oneDNN for 16-bit weights) so it is tested on every machine, and the
+    oneDNN path runs where the processor offers it.
     """
     import pagedllm.backends.cpu.packed_linear as packed_linear
     from pagedllm.backends.cpu._ops import cpu_flags
 
     if path == "onednn" and not {"avx512_bf16", "amx_bf16", "avx_ne_convert"} & cpu_flags():
         pytest.skip("oneDNN bf16 packing needs avx512_bf16, amx_bf16 or avx_ne_convert")
+    monkeypatch.setattr(packed_linear, "cpp_gemm_first", lambda dtype: path == "cpp")
     if path == "cpp":
         onednn = packed_linear.make_packed_linear
         monkeypatch.setattr(

@@ -1,10 +1,10 @@
 """The CPU's fused-MoE path: every expert's two GEMMs on packed weights.
 
 Each local expert's ``w13 [2I, H]`` and ``w2 [H, I]`` get the GEMM a dense layer of the same
-dtype gets (:mod:`.packed_linear`: oneDNN-packed float32 or native 16-bit, else our C++ GEMM for
-bf16/fp16, and for int8 experts). A step's tokens are grouped by expert with one sort; the loop
-runs over experts (not tokens), one GEMM per projection over all of an expert's tokens. The
-stacked weights are dropped afterwards: the packed copies are the only ones used.
+dtype gets (:mod:`.packed_linear`: oneDNN-packed float32, ``make_16bit_linear`` for bf16/fp16,
+``make_int8_linear`` for int8 experts). A step's tokens are grouped by expert with one sort;
+the loop runs over experts (not tokens), one GEMM per projection over all of an expert's
+tokens. The stacked weights are dropped afterwards: the packed copies are the only ones used.
 """
 
 from __future__ import annotations
@@ -24,15 +24,10 @@ def pack_weight(weight: torch.Tensor, scale: torch.Tensor | None) -> tuple[pl.Li
     """The fastest correct GEMM for one ``[N, K]`` expert weight, and its path's name."""
     if scale is not None:
         return pl.make_int8_linear(weight, scale, None)
-    dtype = str(weight.dtype).removeprefix("torch.")
-    fn = pl.make_packed_linear(weight, None) if pl._ops_available() else None
-    if fn is not None:
-        return fn, f"onednn-{dtype}"
-    if weight.dtype in (torch.bfloat16, torch.float16):
-        fn = pl.make_cpp_linear(weight, None, None)
-        if fn is not None:
-            return fn, f"cpp-{dtype}"
-    return None, f"torch-{dtype}"
+    if weight.dtype == torch.float32:
+        fn = pl.make_packed_linear(weight, None) if pl._ops_available() else None
+        return fn, "onednn-float32" if fn is not None else "torch-float32"
+    return pl.make_16bit_linear(weight, None)
 
 
 def pack_moe_layer(layer: nn.Module) -> str:

@@ -6,7 +6,8 @@ processors without bf16 arithmetic. So each layer gets, by weight dtype and proc
 
 - float32: oneDNN's blocked layout (2-4x faster than ``F.linear`` at small batches);
 - bf16 / fp16 where the processor computes them (avx512_bf16, AMX, avx_ne_convert): oneDNN's
-  packed 16-bit weights;
+  packed 16-bit weights, except bf16 with avx512_bf16 and no AMX, where our GEMM is as fast
+  from 16 rows and faster below (``cpp_gemm_first``);
 - bf16 / fp16 elsewhere, and int8 (weight-only quantised): our C++ GEMM (``csrc/gemm.cpp``),
   which reads the 2- or 1-byte weights and converts them in registers;
 - int8 (weight-only) on processors with AMX-INT8, or VNNI without AMX: the activations split
@@ -341,12 +342,48 @@ def _pack_one(module: nn.Module) -> tuple[LinearFn | None, str]:
     if weight.dtype == torch.float32:
         fn = make_packed_linear(weight, bias) if _ops_available() else None
         return fn, "onednn-float32" if fn else "torch-float32"
+    return make_16bit_linear(weight, bias)
+
+
+def cpp_gemm_first(dtype: torch.dtype) -> bool:
+    """Whether our GEMM beats oneDNN's for 16-bit ``dtype`` weights on this processor.
+
+    bf16 on processors with avx512_bf16 and no AMX: two panels per vdpbf16ps tile (gemm_dp.h)
+    ran 0.99-1.11x oneDNN's packed bf16 GEMM from 16 to 1,024 rows and 1.35-1.61x at one row
+    on a Zen 4 EPYC (1B shapes, ``benchmarks/linear_cpu.py``), where decode steps of a few
+    sequences spend their time. With AMX, oneDNN's tiles are ahead of ours from 16 rows; without
+    bf16 arithmetic oneDNN does not pack 16-bit weights at all.
+    """
+    ops = gemm_ops()
+    return (
+        dtype == torch.bfloat16
+        and ops is not None
+        and ops.built_isa() == "avx512bf16"
+        and not ops.has_amx()
+    )
+
+
+def make_16bit_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[LinearFn | None, str]:
+    """The fastest correct GEMM for a bf16/fp16 ``weight [N, K]``, and its path's name:
+    oneDNN's packed weights where the processor computes the dtype natively, our GEMM elsewhere
+    and where ``cpp_gemm_first`` says it is faster; either one when the other is refused."""
     dtype = str(weight.dtype).removeprefix("torch.")
-    fn = make_packed_linear(weight, bias) if _ops_available() else None
-    if fn is not None:
+
+    def onednn() -> tuple[LinearFn | None, str]:
+        fn = make_packed_linear(weight, bias) if _ops_available() else None
         return fn, f"onednn-{dtype}"
-    fn = make_cpp_linear(weight, None, bias) if weight.dtype in _NATIVE_16BIT else None
-    return fn, f"cpp-{dtype}-{_cpp_isa()}" if fn else f"torch-{dtype}"
+
+    def cpp() -> tuple[LinearFn | None, str]:
+        fn = make_cpp_linear(weight, None, bias) if weight.dtype in _NATIVE_16BIT else None
+        return fn, f"cpp-{dtype}-{_cpp_isa()}" if fn is not None else ""
+
+    for make in (cpp, onednn) if cpp_gemm_first(weight.dtype) else (onednn, cpp):
+        fn, path = make()
+        if fn is not None:
+            return fn, path
+    return None, f"torch-{dtype}"
 
 
 def pack_linear_layers(model: nn.Module) -> dict[str, str]:

@@ -144,20 +144,37 @@ void run(const float* x, const typename Tag::T* w, const float* scale, const flo
 }
 
 #if defined(PAGEDLLM_GEMM_DP)
-// bf16 x [M, K] (K even) @ bf16 or int8 panels with vdpbf16ps (gemm_dp.h), bf16 y.
+// bf16 x [M, K] (K even) @ bf16 or int8 panels with vdpbf16ps (gemm_dp.h), bf16 y. Threads split
+// pairs of panels (dp::panel_pair); an odd last panel goes alone.
 template <typename Tag>
 void run_dp(const torch::Tensor& x, const torch::Tensor& w, const float* scale, const float* bias,
             torch::Tensor& y) {
   const int64_t m = x.size(0), k = x.size(1), n = y.size(1);
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const auto* wp = reinterpret_cast<const typename Tag::T*>(w.data_ptr());
-  // The scratch holds kBlockPairs rows of 32 bf16, i.e. 16 floats' worth each.
+  auto* yp = y.data_ptr<at::BFloat16>();
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  // The scratch of an odd last panel: kBlockPairs rows of 32 bf16, 16 floats' worth each.
   const size_t scratch = m > dp::kRows ? static_cast<size_t>(dp::kBlockPairs * kPanel) : 0;
-  run_panels(m, n, scratch, scale, bias, y.data_ptr<at::BFloat16>(),
-             [&](int64_t p, float* acc, float* buf) {
-               dp::panel<Tag>(xp, m, k, wp + p * k * kPanel, acc,
-                              reinterpret_cast<uint16_t*>(buf));
-             });
+  at::parallel_for(0, (panels + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(static_cast<size_t>(2 * m * kPanel));
+    std::vector<float> buf(scratch);
+    float* acc1 = acc.data() + m * kPanel;
+    auto* s = reinterpret_cast<uint16_t*>(buf.data());
+    for (int64_t q = begin; q < end; ++q) {
+      const int64_t p = 2 * q;
+      const bool pair = p + 1 < panels;
+      if (pair)
+        dp::panel_pair<Tag>(xp, m, k, wp + p * k * kPanel, wp + (p + 1) * k * kPanel, acc.data(),
+                            acc1, s);
+      else
+        dp::panel<Tag>(xp, m, k, wp + p * k * kPanel, acc.data(), s);
+      for (int64_t j = p; j < p + (pair ? 2 : 1); ++j) {
+        const int64_t n0 = j * kPanel;
+        epilogue(j == p ? acc.data() : acc1, m, n, n0, std::min(kPanel, n - n0), scale, bias, yp);
+      }
+    }
+  });
 }
 #endif
 

@@ -12,6 +12,12 @@
 // contiguous weights, interleaved per column in registers (one permute for bf16; for int8 the
 // byte unpack comes before the conversion). With many rows, a K-block of the panel is converted
 // once into pair order in a scratch buffer and read by every row tile.
+//
+// Two panels at a time (panel_pair): each broadcast pair of x feeds two dot products, one per
+// panel. With one panel per tile every vdpbf16ps needs its own broadcast, and that, not the
+// arithmetic, bounded the loop: on a Zen 4 EPYC a 12-row one-panel tile ran 1.8-2.3 G dot
+// products per second per core from L1, an 8-row two-panel one 3.6 G (a stand-alone
+// micro-benchmark of the two loops), about the rate oneDNN's bf16 GEMM reaches there.
 #pragma once
 
 #include "gemm_vec.h"
@@ -26,6 +32,7 @@
 namespace pagedllm::gemm::dp {
 
 constexpr int kRows = 12;          // 12 zmm accumulators; x pairs are broadcast from memory
+constexpr int kPairRows = 8;       // rows of the two-panel tile: 16 zmm accumulators
 constexpr int64_t kCols = 16;      // output columns per panel
 constexpr int64_t kPairWords = 32;  // bf16 per pair row: 16 columns x (k, k+1)
 // Pairs of k per scratch block: 256 x 64 bytes = 16 KiB, which stays in L1 across row tiles.
@@ -129,6 +136,70 @@ void panel(const uint16_t* x, int64_t m, int64_t k, const typename Tag::T* wp, f
       const int rows = static_cast<int>(std::min<int64_t>(kRows, m - m0));
       tile_rows(rows, x + m0 * k + 2 * p0, k, pc, load, acc + m0 * kCols, p0 > 0);
     }
+  }
+}
+
+// c0[R][16], c1[R][16] (+)= x[R, 0:2 * pairs] @ the two panels given by load0(i), load1(i).
+template <int R, typename Load0, typename Load1>
+inline void tile_pair(const uint16_t* x, int64_t ldx, int64_t pairs, const Load0& load0,
+                      const Load1& load1, float* c0, float* c1, bool accumulate) {
+  __m512 a0[R], a1[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    a0[r] = accumulate ? _mm512_loadu_ps(c0 + r * kCols) : _mm512_setzero_ps();
+    a1[r] = accumulate ? _mm512_loadu_ps(c1 + r * kCols) : _mm512_setzero_ps();
+  }
+  for (int64_t i = 0; i < pairs; ++i) {
+    const __m512bh w0 = reinterpret_cast<__m512bh>(load0(i));
+    const __m512bh w1 = reinterpret_cast<__m512bh>(load1(i));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = x_pair(x + r * ldx + 2 * i);
+      a0[r] = _mm512_dpbf16_ps(a0[r], w0, xv);
+      a1[r] = _mm512_dpbf16_ps(a1[r], w1, xv);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(c0 + r * kCols, a0[r]);
+    _mm512_storeu_ps(c1 + r * kCols, a1[r]);
+  }
+}
+
+// tile_pair<rows> for a run-time row count 1..kPairRows.
+template <typename Load0, typename Load1, int R = kPairRows>
+inline void tile_pair_rows(int rows, const uint16_t* x, int64_t ldx, int64_t pairs,
+                           const Load0& load0, const Load1& load1, float* c0, float* c1,
+                           bool accumulate) {
+  if constexpr (R > 1) {
+    if (rows < R)
+      return tile_pair_rows<Load0, Load1, R - 1>(rows, x, ldx, pairs, load0, load1, c0, c1,
+                                                 accumulate);
+  }
+  tile_pair<R>(x, ldx, pairs, load0, load1, c0, c1, accumulate);
+}
+
+// acc0 and acc1 [M][16] = x[M, K] @ the panels wp0 and wp1 (see the header: two panels share
+// each broadcast of x). One row streams the weights and keeps tile_one's four chains per panel.
+// Every row tile converts the weights in registers as it reads them (after the first tile, from
+// L2): converting a K-block once into a scratch copy for all row tiles, as panel() does, was
+// slower on a Zen 4 EPYC at every batch from 16 to 1,024 rows (0.86-0.96x oneDNN's bf16 GEMM at
+// 64-256 rows against 1.00-1.02x; the dot products, not the permutes, bound the loop).
+template <typename Tag>
+void panel_pair(const uint16_t* x, int64_t m, int64_t k, const typename Tag::T* wp0,
+                const typename Tag::T* wp1, float* acc0, float* acc1, uint16_t* scratch) {
+  if (m == 1) {
+    panel<Tag>(x, m, k, wp0, acc0, scratch);
+    panel<Tag>(x, m, k, wp1, acc1, scratch);
+    return;
+  }
+  const int64_t pairs = k / 2;
+  const auto load0 = [wp0](int64_t i) { return pair_row(Tag{}, wp0 + 2 * i * kCols); };
+  const auto load1 = [wp1](int64_t i) { return pair_row(Tag{}, wp1 + 2 * i * kCols); };
+  for (int64_t m0 = 0; m0 < m; m0 += kPairRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kPairRows, m - m0));
+    tile_pair_rows(rows, x + m0 * k, k, pairs, load0, load1, acc0 + m0 * kCols,
+                   acc1 + m0 * kCols, false);
   }
 }
 
