@@ -134,10 +134,79 @@ void run_panels(int64_t m, int64_t n, size_t scratch_floats, const float* scale,
   });
 }
 
+#if defined(__AVX512F__)
+// Two panels per tile on AVX-512 (one zmm per panel row): each broadcast of x feeds two FMAs, as
+// in gemm_dp.h's panel_pair. A 12-row one-panel tile needs a broadcast per FMA; measured
+// stand-alone from L1 on a Zen 4 EPYC (fp16 weights): 2.4-2.9 G FMAs/s per core against 3.1-3.2
+// for 8 rows x 2 panels. The weights are converted in registers by every row tile.
+constexpr int kPairRows = 8;  // 16 zmm accumulators
+
+template <int R, typename Tag>
+inline void micro_pair(const float* x, int64_t ldx, const typename Tag::T* w0,
+                       const typename Tag::T* w1, int64_t kc, float* c0, float* c1) {
+  V16 a0[R], a1[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) a0[r] = a1[r] = v_zero();
+  for (int64_t k = 0; k < kc; ++k) {
+    const V16 v0 = w_load(Tag{}, w0 + k * kPanel), v1 = w_load(Tag{}, w1 + k * kPanel);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const float xv = x[r * ldx + k];
+      a0[r] = v_fma(a0[r], v0, xv);
+      a1[r] = v_fma(a1[r], v1, xv);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    v_store(c0 + r * kPanel, a0[r]);
+    v_store(c1 + r * kPanel, a1[r]);
+  }
+}
+
+template <typename Tag, int R = kPairRows>
+inline void micro_pair_rows(int rows, const float* x, int64_t ldx, const typename Tag::T* w0,
+                            const typename Tag::T* w1, int64_t kc, float* c0, float* c1) {
+  if constexpr (R > 1) {
+    if (rows < R) return micro_pair_rows<Tag, R - 1>(rows, x, ldx, w0, w1, kc, c0, c1);
+  }
+  micro_pair<R, Tag>(x, ldx, w0, w1, kc, c0, c1);
+}
+#endif
+
 template <typename Tag, typename Out>
 void run(const float* x, const typename Tag::T* w, const float* scale, const float* bias, Out* y,
          int64_t m, int64_t k, int64_t n) {
   const size_t scratch = m > kRows ? static_cast<size_t>(kBlockK * kPanel) : 0;
+#if defined(__AVX512F__)
+  if (m > 1) {  // threads split pairs of panels; an odd last panel goes alone
+    const int64_t panels = (n + kPanel - 1) / kPanel;
+    at::parallel_for(0, (panels + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> acc(static_cast<size_t>(2 * m * kPanel));
+      std::vector<float> buf(scratch);
+      float* acc1 = acc.data() + m * kPanel;
+      for (int64_t q = begin; q < end; ++q) {
+        const int64_t p = 2 * q;
+        const bool pair = p + 1 < panels;
+        if (pair) {
+          for (int64_t m0 = 0; m0 < m; m0 += kPairRows) {
+            const int rows = static_cast<int>(std::min<int64_t>(kPairRows, m - m0));
+            micro_pair_rows<Tag>(rows, x + m0 * k, k, w + p * k * kPanel,
+                                 w + (p + 1) * k * kPanel, k, acc.data() + m0 * kPanel,
+                                 acc1 + m0 * kPanel);
+          }
+        } else {
+          panel_gemm<Tag>(x, m, k, w + p * k * kPanel, acc.data(), buf.data());
+        }
+        for (int64_t j = p; j < p + (pair ? 2 : 1); ++j) {
+          const int64_t n0 = j * kPanel;
+          epilogue(j == p ? acc.data() : acc1, m, n, n0, std::min(kPanel, n - n0), scale, bias,
+                   y);
+        }
+      }
+    });
+    return;
+  }
+#endif
   run_panels(m, n, scratch, scale, bias, y, [&](int64_t p, float* acc, float* buf) {
     panel_gemm<Tag>(x, m, k, w + p * k * kPanel, acc, buf);
   });
