@@ -134,6 +134,31 @@ void run_panels(int64_t m, int64_t n, size_t scratch_floats, const float* scale,
   });
 }
 
+// As run_panels, with threads splitting pairs of panels: pair_fn(p, acc0, acc1, scratch) fills
+// panels p and p + 1, one_fn(p, acc, scratch) an odd last panel alone.
+template <typename Out, typename PairFn, typename OneFn>
+void run_panel_pairs(int64_t m, int64_t n, size_t scratch_floats, const float* scale,
+                     const float* bias, Out* y, const PairFn& pair_fn, const OneFn& one_fn) {
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  at::parallel_for(0, (panels + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(static_cast<size_t>(2 * m * kPanel));
+    std::vector<float> scratch(scratch_floats);
+    float* acc1 = acc.data() + m * kPanel;
+    for (int64_t q = begin; q < end; ++q) {
+      const int64_t p = 2 * q;
+      const bool pair = p + 1 < panels;
+      if (pair)
+        pair_fn(p, acc.data(), acc1, scratch.data());
+      else
+        one_fn(p, acc.data(), scratch.data());
+      for (int64_t j = p; j < p + (pair ? 2 : 1); ++j) {
+        const int64_t n0 = j * kPanel;
+        epilogue(j == p ? acc.data() : acc1, m, n, n0, std::min(kPanel, n - n0), scale, bias, y);
+      }
+    }
+  });
+}
+
 #if defined(__AVX512F__)
 // Two panels per tile on AVX-512 (one zmm per panel row): each broadcast of x feeds two FMAs, as
 // in gemm_dp.h's panel_pair. A 12-row one-panel tile needs a broadcast per FMA; measured
@@ -163,53 +188,31 @@ inline void micro_pair(const float* x, int64_t ldx, const typename Tag::T* w0,
   }
 }
 
-template <typename Tag, int R = kPairRows>
-inline void micro_pair_rows(int rows, const float* x, int64_t ldx, const typename Tag::T* w0,
-                            const typename Tag::T* w1, int64_t kc, float* c0, float* c1) {
-  if constexpr (R > 1) {
-    if (rows < R) return micro_pair_rows<Tag, R - 1>(rows, x, ldx, w0, w1, kc, c0, c1);
-  }
-  micro_pair<R, Tag>(x, ldx, w0, w1, kc, c0, c1);
-}
 #endif
 
 template <typename Tag, typename Out>
 void run(const float* x, const typename Tag::T* w, const float* scale, const float* bias, Out* y,
          int64_t m, int64_t k, int64_t n) {
   const size_t scratch = m > kRows ? static_cast<size_t>(kBlockK * kPanel) : 0;
+  const auto one = [&](int64_t p, float* acc, float* buf) {
+    panel_gemm<Tag>(x, m, k, w + p * k * kPanel, acc, buf);
+  };
 #if defined(__AVX512F__)
-  if (m > 1) {  // threads split pairs of panels; an odd last panel goes alone
-    const int64_t panels = (n + kPanel - 1) / kPanel;
-    at::parallel_for(0, (panels + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> acc(static_cast<size_t>(2 * m * kPanel));
-      std::vector<float> buf(scratch);
-      float* acc1 = acc.data() + m * kPanel;
-      for (int64_t q = begin; q < end; ++q) {
-        const int64_t p = 2 * q;
-        const bool pair = p + 1 < panels;
-        if (pair) {
-          for (int64_t m0 = 0; m0 < m; m0 += kPairRows) {
-            const int rows = static_cast<int>(std::min<int64_t>(kPairRows, m - m0));
-            micro_pair_rows<Tag>(rows, x + m0 * k, k, w + p * k * kPanel,
-                                 w + (p + 1) * k * kPanel, k, acc.data() + m0 * kPanel,
-                                 acc1 + m0 * kPanel);
-          }
-        } else {
-          panel_gemm<Tag>(x, m, k, w + p * k * kPanel, acc.data(), buf.data());
-        }
-        for (int64_t j = p; j < p + (pair ? 2 : 1); ++j) {
-          const int64_t n0 = j * kPanel;
-          epilogue(j == p ? acc.data() : acc1, m, n, n0, std::min(kPanel, n - n0), scale, bias,
-                   y);
-        }
+  if (m > 1) {
+    const auto pair = [&](int64_t p, float* acc0, float* acc1, float*) {
+      for (int64_t m0 = 0; m0 < m; m0 += kPairRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kPairRows, m - m0));
+        with_rows<kPairRows>(rows, [&](auto r) {
+          micro_pair<decltype(r)::value, Tag>(x + m0 * k, k, w + p * k * kPanel,
+                                              w + (p + 1) * k * kPanel, k, acc0 + m0 * kPanel,
+                                              acc1 + m0 * kPanel);
+        });
       }
-    });
-    return;
+    };
+    return run_panel_pairs(m, n, scratch, scale, bias, y, pair, one);
   }
 #endif
-  run_panels(m, n, scratch, scale, bias, y, [&](int64_t p, float* acc, float* buf) {
-    panel_gemm<Tag>(x, m, k, w + p * k * kPanel, acc, buf);
-  });
+  run_panels(m, n, scratch, scale, bias, y, one);
 }
 
 #if defined(PAGEDLLM_GEMM_DP)
@@ -221,29 +224,17 @@ void run_dp(const torch::Tensor& x, const torch::Tensor& w, const float* scale, 
   const int64_t m = x.size(0), k = x.size(1), n = y.size(1);
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const auto* wp = reinterpret_cast<const typename Tag::T*>(w.data_ptr());
-  auto* yp = y.data_ptr<at::BFloat16>();
-  const int64_t panels = (n + kPanel - 1) / kPanel;
   // The scratch of an odd last panel: kBlockPairs rows of 32 bf16, 16 floats' worth each.
   const size_t scratch = m > dp::kRows ? static_cast<size_t>(dp::kBlockPairs * kPanel) : 0;
-  at::parallel_for(0, (panels + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(static_cast<size_t>(2 * m * kPanel));
-    std::vector<float> buf(scratch);
-    float* acc1 = acc.data() + m * kPanel;
-    auto* s = reinterpret_cast<uint16_t*>(buf.data());
-    for (int64_t q = begin; q < end; ++q) {
-      const int64_t p = 2 * q;
-      const bool pair = p + 1 < panels;
-      if (pair)
-        dp::panel_pair<Tag>(xp, m, k, wp + p * k * kPanel, wp + (p + 1) * k * kPanel, acc.data(),
-                            acc1, s);
-      else
-        dp::panel<Tag>(xp, m, k, wp + p * k * kPanel, acc.data(), s);
-      for (int64_t j = p; j < p + (pair ? 2 : 1); ++j) {
-        const int64_t n0 = j * kPanel;
-        epilogue(j == p ? acc.data() : acc1, m, n, n0, std::min(kPanel, n - n0), scale, bias, yp);
-      }
-    }
-  });
+  run_panel_pairs(
+      m, n, scratch, scale, bias, y.data_ptr<at::BFloat16>(),
+      [&](int64_t p, float* acc0, float* acc1, float* buf) {
+        dp::panel_pair<Tag>(xp, m, k, wp + p * k * kPanel, wp + (p + 1) * k * kPanel, acc0, acc1,
+                            reinterpret_cast<uint16_t*>(buf));
+      },
+      [&](int64_t p, float* acc, float* buf) {
+        dp::panel<Tag>(xp, m, k, wp + p * k * kPanel, acc, reinterpret_cast<uint16_t*>(buf));
+      });
 }
 #endif
 

@@ -166,19 +166,6 @@ inline void tile_pair(const uint16_t* x, int64_t ldx, int64_t pairs, const Load0
   }
 }
 
-// tile_pair<rows> for a run-time row count 1..kPairRows.
-template <typename Load0, typename Load1, int R = kPairRows>
-inline void tile_pair_rows(int rows, const uint16_t* x, int64_t ldx, int64_t pairs,
-                           const Load0& load0, const Load1& load1, float* c0, float* c1,
-                           bool accumulate) {
-  if constexpr (R > 1) {
-    if (rows < R)
-      return tile_pair_rows<Load0, Load1, R - 1>(rows, x, ldx, pairs, load0, load1, c0, c1,
-                                                 accumulate);
-  }
-  tile_pair<R>(x, ldx, pairs, load0, load1, c0, c1, accumulate);
-}
-
 // acc0 and acc1 [M][16] = x[M, K] @ the panels wp0 and wp1 (see the header: two panels share
 // each broadcast of x). One row streams the weights and keeps tile_one's four chains per panel.
 // Every row tile converts the weights in registers as it reads them (after the first tile, from
@@ -198,8 +185,10 @@ void panel_pair(const uint16_t* x, int64_t m, int64_t k, const typename Tag::T* 
   const auto load1 = [wp1](int64_t i) { return pair_row(Tag{}, wp1 + 2 * i * kCols); };
   for (int64_t m0 = 0; m0 < m; m0 += kPairRows) {
     const int rows = static_cast<int>(std::min<int64_t>(kPairRows, m - m0));
-    tile_pair_rows(rows, x + m0 * k, k, pairs, load0, load1, acc0 + m0 * kCols,
-                   acc1 + m0 * kCols, false);
+    with_rows<kPairRows>(rows, [&](auto r) {
+      tile_pair<decltype(r)::value>(x + m0 * k, k, pairs, load0, load1, acc0 + m0 * kCols,
+                                    acc1 + m0 * kCols, false);
+    });
   }
 }
 

@@ -7,12 +7,23 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 namespace pagedllm::gemm {
+
+// f(std::integral_constant<int, rows>) for a run-time row count 1..R: a tile's row count must be
+// a compile-time constant so that its accumulators stay in registers.
+template <int R, typename F>
+inline void with_rows(int rows, const F& f) {
+  if constexpr (R > 1) {
+    if (rows < R) return with_rows<R - 1>(rows, f);
+  }
+  f(std::integral_constant<int, R>{});
+}
 
 // Weight element tags (the packed tensor's storage type).
 struct Bf16W { using T = uint16_t; };
