@@ -28,6 +28,7 @@ streamed chunks), time per output token (TPOT) and end-to-end latency, as percen
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -37,12 +38,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from pagedllm.config import env_api_key
+from pagedllm.engine.cpu_binding import thread_ids
 from pagedllm.entrypoints.bench import serve
 from pagedllm.entrypoints.bench.datasets import BenchRequest, random_text
 from pagedllm.entrypoints.bench.sse_client import run as run_async
@@ -61,20 +64,54 @@ def serve_requests(
     concurrency: int,
     api_key: str | None,
     server_pid: int | None,
+    client_cpus: str = "server",
 ) -> dict[str, Any]:
     """The prompts as streaming clients (``pagedllm bench serve``'s load generator), with the
-    CPU seconds the client, the server and the engine core spent on them."""
+    CPU seconds the client, the server and the engine core spent on them. With
+    ``client_cpus="server"`` the clients run on the CPUs of the server process (see
+    :func:`client_placement`)."""
     requests = [BenchRequest(p, output_len) for p in prompts]
-    before = cpu_seconds(server_pid)
-    report = run_async(
-        serve.run(base_url, requests, model=model, api_key=api_key, max_concurrency=concurrency)
-    )
-    after = cpu_seconds(server_pid)
+    with client_placement(server_pid if client_cpus == "server" else None):
+        before = cpu_seconds(server_pid)
+        report = run_async(
+            serve.run(base_url, requests, model=model, api_key=api_key, max_concurrency=concurrency)
+        )
+        after = cpu_seconds(server_pid)
     for key in ("ttfts_s", "tpots_s"):
         report.pop(key, None)
     report["concurrency"] = concurrency
     report["cpu_seconds"] = {k: after[k] - before.get(k, 0.0) for k in after}
     return report
+
+
+@contextlib.contextmanager
+def client_placement(server_pid: int | None) -> Iterator[None]:
+    """Run this process's threads on the CPUs the API server process runs on, then put them
+    back. The load generator stands in for clients on other machines: on this one it should
+    take its CPU from the server's share (``pagedllm serve --cpu-bind auto`` keeps a CPU for
+    the engine core's main thread), not from the core's main thread, which it would slow as no
+    remote client can. Without a server pid, or where the server may run anywhere, nothing
+    changes."""
+    if server_pid is None or not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    try:
+        target = os.sched_getaffinity(server_pid)
+    except OSError:
+        target = set()
+    before = {tid: os.sched_getaffinity(tid) for tid in thread_ids()}
+    if not target or all(mask == target for mask in before.values()):
+        yield
+        return
+    for tid in before:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(tid, target)
+    try:
+        yield
+    finally:
+        for tid, mask in before.items():
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(tid, mask)
 
 
 def cpu_seconds(server_pid: int | None) -> dict[str, float]:
@@ -168,6 +205,15 @@ def http_round_trip_ms(base_url: str, n: int = 20) -> float:
             c.get("/health")
             times.append(time.perf_counter() - start)
     return 1e3 * statistics.median(times)
+
+
+def round_entry(served: dict[str, Any], offline: dict[str, Any] | None) -> dict[str, float]:
+    """One round at one concurrency: both throughputs and their ratio (served alone: no ratio)."""
+    entry = {"served": served["output_throughput"]}
+    if offline:
+        entry["offline"] = offline["output_throughput"]
+        entry["ratio"] = served["output_throughput"] / max(offline["output_throughput"], 1e-9)
+    return entry
 
 
 def compare(
@@ -337,6 +383,21 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         help="extra `pagedllm serve` flags for the server only, not the offline engine "
         "(e.g. '--cpu-threads 1')",
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="repeat the offline/served turns this many times; the ratios reported are the "
+        "medians over rounds (a shared host's speed drifts between minutes)",
+    )
+    p.add_argument(
+        "--client-cpus",
+        choices=("server", "any"),
+        default="server",
+        help="server: the streaming clients run on the launched server's CPUs (standing in for "
+        "remote clients, they take the front end's share, not the engine core's main thread's); "
+        "any: wherever the kernel puts them",
+    )
     p.add_argument("--input-len", type=int, default=64, help="words per prompt")
     p.add_argument("--output-len", type=int, default=128, help="tokens per response")
     p.add_argument("--seed", type=int, default=0)
@@ -347,6 +408,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         args.input_len, args.output_len = 16, 16
         args.compare_offline = True
     args.concurrency = [int(c) for c in str(args.concurrency).split(",")]
+    if args.rounds < 1:
+        p.error("--rounds: must be at least 1")
     if args.compare_offline and not (args.launch or args.smoke or args.model_size):
         p.error(
             "--compare-offline needs --launch MODEL, --model-size or --smoke "
@@ -400,18 +463,22 @@ def main(argv: list[str] | None = None) -> int:
             # Offline and served take turns per concurrency, so a machine whose load drifts
             # (a shared CI box) tilts both columns alike rather than one.
             served, offline = {}, {} if engine is not None else None
-            for c, ps in prompts.items():
-                if engine is not None:
-                    offline[c] = run_offline(engine, ps, args.output_len, c)
-                served[c] = serve_requests(
-                    base_url,
-                    args.model,
-                    ps,
-                    args.output_len,
-                    c,
-                    args.api_key,
-                    proc.pid if proc is not None else None,
-                )
+            rounds: dict[int, list[dict[str, float]]] = {c: [] for c in prompts}
+            for _ in range(args.rounds):
+                for c, ps in prompts.items():
+                    if engine is not None:
+                        offline[c] = run_offline(engine, ps, args.output_len, c)
+                    served[c] = serve_requests(
+                        base_url,
+                        args.model,
+                        ps,
+                        args.output_len,
+                        c,
+                        args.api_key,
+                        proc.pid if proc is not None else None,
+                        args.client_cpus,
+                    )
+                    rounds[c].append(round_entry(served[c], offline and offline[c]))
             rtt = http_round_trip_ms(base_url) if engine is not None else 0.0
         finally:
             if proc is not None:
@@ -424,6 +491,11 @@ def main(argv: list[str] | None = None) -> int:
             "offline": {str(c): r for c, r in offline.items()},
             **compare(offline, served, rtt),
         }
+        if args.rounds > 1:
+            report["rounds"] = {str(c): r for c, r in rounds.items()}
+            report["output_throughput_ratio"] = {
+                str(c): statistics.median(e["ratio"] for e in r) for c, r in rounds.items()
+            }
     elif len(served) == 1:
         report = next(iter(served.values()))
     else:

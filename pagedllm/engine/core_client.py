@@ -35,6 +35,7 @@ from pagedllm.engine.async_engine import (
     EngineStepError,
     RequestStream,
 )
+from pagedllm.engine.cpu_binding import CpuBinding
 from pagedllm.engine.stat_logger import StatLogger
 from pagedllm.outputs import RequestOutput
 
@@ -52,6 +53,9 @@ class EngineCoreClient(EngineClient):
     it when the HTTP request comes in, to its arrival in the core),
     ``core_queue`` (arrival in the core to first scheduled) or ``step``. Both run on the
     receiving thread: keep them quick and thread-safe.
+
+    ``cpu_binding`` (see ``cpu_binding.py``) is applied by the core to its own threads; where
+    this process's threads run is the caller's to decide (``pagedllm serve`` binds them).
     """
 
     def __init__(
@@ -61,6 +65,7 @@ class EngineCoreClient(EngineClient):
         *,
         log_stats_interval: float | None = 5.0,
         startup_timeout: float = 900.0,
+        cpu_binding: CpuBinding | None = None,
         **engine_args: Any,
     ) -> None:
         import zmq
@@ -104,6 +109,7 @@ class EngineCoreClient(EngineClient):
                 f"ipc://{self._dir}/out",
                 _getpid(),
                 logging.getLogger().getEffectiveLevel(),
+                cpu_binding,
             ),
         )
         self.proc.start()
@@ -129,9 +135,16 @@ class EngineCoreClient(EngineClient):
         device: str = "auto",
         *,
         log_stats_interval: float | None = 5.0,
+        cpu_binding: CpuBinding | None = None,
         **engine_args: Any,
     ) -> EngineCoreClient:
-        return cls(model, device, log_stats_interval=log_stats_interval, **engine_args)
+        return cls(
+            model,
+            device,
+            log_stats_interval=log_stats_interval,
+            cpu_binding=cpu_binding,
+            **engine_args,
+        )
 
     def _wait_ready(self, timeout: float) -> dict[str, Any]:
         import zmq

@@ -26,6 +26,7 @@ import traceback
 from typing import Any
 
 from pagedllm.engine import core_wire as wire
+from pagedllm.engine.cpu_binding import CoreThreadBinder, CpuBinding
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +38,16 @@ _MAX_CONSECUTIVE_STEP_FAILURES = 3
 class EngineCore:
     """The loop; ``run`` returns the process exit status (0 after a stop, 1 when broken)."""
 
-    def __init__(self, engine: Any, in_sock: Any, out_sock: Any, parent_pid: int) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        in_sock: Any,
+        out_sock: Any,
+        parent_pid: int,
+        binder: CoreThreadBinder | None = None,
+    ) -> None:
         self.engine = engine
+        self.binder = binder
         self.in_sock = in_sock
         self.out_sock = out_sock
         self.parent_pid = parent_pid
@@ -58,6 +67,8 @@ class EngineCore:
         poller = zmq.Poller()
         poller.register(self.in_sock, zmq.POLLIN)
         while not self.stopping:
+            if self.binder is not None:
+                self.binder.maybe_rebind(time.monotonic())
             busy = self.engine.has_unfinished_requests()
             if os.getppid() != self.parent_pid:
                 logger.warning("the server process is gone; the engine core exits")
@@ -212,8 +223,11 @@ def core_main(
     out_addr: str,
     parent_pid: int,
     log_level: int,
+    cpu_binding: CpuBinding | None = None,
 ) -> None:
-    """The process's entry point (spawned): build the engine, say READY, run the loop."""
+    """The process's entry point (spawned): build the engine, say READY, run the loop.
+    With ``cpu_binding`` the core's threads are bound once the engine (and so its OpenMP
+    pool) exists, before READY (see ``cpu_binding.py``)."""
     from pagedllm.config import core_openmp_env
 
     os.environ.update(core_openmp_env())  # before torch loads its OpenMP runtime
@@ -238,6 +252,11 @@ def core_main(
         out_sock.close(linger=2000)
         sys.exit(1)
     freeze_startup_objects()
+    binder = None
+    if cpu_binding is not None:
+        binder = CoreThreadBinder(cpu_binding)
+        binder.bind()
+        logger.info("CPU binding: %s", cpu_binding.describe())
     cfg = engine.config
     out_sock.send(
         wire.encode_out(
@@ -255,7 +274,7 @@ def core_main(
     )
     status = 1
     try:
-        status = EngineCore(engine, in_sock, out_sock, parent_pid).run()
+        status = EngineCore(engine, in_sock, out_sock, parent_pid, binder).run()
     except BaseException as exc:
         logger.exception("the engine core crashed")
         out_sock.send(wire.encode_out(wire.DEAD, f"engine core crashed: {exc!r}"))

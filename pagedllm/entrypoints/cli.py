@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pagedllm
+from pagedllm.engine.cpu_binding import CpuBinding, bind_threads
 
 logger = logging.getLogger("pagedllm.cli")
 
@@ -139,6 +140,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="step the engine on a thread of the server process instead of in its "
         "own engine-core process (slower; for debugging)",
+    )
+    s.add_argument(
+        "--cpu-bind",
+        choices=["auto", "off"],
+        default="auto",
+        help="auto: the engine core's main thread gets the first CPU this process may use, "
+        "alone, and every other thread (OpenMP workers, the API server) the others; off: "
+        "the kernel places them (see the README's serving section)",
     )
     s.add_argument(
         "--max-prompt-chars",
@@ -282,6 +291,14 @@ def resolve_model(model: str | None) -> tuple[str, str | None]:
     return str(path), DEMO_SERVED_NAME
 
 
+def serve_cpu_binding(args: argparse.Namespace) -> CpuBinding | None:
+    """The ``--cpu-bind`` plan for ``pagedllm serve``: only with an engine-core process of one
+    rank (tensor-parallel workers are processes of their own, placed by the kernel)."""
+    if args.engine_in_process or (args.tensor_parallel_size or 1) > 1:
+        return None
+    return CpuBinding.plan(args.cpu_bind)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from pagedllm.config import env_api_key
     from pagedllm.engine.async_engine import AsyncEngine
@@ -312,13 +329,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
     kwargs = engine_kwargs(args)
     kwargs["served_model_name"] = names[0]
     kwargs["max_logprobs"] = args.max_logprobs
-    engine_class = AsyncEngine if args.engine_in_process else EngineCoreClient
+    binding = serve_cpu_binding(args)
     try:
-        engine = engine_class.from_engine_args(
-            model, args.device, log_stats_interval=None if args.disable_log_stats else 5.0, **kwargs
-        )
+        if args.engine_in_process:
+            engine = AsyncEngine.from_engine_args(
+                model,
+                args.device,
+                log_stats_interval=None if args.disable_log_stats else 5.0,
+                **kwargs,
+            )
+        else:
+            engine = EngineCoreClient.from_engine_args(
+                model,
+                args.device,
+                log_stats_interval=None if args.disable_log_stats else 5.0,
+                cpu_binding=binding,
+                **kwargs,
+            )
     except (ValueError, RuntimeError) as exc:
         raise SystemExit(f"pagedllm serve: {exc}") from None
+    if binding is not None:
+        bind_threads(binding.rest)  # this process: every thread, and those it starts later
+        logging.getLogger(__name__).info("CPU binding: %s", binding.describe())
     try:
         settings = ServerSettings(
             api_key=args.api_key or env_api_key(),

@@ -437,3 +437,55 @@ def test_the_core_freezes_its_start_up_objects(server: Any) -> None:
     """What start-up built (torch, the model) is out of the cyclic collector's walk, so a full
     collection never stalls a step for the ~150 ms that walking it takes."""
     assert server.in_core(_frozen_objects) > 10_000
+
+
+def _core_thread_masks(engine: Any) -> dict[str, Any]:
+    from pagedllm.engine.cpu_binding import thread_ids
+
+    return {
+        "main": os.getpid(),
+        "masks": {tid: sorted(os.sched_getaffinity(tid)) for tid in thread_ids()},
+    }
+
+
+@pytest.mark.skipif(
+    len(os.sched_getaffinity(0)) < 2, reason="binding needs two CPUs this process may use"
+)
+def test_the_core_binds_its_threads_and_still_serves(llama_path: Any) -> None:
+    """With a CPU binding the core's main thread runs alone on its CPU and its other threads
+    (OpenMP workers, ZeroMQ's) on the rest; this process is left as it was (binding it is
+    ``pagedllm serve``'s business), and requests still complete."""
+    import asyncio
+
+    from pagedllm.engine.core_client import EngineCoreClient
+    from pagedllm.engine.cpu_binding import CpuBinding
+
+    before = os.sched_getaffinity(0)
+    main_cpu, rest_cpu = sorted(before)[:2]
+    engine = EngineCoreClient.from_engine_args(
+        str(llama_path),
+        "cpu",
+        dtype="float32",
+        num_kv_blocks=64,
+        block_size=8,
+        max_model_len=128,
+        log_stats_interval=None,
+        cpu_binding=CpuBinding(core_main=(main_cpu,), rest=(rest_cpu,)),
+    )
+    try:
+        got = asyncio.run(engine.call(_core_thread_masks))
+
+        async def one() -> Any:
+            params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+            async for out in engine.generate({"prompt_token_ids": [1, 2, 3]}, params, "b-0"):
+                last = out
+            return last
+
+        final = asyncio.run(one())
+    finally:
+        engine.stop()
+    masks = {int(k): v for k, v in got["masks"].items()}
+    assert masks.pop(got["main"]) == [main_cpu]
+    assert masks and all(m == [rest_cpu] for m in masks.values()), masks
+    assert os.sched_getaffinity(0) == before
+    assert final.finished and len(final.outputs[0].token_ids) == 4

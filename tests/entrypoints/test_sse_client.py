@@ -74,3 +74,74 @@ def test_events_split_across_chunks_and_connection_reuse() -> None:
 def test_only_plain_http() -> None:
     with pytest.raises(ValueError, match="base_url"):
         StreamClient("https://example.com")
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _feed(answer: bytes, step: int) -> tuple[list[dict], BaseException | None, bool, list[int]]:
+    """``answer`` handed to the protocol ``step`` bytes at a time; the events it reported,
+    what the exchange ended with, whether the connection may be reused, and the order of the
+    start callback among the events."""
+    from pagedllm.entrypoints.bench.sse_client import _Connection, _Exchange
+
+    async def main() -> tuple[list[dict], BaseException | None, bool, list[int]]:
+        conn, events, order = _Connection(), [], []
+        conn.connection_made(_Transport())  # type: ignore[arg-type]
+        done = asyncio.get_running_loop().create_future()
+        conn.start(
+            b"POST / HTTP/1.1\r\n\r\n",
+            _Exchange(done, lambda: order.append(len(events)), events.append),
+        )
+        for i in range(0, len(answer), step):
+            conn.data_received(answer[i : i + step])
+        if not done.done():
+            conn.connection_lost(None)
+        return events, done.exception(), conn.reusable, order
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 5, 64, 10_000])
+def test_the_parser_takes_an_answer_cut_anywhere(step: int) -> None:
+    """Chunk-size lines, chunk data, the CRLF after it and the trailer may each arrive in
+    pieces; events may span chunks; what follows [DONE] is read and dropped."""
+    events = [{"choices": [{"text": t}]} for t in ("a", "b\n\nc", "é")]
+    sse = b"".join(b"data: " + json.dumps(e).encode() + b"\r\n\r\n" for e in events)
+    sse += b"data: [DONE]\n\n"
+    pieces = [sse[:10], sse[10:11], sse[11:40], sse[40:], b": trailing comment\n\n"]
+    ok = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    got, error, reusable, order = _feed(ok + _chunked(pieces), step)
+    assert error is None and got == events and reusable and order == [0]
+
+
+@pytest.mark.parametrize("step", [1, 7, 10_000])
+def test_the_parser_reads_sized_bodies_and_errors(step: int) -> None:
+    sse = b'data: {"x": 1}\n\ndata: [DONE]\n\n'
+    ok = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(sse), sse)
+    got, error, reusable, _ = _feed(ok, step)
+    assert error is None and got == [{"x": 1}] and reusable
+    body = b'{"error": {"message": "no"}}'
+    bad = b"HTTP/1.1 429 Too Many\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (
+        len(body),
+        body,
+    )
+    got, error, reusable, order = _feed(bad, step)
+    assert isinstance(error, StatusError) and error.status == 429 and error.body == body
+    assert got == [] and order == [] and not reusable
+
+
+def test_the_parser_reports_a_connection_lost_mid_body() -> None:
+    ok = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    got, error, reusable, _ = _feed(ok + b'10\r\ndata: {"x": 1}\n\n\r\n5\r\nda', 3)
+    assert got == [{"x": 1}]
+    assert isinstance(error, asyncio.IncompleteReadError) and not reusable

@@ -78,30 +78,31 @@ async def one_request(
         last = time.perf_counter()
         res.ttft = last - start
 
-    async def read() -> None:
+    def on_event(event: dict[str, Any]) -> None:
         nonlocal last
-        async for event in client.events(path, body, started):
-            if "error" in event:
-                res.error = event["error"].get("message", "error event")
-                return
-            choices = event.get("choices") or []
-            piece = (
-                choices[0].get("delta", {}).get("content")
-                if chat and choices
-                else (choices[0].get("text") if choices else None)
-            )
-            if piece:
-                now = time.perf_counter()
-                if res.chunks:
-                    res.itl.append(now - last)
-                res.chunks += 1
-                last = now
-            if event.get("usage"):
-                res.prompt_tokens = event["usage"]["prompt_tokens"]
-                res.output_tokens = event["usage"]["completion_tokens"]
+        if res.error:
+            return
+        if "error" in event:
+            res.error = event["error"].get("message", "error event")
+            return
+        choices = event.get("choices") or []
+        piece = (
+            choices[0].get("delta", {}).get("content")
+            if chat and choices
+            else (choices[0].get("text") if choices else None)
+        )
+        if piece:
+            now = time.perf_counter()
+            if res.chunks:
+                res.itl.append(now - last)
+            res.chunks += 1
+            last = now
+        if event.get("usage"):
+            res.prompt_tokens = event["usage"]["prompt_tokens"]
+            res.output_tokens = event["usage"]["completion_tokens"]
 
     try:
-        await asyncio.wait_for(read(), timeout)
+        await asyncio.wait_for(client.stream(path, body, on_event, started), timeout)
     except StatusError as exc:
         res.error = _error_text(exc.body, exc.status)
     except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, ValueError) as exc:
