@@ -39,3 +39,43 @@ def test_benchmark_report(server: Any) -> None:
     failed = bench.serve_requests(server.base_url, MODEL_NAME, prompts[:2], 5, 2, "wrong-key", None)
     assert failed["failed"] == 2 and "API key" in failed["errors"][0], failed["errors"]
     server.assert_all_blocks_free()
+
+
+def test_clients_run_on_the_server_cpus_and_go_back() -> None:
+    """--client-cpus server: during the served turn this process runs on the server's CPUs
+    (a stand-in server here, bound to one CPU), afterwards where it ran before."""
+    import os
+    import subprocess
+    import time
+
+    import pytest
+
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip("needs two CPUs this process may use")
+    bench = _load()
+    before = {tid: os.sched_getaffinity(tid) for tid in map(int, os.listdir("/proc/self/task"))}
+    stand_in = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import os, time; os.sched_setaffinity(0, {{{allowed[-1]}}}); time.sleep(30)",
+        ]
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while os.sched_getaffinity(stand_in.pid) != {allowed[-1]}:  # not bound yet
+            assert time.monotonic() < deadline, "the stand-in did not bind itself"
+            time.sleep(0.01)
+        with bench.client_placement(stand_in.pid):
+            inside = {
+                os.sched_getaffinity(int(t)) == {allowed[-1]} for t in os.listdir("/proc/self/task")
+            }
+        with bench.client_placement(None):
+            untouched = os.sched_getaffinity(0)
+    finally:
+        stand_in.kill()
+        stand_in.wait()
+    assert inside == {True}
+    assert untouched == set(allowed)
+    assert all(os.sched_getaffinity(tid) == mask for tid, mask in before.items())
