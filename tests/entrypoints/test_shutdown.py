@@ -23,7 +23,7 @@ import httpx
 from tests.entrypoints.conftest import free_port
 from tests.entrypoints.test_cli import REPO, _wait_healthy
 
-NUM_STREAMS = 32  # enough work that the streams outlive the 0.5 s drain on a fast core
+NUM_STREAMS = 32  # enough work that the streams outlive the drain on a fast core
 NUM_PLAIN = 3
 
 
@@ -115,16 +115,19 @@ def _start_clients(base: str) -> list[Client]:
         c.start()
     for _ in clients:
         assert started.acquire(timeout=60)
-    time.sleep(0.5)  # the non-streamed ones are in the engine too
+    # The non-streamed ones are in the engine too: they were sent with the streams, and every
+    # stream already has its first token.
+    time.sleep(0.2)
     return clients
 
 
 def test_sigterm_cuts_late_requests_with_errors_and_exits_nonzero(
     llama_path: Path, tmp_path: Path
 ) -> None:
-    # The streams must still run when the 0.5 s are up (a fast core made 400 tokens finish
-    # inside the 1.8 s this test used to give them).
-    proc, base, log = _serve(llama_path, tmp_path, timeout=0.5)
+    # The streams must still run when the drain is up: a fast core made 400 tokens finish
+    # inside the 1.8 s this test used to give them, and 500 inside 0.5 s + 0.5 s on a Zen 4
+    # (2026-12-03), so the streams now get 0.2 s after their first tokens plus a 0.25 s drain.
+    proc, base, log = _serve(llama_path, tmp_path, timeout=0.25)
     try:
         clients = _start_clients(base)
         proc.send_signal(signal.SIGTERM)
