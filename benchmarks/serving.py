@@ -45,7 +45,7 @@ from typing import Any
 import httpx
 
 from pagedllm.config import env_api_key
-from pagedllm.engine.cpu_binding import thread_ids
+from pagedllm.engine.cpu_binding import bind_threads, thread_ids
 from pagedllm.entrypoints.bench import serve
 from pagedllm.entrypoints.bench.datasets import BenchRequest, random_text
 from pagedllm.entrypoints.bench.sse_client import run as run_async
@@ -103,9 +103,7 @@ def client_placement(server_pid: int | None) -> Iterator[None]:
     if not target or all(mask == target for mask in before.values()):
         yield
         return
-    for tid in before:
-        with contextlib.suppress(OSError):
-            os.sched_setaffinity(tid, target)
+    bind_threads(target)
     try:
         yield
     finally:

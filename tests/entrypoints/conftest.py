@@ -80,6 +80,23 @@ class ServerHandle:
         return asyncio.run(self.engine.call(fn, *args))
 
 
+def small_core_client(llama_path: Path, **extra: Any) -> Any:
+    """An engine core process on the tiny Llama with a small cache, for tests that start,
+    break, kill or bind their own core (the session ``server`` fixture's core is shared)."""
+    from pagedllm.engine.core_client import EngineCoreClient
+
+    return EngineCoreClient.from_engine_args(
+        str(llama_path),
+        "cpu",
+        dtype="float32",
+        num_kv_blocks=64,
+        block_size=8,
+        max_model_len=128,
+        log_stats_interval=None,
+        **extra,
+    )
+
+
 def offline_generate(engine: Any, prompts: list[Any], params: Any) -> list[Any]:
     return engine.generate(prompts, params, use_tqdm=False)
 

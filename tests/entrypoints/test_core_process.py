@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from pagedllm.core.sampling_params import SamplingParams
-from tests.entrypoints.conftest import API_KEY, MODEL_NAME, start_server
+from tests.entrypoints.conftest import API_KEY, MODEL_NAME, small_core_client, start_server
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
@@ -83,19 +83,10 @@ def test_a_server_that_cannot_be_built_stops_the_core(
 
 
 def test_killing_the_core_gives_503_within_a_second_and_a_nonzero_exit(llama_path: Any) -> None:
-    from pagedllm.engine.core_client import EngineCoreClient
     from pagedllm.entrypoints.openai.api_server import ServerSettings, model_info, run_server
     from tests.entrypoints.conftest import free_port
 
-    engine = EngineCoreClient.from_engine_args(
-        str(llama_path),
-        "cpu",
-        dtype="float32",
-        num_kv_blocks=64,
-        block_size=8,
-        max_model_len=128,
-        log_stats_interval=None,
-    )
+    engine = small_core_client(llama_path)
     port, result = free_port(), {}
     thread = threading.Thread(
         target=lambda: result.update(
@@ -457,20 +448,12 @@ def test_the_core_binds_its_threads_and_still_serves(llama_path: Any) -> None:
     ``pagedllm serve``'s business), and requests still complete."""
     import asyncio
 
-    from pagedllm.engine.core_client import EngineCoreClient
     from pagedllm.engine.cpu_binding import CpuBinding
 
     before = os.sched_getaffinity(0)
     main_cpu, rest_cpu = sorted(before)[:2]
-    engine = EngineCoreClient.from_engine_args(
-        str(llama_path),
-        "cpu",
-        dtype="float32",
-        num_kv_blocks=64,
-        block_size=8,
-        max_model_len=128,
-        log_stats_interval=None,
-        cpu_binding=CpuBinding(core_main=(main_cpu,), rest=(rest_cpu,)),
+    engine = small_core_client(
+        llama_path, cpu_binding=CpuBinding(core_main=(main_cpu,), rest=(rest_cpu,))
     )
     try:
         got = asyncio.run(engine.call(_core_thread_masks))

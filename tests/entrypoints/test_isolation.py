@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.entrypoints.conftest import API_KEY, MODEL_NAME, start_server
+from tests.entrypoints.conftest import API_KEY, MODEL_NAME, small_core_client, start_server
 
 INNOCENT = ["The quick brown fox", "def fibonacci(n):", "Paged attention keeps", "import os"]
 STREAM_TOKENS = 40
@@ -327,19 +327,10 @@ def _break_engine(engine: Any) -> None:
 def test_broken_engine_marks_health_503_and_the_server_exits_nonzero(llama_path: Any) -> None:
     import asyncio
 
-    from pagedllm.engine.core_client import EngineCoreClient
     from pagedllm.entrypoints.openai.api_server import ServerSettings, model_info, run_server
     from tests.entrypoints.conftest import free_port
 
-    engine = EngineCoreClient.from_engine_args(
-        str(llama_path),
-        "cpu",
-        dtype="float32",
-        num_kv_blocks=64,
-        block_size=8,
-        max_model_len=128,
-        log_stats_interval=None,
-    )
+    engine = small_core_client(llama_path)
 
     asyncio.run(engine.call(_break_engine))
     port, result = free_port(), {}
