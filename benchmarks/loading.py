@@ -8,6 +8,7 @@ JSON object: checkpoint bytes, and per dtype the load seconds, packing seconds, 
 
     python benchmarks/loading.py                     # the 1B checkpoint: bf16, float32, int8, w8a8
     python benchmarks/loading.py --smoke             # a tiny checkpoint, for CI
+    python benchmarks/loading.py --huge-pages both   # with and without huge pages, alternating
 """
 
 from __future__ import annotations
@@ -58,10 +59,15 @@ print(json.dumps({
 """
 
 
-def measure(folder: Path, run: str) -> dict[str, object]:
-    """One ``dtype`` or ``dtype:quantization`` run (``bfloat16:int8``) in a fresh process."""
+def measure(folder: Path, run: str, huge_pages: bool = True) -> dict[str, object]:
+    """One ``dtype`` or ``dtype:quantization`` run (``bfloat16:int8``) in a fresh process, with
+    PyTorch's large tensors on transparent huge pages (pagedllm's default) or not."""
     dtype, _, quantization = run.partition(":")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+        "THP_MEM_ALLOC_ENABLE": "1" if huge_pages else "0",
+    }
     proc = subprocess.run(
         [sys.executable, "-c", _CHILD, str(folder), dtype, quantization],
         capture_output=True,
@@ -74,6 +80,10 @@ def measure(folder: Path, run: str) -> dict[str, object]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _total(run: dict[str, object]) -> float:
+    return float(run["load_s"]) + float(run["prepare_model_s"])  # type: ignore[arg-type]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="a tiny checkpoint (CI)")
@@ -82,6 +92,13 @@ def main(argv: list[str] | None = None) -> None:
         "--dtypes",
         default="bfloat16,float32,bfloat16:int8,bfloat16:w8a8",
         help="runs, comma-separated: a dtype, or dtype:quantization (int8 weights made at load)",
+    )
+    ap.add_argument(
+        "--huge-pages",
+        choices=("on", "off", "both"),
+        default="on",
+        help="PyTorch's large tensors on transparent huge pages (THP_MEM_ALLOC_ENABLE, "
+        "pagedllm's default: on); both: each run twice, alternating, reported side by side",
     )
     args = ap.parse_args(argv)
     spec = LLAMA_TINY if args.smoke else LLAMA_1B
@@ -92,8 +109,17 @@ def main(argv: list[str] | None = None) -> None:
             "model": "tiny" if args.smoke else "llama-1b-shape",
             "checkpoint_dtype": "bfloat16",
             "checkpoint_bytes": checkpoint_bytes(folder),
-            "runs": {d: measure(folder, d) for d in args.dtypes.split(",")},
         }
+        runs = args.dtypes.split(",")
+        if args.huge_pages == "both":  # alternating, so a drifting machine tilts both alike
+            pairs = {d: (measure(folder, d, True), measure(folder, d, False)) for d in runs}
+            result["runs"] = {d: on for d, (on, _) in pairs.items()}
+            result["runs_without_huge_pages"] = {d: off for d, (_, off) in pairs.items()}
+            result["load_speedup_from_huge_pages"] = {
+                d: round(_total(off) / _total(on), 2) for d, (on, off) in pairs.items()
+            }
+        else:
+            result["runs"] = {d: measure(folder, d, args.huge_pages == "on") for d in runs}
     print(json.dumps(result, indent=2))
 
 

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from pagedllm.config import prefer_huge_pages
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import CompletionOutput, RequestOutput
 
 __version__ = "0.1.0"
+
+prefer_huge_pages()  # before torch's first allocation in this process (see its docstring)
 
 __all__ = [
     "AsyncEngine",

@@ -175,3 +175,47 @@ def test_16bit_load_grows_rss_by_about_the_checkpoint(bf16_checkpoint: Path, dty
         f"loading a {size / 2**20:.0f} MiB {dtype} checkpoint grew peak RSS by "
         f"{growth / 2**20:.0f} MiB (> {RSS_GROWTH_LIMIT}x)"
     )
+
+
+_HUGE_PAGE_PROBE = r"""
+import os, re, sys
+import pagedllm  # noqa: F401  (sets the default before torch's first allocation)
+import torch
+
+t = torch.empty(64 << 20, dtype=torch.uint8)
+t.fill_(1)
+start, huge_kb = t.data_ptr(), 0
+for entry in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", open("/proc/self/smaps").read()):
+    lo, hi = (int(x, 16) for x in entry.split()[0].split("-"))
+    if lo <= start < hi:
+        huge_kb = int(re.search(r"AnonHugePages:\s+(\d+)", entry).group(1))
+print(os.environ.get("THP_MEM_ALLOC_ENABLE"), huge_kb)
+"""
+
+
+def _thp_mode() -> str | None:
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else None
+
+
+@pytest.mark.parametrize("user_value", [None, "0"])
+def test_large_tensors_are_advised_onto_huge_pages(user_value: str | None) -> None:
+    """Importing pagedllm asks PyTorch for transparent huge pages under its large tensors
+    (fewer page faults while a checkpoint is read and packed), unless the user chose."""
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    if user_value is not None:
+        env["THP_MEM_ALLOC_ENABLE"] = user_value
+    out = subprocess.run(
+        [sys.executable, "-c", _HUGE_PAGE_PROBE], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    value, huge_kb = out.stdout.split()
+    assert value == (user_value or "1")
+    mode = _thp_mode()
+    if user_value is None and mode in ("madvise", "always"):
+        assert int(huge_kb) > 0, "a 64 MiB tensor got no huge page"
+    if user_value == "0" and mode == "madvise":
+        assert int(huge_kb) == 0, "huge pages although the user turned them off"
