@@ -214,6 +214,18 @@ def round_entry(served: dict[str, Any], offline: dict[str, Any] | None) -> dict[
     return entry
 
 
+def median_round(served: list[dict[str, Any]], offline: list[dict[str, Any]] | None) -> int:
+    """The index of the round that stands for all of them: the one whose served/offline ratio
+    is the median (the lower of the middle two for an even count), or whose served throughput
+    is, without an offline column."""
+    if offline is None:
+        keys = [s["output_throughput"] for s in served]
+    else:
+        keys = [round_entry(s, o)["ratio"] for s, o in zip(served, offline, strict=True)]
+    order = sorted(range(len(keys)), key=keys.__getitem__)
+    return order[(len(order) - 1) // 2]
+
+
 def compare(
     offline: dict[int, dict[str, Any]], served: dict[int, dict[str, Any]], rtt_ms: float
 ) -> dict[str, Any]:
@@ -385,8 +397,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         "--rounds",
         type=int,
         default=1,
-        help="repeat the offline/served turns this many times; the ratios reported are the "
-        "medians over rounds (a shared host's speed drifts between minutes)",
+        help="repeat the offline/served turns this many times; each concurrency is reported "
+        "by its median round (a shared host's speed drifts between minutes), every round "
+        "listed under 'rounds'",
     )
     p.add_argument(
         "--client-cpus",
@@ -460,29 +473,39 @@ def main(argv: list[str] | None = None) -> int:
                 wait_healthy(base_url, proc, args.startup_timeout)
             # Offline and served take turns per concurrency, so a machine whose load drifts
             # (a shared CI box) tilts both columns alike rather than one.
-            served, offline = {}, {} if engine is not None else None
-            rounds: dict[int, list[dict[str, float]]] = {c: [] for c in prompts}
+            served_runs: dict[int, list[dict[str, Any]]] = {c: [] for c in prompts}
+            offline_runs: dict[int, list[dict[str, Any]]] = {c: [] for c in prompts}
             for _ in range(args.rounds):
                 for c, ps in prompts.items():
                     if engine is not None:
-                        offline[c] = run_offline(engine, ps, args.output_len, c)
-                    served[c] = serve_requests(
-                        base_url,
-                        args.model,
-                        ps,
-                        args.output_len,
-                        c,
-                        args.api_key,
-                        proc.pid if proc is not None else None,
-                        args.client_cpus,
+                        offline_runs[c].append(run_offline(engine, ps, args.output_len, c))
+                    served_runs[c].append(
+                        serve_requests(
+                            base_url,
+                            args.model,
+                            ps,
+                            args.output_len,
+                            c,
+                            args.api_key,
+                            proc.pid if proc is not None else None,
+                            args.client_cpus,
+                        )
                     )
-                    rounds[c].append(round_entry(served[c], offline and offline[c]))
             rtt = http_round_trip_ms(base_url) if engine is not None else 0.0
         finally:
             if proc is not None:
                 stop(proc)
             if engine is not None:
                 engine.shutdown()
+    # Each concurrency is reported by one whole round, the one with the median ratio (or the
+    # median served throughput without an offline column): its throughputs, TTFTs and ratio
+    # belong together, which medians taken field by field would not.
+    pick = {
+        c: median_round(served_runs[c], offline_runs[c] if engine is not None else None)
+        for c in prompts
+    }
+    served = {c: served_runs[c][i] for c, i in pick.items()}
+    offline = {c: offline_runs[c][i] for c, i in pick.items()} if engine is not None else None
     if offline is not None:
         report: dict[str, Any] = {
             "served": {str(c): r for c, r in served.items()},
@@ -490,22 +513,26 @@ def main(argv: list[str] | None = None) -> int:
             **compare(offline, served, rtt),
         }
         if args.rounds > 1:
-            report["rounds"] = {str(c): r for c, r in rounds.items()}
-            report["output_throughput_ratio"] = {
-                str(c): statistics.median(e["ratio"] for e in r) for c, r in rounds.items()
+            report["rounds"] = {
+                str(c): [
+                    round_entry(s_run, o_run)
+                    for s_run, o_run in zip(served_runs[c], offline_runs[c], strict=True)
+                ]
+                for c in prompts
             }
+            report["median_round"] = {str(c): i for c, i in pick.items()}
     elif len(served) == 1:
         report = next(iter(served.values()))
     else:
         report = {"served": {str(c): r for c, r in served.items()}}
     print(json.dumps(report, indent=2))
-    failed = sum(r["failed"] for r in served.values())
+    failed = sum(r["failed"] for runs in served_runs.values() for r in runs)
     if args.smoke:
         want = {c: len(ps) * args.output_len for c, ps in prompts.items()}
         bad = (
             failed
-            or any(served[c]["output_tokens"] != n for c, n in want.items())
-            or any(offline[c]["output_tokens"] != n for c, n in want.items())
+            or any(r["output_tokens"] != want[c] for c in want for r in served_runs[c])
+            or any(r["output_tokens"] != want[c] for c in want for r in offline_runs[c])
         )
         if bad or (proc is not None and proc.returncode != 0):
             print("smoke test FAILED", file=sys.stderr)

@@ -79,3 +79,20 @@ def test_clients_run_on_the_server_cpus_and_go_back() -> None:
     assert inside == {True}
     assert untouched == set(allowed)
     assert all(os.sched_getaffinity(tid) == mask for tid, mask in before.items())
+
+
+def test_rounds_are_reported_by_their_median_round() -> None:
+    """--rounds: each concurrency is reported by one whole round, the one whose ratio is the
+    median (the lower middle one for an even count), so its throughputs, TTFTs and ratio come
+    from the same run."""
+    bench = _load()
+
+    def run(tok_s: float) -> dict[str, float]:
+        return {"output_throughput": tok_s}
+
+    offline = [run(100.0), run(100.0), run(200.0)]
+    served = [run(95.0), run(70.0), run(160.0)]  # ratios 0.95, 0.70, 0.80
+    assert bench.median_round(served, offline) == 2
+    assert bench.median_round(served[:2], offline[:2]) == 1  # 0.70 and 0.95: the lower
+    assert bench.median_round(served, None) == 0  # by served throughput: 70, 95, 160
+    assert bench.median_round(served[:1], offline[:1]) == 0
