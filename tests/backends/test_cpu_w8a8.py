@@ -294,7 +294,8 @@ def test_split_tiles_equal_the_vector_path(ops, m: int, n: int, k: int) -> None:
     x, w, w_scale = torch.randn(m, k).bfloat16(), _int8(n, k), torch.rand(n) * 0.02 + 1e-3
     packed = ops.pack_w8a8(w)
     tiles = ops.int8_split_gemm(x, packed, n, w_scale)
-    assert torch.equal(tiles, ops.int8_split_gemm(x, packed, n, w_scale, allow_amx=False))
+    vector = ops.int8_split_gemm(x, packed, n, w_scale, allow_amx=False, dp_min_rows=0)
+    assert torch.equal(tiles, vector)
 
 
 def test_split_bad_inputs_raise(ops) -> None:
@@ -304,3 +305,56 @@ def test_split_bad_inputs_raise(ops) -> None:
     with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
         ops.int8_split_gemm(torch.randn(2, 8).double(), packed, 20, torch.ones(20))
     assert ops.int8_split_gemm(torch.empty(0, 8), packed, 20, torch.ones(20)).shape == (0, 20)
+
+
+# Many bf16 rows: int8_split_gemm converts each K-block of the weights to bf16 once and runs
+# vdpbf16ps (gemm_dp.h) in builds that have it. Same reference and tolerance as the planes.
+# (M, N, K): K off the 4-byte groups by 2 (a group whose second pair lies past K), past one
+# 256-k block; an odd panel count (a last panel alone); M off the 8- and 12-row tiles.
+DP_SHAPES = [(33, 37, 1102), (40, 48, 256), (17, 16, 6), (70, 100, 530), (1, 20, 64)]
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize(("m", "n", "k"), DP_SHAPES)
+def test_bf16_batches_convert_the_weights(ops, m: int, n: int, k: int, bias: bool) -> None:
+    torch.manual_seed(m * n + k)
+    x = torch.randn(m, k).bfloat16()
+    w, w_scale = _int8(n, k), torch.rand(n) * 0.02 + 1e-3
+    b = torch.randn(n).bfloat16() if bias else None
+    packed = ops.pack_w8a8(w)
+    converted = ops.int8_split_gemm(x, packed, n, w_scale, b, allow_amx=False, dp_min_rows=1)
+    planes = ops.int8_split_gemm(x, packed, n, w_scale, b, allow_amx=False, dp_min_rows=0)
+    assert converted.dtype == torch.bfloat16 and converted.shape == (m, n)
+    ref = x.double() @ (w.double() * w_scale.double()[:, None]).T
+    ref = ref if b is None else ref + b.double()
+    scale = ref.abs().max().item()
+    for y in (converted, planes):
+        err = (y.double() - ref).abs().max().item() / scale
+        assert err < SPLIT_TOLERANCE[torch.bfloat16], f"relative error {err:.2e}"
+    if ops.int8_dp_min_rows() == 0:  # no vdpbf16ps in this build: the planes either way
+        assert torch.equal(converted, planes)
+
+
+def test_the_row_count_chooses_the_path(ops) -> None:
+    """From int8_dp_min_rows() bf16 rows on, the default call is the converting path, below it
+    the planes (where AMX-INT8 tiles run the planes they keep every batch)."""
+    threshold = ops.int8_dp_min_rows()
+    if threshold == 0:
+        assert ops.built_isa() != "avx512bf16"
+        return
+    assert ops.built_isa() == "avx512bf16"
+    torch.manual_seed(4)
+    n, k = 40, 64
+    w, w_scale = _int8(n, k), torch.rand(n) * 0.02 + 1e-3
+    packed = ops.pack_w8a8(w)
+    for m, dp in ((threshold, True), (threshold - 1, False)):
+        x = torch.randn(m, k).bfloat16()
+        default = ops.int8_split_gemm(x, packed, n, w_scale, allow_amx=False)
+        forced = ops.int8_split_gemm(x, packed, n, w_scale, allow_amx=False, dp_min_rows=int(dp))
+        assert torch.equal(default, forced), m
+    # float32 rows never convert (their precision is not bf16's)
+    x = torch.randn(threshold, k)
+    assert torch.equal(
+        ops.int8_split_gemm(x, packed, n, w_scale, allow_amx=False),
+        ops.int8_split_gemm(x, packed, n, w_scale, allow_amx=False, dp_min_rows=0),
+    )

@@ -238,6 +238,34 @@ void run_dp(const torch::Tensor& x, const torch::Tensor& w, const float* scale, 
 }
 #endif
 
+#if defined(PAGEDLLM_GEMM_DP)
+torch::Tensor int8_groups_dp_gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
+                                  const float* w_scale, const float* bias) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) % 2 == 0,
+              "int8_groups_dp_gemm: x must be a bf16 [M, K] with K even");
+  const torch::Tensor xb = x.contiguous();
+  const int64_t m = xb.size(0), k = xb.size(1), panel_bytes = packed.size(1) * dp::kGroupBytes;
+  TORCH_CHECK(packed.size(1) * 4 >= k, "int8_groups_dp_gemm: packed weight has K < ", k);
+  torch::Tensor y = torch::empty({m, n}, xb.options());
+  if (m == 0) return y;
+  const auto* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  // The scratch: two panels' blocks of pair rows (32 bf16 each), counted in floats.
+  const size_t scratch = static_cast<size_t>(dp::kGroupBlockPairs * dp::kPairWords);
+  run_panel_pairs(
+      m, n, scratch, w_scale, bias, y.data_ptr<at::BFloat16>(),
+      [&](int64_t p, float* acc0, float* acc1, float* buf) {
+        dp::panel_pair_groups(xp, m, k, wp + p * panel_bytes, wp + (p + 1) * panel_bytes, acc0,
+                              acc1, reinterpret_cast<uint16_t*>(buf));
+      },
+      [&](int64_t p, float* acc, float* buf) {
+        dp::panel_pair_groups(xp, m, k, wp + p * panel_bytes, nullptr, acc, nullptr,
+                              reinterpret_cast<uint16_t*>(buf));
+      });
+  return y;
+}
+#endif
+
 template <typename Tag>
 void run_out(const torch::Tensor& x, const torch::Tensor& w, const float* scale, const float* bias,
              torch::Tensor& y) {
@@ -419,9 +447,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x [M, K] -> (int8 [2M, K]: hi rows then lo rows, float32 [2M]): x = hi*s_hi + lo*s_lo",
         py::call_guard<py::gil_scoped_release>(), py::arg("x"));
   m.def("int8_split_gemm", &pagedllm::gemm::int8_split_gemm,
-        "y = (hi @ W^T * s_hi + lo @ W^T * s_lo) * w_scale (+ bias): x in two int8 planes",
+        "y = (hi @ W^T * s_hi + lo @ W^T * s_lo) * w_scale (+ bias): x in two int8 planes; "
+        "bf16 batches of dp_min_rows or more (-1: the build's default, 0: never) convert the "
+        "weights to bf16 per K-block instead",
         py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("packed"), py::arg("n"),
-        py::arg("w_scale"), py::arg("bias") = py::none(), py::arg("allow_amx") = true);
+        py::arg("w_scale"), py::arg("bias") = py::none(), py::arg("allow_amx") = true,
+        py::arg("dp_min_rows") = -1);
+  m.def("int8_dp_min_rows", &pagedllm::gemm::int8_dp_min_rows,
+        "from how many bf16 rows int8_split_gemm converts the weights (0: never, in this build)");
   m.def("w8a8_isa", &pagedllm::gemm::w8a8_isa, "the integer dot product this build uses");
   m.def("has_amx_int8", &pagedllm::gemm::amx::int8_available,
         "whether W8A8 sums run on AMX-INT8 tiles here (processor and OS; K in whole 64s)");

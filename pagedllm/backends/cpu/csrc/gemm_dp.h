@@ -192,5 +192,75 @@ void panel_pair(const uint16_t* x, int64_t m, int64_t k, const typename Tag::T* 
   }
 }
 
+// -- int8 weights in the W8A8 group layout, many rows ----------------------------------------
+// Int8 weight-only layers keep one packed copy, in gemm_i8.cpp's group layout
+// [ceil(N/16)][ceil(K/4)][16 columns][4 k] (64 bytes per group), which the split planes read.
+// Those double the integer rows, so at a prefill's hundreds of rows they ran at about 0.7x of
+// bf16's vdpbf16ps here (a Zen 4 EPYC without AMX). Converted once per K-block into bf16 pair
+// rows (int8 is exact in bf16) and shared by every row tile, the same weights run at the bf16
+// rate, from half the bytes. The conversion costs what one row tile's dot products cost, so
+// this pays from a few row tiles on; few rows stay on the split planes (gemm_i8.cpp decides).
+
+// 32 int8 -> 32 bf16 in the same order.
+inline __m512i bf16_of_int8(__m256i b) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));  // lo in the low half
+}
+
+// One group (16 columns x k..k+3, column-major in 4-byte lanes) as the pair rows (k, k+1) and
+// (k+2, k+3): the low and the high 16 bits of every lane, narrowed in order.
+inline void group_pair_rows(const int8_t* group, __m512i* first, __m512i* second) {
+  const __m512i v = _mm512_loadu_si512(group);
+  *first = bf16_of_int8(_mm512_cvtepi32_epi16(v));
+  *second = bf16_of_int8(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16)));
+}
+
+constexpr int64_t kGroupBytes = 64;
+// Pairs of k per converted block: two panels x 128 pair rows x 64 bytes = 16 KiB, in L1 while
+// every row tile reads it.
+constexpr int64_t kGroupBlockPairs = 128;
+
+// Pair rows [p0, p0 + pc) of one group-layout panel into scratch (p0 even: whole groups).
+inline void groups_to_pairs(const int8_t* panel, int64_t p0, int64_t pc, uint16_t* scratch) {
+  for (int64_t i = 0; i < pc; i += 2) {
+    __m512i first, second;
+    group_pair_rows(panel + (p0 + i) / 2 * kGroupBytes, &first, &second);
+    _mm512_storeu_si512(scratch + i * kPairWords, first);
+    if (i + 1 < pc) _mm512_storeu_si512(scratch + (i + 1) * kPairWords, second);
+  }
+}
+
+// acc0 (and acc1) [M][16] = x[M, K] (bf16, K even) @ the group-layout panels wp0 (and wp1;
+// nullptr for an odd last panel); scratch holds 2 * kGroupBlockPairs pair rows.
+inline void panel_pair_groups(const uint16_t* x, int64_t m, int64_t k, const int8_t* wp0,
+                              const int8_t* wp1, float* acc0, float* acc1, uint16_t* scratch) {
+  const int64_t pairs = k / 2;
+  uint16_t* s0 = scratch;
+  uint16_t* s1 = scratch + kGroupBlockPairs * kPairWords;
+  const auto load0 = [s0](int64_t i) { return _mm512_loadu_si512(s0 + i * kPairWords); };
+  const auto load1 = [s1](int64_t i) { return _mm512_loadu_si512(s1 + i * kPairWords); };
+  for (int64_t p0 = 0; p0 < pairs; p0 += kGroupBlockPairs) {
+    const int64_t pc = std::min(kGroupBlockPairs, pairs - p0);
+    const bool accumulate = p0 > 0;
+    groups_to_pairs(wp0, p0, pc, s0);
+    if (wp1 == nullptr) {
+      for (int64_t m0 = 0; m0 < m; m0 += kRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kRows, m - m0));
+        tile_rows(rows, x + m0 * k + 2 * p0, k, pc, load0, acc0 + m0 * kCols, accumulate);
+      }
+      continue;
+    }
+    groups_to_pairs(wp1, p0, pc, s1);
+    for (int64_t m0 = 0; m0 < m; m0 += kPairRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kPairRows, m - m0));
+      with_rows<kPairRows>(rows, [&](auto r) {
+        tile_pair<decltype(r)::value>(x + m0 * k + 2 * p0, k, pc, load0, load1,
+                                      acc0 + m0 * kCols, acc1 + m0 * kCols, accumulate);
+      });
+    }
+  }
+}
+
 }  // namespace pagedllm::gemm::dp
 #endif  // __AVX512BF16__

@@ -157,6 +157,13 @@ void panel_s32(const int8_t* qx, int64_t m, int64_t ldx, const int8_t* wp, int64
 // Rows of x per pass over the panels. Every panel reads all rows of its pass again, so a pass
 // must stay in L2 (measured at K = 2048 on AMX-INT8: 1024 rows in one pass took 2.8x the time of
 // 512). A multiple of 48 rows: three AMX row tiles, four of the VNNI kernel's 12-row tiles.
+#if defined(__AVX512BF16__)
+// From this many bf16 rows an int8 weight-only layer converts its weights for vdpbf16ps instead
+// of running x's two int8 planes (int8_split_gemm; benchmarks/linear_cpu.py on a Zen 4 EPYC, see
+// the README). Below it the planes' halved bytes and cheap integer products win.
+constexpr int64_t kDpMinRows = 32;
+#endif
+
 constexpr int64_t kPassBytes = int64_t{1} << 20;
 constexpr int64_t kPassRowMultiple = 48;
 
@@ -660,11 +667,32 @@ std::tuple<torch::Tensor, torch::Tensor> split_rows(const torch::Tensor& x) {
   return {q.index_select(0, index).narrow(1, 0, k).contiguous(), s.index_select(0, index)};
 }
 
+int64_t int8_dp_min_rows() {
+#if defined(__AVX512BF16__)
+  return kDpMinRows;
+#else
+  return 0;
+#endif
+}
+
 torch::Tensor int8_split_gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
                               const torch::Tensor& w_scale,
-                              const c10::optional<torch::Tensor>& bias, bool allow_amx) {
+                              const c10::optional<torch::Tensor>& bias, bool allow_amx,
+                              int64_t dp_min_rows) {
   const torch::Tensor b = checked_bias("int8_split_gemm", x, packed, n, w_scale, bias);
   const int64_t m = x.size(0);
+#if defined(__AVX512BF16__)
+  // Many bf16 rows: the weights converted once per K-block for vdpbf16ps (gemm_dp.h), unless
+  // AMX-INT8 tiles run the planes (faster than either there).
+  const int64_t from = dp_min_rows < 0 ? kDpMinRows : dp_min_rows;
+  const bool tiles = allow_amx && packed.size(1) % 16 == 0 && amx::int8_available();
+  if (from > 0 && m >= from && !tiles && x.scalar_type() == at::kBFloat16 && x.size(1) % 2 == 0) {
+    return int8_groups_dp_gemm(x, packed, n, w_scale.data_ptr<float>(),
+                               b.defined() ? b.data_ptr<float>() : nullptr);
+  }
+#else
+  (void)dp_min_rows;
+#endif
   auto [q, s] = split_padded(x, packed.size(1));
   torch::Tensor y = torch::empty({m, n}, x.options());
   if (m == 0) return y;

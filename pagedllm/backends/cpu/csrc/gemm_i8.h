@@ -34,10 +34,24 @@ torch::Tensor w8a8_gemm(const torch::Tensor& x, const torch::Tensor& packed, int
 // float32 [2M]: their scales), for tests.
 std::tuple<torch::Tensor, torch::Tensor> split_rows(const torch::Tensor& x);
 
-// y [M, N] = (hi . W^T * s_hi + lo . W^T * s_lo) * sw[N] (+ bias), in x's dtype.
+// y [M, N] = (hi . W^T * s_hi + lo . W^T * s_lo) * sw[N] (+ bias), in x's dtype. In builds
+// with vdpbf16ps a bf16 x of dp_min_rows rows or more (-1: int8_dp_min_rows(); 0: never) takes
+// int8_groups_dp_gemm instead, unless AMX-INT8 tiles run the planes.
 torch::Tensor int8_split_gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
                               const torch::Tensor& w_scale,
-                              const c10::optional<torch::Tensor>& bias, bool allow_amx);
+                              const c10::optional<torch::Tensor>& bias, bool allow_amx,
+                              int64_t dp_min_rows);
+
+// This build's default for int8_split_gemm's dp_min_rows (0 where there is no vdpbf16ps).
+int64_t int8_dp_min_rows();
+
+#if defined(__AVX512BF16__)
+// y [M, N] = x . dequantised(W)^T + bias for bf16 x [M, K] (K even) and the group-layout int8
+// weights above: each K-block of a panel converted once to bf16 for vdpbf16ps (gemm_dp.h), float32
+// sums, scaled by w_scale [N] (defined in gemm.cpp). int8_split_gemm hands it many-row batches.
+torch::Tensor int8_groups_dp_gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
+                                  const float* w_scale, const float* bias);
+#endif
 
 // Which integer dot product this build uses ("avx512vnni", "avx2", "scalar").
 std::string w8a8_isa();
