@@ -12,7 +12,9 @@ shape, side by side in one run:
 * ``w8a8_cpp``: our integer GEMM (``csrc/gemm_i8.cpp``): the same int8 weights, the bf16
   activations rounded to int8 per row inside the call, integer dot products;
 * ``int8_split_cpp``: weight-only int8 on the same integer GEMM, the bf16 activations split into
-  two int8 planes (near-16-bit precision; what int8 layers use where there is AMX-INT8);
+  two int8 planes (near-16-bit precision; what int8 layers use where there is AMX-INT8 or VNNI),
+  except that without AMX-INT8 bf16 batches of ``int8_dp_min_rows()`` rows or more convert the
+  weights to bf16 once per K-block instead; ``int8_planes_cpp``: the planes at every batch;
 * ``linear_path``: what ``CpuBackend.prepare_model`` would pick for a bf16 weight on this CPU.
 
 Reports milliseconds per call (best of several), ratios to float32 and to bf16 F.linear, and for
@@ -65,6 +67,19 @@ def bench(fn: Callable[[], object], budget_s: float) -> float:
     return min(times)
 
 
+def _planes_only(
+    q: torch.Tensor, scale: torch.Tensor
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """int8_split_cpp with every batch on the two planes (``dp_min_rows=0``): what big bf16
+    batches ran before they converted the weights per K-block."""
+    ops = gemm_ops()
+    if ops is None:
+        return None
+    packed = ops.pack_w8a8(q)
+    n, scale32 = q.shape[0], scale.float().contiguous()
+    return lambda x: ops.int8_split_gemm(x, packed, n, scale32, dp_min_rows=0)
+
+
 def run_shape(n: int, k: int, batches: list[int], budget_s: float) -> list[dict[str, object]]:
     torch.manual_seed(0)
     w32 = torch.randn(n, k) * 0.02
@@ -80,6 +95,7 @@ def run_shape(n: int, k: int, batches: list[int], budget_s: float) -> list[dict[
         "int8_cpp": (make_cpp_linear(q, scale, None), torch.bfloat16, 1),
         "w8a8_cpp": (make_w8a8_linear(q, scale, None), torch.bfloat16, 1),
         "int8_split_cpp": (make_int8_split_linear(q, scale, None), torch.bfloat16, 1),
+        "int8_planes_cpp": (_planes_only(q, scale), torch.bfloat16, 1),
     }
     rows = []
     for m in batches:

@@ -195,11 +195,12 @@ void panel_pair(const uint16_t* x, int64_t m, int64_t k, const typename Tag::T* 
 // -- int8 weights in the W8A8 group layout, many rows ----------------------------------------
 // Int8 weight-only layers keep one packed copy, in gemm_i8.cpp's group layout
 // [ceil(N/16)][ceil(K/4)][16 columns][4 k] (64 bytes per group), which the split planes read.
-// Those double the integer rows, so at a prefill's hundreds of rows they ran at about 0.7x of
+// Those double the integer rows, so at a prefill's hundreds of rows they ran at about 0.8x of
 // bf16's vdpbf16ps here (a Zen 4 EPYC without AMX). Converted once per K-block into bf16 pair
-// rows (int8 is exact in bf16) and shared by every row tile, the same weights run at the bf16
-// rate, from half the bytes. The conversion costs what one row tile's dot products cost, so
-// this pays from a few row tiles on; few rows stay on the split planes (gemm_i8.cpp decides).
+// rows (int8 is exact in bf16) and shared by every row tile, the same weights run at ~0.97x of
+// the bf16 rate (benchmarks/linear_cpu.py). The conversion costs about what one row tile's dot
+// products cost, so this pays from a few row tiles on; few rows stay on the split planes
+// (gemm_i8.cpp decides).
 
 // 32 int8 -> 32 bf16 in the same order.
 inline __m512i bf16_of_int8(__m256i b) {

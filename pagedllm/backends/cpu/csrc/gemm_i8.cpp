@@ -154,16 +154,21 @@ void panel_s32(const int8_t* qx, int64_t m, int64_t ldx, const int8_t* wp, int64
   }
 }
 
-// Rows of x per pass over the panels. Every panel reads all rows of its pass again, so a pass
-// must stay in L2 (measured at K = 2048 on AMX-INT8: 1024 rows in one pass took 2.8x the time of
-// 512). A multiple of 48 rows: three AMX row tiles, four of the VNNI kernel's 12-row tiles.
 #if defined(__AVX512BF16__)
 // From this many bf16 rows an int8 weight-only layer converts its weights for vdpbf16ps instead
-// of running x's two int8 planes (int8_split_gemm; benchmarks/linear_cpu.py on a Zen 4 EPYC, see
-// the README). Below it the planes' halved bytes and cheap integer products win.
+// of running x's two int8 planes (int8_split_gemm; benchmarks/linear_cpu.py's int8_planes_cpp
+// against int8_split_cpp on a Zen 4 EPYC, see the README). Below it the planes win.
 constexpr int64_t kDpMinRows = 32;
 #endif
 
+// Whether the integer sums of m rows run on AMX-INT8 tiles (whole 64-k tiles, enough rows).
+bool sums_on_tiles(int64_t m, int64_t groups, bool allow_amx) {
+  return allow_amx && m >= amx::kMinRowsInt8 && groups % 16 == 0 && amx::int8_available();
+}
+
+// Rows of x per pass over the panels. Every panel reads all rows of its pass again, so a pass
+// must stay in L2 (measured at K = 2048 on AMX-INT8: 1024 rows in one pass took 2.8x the time of
+// 512). A multiple of 48 rows: three AMX row tiles, four of the VNNI kernel's 12-row tiles.
 constexpr int64_t kPassBytes = int64_t{1} << 20;
 constexpr int64_t kPassRowMultiple = 48;
 
@@ -180,8 +185,7 @@ template <typename Store>
 void for_each_panel(const int8_t* qx, int64_t m, int64_t ldx, const int8_t* w, int64_t groups,
                     int64_t n, bool allow_amx, const Store& store) {
   const int64_t panels = (n + kCols - 1) / kCols;
-  const bool tiles =
-      allow_amx && m >= amx::kMinRowsInt8 && groups % 16 == 0 && amx::int8_available();
+  const bool tiles = sums_on_tiles(m, groups, allow_amx);
   const std::vector<uint8_t> xa = tiles ? amx::pack_int8_rows(qx, m, ldx) : std::vector<uint8_t>{};
   // sum_k (w + 128) x = sum_k w x + 128 sum_k x: one correction per row of x.
   const bool offset_w = kOffsetW && !tiles;
@@ -685,7 +689,7 @@ torch::Tensor int8_split_gemm(const torch::Tensor& x, const torch::Tensor& packe
   // Many bf16 rows: the weights converted once per K-block for vdpbf16ps (gemm_dp.h), unless
   // AMX-INT8 tiles run the planes (faster than either there).
   const int64_t from = dp_min_rows < 0 ? kDpMinRows : dp_min_rows;
-  const bool tiles = allow_amx && packed.size(1) % 16 == 0 && amx::int8_available();
+  const bool tiles = sums_on_tiles(2 * m, packed.size(1), allow_amx);  // the planes' 2M rows
   if (from > 0 && m >= from && !tiles && x.scalar_type() == at::kBFloat16 && x.size(1) % 2 == 0) {
     return int8_groups_dp_gemm(x, packed, n, w_scale.data_ptr<float>(),
                                b.defined() ? b.data_ptr<float>() : nullptr);
