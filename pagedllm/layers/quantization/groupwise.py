@@ -1,0 +1,192 @@
+"""Group-wise quantised weights: 4-bit (GGUF Q4_0 / Q4_1 / Q4_K, ``quantization="int4"``,
+compressed-tensors W4A16) and 8-bit (GGUF Q8_0), groups of 32 along the input dimension.
+
+One representation serves every 4-bit source, so one kernel per device runs them all:
+
+- int4: ``W[n, k] = q[n, k] * scale[n, g] + offset[n, g]`` with ``q`` in 0..15 and
+  ``g = k // 32``. Q4_0 is ``scale = d, offset = -8 d``; Q4_1 ``scale = d, offset = m``; Q4_K
+  ``scale = d * sc_j, offset = -dmin * m_j`` per 32-wide sub-block; a symmetric signed int4
+  checkpoint is ``offset = -8 scale``. Each of these products is exact in float32, so the
+  dequantised weight equals ggml's own dequantisation bit for bit (see ``dequantize_int4``).
+  ``q`` is stored two to a byte, the even ``k`` in the low nibble: ``packed [N, K/2]``.
+- int8 groups: ``W[n, k] = q[n, k] * scale[n, g]`` with ``q`` in -127..127 (Q8_0).
+
+Scales and offsets are float32, kept as their bits in ``int32`` buffers (``weight_scale_bits``,
+``weight_offset_bits``) for the reason :mod:`.int8` gives. The PyTorch ``apply`` dequantises the
+layer per call (correct on any device, slow); the CPU backend runs the packed weights in its
+C++ GEMM instead, and GPU/XPU dequantise GGUF weights at load.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.layers.quantization.base import LinearMethod
+
+GROUP_SIZE = 32
+_INT4_MAX = 15
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """``q [N, K]`` (values 0..15, K even) -> uint8 ``[N, K/2]``, even ``k`` in the low nibble."""
+    if q.shape[-1] % 2:
+        raise ValueError(f"int4 weights need an even input size, got {q.shape[-1]}")
+    q = q.to(torch.uint8)
+    return q[..., 0::2] | (q[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[N, K/2]`` -> uint8 ``[N, K]`` in 0..15 (the inverse of :func:`pack_nibbles`)."""
+    low = packed & 0x0F
+    high = packed >> 4
+    return torch.stack((low, high), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def _per_column(groups: torch.Tensor) -> torch.Tensor:
+    """float32 ``[N, K/32]`` -> ``[N, K]``, each group's value repeated over its 32 columns."""
+    return groups.float().repeat_interleave(GROUP_SIZE, dim=-1)
+
+
+def dequantize_int4(
+    packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
+) -> torch.Tensor:
+    """float32 ``[N, K]``: ``q * scale + offset`` per group, rounded once as ggml rounds it."""
+    q = unpack_nibbles(packed).float()
+    return q * _per_column(scale) + _per_column(offset)
+
+
+def dequantize_int8_groups(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 ``[N, K]``: ``q * scale`` per group of 32."""
+    return q.float() * _per_column(scale)
+
+
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``weight [N, K]`` -> (packed uint8 ``[N, K/2]``, scale, offset float32 ``[N, K/32]``).
+
+    Asymmetric per group (as GGUF's Q4_1): ``offset = min``, ``scale = (max - min) / 15``, so
+    both ends of every group are represented; a constant group gets ``scale = 1``.
+    """
+    n, k = weight.shape
+    if k % GROUP_SIZE:
+        raise ValueError(f"int4 needs the input size to be a multiple of {GROUP_SIZE}, got {k}")
+    packed = torch.empty(n, k // 2, dtype=torch.uint8, device=weight.device)
+    scale = torch.empty(n, k // GROUP_SIZE, dtype=torch.float32, device=weight.device)
+    offset = torch.empty_like(scale)
+    step = 1024  # rows at a time: no float32 copy of a whole weight
+    for start in range(0, n, step):
+        rows = weight[start : start + step].float().reshape(-1, k // GROUP_SIZE, GROUP_SIZE)
+        low = rows.amin(dim=-1)
+        high = rows.amax(dim=-1)
+        s = (high - low) / _INT4_MAX
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        q = torch.round((rows - low[..., None]) / s[..., None]).clamp_(0, _INT4_MAX)
+        packed[start : start + step] = pack_nibbles(q.reshape(-1, k))
+        scale[start : start + step] = s
+        offset[start : start + step] = low
+    return packed, scale, offset
+
+
+def weight_groups(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A group-quantised layer's float32 (scale, offset) ``[N, K/32]``; offset None for int8."""
+    scale = layer.weight_scale_bits.view(torch.float32)
+    offset = getattr(layer, "weight_offset_bits", None)
+    return scale, None if offset is None else offset.view(torch.float32)
+
+
+def dequantize_layer(layer: nn.Module) -> torch.Tensor:
+    """The layer's weight in float32 ``[N, K]`` (the reference every kernel is checked against)."""
+    scale, offset = weight_groups(layer)
+    if offset is None:
+        return dequantize_int8_groups(layer.weight, scale)
+    return dequantize_int4(layer.weight, scale, offset)
+
+
+def _row_loader(layer: nn.Module, columns_per_stored: int) -> object:
+    """The loader of one stored tensor of a group-quantised layer.
+
+    Column-parallel layers keep whole rows (their own loader narrows rows); row-parallel
+    layers split the input features, so each rank keeps ``input_shard / columns_per_stored``
+    stored columns (2 per byte of nibbles, 32 per group scale).
+    """
+    from pagedllm.layers.linear import ColumnParallelLinear, default_weight_loader
+
+    if isinstance(layer, ColumnParallelLinear):
+        return layer.load_shard
+    per_rank = layer.input_shard // columns_per_stored
+    rank = layer.tp.rank
+
+    def load(param: nn.Parameter, loaded: torch.Tensor) -> None:
+        default_weight_loader(param, loaded.narrow(1, rank * per_rank, per_rank))
+
+    return load
+
+
+class GroupwiseMethod(LinearMethod):
+    """Weights quantised in groups of 32 along K: 4-bit (``bits=4``) or 8-bit (``bits=8``).
+
+    ``prequantized``: the checkpoint (GGUF, compressed-tensors) supplies ``weight`` (packed
+    nibbles or int8), ``weight_scale`` and, for 4-bit, ``weight_offset`` per group; otherwise
+    the float weight is loaded and quantised by :func:`quantize_int4` once the layer is whole
+    (8-bit groups are only read, never made).
+    """
+
+    def __init__(self, *, bits: int, prequantized: bool) -> None:
+        if bits not in (4, 8):
+            raise ValueError(f"group-wise weights are 4- or 8-bit, got {bits}")
+        if bits == 8 and not prequantized:
+            raise ValueError("8-bit group weights come from checkpoints only")
+        self.bits = bits
+        self.prequantized = prequantized
+        self.name = "int4" if bits == 4 else "q8_0"
+
+    def create_weights(self, layer: nn.Module) -> None:
+        n, k = layer.weight.shape
+        if k % GROUP_SIZE:
+            raise ValueError(
+                f"{self.name} weights need the input size to be a multiple of {GROUP_SIZE}, "
+                f"got a layer of {k} inputs"
+            )
+        if not self.prequantized:
+            return
+        stored_k, dtype = (k // 2, torch.uint8) if self.bits == 4 else (k, torch.int8)
+        layer.weight = _stored(
+            torch.empty(n, stored_k, dtype=dtype), _row_loader(layer, k // stored_k)
+        )
+        layer.weight_scale = _stored(
+            torch.empty(n, k // GROUP_SIZE), _row_loader(layer, GROUP_SIZE)
+        )
+        if self.bits == 4:
+            layer.weight_offset = _stored(
+                torch.empty(n, k // GROUP_SIZE), _row_loader(layer, GROUP_SIZE)
+            )
+
+    def finish_loading(self, layer: nn.Module) -> None:
+        if self.is_quantized(layer):
+            return
+        if self.prequantized:
+            scale = layer.weight_scale.detach().float().contiguous()
+            del layer.weight_scale
+            if self.bits == 4:
+                offset = layer.weight_offset.detach().float().contiguous()
+                del layer.weight_offset
+        else:
+            packed, scale, offset = quantize_int4(layer.weight.detach())
+            layer.weight = nn.Parameter(packed, requires_grad=False)
+        layer.register_buffer("weight_scale_bits", scale.view(torch.int32))
+        if self.bits == 4:
+            layer.register_buffer("weight_offset_bits", offset.view(torch.int32))
+
+    def is_quantized(self, layer: nn.Module) -> bool:
+        return hasattr(layer, "weight_scale_bits")
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """PyTorch path: the weight dequantised per call (the C++ GEMM replaces it on CPUs)."""
+        return F.linear(x, dequantize_layer(layer).to(x.dtype), bias)
+
+
+def _stored(tensor: torch.Tensor, loader: object) -> nn.Parameter:
+    param = nn.Parameter(tensor, requires_grad=False)
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    return param
