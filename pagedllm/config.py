@@ -20,7 +20,7 @@ _KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3",
 _PREEMPTION_MODES = (None, "recompute", "swap")
 _POLICIES = ("fcfs", "priority")
 _GiB = 1 << 30
-_QUANTIZATIONS = (None, "int8", "w8a8")
+_QUANTIZATIONS = (None, "int8", "w8a8", "int4")
 
 
 def _require(cond: bool, name: str, message: str) -> None:
@@ -48,7 +48,7 @@ class ModelConfig:
     served_model_name: str | None = None
     attention_backend: str | None = None
     trust_remote_code: bool = False
-    quantization: str | None = None  # None, "int8" (weight-only) or "w8a8"
+    quantization: str | None = None  # None, "int8" (weight-only), "w8a8" or "int4" (groups)
 
     def __post_init__(self) -> None:
         _require(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
@@ -277,8 +277,8 @@ class EngineArgs:
     )
     quantization: str | None = engine_arg(
         None,
-        "quantization of linear layers at load: int8 (weight-only, per channel) or w8a8 (int8 "
-        "weights and dynamic per-token int8 activations)",
+        "quantization of linear layers at load: int8 (weight-only, per channel), w8a8 (int8 "
+        "weights and dynamic per-token int8 activations) or int4 (weight-only, groups of 32)",
         choices=_QUANTIZATIONS[1:],
     )
     enable_expert_parallel: bool = engine_arg(
@@ -442,3 +442,14 @@ def env_fuzz_examples(default: int = 300) -> int:
     """``PAGEDLLM_FUZZ_EXAMPLES``: request bodies the server fuzz test sends (its long mode)."""
     value = os.environ.get("PAGEDLLM_FUZZ_EXAMPLES")
     return int(value) if value else default
+
+
+def user_cache_dir() -> str:
+    """Where pagedllm keeps what it derives once per machine (GGUF tokenizers converted to
+    ``tokenizer.json``, the demo model fetched from the package registry):
+    ``PAGEDLLM_CACHE_DIR``, else ``$XDG_CACHE_HOME/pagedllm``, else ``~/.cache/pagedllm``."""
+    explicit = os.environ.get("PAGEDLLM_CACHE_DIR")
+    if explicit:
+        return explicit
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "pagedllm")

@@ -374,6 +374,14 @@ class DeviceBackend(ABC):
         in PyTorch (every device runs it; it costs a few passes over each float chunk)."""
         return None
 
+    def native_weight_formats(self) -> frozenset[str]:
+        """Group-wise weight formats (``layers/quantization/groupwise``: ``"int4"``,
+        ``"q8_0"``) this device multiplies without dequantising them first. A GGUF checkpoint's
+        layers in these formats stay quantised; the others are dequantised at load to the
+        compute dtype. Default: none (dequantise everything: the fast path for devices whose
+        GEMMs want plain 16-bit weights)."""
+        return frozenset()
+
     def sample_kernel(self) -> SampleKernel | None:
         """This device's one-call sampler (``pagedllm.layers.sampler.SampleKernel``), or None:
         ``draw_reference`` in PyTorch (default; its sort and cumsum suit a GPU)."""

@@ -30,6 +30,7 @@ from pagedllm.engine.lora_registry import (
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.executors.base import create_executor
 from pagedllm.lora.request import LoRARequest
+from pagedllm.models.gguf.reader import gguf_path_of
 from pagedllm.models.model_loader import load_hf_config, max_model_len_of
 from pagedllm.outputs import RequestOutput
 from pagedllm.spec_decode.metrics import SpecDecodeMetrics
@@ -49,8 +50,14 @@ class EngineCounters:
 
 
 def load_tokenizer(path: str) -> Any:
+    """The tokenizer of a model folder, or the one a GGUF file carries."""
     from transformers import AutoTokenizer
 
+    gguf_path = gguf_path_of(path)
+    if gguf_path is not None:
+        from pagedllm.models.gguf.loading import gguf_tokenizer
+
+        return gguf_tokenizer(gguf_path)
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as exc:

@@ -80,6 +80,7 @@ class Worker:
             tp=tp,
             quantization=self.config.model.quantization,
             quantizer=self.backend.int8_quantizer(),
+            native_formats=self.backend.native_weight_formats(),
         )
         lora = self.config.lora
         if lora is not None:

@@ -17,8 +17,10 @@ from pagedllm.layers.quantization import (
     attach_quantization,
     finish_quantization,
     get_quant_config,
+    with_checkpoint_layers,
 )
 from pagedllm.models.checkpoint import CheckpointError, iterate_weights
+from pagedllm.models.gguf.reader import gguf_path_of
 from pagedllm.models.registry import resolve_model_class
 
 logger = logging.getLogger(__name__)
@@ -27,7 +29,13 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 
 def load_hf_config(model: str) -> Any:
-    """The model's transformers config, read from its folder only (never from a hub)."""
+    """The model's transformers config, read from its folder only (never from a hub), or from
+    the metadata of a GGUF file (``model.gguf``, or a folder holding one)."""
+    gguf_path = gguf_path_of(model)
+    if gguf_path is not None:
+        from pagedllm.models.gguf.loading import gguf_config
+
+        return gguf_config(gguf_path)
     folder = Path(model)
     config_file = folder / "config.json"
     if not folder.is_dir():
@@ -95,6 +103,7 @@ def load_model(
     tp: TPContext = SINGLE,
     quantization: str | None = None,
     quantizer: WeightQuantizer | None = None,
+    native_formats: frozenset[str] = frozenset(),
 ) -> nn.Module:
     """Build the model with its parameters already in ``dtype`` and fill them from the checkpoint.
 
@@ -103,20 +112,31 @@ def load_model(
     A 16-bit checkpoint therefore never passes through a float32 copy: memory peaks at the
     model plus the largest single tensor. ``quantizer``: the device backend's kernel for weights
     quantised at load (see :class:`~pagedllm.layers.quantization.Int8WeightOnly`).
+    ``native_formats``: the group-wise weight formats the device runs without dequantising
+    (``DeviceBackend.native_weight_formats``): GGUF layers in them stay quantised.
     """
     cls = resolve_model_class(getattr(hf_config, "architectures", None))
     quant = get_quant_config(quantization, hf_config, quantizer)
     with torch.device("meta"):
         module = cls(hf_config, attn_backend=attn_backend, tp=tp)
     materialize(module, device=device, dtype=dtype)
-    # Under tensor parallelism each rank reads only the slices it keeps.
-    weights = iterate_weights(Path(model), lazy=tp.size > 1)
+    gguf_path = gguf_path_of(model)
+    if gguf_path is not None:
+        from pagedllm.models.gguf.loading import gguf_weights
+
+        weights, plan = gguf_weights(gguf_path, hf_config, native_formats)
+        quant = with_checkpoint_layers(quant, plan)
+    else:
+        # Under tensor parallelism each rank reads only the slices it keeps.
+        weights = iterate_weights(Path(model), lazy=tp.size > 1)
     if quant is not None:  # quantised linear layers: see layers/quantization
         attach_quantization(module, quant)
         weights = quant.transform(weights)
     loaded = module.load_weights(weights)
     if quant is not None:
-        logger.info("%d linear layers in %s", finish_quantization(module), quant.method.name)
+        logger.info(
+            "%d linear layers quantised (%s)", finish_quantization(module), quant.describe()
+        )
     logger.info("loaded %d weight tensors for %s in %s", len(loaded), cls.__name__, dtype)
     return module.eval()
 

@@ -87,6 +87,11 @@ class CpuBackend(DeviceBackend):
 
         return cpp_weight_quantizer()
 
+    def native_weight_formats(self) -> frozenset[str]:
+        """4-bit and Q8_0 groups stay packed: decode streams a quarter (a half) of the bf16
+        bytes, and ``prepare_model`` gives those layers the C++ group-wise GEMM."""
+        return frozenset({"int4", "q8_0"})
+
     def configure_threads(self, world_size: int = 1, total: int | None = None) -> None:
         """Intra-op threads = ``total`` or the physical cores, shared evenly by co-located TP
         ranks (more threads than cores only make each parallel region wait for a thread the

@@ -341,6 +341,8 @@ def _pack_one(module: nn.Module) -> tuple[LinearFn | None, str]:
     weight = module.weight
     bias = getattr(module, "bias", None) if module.fast_linear_has_bias else None
     method = getattr(module, "quant_method", None)
+    if method is not None and method.name in ("int4", "q8_0"):
+        return None, f"torch-{method.name}"  # group-wise weights: the method's own apply
     if method is not None and method.is_quantized(module) and method.name == "w8a8":
         fn = make_w8a8_linear(weight, weight_scale(module), bias)
         ops = gemm_ops()

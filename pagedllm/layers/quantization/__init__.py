@@ -4,14 +4,17 @@
 quantised (compressed-tensors W8A16 or W8A8), which is then run as the checkpoint says.
 ``quantization="int8"`` (weight-only) and ``"w8a8"`` (int8 weights and dynamic per-token int8
 activations, :mod:`.w8a8`) quantise 16/32-bit checkpoints at load, or choose how an int8
-checkpoint's weights are run (a W8A8 checkpoint may run weight-only, and the reverse). The LM head
-and embeddings are never quantised: they are not column/row-parallel linear layers.
+checkpoint's weights are run (a W8A8 checkpoint may run weight-only, and the reverse);
+``"int4"`` quantises them to 4-bit groups of 32 (:mod:`.groupwise`). A GGUF checkpoint brings
+its own quantised layers (:func:`with_checkpoint_layers`); the requested scheme then applies to
+the layers it stores in float. The LM head and embeddings are never quantised: they are not
+column/row-parallel linear layers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,6 +22,7 @@ from torch import nn
 
 from pagedllm.layers.quantization.base import UNQUANTIZED, LinearMethod
 from pagedllm.layers.quantization.compressed_tensors import check_config, transform_weights
+from pagedllm.layers.quantization.groupwise import GroupwiseMethod
 from pagedllm.layers.quantization.int8 import (
     Int8WeightOnly,
     WeightQuantizer,
@@ -28,12 +32,13 @@ from pagedllm.layers.quantization.int8 import (
 )
 from pagedllm.layers.quantization.w8a8 import Int8W8A8, quantize_per_token
 
-QUANTIZATION_METHODS = ("int8", "w8a8")
+QUANTIZATION_METHODS = ("int8", "w8a8", "int4")
 _METHODS: dict[str, type[Int8WeightOnly]] = {"int8": Int8WeightOnly, "w8a8": Int8W8A8}
 
 __all__ = [
     "QUANTIZATION_METHODS",
     "UNQUANTIZED",
+    "GroupwiseMethod",
     "Int8W8A8",
     "Int8WeightOnly",
     "LinearMethod",
@@ -46,15 +51,30 @@ __all__ = [
     "quantize_per_channel",
     "quantize_per_token",
     "weight_scale",
+    "with_checkpoint_layers",
 ]
 
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """What the loader needs: the linear method and how to read the checkpoint's tensors."""
+    """What the loader needs: the linear methods and how to read the checkpoint's tensors.
 
-    method: LinearMethod
+    ``method`` applies to every linear layer not in ``layer_methods`` (module name -> method:
+    the layers a GGUF checkpoint stores quantised); None leaves those layers in float.
+    """
+
+    method: LinearMethod | None
     checkpoint_format: str | None = None  # compressed-tensors format, None for float checkpoints
+    layer_methods: Mapping[str, LinearMethod] = field(default_factory=dict)
+
+    def method_for(self, module_name: str) -> LinearMethod | None:
+        return self.layer_methods.get(module_name, self.method)
+
+    def describe(self) -> str:
+        names = {m.name for m in self.layer_methods.values()}
+        if self.method is not None:
+            names.add(self.method.name)
+        return ", ".join(sorted(names))
 
     def transform(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         if self.checkpoint_format is None:
@@ -89,9 +109,28 @@ def get_quant_config(
         fmt, scheme = check_config(qc)
         cls = _METHODS[quantization or scheme]  # the request chooses how int8 weights run
         return QuantConfig(cls(prequantized=True), checkpoint_format=fmt)
+    if quantization == "int4":
+        return QuantConfig(GroupwiseMethod(bits=4, prequantized=False))
     if quantization is not None:
         return QuantConfig(_METHODS[quantization](quantizer=quantizer))
     return None
+
+
+def with_checkpoint_layers(
+    config: QuantConfig | None, plan: Mapping[str, str]
+) -> QuantConfig | None:
+    """``config`` plus the layers a checkpoint stores group-quantised (``{module: "int4" |
+    "q8_0"}``, from a GGUF file), which are read as they are whatever scheme was requested."""
+    if not plan:
+        return config
+    methods = {
+        fmt: GroupwiseMethod(bits=4 if fmt == "int4" else 8, prequantized=True)
+        for fmt in set(plan.values())
+    }
+    layers = {module: methods[fmt] for module, fmt in plan.items()}
+    if config is not None and config.checkpoint_format is not None:
+        raise ValueError("quantization: a GGUF checkpoint is not a compressed-tensors one")
+    return QuantConfig(None if config is None else config.method, layer_methods=layers)
 
 
 class _FinishingLoader:
@@ -127,31 +166,34 @@ class _FinishingLoader:
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
 
-def _linear_layers(model: nn.Module) -> Iterator[nn.Module]:
+def _linear_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 
-    for module in model.modules():
+    for name, module in model.named_modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            yield module
+            yield name, module
 
 
 def attach_quantization(model: nn.Module, config: QuantConfig) -> None:
-    """Give every column/row-parallel layer the scheme's method, before weights are loaded."""
-    for layer in _linear_layers(model):
-        layer.quant_method = config.method
-        config.method.create_weights(layer)
-        if getattr(config.method, "prequantized", False):
-            continue  # already int8 on disk: scales are finished with the rest, at the end
+    """Give every column/row-parallel layer its method, before weights are loaded."""
+    for name, layer in _linear_layers(model):
+        method = config.method_for(name)
+        if method is None:
+            continue
+        layer.quant_method = method
+        method.create_weights(layer)
+        if getattr(method, "prequantized", False):
+            continue  # already quantised on disk: finished with the rest, at the end
         shards = len(getattr(layer, "output_sizes", [0]))
         inner = layer.weight.weight_loader
-        layer.weight.weight_loader = _FinishingLoader(layer, config.method, inner, shards)
+        layer.weight.weight_loader = _FinishingLoader(layer, method, inner, shards)
 
 
 def finish_quantization(model: nn.Module) -> int:
     """Finish any layer a model loaded without its weight loader; returns quantised layers."""
     count = 0
     with torch.no_grad():
-        for layer in _linear_layers(model):
+        for _, layer in _linear_layers(model):
             method = layer.quant_method
             if method is not None:
                 method.finish_loading(layer)

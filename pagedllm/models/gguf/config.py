@@ -1,0 +1,169 @@
+"""A GGUF file's metadata as the transformers config of the same model.
+
+The engine's model classes read Hugging Face configs, so a GGUF file is described to them as
+the config its converter started from: ``general.architecture`` picks the family, the
+``<arch>.*`` keys the hyper-parameters, ``tokenizer.ggml.*`` the special ids, and the tensors
+present settle what metadata does not say (tied embeddings, biases).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pagedllm.models.gguf.reader import GGUFFile
+from pagedllm.models.safetensors_reader import CheckpointError
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one GGUF architecture maps to ours."""
+
+    model_type: str  # transformers' model_type
+    architecture: str  # the class name our model registry knows
+    permuted_qk: bool  # llama.cpp's converter interleaved q/k rows for its rotary (llama only)
+    norm_plus_one: bool = False  # Gemma's converter stored RMSNorm weights as 1 + w
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family("llama", "LlamaForCausalLM", permuted_qk=True),
+    "mistral": Family("mistral", "MistralForCausalLM", permuted_qk=True),
+    "qwen2": Family("qwen2", "Qwen2ForCausalLM", permuted_qk=False),
+    "qwen3": Family("qwen3", "Qwen3ForCausalLM", permuted_qk=False),
+    "phi3": Family("phi3", "Phi3ForCausalLM", permuted_qk=False),
+    "gemma": Family("gemma", "GemmaForCausalLM", permuted_qk=False, norm_plus_one=True),
+}
+
+# ``<arch>.<key>`` -> config attribute; every family writes these the same way.
+_HYPER_PARAMETERS = {
+    "context_length": "max_position_embeddings",
+    "embedding_length": "hidden_size",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "attention.key_length": "head_dim",
+    "attention.sliding_window": "sliding_window",
+}
+_REQUIRED = ("embedding_length", "block_count", "feed_forward_length", "attention.head_count")
+_SPECIAL_IDS = {
+    "bos_token_id": "tokenizer.ggml.bos_token_id",
+    "eos_token_id": "tokenizer.ggml.eos_token_id",
+    "pad_token_id": "tokenizer.ggml.padding_token_id",
+}
+
+
+def family_of(gguf: GGUFFile) -> Family:
+    arch = gguf.architecture
+    family = FAMILIES.get(arch)
+    if family is None:
+        raise CheckpointError(
+            f"{gguf.path}: general.architecture {arch!r} is not supported; pagedllm runs GGUF "
+            f"files of {', '.join(sorted(FAMILIES))}"
+        )
+    return family
+
+
+def _hyper_parameters(gguf: GGUFFile, arch: str) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for key, attr in _HYPER_PARAMETERS.items():
+        value = gguf.metadata(f"{arch}.{key}", None)
+        if value is None:
+            if key in _REQUIRED:
+                gguf.metadata(f"{arch}.{key}")  # raises, naming the field
+            continue
+        if isinstance(value, list):  # per-layer values (some files): one model-wide value
+            if len(set(value)) != 1:
+                raise CheckpointError(
+                    f"{gguf.path}: {arch}.{key} differs between layers ({value[:8]}...), "
+                    "which the model classes cannot express"
+                )
+            value = value[0]
+        values[attr] = value
+    values.setdefault("num_key_value_heads", values["num_attention_heads"])
+    if "sliding_window" in values and not values["sliding_window"]:
+        del values["sliding_window"]
+    return values
+
+
+def _rope(gguf: GGUFFile, arch: str, values: dict[str, Any]) -> dict[str, Any]:
+    """``rope_parameters`` (transformers 5) from ``<arch>.rope.*``.
+
+    Linear and YaRN scaling are metadata; Llama 3's frequency factors and Phi-3's long-rope
+    factors are tensors (``rope_freqs``, ``rope_factors_long/short``), read by the weights.
+    """
+    params: dict[str, Any] = {"rope_theta": float(gguf.metadata(f"{arch}.rope.freq_base", 1e4))}
+    kind = gguf.metadata(f"{arch}.rope.scaling.type", "none")
+    factor = gguf.metadata(f"{arch}.rope.scaling.factor", None)
+    original = gguf.metadata(f"{arch}.rope.scaling.original_context_length", None)
+    if kind in ("none", "") or (kind == "linear" and factor in (None, 1.0)):
+        params["rope_type"] = "default"
+    elif kind in ("linear", "yarn"):
+        params.update(rope_type=kind, factor=float(factor or 1.0))
+        if original:
+            params["original_max_position_embeddings"] = int(original)
+    else:
+        raise CheckpointError(
+            f"{gguf.path}: {arch}.rope.scaling.type {kind!r} is not supported (none, linear, yarn)"
+        )
+    head_dim = values.get("head_dim") or values["hidden_size"] // values["num_attention_heads"]
+    rotary = gguf.metadata(f"{arch}.rope.dimension_count", head_dim)
+    if rotary != head_dim:
+        params["partial_rotary_factor"] = rotary / head_dim
+    return params
+
+
+def _phi3_long_rope(gguf: GGUFFile, params: dict[str, Any], values: dict[str, Any]) -> None:
+    if "rope_factors_long.weight" not in gguf.tensors:
+        return
+    import numpy as np
+
+    long = np.asarray(gguf.tensors["rope_factors_long.weight"].raw, dtype=np.float32)
+    short = np.asarray(gguf.tensors["rope_factors_short.weight"].raw, dtype=np.float32)
+    original = gguf.metadata("phi3.rope.scaling.original_context_length")
+    params.update(
+        rope_type="longrope",
+        long_factor=[float(x) for x in long],
+        short_factor=[float(x) for x in short],
+        original_max_position_embeddings=int(original),
+    )
+    values["original_max_position_embeddings"] = int(original)
+
+
+def hf_config_from_gguf(gguf: GGUFFile) -> Any:
+    """The transformers config of the model in ``gguf``; ``CheckpointError`` names what's off."""
+    from transformers import AutoConfig
+
+    family = family_of(gguf)
+    arch = gguf.architecture
+    values = _hyper_parameters(gguf, arch)
+    params = _rope(gguf, arch, values)
+    if arch == "phi3":
+        _phi3_long_rope(gguf, params, values)
+    vocab = gguf.metadata(f"{arch}.vocab_size", None)
+    if vocab is None and "token_embd.weight" in gguf.tensors:
+        vocab = gguf.tensors["token_embd.weight"].shape[0]
+    if vocab is None:
+        raise CheckpointError(f"{gguf.path}: neither {arch}.vocab_size nor token_embd.weight")
+    values["vocab_size"] = int(vocab)
+    for attr, key in _SPECIAL_IDS.items():
+        value = gguf.metadata(key, None)
+        if value is not None:
+            values[attr] = int(value)
+    values["tie_word_embeddings"] = "output.weight" not in gguf.tensors
+    if family.model_type in ("llama", "mistral"):
+        values["attention_bias"] = "blk.0.attn_q.bias" in gguf.tensors
+    if family.model_type == "gemma":
+        values.setdefault("head_dim", values["hidden_size"] // values["num_attention_heads"])
+        values["hidden_activation"] = "gelu_pytorch_tanh"
+    values["rope_parameters"] = params
+    values["architectures"] = [family.architecture]
+    values["dtype"] = "float32"
+    try:
+        return AutoConfig.for_model(family.model_type, **values)
+    except (ValueError, TypeError) as exc:
+        raise CheckpointError(
+            f"{gguf.path}: metadata does not make a valid {family.model_type} config "
+            f"({' '.join(str(exc).split())})"
+        ) from exc

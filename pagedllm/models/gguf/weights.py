@@ -1,0 +1,240 @@
+"""A GGUF file's tensors as the named checkpoint tensors our models load.
+
+Each ``blk.N.<kind>`` tensor gets its Hugging Face name. What it becomes depends on the layer's
+plan (:func:`plan_layers`): a linear layer whose every part is 4-bit (Q4_0, Q4_1, Q4_K) or
+Q8_0 stays quantised in the group-wise format of :mod:`pagedllm.layers.quantization.groupwise`
+when the device runs that format natively; everything else is dequantised by ggml's own
+``gguf.quants`` to float32 here and rounded to the compute dtype as it is copied in. llama.cpp's
+converter interleaves the q/k rows of Llama-family models for its rotary kernel; the rows are
+put back (a row permutation, so it applies to quantised rows too).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import Counter
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from pagedllm.models.gguf.config import Family
+from pagedllm.models.gguf.reader import GGUFFile, GGUFTensor
+from pagedllm.models.safetensors_reader import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+# GGUF tensor kind -> (Hugging Face module path under model.layers.N, our fused module's name).
+_LAYER_TENSORS: dict[str, tuple[str, str | None]] = {
+    "attn_q": ("self_attn.q_proj", "self_attn.qkv_proj"),
+    "attn_k": ("self_attn.k_proj", "self_attn.qkv_proj"),
+    "attn_v": ("self_attn.v_proj", "self_attn.qkv_proj"),
+    "attn_qkv": ("self_attn.qkv_proj", "self_attn.qkv_proj"),
+    "attn_output": ("self_attn.o_proj", "self_attn.o_proj"),
+    "ffn_gate": ("mlp.gate_proj", "mlp.gate_up_proj"),
+    "ffn_up": ("mlp.up_proj", "mlp.gate_up_proj"),
+    "ffn_down": ("mlp.down_proj", "mlp.down_proj"),
+    "attn_norm": ("input_layernorm", None),
+    "ffn_norm": ("post_attention_layernorm", None),
+    "attn_q_norm": ("self_attn.q_norm", None),
+    "attn_k_norm": ("self_attn.k_norm", None),
+}
+_GLOBAL_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+# Tensors that configure rather than weigh (read by the config, or unused by the reference).
+NOT_WEIGHTS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+_BLOCK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+INT8_GROUP_TYPES = ("Q8_0",)
+DEQUANTIZED_TYPES = ("F32", "F16", "BF16", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
+SUPPORTED_TYPES = INT4_TYPES + INT8_GROUP_TYPES + DEQUANTIZED_TYPES
+
+
+def hf_name(gguf_name: str, family: Family) -> tuple[str, str | None]:
+    """(Hugging Face tensor name, our linear module's name or None) of one GGUF tensor."""
+    match = _BLOCK.match(gguf_name)
+    if match:
+        layer, kind, suffix = match.groups()
+        if kind not in _LAYER_TENSORS:
+            raise CheckpointError(f"tensor {gguf_name!r} has no place in a {family.model_type}")
+        path, module = _LAYER_TENSORS[kind]
+        if family.model_type == "phi3" and kind == "ffn_up":
+            path, module = "mlp.gate_up_proj", "mlp.gate_up_proj"  # Phi-3 fuses gate and up
+        module_name = None if module is None else f"layers.{layer}.{module}"
+        return f"model.layers.{layer}.{path}.{suffix}", module_name
+    stem, _, suffix = gguf_name.rpartition(".")
+    if stem in _GLOBAL_TENSORS:
+        return f"{_GLOBAL_TENSORS[stem]}.{suffix}", None
+    raise CheckpointError(f"tensor {gguf_name!r} has no place in a {family.model_type}")
+
+
+def _format_of(types: set[str]) -> str | None:
+    if types <= set(INT4_TYPES):
+        return "int4"
+    if types <= set(INT8_GROUP_TYPES):
+        return "q8_0"
+    return None
+
+
+def plan_layers(gguf: GGUFFile, family: Family, native: frozenset[str]) -> dict[str, str]:
+    """``{module name: "int4" | "q8_0"}`` for the linear layers that stay quantised.
+
+    A fused layer (q/k/v, gate/up) stays quantised only when all its parts share a format the
+    device runs (``native``); Q4_K_M files, say, keep Q6_K ``attn_v`` rows, which makes the
+    whole ``qkv_proj`` dequantised. Layers not named are dequantised to the compute dtype.
+    """
+    types: dict[str, set[str]] = {}
+    for name, tensor in gguf.tensors.items():
+        if name in NOT_WEIGHTS or not name.endswith(".weight"):
+            continue
+        _, module = hf_name(name, family)
+        if module is not None:
+            types.setdefault(module, set()).add(tensor.type_name)
+    plan = {}
+    for module, kinds in types.items():
+        fmt = _format_of(kinds)
+        if fmt is not None and fmt in native:
+            plan[module] = fmt
+    return plan
+
+
+def check_types(gguf: GGUFFile) -> Counter[str]:
+    """Tensor counts per type; a type we cannot read is refused, naming the tensor."""
+    counts: Counter[str] = Counter()
+    for name, tensor in gguf.tensors.items():
+        if tensor.type_name not in SUPPORTED_TYPES:
+            raise CheckpointError(
+                f"{gguf.path}: tensor {name!r} has type {tensor.type_name}, which pagedllm does "
+                f"not read (supported: {', '.join(SUPPORTED_TYPES)})"
+            )
+        counts[tensor.type_name] += 1
+    return counts
+
+
+def _blocks(tensor: GGUFTensor, type_size: int) -> np.ndarray:
+    """The raw bytes as ``[rows, blocks, type_size]`` uint8."""
+    rows = int(np.prod(tensor.shape[:-1])) if len(tensor.shape) > 1 else 1
+    return np.asarray(tensor.raw).view(np.uint8).reshape(rows, -1, type_size)
+
+
+def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
+    """The float16 at byte ``start`` of every block, widened: ``[rows, blocks]`` float32."""
+    return (
+        np.ascontiguousarray(blocks[..., start : start + 2])
+        .view(np.float16)[..., 0]
+        .astype(np.float32)
+    )
+
+
+def _nibbles_low_high(qs: np.ndarray) -> np.ndarray:
+    """ggml's 4-bit order (16 bytes: elements 0-15 low nibbles, 16-31 high) -> ``[..., 32]``."""
+    return np.concatenate((qs & 0x0F, qs >> 4), axis=-1)
+
+
+def int4_groups(tensor: GGUFTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A Q4_0 / Q4_1 / Q4_K tensor -> (q uint8 ``[N, K]`` in 0..15, scale, offset ``[N, K/32]``).
+
+    ``q * scale + offset`` is ggml's dequantisation, rounding included: each product here is
+    exact in float32, so the same single rounding happens in the sum.
+    """
+    kind = tensor.type_name
+    if kind == "Q4_0":
+        blocks = _blocks(tensor, 18)
+        d = _f16(blocks, 0)
+        q = _nibbles_low_high(blocks[..., 2:])
+        scale, offset = d, d * np.float32(-8)
+    elif kind == "Q4_1":
+        blocks = _blocks(tensor, 20)
+        scale, offset = _f16(blocks, 0), _f16(blocks, 2)
+        q = _nibbles_low_high(blocks[..., 4:])
+    elif kind == "Q4_K":
+        from gguf.quants import Q4_K
+
+        blocks = _blocks(tensor, 144)
+        rows, supers = blocks.shape[:2]
+        d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+        sc, mins = Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12))
+        sc = sc.reshape(rows, supers, 8).astype(np.float32)
+        mins = mins.reshape(rows, supers, 8).astype(np.float32)
+        scale = (d[..., None] * sc).reshape(rows, -1)
+        offset = -(dmin[..., None] * mins).reshape(rows, -1)
+        # 128 bytes per super-block: 4 runs of 32 bytes, low nibbles then high nibbles.
+        qs = blocks[..., 16:].reshape(rows, supers, 4, 1, 32)
+        q = np.concatenate((qs & 0x0F, qs >> 4), axis=3)  # [rows, supers, 4, 2, 32]
+    else:
+        raise CheckpointError(f"tensor {tensor.name!r}: {kind} is not a 4-bit group type")
+    rows = blocks.shape[0]
+    return q.reshape(rows, -1), scale.reshape(rows, -1), offset.reshape(rows, -1)
+
+
+def int8_groups(tensor: GGUFTensor) -> tuple[np.ndarray, np.ndarray]:
+    """A Q8_0 tensor -> (q int8 ``[N, K]``, scale ``[N, K/32]``)."""
+    blocks = _blocks(tensor, 34)
+    rows = blocks.shape[0]
+    q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(rows, -1)
+    return q, _f16(blocks, 0).reshape(rows, -1)
+
+
+def dequantized(tensor: GGUFTensor) -> np.ndarray:
+    """float32 in the tensor's PyTorch shape, by ggml's own dequantisation."""
+    from gguf.quants import dequantize
+
+    values = dequantize(np.asarray(tensor.raw), tensor.qtype)
+    return np.array(values, dtype=np.float32).reshape(tensor.shape)  # a copy: the map is read-only
+
+
+def unpermute_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row interleave: within each head, rows ``2i`` and ``2i+1`` go back
+    to ``i`` and ``i + head_dim/2`` (the Hugging Face "rotate half" order)."""
+    rows = t.shape[0]
+    half = rows // heads // 2
+    return t.reshape(heads, half, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+
+
+class GGUFWeights:
+    """Iterates a GGUF file's tensors as (Hugging Face name, tensor) for ``load_weights``."""
+
+    def __init__(self, gguf: GGUFFile, family: Family, hf_config: object, plan: dict[str, str]):
+        self.gguf, self.family, self.plan = gguf, family, plan
+        self.heads = int(hf_config.num_attention_heads)  # type: ignore[attr-defined]
+        self.kv_heads = int(hf_config.num_key_value_heads)  # type: ignore[attr-defined]
+
+    def _permute(self, gguf_name: str, t: torch.Tensor) -> torch.Tensor:
+        if not self.family.permuted_qk:
+            return t
+        if ".attn_q." in gguf_name:
+            return unpermute_rows(t, self.heads)
+        if ".attn_k." in gguf_name:
+            return unpermute_rows(t, self.kv_heads)
+        return t
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for gguf_name, tensor in self.gguf.tensors.items():
+            if gguf_name in NOT_WEIGHTS:
+                continue
+            name, module = hf_name(gguf_name, self.family)
+            fmt = self.plan.get(module or "")
+            if fmt == "int4" and name.endswith(".weight"):
+                from pagedllm.layers.quantization.groupwise import pack_nibbles
+
+                q, scale, offset = (torch.from_numpy(a) for a in int4_groups(tensor))
+                stem = name.removesuffix(".weight")
+                yield name, self._permute(gguf_name, pack_nibbles(q))
+                yield f"{stem}.weight_scale", self._permute(gguf_name, scale)
+                yield f"{stem}.weight_offset", self._permute(gguf_name, offset)
+                continue
+            if fmt == "q8_0" and name.endswith(".weight"):
+                q8, scale = (torch.from_numpy(a) for a in int8_groups(tensor))
+                stem = name.removesuffix(".weight")
+                yield name, self._permute(gguf_name, q8)
+                yield f"{stem}.weight_scale", self._permute(gguf_name, scale)
+                continue
+            values = torch.from_numpy(dequantized(tensor))
+            if self.family.norm_plus_one and name.endswith("norm.weight"):
+                values = values - 1.0
+            yield name, self._permute(gguf_name, values).contiguous()

@@ -1,0 +1,243 @@
+"""GGUF files for tests, written with ggml's own ``gguf`` package from tiny Hugging Face models.
+
+What llama.cpp's converter does, for our tiny models: metadata under ``<arch>.*``, the
+tokenizer as ``tokenizer.ggml.*`` (byte-level BPE: tokens, types, merges, special ids, chat
+template), Llama's q/k rows interleaved for llama.cpp's rotary, Gemma's norms stored as
+``1 + w``. Each tensor is written in the type a recipe names: types the ``gguf`` package
+quantises (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) from the model's weights; the K-quants
+(Q4_K, Q5_K, Q6_K), which it only reads, as random valid blocks of a similar magnitude (the
+reference is transformers reading the same file, so any valid weights serve).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+
+# Hugging Face name (under model.layers.N.) -> GGUF kind.
+_LAYER_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.qkv_proj": "attn_qkv",  # Phi-3's fused projections
+    "mlp.gate_up_proj": "ffn_up",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+}
+_GLOBAL_NAMES = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    stem, _, suffix = hf_name.rpartition(".")
+    if stem.startswith("model.layers."):
+        _, _, layer, rest = stem.split(".", 3)
+        return f"blk.{layer}.{_LAYER_NAMES[rest]}.{suffix}"
+    return f"{_GLOBAL_NAMES[stem]}.{suffix}"
+
+
+def permute_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's q/k interleave (the inverse of our loader's ``unpermute_rows``)."""
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
+
+
+def _random_k_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random valid K-quant blocks ``[rows, cols/256 * type_size]`` with weights of ~0.1."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    qtype = GGMLQuantizationType[kind]
+    type_size = GGML_QUANT_SIZES[qtype][1]
+    blocks = rng.integers(0, 256, size=(rows, cols // 256, type_size), dtype=np.uint8)
+    if kind == "Q6_K":  # int8 scales then float16 d at the end
+        scales = rng.integers(-48, 48, size=(rows, cols // 256, 16)).astype(np.int8)
+        blocks[..., 192:208] = scales.view(np.uint8)
+        blocks[..., 208:210] = _f16_bytes(rows, cols, 0.08 / (24 * 16), rng)
+    else:
+        levels = 15 if kind == "Q4_K" else 31
+        blocks[..., 0:2] = _f16_bytes(rows, cols, 0.16 / (32 * levels), rng)  # d
+        blocks[..., 2:4] = _f16_bytes(rows, cols, 0.08 / 32, rng)  # dmin
+    return blocks.reshape(rows, -1)
+
+
+def _f16_bytes(rows: int, cols: int, scale: float, rng: np.random.Generator) -> np.ndarray:
+    values = (rng.uniform(0.5, 1.5, size=(rows, cols // 256)) * scale).astype(np.float16)
+    return values[..., None].view(np.uint8).reshape(rows, cols // 256, 2)
+
+
+def _encode(
+    name: str, w: np.ndarray, kind: str, rng: np.random.Generator
+) -> tuple[np.ndarray, Any]:
+    from gguf import GGMLQuantizationType, quants
+
+    qtype = GGMLQuantizationType[kind]
+    if kind == "F32":
+        return w.astype(np.float32), qtype
+    if kind == "F16":
+        return w.astype(np.float16), qtype
+    if kind in K_TYPES:
+        return _random_k_blocks(kind, w.shape[0], w.shape[1], rng), qtype
+    return quants.quantize(w.astype(np.float32), qtype), qtype
+
+
+def write_gguf(
+    hf_folder: Path,
+    out: Path,
+    *,
+    recipe: dict[str, str] | None = None,
+    default: str = "F32",
+    arch: str | None = None,
+    seed: int = 0,
+    with_tokenizer: bool = True,
+    metadata: dict[str, Any] | None = None,
+) -> Path:
+    """Write the model in ``hf_folder`` as the GGUF file ``out``.
+
+    ``recipe``: GGUF kind (``attn_q``, ``ffn_down``, ``token_embd``...) -> tensor type for the
+    2-D weights; others get ``default``; 1-D tensors (norms, biases) are always F32, as
+    llama.cpp keeps them.
+    """
+    import gguf
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(hf_folder))
+    arch = arch or config.model_type
+    writer = gguf.GGUFWriter(str(out), arch)
+    _write_metadata(writer, config, arch)
+    for key, value in (metadata or {}).items():
+        _add_value(writer, key, value)
+    if with_tokenizer:
+        _write_tokenizer(writer, hf_folder)
+    tensors = {}
+    for file in sorted(hf_folder.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    rng = np.random.default_rng(seed)
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    for name, tensor in tensors.items():
+        if config.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        w = tensor.float().numpy()
+        target = gguf_name(name)
+        kind = target.split(".")[-2]
+        if arch in ("llama", "mistral") and kind in ("attn_q", "attn_k"):
+            w = permute_rows(w, heads if kind == "attn_q" else kv_heads)
+        if arch == "gemma" and target.endswith("norm.weight"):
+            w = w + 1.0
+        ttype = (recipe or {}).get(kind, default) if w.ndim == 2 else "F32"
+        data, qtype = _encode(target, w, ttype, rng)
+        if data.dtype == np.uint8:
+            writer.add_tensor(target, data, raw_dtype=qtype)
+        else:
+            writer.add_tensor(target, np.ascontiguousarray(data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def _add_value(writer: Any, key: str, value: Any) -> None:
+    if isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, int):
+        writer.add_uint32(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    elif isinstance(value, str):
+        writer.add_string(key, value)
+    else:
+        writer.add_array(key, value)
+
+
+def _write_metadata(writer: Any, config: Any, arch: str) -> None:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rope = getattr(config, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", 10000.0)
+    partial = rope.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", 1.0)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(float(theta))
+    writer.add_rope_dimension_count(int(head_dim * (partial or 1.0)))
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_file_type(0)
+
+
+def _write_tokenizer(writer: Any, hf_folder: Path) -> None:
+    """Byte-level BPE as llama.cpp's converter writes a ``gpt2``-model tokenizer."""
+    spec = json.loads((hf_folder / "tokenizer.json").read_text())
+    vocab: dict[str, int] = spec["model"]["vocab"]
+    added = {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
+    size = max([*vocab.values(), *added.values()]) + 1
+    tokens = [""] * size
+    types = [1] * size
+    for token, index in vocab.items():
+        tokens[index] = token
+    for token, index in added.items():
+        tokens[index] = token
+        types[index] = 3  # control
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(added["<s>"])
+    writer.add_eos_token_id(added["</s>"])
+    writer.add_pad_token_id(added["<pad>"])
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+
+def hf_gguf_greedy(
+    path: Path, prompts: list[list[int]], max_new_tokens: int, dtype: torch.dtype = torch.float32
+) -> list[Any]:
+    """transformers' own GGUF loading (dequantised to ``dtype``), greedy: the reference."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.hf_reference import HFGreedy
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=dtype
+    ).eval()
+    results = []
+    with torch.no_grad():
+        for ids in prompts:
+            out = model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                output_scores=True,
+                return_dict_in_generate=True,
+                pad_token_id=model.config.pad_token_id,
+            )
+            gen = out.sequences[0, len(ids) :].tolist()
+            results.append(HFGreedy(gen, [torch.log_softmax(s[0].float(), -1) for s in out.scores]))
+    return results

@@ -1,0 +1,254 @@
+"""GGUF files: greedy tokens equal transformers on the same file, for every tensor type we read.
+
+Files are written in the test from tiny random models (``gguf_files.write_gguf``, with ggml's
+own ``gguf`` package). The reference is transformers loading the same GGUF (it dequantises with
+``gguf`` too), or, for families transformers cannot read from GGUF or reads differently (Gemma,
+Phi-3's partial rotary), the Hugging Face model the float32 file was written from.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pagedllm import Engine, SamplingParams
+from pagedllm.models.checkpoint import CheckpointError
+from tests.conftest import build_model
+from tests.hf_reference import assert_greedy_match, hf_greedy
+from tests.models.gguf_files import hf_gguf_greedy, write_gguf
+from tests.models.test_more_families import build_family
+
+MAX_NEW = 10
+PROMPTS = [[5, 17, 99, 3, 44, 12, 7], [7, 8, 9], list(range(20, 60)), [300, 12, 150, 151, 152]]
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
+
+# name -> (types by GGUF tensor kind, type of every other 2-D tensor, source model)
+RECIPES: dict[str, tuple[dict[str, str], str, str]] = {
+    "f32": ({}, "F32", "llama"),
+    "f16": ({}, "F16", "llama"),
+    "bf16": ({}, "BF16", "llama"),
+    "q8_0": ({}, "Q8_0", "llama"),
+    "q4_0": ({}, "Q4_0", "llama"),
+    "q4_1+q8_0": ({"ffn_down": "Q8_0", "token_embd": "Q8_0"}, "Q4_1", "llama"),
+    "q5_0+q5_1": ({"attn_v": "Q5_0", "ffn_down": "Q5_1", "token_embd": "F16"}, "Q4_0", "llama"),
+    # K-quants come in super-blocks of 256 columns: a wider model.
+    "q4_k_m": ({"attn_v": "Q6_K", "ffn_down": "Q5_K", "token_embd": "Q6_K"}, "Q4_K", "wide"),
+    "qwen2-q4_0": ({"token_embd": "Q8_0"}, "Q4_0", "qwen2"),
+}
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("gguf-sources")
+    wide = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4)
+    return {
+        "llama": build_model(root / "llama", "llama"),
+        "wide": build_model(root / "wide", "llama", **wide),
+        "qwen2": build_model(root / "qwen2", "qwen2"),
+        "mistral": build_model(root / "mistral", "mistral"),
+        **{name: build_family(root / name, name) for name in ("phi3", "gemma", "qwen3")},
+    }
+
+
+@pytest.fixture(scope="module")
+def gguf_files(sources: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("gguf")
+    return {
+        name: write_gguf(sources[src], root / f"{name}.gguf", recipe=recipe, default=default)
+        for name, (recipe, default, src) in RECIPES.items()
+    }
+
+
+def engine_greedy(path: Path, prompts: list[list[int]] = PROMPTS, **kw: object) -> list[list[int]]:
+    engine = Engine(str(path), device="cpu", block_size=8, num_kv_blocks=64, **kw)
+    outs = engine.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert (
+        engine.block_manager.get_num_free_device_blocks() == engine.block_manager.num_device_blocks
+    )
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_greedy_matches_transformers_on_the_same_file(gguf_files: dict, recipe: str) -> None:
+    path = gguf_files[recipe]
+    ref = hf_gguf_greedy(path, PROMPTS, MAX_NEW)
+    for i, (ours, r) in enumerate(zip(engine_greedy(path), ref, strict=True)):
+        assert_greedy_match(ours, r, f"{recipe} prompt {i}")
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3", "phi3", "gemma"])
+def test_float_file_matches_the_model_it_was_written_from(
+    sources: dict[str, Path], tmp_path: Path, family: str
+) -> None:
+    """Names, the q/k interleave, Phi-3's fused tensors and partial rotary, Gemma's ``1 + w``
+    norms: every mapping is exercised against the original transformers model."""
+    path = write_gguf(sources[family], tmp_path / f"{family}.gguf")
+    ref = hf_greedy(sources[family], PROMPTS, MAX_NEW)
+    for i, (ours, r) in enumerate(zip(engine_greedy(path), ref, strict=True)):
+        assert_greedy_match(ours, r, f"{family} prompt {i}")
+
+
+def test_quantised_layers_stay_quantised(gguf_files: dict) -> None:
+    engine = Engine(str(gguf_files["q4_1+q8_0"]), device="cpu", block_size=8, num_kv_blocks=16)
+    model = engine.executor.worker.runner.model  # type: ignore[attr-defined]
+    layer = model.layers[0]
+    assert layer.self_attn.qkv_proj.quant_method.name == "int4"
+    assert layer.self_attn.qkv_proj.weight.dtype == torch.uint8
+    assert layer.mlp.down_proj.quant_method.name == "q8_0"
+    assert layer.mlp.down_proj.weight.dtype == torch.int8 or layer.mlp.down_proj.fast_linear
+    mixed = Engine(str(gguf_files["q5_0+q5_1"]), device="cpu", block_size=8, num_kv_blocks=16)
+    qkv = mixed.executor.worker.runner.model.layers[0].self_attn.qkv_proj  # type: ignore[attr-defined]
+    assert qkv.quant_method is None  # a Q5_0 v part: the fused layer is dequantised whole
+
+
+def test_prefix_caching_chunked_prefill_and_preemption(gguf_files: dict) -> None:
+    path = gguf_files["q4_0"]
+    plain = engine_greedy(path)
+    shared = [list(range(20, 60)) + p for p in PROMPTS]
+    base = engine_greedy(path, shared)
+    engine = Engine(
+        str(path),
+        device="cpu",
+        block_size=8,
+        num_kv_blocks=20,
+        enable_prefix_caching=True,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=16,
+    )
+    outs = engine.generate([{"prompt_token_ids": p} for p in shared], GREEDY, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == base
+    assert (
+        engine.block_manager.get_num_free_device_blocks() == engine.block_manager.num_device_blocks
+    )
+    assert plain == engine_greedy(path)
+
+
+def test_int8_groups_and_int4_groups_are_ggml_exact() -> None:
+    """Our group-wise form of Q4_0 / Q4_1 / Q4_K / Q8_0 dequantises bit for bit as ggml does."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+    from pagedllm.layers.quantization.groupwise import (
+        dequantize_int4,
+        dequantize_int8_groups,
+        pack_nibbles,
+    )
+    from pagedllm.models.gguf.reader import GGUFTensor
+    from pagedllm.models.gguf.weights import int4_groups, int8_groups
+    from tests.models.gguf_files import _random_k_blocks
+
+    rng = np.random.default_rng(0)
+    rows, cols = 5, 512
+    for kind in ("Q4_0", "Q4_1", "Q8_0", "Q4_K"):
+        qtype = GGMLQuantizationType[kind]
+        if kind == "Q4_K":
+            raw = _random_k_blocks(kind, rows, cols, rng)
+        else:
+            raw = quants.quantize(rng.normal(size=(rows, cols)).astype(np.float32), qtype)
+        assert raw.shape[1] == cols // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1]
+        expected = torch.from_numpy(quants.dequantize(raw, qtype))
+        tensor = GGUFTensor("t", kind, (rows, cols), raw, qtype)
+        if kind == "Q8_0":
+            q, scale = (torch.from_numpy(a) for a in int8_groups(tensor))
+            got = dequantize_int8_groups(q, scale)
+        else:
+            q, scale, offset = (torch.from_numpy(a) for a in int4_groups(tensor))
+            got = dequantize_int4(pack_nibbles(q), scale, offset)
+        assert torch.equal(got, expected), f"{kind}: max diff {(got - expected).abs().max()}"
+
+
+def test_tokenizer_and_chat_template_come_from_the_file(
+    gguf_files: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    path = gguf_files["q4_0"]
+    reference = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    texts = ["The quick brown fox", "def fibonacci(n):\n    return n", "你好 🚀"]
+    for attempt in ("converted", "cached"):
+        engine = Engine(str(path), device="cpu", block_size=8, num_kv_blocks=16)
+        tok = engine.get_tokenizer()
+        for text in texts:
+            assert tok.encode(text) == reference.encode(text), (attempt, text)
+        chat = tok.apply_chat_template(
+            [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+        )
+        assert chat == "<s>user\nhi</s>\n<s>assistant\n", attempt
+        assert engine.eos_token_ids == frozenset({tok.convert_tokens_to_ids("</s>")})
+        assert list((tmp_path / "cache" / "gguf-tokenizers").iterdir()), attempt
+
+
+def test_folder_with_one_gguf_loads(gguf_files: dict, tmp_path: Path) -> None:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "model.gguf").symlink_to(gguf_files["q4_0"])
+    assert engine_greedy(folder) == engine_greedy(gguf_files["q4_0"])
+    (folder / "other.gguf").symlink_to(gguf_files["q8_0"])
+    with pytest.raises(ValueError, match="several GGUF files"):
+        Engine(str(folder), device="cpu")
+
+
+def _rewrite(src: Path, dst: Path, edit: object) -> Path:
+    data = bytearray(src.read_bytes())
+    edit(data)  # type: ignore[operator]
+    dst.write_bytes(bytes(data))
+    return dst
+
+
+def test_bad_files_fail_at_start_with_one_line(
+    gguf_files: dict, sources: dict[str, Path], tmp_path: Path
+) -> None:
+    good = gguf_files["q4_0"]
+    size = good.stat().st_size
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(good.read_bytes()[: size - 1000])
+    bad_magic = _rewrite(good, tmp_path / "magic.gguf", lambda d: d.__setitem__(0, ord("X")))
+    no_tokenizer = write_gguf(sources["llama"], tmp_path / "notok.gguf", with_tokenizer=False)
+    unknown_arch = write_gguf(sources["llama"], tmp_path / "arch.gguf", arch="bloom")
+    unknown_type = write_gguf(sources["wide"], tmp_path / "iq.gguf", recipe={"attn_q": "TQ2_0"})
+    cases = [
+        (truncated, "truncated"),
+        (bad_magic, "not a readable GGUF file"),
+        (no_tokenizer, "tokenizer.ggml.tokens is missing"),
+        (unknown_arch, "general.architecture 'bloom' is not supported"),
+        (unknown_type, "blk.0.attn_q.weight' has type TQ2_0"),
+    ]
+    for path, message in cases:
+        with pytest.raises(CheckpointError, match=message) as info:
+            Engine(str(path), device="cpu", block_size=8, num_kv_blocks=16)
+        text = str(info.value)
+        assert str(path) in text and "\n" not in text, text
+    # A tokenizer given separately makes the tokenizer-less file usable.
+    engine = Engine(
+        str(no_tokenizer), device="cpu", tokenizer=str(sources["llama"]), num_kv_blocks=16
+    )
+    assert engine.generate("The quick", SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_int4_at_load_matches_transformers_on_the_same_4bit_weights(
+    sources: dict[str, Path], tmp_path: Path
+) -> None:
+    """``quantization="int4"`` against transformers running the weights it produces."""
+    from safetensors.torch import load_file, save_file
+
+    from pagedllm.layers.quantization.groupwise import dequantize_int4, quantize_int4
+
+    src = sources["llama"]
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    for item in src.iterdir():
+        if item.suffix != ".safetensors":
+            (fake / item.name).symlink_to(item)
+    tensors = load_file(str(src / "model.safetensors"))
+    for name, t in tensors.items():
+        if t.dim() == 2 and "layers." in name:  # linear layers only; embeddings stay float
+            tensors[name] = dequantize_int4(*quantize_int4(t)).to(t.dtype)
+    save_file(tensors, str(fake / "model.safetensors"), metadata={"format": "pt"})
+    ref = hf_greedy(fake, PROMPTS, MAX_NEW)
+    engine = Engine(str(src), device="cpu", block_size=8, num_kv_blocks=64, quantization="int4")
+    outs = engine.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    for i, (o, r) in enumerate(zip(outs, ref, strict=True)):
+        assert_greedy_match(list(o.outputs[0].token_ids), r, f"int4 prompt {i}")
