@@ -74,7 +74,7 @@ def test_torch_apply_matches_dequantized_linear() -> None:
 
 def test_unknown_quantization_is_refused() -> None:
     with pytest.raises(ValueError, match="^quantization"):
-        get_quant_config("int4", object())
+        get_quant_config("int3", object())
 
 
 def _prompt_logprobs(engine: Engine) -> tuple[list[list[float]], list[list[int]]]:
@@ -333,4 +333,4 @@ def test_cli_flag_reaches_engine_args() -> None:
     args = build_parser().parse_args(["generate", "m", "--prompt", "x", "--quantization", "int8"])
     assert engine_kwargs(args)["quantization"] == "int8"
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["generate", "m", "--prompt", "x", "--quantization", "int4"])
+        build_parser().parse_args(["generate", "m", "--prompt", "x", "--quantization", "int3"])

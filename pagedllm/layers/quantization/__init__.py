@@ -65,6 +65,7 @@ class QuantConfig:
 
     method: LinearMethod | None
     checkpoint_format: str | None = None  # compressed-tensors format, None for float checkpoints
+    checkpoint_scheme: str = "int8"  # what the compressed-tensors checkpoint holds
     layer_methods: Mapping[str, LinearMethod] = field(default_factory=dict)
 
     def method_for(self, module_name: str) -> LinearMethod | None:
@@ -80,7 +81,7 @@ class QuantConfig:
         if self.checkpoint_format is None:
             yield from weights
         else:
-            yield from transform_weights(weights, self.checkpoint_format)
+            yield from transform_weights(weights, self.checkpoint_format, self.checkpoint_scheme)
 
 
 def get_quant_config(
@@ -104,9 +105,18 @@ def get_quant_config(
         if method != "compressed-tensors":
             raise ValueError(
                 f"quantization: checkpoint quantised with {method!r} is not supported "
-                "(only compressed-tensors int8 per-channel W8A16 / W8A8)"
+                "(only compressed-tensors int8 per-channel W8A16 / W8A8 and int4 W4A16)"
             )
         fmt, scheme = check_config(qc)
+        if scheme == "int4":
+            if quantization not in (None, "int4"):
+                raise ValueError(
+                    f"quantization: {quantization!r} cannot run a 4-bit (W4A16) checkpoint"
+                )
+            method = GroupwiseMethod(bits=4, prequantized=True)
+            return QuantConfig(method, checkpoint_format=fmt, checkpoint_scheme="int4")
+        if quantization == "int4":
+            raise ValueError("quantization: 'int4' cannot run an int8 checkpoint")
         cls = _METHODS[quantization or scheme]  # the request chooses how int8 weights run
         return QuantConfig(cls(prequantized=True), checkpoint_format=fmt)
     if quantization == "int4":
