@@ -63,6 +63,7 @@ def gguf_files(sources: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
 
 
 def engine_greedy(path: Path, prompts: list[list[int]] = PROMPTS, **kw: object) -> list[list[int]]:
+    kw.setdefault("dtype", "float32")  # the reference's; a quantised file's default is bf16
     engine = Engine(str(path), device="cpu", block_size=8, num_kv_blocks=64, **kw)
     outs = engine.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert (
@@ -77,6 +78,24 @@ def test_greedy_matches_transformers_on_the_same_file(gguf_files: dict, recipe: 
     ref = hf_gguf_greedy(path, PROMPTS, MAX_NEW)
     for i, (ours, r) in enumerate(zip(engine_greedy(path), ref, strict=True)):
         assert_greedy_match(ours, r, f"{recipe} prompt {i}")
+
+
+# bf16 rounding of every activation: ties are as wide as in the half-precision engine tests.
+BF16_TIE = 8 * 2.0**-7
+
+
+@pytest.mark.parametrize("recipe", ["q4_k_m", "q4_1+q8_0"])
+def test_quantised_files_default_to_bf16_and_match_transformers_in_bf16(
+    gguf_files: dict, recipe: str
+) -> None:
+    path = gguf_files[recipe]
+    engine = Engine(str(path), device="cpu", block_size=8, num_kv_blocks=64)
+    if engine.executor.worker.dtype != torch.bfloat16:  # type: ignore[attr-defined]
+        pytest.skip("this processor computes a bf16 checkpoint in float32")
+    outs = engine.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    ref = hf_gguf_greedy(path, PROMPTS, MAX_NEW, dtype=torch.bfloat16)
+    for i, (o, r) in enumerate(zip(outs, ref, strict=True)):
+        assert_greedy_match(list(o.outputs[0].token_ids), r, f"{recipe} bf16 {i}", BF16_TIE)
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3", "phi3", "gemma"])
@@ -112,6 +131,7 @@ def test_prefix_caching_chunked_prefill_and_preemption(gguf_files: dict) -> None
     engine = Engine(
         str(path),
         device="cpu",
+        dtype="float32",
         block_size=8,
         num_kv_blocks=20,
         enable_prefix_caching=True,

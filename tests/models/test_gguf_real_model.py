@@ -27,7 +27,7 @@ def smollm2():
 
 
 def test_the_demo_model_answers_and_matches_transformers(smollm2) -> None:
-    engine = Engine(str(smollm2), device="cpu", kv_cache_space=0.25)
+    engine = Engine(str(smollm2), device="cpu", dtype="float32", kv_cache_space=0.25)
     tok = engine.get_tokenizer()
     texts = [
         tok.apply_chat_template(

@@ -131,6 +131,24 @@ def _phi3_long_rope(gguf: GGUFFile, params: dict[str, Any], values: dict[str, An
     values["original_max_position_embeddings"] = int(original)
 
 
+_FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def stored_dtype(gguf: GGUFFile) -> str:
+    """The dtype ``dtype="auto"`` starts from (the device backend has the last word).
+
+    A float file says it: its matrices' type. A quantised one says nothing: llama.cpp widens
+    to float32 as it multiplies; here it is bfloat16, which halves the memory and traffic of
+    the layers dequantised at load (the embeddings, Q6_K layers of ``*_K_M`` files) and runs
+    the 4-bit GEMM on bf16 dot products where the processor has them; the CPU backend keeps
+    float32 where bf16 would be slow.
+    """
+    types = {t.type_name for t in gguf.tensors.values() if len(t.shape) == 2}
+    if len(types) == 1 and next(iter(types)) in _FLOAT_TYPES:
+        return _FLOAT_TYPES[next(iter(types))]
+    return "bfloat16"
+
+
 def hf_config_from_gguf(gguf: GGUFFile) -> Any:
     """The transformers config of the model in ``gguf``; ``CheckpointError`` names what's off."""
     from transformers import AutoConfig
@@ -159,7 +177,7 @@ def hf_config_from_gguf(gguf: GGUFFile) -> Any:
         values["hidden_activation"] = "gelu_pytorch_tanh"
     values["rope_parameters"] = params
     values["architectures"] = [family.architecture]
-    values["dtype"] = "float32"
+    values["dtype"] = stored_dtype(gguf)
     try:
         return AutoConfig.for_model(family.model_type, **values)
     except (ValueError, TypeError) as exc:
