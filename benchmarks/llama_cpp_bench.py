@@ -71,8 +71,16 @@ def _gguf_name(hf_name: str) -> str:
     return f"blk.{parts[2]}.{_LAYER_NAMES['.'.join(parts[3:])]}"
 
 
+_QUANTS = {
+    "f16": ("F16", "MOSTLY_F16"),
+    "q8_0": ("Q8_0", "MOSTLY_Q8_0"),
+    "q4_0": ("Q4_0", "MOSTLY_Q4_0"),
+}
+
+
 def export_gguf(folder: Path, out: Path, quant: str) -> Path:
-    """Write ``folder`` (a Llama checkpoint) as GGUF ``quant`` ("f16" | "q8_0"); cached."""
+    """Write ``folder`` (a Llama checkpoint) as GGUF ``quant`` ("f16" | "q8_0" | "q4_0", by the
+    ``gguf`` package's own quantiser); cached."""
     import gguf
     from safetensors import safe_open
 
@@ -93,9 +101,9 @@ def export_gguf(folder: Path, out: Path, quant: str) -> Path:
     writer.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
     writer.add_vocab_size(cfg["vocab_size"])
     writer.add_tokenizer_model("none")
-    file_type = gguf.LlamaFileType.MOSTLY_Q8_0 if quant == "q8_0" else gguf.LlamaFileType.MOSTLY_F16
-    writer.add_file_type(file_type)
-    qtype = gguf.GGMLQuantizationType.Q8_0 if quant == "q8_0" else gguf.GGMLQuantizationType.F16
+    type_name, file_type = _QUANTS[quant]
+    writer.add_file_type(gguf.LlamaFileType[file_type])
+    qtype = gguf.GGMLQuantizationType[type_name]
     for shard in sorted(folder.glob("*.safetensors")):
         with safe_open(str(shard), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)

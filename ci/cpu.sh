@@ -26,7 +26,8 @@ bash ci/install_browser.sh
 for bench in benchmarks/throughput.py benchmarks/attention_cpu.py benchmarks/engine_overhead.py \
              benchmarks/prefix_caching.py benchmarks/chunked_prefill.py benchmarks/serving.py \
              benchmarks/linear_cpu.py benchmarks/loading.py benchmarks/structured.py \
-             benchmarks/moe.py benchmarks/speculative.py benchmarks/lora.py; do
+             benchmarks/moe.py benchmarks/speculative.py benchmarks/lora.py \
+             benchmarks/gguf_bench.py; do
     if [ -f "$bench" ]; then
         "$PY" "$bench" --smoke > /dev/null
         echo "benchmark smoke run ok: $bench"

@@ -1,0 +1,326 @@
+"""GGUF files, side by side in one run: pagedllm vs llama.cpp (llama-cpp-python) on the same file.
+
+(Not ``gguf.py``: this folder is first on ``sys.path`` for every benchmark, and a ``gguf.py``
+here would shadow ggml's ``gguf`` package.)
+
+Models: SmolLM2-135M-Instruct Q4_1 (the demo model, fetched from the package registry), and a
+random-weight Llama-3.2-1B-shaped model (``model_builder.LLAMA_1B``) written as an F16 GGUF by
+``llama_cpp_bench.export_gguf`` and quantised to Q4_0, Q4_K_M and Q8_0 by llama.cpp's own
+quantiser (``llama_model_quantize``); files are cached under ``build/bench/gguf``.
+
+Each engine runs in its own subprocess per file, so start-up (imports included, from the
+process's first line to the engine ready) and peak RSS are its own. Per file and engine:
+throughput at 16 and 64 parallel sequences (as many requests, prompts 32-128 tokens, outputs
+32-96, greedy, every request generating its whole length; pagedllm ``max_num_seqs`` = llama.cpp
+``n_parallel``), single-stream decode (one request, 16-token prompt, 64 tokens), start-up, peak
+RSS. With ``--decode-rows`` pagedllm also times decode steps at 1, 4 and 8 sequences, for the
+4-bit file and for the bf16 checkpoint quantised to int8 at load (our int8 path), and reports
+the share of the measured read bandwidth at one sequence (weight bytes a step reads: each linear
+layer as stored, quantised or in the compute dtype, plus the LM head in the compute dtype).
+Prints one JSON object with the processor, the ISA path, the linear-layer paths and the ratios.
+
+    python benchmarks/gguf_bench.py                      # everything (~20 minutes on 2 cores)
+    python benchmarks/gguf_bench.py --models smollm2     # the demo model only
+    python benchmarks/gguf_bench.py --smoke              # a tiny Q4_0 file, seconds (CI)
+"""
+
+from __future__ import annotations
+
+import time
+
+PROCESS_START = time.perf_counter()  # start-up is measured from here, before the imports
+
+import argparse  # noqa: E402
+import ctypes  # noqa: E402
+import json  # noqa: E402
+import resource  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from model_builder import LLAMA_1B, LLAMA_TINY, build_random_llama  # noqa: E402
+from throughput import Request, _decode_step_seconds, make_workload, read_bandwidth  # noqa: E402
+
+CACHE = Path(__file__).resolve().parent.parent / "build" / "bench" / "gguf"
+# llama.cpp's file types (llama.h's llama_ftype) for its quantiser.
+FTYPES = {"q4_0": 2, "q8_0": 7, "q4_k_m": 15}
+PARALLEL = (16, 64)
+
+
+def model_files(names: list[str], smoke: bool) -> dict[str, Path]:
+    """name -> GGUF file (made and cached here; the demo model fetched)."""
+    import llama_cpp_bench
+
+    files: dict[str, Path] = {}
+    if smoke:
+        folder = build_random_llama(CACHE / "tiny-f32", LLAMA_TINY)
+        files["tiny-q4_0"] = _quantized(folder, "tiny", "q4_0", llama_cpp_bench)
+        return files
+    if "smollm2" in names:
+        from pagedllm.entrypoints.demo_model import fetch_demo_model
+
+        fetched = fetch_demo_model()
+        if fetched.path is None:
+            raise SystemExit(f"SmolLM2 unavailable: {fetched.reason}")
+        files["smollm2-q4_1"] = fetched.path
+    wanted = [n for n in names if n.startswith("1b-")]
+    if wanted:
+        import torch
+
+        folder = build_random_llama(CACHE / "llama-1b-bf16", LLAMA_1B, dtype=torch.bfloat16)
+        for name in wanted:
+            files[name] = _quantized(folder, "1b", name.removeprefix("1b-"), llama_cpp_bench)
+    return files
+
+
+def _quantized(folder: Path, size: str, quant: str, llama_cpp_bench: Any) -> Path:
+    out = CACHE / f"llama-{size}-{quant}.gguf"
+    if out.exists():
+        return out
+    try:
+        import llama_cpp as lib
+    except ImportError:  # CI: the gguf package's own quantiser (no K-quants)
+        return llama_cpp_bench.export_gguf(folder, out, quant)
+    f16 = llama_cpp_bench.export_gguf(folder, CACHE / f"llama-{size}-f16.gguf", "f16")
+
+    params = lib.llama_model_quantize_default_params()
+    params.ftype = FTYPES[quant]
+    params.nthread = 2
+    tmp = out.with_suffix(".partial")
+    if lib.llama_model_quantize(str(f16).encode(), str(tmp).encode(), ctypes.byref(params)):
+        raise RuntimeError(f"llama.cpp could not quantise {f16} to {quant}")
+    tmp.rename(out)
+    return out
+
+
+# --- one engine on one file, in its own process -----------------------------------------------
+
+
+def _workloads(vocab: int, smoke: bool) -> dict[str, list[Request]]:
+    parallel = (2, 4) if smoke else PARALLEL
+    out = {
+        f"parallel_{p}": make_workload(p, vocab, (32, 128), (8, 16) if smoke else (32, 96), p)
+        for p in parallel
+    }
+    out["single"] = make_workload(1, vocab, (16, 16), (16 if smoke else 64,) * 2, 7)
+    return out
+
+
+def run_pagedllm(path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    from pagedllm import Engine, SamplingParams
+    from pagedllm.backends.cpu._ops import resolve_isa
+
+    first = Engine(
+        str(path),
+        device="cpu",
+        skip_tokenizer_init=True,
+        max_num_seqs=max(PARALLEL),
+        kv_cache_space=args.kv_cache_space,
+    )
+    startup = time.perf_counter() - PROCESS_START
+    vocab = first.vocab_size
+    result: dict[str, Any] = {
+        "startup_seconds": startup,
+        "isa": resolve_isa(),
+        "dtype": str(first.executor.worker.dtype).removeprefix("torch."),
+        "linear_path": first.executor.collective_rpc("linear_path")[0],
+    }
+    for name, reqs in _workloads(vocab, args.smoke).items():
+        # P requests at once: all P run together (max_num_seqs is the largest P).
+        prompts = [{"prompt_token_ids": r.prompt} for r in reqs]
+        params = [
+            SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in reqs
+        ]
+        start = time.perf_counter()
+        first.generate(prompts, params, use_tqdm=False)
+        result[f"{name}_tok_s"] = sum(r.output_len for r in reqs) / (time.perf_counter() - start)
+    if args.decode_rows:
+        spec = {"vocab_size": vocab}
+        result["decode_step_seconds"] = {n: _decode_step_seconds(first, spec, n) for n in (1, 4, 8)}
+    return result
+
+
+def run_int8_reference(args: argparse.Namespace) -> dict[str, Any]:
+    """Our int8 weight-only path on the same 1B weights (the bf16 checkpoint, quantised at load):
+    decode steps at 1, 4 and 8 sequences, to set the 4-bit file's against."""
+    from pagedllm import Engine
+
+    eng = Engine(
+        str(CACHE / "llama-1b-bf16"),
+        device="cpu",
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        quantization="int8",
+        kv_cache_space=args.kv_cache_space,
+    )
+    spec = {"vocab_size": eng.vocab_size}
+    return {
+        "linear_path": eng.executor.collective_rpc("linear_path")[0],
+        "decode_step_seconds": {n: _decode_step_seconds(eng, spec, n) for n in (1, 4, 8)},
+    }
+
+
+def run_llama_cpp(path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    import llama_cpp as lib
+    import llama_cpp_bench
+    import torch
+
+    threads = torch.get_num_threads()
+    lib.llama_log_set(ctypes.cast(None, lib.llama_log_callback), ctypes.c_void_p())
+    lib.llama_backend_init()
+    model = lib.llama_model_load_from_file(str(path).encode(), lib.llama_model_default_params())
+    startup = time.perf_counter() - PROCESS_START
+    vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
+    lib.llama_model_free(model)
+    result: dict[str, Any] = {"startup_seconds": startup, "threads": threads}
+    for name, reqs in _workloads(vocab, args.smoke).items():
+        n_parallel = len(reqs) if name != "single" else 1
+        run = llama_cpp_bench.run_llama_cpp(path, reqs, n_parallel=n_parallel, threads=threads)
+        result[f"{name}_tok_s"] = sum(r.output_len for r in reqs) / run["seconds"]
+    return result
+
+
+def run_one(args: argparse.Namespace) -> dict[str, Any]:
+    if args.run_one == "int8-reference":
+        result = run_int8_reference(args)
+    elif args.run_one == "pagedllm":
+        result = run_pagedllm(args.file, args)
+    else:
+        result = run_llama_cpp(args.file, args)
+    result["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)
+    return result
+
+
+def _in_subprocess(engine: str, path: Path | None, args: argparse.Namespace) -> dict[str, Any]:
+    cmd = [
+        sys.executable,
+        __file__,
+        "--run-one",
+        engine,
+        "--kv-cache-space",
+        str(args.kv_cache_space),
+    ]
+    cmd += ["--file", str(path)] if path else []
+    cmd += ["--smoke"] if args.smoke else []
+    cmd += ["--decode-rows"] if args.decode_rows and engine == "pagedllm" else []
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = proc.stderr.strip().splitlines()[-3:]
+        return {"error": " | ".join(tail) or f"exit code {proc.returncode}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# --- the side-by-side run ----------------------------------------------------------------------
+
+
+def _ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    for key in ours:
+        if key.endswith("_tok_s") and key in theirs:
+            out[key.removesuffix("_tok_s")] = ours[key] / theirs[key]
+    if "startup_seconds" in theirs:
+        out["startup_vs_llama_cpp"] = ours["startup_seconds"] / theirs["startup_seconds"]
+    return out
+
+
+def _streamed_bytes(path: Path, compute_bytes: int) -> int:
+    """Weight bytes one decode step reads: each linear layer as the engine keeps it (the file's
+    bytes for the layers that stay quantised), and the LM head dequantised to the compute
+    dtype (the embedding's rows are gathered, not streamed)."""
+    from pagedllm.backends.cpu.backend import CpuBackend
+    from pagedllm.models.gguf.config import family_of
+    from pagedllm.models.gguf.loading import open_gguf
+    from pagedllm.models.gguf.weights import NOT_WEIGHTS, hf_name, plan_layers
+
+    gguf = open_gguf(path)
+    family = family_of(gguf)
+    plan = plan_layers(gguf, family, CpuBackend().native_weight_formats())
+    head = "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"
+    total = 0
+    for name, t in gguf.tensors.items():
+        if name in NOT_WEIGHTS or len(t.shape) != 2:
+            continue
+        module = hf_name(name, family)[1]
+        elements = t.shape[0] * t.shape[1]
+        if name == head:
+            total += elements * compute_bytes
+        elif module is not None:
+            total += int(t.raw.nbytes) if module in plan else elements * compute_bytes
+    return total
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="a tiny Q4_0 file (CI)")
+    parser.add_argument("--models", default="smollm2,1b-q4_0,1b-q4_k_m,1b-q8_0")
+    parser.add_argument("--engines", default="pagedllm,llama.cpp")
+    parser.add_argument("--decode-rows", action="store_true", help="decode steps at 1-8 seqs")
+    parser.add_argument("--kv-cache-space", type=float, default=2.0, help="GiB (pagedllm)")
+    parser.add_argument("--run-one", help=argparse.SUPPRESS)
+    parser.add_argument("--file", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.run_one:
+        print(json.dumps(run_one(args)))
+        return
+    from llama_cpp_bench import available
+
+    from pagedllm.backends.cpu._ops import cpu_model_name, resolve_isa
+
+    engines = args.engines.split(",")
+    missing = available()
+    if missing and "llama.cpp" in engines:
+        engines.remove("llama.cpp")
+    files = model_files(args.models.split(","), args.smoke)
+    report: dict[str, Any] = {
+        "processor": cpu_model_name(),
+        "isa": resolve_isa(),
+        "llama_cpp": missing or "llama-cpp-python " + _version("llama_cpp"),
+        "models": {},
+    }
+    for name, path in files.items():
+        entry = {e: _in_subprocess(e, path, args) for e in engines}
+        entry["file_mib"] = path.stat().st_size / (1 << 20)
+        ours, theirs = entry.get("pagedllm", {}), entry.get("llama.cpp", {})
+        if "error" not in ours and theirs and "error" not in theirs:
+            entry["pagedllm_vs_llama_cpp"] = _ratios(ours, theirs)
+        report["models"][name] = entry
+    if (
+        args.decode_rows
+        and "1b-q4_0" in files
+        and "error" not in report["models"]["1b-q4_0"]["pagedllm"]
+    ):
+        report["decode_rows"] = _decode_rows(report, files["1b-q4_0"], args)
+    print(json.dumps(report, indent=2))
+
+
+def _decode_rows(report: dict[str, Any], path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    q4 = report["models"]["1b-q4_0"]["pagedllm"]
+    int8 = _in_subprocess("int8-reference", None, args)
+    out: dict[str, Any] = {"int8": int8, "q4_0": q4["decode_step_seconds"]}
+    if "error" not in int8:
+        out["q4_0_vs_int8_speedup"] = {
+            n: int8["decode_step_seconds"][n] / t for n, t in q4["decode_step_seconds"].items()
+        }
+    size = {"bfloat16": 2, "float32": 4, "float16": 2}[q4["dtype"]]
+    streamed = _streamed_bytes(path, size)
+    bandwidth = read_bandwidth()
+    one = q4["decode_step_seconds"]["1"]
+    out.update(
+        streamed_bytes_per_step=streamed,
+        read_bandwidth_gb_s=bandwidth / 1e9,
+        share_of_read_bandwidth_at_1=streamed / one / bandwidth,
+    )
+    return out
+
+
+def _version(module: str) -> str:
+    try:
+        return str(__import__(module).__version__)
+    except ImportError:
+        return "?"
+
+
+if __name__ == "__main__":
+    main()
