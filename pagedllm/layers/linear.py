@@ -51,6 +51,7 @@ class ColumnParallelLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.tp = tp
+        self.input_size = input_size  # the weight's columns, whatever form quantisation gives it
         self.output_sizes = output_sizes
         # Per-rank size of each fused part (heads may be replicated rather than split).
         self.shard_sizes = shard_sizes or [tp.shard(s, "output features") for s in output_sizes]

@@ -81,7 +81,7 @@ class LoRALinear(nn.Module):
             self.slice_sizes = [base.weight.shape[0]]
             self.full_sizes = list(self.slice_sizes)
         else:
-            self.in_features = base.weight.shape[1]
+            self.in_features = base.input_size  # (a packed 4-bit weight has half the columns)
             self.slice_sizes = list(base.shard_sizes)
             self.full_sizes = list(base.output_sizes)
         k = len(self.slice_sizes) * max_rank

@@ -8,6 +8,7 @@ Phi-3's partial rotary), the Hugging Face model the float32 file was written fro
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -246,3 +247,45 @@ def test_bad_files_fail_at_start_with_one_line(
         str(no_tokenizer), device="cpu", tokenizer=str(sources["llama"]), num_kv_blocks=16
     )
     assert engine.generate("The quick", SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_lora_adapter_over_a_quantised_gguf_base_matches_peft(
+    gguf_files: dict, sources: dict[str, Path], tmp_path: Path
+) -> None:
+    """An adapter trained for the original model, served over its Q4_0 GGUF: the reference is
+    PEFT over the GGUF as transformers dequantises it (saved back as a model folder)."""
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.lora import LoRARequest
+    from tests.lora.adapters import ATTN, MLP, make_adapter, peft_greedy
+
+    path = gguf_files["q4_0"]
+    adapter = make_adapter(sources["llama"], tmp_path / "adapter", rank=8, targets=ATTN + MLP)
+    dequantised = tmp_path / "dequantised"
+    dequantised.mkdir()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    # transformers will not save_pretrained a model it read from GGUF: write it by hand.
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (dequantised / "config.json").write_text(json.dumps(config))
+    save_model(model, str(dequantised / "model.safetensors"))
+    engine = Engine(
+        str(path),
+        device="cpu",
+        dtype="float32",
+        block_size=8,
+        num_kv_blocks=64,
+        enable_lora=True,
+        max_lora_rank=8,
+    )
+    lora = LoRARequest("a", 1, str(adapter))
+    outs = engine.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], GREEDY, lora_request=lora, use_tqdm=False
+    )
+    ref = peft_greedy(dequantised, adapter, PROMPTS, MAX_NEW)
+    for i, (o, r) in enumerate(zip(outs, ref, strict=True)):
+        assert_greedy_match(list(o.outputs[0].token_ids), r, f"lora over q4_0 prompt {i}")
+    assert [list(o.outputs[0].token_ids) for o in outs] != engine_greedy(path)
