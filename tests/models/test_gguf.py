@@ -151,11 +151,7 @@ def test_int8_groups_and_int4_groups_are_ggml_exact() -> None:
     """Our group-wise form of Q4_0 / Q4_1 / Q4_K / Q8_0 dequantises bit for bit as ggml does."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-    from pagedllm.layers.quantization.groupwise import (
-        dequantize_int4,
-        dequantize_int8_groups,
-        pack_nibbles,
-    )
+    from pagedllm.layers.quantization.groupwise import dequantize_int4, dequantize_int8_groups
     from pagedllm.models.gguf.reader import GGUFTensor
     from pagedllm.models.gguf.weights import int4_groups, int8_groups
     from tests.models.gguf_files import _random_k_blocks
@@ -175,8 +171,8 @@ def test_int8_groups_and_int4_groups_are_ggml_exact() -> None:
             q, scale = (torch.from_numpy(a) for a in int8_groups(tensor))
             got = dequantize_int8_groups(q, scale)
         else:
-            q, scale, offset = (torch.from_numpy(a) for a in int4_groups(tensor))
-            got = dequantize_int4(pack_nibbles(q), scale, offset)
+            packed, scale, offset = (torch.from_numpy(a) for a in int4_groups(tensor))
+            got = dequantize_int4(packed, scale, offset)
         assert torch.equal(got, expected), f"{kind}: max diff {(got - expected).abs().max()}"
 
 

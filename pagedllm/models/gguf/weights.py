@@ -137,7 +137,8 @@ def _nibbles_low_high(qs: np.ndarray) -> np.ndarray:
 
 
 def int4_groups(tensor: GGUFTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A Q4_0 / Q4_1 / Q4_K tensor -> (q uint8 ``[N, K]`` in 0..15, scale, offset ``[N, K/32]``).
+    """A Q4_0 / Q4_1 / Q4_K tensor -> (nibbles uint8 ``[N, K/2]`` in the layout of
+    :func:`~pagedllm.layers.quantization.groupwise.pack_nibbles`, scale, offset ``[N, K/32]``).
 
     ``q * scale + offset`` is ggml's dequantisation, rounding included: each product here is
     exact in float32, so the same single rounding happens in the sum.
@@ -169,7 +170,9 @@ def int4_groups(tensor: GGUFTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     else:
         raise CheckpointError(f"tensor {tensor.name!r}: {kind} is not a 4-bit group type")
     rows = blocks.shape[0]
-    return q.reshape(rows, -1), scale.reshape(rows, -1), offset.reshape(rows, -1)
+    q = q.reshape(rows, -1)
+    packed = q[:, 0::2] | (q[:, 1::2] << 4)  # numpy: ~20x PyTorch's strided uint8 ops
+    return packed, scale.reshape(rows, -1), offset.reshape(rows, -1)
 
 
 def int8_groups(tensor: GGUFTensor) -> tuple[np.ndarray, np.ndarray]:
@@ -220,11 +223,9 @@ class GGUFWeights:
             name, module = hf_name(gguf_name, self.family)
             fmt = self.plan.get(module or "")
             if fmt == "int4" and name.endswith(".weight"):
-                from pagedllm.layers.quantization.groupwise import pack_nibbles
-
-                q, scale, offset = (torch.from_numpy(a) for a in int4_groups(tensor))
+                packed, scale, offset = (torch.from_numpy(a) for a in int4_groups(tensor))
                 stem = name.removesuffix(".weight")
-                yield name, self._permute(gguf_name, pack_nibbles(q))
+                yield name, self._permute(gguf_name, packed)
                 yield f"{stem}.weight_scale", self._permute(gguf_name, scale)
                 yield f"{stem}.weight_offset", self._permute(gguf_name, offset)
                 continue
