@@ -285,3 +285,21 @@ def test_lora_adapter_over_a_quantised_gguf_base_matches_peft(
     for i, (o, r) in enumerate(zip(outs, ref, strict=True)):
         assert_greedy_match(list(o.outputs[0].token_ids), r, f"lora over q4_0 prompt {i}")
     assert [list(o.outputs[0].token_ids) for o in outs] != engine_greedy(path)
+
+
+def test_devices_without_group_kernels_get_every_layer_dequantised(gguf_files: dict) -> None:
+    """GPU and XPU run no group-wise GEMM (``native_weight_formats()`` is empty): the loader
+    dequantises every layer to the compute dtype, to the same function."""
+    from tests.conftest import load_on_reference
+
+    path = gguf_files["q4_1+q8_0"]
+    dense = load_on_reference(path, torch.float32, native_formats=frozenset())
+    kept = load_on_reference(path, torch.float32, native_formats=frozenset({"int4", "q8_0"}))
+    layers = [m for m in dense.modules() if hasattr(m, "quant_method")]
+    assert layers and all(m.quant_method is None for m in layers)
+    x, h = torch.randn(3, 64), torch.randn(3, 128)
+    down_dense, down_kept = dense.layers[0].mlp.down_proj, kept.layers[0].mlp.down_proj
+    assert down_kept.quant_method.name == "q8_0"
+    torch.testing.assert_close(down_dense(h), down_kept(h), rtol=1e-5, atol=1e-5)
+    qkv_dense, qkv_kept = dense.layers[1].self_attn.qkv_proj, kept.layers[1].self_attn.qkv_proj
+    torch.testing.assert_close(qkv_dense(x), qkv_kept(x), rtol=1e-5, atol=1e-5)
