@@ -408,8 +408,8 @@ def core_openmp_env() -> dict[str, str]:
     when the kernel parks one of the core's threads to run the server, its partner spinning at
     the barrier keeps the only other core busy, so nobody progresses until the spin ends. A
     short spin bridges the gaps inside a step and yields the core within a few milliseconds.
-    Measured on 2 cores with the server and 16 or 64 streaming clients (README): as fast as
-    libgomp's long default and faster than PASSIVE at 16 clients. (The offline ``Engine`` lives
+    Measured on 2 cores with the server and 16 or 64 streaming clients (docs/serving.md): as fast
+    as libgomp's long default and faster than PASSIVE at 16 clients. (The offline ``Engine`` lives
     in the user's process, whose OpenMP runtime may be loaded before pagedllm is imported.)
     """
     if any(k in os.environ for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")):
@@ -425,10 +425,10 @@ def prefer_huge_pages() -> None:
     another dtype, packed copies), and each first touch of a 4 KiB page is a fault, a zeroed
     page and, in a virtual machine, often a fault on the host too. One fault per 2 MiB instead
     cut an engine start on the 1B checkpoint from 15-22 s to 11-13.5 s in float32 and from
-    9.8-11.4 s to 8.5-9.0 s in bfloat16 (2-core AMD EPYC VM, runs alternated, README); the step
-    speed did not change. PyTorch reads the variable once, at its first CPU allocation, so this
-    runs when pagedllm is imported; where tensors were allocated before that, it changes
-    nothing. Where the kernel's THP mode is ``never`` the advice is ignored.
+    9.8-11.4 s to 8.5-9.0 s in bfloat16 (2-core AMD EPYC VM, runs alternated,
+    docs/backends.md); the step speed did not change. PyTorch reads the variable once, at its
+    first CPU allocation, so this runs when pagedllm is imported; where tensors were allocated
+    before that, it changes nothing. Where the kernel's THP mode is ``never`` the advice is ignored.
     """
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 

@@ -1,4 +1,4 @@
-"""Screenshots of the web chat and of the dashboard under load, for the README.
+"""Screenshots of the web chat and of the dashboard under load, for docs/serving.md.
 
     python tools/web_screenshots.py            # writes docs/images/web-chat.png, web-dashboard.png
 

@@ -123,6 +123,22 @@ def block_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent, token_ids))
 
 
+def window_block_count(sliding_window: int, block_size: int) -> int:
+    """The fewest usable device blocks in which one sequence runs to any length, never
+    preempted, under a block sliding window (prompts given blocks chunk by chunk); a lazy prompt
+    is admitted with this many, so with one fewer a long prompt is never admitted.
+
+    After each step ``reclaim_out_of_window`` keeps the blocks from position
+    ``computed - window + 1`` up to the newest token: ``ceil(computed / block_size) -
+    floor((computed - window + 1) / block_size)`` blocks, at most ``ceil((window - 2) /
+    block_size) + 1`` (the window, plus one block where it straddles a boundary). A decode then
+    asks for one free block (``can_append_slots``: the worst case, even when the newest block
+    has room), hence one more. A prompt chunk is sized by ``placeable_tokens`` to the blocks
+    free at the time, so prefill never needs more than a decode.
+    """
+    return max(2, -(-(sliding_window - 2) // block_size) + 2)
+
+
 class BlockSpaceManager:
     """Block tables of all sequences over a device pool and a host swap pool."""
 
@@ -157,10 +173,13 @@ class BlockSpaceManager:
 
     # -- admission ---------------------------------------------------------------------------
     def window_blocks(self) -> int | None:
-        """Blocks one sequence holds at most under a block sliding window, chunk excluded."""
+        """The blocks that let one sequence run to any length under a block sliding window.
+
+        See :func:`window_block_count`; ``None`` without a window.
+        """
         if self.sliding_window is None:
             return None
-        return -(-self.sliding_window // self.block_size) + 1
+        return window_block_count(self.sliding_window, self.block_size)
 
     def _initial_blocks(self, seq: Sequence, *, lazy: bool = True) -> int:
         """Blocks a waiting sequence gets at admission (all of them, or a window's worth).

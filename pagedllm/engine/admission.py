@@ -27,7 +27,8 @@ class EngineLimits:
     max_logprobs: int
     block_size: int
     usable_blocks: int  # device blocks a single request may hold (the cache less the watermark)
-    window_blocks: int | None = None  # block sliding window: what one sequence holds at most
+    # Block sliding window: the blocks one sequence needs at any length (window_block_count)
+    window_blocks: int | None = None
     max_priority: int = 2**63 - 1
 
 
@@ -100,7 +101,12 @@ def _check_length(
 
 
 def fit_max_model_len(
-    max_model_len: int, *, usable_blocks: int, block_size: int, explicit: bool
+    max_model_len: int,
+    *,
+    usable_blocks: int,
+    block_size: int,
+    explicit: bool,
+    window_blocks: int | None = None,
 ) -> int:
     """The context length this cache can actually serve.
 
@@ -108,7 +114,14 @@ def fit_max_model_len(
     that long, refuse to start (they asked for something impossible); when it came from the
     model's config, lower it to what fits and log a warning (vLLM's behaviour for the derived
     length), so ``/v1/models`` never promises more than the engine can deliver.
+
+    ``window_blocks``: under a block sliding window, the most blocks one sequence needs at any
+    length (``window_block_count``: blocks behind the window are freed and prompts are given
+    blocks chunk by chunk). A cache with that many usable blocks serves any ``max_model_len``;
+    a smaller one only sequences that fit whole, as without a window.
     """
+    if window_blocks is not None and usable_blocks >= window_blocks:
+        return max_model_len
     capacity = usable_blocks * block_size
     if capacity >= max_model_len:
         return max_model_len

@@ -8,7 +8,7 @@ of an OpenMP worker only costs while that worker has a share of a parallel regio
 most of a small model's step is the master's Python. Left to itself, the kernel parks either
 one. With ``auto`` the main thread gets the first CPU the process may use, alone, and every
 other thread of both processes (OpenMP workers, the server's event loop and pools, ZeroMQ's I/O
-threads) the remaining ones. Measured on 2 cores with 16 and 64 streaming clients (README):
+threads) the remaining ones. Measured on 2 cores with 16 and 64 streaming clients (docs/serving.md):
 the server and the client spent about a third less CPU per token, and served throughput rose
 towards offline.
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from pagedllm.backends.registry import resolve_device
 from pagedllm.config import EngineArgs, EngineConfig
-from pagedllm.core.block_manager import BlockSpaceManager
+from pagedllm.core.block_manager import BlockSpaceManager, window_block_count
 from pagedllm.core.interfaces import SchedulerOutput
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.core.scheduler import Scheduler
@@ -119,7 +119,8 @@ class LLMEngine:
             and sched_cfg.enable_chunked_prefill
             and not self.config.cache.enable_prefix_caching
         )
-        self._fit_context(num_device, window if lazy else None)
+        window_blocks = window_block_count(window, cache.block_size) if lazy else None
+        self._fit_context(num_device, window_blocks, window)
         cache = self.config.cache
         self.executor.initialize_cache(num_device, num_host)
         logger.info(
@@ -165,7 +166,7 @@ class LLMEngine:
             max_logprobs=args.max_logprobs,
             block_size=cache.block_size,
             usable_blocks=num_device - self.block_manager.watermark_blocks,
-            window_blocks=self._window_blocks(window) if lazy else None,
+            window_blocks=window_blocks,
         )
         self.counters = EngineCounters()
         self.guided = GuidedRequests(
@@ -174,34 +175,40 @@ class LLMEngine:
         self._requests: dict[str, SequenceGroup] = {}
         self._pending_outputs: list[RequestOutput] = []
 
-    def _window_blocks(self, window: int) -> int:
-        """Blocks one sequence holds at most under a block sliding window: the window's keys
-        plus a whole prefill chunk's new tokens, each span possibly straddling a boundary."""
-        bs = self.config.cache.block_size
-        return -(-window // bs) + -(-self.config.scheduler.token_budget // bs) + 1
-
-    def _fit_context(self, num_device: int, window: int | None) -> None:
+    def _fit_context(self, num_device: int, window_blocks: int | None, window: int | None) -> None:
         """Refuse to start, or lower max_model_len, when the cache cannot hold one sequence.
 
-        Under a block sliding window a sequence never holds more than a window's worth of
-        blocks (plus a chunk), so a cache of that size serves any length.
+        Under a block sliding window (``window_blocks`` given) a sequence of any length runs in
+        ``window_blocks`` blocks, so a cache that holds them keeps max_model_len as it is.
         """
         cache, sched = self.config.cache, self.config.scheduler
         usable = num_device - int(cache.watermark * num_device)
-        if window is not None and usable >= self._window_blocks(window):
-            return
+        if (
+            window is not None
+            and window_blocks is None
+            and usable * cache.block_size < sched.max_model_len
+        ):
+            logger.warning(
+                "every layer slides over %d tokens, but a prompt is computed whole (holding all "
+                "its blocks) without enable_chunked_prefill or with prefix caching; with chunked "
+                "prefill a sequence of any length runs in %d blocks",
+                window,
+                window_block_count(window, cache.block_size),
+            )
         new_len = fit_max_model_len(
             sched.max_model_len,
             usable_blocks=usable,
             block_size=cache.block_size,
             explicit=self._explicit_max_model_len,
+            window_blocks=window_blocks,
         )
-        if new_len != sched.max_model_len:
-            self.config = dataclasses.replace(
-                self.config,
-                model=dataclasses.replace(self.config.model, max_model_len=new_len),
-                scheduler=dataclasses.replace(sched, max_model_len=new_len),
-            )
+        if new_len == sched.max_model_len:
+            return
+        self.config = dataclasses.replace(
+            self.config,
+            model=dataclasses.replace(self.config.model, max_model_len=new_len),
+            scheduler=dataclasses.replace(sched, max_model_len=new_len),
+        )
 
     # -- requests --------------------------------------------------------------------------
     def add_request(

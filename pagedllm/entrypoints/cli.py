@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto: the engine core's main thread gets the first CPU this process may use, "
         "alone, and every other thread (OpenMP workers, the API server) the others; off: "
-        "the kernel places them (see the README's serving section)",
+        "the kernel places them (see docs/serving.md)",
     )
     s.add_argument(
         "--max-prompt-chars",

@@ -1,6 +1,6 @@
 """Constraint -> ready grammar matcher, cached per (kind, spec), compiled off the caller's thread.
 
-Built on llguidance (see README, "Structured output", for why this library): a constraint is turned
+Built on llguidance (why this library: docs/serving.md, "Why llguidance"): a constraint is turned
 into an llguidance grammar, checked against the model's tokenizer once, and kept as a *template*
 matcher in its start state. Every guided sequence gets a ``deep_copy`` of the template, which
 costs microseconds, so 64 requests with one schema compile it once.

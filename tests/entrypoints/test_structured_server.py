@@ -108,13 +108,12 @@ def tools_model(llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     return folder
 
 
-@pytest.fixture(scope="module")
-def tserver(tools_model: Path) -> Iterator[ServerHandle]:
+def _serve(model: Path, tool_call_parser: str) -> Iterator[ServerHandle]:
     from pagedllm.engine.async_engine import AsyncEngine
     from pagedllm.entrypoints.openai.api_server import ServerSettings, build_app, model_info
 
     engine = AsyncEngine.from_engine_args(
-        str(tools_model),
+        str(model),
         "cpu",
         dtype="float32",
         num_kv_blocks=2048,
@@ -123,12 +122,17 @@ def tserver(tools_model: Path) -> Iterator[ServerHandle]:
         max_num_seqs=32,
         log_stats_interval=None,
     )
-    settings = ServerSettings(api_key=API_KEY, tool_call_parser="hermes")
+    settings = ServerSettings(api_key=API_KEY, tool_call_parser=tool_call_parser)
     app = build_app(engine, model_info(engine, [MODEL]), settings)
     srv, thread, port = start_server(app)
     yield ServerHandle(f"http://127.0.0.1:{port}", engine, srv, thread)
     srv.should_exit = True
     thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def tserver(tools_model: Path) -> Iterator[ServerHandle]:
+    yield from _serve(tools_model, "hermes")
 
 
 @pytest.fixture(scope="module")
@@ -211,6 +215,27 @@ def test_guided_extras_on_completions(oai: Any) -> None:
     assert "".join(c.choices[0].text for c in chunks) in ("yes", "no")
 
 
+def collect_tool_calls(stream: Any) -> list[dict[str, Any]]:
+    """Tool calls put together from a ``create(stream=True)`` stream, per index, each with its
+    argument deltas; checks OpenAI's shape: the first delta of a call carries its id, type and
+    name, later ones only the index and an arguments fragment."""
+    calls: list[dict[str, Any]] = []
+    for chunk in stream:
+        for choice in chunk.choices:
+            for tc in choice.delta.tool_calls or []:
+                if tc.index == len(calls):
+                    assert tc.id and tc.id.startswith("call_") and tc.type == "function", tc
+                    assert tc.function and tc.function.name, tc
+                    args = tc.function.arguments or ""
+                    calls.append({"name": tc.function.name, "arguments": args, "pieces": [args]})
+                    continue
+                assert tc.id is None and tc.type is None and tc.function.name is None, tc
+                piece = tc.function.arguments or ""
+                calls[tc.index]["arguments"] += piece
+                calls[tc.index]["pieces"].append(piece)
+    return calls
+
+
 def _check_calls(calls: Any, name: str | None = None) -> None:
     assert calls
     for call in calls:
@@ -282,10 +307,94 @@ def test_required_tool_choice(oai: Any, parallel: bool) -> None:
         max_tokens=200,
         stream=True,
     )
-    streamed = [tc for ch in stream for c in ch.choices for tc in c.delta.tool_calls or []]
-    assert [(t.function.name, t.function.arguments) for t in streamed] == [
+    streamed = collect_tool_calls(stream)
+    assert [(c["name"], c["arguments"]) for c in streamed] == [
         (t.function.name, t.function.arguments) for t in calls
     ]
+
+
+# "auto" with a constraint that makes the random model write one call in the parser's format.
+WEATHER_CALL = (
+    '"get_weather", "{key}": \\{{"city": "[A-Z][a-z]{{7}}", "unit": "(celsius|fahrenheit)"\\}}'
+)
+AUTO_CALLS = {  # parser -> (the constraint, content unstreamed, content streamed)
+    "hermes": (
+        '(Sure\\. )<tool_call>\\{"name": '
+        + WEATHER_CALL.format(key="arguments")
+        + "\\}</tool_call>",
+        "Sure.",
+        "Sure. ",
+    ),
+    "llama3_json": ('\\{"name": ' + WEATHER_CALL.format(key="parameters") + "\\}", None, ""),
+}
+
+
+@pytest.fixture(scope="module")
+def l3server(tools_model: Path) -> Iterator[ServerHandle]:
+    yield from _serve(tools_model, "llama3_json")
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+def test_auto_tool_calls_stream_their_arguments(
+    request: pytest.FixtureRequest, parser: str
+) -> None:
+    """Streamed "auto" calls arrive as argument deltas while they are generated (several per
+    call), and add up to the unstreamed reply's call."""
+    import openai
+
+    server = request.getfixturevalue("tserver" if parser == "hermes" else "l3server")
+    client = openai.OpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0, timeout=120)
+    kwargs: dict[str, Any] = dict(
+        model=MODEL,
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice="auto",
+        seed=11,
+        max_tokens=200,
+        extra_body={"guided_regex": AUTO_CALLS[parser][0]},
+    )
+    r = client.chat.completions.create(**kwargs)
+    assert r.choices[0].finish_reason == "tool_calls", r.choices[0].message
+    assert r.choices[0].message.content == AUTO_CALLS[parser][1]
+    (call,) = r.choices[0].message.tool_calls
+    _check_calls([call], "get_weather")
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    content = "".join(c.delta.content or "" for ch in chunks for c in ch.choices)
+    reasons = [c.finish_reason for ch in chunks for c in ch.choices if c.finish_reason]
+    assert content == AUTO_CALLS[parser][2] and reasons == ["tool_calls"]
+    calls = collect_tool_calls(chunks)
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        ("get_weather", call.function.arguments)
+    ]
+    assert len([p for p in calls[0]["pieces"] if p]) > 1, calls[0]["pieces"]
+
+
+def test_required_tool_calls_stream_with_the_stream_helper(oai: Any) -> None:
+    """The official client's stream helper sees every "required" call's arguments grow delta by
+    delta, and its final completion has the unstreamed reply's calls."""
+    kwargs: dict[str, Any] = dict(
+        model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required", seed=6, max_tokens=200
+    )
+    r = oai.chat.completions.create(**kwargs)
+    assert r.choices[0].finish_reason == "tool_calls", r.choices[0].message
+    expected = [(t.function.name, t.function.arguments) for t in r.choices[0].message.tool_calls]
+    helper = getattr(oai.chat.completions, "stream", None) or oai.beta.chat.completions.stream
+    deltas: dict[int, list[str]] = {}
+    done: dict[int, str] = {}
+    with helper(**kwargs) as stream:
+        for event in stream:
+            if event.type == "tool_calls.function.arguments.delta":
+                deltas.setdefault(event.index, []).append(event.arguments_delta)
+            elif event.type == "tool_calls.function.arguments.done":
+                done[event.index] = event.arguments
+        final = stream.get_final_completion()
+    got = [(t.function.name, t.function.arguments) for t in final.choices[0].message.tool_calls]
+    assert got == expected and final.choices[0].finish_reason == "tool_calls"
+    assert [done[i] for i in sorted(done)] == [args for _, args in expected]
+    for i, (_, args) in enumerate(expected):
+        assert "".join(deltas[i]) == args
+        if args != "{}":
+            assert len([d for d in deltas[i] if d]) > 1, deltas[i]
 
 
 def test_history_with_tool_calls_and_auto(oai: Any) -> None:

@@ -1,16 +1,18 @@
-"""Tool-call parsers and the streaming of tool calls, on hand-written replies."""
+"""Tool-call parsers and the streaming of tool calls, on hand-written replies grown one character
+at a time."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from pagedllm.entrypoints.openai.serving_tools import ToolPlan, ToolStreamer, tool_message
 from pagedllm.entrypoints.openai.tool_parsers import (
     HermesToolParser,
     Llama3JsonToolParser,
     ParsedCall,
+    RequiredCallsParser,
     get_tool_parser,
 )
 from pagedllm.outputs import CompletionOutput
@@ -63,22 +65,83 @@ def out(text: str, reason: str | None) -> CompletionOutput:
     )
 
 
-def test_auto_stream_sends_content_then_whole_calls() -> None:
-    plan = ToolPlan("auto", parser=HermesToolParser())
+def stream(plan: ToolPlan, text: str, reason: str = "stop") -> tuple[str, list[dict], str | None]:
+    """Feed ``text`` one character at a time, as a model would grow it; returns the content
+    sent, the calls put together from their deltas (each with its argument deltas) and the
+    finish reason. Every delta is checked against OpenAI's stream shape on the way."""
     streamer = ToolStreamer(plan)
-    pieces, calls, reason = "", [], None
-    for end in range(1, len(HERMES) + 1):
-        delta, r = streamer.delta(out(HERMES[:end], "stop" if end == len(HERMES) else None))
-        if delta:
-            pieces += delta.get("content", "")
-            calls += delta.get("tool_calls", [])
-        reason = r or reason
-    assert pieces == "Let me check. "
-    assert reason == "tool_calls"
-    assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "get_weather"), (1, "add")]
-    assert json.loads(calls[1]["function"]["arguments"]) == {"a": 1, "b": 2}
-    message, final = tool_message(plan, out(HERMES, "stop"))
-    assert final == "tool_calls" and message["content"] == "Let me check."
+    content, calls, final = "", [], None
+    for end in range(1, len(text) + 1):
+        delta, r = streamer.delta(out(text[:end], reason if end == len(text) else None))
+        final = r or final
+        content += (delta or {}).get("content", "")
+        for tc in (delta or {}).get("tool_calls", []):
+            if tc["index"] == len(calls):  # a call's first delta: id, type, name
+                assert tc["id"].startswith("call_") and tc["type"] == "function", tc
+                assert set(tc["function"]) == {"name", "arguments"}, tc
+                calls.append({**tc["function"], "pieces": [tc["function"]["arguments"]]})
+            else:  # later deltas: the index and an arguments fragment only
+                assert set(tc) == {"index", "function"} and set(tc["function"]) == {"arguments"}
+                calls[tc["index"]]["arguments"] += tc["function"]["arguments"]
+                calls[tc["index"]]["pieces"].append(tc["function"]["arguments"])
+    return content, calls, final
+
+
+def unstreamed(plan: ToolPlan, text: str) -> list[tuple[str, str]]:
+    message, reason = tool_message(plan, out(text, "stop"))
+    assert reason == "tool_calls", message
+    return [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]
+
+
+LLAMA3 = '<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": [2, 3]}}; {"name": "f"}'
+REQUIRED = (
+    '[{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}, '
+    '{"name": "add", "arguments": {"a": 12, "b": 30}}]'
+)
+
+
+@pytest.mark.parametrize(
+    ("plan", "text", "content"),
+    [
+        (ToolPlan("auto", parser=HermesToolParser()), HERMES, "Let me check. "),
+        (ToolPlan("auto", parser=Llama3JsonToolParser()), LLAMA3, ""),
+        (ToolPlan("required", parser=RequiredCallsParser()), REQUIRED, ""),
+    ],
+    ids=["hermes", "llama3_json", "required"],
+)
+def test_streamed_calls_send_arguments_as_they_are_generated(
+    plan: ToolPlan, text: str, content: str
+) -> None:
+    sent, calls, reason = stream(plan, text)
+    assert sent == content and reason == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in calls] == unstreamed(plan, text)
+    for call in calls:
+        if call["arguments"] != "{}":  # a call without arguments has nothing to stream
+            assert len([p for p in call["pieces"] if p]) > 1, call
+        assert call["pieces"][0] == "", call  # the name went out before any argument
+
+
+def test_arguments_are_the_text_the_model_wrote() -> None:
+    """Not re-serialised: a stream of the raw text adds up to exactly the unstreamed value."""
+    text = '<tool_call>{"name": "add", "arguments": {"a":1,  "b" :2}}</tool_call>'
+    assert HermesToolParser().parse(text) == (None, [ParsedCall("add", '{"a":1,  "b" :2}')])
+    # Arguments given as a JSON string are that string, sent whole once it is closed.
+    text = '{"name": "add", "parameters": "{\\"a\\": 1}"}'
+    _, calls, _ = stream(ToolPlan("auto", parser=Llama3JsonToolParser()), text)
+    assert [(c["name"], c["pieces"]) for c in calls] == [("add", ["", '{"a": 1}'])]
+
+
+def test_a_reply_cut_short_ends_its_call_as_sent() -> None:
+    plan = ToolPlan("auto", parser=HermesToolParser())
+    text = 'Hi <tool_call>{"name": "add", "arguments": {"a": 1'
+    content, calls, reason = stream(plan, text, reason="length")
+    assert (content, reason) == ("Hi ", "length")
+    assert [(c["name"], c["arguments"]) for c in calls] == [("add", '{"a": 1')]
+    # No call begun: the held-back text is content after all, as unstreamed.
+    content, calls, reason = stream(plan, "Hi <tool_", reason="length")
+    assert (content, calls, reason) == ("Hi <tool_", [], "length")
+    content, calls, reason = stream(plan, "<tool_call>{not json}</tool_call>")
+    assert (content, calls, reason) == ("<tool_call>{not json}</tool_call>", [], "stop")
 
 
 def test_named_stream_sends_arguments_as_they_come() -> None:
@@ -96,3 +159,33 @@ def test_named_stream_sends_arguments_as_they_come() -> None:
     # Cut short by max_tokens: no tool_calls finish reason.
     message, final = tool_message(ToolPlan("named", named="add"), out('{"a": 1', "length"))
     assert final == "length" and "tool_calls" not in message
+
+
+FRAGMENTS = ["{", "}", "[", "]", '"', ":", ",", ";", " ", "\\", "a", "1", "<tool_call>"]
+FRAGMENTS += [
+    '"f"',
+    "</tool_call>",
+    '"name"',
+    '"add"',
+    '"arguments"',
+    '"parameters"',
+    "<|python_tag|>",
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(FRAGMENTS), max_size=40))
+@example(["{", '"name"', ":", '"add"', ",", '"name"', ":", '"f"', "}"])  # the first name stays
+def test_any_text_parses_and_partial_arguments_only_grow(fragments: list[str]) -> None:
+    """On any text no parser raises, and as the text grows each begun call keeps its name and
+    its arguments only grow (what streamed is never taken back)."""
+    text = "".join(fragments)
+    for parser in (HermesToolParser(), Llama3JsonToolParser(), RequiredCallsParser()):
+        parser.parse(text)
+        assert 0 <= parser.content_prefix(text) <= len(text)
+        whole = parser.partial_calls(text)
+        for end in range(len(text)):
+            for i, call in enumerate(parser.partial_calls(text[:end])):
+                if call.name is not None:
+                    assert whole[i].name == call.name, (parser.name, text[:end])
+                    assert whole[i].arguments.startswith(call.arguments), (parser.name, text[:end])

@@ -1,9 +1,9 @@
 """The server's HTTP/1.1 protocol: uvicorn's httptools one, with the limits uvicorn lacks.
 
 Why httptools: a streamed token is one chunk written per client, and on a small machine the
-server's CPU per chunk is taken from the engine core's step (see the README's serving
-section). uvicorn's h11 protocol runs a pure-Python state machine for every chunk it writes;
-its httptools protocol frames the chunk in two lines and writes it. The request head is parsed
+server's CPU per chunk is taken from the engine core's step (measured in docs/serving.md).
+uvicorn's h11 protocol runs a pure-Python state machine for every chunk it writes; its httptools
+protocol frames the chunk in two lines and writes it. The request head is parsed
 in C (llhttp) as well.
 
 What uvicorn lacks, added here:

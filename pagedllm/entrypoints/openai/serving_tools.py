@@ -8,12 +8,17 @@
   schema per tool (``parallel_tool_calls: false`` allows one call).
 - a named function: constrained decoding to that function's ``parameters`` schema; the whole reply
   is its arguments.
+
+Streamed, every call's arguments go out as they are generated, in OpenAI's (and vLLM's) shape: the
+first delta of a call carries its ``index``, ``id``, ``type`` and ``function.name`` (with the
+arguments so far, possibly ``""``), later ones only ``index`` and ``function.arguments``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import re
 import uuid
 from dataclasses import dataclass, field
@@ -22,8 +27,16 @@ from typing import Any
 from pagedllm.core.guided_params import GuidedDecodingParams
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
-from pagedllm.entrypoints.openai.tool_parsers import ParsedCall, ToolParser, get_tool_parser
+from pagedllm.entrypoints.openai.tool_parsers import (
+    ParsedCall,
+    PartialCall,
+    RequiredCallsParser,
+    ToolParser,
+    get_tool_parser,
+)
 from pagedllm.outputs import CompletionOutput
+
+logger = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -40,7 +53,7 @@ class ToolPlan:
     schemas: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> parameters
     named: str | None = None
     guided: GuidedDecodingParams | None = None
-    parser: ToolParser | None = None
+    parser: ToolParser | None = None  # "auto": the server's format; "required": the JSON array
 
     @property
     def active(self) -> bool:
@@ -110,7 +123,7 @@ def plan_tools(req: ChatCompletionRequest, parser_name: str | None) -> ToolPlan:
         plan.parser = get_tool_parser(parser_name)
         return plan
     if choice == "required":
-        plan.mode = "required"
+        plan.mode, plan.parser = "required", RequiredCallsParser()
         plan.guided = GuidedDecodingParams(json=_required_schema(schemas, req.parallel_tool_calls))
     elif isinstance(choice, dict) and choice.get("type") == "function":
         name = (choice.get("function") or {}).get("name")
@@ -153,12 +166,6 @@ def _calls_of(plan: ToolPlan, text: str) -> tuple[str | None, list[ParsedCall]]:
     if plan.mode == "named":
         assert plan.named is not None
         return None, [ParsedCall(plan.named, text)]
-    if plan.mode == "required":
-        try:
-            items = json.loads(text)
-        except ValueError:
-            return text, []
-        return None, [ParsedCall(c["name"], json.dumps(c["arguments"])) for c in items]
     assert plan.parser is not None
     return plan.parser.parse(text)
 
@@ -184,43 +191,75 @@ def tool_message(plan: ToolPlan, c: CompletionOutput) -> tuple[dict[str, Any], s
 class ToolStreamer:
     """Per choice: turns growing outputs into chat deltas, tool calls in OpenAI's stream shape.
 
-    A named function streams its arguments as they are generated (the first delta carries the
-    call's id and name); ``required`` and ``auto`` stream the text that is certainly content and
-    send each call whole when the reply ends.
+    Content goes out as far as the parser says it is certainly content; each call goes out once
+    its name is complete, then its arguments as they grow. At the end the finished reply is
+    parsed as it is unstreamed, and what it says beyond what was sent closes the stream, so the
+    deltas add up to the unstreamed reply's calls. A call that began streaming in a reply that
+    then does not parse (cut short, or malformed) ends as it was sent.
     """
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
-        self._sent = 0  # characters of text already sent (content or arguments)
+        self._sent = 0  # characters of text already sent (content, or a named call's arguments)
+        self._args_sent: list[str] = []  # per call begun: the arguments sent so far
         self._started = False
 
     def delta(self, c: CompletionOutput) -> tuple[dict[str, Any] | None, str | None]:
         """The delta for this output (None if nothing new) and the finish_reason to report."""
         if self.plan.mode == "named":
             return self._named(c)
-        if c.finish_reason is None:
-            safe = 0 if self.plan.mode == "required" else self._content_prefix(c.text)
-            if safe <= self._sent:
-                return None, None
-            piece, self._sent = c.text[self._sent : safe], safe
-            return {"content": piece}, None
-        message, reason = tool_message(self.plan, c)
-        delta: dict[str, Any] = {}
-        if "tool_calls" in message:
-            end = self._content_prefix(c.text) if self.plan.mode == "auto" else 0
-            rest = c.text[self._sent : end]
-            delta["tool_calls"] = [
-                {"index": i, **call} for i, call in enumerate(message["tool_calls"])
-            ]
-        else:
-            rest = c.text[self._sent :]
-        if rest:
-            delta["content"] = rest
-        return delta, reason
-
-    def _content_prefix(self, text: str) -> int:
         assert self.plan.parser is not None
-        return self.plan.parser.content_prefix(text)
+        parser, text = self.plan.parser, c.text
+        delta: dict[str, Any] = {}
+        if c.finish_reason is None:
+            calls = self._advance(parser.partial_calls(text))
+            reason = None
+        else:
+            calls, reason = self._finish(c)
+        end = self._content_end(c)
+        if end > self._sent:
+            delta["content"], self._sent = text[self._sent : end], end
+        if calls:
+            delta["tool_calls"] = calls
+        return (delta or None), reason
+
+    def _content_end(self, c: CompletionOutput) -> int:
+        """How far the text is content: what the parser calls certain; at the end, all of it
+        when no call was found or begun (``_finish`` has run)."""
+        assert self.plan.parser is not None
+        if c.finish_reason is not None and not self._args_sent:
+            return len(c.text)
+        return max(self._sent, self.plan.parser.content_prefix(c.text))
+
+    def _advance(self, calls: list[PartialCall]) -> list[dict[str, Any]]:
+        """Deltas for the calls begun so far: a new call's head, new argument text."""
+        out: list[dict[str, Any]] = []
+        for i, call in enumerate(calls):
+            if call.name is None:
+                break
+            if i == len(self._args_sent):
+                self._args_sent.append(call.arguments)
+                fn = {"name": call.name, "arguments": call.arguments}
+                out.append({"index": i, "id": call_id(), "type": "function", "function": fn})
+                continue
+            sent = self._args_sent[i]
+            if len(call.arguments) > len(sent) and call.arguments.startswith(sent):
+                out.append({"index": i, "function": {"arguments": call.arguments[len(sent) :]}})
+                self._args_sent[i] = call.arguments
+        return out
+
+    def _finish(self, c: CompletionOutput) -> tuple[list[dict[str, Any]], str | None]:
+        """The last tool-call deltas and the finish reason, from the reply as unstreamed."""
+        assert self.plan.parser is not None
+        parsed = self.plan.parser.parse(c.text)[1] if c.finish_reason == "stop" else []
+        if not parsed:  # cut short or malformed: what began streaming ends as it is
+            return self._advance(self.plan.parser.partial_calls(c.text)), c.finish_reason
+        done = [PartialCall(call.name, call.arguments, True) for call in parsed]
+        for i, (sent, call) in enumerate(zip(self._args_sent, parsed, strict=False)):
+            if not call.arguments.startswith(sent):
+                logger.warning("tool call %d: streamed arguments differ from the reply's", i)
+                done[i] = PartialCall(call.name, sent, True)
+        return self._advance(done), "tool_calls"
 
     def _named(self, c: CompletionOutput) -> tuple[dict[str, Any] | None, str | None]:
         reason = "tool_calls" if c.finish_reason == "stop" else c.finish_reason

@@ -2,7 +2,7 @@
 
 Every streamed token is one event written to one client, so what the server spends per event
 is multiplied by the tokens of every stream, and on a small machine it is taken from the engine
-core's step (the README's serving section measures it). Three things are cut from that path:
+core's step (docs/serving.md measures it). Three things are cut from that path:
 
 - **The middleware stack.** Each of Starlette's and FastAPI's layers (server errors, exception
   handlers, body limits) wraps the ASGI ``send`` to see whether a response has *started*; none

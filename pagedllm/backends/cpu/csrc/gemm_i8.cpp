@@ -157,7 +157,7 @@ void panel_s32(const int8_t* qx, int64_t m, int64_t ldx, const int8_t* wp, int64
 #if defined(__AVX512BF16__)
 // From this many bf16 rows an int8 weight-only layer converts its weights for vdpbf16ps instead
 // of running x's two int8 planes (int8_split_gemm; benchmarks/linear_cpu.py's int8_planes_cpp
-// against int8_split_cpp on a Zen 4 EPYC, see the README). Below it the planes win.
+// against int8_split_cpp on a Zen 4 EPYC, see docs/backends.md). Below it the planes win.
 constexpr int64_t kDpMinRows = 32;
 #endif
 
