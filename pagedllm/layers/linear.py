@@ -167,6 +167,9 @@ class VocabParallelEmbedding(nn.Module):
     # Used when the module also serves as the (tied) LM head.
     fast_linear: LinearFn | None = None
     fast_linear_has_bias = False
+    # A checkpoint's group-quantised table (GGUF Q8_0 / 4-bit embeddings): rows are dequantised
+    # as they are looked up, and the head multiplies by the quantised table.
+    quant_method: LinearMethod | None = None
 
     def __init__(self, vocab_size: int, hidden_size: int, *, tp: TPContext = SINGLE) -> None:
         super().__init__()
@@ -174,6 +177,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_size = vocab_size
         self.shard = (vocab_size + tp.size - 1) // tp.size
         self.start = tp.rank * self.shard
+        self.input_size = hidden_size
         self.weight = _param((self.shard, hidden_size), self.load_weight)
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -185,16 +189,23 @@ class VocabParallelEmbedding(nn.Module):
         """Output projection (tied or untied head); gathered to full vocabulary width."""
         if self.fast_linear is not None:
             local = self.fast_linear(hidden)  # [n, shard]
+        elif self.quant_method is not None:
+            local = self.quant_method.apply(self, hidden, None)  # [n, shard]
         else:
             local = F.linear(hidden, self.weight)  # [n, shard]
         return self.tp.all_gather_last_dim(local)[:, : self.vocab_size]
 
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.embed(self, ids)  # type: ignore[attr-defined]
+        return F.embedding(ids, self.weight)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
+            return self._rows(ids)
         local = ids - self.start
         mask = (local < 0) | (local >= self.shard)
-        out = F.embedding(local.masked_fill(mask, 0), self.weight)
+        out = self._rows(local.masked_fill(mask, 0))
         out.masked_fill_(mask[:, None], 0.0)
         return self.tp.all_reduce(out)
 

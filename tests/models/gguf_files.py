@@ -122,7 +122,8 @@ def write_gguf(
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(hf_folder))
-    arch = arch or config.model_type
+    # llama.cpp's converter writes Mistral models as "llama" (same tensors, same rotary).
+    arch = arch or {"mistral": "llama"}.get(config.model_type, config.model_type)
     writer = gguf.GGUFWriter(str(out), arch)
     _write_metadata(writer, config, arch)
     for key, value in (metadata or {}).items():

@@ -38,6 +38,8 @@ RECIPES: dict[str, tuple[dict[str, str], str, str]] = {
     # K-quants come in super-blocks of 256 columns: a wider model.
     "q4_k_m": ({"attn_v": "Q6_K", "ffn_down": "Q5_K", "token_embd": "Q6_K"}, "Q4_K", "wide"),
     "qwen2-q4_0": ({"token_embd": "Q8_0"}, "Q4_0", "qwen2"),
+    # An untied head: output.weight kept as Q4_1, the embedding as Q8_0.
+    "mistral-q8_0": ({"output": "Q4_1"}, "Q8_0", "mistral"),
 }
 
 
@@ -119,6 +121,11 @@ def test_quantised_layers_stay_quantised(gguf_files: dict) -> None:
     assert layer.self_attn.qkv_proj.weight.dtype == torch.uint8
     assert layer.mlp.down_proj.quant_method.name == "q8_0"
     assert layer.mlp.down_proj.weight.dtype == torch.int8 or layer.mlp.down_proj.fast_linear
+    assert model.embed_tokens.quant_method.name == "q8_0"  # the tied head too
+    assert model.embed_tokens.weight.dtype == torch.int8
+    untied = Engine(str(gguf_files["mistral-q8_0"]), device="cpu", num_kv_blocks=16)
+    head = untied.executor.worker.runner.model.lm_head  # type: ignore[attr-defined]
+    assert head.quant_method.name == "int4"
     mixed = Engine(str(gguf_files["q5_0+q5_1"]), device="cpu", block_size=8, num_kv_blocks=16)
     qkv = mixed.executor.worker.runner.model.layers[0].self_attn.qkv_proj  # type: ignore[attr-defined]
     assert qkv.quant_method is None  # a Q5_0 v part: the fused layer is dequantised whole

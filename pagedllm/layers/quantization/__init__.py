@@ -184,9 +184,22 @@ def _linear_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield name, module
 
 
+def _checkpoint_embeddings(
+    model: nn.Module, config: QuantConfig
+) -> Iterator[tuple[str, nn.Module]]:
+    """The embedding tables (and untied heads) a checkpoint stores quantised (GGUF)."""
+    from pagedllm.layers.linear import VocabParallelEmbedding
+
+    for name, module in model.named_modules():
+        if isinstance(module, VocabParallelEmbedding) and name in config.layer_methods:
+            yield name, module
+
+
 def attach_quantization(model: nn.Module, config: QuantConfig) -> None:
-    """Give every column/row-parallel layer its method, before weights are loaded."""
-    for name, layer in _linear_layers(model):
+    """Give every column/row-parallel layer its method, before weights are loaded (and the
+    embeddings a checkpoint stores quantised theirs; schemes applied at load never touch
+    embeddings or the LM head)."""
+    for name, layer in [*_linear_layers(model), *_checkpoint_embeddings(model, config)]:
         method = config.method_for(name)
         if method is None:
             continue
@@ -201,9 +214,16 @@ def attach_quantization(model: nn.Module, config: QuantConfig) -> None:
 
 def finish_quantization(model: nn.Module) -> int:
     """Finish any layer a model loaded without its weight loader; returns quantised layers."""
+    from pagedllm.layers.linear import VocabParallelEmbedding
+
+    embeddings = [
+        ("", m)
+        for m in model.modules()
+        if isinstance(m, VocabParallelEmbedding) and m.quant_method is not None
+    ]
     count = 0
     with torch.no_grad():
-        for _, layer in _linear_layers(model):
+        for _, layer in [*_linear_layers(model), *embeddings]:
             method = layer.quant_method
             if method is not None:
                 method.finish_loading(layer)

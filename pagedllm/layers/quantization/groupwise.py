@@ -110,10 +110,16 @@ def _row_loader(layer: nn.Module, columns_per_stored: int) -> object:
     layers split the input features, so each rank keeps ``input_shard / columns_per_stored``
     stored columns (2 per byte of nibbles, 32 per group scale).
     """
-    from pagedllm.layers.linear import ColumnParallelLinear, default_weight_loader
+    from pagedllm.layers.linear import (
+        ColumnParallelLinear,
+        VocabParallelEmbedding,
+        default_weight_loader,
+    )
 
     if isinstance(layer, ColumnParallelLinear):
         return layer.load_shard
+    if isinstance(layer, VocabParallelEmbedding):
+        return layer.load_weight  # vocabulary rows, whatever each row stores
     per_rank = layer.input_shard // columns_per_stored
     rank = layer.tp.rank
 
@@ -148,6 +154,7 @@ class GroupwiseMethod(LinearMethod):
                 f"{self.name} weights need the input size to be a multiple of {GROUP_SIZE}, "
                 f"got a layer of {k} inputs"
             )
+        layer.compute_dtype = layer.weight.dtype  # what the float weight would have been
         if not self.prequantized:
             return
         stored_k, dtype = (k // 2, torch.uint8) if self.bits == 4 else (k, torch.int8)
@@ -180,6 +187,16 @@ class GroupwiseMethod(LinearMethod):
 
     def is_quantized(self, layer: nn.Module) -> bool:
         return hasattr(layer, "weight_scale_bits")
+
+    def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of a quantised embedding table, dequantised (float32, then the compute
+        dtype of the layer's neighbours: the scale buffers' float32 is no guide to it)."""
+        scale, offset = weight_groups(layer)
+        if offset is None:
+            rows = dequantize_int8_groups(layer.weight[ids], scale[ids])
+        else:
+            rows = dequantize_int4(layer.weight[ids], scale[ids], offset[ids])
+        return rows.to(layer.compute_dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """PyTorch path: the weight dequantised per call (the C++ GEMM replaces it on CPUs)."""

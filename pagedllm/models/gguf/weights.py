@@ -45,6 +45,8 @@ _GLOBAL_TENSORS = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
+# The tables that may stay quantised, by GGUF name -> our module's name.
+_TABLE_MODULES = {"token_embd": "embed_tokens", "output": "lm_head"}
 # Tensors that configure rather than weigh (read by the config, or unused by the reference).
 NOT_WEIGHTS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 _BLOCK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
@@ -69,7 +71,7 @@ def hf_name(gguf_name: str, family: Family) -> tuple[str, str | None]:
         return f"model.layers.{layer}.{path}.{suffix}", module_name
     stem, _, suffix = gguf_name.rpartition(".")
     if stem in _GLOBAL_TENSORS:
-        return f"{_GLOBAL_TENSORS[stem]}.{suffix}", None
+        return f"{_GLOBAL_TENSORS[stem]}.{suffix}", _TABLE_MODULES.get(stem)
     raise CheckpointError(f"tensor {gguf_name!r} has no place in a {family.model_type}")
 
 
