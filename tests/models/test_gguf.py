@@ -310,3 +310,18 @@ def test_devices_without_group_kernels_get_every_layer_dequantised(gguf_files: d
     torch.testing.assert_close(down_dense(h), down_kept(h), rtol=1e-5, atol=1e-5)
     qkv_dense, qkv_kept = dense.layers[1].self_attn.qkv_proj, kept.layers[1].self_attn.qkv_proj
     torch.testing.assert_close(qkv_dense(x), qkv_kept(x), rtol=1e-5, atol=1e-5)
+
+
+def test_rope_scaling_from_the_metadata(tmp_path: Path) -> None:
+    """``llama.rope.scaling.*`` (linear) reaches the rotary tables: the file answers as the
+    Hugging Face model with the same ``rope_scaling`` does, and differently from one without."""
+    scaled = build_model(
+        tmp_path / "scaled", "llama", rope_scaling={"rope_type": "linear", "factor": 4.0}
+    )
+    meta = {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}
+    path = write_gguf(scaled, tmp_path / "scaled.gguf", metadata=meta)
+    ours = engine_greedy(path)
+    ref = hf_greedy(scaled, PROMPTS, MAX_NEW)
+    for i, (o, r) in enumerate(zip(ours, ref, strict=True)):
+        assert_greedy_match(o, r, f"linear rope prompt {i}")
+    assert ours != engine_greedy(write_gguf(scaled, tmp_path / "plain.gguf"))

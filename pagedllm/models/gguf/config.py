@@ -88,7 +88,8 @@ def _hyper_parameters(gguf: GGUFFile, arch: str) -> dict[str, Any]:
 
 
 def _rope(gguf: GGUFFile, arch: str, values: dict[str, Any]) -> dict[str, Any]:
-    """``rope_parameters`` (transformers 5) from ``<arch>.rope.*``.
+    """``rope_theta``, ``rope_scaling`` and ``partial_rotary_factor`` from ``<arch>.rope.*``:
+    the transformers 4 names, which transformers 5 also takes (into ``rope_parameters``).
 
     Linear and YaRN scaling are metadata; Llama 3's frequency factors and Phi-3's long-rope
     factors are tensors (``rope_freqs``, ``rope_factors_long/short``), read by the weights.
@@ -98,11 +99,12 @@ def _rope(gguf: GGUFFile, arch: str, values: dict[str, Any]) -> dict[str, Any]:
     factor = gguf.metadata(f"{arch}.rope.scaling.factor", None)
     original = gguf.metadata(f"{arch}.rope.scaling.original_context_length", None)
     if kind in ("none", "") or (kind == "linear" and factor in (None, 1.0)):
-        params["rope_type"] = "default"
+        params["rope_scaling"] = None
     elif kind in ("linear", "yarn"):
-        params.update(rope_type=kind, factor=float(factor or 1.0))
+        scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor or 1.0)}
         if original:
-            params["original_max_position_embeddings"] = int(original)
+            scaling["original_max_position_embeddings"] = int(original)
+        params["rope_scaling"] = scaling
     else:
         raise CheckpointError(
             f"{gguf.path}: {arch}.rope.scaling.type {kind!r} is not supported (none, linear, yarn)"
@@ -122,12 +124,11 @@ def _phi3_long_rope(gguf: GGUFFile, params: dict[str, Any], values: dict[str, An
     long = np.asarray(gguf.tensors["rope_factors_long.weight"].raw, dtype=np.float32)
     short = np.asarray(gguf.tensors["rope_factors_short.weight"].raw, dtype=np.float32)
     original = gguf.metadata("phi3.rope.scaling.original_context_length")
-    params.update(
-        rope_type="longrope",
-        long_factor=[float(x) for x in long],
-        short_factor=[float(x) for x in short],
-        original_max_position_embeddings=int(original),
-    )
+    params["rope_scaling"] = {
+        "rope_type": "longrope",
+        "long_factor": [float(x) for x in long],
+        "short_factor": [float(x) for x in short],
+    }
     values["original_max_position_embeddings"] = int(original)
 
 
@@ -175,7 +176,7 @@ def hf_config_from_gguf(gguf: GGUFFile) -> Any:
     if family.model_type == "gemma":
         values.setdefault("head_dim", values["hidden_size"] // values["num_attention_heads"])
         values["hidden_activation"] = "gelu_pytorch_tanh"
-    values["rope_parameters"] = params
+    values.update(params)
     values["architectures"] = [family.architecture]
     values["dtype"] = stored_dtype(gguf)
     try:
