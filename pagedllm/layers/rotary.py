@@ -25,6 +25,23 @@ def rope_parameters(config: Any) -> dict[str, Any]:
 
 
 def inverse_frequencies(config: Any, rotary_dim: int) -> tuple[torch.Tensor, float]:
+    """The rotary inverse frequencies and attention scaling the config describes.
+
+    ``rope_freq_factors`` (a GGUF file's ``rope_freqs`` tensor, how llama.cpp's converter
+    stores Llama 3's frequency-dependent scaling) divides them, as llama.cpp does.
+    """
+    inv_freq, scaling = _scaled_inverse_frequencies(config, rotary_dim)
+    factors = getattr(config, "rope_freq_factors", None)
+    if factors is not None:
+        if len(factors) != inv_freq.numel():
+            raise ValueError(
+                f"rope_freq_factors: {len(factors)} values for {inv_freq.numel()} frequencies"
+            )
+        inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32)
+    return inv_freq, scaling
+
+
+def _scaled_inverse_frequencies(config: Any, rotary_dim: int) -> tuple[torch.Tensor, float]:
     params = rope_parameters(config)
     rope_type = params["rope_type"]
     if rope_type in ("default", None):

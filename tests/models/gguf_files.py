@@ -151,11 +151,39 @@ def write_gguf(
             writer.add_tensor(target, data, raw_dtype=qtype)
         else:
             writer.add_tensor(target, np.ascontiguousarray(data))
+    factors = llama3_rope_factors(config)
+    if factors is not None:  # the converter's form of Llama 3's rope scaling: a tensor
+        writer.add_tensor("rope_freqs.weight", factors)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def llama3_rope_factors(config: Any) -> np.ndarray | None:
+    """Per-frequency divisors for ``rope_type: llama3``, as llama.cpp's converter computes them:
+    1 for short wavelengths, ``factor`` for long ones, a smooth blend between."""
+    import math
+
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type") != "llama3":
+        return None
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    base, factor = rope["rope_theta"], rope["factor"]
+    low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi / (1.0 / base ** (i / head_dim))
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
 
 
 def _add_value(writer: Any, key: str, value: Any) -> None:

@@ -325,3 +325,23 @@ def test_rope_scaling_from_the_metadata(tmp_path: Path) -> None:
     for i, (o, r) in enumerate(zip(ours, ref, strict=True)):
         assert_greedy_match(o, r, f"linear rope prompt {i}")
     assert ours != engine_greedy(write_gguf(scaled, tmp_path / "plain.gguf"))
+
+
+def test_llama3_rope_frequency_factors(tmp_path: Path) -> None:
+    """Llama 3's scaling travels as a ``rope_freqs`` tensor (transformers' GGUF loading drops
+    it; llama.cpp divides the frequencies by it): the file answers as the Hugging Face model
+    with ``rope_type: llama3`` does."""
+    rope = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    scaled = build_model(tmp_path / "llama3", "llama", rope_scaling=rope)
+    path = write_gguf(scaled, tmp_path / "llama3.gguf")
+    ours = engine_greedy(path)
+    for i, (o, r) in enumerate(zip(ours, hf_greedy(scaled, PROMPTS, MAX_NEW), strict=True)):
+        assert_greedy_match(o, r, f"llama3 rope prompt {i}")
+    plain = build_model(tmp_path / "plain", "llama")  # same seed and weights, plain rope
+    assert ours != engine_greedy(write_gguf(plain, tmp_path / "plain.gguf"))

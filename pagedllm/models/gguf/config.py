@@ -92,7 +92,8 @@ def _rope(gguf: GGUFFile, arch: str, values: dict[str, Any]) -> dict[str, Any]:
     the transformers 4 names, which transformers 5 also takes (into ``rope_parameters``).
 
     Linear and YaRN scaling are metadata; Llama 3's frequency factors and Phi-3's long-rope
-    factors are tensors (``rope_freqs``, ``rope_factors_long/short``), read by the weights.
+    factors are tensors (``rope_freqs``, ``rope_factors_long/short``), read into the config by
+    :func:`hf_config_from_gguf`.
     """
     params: dict[str, Any] = {"rope_theta": float(gguf.metadata(f"{arch}.rope.freq_base", 1e4))}
     kind = gguf.metadata(f"{arch}.rope.scaling.type", "none")
@@ -160,6 +161,11 @@ def hf_config_from_gguf(gguf: GGUFFile) -> Any:
     params = _rope(gguf, arch, values)
     if arch == "phi3":
         _phi3_long_rope(gguf, params, values)
+    if "rope_freqs.weight" in gguf.tensors:  # Llama 3's scaling, as factors per frequency
+        import numpy as np
+
+        raw = gguf.tensors["rope_freqs.weight"].raw
+        values["rope_freq_factors"] = [float(x) for x in np.asarray(raw, dtype=np.float32)]
     vocab = gguf.metadata(f"{arch}.vocab_size", None)
     if vocab is None and "token_embd.weight" in gguf.tensors:
         vocab = gguf.tensors["token_embd.weight"].shape[0]
