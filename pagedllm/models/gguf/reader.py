@@ -51,6 +51,28 @@ class GGUFTensor:
     shape: tuple[int, ...]  # PyTorch order: the last dimension is contiguous
     raw: np.ndarray  # the bytes (or float elements) as the reader maps them
     qtype: Any  # gguf.GGMLQuantizationType
+    path: Path | None = None
+    offset: int = 0  # of the data in the file
+
+    def read(self) -> np.ndarray:
+        """The data as :attr:`raw` holds it, read into a fresh buffer with plain file reads.
+
+        Loading reads every tensor once and converts it; read through the memory map, each
+        page of the file would stay in this process's resident set until the map closes (the
+        whole file, on top of the converted weights, at the peak).
+        """
+        if self.path is None:
+            return np.asarray(self.raw)
+        buf = np.empty(self.raw.shape, dtype=self.raw.dtype)
+        with self.path.open("rb", buffering=0) as f:
+            f.seek(self.offset)
+            view = memoryview(buf.reshape(-1).view(np.uint8))
+            while view.nbytes:
+                got = f.readinto(view)
+                if not got:
+                    raise CheckpointError(f"{self.path}: tensor {self.name!r} is cut short")
+                view = view[got:]
+        return buf
 
 
 class GGUFFile:
@@ -93,7 +115,7 @@ class GGUFFile:
                 f"{int(t.data_offset)}, past the end of the file ({self.file_size} bytes): "
                 "the file is truncated"
             )
-        return GGUFTensor(t.name, name, shape, t.data, qtype)
+        return GGUFTensor(t.name, name, shape, t.data, qtype, self.path, int(t.data_offset))
 
     @property
     def file_size(self) -> int:

@@ -121,7 +121,7 @@ def check_types(gguf: GGUFFile) -> Counter[str]:
 def _blocks(tensor: GGUFTensor, type_size: int) -> np.ndarray:
     """The raw bytes as ``[rows, blocks, type_size]`` uint8."""
     rows = int(np.prod(tensor.shape[:-1])) if len(tensor.shape) > 1 else 1
-    return np.asarray(tensor.raw).view(np.uint8).reshape(rows, -1, type_size)
+    return tensor.read().view(np.uint8).reshape(rows, -1, type_size)
 
 
 def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
@@ -189,8 +189,8 @@ def dequantized(tensor: GGUFTensor) -> np.ndarray:
     """float32 in the tensor's PyTorch shape, by ggml's own dequantisation."""
     from gguf.quants import dequantize
 
-    values = dequantize(np.asarray(tensor.raw), tensor.qtype)
-    return np.array(values, dtype=np.float32).reshape(tensor.shape)  # a copy: the map is read-only
+    values = dequantize(tensor.read(), tensor.qtype)
+    return np.asarray(values, dtype=np.float32).reshape(tensor.shape)
 
 
 def unpermute_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
