@@ -31,6 +31,7 @@ def test_avx512_variants_compile(isa: str, tmp_path: Path) -> None:
         "sampling.cpp",
         "gemm.cpp",
         "gemm_i8.cpp",
+        "gemm_q4.cpp",
     )
     objects = compile_objects(isa, tmp_path, sources)
     assert [o.name for o in objects] == [f"{Path(s).stem}.{isa}.o" for s in sources]

@@ -299,12 +299,21 @@ def load_ops(build_root: Path | None = None, *, isa: str | None = None) -> Modul
 
 
 GEMM_EXTENSION = "pagedllm_cpu_gemm"
-_GEMM_SOURCES = ("gemm.cpp", "gemm_i8.cpp", "gemm_amx.cpp")
-_GEMM_HEADERS = ("gemm_vec.h", "gemm_i8.h", "gemm_dp.h", "gemm_amx.h")
+_GEMM_SOURCES = ("gemm.cpp", "gemm_i8.cpp", "gemm_amx.cpp", "gemm_q4.cpp")
+_GEMM_HEADERS = (
+    "gemm_vec.h",
+    "gemm_i8.h",
+    "gemm_dp.h",
+    "gemm_amx.h",
+    "gemm_q4.h",
+    "gemm_q4_layout.h",
+    "gemm_q4_float.h",
+    "gemm_q4_dot.h",
+)
 
 
 def load_gemm_ops(build_root: Path | None = None, *, isa: str | None = None) -> ModuleType:
-    """The 16/8-bit weight GEMM extension for one ISA level (see :func:`load_extension`)."""
+    """The 16/8/4-bit weight GEMM extension for one ISA level (see :func:`load_extension`)."""
     return load_extension(
         GEMM_EXTENSION, _GEMM_SOURCES, _GEMM_HEADERS, isa=isa, build_root=build_root
     )

@@ -14,7 +14,10 @@ processors without bf16 arithmetic. So each layer gets, by weight dtype and proc
   into two int8 planes (``split_per_token``: near-16-bit precision) and the integer GEMM of
   W8A8, which needs no conversion of the weights (1.5-3x the converting path there, measured on
   1B shapes; ``int8_split_planes``);
-- W8A8 (int8 weights, int8 activations per token): our integer GEMM (``csrc/gemm_i8.cpp``).
+- W8A8 (int8 weights, int8 activations per token): our integer GEMM (``csrc/gemm_i8.cpp``);
+- group-wise 4-bit / 8-bit weights (``int4``: GGUF Q4_0 / Q4_1 / Q4_K, ``quantization="int4"``;
+  ``q8_0``): our group-wise GEMM on the packed blocks (``groupwise_linear.py``,
+  ``csrc/gemm_q4.cpp``), column/row-parallel layers only.
 
 Every packed layer is checked against a PyTorch reference when it is packed; a layer whose result
 differs, or a missing op / extension, keeps the layer's own forward. The unpacked weight is then
@@ -330,6 +333,9 @@ def _cpp_isa() -> str:
     return ops.built_isa() + ("+amx" if ops.has_amx() else "")
 
 
+_GROUPWISE = ("int4", "q8_0")  # group-wise methods (layers/quantization/groupwise.py)
+
+
 def _kind(module: nn.Module, head: nn.Module | None) -> str:
     return "lm_head" if module is head else type(module).__name__
 
@@ -341,8 +347,11 @@ def _pack_one(module: nn.Module) -> tuple[LinearFn | None, str]:
     weight = module.weight
     bias = getattr(module, "bias", None) if module.fast_linear_has_bias else None
     method = getattr(module, "quant_method", None)
-    if method is not None and method.name in ("int4", "q8_0"):
-        return None, f"torch-{method.name}"  # group-wise weights: the method's own apply
+    if method is not None and method.name in _GROUPWISE and method.is_quantized(module):
+        from pagedllm.backends.cpu.groupwise_linear import make_groupwise_linear
+
+        # Linear layers and a quantised LM head alike (a GGUF's Q8_0 / 4-bit output table).
+        return make_groupwise_linear(module, bias)
     if method is not None and method.is_quantized(module) and method.name == "w8a8":
         fn = make_w8a8_linear(weight, weight_scale(module), bias)
         ops = gemm_ops()
@@ -397,6 +406,17 @@ def make_16bit_linear(
     return None, f"torch-{dtype}"
 
 
+def _drop_group_scales(module: nn.Module) -> None:
+    """A packed group-wise layer's scale/offset buffers: in the packed copy now (they were as
+    large as half the 4-bit weights)."""
+    method = getattr(module, "quant_method", None)
+    if method is None or method.name not in _GROUPWISE:
+        return
+    for name in ("weight_scale_bits", "weight_offset_bits"):
+        if hasattr(module, name):
+            setattr(module, name, torch.empty(0, dtype=torch.int32))
+
+
 def pack_linear_layers(model: nn.Module) -> dict[str, str]:
     """Install the chosen GEMM on every layer that offers the ``fast_linear`` slot.
 
@@ -421,6 +441,7 @@ def pack_linear_layers(model: nn.Module) -> dict[str, str]:
                 # The packed copy is the only one used from now on: do not keep two. (A tied
                 # head is the embedding, which still needs its rows: it keeps both.)
                 module.weight.data = torch.empty(0, dtype=module.weight.dtype)
+                _drop_group_scales(module)
     summary = {kind: "+".join(sorted(p)) for kind, p in paths.items()}
     logger.info("linear layers: %s", ", ".join(f"{k}={v}" for k, v in summary.items()))
     return summary

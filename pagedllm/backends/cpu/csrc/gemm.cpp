@@ -21,6 +21,7 @@
 #include "gemm_amx.h"
 #include "gemm_dp.h"
 #include "gemm_i8.h"
+#include "gemm_q4.h"
 #include "gemm_vec.h"
 
 namespace pagedllm::gemm {
@@ -471,4 +472,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_amx", &pagedllm::gemm::amx::available,
         "whether bf16 activations of 13 rows or more use AMX tiles here (processor and OS)");
   m.def("rows_per_tile", [] { return pagedllm::gemm::kRows; }, "rows of the micro-kernel");
+  pagedllm::gemm::bind_groupwise(m);
 }

@@ -1,0 +1,431 @@
+// Group-wise weight GEMM: y[M, N] = x[M, K] @ W^T (+ bias) for 4-bit (q * scale + offset) and
+// 8-bit (q * scale) weights in groups of 32 along K, packed once at load (gemm_q4_layout.h).
+//
+// Paths, chosen per call:
+// - float (the default): no rounding of x. float32/fp16 x: weights dequantised in registers
+//   (few rows) or once per K-block into a float32 scratch shared by the row tiles (many rows),
+//   float32 FMAs. bf16 x in avx512bf16 builds: vdpbf16ps on q, scaled per group
+//   (gemm_q4_float.h). Only the float32 summation differs from the definition.
+// - dot (explicit): x rounded to int8 per group of 32, integer dot products
+//   (gemm_q4_dot.h): the decode path, several times less arithmetic per weight.
+// Threads split the panels; each panel is streamed front to back, once per row tile.
+#include "gemm_q4.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "gemm_q4_dot.h"
+#include "gemm_q4_float.h"
+
+namespace pagedllm::gemm::q4 {
+namespace {
+
+// The float path dequantises in registers up to this many rows, then into a scratch once per
+// K-block of a panel pair (f32: 4 groups x 2 panels = 16 KiB, bf16: 8 groups = 16 KiB + scales).
+constexpr int64_t kF32BlockGroups = 4;
+#if defined(__AVX512BF16__)
+constexpr int64_t kBf16BlockGroups = 8;
+#endif
+
+Format format_of(int64_t bits, bool half_scales, bool with_offset) {
+  TORCH_CHECK(bits == 4 || bits == 8, "groupwise: bits must be 4 or 8, got ", bits);
+  return Format{static_cast<int>(bits), half_scales, bits == 4 && with_offset};
+}
+
+// -- packing ----------------------------------------------------------------------------------
+template <typename S>
+void put_scales(uint8_t* dst, const float* src, int64_t stride, int64_t cols) {
+  S* out = reinterpret_cast<S*>(dst);
+  for (int64_t j = 0; j < kCols; ++j) out[j] = j < cols ? S(src[j * stride]) : S(0.f);
+}
+
+// One block: the 16 columns (rows of W) n0.. of group g; columns past N are zero.
+void pack_block(const uint8_t* w, int64_t ldw, const float* scale, const float* offset,
+                int64_t groups, int64_t n0, int64_t cols, int64_t g, const Format& f,
+                uint8_t* block) {
+  std::memset(block, 0, f.weight_bytes());
+  for (int64_t j = 0; j < cols; ++j) {
+    const uint8_t* row = w + (n0 + j) * ldw;
+    for (int64_t c = 0; c < f.weight_bytes() / kChunk; ++c) {
+      for (int64_t b = 0; b < 4; ++b) {
+        uint8_t byte;
+        if (f.bits == 4) {
+          const auto nibble = [&](int64_t k) {  // even k in the low nibble of byte k / 2
+            const uint8_t v = row[(g * kGroup + k) / 2];
+            return k % 2 ? v >> 4 : v & 0x0F;
+          };
+          byte = static_cast<uint8_t>(nibble(8 * c + b) | nibble(8 * c + 4 + b) << 4);
+        } else {
+          byte = row[g * kGroup + 4 * c + b];
+        }
+        block[c * kChunk + 4 * j + b] = byte;
+      }
+    }
+  }
+  const int64_t sidx = n0 * groups + g;
+  uint8_t* s = block + f.weight_bytes();
+  const auto put = [&](uint8_t* dst, const float* src) {
+    if (f.half_scales)
+      put_scales<c10::Half>(dst, src + sidx, groups, cols);
+    else
+      put_scales<float>(dst, src + sidx, groups, cols);
+  };
+  put(s, scale);
+  if (f.stores_offset()) put(s + f.scale_bytes(), offset);
+}
+
+torch::Tensor pack_groupwise(const torch::Tensor& weight, const torch::Tensor& scale,
+                             const c10::optional<torch::Tensor>& offset, int64_t bits,
+                             bool half_scales, bool with_offset) {
+  const Format f = format_of(bits, half_scales, with_offset);
+  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2, "pack_groupwise: weight must be a CPU [N, K']");
+  TORCH_CHECK(weight.scalar_type() == (bits == 4 ? at::kByte : at::kChar),
+              "pack_groupwise: ", bits, "-bit weights must be ", bits == 4 ? "uint8" : "int8",
+              ", got ", weight.scalar_type());
+  const int64_t n = weight.size(0), k = weight.size(1) * (bits == 4 ? 2 : 1);
+  TORCH_CHECK(k % kGroup == 0 && k > 0, "pack_groupwise: K=", k, " is not a multiple of 32");
+  const int64_t groups = k / kGroup, panels = (n + kCols - 1) / kCols;
+  const auto check_groups = [&](const torch::Tensor& t, const char* name) {
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 2 && t.size(0) == n &&
+                    t.size(1) == groups,
+                "pack_groupwise: ", name, " must be float32 [", n, ", ", groups, "], got ",
+                t.scalar_type(), " ", t.sizes());
+  };
+  check_groups(scale, "scale");
+  const torch::Tensor w = weight.contiguous(), s = scale.contiguous();
+  torch::Tensor o;
+  if (f.stores_offset()) {
+    TORCH_CHECK(offset.has_value(), "pack_groupwise: with_offset needs the offsets");
+    check_groups(*offset, "offset");
+    o = offset->contiguous();
+  }
+  torch::Tensor out = torch::empty({panels, groups, f.block_bytes()}, w.options().dtype(at::kByte));
+  const auto* wp = static_cast<const uint8_t*>(w.data_ptr());
+  const float* sp = s.data_ptr<float>();
+  const float* op = o.defined() ? o.data_ptr<float>() : nullptr;
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * kCols, cols = std::min(kCols, n - n0);
+      for (int64_t g = 0; g < groups; ++g)
+        pack_block(wp, w.size(1), sp, op, groups, n0, cols, g, f,
+                   dst + (p * groups + g) * f.block_bytes());
+    }
+  });
+  return out;
+}
+
+// -- output -----------------------------------------------------------------------------------
+template <typename Out>
+void store(const float* c, int64_t rows, int64_t n, int64_t n0, const float* bias, Out* y) {
+  const int64_t cols = std::min(kCols, n - n0);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < cols; ++j) {
+      float v = c[r * kCols + j];
+      if (bias != nullptr) v += bias[n0 + j];
+      y[r * n + n0 + j] = static_cast<Out>(v);
+    }
+}
+
+struct Problem {
+  int64_t m, k, n, groups;
+  const uint8_t* w;  // packed panels
+  Format f;
+  const float* bias;
+  int64_t panel_bytes() const { return groups * f.block_bytes(); }
+  int64_t panels() const { return (n + kCols - 1) / kCols; }
+};
+
+// -- float32 activations ----------------------------------------------------------------------
+template <int Bits, typename Out>
+void run_f32(const float* x, const Problem& pb, Out* y) {
+  const int64_t m = pb.m, k = pb.k;
+  if (m <= kF32Rows) {
+    at::parallel_for(0, pb.panels(), 1, [&](int64_t p0, int64_t p1) {
+      float c[kF32Rows * kCols];
+      for (int64_t p = p0; p < p1; ++p) {
+        with_rows<kF32Rows>(static_cast<int>(m), [&](auto r) {
+          f32_rows<Bits, decltype(r)::value>(x, k, pb.w + p * pb.panel_bytes(), pb.groups, pb.f, c);
+        });
+        store(c, m, pb.n, p * kCols, pb.bias, y);
+      }
+    });
+    return;
+  }
+  const int64_t pairs = (pb.panels() + 1) / 2, kb = kF32BlockGroups * kGroup;
+  at::parallel_for(0, pairs, 1, [&](int64_t q0, int64_t q1) {
+    std::vector<float> acc(static_cast<size_t>(2 * m * kCols));
+    std::vector<float> scratch(static_cast<size_t>(2 * kb * kCols));
+    for (int64_t q = q0; q < q1; ++q) {
+      const int64_t p = 2 * q, np = std::min<int64_t>(2, pb.panels() - p);
+      for (int64_t g0 = 0; g0 < pb.groups; g0 += kF32BlockGroups) {
+        const int64_t gc = std::min(kF32BlockGroups, pb.groups - g0), kc = gc * kGroup;
+        for (int64_t i = 0; i < np; ++i)
+          f32_block(pb.w + (p + i) * pb.panel_bytes(), g0, gc, pb.f, scratch.data() + i * kb * kCols);
+        for (int64_t m0 = 0; m0 < m; m0 += kTileRows) {
+          const int rows = static_cast<int>(std::min<int64_t>(kTileRows, m - m0));
+          with_rows<kTileRows>(rows, [&](auto r) {
+            constexpr int R = decltype(r)::value;
+            const float* xr = x + m0 * k + g0 * kGroup;
+            float* c = acc.data() + m0 * kCols;
+            if (kTilePanels == 2 && np == 2) {
+              f32_tile<R, 2>(xr, k, scratch.data(), kb * kCols, kc, c, m * kCols, g0 > 0);
+            } else {
+              for (int64_t i = 0; i < np; ++i)
+                f32_tile<R, 1>(xr, k, scratch.data() + i * kb * kCols, 0, kc,
+                               c + i * m * kCols, 0, g0 > 0);
+            }
+          });
+        }
+      }
+      for (int64_t i = 0; i < np; ++i)
+        store(acc.data() + i * m * kCols, m, pb.n, (p + i) * kCols, pb.bias, y);
+    }
+  });
+}
+
+#if defined(__AVX512BF16__)
+// -- bf16 activations (vdpbf16ps) -------------------------------------------------------------
+// xs[r * groups + g]: the float32 sum of row r's group g (the offsets' factor).
+std::vector<float> group_sums(const uint16_t* x, int64_t m, int64_t k) {
+  const int64_t groups = k / kGroup;
+  std::vector<float> xs(static_cast<size_t>(m * groups));
+  for (int64_t i = 0; i < m * groups; ++i) {
+    const uint16_t* p = x + i * kGroup;  // rows are k = 32 * groups apart
+    __m512 v = _mm512_add_ps(
+        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16)),
+        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16))), 16)));
+    xs[i] = _mm512_reduce_add_ps(v);
+  }
+  return xs;
+}
+
+template <int Bits>
+void run_bf16(const uint16_t* x, const Problem& pb, at::BFloat16* y) {
+  const int64_t m = pb.m, k = pb.k, groups = pb.groups;
+  const std::vector<float> xs = group_sums(x, m, k);
+  if (m <= kBf16Rows) {
+    at::parallel_for(0, pb.panels(), 1, [&](int64_t p0, int64_t p1) {
+      float c[kBf16Rows * kCols];
+      for (int64_t p = p0; p < p1; ++p) {
+        with_rows<kBf16Rows>(static_cast<int>(m), [&](auto r) {
+          bf16_rows<Bits, decltype(r)::value>(x, k, xs.data(), groups, pb.w + p * pb.panel_bytes(),
+                                              groups, pb.f, c);
+        });
+        store(c, m, pb.n, p * kCols, pb.bias, y);
+      }
+    });
+    return;
+  }
+  constexpr int64_t kb = kBf16BlockGroups;
+  const int64_t pairs = (pb.panels() + 1) / 2;
+  at::parallel_for(0, pairs, 1, [&](int64_t q0, int64_t q1) {
+    std::vector<float> acc(static_cast<size_t>(2 * m * kCols));
+    std::vector<uint16_t> wbuf(static_cast<size_t>(2 * kb * 16 * dp::kPairWords));
+    std::vector<float> so(static_cast<size_t>(2 * kb * 2 * kCols));
+    const int64_t wstride = kb * 16 * dp::kPairWords, sstride = kb * 2 * kCols;
+    for (int64_t q = q0; q < q1; ++q) {
+      const int64_t p = 2 * q, np = std::min<int64_t>(2, pb.panels() - p);
+      // An odd last panel runs as its own pair (the second half's sums are dropped).
+      const int64_t second = np == 2 ? 1 : 0;
+      for (int64_t g0 = 0; g0 < groups; g0 += kb) {
+        const int64_t gc = std::min(kb, groups - g0);
+        for (int64_t i = 0; i < np; ++i)
+          bf16_block<Bits>(pb.w + (p + i) * pb.panel_bytes(), g0, gc, pb.f,
+                           wbuf.data() + i * wstride, so.data() + i * sstride);
+        for (int64_t m0 = 0; m0 < m; m0 += kBf16TileRows) {
+          const int rows = static_cast<int>(std::min<int64_t>(kBf16TileRows, m - m0));
+          with_rows<kBf16TileRows>(rows, [&](auto r) {
+            bf16_tile<decltype(r)::value>(x + m0 * k + g0 * kGroup, k, xs.data() + m0 * groups + g0,
+                                          groups, wbuf.data(), wbuf.data() + second * wstride,
+                                          so.data(), so.data() + second * sstride, gc,
+                                          acc.data() + m0 * kCols, acc.data() + (m + m0) * kCols,
+                                          g0 > 0);
+          });
+        }
+      }
+      for (int64_t i = 0; i < np; ++i)
+        store(acc.data() + i * m * kCols, m, pb.n, (p + i) * kCols, pb.bias, y);
+    }
+  });
+}
+#endif
+
+// -- the integer dot path ---------------------------------------------------------------------
+struct QuantizedRows {
+  std::vector<int8_t> q;  // [M][K]
+  std::vector<float> dx, xsum;  // [M][groups]: scale, scale * sum(xq)
+  std::vector<int32_t> qsum;    // [M][groups]: sum(xq)
+};
+
+template <typename In>
+QuantizedRows quantize_rows(const In* x, int64_t m, int64_t k) {
+  const int64_t groups = k / kGroup;
+  QuantizedRows out{std::vector<int8_t>(static_cast<size_t>(m * k)),
+                    std::vector<float>(static_cast<size_t>(m * groups)),
+                    std::vector<float>(static_cast<size_t>(m * groups)),
+                    std::vector<int32_t>(static_cast<size_t>(m * groups))};
+  at::parallel_for(0, m * groups, 64, [&](int64_t i0, int64_t i1) {
+    float buf[kGroup];
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* src;
+      if constexpr (std::is_same_v<In, float>) {
+        src = x + i * kGroup;
+      } else {
+        for (int64_t j = 0; j < kGroup; ++j) buf[j] = static_cast<float>(x[i * kGroup + j]);
+        src = buf;
+      }
+      const int32_t sum = quantize_group(src, out.q.data() + i * kGroup, &out.dx[i]);
+      out.qsum[i] = sum;
+      out.xsum[i] = out.dx[i] * static_cast<float>(sum);
+    }
+  });
+  return out;
+}
+
+template <int Bits, typename Out>
+void run_dot(const QuantizedRows& qx, const Problem& pb, Out* y) {
+  const int64_t m = pb.m, k = pb.k, groups = pb.groups;
+  at::parallel_for(0, pb.panels(), 1, [&](int64_t p0, int64_t p1) {
+    float c[kDotRows * kCols];
+    for (int64_t p = p0; p < p1; ++p) {
+      for (int64_t m0 = 0; m0 < m; m0 += kDotRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kDotRows, m - m0));
+        const int64_t a = m0 * groups;
+        with_rows<kDotRows>(rows, [&](auto r) {
+          dot_rows<Bits, decltype(r)::value>(qx.q.data() + m0 * k, k, qx.dx.data() + a,
+                                             qx.xsum.data() + a, qx.qsum.data() + a, groups,
+                                             pb.w + p * pb.panel_bytes(), groups, pb.f, c);
+        });
+        store(c, rows, pb.n, p * kCols, pb.bias, y + m0 * pb.n);
+      }
+    }
+  });
+}
+
+// fn(typed pointer) for x's float32 / bf16 / fp16 elements.
+template <typename Fn>
+void with_dtype(const torch::Tensor& t, const Fn& fn) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return fn(t.data_ptr<float>());
+    case at::kBFloat16:
+      return fn(t.data_ptr<at::BFloat16>());
+    case at::kHalf:
+      return fn(t.data_ptr<at::Half>());
+    default:
+      TORCH_CHECK(false, "groupwise: x must be float32, bfloat16 or float16, got ", t.scalar_type());
+  }
+}
+
+template <int Bits>
+void dispatch(const torch::Tensor& x, const Problem& pb, bool dot, torch::Tensor& y) {
+  if (dot) {
+    with_dtype(x, [&](const auto* xp) {
+      const QuantizedRows qx = quantize_rows(xp, pb.m, pb.k);
+      with_dtype(y, [&](auto* yp) { run_dot<Bits>(qx, pb, yp); });
+    });
+    return;
+  }
+#if defined(__AVX512BF16__)
+  if (x.scalar_type() == at::kBFloat16) {
+    return run_bf16<Bits>(reinterpret_cast<const uint16_t*>(x.data_ptr()), pb,
+                          y.data_ptr<at::BFloat16>());
+  }
+#endif
+  const torch::Tensor xf = x.to(at::kFloat).contiguous();
+  with_dtype(y, [&](auto* yp) { run_f32<Bits>(xf.data_ptr<float>(), pb, yp); });
+}
+
+torch::Tensor groupwise_gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
+                             int64_t bits, bool half_scales, bool with_offset,
+                             const c10::optional<torch::Tensor>& bias, bool dot) {
+  const Format f = format_of(bits, half_scales, with_offset);
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "groupwise_gemm: x must be a CPU [M, K], got ",
+              x.sizes());
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte &&
+                  packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == f.block_bytes(),
+              "groupwise_gemm: packed must be a contiguous uint8 [N/16, K/32, ", f.block_bytes(),
+              "] for this format, got ", packed.scalar_type(), " ", packed.sizes());
+  const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0), groups = packed.size(1);
+  TORCH_CHECK(k == groups * kGroup, "groupwise_gemm: x has K=", k, ", the weights ", groups * kGroup);
+  TORCH_CHECK(n > (panels - 1) * kCols && n <= panels * kCols, "groupwise_gemm: N=", n,
+              " does not fit ", panels, " panels of 16");
+  torch::Tensor b;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == n, "groupwise_gemm: bias must have N=", n, " elements");
+    b = bias->to(at::kFloat).contiguous();
+  }
+  const torch::Tensor xc = x.contiguous();
+  torch::Tensor y = torch::empty({m, n}, xc.options());
+  with_dtype(xc, [](const auto*) {});  // rejects other dtypes
+  if (m == 0) return y;
+  const Problem pb{m, k, n, groups, packed.data_ptr<uint8_t>(), f,
+                   b.defined() ? b.data_ptr<float>() : nullptr};
+  if (bits == 4)
+    dispatch<4>(xc, pb, dot, y);
+  else
+    dispatch<8>(xc, pb, dot, y);
+  return y;
+}
+
+std::tuple<torch::Tensor, torch::Tensor> quantize_groups(const torch::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) % kGroup == 0,
+              "quantize_groups: x must be a CPU [M, K] with K a multiple of 32, got ", x.sizes());
+  const torch::Tensor xc = x.contiguous();
+  const int64_t m = xc.size(0), k = xc.size(1);
+  torch::Tensor q = torch::empty({m, k}, xc.options().dtype(at::kChar));
+  torch::Tensor dx = torch::empty({m, k / kGroup}, xc.options().dtype(at::kFloat));
+  with_dtype(xc, [&](const auto* xp) {
+    const QuantizedRows qx = quantize_rows(xp, m, k);
+    std::memcpy(q.data_ptr<int8_t>(), qx.q.data(), qx.q.size());
+    std::memcpy(dx.data_ptr<float>(), qx.dx.data(), qx.dx.size() * sizeof(float));
+  });
+  return {q, dx};
+}
+
+std::string dot_isa() {
+#if defined(__AVX512VNNI__)
+  return "avx512vnni";
+#elif defined(__AVX2__)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+}  // namespace
+}  // namespace pagedllm::gemm::q4
+
+namespace pagedllm::gemm {
+
+void bind_groupwise(pybind11::module& m) {
+  namespace py = pybind11;
+  using NoGil = py::call_guard<py::gil_scoped_release>;
+  m.def("pack_groupwise", &q4::pack_groupwise,
+        "group-wise weights (uint8 nibbles [N, K/2] or int8 [N, K], float32 scale/offset "
+        "[N, K/32]) -> uint8 [N/16, K/32, block bytes] panels",
+        NoGil(), py::arg("weight"), py::arg("scale"), py::arg("offset"), py::arg("bits"),
+        py::arg("half_scales"), py::arg("with_offset"));
+  m.def("groupwise_gemm", &q4::groupwise_gemm,
+        "y = x @ W^T (+ bias) on pack_groupwise panels; dot=True rounds x to int8 per group of "
+        "32 and uses integer dot products",
+        NoGil(), py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bits"),
+        py::arg("half_scales"), py::arg("with_offset"), py::arg("bias") = py::none(),
+        py::arg("dot") = false);
+  m.def("quantize_groups", &q4::quantize_groups,
+        "x [M, K] -> (int8 [M, K], float32 [M, K/32]): the dot path's rounding of x per group",
+        NoGil(), py::arg("x"));
+  m.def("groupwise_dot_isa", &q4::dot_isa, "the integer dot product of the group-wise dot path");
+  m.def(
+      "groupwise_rows", [] { return std::make_tuple(q4::kF32Rows, q4::kDotRows); },
+      "(rows up to which float32 x dequantises in registers, rows per dot-path tile)");
+}
+
+}  // namespace pagedllm::gemm

@@ -1,0 +1,198 @@
+// Group-wise quantised weights (4-bit and 8-bit, groups of 32 along K) for the CPU GEMM: the
+// packed block layout and its unpacking into registers, per ISA level. Torch-free, so that the
+// kernels can be built and timed on their own; gemm_q4.cpp binds them.
+//
+// The definition of the weights is pagedllm/layers/quantization/groupwise.py: 4-bit
+// W[n, k] = q * scale[n, k/32] + offset[n, k/32] (q in 0..15; GGUF Q4_0 / Q4_1 / Q4_K and
+// quantization="int4"), 8-bit W[n, k] = q * scale[n, k/32] (q in -127..127, GGUF Q8_0).
+//
+// Layout: panels of 16 output columns, each a run of blocks, one per group of 32 k, so a decode
+// step streams every panel once, front to back, scales included:
+//   block = weights (4-bit: 256 bytes, 8-bit: 512) | 16 scales | 16 offsets (4-bit, optional),
+// scales and offsets as fp16 where that is exact for every group of the layer (GGUF Q4_0, Q4_1,
+// Q8_0 store fp16), else float32 (Q4_K's d * sc_j, scales made by quantize_int4). A 4-bit layer
+// whose offsets are all -8 * scale (Q4_0, symmetric int4) stores no offsets: 4.5 bits a weight,
+// Q4_1-like 5, float32 scale and offset 6.
+// The weights are 64-byte chunks of one dword per column (the operand shape of vpdpbusd, and of
+// vpmaddubsw + vpmaddwd): 4-bit chunk c holds, in column j's byte b, k = 8c + b in the low
+// nibble and k = 8c + 4 + b in the high one; 8-bit chunk c holds k = 4c + b in byte b.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "gemm_vec.h"
+
+namespace pagedllm::gemm::q4 {
+
+constexpr int64_t kCols = 16;   // output columns per panel
+constexpr int64_t kGroup = 32;  // k per group: one scale (and offset) per column
+constexpr int64_t kChunk = 64;  // bytes: one dword per column
+
+struct Format {
+  int bits = 4;             // 4 or 8
+  bool half_scales = true;  // scales (and offsets) stored as fp16, else float32
+  bool with_offset = true;  // 4-bit only: offsets stored; else offset = -8 * scale
+  int64_t weight_bytes() const { return bits == 4 ? 256 : 512; }
+  int64_t scale_bytes() const { return half_scales ? 2 * kCols : 4 * kCols; }
+  bool stores_offset() const { return bits == 4 && with_offset; }
+  int64_t block_bytes() const { return weight_bytes() + scale_bytes() * (stores_offset() ? 2 : 1); }
+};
+
+// -- float32 vectors of 16 columns beyond gemm_vec.h's ------------------------------------------
+#if defined(__AVX512F__)
+inline V16 v_mul(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline V16 v_fmav(V16 acc, V16 a, V16 b) { return {_mm512_fmadd_ps(a.v, b.v, acc.v)}; }
+inline V16 v_set(float x) { return {_mm512_set1_ps(x)}; }
+#elif defined(__AVX2__)
+inline V16 v_mul(V16 a, V16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline V16 v_fmav(V16 acc, V16 a, V16 b) {
+  return {_mm256_fmadd_ps(a.lo, b.lo, acc.lo), _mm256_fmadd_ps(a.hi, b.hi, acc.hi)};
+}
+inline V16 v_set(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+#else
+inline V16 v_mul(V16 a, V16 b) {
+  for (int j = 0; j < 16; ++j) a.v[j] *= b.v[j];
+  return a;
+}
+inline V16 v_fmav(V16 acc, V16 a, V16 b) {
+  for (int j = 0; j < 16; ++j) acc.v[j] += a.v[j] * b.v[j];
+  return acc;
+}
+inline V16 v_set(float x) {
+  V16 r;
+  for (float& v : r.v) v = x;
+  return r;
+}
+#endif
+
+// A block's scales and offsets as float32 (an 8-bit block has no offset: zero).
+inline void group_scales(const uint8_t* block, const Format& f, V16* scale, V16* offset) {
+  const uint8_t* p = block + f.weight_bytes();
+  const auto load = [&f](const uint8_t* q) {
+    return f.half_scales ? w_load(Fp16W{}, reinterpret_cast<const uint16_t*>(q))
+                         : v_load(reinterpret_cast<const float*>(q));
+  };
+  *scale = load(p);
+  if (f.bits == 8)
+    *offset = v_zero();
+  else if (f.with_offset)
+    *offset = load(p + f.scale_bytes());
+  else
+    *offset = v_mul(*scale, v_set(-8.f));  // exact: a power of two
+}
+
+// -- one chunk as rows of 16 float32 weights ---------------------------------------------------
+// q[i] = the 16 columns' q at k = 8c + i (4-bit) or 4c + i (8-bit), as float32 (exact).
+#if defined(__AVX512F__)
+// Byte b of every dword moved to the dword's low byte, the rest zeroed (vpshufb's control).
+alignas(64) inline constexpr int8_t kByteCtl[4][16] = {
+    {0, -1, -1, -1, 4, -1, -1, -1, 8, -1, -1, -1, 12, -1, -1, -1},
+    {1, -1, -1, -1, 5, -1, -1, -1, 9, -1, -1, -1, 13, -1, -1, -1},
+    {2, -1, -1, -1, 6, -1, -1, -1, 10, -1, -1, -1, 14, -1, -1, -1},
+    {3, -1, -1, -1, 7, -1, -1, -1, 11, -1, -1, -1, 15, -1, -1, -1}};
+
+inline __m512i byte_ctl(int b) {
+  return _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kByteCtl[b])));
+}
+
+// vpermps reads the low 4 bits of each index: shifting nibble t of every dword down and looking
+// it up in [0.0, 1.0, ..., 15.0] converts it (one shift and one permute per row of 16).
+inline void int4_rows(const uint8_t* chunk, V16 q[8]) {
+  const __m512i v = _mm512_loadu_si512(chunk);
+  const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#pragma GCC unroll 8
+  for (int t = 0; t < 8; ++t) {  // nibble t: byte t / 2, low (k = 8c + t / 2) or high (+4)
+    const __m512i idx = t == 0 ? v : _mm512_srli_epi32(v, 4 * t);
+    q[t / 2 + 4 * (t % 2)] = {_mm512_permutexvar_ps(idx, values)};
+  }
+}
+
+inline void int8_rows(const uint8_t* chunk, V16 q[4]) {
+  const __m512i v = _mm512_loadu_si512(chunk);
+#pragma GCC unroll 4
+  for (int b = 0; b < 4; ++b) {  // byte b to the top, then an arithmetic shift sign-extends it
+    const __m512i top = b == 3 ? v : _mm512_slli_epi32(v, 24 - 8 * b);
+    q[b] = {_mm512_cvtepi32_ps(_mm512_srai_epi32(top, 24))};
+  }
+}
+
+#elif defined(__AVX2__)
+alignas(32) inline constexpr int8_t kByteCtl[4][16] = {
+    {0, -1, -1, -1, 4, -1, -1, -1, 8, -1, -1, -1, 12, -1, -1, -1},
+    {1, -1, -1, -1, 5, -1, -1, -1, 9, -1, -1, -1, 13, -1, -1, -1},
+    {2, -1, -1, -1, 6, -1, -1, -1, 10, -1, -1, -1, 14, -1, -1, -1},
+    {3, -1, -1, -1, 7, -1, -1, -1, 11, -1, -1, -1, 15, -1, -1, -1}};
+
+inline __m256i byte_ctl(int b) {
+  return _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kByteCtl[b])));
+}
+
+inline void int4_rows(const uint8_t* chunk, V16 q[8]) {
+  const __m256i m = _mm256_set1_epi8(0x0F);
+  __m256i lo[2], hi[2];
+  for (int h = 0; h < 2; ++h) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 32 * h));
+    lo[h] = _mm256_and_si256(v, m);
+    hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
+  }
+#pragma GCC unroll 4
+  for (int b = 0; b < 4; ++b) {
+    const __m256i ctl = byte_ctl(b);
+    q[b] = {_mm256_cvtepi32_ps(_mm256_shuffle_epi8(lo[0], ctl)),
+            _mm256_cvtepi32_ps(_mm256_shuffle_epi8(lo[1], ctl))};
+    q[4 + b] = {_mm256_cvtepi32_ps(_mm256_shuffle_epi8(hi[0], ctl)),
+                _mm256_cvtepi32_ps(_mm256_shuffle_epi8(hi[1], ctl))};
+  }
+}
+
+inline void int8_rows(const uint8_t* chunk, V16 q[4]) {
+  const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
+  const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 32));
+#pragma GCC unroll 4
+  for (int b = 0; b < 4; ++b) {
+    const int up = 24 - 8 * b;
+    q[b] = {_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v0, up), 24)),
+            _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v1, up), 24))};
+  }
+}
+
+#else
+inline void int4_rows(const uint8_t* chunk, V16 q[8]) {
+  for (int j = 0; j < 16; ++j) {
+    for (int b = 0; b < 4; ++b) {
+      const uint8_t byte = chunk[4 * j + b];
+      q[b].v[j] = static_cast<float>(byte & 0x0F);
+      q[4 + b].v[j] = static_cast<float>(byte >> 4);
+    }
+  }
+}
+
+inline void int8_rows(const uint8_t* chunk, V16 q[4]) {
+  for (int j = 0; j < 16; ++j)
+    for (int b = 0; b < 4; ++b) q[b].v[j] = static_cast<float>(static_cast<int8_t>(chunk[4 * j + b]));
+}
+#endif
+
+// The 16 columns' dequantised weights at the 32 k of one block, exactly as the definition
+// rounds them (q * scale + offset: one fused rounding, which for GGUF data, where q * scale is
+// exact, is the definition's own): w[i] is k = i of the group.
+inline void dequantize_block(const uint8_t* block, const Format& f, V16 w[kGroup]) {
+  V16 s, o;
+  group_scales(block, f, &s, &o);
+  if (f.bits == 4) {
+    for (int c = 0; c < 4; ++c) {
+      V16 q[8];
+      int4_rows(block + c * kChunk, q);
+      for (int i = 0; i < 8; ++i) w[8 * c + i] = v_fmav(o, q[i], s);
+    }
+  } else {
+    for (int c = 0; c < 8; ++c) {
+      V16 q[4];
+      int8_rows(block + c * kChunk, q);
+      for (int i = 0; i < 4; ++i) w[4 * c + i] = v_mul(q[i], s);
+    }
+  }
+}
+
+}  // namespace pagedllm::gemm::q4

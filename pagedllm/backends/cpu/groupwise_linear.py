@@ -1,0 +1,237 @@
+"""Group-wise quantised layers (4-bit ``int4`` / GGUF Q4_0, Q4_1, Q4_K and 8-bit ``q8_0``, groups
+of 32 along K) on the CPU backend's C++ GEMM (``csrc/gemm_q4.cpp``).
+
+The weights stay quantised: each layer is packed once into panels of 16 output columns, one block
+per group holding its 4- or 8-bit q and, as fp16 where that is exact for the whole layer (else
+float32), its scales and offsets (none for Q4_0-like layers, whose offsets are all ``-8 * scale``):
+4.5 bits a weight for Q4_0, 5 for Q4_1, 6 for Q4_K-derived data, 8.5 for Q8_0.
+
+Two paths run on the same packed weights:
+
+- **float** (``dot=False``): x is not rounded; every weight is dequantised as
+  :func:`~pagedllm.layers.quantization.groupwise.dequantize_layer` does (float32 x), or q meets
+  bf16 x in ``vdpbf16ps`` and is scaled per group (bf16 x, avx512bf16 builds). Results differ from
+  ``F.linear(x, dequantize_layer(layer))`` only by float32 summation order.
+- **dot** (``dot=True``): each row of x is rounded to int8 per group of 32
+  (:func:`quantize_activation_groups`), integer dot products (VNNI / AVX2), float32 scales per
+  group; its definition is :func:`dot_linear_reference`. It costs accuracy (x to ~8 bits per
+  group) and saves arithmetic, so it runs by default only where :func:`dot_rows` says so.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.layers.quantization.groupwise import (
+    GROUP_SIZE,
+    dequantize_int4,
+    dequantize_int8_groups,
+    weight_groups,
+)
+
+logger = logging.getLogger(__name__)
+
+LinearFn = Callable[[torch.Tensor], torch.Tensor]
+_INT8_MAX = 127
+
+
+@dataclass(frozen=True)
+class PackedGroupwise:
+    """One layer's packed weights and the format the kernels read them in."""
+
+    packed: torch.Tensor  # uint8 [ceil(N/16), K/32, block bytes]
+    n: int
+    k: int
+    bits: int  # 4 or 8
+    half_scales: bool  # scales (and offsets) stored as fp16: exact for this layer
+    with_offset: bool  # 4-bit: offsets stored (else offset = -8 * scale for every group)
+
+    @property
+    def name(self) -> str:
+        return "int4" if self.bits == 4 else "q8_0"
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Bytes streamed per call (scales included) per weight, in bits."""
+        return self.packed.numel() * 8 / (self.packed.shape[0] * 16 * self.k)
+
+
+def scale_format(scale: torch.Tensor, offset: torch.Tensor | None) -> tuple[bool, bool]:
+    """(half_scales, with_offset) for float32 ``scale``/``offset [N, K/32]``: fp16 only where every
+    value is exactly an fp16 (GGUF's Q4_0/Q4_1/Q8_0 d and m; not Q4_K's d * sc products), offsets
+    dropped only where all are exactly ``-8 * scale`` (Q4_0, symmetric int4)."""
+    with_offset = offset is not None and not torch.equal(offset, scale * -8)
+
+    def exact_in_half(t: torch.Tensor) -> bool:
+        return bool(torch.equal(t.half().float(), t))
+
+    half = exact_in_half(scale) and (not with_offset or exact_in_half(offset))
+    return half, with_offset
+
+
+def pack_groupwise(
+    ops: object, weight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None
+) -> PackedGroupwise:
+    """Pack ``weight`` (uint8 nibbles ``[N, K/2]`` with ``offset``, or int8 ``[N, K]``) and its
+    float32 ``scale``/``offset [N, K/32]`` for ``ops.groupwise_gemm``."""
+    bits = 4 if offset is not None else 8
+    half, with_offset = scale_format(scale, offset)
+    packed = ops.pack_groupwise(weight, scale, offset, bits, half, with_offset)
+    k = weight.shape[1] * (2 if bits == 4 else 1)
+    return PackedGroupwise(packed, weight.shape[0], k, bits, half, with_offset)
+
+
+def quantize_activation_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dot path's rounding of ``x [M, K]``: (int8 ``[M, K]``, float32 ``dx [M, K/32]``).
+
+    Per row and group of 32: ``dx = max|x| / 127`` (1 for an all-zero group) and
+    ``xq = round(x / dx)`` (half to even), clamped to [-127, 127]; the C++ quantiser computes it
+    bit for bit.
+    """
+    m, k = x.shape
+    xf = x.float().reshape(m, k // GROUP_SIZE, GROUP_SIZE)  # [M, G, 32]
+    dx = xf.abs().amax(dim=-1) / _INT8_MAX  # [M, G]
+    dx = torch.where(dx > 0, dx, torch.ones_like(dx))
+    xq = torch.round(xf / dx[..., None]).clamp_(-_INT8_MAX, _INT8_MAX)
+    return xq.to(torch.int8).reshape(m, k), dx
+
+
+def dot_linear_reference(
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """The dot path's arithmetic in float64 (only the order of its float32 group sums differs).
+
+    ``q``: the weights' integers ``[N, K]`` (0..15 with ``offset``, else -127..127); ``scale``,
+    ``offset`` float32 ``[N, K/32]``. Per group g of row m and column n, with exact integer sums
+    ``isum = sum_k q xq`` and ``qsum = sum_k xq``:
+    ``isum * fl32(scale * dx) + offset * fl32(dx * qsum)``; where every offset is
+    ``-8 * scale`` (Q4_0, stored without offsets) ``(isum - 8 qsum) * fl32(scale * dx)``.
+    """
+    m, k = x.shape
+    g = k // GROUP_SIZE
+    xq, dx = quantize_activation_groups(x)
+    xg = xq.double().reshape(m, g, GROUP_SIZE)  # [M, G, 32]
+    qg = q.double().reshape(-1, g, GROUP_SIZE)  # [N, G, 32]
+    isum = torch.einsum("mgk,ngk->mng", xg, qg)  # [M, N, G], exact
+    qsum = xg.sum(-1)  # [M, G], exact
+    sd = (scale[None] * dx[:, None]).double()  # [M, N, G]: the float32 product
+    _, with_offset = scale_format(scale, offset)
+    if offset is not None and not with_offset:
+        isum = isum - 8 * qsum[:, None]
+    y = (isum * sd).sum(-1)  # [M, N]
+    if with_offset:
+        xsum = (dx * qsum.float()).double()  # [M, G]: the float32 product
+        y = y + xsum @ offset.double().T
+    return y if bias is None else y + bias.double()
+
+
+def dequantize_rows(layer: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+    """float32 ``[len(rows), K]``: the sampled output rows of ``dequantize_layer(layer)``."""
+    scale, offset = weight_groups(layer)
+    if offset is None:
+        return dequantize_int8_groups(layer.weight[rows], scale[rows])
+    return dequantize_int4(layer.weight[rows], scale[rows], offset[rows])
+
+
+def weight_integers(layer: nn.Module) -> torch.Tensor:
+    """The layer's q ``[N, K]`` (uint8 0..15 for 4-bit, int8 for 8-bit), for references."""
+    from pagedllm.layers.quantization.groupwise import unpack_nibbles
+
+    w = layer.weight
+    return unpack_nibbles(w) if w.dtype == torch.uint8 else w
+
+
+# Rows up to which bf16/fp16 x takes the dot path by default, in builds with VNNI. Measured with
+# benchmarks/linear_cpu.py on a Zen 4 EPYC (1B shapes, weights streamed from memory): the dot
+# path ran 1.1-1.2x the float path at one row and 1.3-1.6x at 2-8 (the float path's vdpbf16ps
+# does half the multiply-adds of vpdpbusd per instruction); from about 16 rows on prefill-sized
+# batches belong to the float path, which keeps x as it is.
+_DOT_ROWS = 8
+
+
+def dot_rows(ops: object, dtype: torch.dtype) -> int:
+    """Up to how many rows of ``dtype`` x the dot path runs by default (0: never).
+
+    float32 x never: float32 models are held to transformers' tokens, and the dot path rounds x
+    (to ~0.6% of a layer's output, rms, against ~0.2% for bf16's own rounding of it; see the
+    module docstring). bf16/fp16 x: decode rows, where the build has VNNI.
+    """
+    if dtype == torch.float32 or ops.groupwise_dot_isa() != "avx512vnni":
+        return 0
+    return _DOT_ROWS
+
+
+def make_groupwise_gemm(
+    ops: object, pw: PackedGroupwise, bias: torch.Tensor | None
+) -> Callable[..., torch.Tensor]:
+    """``gemm(x [T, K], dot=None) -> [T, N]``: ``dot=None`` takes the default for x's rows."""
+    bias32 = None if bias is None else bias.detach().float().contiguous()
+    defaults = {dt: dot_rows(ops, dt) for dt in (torch.float32, torch.bfloat16, torch.float16)}
+
+    def gemm(x: torch.Tensor, dot: bool | None = None) -> torch.Tensor:
+        if dot is None:
+            dot = x.shape[0] <= defaults.get(x.dtype, 0)
+        return ops.groupwise_gemm(
+            x, pw.packed, pw.n, pw.bits, pw.half_scales, pw.with_offset, bias32, dot
+        )
+
+    return gemm
+
+
+def make_groupwise_linear(
+    module: nn.Module, bias: torch.Tensor | None
+) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, str]:
+    """The C++ GEMM on a group-wise layer's packed weights, checked on sampled output rows
+    against ``dequantize_layer`` (and the dot path against its definition), and its path name:
+    ``cpp-int4-<isa>`` / ``cpp-q8_0-<isa>``, ``+dot<rows>`` where bf16/fp16 batches of up to
+    ``rows`` rows take the dot path."""
+    from pagedllm.backends.cpu import packed_linear as pl
+
+    name = module.quant_method.name
+    ops = pl.gemm_ops()
+    if ops is None:
+        return None, f"torch-{name}"
+    scale, offset = weight_groups(module)
+    weight = module.weight.detach()
+    pw = pack_groupwise(ops, weight, scale, offset)
+    gemm = make_groupwise_gemm(ops, pw, bias)
+    linear = pl._reshaped(gemm, pw.k, pw.n)
+    rows = pl._sample_rows(pw.n)
+    dequant = dequantize_rows(module, rows)  # [rows, K]
+    bias_rows = None if bias is None else bias.detach().float()[rows]
+
+    def reference(probe: torch.Tensor) -> torch.Tensor:
+        return F.linear(probe.float(), dequant, bias_rows)
+
+    # float32 rows both in registers and through the scratch; bf16 rows through the scratch.
+    f32_rows = ops.groupwise_rows()[0]
+    probes = (
+        (torch.randn(3, pw.k), 1e-4),
+        (torch.randn(f32_rows + 4, pw.k), 1e-4),
+        (torch.randn(16, pw.k).bfloat16(), 2e-2),
+    )
+    what = f"C++ {name} GEMM"
+    fn = pl._checked(linear, weight, reference, rows, probes, what)
+    dot = dot_rows(ops, torch.bfloat16)
+    if fn is not None and dot:
+        q = weight_integers(module)[rows]
+        off = None if offset is None else offset[rows]
+
+        def dot_reference(probe: torch.Tensor) -> torch.Tensor:
+            return dot_linear_reference(probe, q, scale[rows], off, bias_rows).float()
+
+        probe = ((torch.randn(3, pw.k).bfloat16(), 2e-2),)
+        fn = pl._checked(linear, weight, dot_reference, rows, probe, f"{what} (dot path)")
+    if fn is None:
+        return None, f"torch-{name}"
+    return fn, f"cpp-{name}-{ops.built_isa()}" + (f"+dot{dot}" if dot else "")
