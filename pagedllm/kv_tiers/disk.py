@@ -288,7 +288,13 @@ class DiskTier:
             return True
         if ok is False:
             self.corrupt += 1
-            logger.warning("kv_cache_dir: block %s is damaged; deleted", path.name)
+            self._warn_once(
+                "damaged",
+                "kv_cache_dir: block file %s is damaged; deleted and recomputed (further damaged "
+                "blocks are counted in kv_tier_corrupt, not logged)",
+                path,
+            )
+            logger.debug("kv_cache_dir: damaged block %s deleted", path)
         self.discard(key)
         return False
 
