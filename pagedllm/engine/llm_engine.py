@@ -329,7 +329,9 @@ class LLMEngine:
         if sched_out.is_empty:
             if sched_out.kv_transfer is not None:
                 self.executor.collective_rpc("apply_kv_transfer", sched_out.kv_transfer)
-            # Only requests waiting for their grammar or a read from disk, if any.
+            # Only requests waiting for their grammar or for a read from disk, if any.
+            if self.kv_tiers is not None:
+                self.kv_tiers.wait_for_reads(timeout=0.005)
             self.guided.wait(timeout=0.005)
             return outputs
         sched_out = self.guided.with_bitmask(sched_out)

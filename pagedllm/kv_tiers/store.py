@@ -69,6 +69,8 @@ class TieredBlockStore:
         self._applied = (0, 0)  # last transfer step whose saves / loads ran
         self._writes: queue.Queue[tuple[int, float] | None] = queue.Queue()
         self._reads: queue.Queue[tuple[int, float] | None] = queue.Queue()
+        self._reads_idle = threading.Event()  # set while no read is queued or running
+        self._reads_idle.set()
         self._threads = [
             threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True),
             threading.Thread(target=self._read_loop, name="kv-tier-reader", daemon=True),
@@ -102,6 +104,7 @@ class TieredBlockStore:
                     continue
                 if self.slab.take(key, SlotState.READING, from_disk=True) is None:
                     break  # the slab is full of blocks in use: the rest is recomputed
+                self._reads_idle.clear()
                 self._reads.put((key, now))
 
     def acquire(self, keys: list[int]) -> int:
@@ -263,6 +266,14 @@ class TieredBlockStore:
                 logger.exception("kv tiers: reading a block failed")
             finally:
                 self._reads.task_done()
+                if self._reads.empty():
+                    self._reads_idle.set()
+
+    def wait_for_reads(self, timeout: float) -> None:
+        """Nap until the queued reads are done (or ``timeout``): an engine with nothing to run
+        but prompts waiting for their blocks. Spinning instead would keep the GIL from the
+        reader thread, which needs it between its system calls."""
+        self._reads_idle.wait(timeout)
 
     def _read_one(self, key: int, queued: float) -> None:
         with self._lock:
