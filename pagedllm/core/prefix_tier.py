@@ -20,8 +20,14 @@ most once; what is not in host memory when it is admitted is recomputed.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
+
+# A prompt waits at most this long for its blocks to come from disk (a stalled network disk);
+# then it is admitted with what is in memory, and the rest is recomputed.
+MAX_READ_WAIT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -85,13 +91,15 @@ class TierLink:
     """The block manager's bookkeeping of tier traffic: evictions to save, pinned hits to load,
     prompts that already waited for a read."""
 
-    def __init__(self, tier: PrefixTier) -> None:
+    def __init__(self, tier: PrefixTier, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.tier = tier
+        self.clock = clock
         self.stats = TierStats()
         self._saves: list[tuple[int, int]] = []
         self._loads: list[tuple[int, int]] = []
         self._pinned: dict[int, list[int]] = {}  # seq_id -> keys acquired for its admission
-        self._waited: set[int] = set()  # seq_ids that asked for a read once
+        self._waited: dict[int, float] = {}  # seq_id -> when it began waiting for reads
+        self._prefetched: set[int] = set()  # seq_ids whose own read was asked for (once)
         self._step = 0
 
     def on_evict(self, block: int, key: int) -> None:
@@ -103,15 +111,21 @@ class TierLink:
 
         The first time its blocks are found on disk the read starts; a sequence waits for one
         read only, so blocks that another read evicts from host memory before admission are
-        recomputed rather than read again.
+        recomputed rather than read again, and for ``MAX_READ_WAIT_S`` at most.
         """
         if not keys:
             return False
+        now = self.clock()
+        started = self._waited.get(seq_id)
+        if started is not None and now - started > MAX_READ_WAIT_S:
+            return False
         probe = self.tier.probe(keys)
-        if probe.reading:
+        if probe.reading:  # its blocks, or a shared prefix another prompt asked for
+            self._waited.setdefault(seq_id, now)
             return True
-        if probe.on_disk and seq_id not in self._waited:
-            self._waited.add(seq_id)
+        if probe.on_disk and seq_id not in self._prefetched:
+            self._prefetched.add(seq_id)
+            self._waited.setdefault(seq_id, now)
             self.tier.prefetch(keys[probe.resident : probe.resident + probe.on_disk])
             self.stats.waits += 1
             return True
@@ -131,7 +145,8 @@ class TierLink:
     def take_pinned(self, seq_id: int) -> list[int]:
         """The sequence is admitted: its pinned keys become this step's loads (unpinned by the
         worker once loaded)."""
-        self._waited.discard(seq_id)
+        self._waited.pop(seq_id, None)
+        self._prefetched.discard(seq_id)
         return self._pinned.pop(seq_id, [])
 
     def add_load(self, key: int, block: int) -> None:
@@ -146,7 +161,8 @@ class TierLink:
     def forget(self, seq_id: int) -> None:
         """The sequence's blocks are freed (finished, aborted, preempted)."""
         self.release(seq_id)
-        self._waited.discard(seq_id)
+        self._waited.pop(seq_id, None)
+        self._prefetched.discard(seq_id)
 
     def take_transfer(self) -> TierTransfer | None:
         """This step's saves and loads, or None when there are none."""

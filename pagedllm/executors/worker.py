@@ -239,7 +239,9 @@ class Worker:
         """At shutdown: save ``transfer`` (the pool's cached blocks), finish writing, stop."""
         if self.kv_tiers is None:
             return
-        self.apply_kv_transfer(transfer)
+        assert self.cache_engine is not None
+        if transfer is not None:
+            self.kv_tiers.save_all(self.cache_engine.kv_caches, transfer.saves, timeout)
         self.kv_tiers.close(timeout)
         self.kv_tiers = None
 

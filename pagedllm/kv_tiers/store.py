@@ -187,6 +187,18 @@ class TieredBlockStore:
         for key in fresh:
             self._writes.put((key, now))
 
+    def save_all(
+        self, kv_caches: Sequence[torch.Tensor], pairs: list[tuple[int, int]], timeout: float
+    ) -> None:
+        """Save many blocks (the pool at shutdown) through the slab in rounds, waiting for the
+        writes of each round, so that no more are dropped than the disk cannot take."""
+        deadline = time.monotonic() + timeout
+        step = max(1, self.slab.num_slots // 2)
+        for i in range(0, len(pairs), step):
+            self.save(kv_caches, pairs[i : i + step])
+            if not self.drain(max(0.0, deadline - time.monotonic())):
+                return
+
     def load(self, kv_caches: Sequence[torch.Tensor], pairs: list[tuple[int, int]]) -> None:
         """Pinned slots -> their device blocks; unpins them. ``pairs``: (key, block)."""
         start = self.clock()
@@ -236,8 +248,23 @@ class TieredBlockStore:
                 self._write_one(*job)
             except Exception:  # never let the thread die: the block is simply not stored
                 logger.exception("kv tiers: writing a block failed")
+                with self._lock:
+                    self._writing.discard(job[0])
+                    self._settle(job[0], SlotState.SAVING)
             finally:
                 self._writes.task_done()
+
+    def _settle(self, key: int, state: SlotState) -> None:
+        """A slot left in ``state`` by a failed job: saved data stays loadable, a read is gone."""
+        slot = self.slab.get(key)
+        if slot is None or slot.state is not state:
+            return
+        if state is SlotState.SAVING:
+            slot.state = SlotState.READY
+            if slot.pins == 0 and not self._keeps(slot):
+                self.slab.drop(key)
+        else:
+            self.slab.drop(key)
 
     def _write_one(self, key: int, queued: float) -> None:
         with self._lock:
@@ -264,6 +291,8 @@ class TieredBlockStore:
                 self._read_one(*job)
             except Exception:
                 logger.exception("kv tiers: reading a block failed")
+                with self._lock:
+                    self._settle(job[0], SlotState.READING)
             finally:
                 self._reads.task_done()
                 if self._reads.empty():

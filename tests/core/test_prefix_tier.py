@@ -10,7 +10,7 @@ from collections import Counter
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.block_manager import BlockSpaceManager, block_hash
-from pagedllm.core.prefix_tier import TierProbe
+from pagedllm.core.prefix_tier import MAX_READ_WAIT_S, TierProbe
 from pagedllm.core.scheduler import Scheduler
 from tests.core.helpers import fake_step, make_group
 
@@ -190,7 +190,7 @@ def test_abort_while_waiting_for_a_read_forgets_the_prompt() -> None:
     assert s.schedule().seqs == []
     s.abort(["a"])
     assert not s.has_unfinished()
-    assert s.block_manager.tier._waited == set()
+    assert not s.block_manager.tier._waited and not s.block_manager.tier._prefetched
     assert s.block_manager.get_num_free_device_blocks() == 8
 
 
@@ -216,3 +216,40 @@ def test_flush_saves_every_computed_keyed_block() -> None:
     assert sorted(flushed.saves) == sorted(
         zip(out.seqs[0].block_table[:2], chain(list(range(10, 21)), 2), strict=True)
     )
+
+
+def test_a_stalled_read_is_waited_for_a_bounded_time() -> None:
+    tier = FakeTier()
+    s = make(tier)
+    clock = [100.0]
+    s.block_manager.tier.clock = lambda: clock[0]
+    tokens = list(range(30, 45))
+    tier.disk.update(chain(tokens, 3))
+    s.add(make_group("a", 0, tokens=tokens, max_tokens=2))
+    assert s.schedule().seqs == []
+    clock[0] += MAX_READ_WAIT_S  # the read never finishes (a stalled network disk)
+    assert s.schedule().seqs == []
+    clock[0] += 1.0
+    out = s.schedule()
+    assert out.seqs[0].start_pos == 0 and out.kv_transfer is None  # recomputed
+
+
+def test_a_prompt_waiting_on_a_shared_read_still_reads_its_own_blocks() -> None:
+    tier = FakeTier()
+    s = make(tier, num_blocks=16)
+    shared = list(range(30, 38))
+    a_tokens, b_tokens = [*shared, *range(40, 49)], [*shared, *range(60, 69)]
+    a_keys, b_keys = chain(a_tokens, 4), chain(b_tokens, 4)
+    tier.disk.update(a_keys + b_keys)
+    s.add(make_group("a", 0, tokens=a_tokens, max_tokens=2))
+    s.add(make_group("b", 0, tokens=b_tokens, max_tokens=2))
+    assert s.schedule().seqs == []
+    assert tier.prefetched == [a_keys]  # b waits on the shared blocks a's read brings
+    tier.finish_reads()
+    out = s.schedule()
+    assert [x.request_id for x in out.seqs] == ["a"]
+    assert tier.prefetched == [a_keys, b_keys[2:]]  # then asks for its own
+    tier.unpin_loads(out.kv_transfer.loads)
+    tier.finish_reads()
+    out = s.schedule()
+    assert out.seqs[0].request_id == "b" and out.seqs[0].start_pos == 16

@@ -133,3 +133,12 @@ def test_full_slab_drops_saves_and_each_step_saves_once(tmp_path: Path) -> None:
     s.apply_saves(TierTransfer(4, saves=[(2, 3)]), src)  # the next step evicts the LRU one
     assert s.probe([3]) == TierProbe(1, 0, False) and s.probe([1]) == TierProbe(0, 0, False)
     s.close()
+
+
+def test_shutdown_saves_more_blocks_than_the_slab_holds(tmp_path: Path) -> None:
+    src = caches(torch.float32, 0)
+    s = store(tmp_path, torch.float32, slots=2)
+    s.save_all(src, [(b, 100 + b) for b in range(BLOCKS)], timeout=10)
+    s.close()
+    assert all(s.disk.contains(100 + b) for b in range(BLOCKS))
+    assert s.counters.saves_dropped == 0 and s.counters.stores == BLOCKS
