@@ -141,17 +141,17 @@ class TieredBlockStore:
         """Copy the step's evicted blocks out, before anything in the step writes blocks."""
         if transfer.step <= self._applied[0]:
             return  # a retried step (failure containment): its blocks may be overwritten now
-        self._applied = (transfer.step, self._applied[1])
         if transfer.saves:
             self.save(kv_caches, transfer.saves)
+        self._applied = (transfer.step, self._applied[1])  # (a failed copy is retried)
 
     def apply_loads(self, transfer: TierTransfer, kv_caches: Sequence[torch.Tensor]) -> None:
         """Fill the step's loaded blocks, before the forward pass reads them."""
         if transfer.step <= self._applied[1]:
             return
-        self._applied = (self._applied[0], transfer.step)
         if transfer.loads:
             self.load(kv_caches, transfer.loads)
+        self._applied = (self._applied[0], transfer.step)
 
     def save(self, kv_caches: Sequence[torch.Tensor], pairs: list[tuple[int, int]]) -> None:
         """Device blocks -> free slots, then the writer's queue. ``pairs``: (block, key)."""
@@ -182,7 +182,16 @@ class TieredBlockStore:
             self.counters.saves += len(blocks)
         if not blocks:
             return
-        self._copy_out(kv_caches, blocks, slots)
+        try:
+            self._copy_out(kv_caches, blocks, slots)
+        except BaseException:
+            with self._lock:  # nothing half-copied stays behind as a block
+                for _block, key in pairs:
+                    slot = self.slab.get(key)
+                    if slot is not None and slot.index in slots:
+                        self._writing.discard(key)
+                        self.slab.drop(key)
+            raise
         now = self.clock()
         for key in fresh:
             self._writes.put((key, now))

@@ -142,3 +142,14 @@ def test_shutdown_saves_more_blocks_than_the_slab_holds(tmp_path: Path) -> None:
     s.close()
     assert all(s.disk.contains(100 + b) for b in range(BLOCKS))
     assert s.counters.saves_dropped == 0 and s.counters.stores == BLOCKS
+
+
+def test_a_failed_copy_leaves_nothing_and_the_retry_saves(tmp_path: Path) -> None:
+    s = store(tmp_path, torch.float32)
+    broken = [c[:, :2] for c in caches(torch.float32, 0)]  # block 4 is out of range
+    with pytest.raises((IndexError, RuntimeError)):
+        s.apply_saves(TierTransfer(1, saves=[(4, 40)]), broken)
+    assert len(s.slab) == 0 and not s._writing
+    s.apply_saves(TierTransfer(1, saves=[(4, 40)]), caches(torch.float32, 0))  # the retry
+    assert s.drain(10) and s.disk.contains(40)
+    s.close()
