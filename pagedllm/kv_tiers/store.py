@@ -132,8 +132,9 @@ class TieredBlockStore:
                 self.slab.drop(key)
 
     def _keeps(self, slot: Slot) -> bool:
-        """Whether a ready, unpinned slot stays: always in a host tier; on the CPU only a block
-        read from disk that no prompt has loaded yet."""
+        """Whether a ready, unpinned slot stays (until evicted): always in a host tier; on the
+        CPU a block read from disk, so later prompts on the same prefix load it without another
+        read (a saved block's slot is freed once written)."""
         return self.keep_saved or slot.from_disk
 
     # -- the worker's side -------------------------------------------------------------------------
