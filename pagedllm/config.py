@@ -28,6 +28,10 @@ def _require(cond: bool, name: str, message: str) -> None:
         raise ValueError(f"{name}: {message}")
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _positive_int(value: Any, name: str, *, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
@@ -72,6 +76,11 @@ class CacheConfig:
     enable_prefix_caching: bool = False
     watermark: float = 0.01
     kv_cache_dtype: str = "auto"
+    # Lower KV tiers under the prefix cache (pagedllm/kv_tiers/): a folder of block files kept
+    # across restarts, its size in GiB, and GiB of host memory (GPU/XPU; None: 4 with a folder).
+    kv_cache_dir: str | None = None
+    kv_disk_space: float = 10.0
+    kv_offload_space: float | None = None
 
     def __post_init__(self) -> None:
         _require(
@@ -93,6 +102,39 @@ class CacheConfig:
         _require(self.swap_space >= 0, "swap_space", "must be >= 0 GiB")
         _positive_int(self.num_kv_blocks, "num_kv_blocks", allow_none=True)
         _require(0 <= self.watermark < 1, "watermark", "must be in [0, 1)")
+        _require(
+            self.kv_cache_dir is None or (isinstance(self.kv_cache_dir, str) and self.kv_cache_dir),
+            "kv_cache_dir",
+            f"must be a folder path, got {self.kv_cache_dir!r}",
+        )
+        _require(
+            _is_number(self.kv_disk_space) and self.kv_disk_space > 0,
+            "kv_disk_space",
+            f"must be > 0 GiB, got {self.kv_disk_space!r}",
+        )
+        _require(
+            self.kv_offload_space is None
+            or (_is_number(self.kv_offload_space) and self.kv_offload_space >= 0),
+            "kv_offload_space",
+            f"must be >= 0 GiB, got {self.kv_offload_space!r}",
+        )
+
+    @property
+    def kv_tiers_enabled(self) -> bool:
+        """A disk folder, or host memory asked for explicitly."""
+        return self.kv_cache_dir is not None or bool(self.kv_offload_space)
+
+    @property
+    def kv_disk_bytes(self) -> int:
+        return int(self.kv_disk_space * _GiB)
+
+    def kv_offload_bytes(self, *, host_tier: bool) -> int:
+        """Bytes of the host tier: 0 where the device pool is host memory (the CPU)."""
+        if not host_tier:
+            return 0
+        if self.kv_offload_space is None:
+            return 4 * _GiB if self.kv_cache_dir is not None else 0
+        return int(self.kv_offload_space * _GiB)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -303,6 +345,17 @@ class EngineArgs:
     max_cpu_loras: int | None = engine_arg(
         None, "LoRA adapters kept in host memory (default: max_loras)"
     )
+    kv_cache_dir: str | None = engine_arg(
+        None,
+        "folder for a disk tier under the prefix cache: evicted KV blocks are written there and "
+        "read back instead of recomputed, across restarts (needs --enable-prefix-caching)",
+    )
+    kv_disk_space: float = engine_arg(10.0, "GiB the disk tier may use (default 10)")
+    kv_offload_space: float | None = engine_arg(
+        None,
+        "GiB of pinned host memory for evicted KV blocks on GPU/XPU (default: 4 with "
+        "--kv-cache-dir, else 0; the CPU's KV pool is host memory already)",
+    )
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
@@ -338,6 +391,7 @@ class EngineArgs:
             "speculative_config",
             "not supported together with enable_lora yet (the verifying pass has no adapters)",
         )
+        self._check_kv_tiers(speculative)
         kv_space = self.kv_cache_space
         if kv_space is None:
             kv_space = float(os.environ.get("PAGEDLLM_CPU_KVCACHE_SPACE", "4"))
@@ -361,6 +415,9 @@ class EngineArgs:
                 num_kv_blocks=self.num_kv_blocks,
                 enable_prefix_caching=self.enable_prefix_caching,
                 kv_cache_dtype=self.kv_cache_dtype,
+                kv_cache_dir=self.kv_cache_dir,
+                kv_disk_space=self.kv_disk_space,
+                kv_offload_space=self.kv_offload_space,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -384,6 +441,28 @@ class EngineArgs:
                 if self.enable_lora
                 else None
             ),
+        )
+
+    def _check_kv_tiers(self, speculative: SpeculativeConfig | None) -> None:
+        """The lower KV tiers sit under the prefix cache of one in-process worker."""
+        offload = self.kv_offload_space
+        if self.kv_cache_dir is None and not (isinstance(offload, (int, float)) and offload > 0):
+            return  # (a bad value is CacheConfig's to refuse)
+        name = "kv_cache_dir" if self.kv_cache_dir is not None else "kv_offload_space"
+        _require(
+            self.enable_prefix_caching,
+            name,
+            "lower KV tiers hold prefix-cache blocks: set enable_prefix_caching",
+        )
+        _require(
+            self.tensor_parallel_size == 1 and self.distributed_executor_backend in (None, "uni"),
+            name,
+            "lower KV tiers need one in-process worker (tensor_parallel_size 1) for now",
+        )
+        _require(
+            speculative is None or speculative.method != "draft_model",
+            name,
+            "not supported with a draft model (its own cache is not tiered)",
         )
 
 

@@ -283,6 +283,12 @@ class DeviceBackend(ABC):
             f"device={self.name!r} has no usable attention kernels ({'; '.join(failures)})"
         )
 
+    #: The device's KV pool lives in host memory (the CPU): the lower KV tiers skip their host
+    #: tier there, since a host copy would only duplicate the pool (see pagedllm/kv_tiers/).
+    kv_pool_in_host_memory: bool = False
+    #: Pin the lower tiers' host memory (page-locked, so host <-> device copies are DMA).
+    pin_host_tier: bool = False
+
     #: The cache engine class as ``"module:Class"`` (a device may keep host pools its own way).
     cache_engine_class: str = "pagedllm.backends.base:CacheEngine"
 

@@ -1,126 +1,34 @@
 """Paged KV-cache bookkeeping: which physical blocks each sequence's tokens live in.
 
-Blocks are plain integers; an allocator keeps their reference counts, so forked sequences share
-blocks until one of them writes (copy-on-write). With prefix caching, every *full* block is keyed
-by ``hash((parent_hash, its token ids))``; a freed keyed block stays reusable until the pool needs
-room, and then the least recently freed one is evicted first.
+Blocks are plain integers; an allocator (``block_allocator.py``) keeps their reference counts,
+so forked sequences share blocks until one of them writes (copy-on-write). With prefix caching,
+every *full* block is keyed by ``block_hash(parent_hash, its token ids)``; a freed keyed block
+stays reusable until the pool needs room, and then the least recently freed one is evicted
+first. With a lower tier (``core/prefix_tier.py``) an evicted block's contents go down to it,
+and a prompt's next blocks found there are loaded instead of computed.
 """
 
 from __future__ import annotations
 
-import enum
-from collections import OrderedDict, deque
-from dataclasses import dataclass
-
+from pagedllm.core.block_allocator import (
+    AllocStatus,
+    BlockAllocator,
+    OutOfBlocksError,
+    PrefixCacheStats,
+    block_hash,
+)
+from pagedllm.core.prefix_tier import PrefixTier, TierLink, TierTransfer
 from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
-
-class AllocStatus(enum.Enum):
-    OK = "ok"
-    LATER = "later"  # does not fit now; may once other requests finish
-    NEVER = "never"  # larger than the whole cache
-
-
-class OutOfBlocksError(RuntimeError):
-    """The scheduler asked for more blocks than are free: a bookkeeping bug, never user input."""
-
-
-@dataclass
-class PrefixCacheStats:
-    queries: int = 0  # full prompt blocks looked up
-    hits: int = 0  # of those, found computed in the cache
-
-
-class BlockAllocator:
-    """A pool of ``num_blocks`` blocks on one device (or in host swap space)."""
-
-    def __init__(self, num_blocks: int, *, enable_caching: bool = False) -> None:
-        self.num_blocks = num_blocks
-        self.enable_caching = enable_caching
-        self.ref_counts = [0] * num_blocks
-        self.hashes: list[int | None] = [None] * num_blocks
-        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
-        self.computed = [False] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
-        self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest-freed first
-        self._by_hash: dict[int, int] = {}
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free) + len(self._evictable)
-
-    def allocate(self) -> int:
-        """A fresh block with reference count 1, evicting a cached one if none is free."""
-        if self._free:
-            block = self._free.popleft()
-        elif self._evictable:
-            block, _ = self._evictable.popitem(last=False)
-            self._forget(block)
-        else:
-            raise OutOfBlocksError("no free KV blocks left")
-        self.ref_counts[block] = 1
-        return block
-
-    def incref(self, block: int) -> None:
-        self.ref_counts[block] += 1
-
-    def free(self, block: int) -> None:
-        count = self.ref_counts[block] - 1
-        if count < 0:
-            raise OutOfBlocksError(f"double free of block {block}")
-        self.ref_counts[block] = count
-        if count:
-            return
-        if self.hashes[block] is not None and self.computed[block]:
-            self._evictable[block] = None
-        else:
-            self._forget(block)
-            self._free.append(block)
-
-    def lookup(self, content_hash: int, token_ids: tuple[int, ...]) -> int | None:
-        """Take a reference on the cached block holding exactly these tokens, if any.
-
-        The stored token ids are compared, so a hash collision can never serve another
-        prompt's keys and values.
-        """
-        block = self._by_hash.get(content_hash)
-        if block is None or self.block_tokens[block] != token_ids:
-            return None
-        if self.ref_counts[block] == 0:
-            del self._evictable[block]
-        self.ref_counts[block] += 1
-        return block
-
-    def peek(self, content_hash: int, token_ids: tuple[int, ...]) -> int | None:
-        """The cached block with these tokens, without taking a reference."""
-        block = self._by_hash.get(content_hash)
-        if block is None or self.block_tokens[block] != token_ids:
-            return None
-        return block
-
-    def register(self, block: int, content_hash: int, token_ids: tuple[int, ...]) -> None:
-        """Key a full block by its content; the first block with a given content wins."""
-        if content_hash in self._by_hash or self.hashes[block] is not None:
-            return
-        self._by_hash[content_hash] = block
-        self.hashes[block] = content_hash
-        self.block_tokens[block] = token_ids
-
-    def _forget(self, block: int) -> None:
-        h = self.hashes[block]
-        if h is not None and self._by_hash.get(h) == block:
-            del self._by_hash[h]
-        self.hashes[block] = None
-        self.block_tokens[block] = None
-        self.computed[block] = False
-
-    def evictable_blocks(self) -> list[int]:
-        """Cached free blocks in eviction order (next evicted first)."""
-        return list(self._evictable)
-
-
-def block_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
-    return hash((parent, token_ids))
+__all__ = [
+    "AllocStatus",
+    "BlockAllocator",
+    "BlockSpaceManager",
+    "OutOfBlocksError",
+    "PrefixCacheStats",
+    "block_hash",
+    "window_block_count",
+]
 
 
 def window_block_count(sliding_window: int, block_size: int) -> int:
@@ -152,6 +60,7 @@ class BlockSpaceManager:
         enable_caching: bool = False,
         sliding_window: int | None = None,
         lazy_prompt_blocks: bool = False,
+        tier: PrefixTier | None = None,
     ) -> None:
         self.block_size = block_size
         # With a sliding window on every layer, blocks that fell out of it are released early;
@@ -170,6 +79,10 @@ class BlockSpaceManager:
         self.block_tables: dict[int, list[int]] = {}
         self._num_marked: dict[int, int] = {}  # seq_id -> leading blocks marked computed
         self.prefix_stats = PrefixCacheStats()
+        # A lower tier (host memory, disk) under the prefix cache: evictions go down, hits load.
+        self.tier = TierLink(tier) if tier is not None and enable_caching else None
+        if self.tier is not None:
+            self.device.on_evict = self.tier.on_evict
 
     # -- admission ---------------------------------------------------------------------------
     def window_blocks(self) -> int | None:
@@ -229,8 +142,60 @@ class BlockSpaceManager:
         return hits
 
     def num_cached_prefix_tokens(self, seq: Sequence) -> int:
-        """Tokens of a waiting sequence that a prefix-cache hit would spare computing."""
-        return len(self._cached_prefix(seq)) * self.block_size
+        """Tokens of a waiting sequence that a prefix-cache hit would spare computing (with the
+        lower-tier blocks pinned for it, which are loaded instead)."""
+        pinned = len(self.tier.pinned(seq.seq_id)) if self.tier is not None else 0
+        return (len(self._cached_prefix(seq)) + pinned) * self.block_size
+
+    # -- lower tiers -----------------------------------------------------------------------------
+    def _tier_keys(self, group: SequenceGroup) -> tuple[Sequence | None, list[int]]:
+        """A lone waiting prompt and the keys of its skippable blocks past the device hits."""
+        if self.tier is None:
+            return None, []
+        seqs = self._distinct_waiting(group)
+        if len(seqs) != 1:
+            return None, []  # recomputed forks are prefilled whole
+        seq, bs = seqs[0], self.block_size
+        hits = self._cached_prefix(seq)
+        parent = self.device.hashes[hits[-1]] if hits else seq.cache_root
+        keys = []
+        for i in range(len(hits), (seq.get_len() - 1) // bs):
+            parent = block_hash(parent, seq.token_slice(i * bs, (i + 1) * bs))
+            keys.append(parent)
+        return seq, keys
+
+    def tier_should_wait(self, group: SequenceGroup) -> bool:
+        """True while the prompt's next blocks are being read from disk (see TierLink)."""
+        seq, keys = self._tier_keys(group)
+        return seq is not None and self.tier is not None and self.tier.should_wait(seq.seq_id, keys)
+
+    def acquire_tier_hits(self, group: SequenceGroup) -> None:
+        """Pin the prompt's next blocks that a lower tier holds in memory, for its admission."""
+        seq, keys = self._tier_keys(group)
+        if seq is not None and self.tier is not None:
+            self.tier.acquire(seq.seq_id, keys)
+
+    def release_tier_hits(self, group: SequenceGroup) -> None:
+        """The group was not admitted after all: unpin what ``acquire_tier_hits`` pinned."""
+        if self.tier is not None:
+            for seq in group.seqs:
+                self.tier.release(seq.seq_id)
+
+    def take_transfer(self) -> TierTransfer | None:
+        """The step's saves and loads for the worker (None without a tier or traffic)."""
+        return self.tier.take_transfer() if self.tier is not None else None
+
+    def flush_transfer(self) -> TierTransfer | None:
+        """Every computed keyed device block as a save (at shutdown, so the disk tier keeps
+        what the device pool held), with whatever the last step left."""
+        if self.tier is None:
+            return None
+        d = self.device
+        for block in range(d.num_blocks):
+            key = d.hashes[block]
+            if key is not None and d.computed[block]:
+                self.tier.on_evict(block, key)
+        return self.tier.take_transfer()
 
     def _shared_live_blocks(self, seq: Sequence) -> int:
         """Prefix hits on blocks other sequences hold: they cost no free block."""
@@ -272,6 +237,7 @@ class BlockSpaceManager:
 
     def _allocate_seq(self, seq: Sequence, *, lazy: bool = True) -> tuple[list[int], int]:
         hits = self._cached_prefix(seq)
+        loaded = self.tier.take_pinned(seq.seq_id) if self.tier is not None else []
         if self.enable_caching:
             self.prefix_stats.queries += seq.get_len() // self.block_size
             self.prefix_stats.hits += len(hits)
@@ -284,6 +250,16 @@ class BlockSpaceManager:
                 parent = block_hash(parent, chunk)
                 block = self.device.lookup(parent, chunk)
                 assert block == hits[i]
+            elif i < len(hits) + len(loaded):
+                # A lower tier's block: a fresh device block, filled by the worker before the
+                # forward pass, so it is computed (a hit) for every prompt planned after this.
+                parent = block_hash(parent, chunk)
+                assert parent == loaded[i - len(hits)]
+                block = self.device.allocate()
+                self.device.register(block, parent, chunk)
+                self.device.computed[block] = True
+                assert self.tier is not None
+                self.tier.add_load(parent, block)
             else:
                 block = self.device.allocate()
                 if self.enable_caching and len(chunk) == bs:
@@ -291,7 +267,7 @@ class BlockSpaceManager:
                     parent = block_hash(parent, chunk)
                     self.device.register(block, parent, chunk)
             table.append(block)
-        return table, len(hits)
+        return table, len(hits) + len(loaded)
 
     # -- growth --------------------------------------------------------------------------------
     def can_append_slots(self, group: SequenceGroup) -> bool:
@@ -430,6 +406,8 @@ class BlockSpaceManager:
     # -- release -------------------------------------------------------------------------------
     def free(self, seq: Sequence, *, on_host: bool = False) -> None:
         """Release a sequence's blocks, last first, so cached chains are evicted from the tail."""
+        if self.tier is not None:
+            self.tier.forget(seq.seq_id)
         if seq.seq_id not in self.block_tables:
             return
         live = self._live(seq.seq_id)

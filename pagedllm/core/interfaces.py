@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.core.prefix_tier import TierTransfer
 from pagedllm.core.sampling_params import SamplingParams
 
 
@@ -62,6 +63,9 @@ class SchedulerOutput:
     # step (an int32 tensor [rows, ceil(vocab / 32)], opaque here) and seq_id -> its row.
     token_bitmask: Any = None
     bitmask_rows: dict[int, int] = field(default_factory=dict)
+    # Lower KV tiers: blocks to copy out before anything writes, and blocks to load (see
+    # core/prefix_tier.py); None without tiers or traffic.
+    kv_transfer: TierTransfer | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -175,6 +175,11 @@ class Scheduler:
             if seqs[0].get_prompt_len() > self._prompt_limit(chunked):
                 self._ignore(group, f"prompt of {seqs[0].get_prompt_len()} tokens is too long")
                 continue
+            # Prompt log-probabilities need every position computed: no lower-tier loads.
+            tiers = group.sampling_params.prompt_logprobs is None
+            if tiers and bm.tier_should_wait(group):
+                skipped.append(self.waiting.popleft())  # its next blocks are read from disk
+                continue
             status = bm.can_allocate(group)
             if status is AllocStatus.NEVER:
                 self._ignore(group, "prompt needs more KV blocks than the whole cache holds")
@@ -183,6 +188,8 @@ class Scheduler:
                 if self._preempt_lower_priority(group, budget, step):
                     continue
                 break
+            if tiers:
+                bm.acquire_tier_hits(group)
             # Cached prefix tokens are not computed, so they do not count against the budget.
             num_tokens = sum(s.get_len() - bm.num_cached_prefix_tokens(s) for s in seqs)
             if group.sampling_params.prompt_logprobs is not None:
@@ -191,10 +198,12 @@ class Scheduler:
             if chunked:
                 num_tokens = min(num_tokens, budget.tokens_left)
                 if num_tokens <= 0 or not budget.fits(num_tokens, num_new_seqs):
+                    bm.release_tier_hits(group)
                     break
             elif not budget.fits(num_tokens, num_new_seqs) and (
                 budget.num_tokens or num_tokens <= budget.token_budget
             ):
+                bm.release_tier_hits(group)
                 break
             self.waiting.popleft()
             bm.allocate(group)
@@ -394,6 +403,7 @@ class Scheduler:
             blocks_to_copy=step.copies,
             num_batched_tokens=sum(len(s.token_ids) + s.num_spec_tokens for s in scheduled),
             num_preempted=step.preempted,
+            kv_transfer=self.block_manager.take_transfer(),
         )
 
     def _scheduled_seq(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import os
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -129,6 +130,10 @@ class LLMEngine:
             num_device * cache.block_size,
             num_host,
         )
+        # Lower KV tiers: the one in-process worker's store (config.py refuses other executors).
+        self.kv_tiers = (
+            self.executor.collective_rpc("kv_tier_store")[0] if cache.kv_tiers_enabled else None
+        )
         self.block_manager = BlockSpaceManager(
             cache.block_size,
             num_device,
@@ -137,6 +142,7 @@ class LLMEngine:
             enable_caching=cache.enable_prefix_caching,
             sliding_window=window,
             lazy_prompt_blocks=lazy,
+            tier=self.kv_tiers,
         )
         self._seq_ids = itertools.count()
         spec = self.config.speculative
@@ -174,6 +180,7 @@ class LLMEngine:
         )
         self._requests: dict[str, SequenceGroup] = {}
         self._pending_outputs: list[RequestOutput] = []
+        self._cache_salt = os.urandom(16)  # adapters' prefix-cache roots: this run's only
 
     def _fit_context(self, num_device: int, window_blocks: int | None, window: int | None) -> None:
         """Refuse to start, or lower max_model_len, when the cache cannot hold one sequence.
@@ -242,7 +249,7 @@ class LLMEngine:
         self.loras.ensure(lora_request)
         block_size = self.config.cache.block_size
         seq = Sequence(next(self._seq_ids), token_ids, block_size)
-        seq.cache_root = lora_cache_root(lora_request)
+        seq.cache_root = lora_cache_root(lora_request, self._cache_salt)
         group = SequenceGroup(
             request_id=request_id,
             seqs=[seq],
@@ -320,7 +327,12 @@ class LLMEngine:
             self.guided.release(group.request_id)
             outputs.append(self.output_processor.make_output(group, error=self._why(group)))
         if sched_out.is_empty:
-            self.guided.wait(timeout=0.005)  # only requests waiting for their grammar, if any
+            if sched_out.kv_transfer is not None:
+                self.executor.collective_rpc("apply_kv_transfer", sched_out.kv_transfer)
+            # Only requests waiting for their grammar or for a read from disk, if any.
+            if self.kv_tiers is not None:
+                self.kv_tiers.wait_for_reads(timeout=0.005)
+            self.guided.wait(timeout=0.005)
             return outputs
         sched_out = self.guided.with_bitmask(sched_out)
         runner_out, ran = self._execute(sched_out, outputs)
@@ -498,10 +510,15 @@ class LLMEngine:
             "prefix_cache_queries": bm.prefix_stats.queries,
             "prefix_cache_hits": bm.prefix_stats.hits,
             **self.spec_metrics.as_stats(),
+            **(self.kv_tiers.stats() if self.kv_tiers is not None else {}),
         }
 
     def shutdown(self) -> None:
         self.guided.shutdown()
+        if self.kv_tiers is not None:
+            # The disk tier keeps what the device pool holds, for the next start.
+            self.kv_tiers = None
+            self.executor.collective_rpc("close_kv_tiers", self.block_manager.flush_transfer())
         self.executor.shutdown()
 
 

@@ -8,6 +8,7 @@ tensors into device slots.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 from pagedllm.config import LoRAConfig
@@ -69,11 +70,16 @@ class LoRARegistry:
         return [self.known[i] for i in sorted(self.known)]
 
 
-def lora_cache_root(request: LoRARequest | None) -> int | None:
-    """The prefix cache's root key for a request's first block (None: the base model)."""
+def lora_cache_root(request: LoRARequest | None, salt: bytes = b"") -> int | None:
+    """The prefix cache's root key for a request's first block (None: the base model).
+
+    ``salt`` is random per engine: an adapter's id and folder may hold other weights after a
+    restart, so its blocks in the disk tier are never read by a later run.
+    """
     if request is None:
         return None
-    return hash(("lora", request.lora_int_id, request.lora_path))
+    name = repr(("lora", request.lora_int_id, request.lora_path)).encode()
+    return int.from_bytes(hashlib.blake2b(salt + name, digest_size=16).digest(), "little")
 
 
 def per_prompt_loras(

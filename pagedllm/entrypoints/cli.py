@@ -29,6 +29,7 @@ _EPILOG = """examples:
   pagedllm generate ./my-llama --prompt "def fibonacci(n):" --max-tokens 64
   pagedllm chat --url http://127.0.0.1:8000   chat in the terminal (the browser: open the URL)
   pagedllm bench serve --url http://127.0.0.1:8000 --num-prompts 100 --request-rate 4
+  pagedllm kv-cache ls --kv-cache-dir ~/.cache/kv   what the disk KV tier holds
 """
 
 
@@ -88,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"pagedllm {pagedllm.__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{serve,generate,chat,bench}")
+    sub = parser.add_subparsers(dest="command", metavar="{serve,generate,chat,bench,kv-cache}")
 
     serve = sub.add_parser(
         "serve",
@@ -214,10 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="debug also shows tracebacks of errors",
     )
     add_engine_args(gen)
-    from pagedllm.entrypoints import bench, chat
+    from pagedllm.entrypoints import bench, chat, kv_cache
 
     chat.add_parser(sub, add_engine_args)
     bench.add_parser(sub, add_engine_args)
+    kv_cache.add_parser(sub, add_engine_args)
     return parser
 
 

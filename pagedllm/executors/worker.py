@@ -66,6 +66,7 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.spec: Any = None  # spec_decode.verify.SpecDecodeRunner under speculative decoding
         self.lora_manager: Any = None  # a LoRAManager once the model loads with LoRA enabled
+        self.kv_tiers: Any = None  # a kv_tiers.TieredBlockStore with lower KV tiers
 
     def load_model(self) -> None:
         tp = self.tp
@@ -210,12 +211,51 @@ class Worker:
             from pagedllm.spec_decode.setup import init_draft_cache
 
             init_draft_cache(self, self.spec, num_device_blocks, num_host_blocks)
+        if self.config.cache.kv_tiers_enabled:
+            from pagedllm.kv_tiers.setup import open_store
+
+            self.kv_tiers = open_store(
+                self.config,
+                self.cache_spec(),
+                attention=self.attention,
+                backend=self.backend,
+                compute_dtype=self.dtype,
+                rank=self.rank,
+            )
+
+    # -- lower KV tiers (one in-process worker: the engine holds the same store) ------------------
+    def kv_tier_store(self) -> Any:
+        """The store, handed to the block manager as its lower tier (None: tiers off)."""
+        return self.kv_tiers
+
+    def apply_kv_transfer(self, transfer: Any) -> None:
+        """A step's tier traffic outside a forward pass (saves before loads)."""
+        assert self.cache_engine is not None
+        if self.kv_tiers is not None and transfer is not None:
+            self.kv_tiers.apply_saves(transfer, self.cache_engine.kv_caches)
+            self.kv_tiers.apply_loads(transfer, self.cache_engine.kv_caches)
+
+    def close_kv_tiers(self, transfer: Any, timeout: float = 60.0) -> None:
+        """At shutdown: save ``transfer`` (the pool's cached blocks), finish writing, stop."""
+        if self.kv_tiers is None:
+            return
+        assert self.cache_engine is not None
+        if transfer is not None:
+            self.kv_tiers.save_all(self.cache_engine.kv_caches, transfer.saves, timeout)
+        self.kv_tiers.close(timeout)
+        self.kv_tiers = None
 
     @torch.inference_mode()
     def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         assert self.cache_engine is not None and self.runner is not None
+        tiers, transfer = self.kv_tiers, sched_out.kv_transfer
+        if tiers is not None and transfer is not None:
+            # Blocks evicted while this step was planned may be written by any move below.
+            tiers.apply_saves(transfer, self.cache_engine.kv_caches)
         self.cache_engine.swap_out(sched_out.blocks_to_swap_out)
         self.cache_engine.swap_in(sched_out.blocks_to_swap_in)
+        if tiers is not None and transfer is not None:
+            tiers.apply_loads(transfer, self.cache_engine.kv_caches)
         self.cache_engine.copy(sched_out.blocks_to_copy)
         if self.spec is not None:
             return self.spec.execute(sched_out, self.cache_engine.kv_caches)

@@ -44,6 +44,7 @@ class CpuBackend(DeviceBackend):
     name = "cpu"
     # The C++ kernels, else batched PyTorch when they cannot build (no compiler, say).
     attention_kinds = ("cpp", "torch")
+    kv_pool_in_host_memory = True
 
     @classmethod
     def is_available(cls) -> bool:

@@ -31,6 +31,7 @@ class CudaBackend(DeviceBackend):
     attention_kinds = ("triton",)
     # Pinned host pool, swaps and copies on a side stream.
     cache_engine_class = "pagedllm.backends.gpu.cache_engine:CudaCacheEngine"
+    pin_host_tier = True  # the lower KV tiers' host slab, as the swap pool is
 
     @classmethod
     def is_available(cls) -> bool:

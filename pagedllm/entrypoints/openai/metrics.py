@@ -12,7 +12,12 @@ from collections import deque
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
 from prometheus_client.registry import Collector
 
 from pagedllm.engine.async_engine import AsyncEngine
@@ -105,6 +110,56 @@ _TOKEN_BUCKETS = (
 )
 
 
+# The lower KV tiers (kv_tiers/store.py's stats), one series per tier where it has two.
+_TIER_COUNTERS = {
+    "kv_tier_stores": ("kv_tier_stored_blocks_total", "KV blocks written to the disk tier."),
+    "kv_tier_saves_dropped": (
+        "kv_tier_dropped_saves_total",
+        "Evicted KV blocks not saved (host memory full of blocks in flight).",
+    ),
+    "kv_tier_corrupt": (
+        "kv_tier_corrupt_blocks_total",
+        "Disk-tier block files found damaged (deleted and recomputed).",
+    ),
+    "kv_tier_load_seconds": (
+        "kv_tier_copy_in_seconds_total",
+        "Seconds of host-to-device copies of loaded blocks inside steps.",
+    ),
+}
+
+
+def tier_metrics(stats: dict[str, float]) -> Iterator[Metric]:
+    """Hits and bytes per tier, and disk read/write latency (summaries: count and sum)."""
+    hits = CounterMetricFamily(
+        PREFIX + "kv_tier_hits",
+        "KV blocks loaded from a lower tier instead of recomputed.",
+        labels=["tier"],
+    )
+    used = GaugeMetricFamily(PREFIX + "kv_tier_bytes", "Bytes held per tier.", labels=["tier"])
+    capacity = GaugeMetricFamily(
+        PREFIX + "kv_tier_capacity_bytes", "Capacity per tier.", labels=["tier"]
+    )
+    for tier in ("host", "disk"):
+        hits.add_metric([tier], float(stats.get(f"kv_tier_{tier}_hits", 0.0)))
+        used.add_metric([tier], float(stats.get(f"kv_tier_{tier}_bytes", 0.0)))
+        capacity.add_metric([tier], float(stats.get(f"kv_tier_{tier}_capacity_bytes", 0.0)))
+    yield from (hits, used, capacity)
+    for key, (name, doc) in _TIER_COUNTERS.items():
+        yield CounterMetricFamily(PREFIX + name, doc, value=float(stats.get(key, 0.0)))
+    yield SummaryMetricFamily(
+        PREFIX + "kv_tier_load_seconds",
+        "Disk reads of KV blocks: from the request to the block in host memory.",
+        count_value=float(stats.get("kv_tier_reads", 0.0)),
+        sum_value=float(stats.get("kv_tier_read_seconds", 0.0)),
+    )
+    yield SummaryMetricFamily(
+        PREFIX + "kv_tier_store_seconds",
+        "Disk writes of KV blocks: from the copy out of the device to the file in place.",
+        count_value=float(stats.get("kv_tier_stores", 0.0)),
+        sum_value=float(stats.get("kv_tier_store_seconds", 0.0)),
+    )
+
+
 class EngineStatsCollector(Collector):
     """Gauges and counters straight from ``AsyncEngine.get_stats()`` at scrape time."""
 
@@ -117,6 +172,8 @@ class EngineStatsCollector(Collector):
             yield GaugeMetricFamily(PREFIX + key, doc, value=float(stats.get(key, 0.0)))
         for key, (name, doc) in _COUNTERS.items():
             yield CounterMetricFamily(PREFIX + name, doc, value=float(stats.get(key, 0.0)))
+        if "kv_tier_disk_hits" in stats:  # lower KV tiers are on
+            yield from tier_metrics(stats)
 
 
 class ServerMetrics:

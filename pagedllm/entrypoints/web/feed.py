@@ -1,7 +1,7 @@
 """GET /v1/dashboard: the live numbers behind /dashboard, as JSON.
 
 Everything comes from what /metrics reads: the engine client's ``get_stats()`` snapshot (queue
-lengths, KV usage, token and prefix-cache counters) and the request latencies that
+lengths, KV usage, token, prefix-cache and lower-tier counters) and the request latencies that
 ``ServerMetrics`` observes. Rates need two points in time, so each call records a sample (at most
 one every ``min_interval`` seconds) into a ring of the last ``window_s`` seconds; the page polls
 once a second, so the series fill while someone watches. Nothing runs in the background.
@@ -29,6 +29,8 @@ SERIES = (
     "ttft_p90",
     "itl_p50",
     "itl_p90",
+    "tier_host_bps",
+    "tier_disk_bps",
 )
 
 
@@ -101,6 +103,10 @@ class DashboardFeed:
             queries = stats.get("prefix_cache_queries", 0.0) - old.get("prefix_cache_queries", 0)
             hits = stats.get("prefix_cache_hits", 0.0) - old.get("prefix_cache_hits", 0.0)
             values["prefix_hit_rate"] = hits / queries if queries > 0 else None
+            for tier in ("host", "disk"):  # blocks loaded from a lower KV tier per second
+                key = f"kv_tier_{tier}_hits"
+                if key in stats:
+                    values[f"tier_{tier}_bps"] = _rate(stats[key], old.get(key, 0.0), dt)
         ttft, itl = self._latencies(now, self.latency_window_s)
         for name, data in (("ttft", ttft), ("itl", itl)):
             for p in (50, 90):
@@ -148,4 +154,28 @@ class DashboardFeed:
                 )
             },
             "requests": self.tracker.rows(),
+            "kv_tiers": tier_summary(stats),
         }
+
+
+def tier_summary(stats: dict[str, float]) -> dict[str, float | None] | None:
+    """The lower KV tiers' totals (None when they are off): hits and bytes per tier, mean disk
+    read and write latency."""
+    if "kv_tier_disk_hits" not in stats:
+        return None
+    reads, stores = stats.get("kv_tier_reads", 0.0), stats.get("kv_tier_stores", 0.0)
+    out: dict[str, float | None] = {
+        k.removeprefix("kv_tier_"): stats.get(k, 0.0)
+        for k in (
+            "kv_tier_host_hits",
+            "kv_tier_disk_hits",
+            "kv_tier_host_bytes",
+            "kv_tier_host_capacity_bytes",
+            "kv_tier_disk_bytes",
+            "kv_tier_disk_capacity_bytes",
+            "kv_tier_corrupt",
+        )
+    }
+    out["load_ms"] = 1e3 * stats.get("kv_tier_read_seconds", 0.0) / reads if reads else None
+    out["store_ms"] = 1e3 * stats.get("kv_tier_store_seconds", 0.0) / stores if stores else None
+    return out

@@ -27,6 +27,21 @@
       ["p50", s.ttft_p50], ["p90", s.ttft_p90]]) }, common));
     PagedPlot.draw($("plot-itl"), Object.assign({ series: lines([
       ["p50", s.itl_p50], ["p90", s.itl_p90]]) }, common));
+    if (d.kv_tiers) {
+      $("card-tiers").hidden = false;
+      PagedPlot.draw($("plot-tiers"), Object.assign({ series: lines([
+        ["host", s.tier_host_bps], ["disk", s.tier_disk_bps]]) }, common));
+    }
+  }
+
+  // The lower KV tiers' tile: hits per tier, disk use, mean disk read / write latency.
+  function tierTile(k) {
+    $("tile-tiers-box").hidden = false;
+    const gib = (b) => (b / 2 ** 30).toFixed(2);
+    const ms1 = (v) => (v === null || v === undefined ? "–" : v.toFixed(1));
+    $("tile-tiers").textContent = k.host_hits + " / " + k.disk_hits + " · " +
+      gib(k.disk_bytes) + " of " + gib(k.disk_capacity_bytes) + " · " + ms1(k.load_ms) +
+      " / " + ms1(k.store_ms);
   }
 
   function tiles(d) {
@@ -40,6 +55,7 @@
       const l = d.latency[key];
       $(id).textContent = [l.p50, l.p90, l.p99].map(ms).join(" / ");
     }
+    if (d.kv_tiers) tierTile(d.kv_tiers);
     $("updated").textContent = "updated " + new Date(d.time * 1000).toLocaleTimeString();
   }
 
