@@ -33,25 +33,44 @@ constexpr int64_t kF32BlockGroups = 4;
 constexpr int64_t kBf16BlockGroups = 8;
 #endif
 
-Format format_of(int64_t bits, bool half_scales, bool with_offset) {
+Format format_of(int64_t bits, bool half_scales, bool with_offset, bool factored) {
   TORCH_CHECK(bits == 4 || bits == 8, "groupwise: bits must be 4 or 8, got ", bits);
-  return Format{static_cast<int>(bits), half_scales, bits == 4 && with_offset};
+  TORCH_CHECK(!factored || (bits == 4 && with_offset),
+              "groupwise: only 4-bit weights with offsets are factored");
+  return Format{static_cast<int>(bits), half_scales, bits == 4 && with_offset, factored};
 }
 
 // -- packing ----------------------------------------------------------------------------------
 template <typename S>
-void put_scales(uint8_t* dst, const float* src, int64_t stride, int64_t cols) {
+void put_values(uint8_t* dst, const float* src, int64_t stride, int64_t cols) {
   S* out = reinterpret_cast<S*>(dst);
   for (int64_t j = 0; j < kCols; ++j) out[j] = j < cols ? S(src[j * stride]) : S(0.f);
 }
 
-// One block: the 16 columns (rows of W) n0.. of group g; columns past N are zero.
-void pack_block(const uint8_t* w, int64_t ldw, const float* scale, const float* offset,
-                int64_t groups, int64_t n0, int64_t cols, int64_t g, const Format& f,
+// The 16 columns (rows of W) n0.. of one group's values (src[n * stride]), as fp16 or float32.
+void put_floats(uint8_t* dst, const float* src, int64_t stride, int64_t cols, bool half) {
+  if (half)
+    put_values<c10::Half>(dst, src, stride, cols);
+  else
+    put_values<float>(dst, src, stride, cols);
+}
+
+// The inputs of a pack: the layer's tensors, and for a factored layer its factors.
+struct PackSource {
+  const uint8_t* w;
+  int64_t ldw, groups;
+  const float* scale;
+  const float* offset;
+  const float* factors;   // [N][groups / 8][2]: d, dm
+  const uint8_t* index;   // [N][groups][2]: sc, m
+};
+
+// One block: the 16 columns n0.. (cols of them real; the rest zero) of group g.
+void pack_block(const PackSource& src, int64_t n0, int64_t cols, int64_t g, const Format& f,
                 uint8_t* block) {
-  std::memset(block, 0, f.weight_bytes());
+  std::memset(block, 0, f.block_bytes());
   for (int64_t j = 0; j < cols; ++j) {
-    const uint8_t* row = w + (n0 + j) * ldw;
+    const uint8_t* row = src.w + (n0 + j) * src.ldw;
     for (int64_t c = 0; c < f.weight_bytes() / kChunk; ++c) {
       for (int64_t b = 0; b < 4; ++b) {
         uint8_t byte;
@@ -68,55 +87,79 @@ void pack_block(const uint8_t* w, int64_t ldw, const float* scale, const float* 
       }
     }
   }
-  const int64_t sidx = n0 * groups + g;
   uint8_t* s = block + f.weight_bytes();
-  const auto put = [&](uint8_t* dst, const float* src) {
-    if (f.half_scales)
-      put_scales<c10::Half>(dst, src + sidx, groups, cols);
-    else
-      put_scales<float>(dst, src + sidx, groups, cols);
-  };
-  put(s, scale);
-  if (f.stores_offset()) put(s + f.scale_bytes(), offset);
+  if (f.factored) {
+    for (int64_t j = 0; j < cols; ++j) {
+      const uint8_t* idx = src.index + ((n0 + j) * src.groups + g) * 2;
+      s[j] = idx[0];
+      s[kCols + j] = idx[1];
+    }
+    return;
+  }
+  put_floats(s, src.scale + n0 * src.groups + g, src.groups, cols, f.half_scales);
+  if (f.stores_offset())
+    put_floats(s + f.scale_bytes(), src.offset + n0 * src.groups + g, src.groups, cols,
+               f.half_scales);
+}
+
+void pack_panel(const PackSource& src, int64_t n, int64_t p, const Format& f, uint8_t* panel) {
+  const int64_t n0 = p * kCols, cols = std::min(kCols, n - n0);
+  for (int64_t g = 0; g < src.groups; ++g) {
+    if (f.factored && g % Format::kSuper == 0) {  // the super-block's header: d, then dm
+      uint8_t* header = panel + (g / Format::kSuper) * f.super_bytes();
+      const int64_t sb = g / Format::kSuper, ldf = src.groups / Format::kSuper * 2;
+      const float* fac = src.factors + n0 * ldf + sb * 2;
+      put_floats(header, fac, ldf, cols, f.half_scales);
+      put_floats(header + f.header_bytes() / 2, fac + 1, ldf, cols, f.half_scales);
+    }
+    pack_block(src, n0, cols, g, f, panel + f.block_offset(g));
+  }
 }
 
 torch::Tensor pack_groupwise(const torch::Tensor& weight, const torch::Tensor& scale,
                              const c10::optional<torch::Tensor>& offset, int64_t bits,
-                             bool half_scales, bool with_offset) {
-  const Format f = format_of(bits, half_scales, with_offset);
-  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2, "pack_groupwise: weight must be a CPU [N, K']");
-  TORCH_CHECK(weight.scalar_type() == (bits == 4 ? at::kByte : at::kChar),
-              "pack_groupwise: ", bits, "-bit weights must be ", bits == 4 ? "uint8" : "int8",
-              ", got ", weight.scalar_type());
+                             bool half_scales, bool with_offset,
+                             const c10::optional<torch::Tensor>& factors,
+                             const c10::optional<torch::Tensor>& index) {
+  const Format f = format_of(bits, half_scales, with_offset, factors.has_value());
+  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2,
+              "pack_groupwise: weight must be a CPU [N, K']");
+  TORCH_CHECK(weight.scalar_type() == (bits == 4 ? at::kByte : at::kChar), "pack_groupwise: ",
+              bits, "-bit weights must be ", bits == 4 ? "uint8" : "int8", ", got ",
+              weight.scalar_type());
   const int64_t n = weight.size(0), k = weight.size(1) * (bits == 4 ? 2 : 1);
   TORCH_CHECK(k % kGroup == 0 && k > 0, "pack_groupwise: K=", k, " is not a multiple of 32");
   const int64_t groups = k / kGroup, panels = (n + kCols - 1) / kCols;
-  const auto check_groups = [&](const torch::Tensor& t, const char* name) {
-    TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 2 && t.size(0) == n &&
-                    t.size(1) == groups,
-                "pack_groupwise: ", name, " must be float32 [", n, ", ", groups, "], got ",
+  const auto check = [&](const torch::Tensor& t, at::ScalarType dtype,
+                         std::vector<int64_t> shape, const char* name) {
+    const at::IntArrayRef want(shape);
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype && t.sizes() == want,
+                "pack_groupwise: ", name, " must be ", dtype, " ", want, ", got ",
                 t.scalar_type(), " ", t.sizes());
+    return t.contiguous();
   };
-  check_groups(scale, "scale");
-  const torch::Tensor w = weight.contiguous(), s = scale.contiguous();
-  torch::Tensor o;
+  const torch::Tensor w = weight.contiguous();
+  const torch::Tensor s = check(scale, at::kFloat, {n, groups}, "scale");
+  torch::Tensor o, fac, idx;
   if (f.stores_offset()) {
     TORCH_CHECK(offset.has_value(), "pack_groupwise: with_offset needs the offsets");
-    check_groups(*offset, "offset");
-    o = offset->contiguous();
+    o = check(*offset, at::kFloat, {n, groups}, "offset");
   }
-  torch::Tensor out = torch::empty({panels, groups, f.block_bytes()}, w.options().dtype(at::kByte));
-  const auto* wp = static_cast<const uint8_t*>(w.data_ptr());
-  const float* sp = s.data_ptr<float>();
-  const float* op = o.defined() ? o.data_ptr<float>() : nullptr;
+  if (f.factored) {
+    TORCH_CHECK(groups % Format::kSuper == 0 && index.has_value(),
+                "pack_groupwise: factored scales need K in whole 256s and the indices");
+    fac = check(*factors, at::kFloat, {n, groups / Format::kSuper, 2}, "factors");
+    idx = check(*index, at::kByte, {n, groups, 2}, "index");
+  }
+  torch::Tensor out = torch::empty({panels, f.panel_bytes(groups)}, w.options().dtype(at::kByte));
+  const PackSource src{static_cast<const uint8_t*>(w.data_ptr()), w.size(1), groups,
+                       s.data_ptr<float>(),
+                       o.defined() ? o.data_ptr<float>() : nullptr,
+                       fac.defined() ? fac.data_ptr<float>() : nullptr,
+                       idx.defined() ? idx.data_ptr<uint8_t>() : nullptr};
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t n0 = p * kCols, cols = std::min(kCols, n - n0);
-      for (int64_t g = 0; g < groups; ++g)
-        pack_block(wp, w.size(1), sp, op, groups, n0, cols, g, f,
-                   dst + (p * groups + g) * f.block_bytes());
-    }
+    for (int64_t p = p0; p < p1; ++p) pack_panel(src, n, p, f, dst + p * out.size(1));
   });
   return out;
 }
@@ -138,7 +181,7 @@ struct Problem {
   const uint8_t* w;  // packed panels
   Format f;
   const float* bias;
-  int64_t panel_bytes() const { return groups * f.block_bytes(); }
+  int64_t panel_bytes() const { return f.panel_bytes(groups); }
   int64_t panels() const { return (n + kCols - 1) / kCols; }
 };
 
@@ -344,17 +387,19 @@ void dispatch(const torch::Tensor& x, const Problem& pb, bool dot, torch::Tensor
 }
 
 torch::Tensor groupwise_gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
-                             int64_t bits, bool half_scales, bool with_offset,
+                             int64_t bits, bool half_scales, bool with_offset, bool factored,
                              const c10::optional<torch::Tensor>& bias, bool dot) {
-  const Format f = format_of(bits, half_scales, with_offset);
+  const Format f = format_of(bits, half_scales, with_offset, factored);
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "groupwise_gemm: x must be a CPU [M, K], got ",
               x.sizes());
+  const int64_t m = x.size(0), k = x.size(1), groups = k / kGroup, panels = packed.size(0);
+  TORCH_CHECK(k % kGroup == 0 && (!factored || groups % Format::kSuper == 0),
+              "groupwise_gemm: K=", k, " is not a multiple of ", factored ? 256 : 32);
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte &&
-                  packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == f.block_bytes(),
-              "groupwise_gemm: packed must be a contiguous uint8 [N/16, K/32, ", f.block_bytes(),
-              "] for this format, got ", packed.scalar_type(), " ", packed.sizes());
-  const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0), groups = packed.size(1);
-  TORCH_CHECK(k == groups * kGroup, "groupwise_gemm: x has K=", k, ", the weights ", groups * kGroup);
+                  packed.dim() == 2 && packed.is_contiguous() &&
+                  packed.size(1) == f.panel_bytes(groups),
+              "groupwise_gemm: packed must be a contiguous uint8 [N/16, ", f.panel_bytes(groups),
+              "] for K=", k, " in this format, got ", packed.scalar_type(), " ", packed.sizes());
   TORCH_CHECK(n > (panels - 1) * kCols && n <= panels * kCols, "groupwise_gemm: N=", n,
               " does not fit ", panels, " panels of 16");
   torch::Tensor b;
@@ -390,6 +435,56 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_groups(const torch::Tensor& x)
   return {q, dx};
 }
 
+// Every byte of t read once, threads splitting it in contiguous ranges as the GEMMs split
+// their panels: the read bandwidth the decode paths are measured against
+// (benchmarks/linear_cpu.py). Returns a checksum, so that the loads cannot be dropped.
+uint64_t read_range(const uint8_t* p, int64_t n) {
+  uint64_t sum = 0;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+  for (; i + 256 <= n; i += 256) {
+    a0 = _mm512_xor_si512(a0, _mm512_loadu_si512(p + i));
+    a1 = _mm512_xor_si512(a1, _mm512_loadu_si512(p + i + 64));
+    a2 = _mm512_xor_si512(a2, _mm512_loadu_si512(p + i + 128));
+    a3 = _mm512_xor_si512(a3, _mm512_loadu_si512(p + i + 192));
+  }
+  const __m512i a = _mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3));
+  sum = static_cast<uint64_t>(_mm512_reduce_add_epi64(a));
+#elif defined(__AVX2__)
+  __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+  for (; i + 128 <= n; i += 128) {
+    const auto at = [p](int64_t j) {
+      return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j));
+    };
+    a0 = _mm256_xor_si256(a0, at(i));
+    a1 = _mm256_xor_si256(a1, at(i + 32));
+    a2 = _mm256_xor_si256(a2, at(i + 64));
+    a3 = _mm256_xor_si256(a3, at(i + 96));
+  }
+  alignas(32) uint64_t lanes[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes),
+                     _mm256_xor_si256(_mm256_xor_si256(a0, a1), _mm256_xor_si256(a2, a3)));
+  sum = lanes[0] ^ lanes[1] ^ lanes[2] ^ lanes[3];
+#endif
+  for (; i < n; ++i) sum += p[i];
+  return sum;
+}
+
+int64_t read_bytes(const torch::Tensor& t) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "read_bytes: a contiguous CPU tensor");
+  const auto* p = static_cast<const uint8_t*>(t.data_ptr());
+  const int64_t n = static_cast<int64_t>(t.nbytes()), chunk = int64_t{1} << 16;
+  std::vector<uint64_t> sums(static_cast<size_t>((n + chunk - 1) / chunk));
+  at::parallel_for(0, static_cast<int64_t>(sums.size()), 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c)
+      sums[c] = read_range(p + c * chunk, std::min(chunk, n - c * chunk));
+  });
+  uint64_t sum = 0;
+  for (uint64_t v : sums) sum ^= v;
+  return static_cast<int64_t>(sum);
+}
+
 std::string dot_isa() {
 #if defined(__AVX512VNNI__)
   return "avx512vnni";
@@ -410,19 +505,24 @@ void bind_groupwise(pybind11::module& m) {
   using NoGil = py::call_guard<py::gil_scoped_release>;
   m.def("pack_groupwise", &q4::pack_groupwise,
         "group-wise weights (uint8 nibbles [N, K/2] or int8 [N, K], float32 scale/offset "
-        "[N, K/32]) -> uint8 [N/16, K/32, block bytes] panels",
+        "[N, K/32]; factored: d, dm [N, K/256, 2] and sc, m uint8 [N, K/32, 2]) -> uint8 "
+        "[N/16, panel bytes]",
         NoGil(), py::arg("weight"), py::arg("scale"), py::arg("offset"), py::arg("bits"),
-        py::arg("half_scales"), py::arg("with_offset"));
+        py::arg("half_scales"), py::arg("with_offset"), py::arg("factors") = py::none(),
+        py::arg("index") = py::none());
   m.def("groupwise_gemm", &q4::groupwise_gemm,
         "y = x @ W^T (+ bias) on pack_groupwise panels; dot=True rounds x to int8 per group of "
         "32 and uses integer dot products",
         NoGil(), py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bits"),
-        py::arg("half_scales"), py::arg("with_offset"), py::arg("bias") = py::none(),
-        py::arg("dot") = false);
+        py::arg("half_scales"), py::arg("with_offset"), py::arg("factored"),
+        py::arg("bias") = py::none(), py::arg("dot") = false);
   m.def("quantize_groups", &q4::quantize_groups,
         "x [M, K] -> (int8 [M, K], float32 [M, K/32]): the dot path's rounding of x per group",
         NoGil(), py::arg("x"));
   m.def("groupwise_dot_isa", &q4::dot_isa, "the integer dot product of the group-wise dot path");
+  m.def("read_bytes", &q4::read_bytes,
+        "reads every byte of a tensor once on all threads (a read-bandwidth probe); a checksum",
+        NoGil(), py::arg("t"));
   m.def(
       "groupwise_rows", [] { return std::make_tuple(q4::kF32Rows, q4::kDotRows); },
       "(rows up to which float32 x dequantises in registers, rows per dot-path tile)");

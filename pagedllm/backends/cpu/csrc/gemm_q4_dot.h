@@ -87,10 +87,9 @@ inline void dot_rows(const int8_t* xq, int64_t ldx, const float* dx, const float
   constexpr int C = R <= 2 ? 2 : 1;  // independent chains while few rows
   __m512 t[R];
   for (auto& v : t) v = _mm512_setzero_ps();
-  const int64_t bb = f.block_bytes();
   const __m512i low = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* block = panel + g * bb;
+    const uint8_t* block = panel + f.block_offset(g);
     const int8_t* xg = xq + g * kGroup;
     __m512i a[C][R];
     for (auto& chain : a)
@@ -123,7 +122,7 @@ inline void dot_rows(const int8_t* xq, int64_t ldx, const float* dx, const float
       }
     }
     V16 s, o;
-    group_scales(block, f, &s, &o);
+    group_scales(panel, g, f, &s, &o);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       __m512i sum = C == 2 ? _mm512_add_epi32(a[0][r], a[C - 1][r]) : a[0][r];
@@ -156,10 +155,9 @@ inline void dot_rows(const int8_t* xq, int64_t ldx, const float* dx, const float
                      const Format& f, float* c) {
   (void)qsum;
   for (int r = 0; r < R; ++r) v_store(c + r * kCols, v_zero());
-  const int64_t bb = f.block_bytes();
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* block = panel + g * bb;
+    const uint8_t* block = panel + f.block_offset(g);
     const int8_t* xg = xq + g * kGroup;
     __m256i a[R][2];  // 4-bit: int16 sums of 16 products (<= 30480); 8-bit: int32 sums
     for (auto& row : a) row[0] = row[1] = _mm256_setzero_si256();
@@ -202,7 +200,7 @@ inline void dot_rows(const int8_t* xq, int64_t ldx, const float* dx, const float
       }
     }
     V16 s, o;
-    group_scales(block, f, &s, &o);
+    group_scales(panel, g, f, &s, &o);
     for (int r = 0; r < R; ++r) {
       const V16 sum = to_v16(a[r][0], a[r][1]);
       V16 t = v_fmav(v_load(c + r * kCols), sum, v_mul(s, v_set(dx[r * lda + g])));
@@ -221,11 +219,10 @@ inline void dot_rows(const int8_t* xq, int64_t ldx, const float* dx, const float
                      const Format& f, float* c) {
   (void)qsum;
   for (int r = 0; r < R; ++r) v_store(c + r * kCols, v_zero());
-  const int64_t bb = f.block_bytes();
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* block = panel + g * bb;
+    const uint8_t* block = panel + f.block_offset(g);
     V16 s, o;
-    group_scales(block, f, &s, &o);
+    group_scales(panel, g, f, &s, &o);
     for (int r = 0; r < R; ++r) {
       const int8_t* xg = xq + r * ldx + g * kGroup;
       for (int j = 0; j < kCols; ++j) {

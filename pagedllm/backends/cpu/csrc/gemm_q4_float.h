@@ -46,11 +46,10 @@ inline void f32_rows(const float* x, int64_t ldx, const uint8_t* panel, int64_t 
   V16 t[C][R];
   for (auto& chain : t)
     for (V16& v : chain) v = v_zero();
-  const int64_t bb = f.block_bytes();
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* block = panel + g * bb;
+    const uint8_t* block = panel + f.block_offset(g);
     V16 s, o;
-    group_scales(block, f, &s, &o);
+    group_scales(panel, g, f, &s, &o);
     const float* xg = x + g * kGroup;
     for (int ch = 0; ch < kGroup / kRowsPerChunk; ++ch) {
       V16 q[kRowsPerChunk];
@@ -76,10 +75,9 @@ inline void f32_rows(const float* x, int64_t ldx, const uint8_t* panel, int64_t 
 
 // Groups [g0, g0 + gc) of one panel, dequantised into out[32 * gc][16] float32.
 inline void f32_block(const uint8_t* panel, int64_t g0, int64_t gc, const Format& f, float* out) {
-  const int64_t bb = f.block_bytes();
   for (int64_t g = 0; g < gc; ++g) {
     V16 w[kGroup];
-    dequantize_block(panel + (g0 + g) * bb, f, w);
+    dequantize_block(panel, g0 + g, f, w);
     for (int i = 0; i < kGroup; ++i) v_store(out + (g * kGroup + i) * kCols, w[i]);
   }
 }
@@ -166,9 +164,8 @@ inline void bf16_rows(const uint16_t* x, int64_t ldx, const float* xs, int64_t l
   constexpr int kP = kPairsPerChunk<Bits>;
   __m512 t[R];
   for (auto& v : t) v = _mm512_setzero_ps();
-  const int64_t bb = f.block_bytes();
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* block = panel + g * bb;
+    const uint8_t* block = panel + f.block_offset(g);
     const uint16_t* xg = x + g * kGroup;
     __m512 a[C][R];
     for (auto& chain : a)
@@ -184,7 +181,7 @@ inline void bf16_rows(const uint16_t* x, int64_t ldx, const float* xs, int64_t l
       }
     }
     V16 s, o;
-    group_scales(block, f, &s, &o);
+    group_scales(panel, g, f, &s, &o);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       __m512 sum = a[0][r];
@@ -202,9 +199,8 @@ template <int Bits>
 inline void bf16_block(const uint8_t* panel, int64_t g0, int64_t gc, const Format& f,
                        uint16_t* pairs, float* so) {
   constexpr int kP = kPairsPerChunk<Bits>;
-  const int64_t bb = f.block_bytes();
   for (int64_t g = 0; g < gc; ++g) {
-    const uint8_t* block = panel + (g0 + g) * bb;
+    const uint8_t* block = panel + f.block_offset(g0 + g);
     for (int ch = 0; ch < kGroup / (2 * kP); ++ch) {
       __m512i w[4];
       chunk_pairs<Bits>(block + ch * kChunk, w);
@@ -212,7 +208,7 @@ inline void bf16_block(const uint8_t* panel, int64_t g0, int64_t gc, const Forma
         _mm512_storeu_si512(pairs + (g * 16 + ch * kP + i) * dp::kPairWords, w[i]);
     }
     V16 s, o;
-    group_scales(block, f, &s, &o);
+    group_scales(panel, g0 + g, f, &s, &o);
     _mm512_storeu_ps(so + g * 2 * kCols, s.v);
     _mm512_storeu_ps(so + g * 2 * kCols + kCols, o.v);
   }
