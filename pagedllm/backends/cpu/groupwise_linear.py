@@ -15,7 +15,8 @@ Two paths run on the same packed weights:
 - **dot** (``dot=True``): each row of x is rounded to int8 per group of 32
   (:func:`quantize_activation_groups`), integer dot products (VNNI / AVX2), float32 scales per
   group; its definition is :func:`dot_linear_reference`. It costs accuracy (x to ~8 bits per
-  group) and saves arithmetic, so it runs by default only where :func:`dot_rows` says so.
+  group) and saves arithmetic, so it runs by default only where :func:`dot_rows` says so:
+  bf16/fp16 batches of up to 64 rows (decode steps), never float32.
 """
 
 from __future__ import annotations
@@ -195,12 +196,13 @@ def weight_integers(layer: nn.Module) -> torch.Tensor:
     return unpack_nibbles(w) if w.dtype == torch.uint8 else w
 
 
-# Rows up to which bf16/fp16 x takes the dot path by default, in builds with VNNI. Measured with
-# benchmarks/linear_cpu.py on a Zen 4 EPYC (1B shapes, weights streamed from memory): the dot
-# path ran 1.1-1.2x the float path at one row and 1.3-1.6x at 2-8 (the float path's vdpbf16ps
-# does half the multiply-adds of vpdpbusd per instruction); from about 16 rows on prefill-sized
-# batches belong to the float path, which keeps x as it is.
-_DOT_ROWS = 8
+# Rows up to which bf16/fp16 x takes the dot path by default. On a Zen 4 EPYC (1B shapes,
+# benchmarks/linear_cpu.py) it ran 1.1-1.2x the float path at one row (both near the memory's
+# rate), 1.3-1.6x at 2-8 rows and 1.7-1.9x at 16-512 (vpdpbusd does twice the multiply-adds of
+# vdpbf16ps); the AVX2 build's vpmaddubsw 2-2.6x its float path at 1-16 rows. So it is faster at
+# every batch, and the threshold is a choice of accuracy: decode steps of up to 64 sequences
+# round x per group, prefill-sized batches keep x as it is.
+_DOT_ROWS = 64
 
 
 def dot_rows(ops: object, dtype: torch.dtype) -> int:
@@ -208,9 +210,9 @@ def dot_rows(ops: object, dtype: torch.dtype) -> int:
 
     float32 x never: float32 models are held to transformers' tokens, and the dot path rounds x
     (to ~0.6% of a layer's output, rms, against ~0.2% for bf16's own rounding of it; see the
-    module docstring). bf16/fp16 x: decode rows, where the build has VNNI.
+    tests). The scalar build never: it is the correctness fallback.
     """
-    if dtype == torch.float32 or ops.groupwise_dot_isa() != "avx512vnni":
+    if dtype == torch.float32 or ops.groupwise_dot_isa() == "scalar":
         return 0
     return _DOT_ROWS
 
@@ -255,17 +257,21 @@ def make_groupwise_linear(
     def reference(probe: torch.Tensor) -> torch.Tensor:
         return F.linear(probe.float(), dequant, bias_rows)
 
-    # float32 rows both in registers and through the scratch; bf16 rows through the scratch.
+    def forced(dot: bool) -> LinearFn:
+        return pl._reshaped(lambda x: gemm(x, dot=dot), pw.k, pw.n)
+
+    # The float path as every batch can meet it: float32 rows in registers and through the
+    # scratch, bf16 rows in registers (avx512bf16) and through the scratch.
     f32_rows = ops.groupwise_rows()[0]
     probes = (
         (torch.randn(3, pw.k), 1e-4),
         (torch.randn(f32_rows + 4, pw.k), 1e-4),
+        (torch.randn(3, pw.k).bfloat16(), 2e-2),
         (torch.randn(16, pw.k).bfloat16(), 2e-2),
     )
     what = f"C++ {name} GEMM"
-    fn = pl._checked(linear, weight, reference, rows, probes, what)
-    dot = dot_rows(ops, torch.bfloat16)
-    if fn is not None and dot:
+    ok = pl._checked(forced(False), weight, reference, rows, probes, what) is not None
+    if ok and dot_rows(ops, torch.bfloat16):
         q = weight_integers(module)[rows]
         off = None if offset is None else offset[rows]
 
@@ -273,10 +279,11 @@ def make_groupwise_linear(
             return dot_linear_reference(probe, q, scale[rows], off, bias_rows).float()
 
         probe = ((torch.randn(3, pw.k).bfloat16(), 2e-2),)
-        fn = pl._checked(linear, weight, dot_reference, rows, probe, f"{what} (dot path)")
-    if fn is None:
+        what = f"{what} (dot path)"
+        ok = pl._checked(forced(True), weight, dot_reference, rows, probe, what) is not None
+    if not ok:
         return None, f"torch-{name}"
-    return fn, path_name(ops, name)
+    return linear, path_name(ops, name)
 
 
 def path_name(ops: object, name: str) -> str:

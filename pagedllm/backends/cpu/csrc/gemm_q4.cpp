@@ -2,12 +2,13 @@
 // 8-bit (q * scale) weights in groups of 32 along K, packed once at load (gemm_q4_layout.h).
 //
 // Paths, chosen per call:
-// - float (the default): no rounding of x. float32/fp16 x: weights dequantised in registers
-//   (few rows) or once per K-block into a float32 scratch shared by the row tiles (many rows),
-//   float32 FMAs. bf16 x in avx512bf16 builds: vdpbf16ps on q, scaled per group
-//   (gemm_q4_float.h). Only the float32 summation differs from the definition.
-// - dot (explicit): x rounded to int8 per group of 32, integer dot products
-//   (gemm_q4_dot.h): the decode path, several times less arithmetic per weight.
+// - float: no rounding of x. float32/fp16 x: weights dequantised in registers (few rows) or
+//   once per K-block into a float32 scratch shared by the row tiles (many rows), float32 FMAs.
+//   bf16 x in avx512bf16 builds: vdpbf16ps on q, scaled per group (gemm_q4_float.h). Only the
+//   float32 summation differs from the definition.
+// - dot: x rounded to int8 per group of 32, integer dot products (gemm_q4_dot.h): half the
+//   instructions of vdpbf16ps per weight or less. The caller chooses (dot=); the CPU backend
+//   takes it for decode-sized bf16/fp16 batches (groupwise_linear.dot_rows).
 // Threads split the panels; each panel is streamed front to back, once per row tile.
 #include "gemm_q4.h"
 
@@ -210,7 +211,8 @@ void run_f32(const float* x, const Problem& pb, Out* y) {
       for (int64_t g0 = 0; g0 < pb.groups; g0 += kF32BlockGroups) {
         const int64_t gc = std::min(kF32BlockGroups, pb.groups - g0), kc = gc * kGroup;
         for (int64_t i = 0; i < np; ++i)
-          f32_block(pb.w + (p + i) * pb.panel_bytes(), g0, gc, pb.f, scratch.data() + i * kb * kCols);
+          f32_block(pb.w + (p + i) * pb.panel_bytes(), g0, gc, pb.f,
+                    scratch.data() + i * kb * kCols);
         for (int64_t m0 = 0; m0 < m; m0 += kTileRows) {
           const int rows = static_cast<int>(std::min<int64_t>(kTileRows, m - m0));
           with_rows<kTileRows>(rows, [&](auto r) {
@@ -241,10 +243,7 @@ std::vector<float> group_sums(const uint16_t* x, int64_t m, int64_t k) {
   std::vector<float> xs(static_cast<size_t>(m * groups));
   for (int64_t i = 0; i < m * groups; ++i) {
     const uint16_t* p = x + i * kGroup;  // rows are k = 32 * groups apart
-    __m512 v = _mm512_add_ps(
-        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16)),
-        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16))), 16)));
-    xs[i] = _mm512_reduce_add_ps(v);
+    xs[i] = _mm512_reduce_add_ps(v_add(w_load(Bf16W{}, p), w_load(Bf16W{}, p + 16)).v);
   }
   return xs;
 }
@@ -268,6 +267,7 @@ void run_bf16(const uint16_t* x, const Problem& pb, at::BFloat16* y) {
   }
   constexpr int64_t kb = kBf16BlockGroups;
   const int64_t pairs = (pb.panels() + 1) / 2;
+  const bool offsets = Bits == 4 && !centred(pb.f);
   at::parallel_for(0, pairs, 1, [&](int64_t q0, int64_t q1) {
     std::vector<float> acc(static_cast<size_t>(2 * m * kCols));
     std::vector<uint16_t> wbuf(static_cast<size_t>(2 * kb * 16 * dp::kPairWords));
@@ -287,7 +287,7 @@ void run_bf16(const uint16_t* x, const Problem& pb, at::BFloat16* y) {
           with_rows<kBf16TileRows>(rows, [&](auto r) {
             bf16_tile<decltype(r)::value>(x + m0 * k + g0 * kGroup, k, xs.data() + m0 * groups + g0,
                                           groups, wbuf.data(), wbuf.data() + second * wstride,
-                                          so.data(), so.data() + second * sstride, gc,
+                                          so.data(), so.data() + second * sstride, gc, offsets,
                                           acc.data() + m0 * kCols, acc.data() + (m + m0) * kCols,
                                           g0 > 0);
           });
@@ -363,7 +363,8 @@ void with_dtype(const torch::Tensor& t, const Fn& fn) {
     case at::kHalf:
       return fn(t.data_ptr<at::Half>());
     default:
-      TORCH_CHECK(false, "groupwise: x must be float32, bfloat16 or float16, got ", t.scalar_type());
+      TORCH_CHECK(false, "groupwise: x must be float32, bfloat16 or float16, got ",
+                  t.scalar_type());
   }
 }
 

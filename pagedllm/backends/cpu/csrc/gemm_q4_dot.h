@@ -74,7 +74,8 @@ constexpr int kDotRows = 8;
 // acc + the 16 columns' u8 x 4 (k) dot products with the 4 int8 of x at p, broadcast by the
 // instruction itself ({1to16}): GCC otherwise emits a separate vpbroadcastd per row and chunk.
 inline __m512i dot4(__m512i acc, __m512i u, const int8_t* p) {
-  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*reinterpret_cast<const int32_t*>(p)));
+  const auto& x4 = *reinterpret_cast<const int32_t*>(p);
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(x4));
   return acc;
 }
 
@@ -185,9 +186,8 @@ inline void dot_rows(const int8_t* xq, int64_t ldx, const float* dx, const float
         for (auto& v : row) v = _mm256_madd_epi16(v, ones);
     } else {
       for (int ch = 0; ch < 8; ++ch) {
-        const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + ch * kChunk));
-        const __m256i w1 =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + ch * kChunk + 32));
+        const auto* w = reinterpret_cast<const __m256i*>(block + ch * kChunk);
+        const __m256i w0 = _mm256_loadu_si256(w), w1 = _mm256_loadu_si256(w + 1);
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
           const __m256i xs = _mm256_set1_epi32(load4(xg + r * ldx + 4 * ch));

@@ -85,10 +85,14 @@ inline V16 v_set(float x) {
 // 16 bytes as float32 (the factored layout's sc and m).
 inline V16 u8_load(const uint8_t* p) {
 #if defined(__AVX512F__)
-  return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b))};
 #elif defined(__AVX2__)
-  return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))),
-          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))))};
+  const auto half = [p](int h) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * h));
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+  };
+  return {half(0), half(1)};
 #else
   V16 r;
   for (int j = 0; j < 16; ++j) r.v[j] = static_cast<float>(p[j]);
@@ -208,7 +212,8 @@ inline void int4_rows(const uint8_t* chunk, V16 q[8]) {
 
 inline void int8_rows(const uint8_t* chunk, V16 q[4]) {
   for (int j = 0; j < 16; ++j)
-    for (int b = 0; b < 4; ++b) q[b].v[j] = static_cast<float>(static_cast<int8_t>(chunk[4 * j + b]));
+    for (int b = 0; b < 4; ++b)
+      q[b].v[j] = static_cast<float>(static_cast<int8_t>(chunk[4 * j + b]));
 }
 #endif
 
