@@ -204,6 +204,9 @@ QuantizedRows quantize_rows(const In* x, int64_t m, int64_t k) {
 template <int Bits, typename Out>
 void run_dot(const QuantizedRows& qx, const Problem& pb, Out* y) {
   const int64_t m = pb.m, k = pb.k, groups = pb.groups;
+  // Each group sum's integer correction (dot_rows): -8 sum(xq) (4-bit), 128 sum(xq) (8-bit).
+  std::vector<int32_t> corr(qx.qsum.size());
+  for (size_t i = 0; i < corr.size(); ++i) corr[i] = (Bits == 4 ? -8 : 128) * qx.qsum[i];
   at::parallel_for(0, pb.panels(), 1, [&](int64_t p0, int64_t p1) {
     float c[kDotRows * kCols];
     for (int64_t p = p0; p < p1; ++p) {
@@ -212,7 +215,7 @@ void run_dot(const QuantizedRows& qx, const Problem& pb, Out* y) {
         const int64_t a = m0 * groups;
         with_rows<kDotRows>(rows, [&](auto r) {
           dot_rows<Bits, decltype(r)::value>(qx.q.data() + m0 * k, k, qx.dx.data() + a,
-                                             qx.xsum.data() + a, qx.qsum.data() + a, groups,
+                                             qx.xsum.data() + a, corr.data() + a, groups,
                                              pb.w + p * pb.panel_bytes(), groups, pb.f, c);
         });
         store(c, rows, pb.n, p * kCols, pb.bias, y + m0 * pb.n);

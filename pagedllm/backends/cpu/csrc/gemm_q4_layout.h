@@ -33,24 +33,34 @@ constexpr int64_t kCols = 16;   // output columns per panel
 constexpr int64_t kGroup = 32;  // k per group: one scale (and offset) per column
 constexpr int64_t kChunk = 64;  // bytes: one dword per column
 
+// Kernels call these per group: they must inline (GCC left group_scales out of line once it
+// grew the factored case, which doubled the one-row dot path's time from L2).
+#define PAGEDLLM_Q4_INLINE inline __attribute__((always_inline))
+
 struct Format {
   static constexpr int64_t kSuper = 8;  // groups per factored super-block
   int bits = 4;             // 4 or 8
   bool half_scales = true;  // scales and offsets (factored: d and dm) stored as fp16
   bool with_offset = true;  // 4-bit only: offsets stored; else offset = -8 * scale
   bool factored = false;    // 4-bit with offsets: d, dm per 8 groups, sc, m bytes per group
-  int64_t weight_bytes() const { return bits == 4 ? 256 : 512; }
-  int64_t scale_bytes() const { return factored ? kCols : (half_scales ? 2 : 4) * kCols; }
-  bool stores_offset() const { return bits == 4 && with_offset; }
-  int64_t block_bytes() const { return weight_bytes() + scale_bytes() * (stores_offset() ? 2 : 1); }
-  int64_t header_bytes() const { return factored ? 2 * (half_scales ? 2 : 4) * kCols : 0; }
-  int64_t super_bytes() const { return header_bytes() + kSuper * block_bytes(); }
+  PAGEDLLM_Q4_INLINE int64_t weight_bytes() const { return bits == 4 ? 256 : 512; }
+  PAGEDLLM_Q4_INLINE int64_t scale_bytes() const {
+    return factored ? kCols : (half_scales ? 2 : 4) * kCols;
+  }
+  PAGEDLLM_Q4_INLINE bool stores_offset() const { return bits == 4 && with_offset; }
+  PAGEDLLM_Q4_INLINE int64_t block_bytes() const {
+    return weight_bytes() + scale_bytes() * (stores_offset() ? 2 : 1);
+  }
+  PAGEDLLM_Q4_INLINE int64_t header_bytes() const {
+    return factored ? 2 * (half_scales ? 2 : 4) * kCols : 0;
+  }
+  PAGEDLLM_Q4_INLINE int64_t super_bytes() const { return header_bytes() + kSuper * block_bytes(); }
   // Where group g's block starts in its panel, and a panel's size.
-  int64_t block_offset(int64_t g) const {
+  PAGEDLLM_Q4_INLINE int64_t block_offset(int64_t g) const {
     if (!factored) return g * block_bytes();
     return (g / kSuper) * super_bytes() + header_bytes() + (g % kSuper) * block_bytes();
   }
-  int64_t panel_bytes(int64_t groups) const {
+  PAGEDLLM_Q4_INLINE int64_t panel_bytes(int64_t groups) const {
     return factored ? groups / kSuper * super_bytes() : groups * block_bytes();
   }
 };
@@ -83,7 +93,7 @@ inline V16 v_set(float x) {
 #endif
 
 // 16 bytes as float32 (the factored layout's sc and m).
-inline V16 u8_load(const uint8_t* p) {
+PAGEDLLM_Q4_INLINE V16 u8_load(const uint8_t* p) {
 #if defined(__AVX512F__)
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b))};
@@ -102,8 +112,8 @@ inline V16 u8_load(const uint8_t* p) {
 
 // Group g's scales and offsets (of the panel starting at `panel`) as float32; an 8-bit group
 // has no offset: zero. Factored: d * sc and dm * m, exact (the products the file defines).
-inline void group_scales(const uint8_t* panel, int64_t g, const Format& f, V16* scale,
-                         V16* offset) {
+PAGEDLLM_Q4_INLINE void group_scales(const uint8_t* panel, int64_t g, const Format& f,
+                                     V16* scale, V16* offset) {
   const auto load = [&f](const uint8_t* q) {
     return f.half_scales ? w_load(Fp16W{}, reinterpret_cast<const uint16_t*>(q))
                          : v_load(reinterpret_cast<const float*>(q));
