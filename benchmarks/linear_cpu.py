@@ -15,7 +15,19 @@ shape, side by side in one run:
   two int8 planes (near-16-bit precision; what int8 layers use where there is AMX-INT8 or VNNI),
   except that without AMX-INT8 bf16 batches of ``int8_dp_min_rows()`` rows or more convert the
   weights to bf16 once per K-block instead; ``int8_planes_cpp``: the planes at every batch;
+* ``int4_cpp`` / ``q4_0_cpp`` / ``q4_k_cpp`` / ``q8_0_cpp``: our group-wise GEMM
+  (``csrc/gemm_q4.cpp``) on the same weight quantised in groups of 32 as each source stores it
+  (int4 made at load: fp16 scale and offset, 5 bits a weight; Q4_0: 4.5; Q4_K: d and dmin per 8
+  groups, 4.625; Q8_0: 8.5), with the path each batch takes by default (the integer dot path
+  for bf16 batches of up to 8 rows where there is VNNI); ``int4_float_cpp``: the float path at
+  every batch;
 * ``linear_path``: what ``CpuBackend.prepare_model`` would pick for a bf16 weight on this CPU.
+
+The ``decode`` section times 1-8 rows with every call streaming its weights from memory (each
+path cycles through copies of its weights, ``--stream-mb`` in all, several times the
+last-level cache): bf16, the int8 path the backend picks, and the group-wise formats, with
+``read_GBps`` (``read_bytes`` over the same int4 copies: every byte loaded once on all threads)
+and each path's weight bytes per second at one row as a share of it.
 
 Reports milliseconds per call (best of several), ratios to float32 and to bf16 F.linear, and for
 M=1 the weight bytes streamed per second (weights are read once per call; activations are
@@ -24,12 +36,17 @@ cache, so its GB/s exceeds the memory's; in a whole model every layer comes from
 
     python benchmarks/linear_cpu.py            # the 1B shapes above
     python benchmarks/linear_cpu.py --smoke    # small shapes, a few seconds (CI)
+
+The group-wise weights come from small quantisers here (``_q4_0``, ``_q4_k``, ``_q8_0``: the
+formats, not ggml's search for the best scales), which is all the timing needs.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import time
 from collections.abc import Callable
 
@@ -37,6 +54,12 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.backends.cpu._ops import cpu_model_name, resolve_isa
+from pagedllm.backends.cpu.groupwise_linear import (
+    PackedGroupwise,
+    make_groupwise_gemm,
+    pack_groupwise,
+    path_name,
+)
 from pagedllm.backends.cpu.packed_linear import (
     gemm_ops,
     make_16bit_linear,
@@ -47,6 +70,7 @@ from pagedllm.backends.cpu.packed_linear import (
     make_w8a8_linear,
 )
 from pagedllm.layers.quantization import quantize_per_channel
+from pagedllm.layers.quantization.groupwise import pack_nibbles, quantize_int4
 
 SHAPES_1B = {"qkv": 2560, "gate_up": 16384, "o_proj": 2048, "lm_head": 32000}
 HIDDEN_1B = 2048
@@ -80,6 +104,88 @@ def _planes_only(
     return lambda x: ops.int8_split_gemm(x, packed, n, scale32, dp_min_rows=0)
 
 
+def _fp16(t: torch.Tensor) -> torch.Tensor:
+    return t.half().float()
+
+
+def _groups(w: torch.Tensor) -> torch.Tensor:
+    return w.float().reshape(w.shape[0], -1, 32)  # [N, G, 32]
+
+
+def _q4_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Symmetric 4-bit: fp16 d per group, q = round(w / d) + 8, offset -8 d (Q4_0's format)."""
+    g = _groups(w)
+    d = _fp16(g.abs().amax(dim=-1).clamp_min(1e-8) / 7.5)  # [N, G]
+    q = (torch.round(g / d[..., None]) + 8).clamp(0, 15).reshape(w.shape)
+    return pack_nibbles(q), d, -8 * d
+
+
+def _q4_k(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K's format: per 8 groups fp16 d and dmin, per group 6-bit sc and m; scale = d * sc,
+    offset = -dmin * m (Q4_K's own search for the scales is left out)."""
+    g = _groups(w)
+    n, groups = g.shape[:2]
+    low = g.amin(dim=-1).clamp_max(0)  # [N, G]: Q4_K's offsets are <= 0
+    step = ((g.amax(dim=-1) - low) / 15).clamp_min(1e-8)
+    factored = []
+    for values in (step, -low):
+        blocks = values.reshape(n, groups // 8, 8)
+        unit = _fp16(blocks.amax(dim=-1, keepdim=True).clamp_min(1e-8) / 63)
+        units = torch.round(blocks / unit).clamp(0, 63)
+        factored.append((unit * units).reshape(n, groups))
+    scale, offset = factored[0].clamp_min(1e-8), -factored[1]
+    q = torch.round((g - offset[..., None]) / scale[..., None]).clamp(0, 15).reshape(w.shape)
+    return pack_nibbles(q), scale, offset
+
+
+def _q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    g = _groups(w)
+    d = _fp16(g.abs().amax(dim=-1).clamp_min(1e-8) / 127)
+    q = torch.round(g / d[..., None]).clamp(-127, 127).to(torch.int8).reshape(w.shape)
+    return q, d, None
+
+
+def groupwise_weights(w32: torch.Tensor) -> dict[str, PackedGroupwise]:
+    """``w32 [N, K]`` packed as each group-wise source stores it."""
+    ops = gemm_ops()
+    made = {"int4": quantize_int4(w32), "q4_0": _q4_0(w32), "q8_0": _q8_0(w32)}
+    if w32.shape[1] % 256 == 0:  # Q4_K's super-blocks
+        made["q4_k"] = _q4_k(w32)
+    return {name: pack_groupwise(ops, *tensors) for name, tensors in made.items()}
+
+
+def _groupwise_paths(w32: torch.Tensor) -> dict[str, tuple[object, torch.dtype, float]]:
+    if gemm_ops() is None:
+        return {}
+    paths: dict[str, tuple[object, torch.dtype, float]] = {}
+    for name, pw in groupwise_weights(w32).items():
+        gemm = make_groupwise_gemm(gemm_ops(), pw, None)
+        paths[f"{name}_cpp"] = (gemm, torch.bfloat16, pw.bits_per_weight / 8)
+        if name == "int4":
+            float_only = (lambda x, gemm=gemm: gemm(x, dot=False), torch.bfloat16)
+            paths["int4_float_cpp"] = (*float_only, pw.bits_per_weight / 8)
+    return paths
+
+
+def _int8_default() -> str:
+    """The int8 column the backend's own choice for int8 weight-only layers runs."""
+    path = make_int8_linear(torch.zeros(16, 64, dtype=torch.int8), torch.ones(16), None)[1]
+    return "int8_split_cpp" if path.startswith("cpp-int8-split") else "int8_cpp"
+
+
+def _groupwise_ratios(row: dict[str, object]) -> None:
+    int8 = row.get(f"{_int8_default()}_ms")
+    best_bf16 = min(row.get("bf16_onednn_ms", math.inf), row.get("bf16_cpp_ms", math.inf))
+    for name in ("int4", "int4_float", "q4_0", "q4_k", "q8_0"):
+        ms = row.get(f"{name}_cpp_ms")
+        if ms is None:
+            continue
+        if int8 is not None:
+            row[f"{name}_vs_int8"] = round(int8 / ms, 2)
+        if best_bf16 < math.inf:
+            row[f"{name}_vs_best_bf16"] = round(best_bf16 / ms, 2)
+
+
 def run_shape(n: int, k: int, batches: list[int], budget_s: float) -> list[dict[str, object]]:
     torch.manual_seed(0)
     w32 = torch.randn(n, k) * 0.02
@@ -96,6 +202,7 @@ def run_shape(n: int, k: int, batches: list[int], budget_s: float) -> list[dict[
         "w8a8_cpp": (make_w8a8_linear(q, scale, None), torch.bfloat16, 1),
         "int8_split_cpp": (make_int8_split_linear(q, scale, None), torch.bfloat16, 1),
         "int8_planes_cpp": (_planes_only(q, scale), torch.bfloat16, 1),
+        **_groupwise_paths(w32),
     }
     rows = []
     for m in batches:
@@ -130,8 +237,96 @@ def run_shape(n: int, k: int, batches: list[int], budget_s: float) -> list[dict[
             row["int8_split_vs_int8_cpp"] = round(row["int8_cpp_ms"] / row["int8_split_cpp_ms"], 2)
             best_bf16 = min(row.get("bf16_onednn_ms", float("inf")), row["bf16_cpp_ms"])
             row["int8_split_vs_best_bf16"] = round(best_bf16 / row["int8_split_cpp_ms"], 2)
+        _groupwise_ratios(row)
         rows.append(row)
     return rows
+
+
+def _cycling(fns: list[Callable[[torch.Tensor], object]]) -> Callable[[torch.Tensor], object]:
+    """One call after another through ``fns``: each on weights not read since a cycle ago."""
+    state = {"i": 0}
+
+    def call(x: torch.Tensor) -> object:
+        state["i"] += 1
+        return fns[state["i"] % len(fns)](x)
+
+    return call
+
+
+def _copies(nbytes: float, stream_bytes: float) -> int:
+    return max(1, math.ceil(stream_bytes / nbytes))
+
+
+def _interleaved(fns: dict[str, Callable[[], object]], budget_s: float) -> dict[str, float]:
+    """Each function's fastest call, the functions taking turns (a few calls each, over
+    several rounds) so that all of them meet the same memory traffic from other processes."""
+    best = {name: math.inf for name in fns}
+    rounds = 5
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            best[name] = min(best[name], bench(fn, budget_s / rounds))
+    return best
+
+
+def decode_from_memory(
+    n: int, k: int, batches: list[int], budget_s: float, stream_bytes: float
+) -> dict[str, object]:
+    """Decode rows with each path's weights streamed from memory (see the module docstring)."""
+    ops = gemm_ops()
+    torch.manual_seed(1)
+    w32 = torch.randn(n, k) * 0.02
+    q, scale = quantize_per_channel(w32)
+    w16 = w32.bfloat16()
+    # name -> (make one copy: (linear, its packed tensor or None), bytes per weight)
+    makers: dict[str, tuple[Callable[[], tuple[object, torch.Tensor | None]], float]] = {
+        "bf16": (lambda: (make_16bit_linear(w16.clone(), None)[0], None), 2.0),
+        "int8": (lambda: (make_int8_linear(q.clone(), scale, None)[0], None), 1.0),
+    }
+    for name, pw in groupwise_weights(w32).items():
+
+        def copy(pw: PackedGroupwise = pw) -> tuple[object, torch.Tensor]:
+            clone = dataclasses.replace(pw, packed=pw.packed.clone())
+            return make_groupwise_gemm(ops, clone, None), clone.packed
+
+        makers[name] = (copy, pw.bits_per_weight / 8)
+    calls: dict[str, Callable[[torch.Tensor], object]] = {}
+    read = None
+    for name, (make, per_weight) in makers.items():
+        made = [make() for _ in range(_copies(n * k * per_weight, stream_bytes))]
+        if all(fn is not None for fn, _ in made):
+            calls[name] = _cycling([fn for fn, _ in made])
+        if name == "int4":  # the read bandwidth, over these very copies
+            read = _cycling([lambda x, t=t: ops.read_bytes(t) for _, t in made])
+            read_bytes = made[0][1].numel()
+    rows: list[dict[str, object]] = []
+    read_gbps = None
+    for m in batches:
+        x = torch.randn(m, k).bfloat16()
+        fns = {name: lambda call=call, x=x: call(x) for name, call in calls.items()}
+        if m == 1 and read is not None:
+            fns["read"] = lambda: read(None)
+        best = _interleaved(fns, budget_s * len(fns))
+        if "read" in best:
+            read_gbps = round(read_bytes / best.pop("read") / 1e9, 2)
+        row: dict[str, object] = {"m": m}
+        for name, seconds in best.items():
+            row[f"{name}_ms"] = round(seconds * 1e3, 3)
+            if m == 1:
+                gbps = n * k * makers[name][1] / seconds / 1e9
+                row[f"{name}_weight_GBps"] = round(gbps, 2)
+                if read_gbps:
+                    row[f"{name}_read_share"] = round(gbps / read_gbps, 2)
+        for name in ("int4", "q4_0", "q4_k", "q8_0"):
+            if f"{name}_ms" in row and "int8_ms" in row:
+                row[f"{name}_vs_int8"] = round(row["int8_ms"] / row[f"{name}_ms"], 2)
+        rows.append(row)
+    return {
+        "n": n,
+        "k": k,
+        "stream_MB": round(stream_bytes / 2**20),
+        "read_GBps": read_gbps,
+        "rows": rows,
+    }
 
 
 def main() -> None:
@@ -139,13 +334,18 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="small shapes, a few seconds (CI)")
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads")
     parser.add_argument("--budget", type=float, default=1.0, help="seconds per measurement")
+    parser.add_argument(
+        "--stream-mb", type=float, default=256, help="weight copies each decode path cycles"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.smoke:
-        shapes, k, batches, budget = {"qkv": 96, "lm_head": 500}, 128, [1, 16], 0.05
+        shapes, k, batches, budget = {"qkv": 96, "lm_head": 500}, 256, [1, 16], 0.05
+        decode_shapes, decode_rows, stream_bytes = {"lm_head": 500}, [1, 8], 0.0
     else:
         shapes, k, batches, budget = SHAPES_1B, HIDDEN_1B, [1, 16, 64, 512], args.budget
+        decode_shapes, decode_rows, stream_bytes = shapes, [1, 2, 4, 8], args.stream_mb * 2**20
     ops = gemm_ops()
     result = {
         "benchmark": "linear_cpu",
@@ -157,8 +357,14 @@ def main() -> None:
         "linear_path_int8": make_int8_linear(
             torch.zeros(16, 64, dtype=torch.int8), torch.ones(16), None
         )[1],
+        "linear_path_int4": path_name(ops, "int4") if ops is not None else "torch-int4",
+        "linear_path_q8_0": path_name(ops, "q8_0") if ops is not None else "torch-q8_0",
         "threads": torch.get_num_threads(),
         "shapes": {name: run_shape(n, k, batches, budget) for name, n in shapes.items()},
+        "decode": {
+            name: decode_from_memory(n, k, decode_rows, budget, stream_bytes)
+            for name, n in decode_shapes.items()
+        },
     }
     print(json.dumps(result, indent=1))
 

@@ -21,9 +21,9 @@ from pagedllm.backends.cpu import packed_linear
 from pagedllm.backends.cpu._ops import load_gemm_ops, supported_isas
 from pagedllm.backends.cpu.groupwise_linear import (
     dot_linear_reference,
+    factor_super_blocks,
     pack_groupwise,
     quantize_activation_groups,
-    scale_format,
 )
 from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedllm.layers.quantization.groupwise import (
@@ -44,8 +44,10 @@ FLOAT_TOL = {torch.float32: 2e-5, torch.bfloat16: 8e-3, torch.float16: 2e-3}
 DOT_TOL = {torch.float32: 2e-6, torch.bfloat16: 8e-3, torch.float16: 2e-3}
 ROWS = (1, 2, 3, 7, 8, 9, 16, 33, 70)
 # (N, K): N off the 16-column panels; K one group, three (an odd count), 128.
-SHAPES = ((37, 32), (17, 96), (50, 4096))
-KINDS = ("q4_0", "q4_1", "q4_k", "int4", "q8_0")
+SHAPES = ((37, 32), (17, 96), (50, 4096))  # factored Q4_K needs whole 256s: the last
+# Weight sources: GGUF Q4_0 / Q4_1 / Q4_K / Q8_0, quantize_int4, and float32 scales (no exact
+# compact form: the 6-bit and 9-bit formats).
+KINDS = ("q4_0", "q4_1", "q4_k", "int4", "q4_f32", "q8_0", "q8_f32")
 
 
 @pytest.fixture(scope="module", params=ISAS)
@@ -60,14 +62,23 @@ def _fp16(t: torch.Tensor) -> torch.Tensor:
     return t.half().float()
 
 
+def _q4_k_factor(n: int, g: int) -> torch.Tensor:
+    """float32 ``[N, G]``: fp16 per 8 groups times 0..63, Q4_K's largest group of 8 at 63."""
+    units = torch.randint(0, 64, (n, g)).float()
+    units[:, ::8] = 63
+    d = _fp16(torch.rand(n, (g + 7) // 8) + 0.5).repeat_interleave(8, dim=1)[:, :g]
+    return d * units
+
+
 def _layer_data(
     kind: str, n: int, k: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """(stored weight, scale, offset, integers q [N, K]) shaped as each source makes them."""
     g = k // 32
-    if kind == "q8_0":  # fp16 d, q in -127..127
+    if kind in ("q8_0", "q8_f32"):  # fp16 d (or any float32), q in -127..127
         q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
-        return q, _fp16(torch.rand(n, g) * 0.01 + 1e-3), None, q
+        d = torch.rand(n, g) * 0.01 + 1e-3
+        return q, _fp16(d) if kind == "q8_0" else d, None, q
     if kind == "int4":  # quantize_int4 of a float weight: fp16 scale and offset
         packed, scale, offset = quantize_int4(torch.randn(n, k) * 0.05)
         q = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(n, k)
@@ -78,10 +89,10 @@ def _layer_data(
         scale, offset = d, -8 * d
     elif kind == "q4_1":
         scale, offset = d, _fp16(torch.randn(n, g) * 0.05)
-    else:  # Q4_K: fp16 d and dmin per 256, 6-bit sc and m per group of 32
-        sc = torch.randint(0, 64, (n, g)).float()
-        scale = _fp16(torch.rand(n, 1) * 1e-3) * sc
-        offset = -_fp16(torch.rand(n, 1) * 1e-3) * torch.randint(0, 64, (n, g)).float()
+    elif kind == "q4_k":  # fp16 d and dmin per 8 groups, 6-bit sc and m
+        scale, offset = _q4_k_factor(n, g) * 2**-10, _q4_k_factor(n, g) * -(2**-10)
+    else:  # any float32
+        scale, offset = torch.rand(n, g) * 0.01 + 1e-3, torch.randn(n, g) * 0.05
     return pack_nibbles(q), scale, offset, q
 
 
@@ -107,9 +118,7 @@ def test_float_path_matches_float64_reference(ops, kind: str, xdtype, shape) -> 
     for m in ROWS:
         for bias in (None, torch.randn(n).to(xdtype)):
             x = torch.randn(m, k).to(xdtype)
-            y = ops.groupwise_gemm(
-                x, pw.packed, n, pw.bits, pw.half_scales, pw.with_offset, bias, False
-            )
+            y = pw.gemm(ops, x, bias, False)
             assert y.dtype == xdtype and y.shape == (m, n)
             ref = x.double() @ w.T + (0 if bias is None else bias.double())
             err = _rel_err(y, ref)
@@ -127,9 +136,7 @@ def test_dot_path_matches_its_definition(ops, kind: str, xdtype, shape) -> None:
     for m in ROWS:
         for bias in (None, torch.randn(n).to(xdtype)):
             x = torch.randn(m, k).to(xdtype)
-            y = ops.groupwise_gemm(
-                x, pw.packed, n, pw.bits, pw.half_scales, pw.with_offset, bias, True
-            )
+            y = pw.gemm(ops, x, bias, True)
             assert y.dtype == xdtype and y.shape == (m, n)
             ref = dot_linear_reference(x, q, scale, offset, None if bias is None else bias.float())
             err = _rel_err(y, ref)
@@ -160,29 +167,43 @@ def test_dot_path_error_against_the_float_reference_is_bounded(ops, kind: str) -
     weight, scale, offset, _ = _layer_data(kind, n, k)
     pw = pack_groupwise(ops, weight, scale, offset)
     x = torch.randn(8, k)
-    y = ops.groupwise_gemm(x, pw.packed, n, pw.bits, pw.half_scales, pw.with_offset, None, True)
+    y = pw.gemm(ops, x, None, True)
     ref = x.double() @ _dequantized(weight, scale, offset).double().T
     rms = ((y.double() - ref).norm() / ref.norm()).item()
     assert 1e-4 < rms < 1e-2, f"rms relative error {rms:.2e}"
 
 
-def test_scale_format_and_bits_per_weight(ops) -> None:
-    n, k = 20, 256
-    expected = {
-        "q4_0": ((True, False), 4.5),
-        "q4_1": ((True, True), 5.0),
-        "int4": ((True, True), 5.0),
-        "q4_k": ((False, True), 6.0),
-        "q8_0": ((True, False), 8.5),
+def test_formats_and_bits_per_weight(ops) -> None:
+    n, k = 20, 512
+    expected = {  # (half_scales, with_offset, factored), bits a weight
+        "q4_0": ((True, False, False), 4.5),
+        "q4_k": ((True, True, True), 4.625),
+        "q4_1": ((True, True, False), 5.0),
+        "int4": ((True, True, False), 5.0),
+        "q4_f32": ((False, True, False), 6.0),
+        "q8_0": ((True, False, False), 8.5),
+        "q8_f32": ((False, False, False), 9.0),
     }
     for kind, (fmt, bits) in expected.items():
         torch.manual_seed(0)
         weight, scale, offset, _ = _layer_data(kind, n, k)
-        assert scale_format(scale, offset) == fmt, kind
         pw = pack_groupwise(ops, weight, scale, offset)
-        assert (pw.half_scales, pw.with_offset) == fmt
-        assert pw.packed.shape == (2, k // 32, int(bits * 32 * 16 / 8)), kind
+        assert (pw.half_scales, pw.with_offset, pw.factored) == fmt, kind
+        assert pw.packed.shape == (2, int(bits * k * 16 / 8)), kind
         assert pw.bits_per_weight == bits
+
+
+def test_factoring_is_exact_or_refused() -> None:
+    torch.manual_seed(2)
+    scale, offset = _q4_k_factor(4, 16), _q4_k_factor(4, 16) * -1
+    factors, index = factor_super_blocks(scale, offset)
+    units = index.float()  # [N, G, 2]
+    d = factors.repeat_interleave(8, dim=1)  # [N, G, 2]
+    assert torch.equal(d[..., 0] * units[..., 0], scale)
+    assert torch.equal(d[..., 1] * units[..., 1], offset)
+    scale[2, 9] = scale[2, 9] * (1 + 2**-20)  # one group off the grid: the whole layer refuses
+    assert factor_super_blocks(scale, offset) is None
+    assert factor_super_blocks(scale[:, :12], offset[:, :12]) is None  # not whole super-blocks
 
 
 def test_one_inexact_fp16_scale_keeps_the_layer_float32(ops) -> None:
@@ -190,30 +211,31 @@ def test_one_inexact_fp16_scale_keeps_the_layer_float32(ops) -> None:
     weight, scale, offset, _ = _layer_data("q4_1", 16, 64)
     scale[3, 1] = 1.0 + 2**-20  # not an fp16: rounding it would change the weights
     pw = pack_groupwise(ops, weight, scale, offset)
-    assert not pw.half_scales
+    assert not pw.half_scales and not pw.factored
     x = torch.randn(2, 64)
-    y = ops.groupwise_gemm(x, pw.packed, 16, 4, False, True, None, False)
     ref = x.double() @ dequantize_int4(weight, scale, offset).double().T
-    assert _rel_err(y, ref) < FLOAT_TOL[torch.float32]
+    assert _rel_err(pw.gemm(ops, x, None, False), ref) < FLOAT_TOL[torch.float32]
 
 
 def test_bad_inputs_raise(ops) -> None:
     weight, scale, offset, _ = _layer_data("q4_1", 20, 64)
     pw = pack_groupwise(ops, weight, scale, offset)
+    x = torch.randn(1, 64)
     with pytest.raises(RuntimeError, match="packed must be"):  # the format disagrees
-        ops.groupwise_gemm(torch.randn(1, 64), pw.packed, 20, 4, True, False, None, False)
-    with pytest.raises(RuntimeError, match="K=32"):
-        ops.groupwise_gemm(torch.randn(1, 32), pw.packed, 20, 4, True, True, None, False)
+        ops.groupwise_gemm(x, pw.packed, 20, 4, True, False, False, None, False)
+    with pytest.raises(RuntimeError, match="packed must be"):
+        ops.groupwise_gemm(torch.randn(1, 32), pw.packed, 20, 4, True, True, False, None, False)
     with pytest.raises(RuntimeError, match="does not fit"):
-        ops.groupwise_gemm(torch.randn(1, 64), pw.packed, 40, 4, True, True, None, False)
+        ops.groupwise_gemm(x, pw.packed, 40, 4, True, True, False, None, False)
     with pytest.raises(RuntimeError, match="bits must be"):
-        ops.groupwise_gemm(torch.randn(1, 64), pw.packed, 20, 3, True, True, None, False)
+        ops.groupwise_gemm(x, pw.packed, 20, 3, True, True, False, None, False)
+    with pytest.raises(RuntimeError, match="multiple of 256"):
+        ops.groupwise_gemm(x, pw.packed, 20, 4, True, True, True, None, False)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         ops.pack_groupwise(
             torch.zeros(4, 24, dtype=torch.uint8), scale[:4], offset[:4], 4, True, True
         )
-    empty = ops.groupwise_gemm(torch.empty(0, 64), pw.packed, 20, 4, True, True, None, True)
-    assert empty.shape == (0, 20)
+    assert pw.gemm(ops, torch.empty(0, 64), None, True).shape == (0, 20)
 
 
 # -- the layer: _pack_one's choice -----------------------------------------------------------
@@ -242,12 +264,12 @@ def test_pack_one_installs_the_groupwise_gemm() -> None:
         layer = _groupwise_layer(kind, 40, 128, row=row, bias=True)
         name = "q8_0" if kind == "q8_0" else "int4"
         fn, path = packed_linear._pack_one(layer)
-        dot = ops.groupwise_dot_isa() == "avx512vnni"
-        assert path == f"cpp-{name}-{ops.built_isa()}" + ("+dot8" if dot else ""), path
+        dot = ops.groupwise_dot_isa() != "scalar"
+        assert path == f"cpp-{name}-{ops.built_isa()}" + ("+dot64" if dot else ""), path
         ref_w = dequantize_layer(layer).double()
         # A row-parallel layer adds its bias after the all-reduce, not in the GEMM.
         bias = layer.bias.double() if layer.fast_linear_has_bias else None
-        for m, dtype, tol in ((3, torch.float32, 2e-5), (20, torch.bfloat16, 8e-3)):
+        for m, dtype, tol in ((3, torch.float32, 2e-5), (70, torch.bfloat16, 8e-3)):
             x = torch.randn(2, m, 128).to(dtype)  # [batch, tokens, K]
             y = fn(x)
             assert y.shape == (2, m, 40) and y.dtype == dtype

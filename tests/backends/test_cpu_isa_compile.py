@@ -32,6 +32,7 @@ def test_avx512_variants_compile(isa: str, tmp_path: Path) -> None:
         "gemm.cpp",
         "gemm_i8.cpp",
         "gemm_q4.cpp",
+        "gemm_q4_pack.cpp",
     )
     objects = compile_objects(isa, tmp_path, sources)
     assert [o.name for o in objects] == [f"{Path(s).stem}.{isa}.o" for s in sources]

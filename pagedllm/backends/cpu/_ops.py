@@ -299,7 +299,13 @@ def load_ops(build_root: Path | None = None, *, isa: str | None = None) -> Modul
 
 
 GEMM_EXTENSION = "pagedllm_cpu_gemm"
-_GEMM_SOURCES = ("gemm.cpp", "gemm_i8.cpp", "gemm_amx.cpp", "gemm_q4.cpp")
+_GEMM_SOURCES = (
+    "gemm.cpp",
+    "gemm_i8.cpp",
+    "gemm_amx.cpp",
+    "gemm_q4.cpp",
+    "gemm_q4_pack.cpp",
+)
 _GEMM_HEADERS = (
     "gemm_vec.h",
     "gemm_i8.h",

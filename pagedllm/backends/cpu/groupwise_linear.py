@@ -2,9 +2,9 @@
 of 32 along K) on the CPU backend's C++ GEMM (``csrc/gemm_q4.cpp``).
 
 The weights stay quantised: each layer is packed once into panels of 16 output columns, one block
-per group holding its 4- or 8-bit q and, as fp16 where that is exact for the whole layer (else
-float32), its scales and offsets (none for Q4_0-like layers, whose offsets are all ``-8 * scale``):
-4.5 bits a weight for Q4_0, 5 for Q4_1, 6 for Q4_K-derived data, 8.5 for Q8_0.
+per group holding its 4- or 8-bit q and its scales and offsets in the smallest form that is exact
+for the whole layer (:func:`pack_groupwise`): 4.5 bits a weight for Q4_0 (no offsets), 4.625 for
+Q4_K (scales factored per 8 groups), 5 for Q4_1 and int4 made at load (fp16), 8.5 for Q8_0.
 
 Two paths run on the same packed weights:
 
@@ -15,7 +15,8 @@ Two paths run on the same packed weights:
 - **dot** (``dot=True``): each row of x is rounded to int8 per group of 32
   (:func:`quantize_activation_groups`), integer dot products (VNNI / AVX2), float32 scales per
   group; its definition is :func:`dot_linear_reference`. It costs accuracy (x to ~8 bits per
-  group) and saves arithmetic, so it runs by default only where :func:`dot_rows` says so.
+  group) and saves arithmetic, so it runs by default only where :func:`dot_rows` says so:
+  bf16/fp16 batches of up to 64 rows (decode steps), never float32.
 """
 
 from __future__ import annotations
@@ -45,12 +46,13 @@ _INT8_MAX = 127
 class PackedGroupwise:
     """One layer's packed weights and the format the kernels read them in."""
 
-    packed: torch.Tensor  # uint8 [ceil(N/16), K/32, block bytes]
+    packed: torch.Tensor  # uint8 [ceil(N/16), panel bytes]
     n: int
     k: int
     bits: int  # 4 or 8
-    half_scales: bool  # scales (and offsets) stored as fp16: exact for this layer
+    half_scales: bool  # scales and offsets (factored: d and dm) stored as fp16: exact here
     with_offset: bool  # 4-bit: offsets stored (else offset = -8 * scale for every group)
+    factored: bool  # 4-bit: scale = d * sc, offset = dm * m per super-block of 8 groups
 
     @property
     def name(self) -> str:
@@ -61,17 +63,54 @@ class PackedGroupwise:
         """Bytes streamed per call (scales included) per weight, in bits."""
         return self.packed.numel() * 8 / (self.packed.shape[0] * 16 * self.k)
 
+    def gemm(self, ops: object, x: torch.Tensor, bias: torch.Tensor | None, dot: bool):
+        """``ops.groupwise_gemm`` on these weights: ``x [T, K] -> [T, N]``."""
+        fmt = (self.bits, self.half_scales, self.with_offset, self.factored)
+        return ops.groupwise_gemm(x, self.packed, self.n, *fmt, bias, dot)
+
+
+_SUPER = 8  # groups per factored super-block
+_UNITS = 63  # Q4_K's 6-bit sc and m: the largest group of a super-block is 63 units
+
+
+def _exact_in_half(t: torch.Tensor) -> bool:
+    return bool(torch.equal(t.half().float(), t))
+
+
+def factor_super_blocks(
+    scale: torch.Tensor, offset: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Q4_K's structure, where every super-block of 8 groups has it exactly: ``scale = d * sc``
+    and ``offset = dm * m`` with ``d``, ``dm`` per super-block and integers ``sc``, ``m`` in
+    0..255. Returns (float32 ``[N, G/8, 2]``: d, dm; uint8 ``[N, G, 2]``: sc, m) or None.
+
+    ``d`` is taken as the super-block's largest magnitude over 63 (Q4_K's quantiser gives its
+    largest group 63 units, and ``d * 63`` is exact in float32, so the division recovers ``d``);
+    every product is then checked bit for bit.
+    """
+    n, g = scale.shape
+    if g % _SUPER:
+        return None
+    factors, units = [], []
+    for values in (scale, offset):
+        blocks = values.reshape(n, g // _SUPER, _SUPER)  # [N, G/8, 8]
+        top = blocks.gather(-1, blocks.abs().argmax(dim=-1, keepdim=True))  # [N, G/8, 1]
+        d = top / _UNITS
+        u = torch.round(torch.where(d != 0, blocks / d, torch.zeros_like(blocks)))
+        if not bool(((u >= 0) & (u <= 255) & (d * u == blocks)).all()):
+            return None
+        factors.append(d.squeeze(-1))
+        units.append(u.to(torch.uint8).reshape(n, g))
+    return torch.stack(factors, dim=-1), torch.stack(units, dim=-1)
+
 
 def scale_format(scale: torch.Tensor, offset: torch.Tensor | None) -> tuple[bool, bool]:
-    """(half_scales, with_offset) for float32 ``scale``/``offset [N, K/32]``: fp16 only where every
-    value is exactly an fp16 (GGUF's Q4_0/Q4_1/Q8_0 d and m; not Q4_K's d * sc products), offsets
-    dropped only where all are exactly ``-8 * scale`` (Q4_0, symmetric int4)."""
+    """(half_scales, with_offset) for float32 ``scale``/``offset [N, K/32]`` stored per group:
+    fp16 only where every value is exactly an fp16 (GGUF's Q4_0/Q4_1/Q8_0 d and m; not Q4_K's
+    d * sc products), offsets dropped only where all are exactly ``-8 * scale`` (Q4_0,
+    symmetric int4)."""
     with_offset = offset is not None and not torch.equal(offset, scale * -8)
-
-    def exact_in_half(t: torch.Tensor) -> bool:
-        return bool(torch.equal(t.half().float(), t))
-
-    half = exact_in_half(scale) and (not with_offset or exact_in_half(offset))
+    half = _exact_in_half(scale) and (not with_offset or _exact_in_half(offset))
     return half, with_offset
 
 
@@ -79,12 +118,18 @@ def pack_groupwise(
     ops: object, weight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None
 ) -> PackedGroupwise:
     """Pack ``weight`` (uint8 nibbles ``[N, K/2]`` with ``offset``, or int8 ``[N, K]``) and its
-    float32 ``scale``/``offset [N, K/32]`` for ``ops.groupwise_gemm``."""
+    float32 ``scale``/``offset [N, K/32]`` for ``ops.groupwise_gemm``, in the smallest exact
+    format: no offsets (Q4_0: 4.5 bits a weight), factored (Q4_K: 4.625), fp16 (Q4_1: 5, Q8_0:
+    8.5), else float32 (6, 9)."""
     bits = 4 if offset is not None else 8
     half, with_offset = scale_format(scale, offset)
-    packed = ops.pack_groupwise(weight, scale, offset, bits, half, with_offset)
+    factors = factor_super_blocks(scale, offset) if with_offset else None
+    fac, idx = factors if factors is not None else (None, None)
+    if fac is not None:
+        half = _exact_in_half(fac)
+    packed = ops.pack_groupwise(weight, scale, offset, bits, half, with_offset, fac, idx)
     k = weight.shape[1] * (2 if bits == 4 else 1)
-    return PackedGroupwise(packed, weight.shape[0], k, bits, half, with_offset)
+    return PackedGroupwise(packed, weight.shape[0], k, bits, half, with_offset, fac is not None)
 
 
 def quantize_activation_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,12 +196,13 @@ def weight_integers(layer: nn.Module) -> torch.Tensor:
     return unpack_nibbles(w) if w.dtype == torch.uint8 else w
 
 
-# Rows up to which bf16/fp16 x takes the dot path by default, in builds with VNNI. Measured with
-# benchmarks/linear_cpu.py on a Zen 4 EPYC (1B shapes, weights streamed from memory): the dot
-# path ran 1.1-1.2x the float path at one row and 1.3-1.6x at 2-8 (the float path's vdpbf16ps
-# does half the multiply-adds of vpdpbusd per instruction); from about 16 rows on prefill-sized
-# batches belong to the float path, which keeps x as it is.
-_DOT_ROWS = 8
+# Rows up to which bf16/fp16 x takes the dot path by default. On a Zen 4 EPYC (1B shapes,
+# benchmarks/linear_cpu.py) it ran 1.1-1.2x the float path at one row (both near the memory's
+# rate), 1.3-1.6x at 2-8 rows and 1.7-1.9x at 16-512 (vpdpbusd does twice the multiply-adds of
+# vdpbf16ps); the AVX2 build's vpmaddubsw 2-2.6x its float path at 1-16 rows. So it is faster at
+# every batch, and the threshold is a choice of accuracy: decode steps of up to 64 sequences
+# round x per group, prefill-sized batches keep x as it is.
+_DOT_ROWS = 64
 
 
 def dot_rows(ops: object, dtype: torch.dtype) -> int:
@@ -164,9 +210,9 @@ def dot_rows(ops: object, dtype: torch.dtype) -> int:
 
     float32 x never: float32 models are held to transformers' tokens, and the dot path rounds x
     (to ~0.6% of a layer's output, rms, against ~0.2% for bf16's own rounding of it; see the
-    module docstring). bf16/fp16 x: decode rows, where the build has VNNI.
+    tests). The scalar build never: it is the correctness fallback.
     """
-    if dtype == torch.float32 or ops.groupwise_dot_isa() != "avx512vnni":
+    if dtype == torch.float32 or ops.groupwise_dot_isa() == "scalar":
         return 0
     return _DOT_ROWS
 
@@ -181,9 +227,7 @@ def make_groupwise_gemm(
     def gemm(x: torch.Tensor, dot: bool | None = None) -> torch.Tensor:
         if dot is None:
             dot = x.shape[0] <= defaults.get(x.dtype, 0)
-        return ops.groupwise_gemm(
-            x, pw.packed, pw.n, pw.bits, pw.half_scales, pw.with_offset, bias32, dot
-        )
+        return pw.gemm(ops, x, bias32, dot)
 
     return gemm
 
@@ -213,17 +257,21 @@ def make_groupwise_linear(
     def reference(probe: torch.Tensor) -> torch.Tensor:
         return F.linear(probe.float(), dequant, bias_rows)
 
-    # float32 rows both in registers and through the scratch; bf16 rows through the scratch.
+    def forced(dot: bool) -> LinearFn:
+        return pl._reshaped(lambda x: gemm(x, dot=dot), pw.k, pw.n)
+
+    # The float path as every batch can meet it: float32 rows in registers and through the
+    # scratch, bf16 rows in registers (avx512bf16) and through the scratch.
     f32_rows = ops.groupwise_rows()[0]
     probes = (
         (torch.randn(3, pw.k), 1e-4),
         (torch.randn(f32_rows + 4, pw.k), 1e-4),
+        (torch.randn(3, pw.k).bfloat16(), 2e-2),
         (torch.randn(16, pw.k).bfloat16(), 2e-2),
     )
     what = f"C++ {name} GEMM"
-    fn = pl._checked(linear, weight, reference, rows, probes, what)
-    dot = dot_rows(ops, torch.bfloat16)
-    if fn is not None and dot:
+    ok = pl._checked(forced(False), weight, reference, rows, probes, what) is not None
+    if ok and dot_rows(ops, torch.bfloat16):
         q = weight_integers(module)[rows]
         off = None if offset is None else offset[rows]
 
@@ -231,7 +279,15 @@ def make_groupwise_linear(
             return dot_linear_reference(probe, q, scale[rows], off, bias_rows).float()
 
         probe = ((torch.randn(3, pw.k).bfloat16(), 2e-2),)
-        fn = pl._checked(linear, weight, dot_reference, rows, probe, f"{what} (dot path)")
-    if fn is None:
+        what = f"{what} (dot path)"
+        ok = pl._checked(forced(True), weight, dot_reference, rows, probe, what) is not None
+    if not ok:
         return None, f"torch-{name}"
-    return fn, f"cpp-{name}-{ops.built_isa()}" + (f"+dot{dot}" if dot else "")
+    return linear, path_name(ops, name)
+
+
+def path_name(ops: object, name: str) -> str:
+    """``cpp-<int4|q8_0>-<isa>``, ``+dot<rows>`` where bf16 batches of up to that many rows take
+    the dot path by default."""
+    dot = dot_rows(ops, torch.bfloat16)
+    return f"cpp-{name}-{ops.built_isa()}" + (f"+dot{dot}" if dot else "")

@@ -2,12 +2,13 @@
 // 8-bit (q * scale) weights in groups of 32 along K, packed once at load (gemm_q4_layout.h).
 //
 // Paths, chosen per call:
-// - float (the default): no rounding of x. float32/fp16 x: weights dequantised in registers
-//   (few rows) or once per K-block into a float32 scratch shared by the row tiles (many rows),
-//   float32 FMAs. bf16 x in avx512bf16 builds: vdpbf16ps on q, scaled per group
-//   (gemm_q4_float.h). Only the float32 summation differs from the definition.
-// - dot (explicit): x rounded to int8 per group of 32, integer dot products
-//   (gemm_q4_dot.h): the decode path, several times less arithmetic per weight.
+// - float: no rounding of x. float32/fp16 x: weights dequantised in registers (few rows) or
+//   once per K-block into a float32 scratch shared by the row tiles (many rows), float32 FMAs.
+//   bf16 x in avx512bf16 builds: vdpbf16ps on q, scaled per group (gemm_q4_float.h). Only the
+//   float32 summation differs from the definition.
+// - dot: x rounded to int8 per group of 32, integer dot products (gemm_q4_dot.h): half the
+//   instructions of vdpbf16ps per weight or less. The caller chooses (dot=); the CPU backend
+//   takes it for decode-sized bf16/fp16 batches (groupwise_linear.dot_rows).
 // Threads split the panels; each panel is streamed front to back, once per row tile.
 #include "gemm_q4.h"
 
@@ -33,94 +34,6 @@ constexpr int64_t kF32BlockGroups = 4;
 constexpr int64_t kBf16BlockGroups = 8;
 #endif
 
-Format format_of(int64_t bits, bool half_scales, bool with_offset) {
-  TORCH_CHECK(bits == 4 || bits == 8, "groupwise: bits must be 4 or 8, got ", bits);
-  return Format{static_cast<int>(bits), half_scales, bits == 4 && with_offset};
-}
-
-// -- packing ----------------------------------------------------------------------------------
-template <typename S>
-void put_scales(uint8_t* dst, const float* src, int64_t stride, int64_t cols) {
-  S* out = reinterpret_cast<S*>(dst);
-  for (int64_t j = 0; j < kCols; ++j) out[j] = j < cols ? S(src[j * stride]) : S(0.f);
-}
-
-// One block: the 16 columns (rows of W) n0.. of group g; columns past N are zero.
-void pack_block(const uint8_t* w, int64_t ldw, const float* scale, const float* offset,
-                int64_t groups, int64_t n0, int64_t cols, int64_t g, const Format& f,
-                uint8_t* block) {
-  std::memset(block, 0, f.weight_bytes());
-  for (int64_t j = 0; j < cols; ++j) {
-    const uint8_t* row = w + (n0 + j) * ldw;
-    for (int64_t c = 0; c < f.weight_bytes() / kChunk; ++c) {
-      for (int64_t b = 0; b < 4; ++b) {
-        uint8_t byte;
-        if (f.bits == 4) {
-          const auto nibble = [&](int64_t k) {  // even k in the low nibble of byte k / 2
-            const uint8_t v = row[(g * kGroup + k) / 2];
-            return k % 2 ? v >> 4 : v & 0x0F;
-          };
-          byte = static_cast<uint8_t>(nibble(8 * c + b) | nibble(8 * c + 4 + b) << 4);
-        } else {
-          byte = row[g * kGroup + 4 * c + b];
-        }
-        block[c * kChunk + 4 * j + b] = byte;
-      }
-    }
-  }
-  const int64_t sidx = n0 * groups + g;
-  uint8_t* s = block + f.weight_bytes();
-  const auto put = [&](uint8_t* dst, const float* src) {
-    if (f.half_scales)
-      put_scales<c10::Half>(dst, src + sidx, groups, cols);
-    else
-      put_scales<float>(dst, src + sidx, groups, cols);
-  };
-  put(s, scale);
-  if (f.stores_offset()) put(s + f.scale_bytes(), offset);
-}
-
-torch::Tensor pack_groupwise(const torch::Tensor& weight, const torch::Tensor& scale,
-                             const c10::optional<torch::Tensor>& offset, int64_t bits,
-                             bool half_scales, bool with_offset) {
-  const Format f = format_of(bits, half_scales, with_offset);
-  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2, "pack_groupwise: weight must be a CPU [N, K']");
-  TORCH_CHECK(weight.scalar_type() == (bits == 4 ? at::kByte : at::kChar),
-              "pack_groupwise: ", bits, "-bit weights must be ", bits == 4 ? "uint8" : "int8",
-              ", got ", weight.scalar_type());
-  const int64_t n = weight.size(0), k = weight.size(1) * (bits == 4 ? 2 : 1);
-  TORCH_CHECK(k % kGroup == 0 && k > 0, "pack_groupwise: K=", k, " is not a multiple of 32");
-  const int64_t groups = k / kGroup, panels = (n + kCols - 1) / kCols;
-  const auto check_groups = [&](const torch::Tensor& t, const char* name) {
-    TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 2 && t.size(0) == n &&
-                    t.size(1) == groups,
-                "pack_groupwise: ", name, " must be float32 [", n, ", ", groups, "], got ",
-                t.scalar_type(), " ", t.sizes());
-  };
-  check_groups(scale, "scale");
-  const torch::Tensor w = weight.contiguous(), s = scale.contiguous();
-  torch::Tensor o;
-  if (f.stores_offset()) {
-    TORCH_CHECK(offset.has_value(), "pack_groupwise: with_offset needs the offsets");
-    check_groups(*offset, "offset");
-    o = offset->contiguous();
-  }
-  torch::Tensor out = torch::empty({panels, groups, f.block_bytes()}, w.options().dtype(at::kByte));
-  const auto* wp = static_cast<const uint8_t*>(w.data_ptr());
-  const float* sp = s.data_ptr<float>();
-  const float* op = o.defined() ? o.data_ptr<float>() : nullptr;
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t n0 = p * kCols, cols = std::min(kCols, n - n0);
-      for (int64_t g = 0; g < groups; ++g)
-        pack_block(wp, w.size(1), sp, op, groups, n0, cols, g, f,
-                   dst + (p * groups + g) * f.block_bytes());
-    }
-  });
-  return out;
-}
-
 // -- output -----------------------------------------------------------------------------------
 template <typename Out>
 void store(const float* c, int64_t rows, int64_t n, int64_t n0, const float* bias, Out* y) {
@@ -138,7 +51,7 @@ struct Problem {
   const uint8_t* w;  // packed panels
   Format f;
   const float* bias;
-  int64_t panel_bytes() const { return groups * f.block_bytes(); }
+  int64_t panel_bytes() const { return f.panel_bytes(groups); }
   int64_t panels() const { return (n + kCols - 1) / kCols; }
 };
 
@@ -167,7 +80,8 @@ void run_f32(const float* x, const Problem& pb, Out* y) {
       for (int64_t g0 = 0; g0 < pb.groups; g0 += kF32BlockGroups) {
         const int64_t gc = std::min(kF32BlockGroups, pb.groups - g0), kc = gc * kGroup;
         for (int64_t i = 0; i < np; ++i)
-          f32_block(pb.w + (p + i) * pb.panel_bytes(), g0, gc, pb.f, scratch.data() + i * kb * kCols);
+          f32_block(pb.w + (p + i) * pb.panel_bytes(), g0, gc, pb.f,
+                    scratch.data() + i * kb * kCols);
         for (int64_t m0 = 0; m0 < m; m0 += kTileRows) {
           const int rows = static_cast<int>(std::min<int64_t>(kTileRows, m - m0));
           with_rows<kTileRows>(rows, [&](auto r) {
@@ -198,10 +112,7 @@ std::vector<float> group_sums(const uint16_t* x, int64_t m, int64_t k) {
   std::vector<float> xs(static_cast<size_t>(m * groups));
   for (int64_t i = 0; i < m * groups; ++i) {
     const uint16_t* p = x + i * kGroup;  // rows are k = 32 * groups apart
-    __m512 v = _mm512_add_ps(
-        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16)),
-        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16))), 16)));
-    xs[i] = _mm512_reduce_add_ps(v);
+    xs[i] = _mm512_reduce_add_ps(v_add(w_load(Bf16W{}, p), w_load(Bf16W{}, p + 16)).v);
   }
   return xs;
 }
@@ -225,6 +136,7 @@ void run_bf16(const uint16_t* x, const Problem& pb, at::BFloat16* y) {
   }
   constexpr int64_t kb = kBf16BlockGroups;
   const int64_t pairs = (pb.panels() + 1) / 2;
+  const bool offsets = Bits == 4 && !centred(pb.f);
   at::parallel_for(0, pairs, 1, [&](int64_t q0, int64_t q1) {
     std::vector<float> acc(static_cast<size_t>(2 * m * kCols));
     std::vector<uint16_t> wbuf(static_cast<size_t>(2 * kb * 16 * dp::kPairWords));
@@ -244,7 +156,7 @@ void run_bf16(const uint16_t* x, const Problem& pb, at::BFloat16* y) {
           with_rows<kBf16TileRows>(rows, [&](auto r) {
             bf16_tile<decltype(r)::value>(x + m0 * k + g0 * kGroup, k, xs.data() + m0 * groups + g0,
                                           groups, wbuf.data(), wbuf.data() + second * wstride,
-                                          so.data(), so.data() + second * sstride, gc,
+                                          so.data(), so.data() + second * sstride, gc, offsets,
                                           acc.data() + m0 * kCols, acc.data() + (m + m0) * kCols,
                                           g0 > 0);
           });
@@ -292,6 +204,9 @@ QuantizedRows quantize_rows(const In* x, int64_t m, int64_t k) {
 template <int Bits, typename Out>
 void run_dot(const QuantizedRows& qx, const Problem& pb, Out* y) {
   const int64_t m = pb.m, k = pb.k, groups = pb.groups;
+  // Each group sum's integer correction (dot_rows): -8 sum(xq) (4-bit), 128 sum(xq) (8-bit).
+  std::vector<int32_t> corr(qx.qsum.size());
+  for (size_t i = 0; i < corr.size(); ++i) corr[i] = (Bits == 4 ? -8 : 128) * qx.qsum[i];
   at::parallel_for(0, pb.panels(), 1, [&](int64_t p0, int64_t p1) {
     float c[kDotRows * kCols];
     for (int64_t p = p0; p < p1; ++p) {
@@ -300,7 +215,7 @@ void run_dot(const QuantizedRows& qx, const Problem& pb, Out* y) {
         const int64_t a = m0 * groups;
         with_rows<kDotRows>(rows, [&](auto r) {
           dot_rows<Bits, decltype(r)::value>(qx.q.data() + m0 * k, k, qx.dx.data() + a,
-                                             qx.xsum.data() + a, qx.qsum.data() + a, groups,
+                                             qx.xsum.data() + a, corr.data() + a, groups,
                                              pb.w + p * pb.panel_bytes(), groups, pb.f, c);
         });
         store(c, rows, pb.n, p * kCols, pb.bias, y + m0 * pb.n);
@@ -320,7 +235,8 @@ void with_dtype(const torch::Tensor& t, const Fn& fn) {
     case at::kHalf:
       return fn(t.data_ptr<at::Half>());
     default:
-      TORCH_CHECK(false, "groupwise: x must be float32, bfloat16 or float16, got ", t.scalar_type());
+      TORCH_CHECK(false, "groupwise: x must be float32, bfloat16 or float16, got ",
+                  t.scalar_type());
   }
 }
 
@@ -344,17 +260,19 @@ void dispatch(const torch::Tensor& x, const Problem& pb, bool dot, torch::Tensor
 }
 
 torch::Tensor groupwise_gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
-                             int64_t bits, bool half_scales, bool with_offset,
+                             int64_t bits, bool half_scales, bool with_offset, bool factored,
                              const c10::optional<torch::Tensor>& bias, bool dot) {
-  const Format f = format_of(bits, half_scales, with_offset);
+  const Format f = format_of(bits, half_scales, with_offset, factored);
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "groupwise_gemm: x must be a CPU [M, K], got ",
               x.sizes());
+  const int64_t m = x.size(0), k = x.size(1), groups = k / kGroup, panels = packed.size(0);
+  TORCH_CHECK(k % kGroup == 0 && (!factored || groups % Format::kSuper == 0),
+              "groupwise_gemm: K=", k, " is not a multiple of ", factored ? 256 : 32);
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte &&
-                  packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == f.block_bytes(),
-              "groupwise_gemm: packed must be a contiguous uint8 [N/16, K/32, ", f.block_bytes(),
-              "] for this format, got ", packed.scalar_type(), " ", packed.sizes());
-  const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0), groups = packed.size(1);
-  TORCH_CHECK(k == groups * kGroup, "groupwise_gemm: x has K=", k, ", the weights ", groups * kGroup);
+                  packed.dim() == 2 && packed.is_contiguous() &&
+                  packed.size(1) == f.panel_bytes(groups),
+              "groupwise_gemm: packed must be a contiguous uint8 [N/16, ", f.panel_bytes(groups),
+              "] for K=", k, " in this format, got ", packed.scalar_type(), " ", packed.sizes());
   TORCH_CHECK(n > (panels - 1) * kCols && n <= panels * kCols, "groupwise_gemm: N=", n,
               " does not fit ", panels, " panels of 16");
   torch::Tensor b;
@@ -410,19 +328,24 @@ void bind_groupwise(pybind11::module& m) {
   using NoGil = py::call_guard<py::gil_scoped_release>;
   m.def("pack_groupwise", &q4::pack_groupwise,
         "group-wise weights (uint8 nibbles [N, K/2] or int8 [N, K], float32 scale/offset "
-        "[N, K/32]) -> uint8 [N/16, K/32, block bytes] panels",
+        "[N, K/32]; factored: d, dm [N, K/256, 2] and sc, m uint8 [N, K/32, 2]) -> uint8 "
+        "[N/16, panel bytes]",
         NoGil(), py::arg("weight"), py::arg("scale"), py::arg("offset"), py::arg("bits"),
-        py::arg("half_scales"), py::arg("with_offset"));
+        py::arg("half_scales"), py::arg("with_offset"), py::arg("factors") = py::none(),
+        py::arg("index") = py::none());
   m.def("groupwise_gemm", &q4::groupwise_gemm,
         "y = x @ W^T (+ bias) on pack_groupwise panels; dot=True rounds x to int8 per group of "
         "32 and uses integer dot products",
         NoGil(), py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bits"),
-        py::arg("half_scales"), py::arg("with_offset"), py::arg("bias") = py::none(),
-        py::arg("dot") = false);
+        py::arg("half_scales"), py::arg("with_offset"), py::arg("factored"),
+        py::arg("bias") = py::none(), py::arg("dot") = false);
   m.def("quantize_groups", &q4::quantize_groups,
         "x [M, K] -> (int8 [M, K], float32 [M, K/32]): the dot path's rounding of x per group",
         NoGil(), py::arg("x"));
   m.def("groupwise_dot_isa", &q4::dot_isa, "the integer dot product of the group-wise dot path");
+  m.def("read_bytes", &q4::read_bytes,
+        "reads every byte of a tensor once on all threads (a read-bandwidth probe); a checksum",
+        NoGil(), py::arg("t"));
   m.def(
       "groupwise_rows", [] { return std::make_tuple(q4::kF32Rows, q4::kDotRows); },
       "(rows up to which float32 x dequantises in registers, rows per dot-path tile)");

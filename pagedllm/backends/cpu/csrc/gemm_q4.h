@@ -1,13 +1,33 @@
 // The group-wise (4-bit / 8-bit, groups of 32 along K) weight GEMM of the CPU backend
-// (gemm_q4.cpp; layout in gemm_q4_layout.h). Bound into the weight-GEMM extension by gemm.cpp's
-// module through bind_groupwise.
+// (gemm_q4.cpp; packing in gemm_q4_pack.cpp; layout in gemm_q4_layout.h). Bound into the
+// weight-GEMM extension by gemm.cpp's module through bind_groupwise.
 #pragma once
 
 #include <torch/extension.h>
+
+#include <cstdint>
+
+#include "gemm_q4_layout.h"
 
 namespace pagedllm::gemm {
 
 // Adds pack_groupwise, groupwise_gemm, quantize_groups and the build's facts to the module.
 void bind_groupwise(pybind11::module& m);
 
+namespace q4 {
+
+// The Format the arguments name, checked (bits 4 or 8; only 4-bit with offsets is factored).
+Format format_of(int64_t bits, bool half_scales, bool with_offset, bool factored);
+
+// The layer's tensors -> uint8 [ceil(N/16), panel bytes] (gemm_q4_pack.cpp).
+torch::Tensor pack_groupwise(const torch::Tensor& weight, const torch::Tensor& scale,
+                             const c10::optional<torch::Tensor>& offset, int64_t bits,
+                             bool half_scales, bool with_offset,
+                             const c10::optional<torch::Tensor>& factors,
+                             const c10::optional<torch::Tensor>& index);
+
+// Reads every byte of t once on all threads (the benchmarks' read-bandwidth probe).
+int64_t read_bytes(const torch::Tensor& t);
+
+}  // namespace q4
 }  // namespace pagedllm::gemm

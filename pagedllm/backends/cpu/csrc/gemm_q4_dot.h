@@ -74,30 +74,32 @@ constexpr int kDotRows = 8;
 // acc + the 16 columns' u8 x 4 (k) dot products with the 4 int8 of x at p, broadcast by the
 // instruction itself ({1to16}): GCC otherwise emits a separate vpbroadcastd per row and chunk.
 inline __m512i dot4(__m512i acc, __m512i u, const int8_t* p) {
-  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*reinterpret_cast<const int32_t*>(p)));
+  const auto& x4 = *reinterpret_cast<const int32_t*>(p);
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(x4));
   return acc;
 }
 
-// c[R][16] = the dot path's y for rows of xq (ldx apart) against one panel; dx, xsum, qsum are
-// [R][lda] per group.
+// c[R][16] = the dot path's y for rows of xq (ldx apart) against one panel; dx, xsum, corr are
+// [R][lda] per group, corr the integer correction of each group's sum (run_dot): -8 sum(xq)
+// for 4-bit layers without offsets (Q4_0: q - 8 times xq, exactly), 128 sum(xq) for 8-bit
+// ones on VNNI (the offset of the weights taken off).
 template <int Bits, int R>
 inline void dot_rows(const int8_t* xq, int64_t ldx, const float* dx, const float* xsum,
-                     const int32_t* qsum, int64_t lda, const uint8_t* panel, int64_t groups,
+                     const int32_t* corr, int64_t lda, const uint8_t* panel, int64_t groups,
                      const Format& f, float* c) {
   constexpr int C = R <= 2 ? 2 : 1;  // independent chains while few rows
   __m512 t[R];
   for (auto& v : t) v = _mm512_setzero_ps();
-  const int64_t bb = f.block_bytes();
   const __m512i low = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* block = panel + g * bb;
+    const uint8_t* block = panel + f.block_offset(g);
     const int8_t* xg = xq + g * kGroup;
     __m512i a[C][R];
     for (auto& chain : a)
       for (auto& v : chain) v = _mm512_setzero_si512();
     // Offsets of -8 * scale (Q4_0) are -8 * sum(xq) in the integer sum: the sums start there.
     if (Bits == 4 && !f.with_offset)
-      for (int r = 0; r < R; ++r) a[0][r] = _mm512_set1_epi32(-8 * qsum[r * lda + g]);
+      for (int r = 0; r < R; ++r) a[0][r] = _mm512_set1_epi32(corr[r * lda + g]);
     if constexpr (Bits == 4) {
 #pragma GCC unroll 4
       for (int ch = 0; ch < 4; ++ch) {
@@ -123,12 +125,12 @@ inline void dot_rows(const int8_t* xq, int64_t ldx, const float* dx, const float
       }
     }
     V16 s, o;
-    group_scales(block, f, &s, &o);
+    group_scales(panel, g, f, &s, &o);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       __m512i sum = C == 2 ? _mm512_add_epi32(a[0][r], a[C - 1][r]) : a[0][r];
       if constexpr (Bits == 8)  // (q + 128) . xq - 128 * sum(xq), exactly
-        sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * qsum[r * lda + g]));
+        sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(corr[r * lda + g]));
       const __m512 sd = _mm512_mul_ps(s.v, _mm512_set1_ps(dx[r * lda + g]));
       t[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), sd, t[r]);
       if (Bits == 4 && f.with_offset)
@@ -152,14 +154,13 @@ inline V16 to_v16(__m256i lo, __m256i hi) {
 
 template <int Bits, int R>
 inline void dot_rows(const int8_t* xq, int64_t ldx, const float* dx, const float* xsum,
-                     const int32_t* qsum, int64_t lda, const uint8_t* panel, int64_t groups,
+                     const int32_t* corr, int64_t lda, const uint8_t* panel, int64_t groups,
                      const Format& f, float* c) {
-  (void)qsum;
+  const bool centred = Bits == 4 && !f.with_offset;
   for (int r = 0; r < R; ++r) v_store(c + r * kCols, v_zero());
-  const int64_t bb = f.block_bytes();
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* block = panel + g * bb;
+    const uint8_t* block = panel + f.block_offset(g);
     const int8_t* xg = xq + g * kGroup;
     __m256i a[R][2];  // 4-bit: int16 sums of 16 products (<= 30480); 8-bit: int32 sums
     for (auto& row : a) row[0] = row[1] = _mm256_setzero_si256();
@@ -183,13 +184,14 @@ inline void dot_rows(const int8_t* xq, int64_t ldx, const float* dx, const float
           }
         }
       }
-      for (auto& row : a)
-        for (auto& v : row) v = _mm256_madd_epi16(v, ones);
+      for (int r = 0; r < R; ++r) {
+        const __m256i cr = _mm256_set1_epi32(centred ? corr[r * lda + g] : 0);
+        for (auto& v : a[r]) v = _mm256_add_epi32(_mm256_madd_epi16(v, ones), cr);
+      }
     } else {
       for (int ch = 0; ch < 8; ++ch) {
-        const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + ch * kChunk));
-        const __m256i w1 =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + ch * kChunk + 32));
+        const auto* w = reinterpret_cast<const __m256i*>(block + ch * kChunk);
+        const __m256i w0 = _mm256_loadu_si256(w), w1 = _mm256_loadu_si256(w + 1);
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
           const __m256i xs = _mm256_set1_epi32(load4(xg + r * ldx + 4 * ch));
@@ -202,11 +204,11 @@ inline void dot_rows(const int8_t* xq, int64_t ldx, const float* dx, const float
       }
     }
     V16 s, o;
-    group_scales(block, f, &s, &o);
+    group_scales(panel, g, f, &s, &o);
     for (int r = 0; r < R; ++r) {
       const V16 sum = to_v16(a[r][0], a[r][1]);
       V16 t = v_fmav(v_load(c + r * kCols), sum, v_mul(s, v_set(dx[r * lda + g])));
-      if constexpr (Bits == 4) t = v_fma(t, o, xsum[r * lda + g]);
+      if (Bits == 4 && !centred) t = v_fma(t, o, xsum[r * lda + g]);
       v_store(c + r * kCols, t);
     }
   }
@@ -217,19 +219,18 @@ constexpr int kDotRows = 4;
 
 template <int Bits, int R>
 inline void dot_rows(const int8_t* xq, int64_t ldx, const float* dx, const float* xsum,
-                     const int32_t* qsum, int64_t lda, const uint8_t* panel, int64_t groups,
+                     const int32_t* corr, int64_t lda, const uint8_t* panel, int64_t groups,
                      const Format& f, float* c) {
-  (void)qsum;
+  const bool centred = Bits == 4 && !f.with_offset;
   for (int r = 0; r < R; ++r) v_store(c + r * kCols, v_zero());
-  const int64_t bb = f.block_bytes();
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* block = panel + g * bb;
+    const uint8_t* block = panel + f.block_offset(g);
     V16 s, o;
-    group_scales(block, f, &s, &o);
+    group_scales(panel, g, f, &s, &o);
     for (int r = 0; r < R; ++r) {
       const int8_t* xg = xq + r * ldx + g * kGroup;
       for (int j = 0; j < kCols; ++j) {
-        int32_t sum = 0;
+        int32_t sum = centred ? corr[r * lda + g] : 0;
         for (int ch = 0; ch < (Bits == 4 ? 4 : 8); ++ch) {
           for (int b = 0; b < 4; ++b) {
             const uint8_t byte = block[ch * kChunk + 4 * j + b];
@@ -241,7 +242,7 @@ inline void dot_rows(const int8_t* xq, int64_t ldx, const float* dx, const float
           }
         }
         c[r * kCols + j] += static_cast<float>(sum) * (s.v[j] * dx[r * lda + g]);
-        if constexpr (Bits == 4) c[r * kCols + j] += o.v[j] * xsum[r * lda + g];
+        if (Bits == 4 && !centred) c[r * kCols + j] += o.v[j] * xsum[r * lda + g];
       }
     }
   }

@@ -10,9 +10,13 @@
 // step streams every panel once, front to back, scales included:
 //   block = weights (4-bit: 256 bytes, 8-bit: 512) | 16 scales | 16 offsets (4-bit, optional),
 // scales and offsets as fp16 where that is exact for every group of the layer (GGUF Q4_0, Q4_1,
-// Q8_0 store fp16), else float32 (Q4_K's d * sc_j, scales made by quantize_int4). A 4-bit layer
-// whose offsets are all -8 * scale (Q4_0, symmetric int4) stores no offsets: 4.5 bits a weight,
-// Q4_1-like 5, float32 scale and offset 6.
+// Q8_0 store fp16), else float32. A 4-bit layer whose offsets are all -8 * scale (Q4_0,
+// symmetric int4) stores no offsets: 4.5 bits a weight, Q4_1-like 5, float32 scale and offset 6.
+// Q4_K's scales are d * sc and offsets dm * m, with d and dm per super-block of 8 groups (fp16
+// in the file) and sc, m 6-bit integers per group, products that fp16 cannot hold. Where every
+// group factors so exactly, the layer is "factored": each run of 8 blocks is preceded by a
+// header of the 16 columns' d then dm (fp16 where exact, else float32), and each block holds
+// sc and m as bytes: 4.625 bits a weight instead of 6.
 // The weights are 64-byte chunks of one dword per column (the operand shape of vpdpbusd, and of
 // vpmaddubsw + vpmaddwd): 4-bit chunk c holds, in column j's byte b, k = 8c + b in the low
 // nibble and k = 8c + 4 + b in the high one; 8-bit chunk c holds k = 4c + b in byte b.
@@ -29,14 +33,36 @@ constexpr int64_t kCols = 16;   // output columns per panel
 constexpr int64_t kGroup = 32;  // k per group: one scale (and offset) per column
 constexpr int64_t kChunk = 64;  // bytes: one dword per column
 
+// Kernels call these per group: they must inline (GCC left group_scales out of line once it
+// grew the factored case, which doubled the one-row dot path's time from L2).
+#define PAGEDLLM_Q4_INLINE inline __attribute__((always_inline))
+
 struct Format {
+  static constexpr int64_t kSuper = 8;  // groups per factored super-block
   int bits = 4;             // 4 or 8
-  bool half_scales = true;  // scales (and offsets) stored as fp16, else float32
+  bool half_scales = true;  // scales and offsets (factored: d and dm) stored as fp16
   bool with_offset = true;  // 4-bit only: offsets stored; else offset = -8 * scale
-  int64_t weight_bytes() const { return bits == 4 ? 256 : 512; }
-  int64_t scale_bytes() const { return half_scales ? 2 * kCols : 4 * kCols; }
-  bool stores_offset() const { return bits == 4 && with_offset; }
-  int64_t block_bytes() const { return weight_bytes() + scale_bytes() * (stores_offset() ? 2 : 1); }
+  bool factored = false;    // 4-bit with offsets: d, dm per 8 groups, sc, m bytes per group
+  PAGEDLLM_Q4_INLINE int64_t weight_bytes() const { return bits == 4 ? 256 : 512; }
+  PAGEDLLM_Q4_INLINE int64_t scale_bytes() const {
+    return factored ? kCols : (half_scales ? 2 : 4) * kCols;
+  }
+  PAGEDLLM_Q4_INLINE bool stores_offset() const { return bits == 4 && with_offset; }
+  PAGEDLLM_Q4_INLINE int64_t block_bytes() const {
+    return weight_bytes() + scale_bytes() * (stores_offset() ? 2 : 1);
+  }
+  PAGEDLLM_Q4_INLINE int64_t header_bytes() const {
+    return factored ? 2 * (half_scales ? 2 : 4) * kCols : 0;
+  }
+  PAGEDLLM_Q4_INLINE int64_t super_bytes() const { return header_bytes() + kSuper * block_bytes(); }
+  // Where group g's block starts in its panel, and a panel's size.
+  PAGEDLLM_Q4_INLINE int64_t block_offset(int64_t g) const {
+    if (!factored) return g * block_bytes();
+    return (g / kSuper) * super_bytes() + header_bytes() + (g % kSuper) * block_bytes();
+  }
+  PAGEDLLM_Q4_INLINE int64_t panel_bytes(int64_t groups) const {
+    return factored ? groups / kSuper * super_bytes() : groups * block_bytes();
+  }
 };
 
 // -- float32 vectors of 16 columns beyond gemm_vec.h's ------------------------------------------
@@ -66,13 +92,39 @@ inline V16 v_set(float x) {
 }
 #endif
 
-// A block's scales and offsets as float32 (an 8-bit block has no offset: zero).
-inline void group_scales(const uint8_t* block, const Format& f, V16* scale, V16* offset) {
-  const uint8_t* p = block + f.weight_bytes();
+// 16 bytes as float32 (the factored layout's sc and m).
+PAGEDLLM_Q4_INLINE V16 u8_load(const uint8_t* p) {
+#if defined(__AVX512F__)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b))};
+#elif defined(__AVX2__)
+  const auto half = [p](int h) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * h));
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+  };
+  return {half(0), half(1)};
+#else
+  V16 r;
+  for (int j = 0; j < 16; ++j) r.v[j] = static_cast<float>(p[j]);
+  return r;
+#endif
+}
+
+// Group g's scales and offsets (of the panel starting at `panel`) as float32; an 8-bit group
+// has no offset: zero. Factored: d * sc and dm * m, exact (the products the file defines).
+PAGEDLLM_Q4_INLINE void group_scales(const uint8_t* panel, int64_t g, const Format& f,
+                                     V16* scale, V16* offset) {
   const auto load = [&f](const uint8_t* q) {
     return f.half_scales ? w_load(Fp16W{}, reinterpret_cast<const uint16_t*>(q))
                          : v_load(reinterpret_cast<const float*>(q));
   };
+  const uint8_t* p = panel + f.block_offset(g) + f.weight_bytes();
+  if (f.factored) {
+    const uint8_t* header = panel + (g / Format::kSuper) * f.super_bytes();
+    *scale = v_mul(load(header), u8_load(p));
+    *offset = v_mul(load(header + f.header_bytes() / 2), u8_load(p + kCols));
+    return;
+  }
   *scale = load(p);
   if (f.bits == 8)
     *offset = v_zero();
@@ -170,16 +222,18 @@ inline void int4_rows(const uint8_t* chunk, V16 q[8]) {
 
 inline void int8_rows(const uint8_t* chunk, V16 q[4]) {
   for (int j = 0; j < 16; ++j)
-    for (int b = 0; b < 4; ++b) q[b].v[j] = static_cast<float>(static_cast<int8_t>(chunk[4 * j + b]));
+    for (int b = 0; b < 4; ++b)
+      q[b].v[j] = static_cast<float>(static_cast<int8_t>(chunk[4 * j + b]));
 }
 #endif
 
-// The 16 columns' dequantised weights at the 32 k of one block, exactly as the definition
+// The 16 columns' dequantised weights at the 32 k of group g, exactly as the definition
 // rounds them (q * scale + offset: one fused rounding, which for GGUF data, where q * scale is
 // exact, is the definition's own): w[i] is k = i of the group.
-inline void dequantize_block(const uint8_t* block, const Format& f, V16 w[kGroup]) {
+inline void dequantize_block(const uint8_t* panel, int64_t g, const Format& f, V16 w[kGroup]) {
+  const uint8_t* block = panel + f.block_offset(g);
   V16 s, o;
-  group_scales(block, f, &s, &o);
+  group_scales(panel, g, f, &s, &o);
   if (f.bits == 4) {
     for (int c = 0; c < 4; ++c) {
       V16 q[8];

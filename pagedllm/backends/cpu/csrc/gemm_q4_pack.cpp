@@ -1,0 +1,203 @@
+// Packing of group-wise weights into the GEMM's panels (layout: gemm_q4_layout.h), once at
+// load, and the read-bandwidth probe the benchmarks measure the decode paths against.
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "gemm_q4.h"
+
+namespace pagedllm::gemm::q4 {
+
+Format format_of(int64_t bits, bool half_scales, bool with_offset, bool factored) {
+  TORCH_CHECK(bits == 4 || bits == 8, "groupwise: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(!factored || (bits == 4 && with_offset),
+              "groupwise: only 4-bit weights with offsets are factored");
+  return Format{static_cast<int>(bits), half_scales, bits == 4 && with_offset, factored};
+}
+
+namespace {
+
+// -- packing ----------------------------------------------------------------------------------
+template <typename S>
+void put_values(uint8_t* dst, const float* src, int64_t stride, int64_t cols) {
+  S* out = reinterpret_cast<S*>(dst);
+  for (int64_t j = 0; j < kCols; ++j) out[j] = j < cols ? S(src[j * stride]) : S(0.f);
+}
+
+// The 16 columns (rows of W) n0.. of one group's values (src[n * stride]), as fp16 or float32.
+void put_floats(uint8_t* dst, const float* src, int64_t stride, int64_t cols, bool half) {
+  if (half)
+    put_values<c10::Half>(dst, src, stride, cols);
+  else
+    put_values<float>(dst, src, stride, cols);
+}
+
+// The inputs of a pack: the layer's tensors, and for a factored layer its factors.
+struct PackSource {
+  const uint8_t* w;
+  int64_t ldw, groups;
+  const float* scale;
+  const float* offset;
+  const float* factors;   // [N][groups / 8][2]: d, dm
+  const uint8_t* index;   // [N][groups][2]: sc, m
+};
+
+// One block: the 16 columns n0.. (cols of them real; the rest zero) of group g.
+void pack_block(const PackSource& src, int64_t n0, int64_t cols, int64_t g, const Format& f,
+                uint8_t* block) {
+  std::memset(block, 0, f.block_bytes());
+  for (int64_t j = 0; j < cols; ++j) {
+    const uint8_t* row = src.w + (n0 + j) * src.ldw;
+    for (int64_t c = 0; c < f.weight_bytes() / kChunk; ++c) {
+      for (int64_t b = 0; b < 4; ++b) {
+        uint8_t byte;
+        if (f.bits == 4) {
+          const auto nibble = [&](int64_t k) {  // even k in the low nibble of byte k / 2
+            const uint8_t v = row[(g * kGroup + k) / 2];
+            return k % 2 ? v >> 4 : v & 0x0F;
+          };
+          byte = static_cast<uint8_t>(nibble(8 * c + b) | nibble(8 * c + 4 + b) << 4);
+        } else {
+          byte = row[g * kGroup + 4 * c + b];
+        }
+        block[c * kChunk + 4 * j + b] = byte;
+      }
+    }
+  }
+  uint8_t* s = block + f.weight_bytes();
+  if (f.factored) {
+    for (int64_t j = 0; j < cols; ++j) {
+      const uint8_t* idx = src.index + ((n0 + j) * src.groups + g) * 2;
+      s[j] = idx[0];
+      s[kCols + j] = idx[1];
+    }
+    return;
+  }
+  put_floats(s, src.scale + n0 * src.groups + g, src.groups, cols, f.half_scales);
+  if (f.stores_offset())
+    put_floats(s + f.scale_bytes(), src.offset + n0 * src.groups + g, src.groups, cols,
+               f.half_scales);
+}
+
+void pack_panel(const PackSource& src, int64_t n, int64_t p, const Format& f, uint8_t* panel) {
+  const int64_t n0 = p * kCols, cols = std::min(kCols, n - n0);
+  for (int64_t g = 0; g < src.groups; ++g) {
+    if (f.factored && g % Format::kSuper == 0) {  // the super-block's header: d, then dm
+      uint8_t* header = panel + (g / Format::kSuper) * f.super_bytes();
+      const int64_t sb = g / Format::kSuper, ldf = src.groups / Format::kSuper * 2;
+      const float* fac = src.factors + n0 * ldf + sb * 2;
+      put_floats(header, fac, ldf, cols, f.half_scales);
+      put_floats(header + f.header_bytes() / 2, fac + 1, ldf, cols, f.half_scales);
+    }
+    pack_block(src, n0, cols, g, f, panel + f.block_offset(g));
+  }
+}
+
+}  // namespace
+
+torch::Tensor pack_groupwise(const torch::Tensor& weight, const torch::Tensor& scale,
+                             const c10::optional<torch::Tensor>& offset, int64_t bits,
+                             bool half_scales, bool with_offset,
+                             const c10::optional<torch::Tensor>& factors,
+                             const c10::optional<torch::Tensor>& index) {
+  const Format f = format_of(bits, half_scales, with_offset, factors.has_value());
+  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2,
+              "pack_groupwise: weight must be a CPU [N, K']");
+  TORCH_CHECK(weight.scalar_type() == (bits == 4 ? at::kByte : at::kChar), "pack_groupwise: ",
+              bits, "-bit weights must be ", bits == 4 ? "uint8" : "int8", ", got ",
+              weight.scalar_type());
+  const int64_t n = weight.size(0), k = weight.size(1) * (bits == 4 ? 2 : 1);
+  TORCH_CHECK(k % kGroup == 0 && k > 0, "pack_groupwise: K=", k, " is not a multiple of 32");
+  const int64_t groups = k / kGroup, panels = (n + kCols - 1) / kCols;
+  const auto check = [&](const torch::Tensor& t, at::ScalarType dtype,
+                         std::vector<int64_t> shape, const char* name) {
+    const at::IntArrayRef want(shape);
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype && t.sizes() == want,
+                "pack_groupwise: ", name, " must be ", dtype, " ", want, ", got ",
+                t.scalar_type(), " ", t.sizes());
+    return t.contiguous();
+  };
+  const torch::Tensor w = weight.contiguous();
+  const torch::Tensor s = check(scale, at::kFloat, {n, groups}, "scale");
+  torch::Tensor o, fac, idx;
+  if (f.stores_offset()) {
+    TORCH_CHECK(offset.has_value(), "pack_groupwise: with_offset needs the offsets");
+    o = check(*offset, at::kFloat, {n, groups}, "offset");
+  }
+  if (f.factored) {
+    TORCH_CHECK(groups % Format::kSuper == 0 && index.has_value(),
+                "pack_groupwise: factored scales need K in whole 256s and the indices");
+    fac = check(*factors, at::kFloat, {n, groups / Format::kSuper, 2}, "factors");
+    idx = check(*index, at::kByte, {n, groups, 2}, "index");
+  }
+  torch::Tensor out = torch::empty({panels, f.panel_bytes(groups)}, w.options().dtype(at::kByte));
+  const PackSource src{static_cast<const uint8_t*>(w.data_ptr()), w.size(1), groups,
+                       s.data_ptr<float>(),
+                       o.defined() ? o.data_ptr<float>() : nullptr,
+                       fac.defined() ? fac.data_ptr<float>() : nullptr,
+                       idx.defined() ? idx.data_ptr<uint8_t>() : nullptr};
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) pack_panel(src, n, p, f, dst + p * out.size(1));
+  });
+  return out;
+}
+
+namespace {
+
+// Every byte of t read once, threads splitting it in contiguous ranges as the GEMMs split
+// their panels: the read bandwidth the decode paths are measured against
+// (benchmarks/linear_cpu.py). Returns a checksum, so that the loads cannot be dropped.
+uint64_t read_range(const uint8_t* p, int64_t n) {
+  uint64_t sum = 0;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+  for (; i + 256 <= n; i += 256) {
+    a0 = _mm512_xor_si512(a0, _mm512_loadu_si512(p + i));
+    a1 = _mm512_xor_si512(a1, _mm512_loadu_si512(p + i + 64));
+    a2 = _mm512_xor_si512(a2, _mm512_loadu_si512(p + i + 128));
+    a3 = _mm512_xor_si512(a3, _mm512_loadu_si512(p + i + 192));
+  }
+  const __m512i a = _mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3));
+  sum = static_cast<uint64_t>(_mm512_reduce_add_epi64(a));
+#elif defined(__AVX2__)
+  __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+  for (; i + 128 <= n; i += 128) {
+    const auto at = [p](int64_t j) {
+      return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j));
+    };
+    a0 = _mm256_xor_si256(a0, at(i));
+    a1 = _mm256_xor_si256(a1, at(i + 32));
+    a2 = _mm256_xor_si256(a2, at(i + 64));
+    a3 = _mm256_xor_si256(a3, at(i + 96));
+  }
+  alignas(32) uint64_t lanes[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes),
+                     _mm256_xor_si256(_mm256_xor_si256(a0, a1), _mm256_xor_si256(a2, a3)));
+  sum = lanes[0] ^ lanes[1] ^ lanes[2] ^ lanes[3];
+#endif
+  for (; i < n; ++i) sum += p[i];
+  return sum;
+}
+
+}  // namespace
+
+int64_t read_bytes(const torch::Tensor& t) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "read_bytes: a contiguous CPU tensor");
+  const auto* p = static_cast<const uint8_t*>(t.data_ptr());
+  const int64_t n = static_cast<int64_t>(t.nbytes()), chunk = int64_t{1} << 16;
+  std::vector<uint64_t> sums(static_cast<size_t>((n + chunk - 1) / chunk));
+  at::parallel_for(0, static_cast<int64_t>(sums.size()), 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c)
+      sums[c] = read_range(p + c * chunk, std::min(chunk, n - c * chunk));
+  });
+  uint64_t sum = 0;
+  for (uint64_t v : sums) sum ^= v;
+  return static_cast<int64_t>(sum);
+}
+
+}  // namespace pagedllm::gemm::q4
