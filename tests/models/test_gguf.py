@@ -98,7 +98,21 @@ def test_quantised_files_default_to_bf16_and_match_transformers_in_bf16(
     outs = engine.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
     ref = hf_gguf_greedy(path, PROMPTS, MAX_NEW, dtype=torch.bfloat16)
     for i, (o, r) in enumerate(zip(outs, ref, strict=True)):
-        assert_greedy_match(list(o.outputs[0].token_ids), r, f"{recipe} bf16 {i}", BF16_TIE)
+        assert_within_bf16_ties(list(o.outputs[0].token_ids), r, f"{recipe} bf16 {i}")
+
+
+def assert_within_bf16_ties(ours: list[int], ref, label: str) -> None:
+    """Token-for-token equality up to the first step where ours is one of transformers' tied
+    best: bf16 logits are coarse enough that three or more tokens tie exactly (a top-2 margin of
+    0 whose third token is ours), so the rule is "within ``BF16_TIE`` of transformers' best"."""
+    for i, (a, b) in enumerate(zip(ours, ref.token_ids, strict=False)):
+        if a == b:
+            continue
+        lp = ref.step_logprobs[i]
+        gap = float(lp.max() - lp[a])
+        assert gap < BF16_TIE, f"{label}: token {i} is {gap:.3f} below transformers' best"
+        return
+    assert len(ours) == len(ref.token_ids), label
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3", "phi3", "gemma"])
