@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.backends.cpu import packed_linear
+from pagedllm.backends.cpu import groupwise_linear, packed_linear
 from pagedllm.backends.cpu._ops import load_gemm_ops, supported_isas
 from pagedllm.backends.cpu.groupwise_linear import (
     dot_linear_reference,
@@ -264,8 +264,8 @@ def test_pack_one_installs_the_groupwise_gemm() -> None:
         layer = _groupwise_layer(kind, 40, 128, row=row, bias=True)
         name = "q8_0" if kind == "q8_0" else "int4"
         fn, path = packed_linear._pack_one(layer)
-        dot = ops.groupwise_dot_isa() != "scalar"
-        assert path == f"cpp-{name}-{ops.built_isa()}" + ("+dot64" if dot else ""), path
+        rows = groupwise_linear.dot_rows(ops, torch.bfloat16)  # 0: the dot path is opt-in
+        assert path == f"cpp-{name}-{ops.built_isa()}" + (f"+dot{rows}" if rows else ""), path
         ref_w = dequantize_layer(layer).double()
         # A row-parallel layer adds its bias after the all-reduce, not in the GEMM.
         bias = layer.bias.double() if layer.fast_linear_has_bias else None
