@@ -29,10 +29,16 @@ def hf_greedy(
     *,
     device: str = "cpu",
     dtype: str = "float32",
+    gguf_file: str | None = None,
 ) -> list[HFGreedy]:
+    """transformers' greedy outputs; ``gguf_file``: the model is that file in ``model_path``
+    (transformers dequantises it with ggml's ``gguf`` package)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=getattr(torch, dtype))
+    extra = {} if gguf_file is None else {"gguf_file": gguf_file}
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_path), dtype=getattr(torch, dtype), **extra
+    )
     model = model.to(device).eval()
     results = []
     with torch.no_grad():

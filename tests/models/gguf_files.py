@@ -249,24 +249,7 @@ def hf_gguf_greedy(
     path: Path, prompts: list[list[int]], max_new_tokens: int, dtype: torch.dtype = torch.float32
 ) -> list[Any]:
     """transformers' own GGUF loading (dequantised to ``dtype``), greedy: the reference."""
-    from transformers import AutoModelForCausalLM
+    from tests.hf_reference import hf_greedy
 
-    from tests.hf_reference import HFGreedy
-
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=dtype
-    ).eval()
-    results = []
-    with torch.no_grad():
-        for ids in prompts:
-            out = model.generate(
-                torch.tensor([ids]),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                output_scores=True,
-                return_dict_in_generate=True,
-                pad_token_id=model.config.pad_token_id,
-            )
-            gen = out.sequences[0, len(ids) :].tolist()
-            results.append(HFGreedy(gen, [torch.log_softmax(s[0].float(), -1) for s in out.scores]))
-    return results
+    name = str(dtype).removeprefix("torch.")
+    return hf_greedy(path.parent, prompts, max_new_tokens, dtype=name, gguf_file=path.name)
