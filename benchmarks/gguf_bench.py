@@ -108,7 +108,16 @@ def _workloads(vocab: int, smoke: bool) -> dict[str, list[Request]]:
     return out
 
 
-def run_pagedllm(path: Path, args: argparse.Namespace) -> dict[str, Any]:
+# Our two arithmetics: activations as the model's dtype (the default), and rounded to int8 per
+# group in the 4-bit layers' decode rows (``int8_activations``, as llama.cpp computes).
+OURS = ("pagedllm", "pagedllm-int8act")
+
+
+def run_pagedllm(
+    path: Path, args: argparse.Namespace, *, int8_activations: bool = False
+) -> dict[str, Any]:
+    """pagedllm as users start it; ``int8_activations``: the 4-bit layers' decode rows rounded
+    to int8 per group (llama.cpp's arithmetic), the ``pagedllm-int8act`` engine."""
     from pagedllm import Engine, SamplingParams
     from pagedllm.backends.cpu._ops import resolve_isa
 
@@ -118,6 +127,7 @@ def run_pagedllm(path: Path, args: argparse.Namespace) -> dict[str, Any]:
         skip_tokenizer_init=True,
         max_num_seqs=max(PARALLEL),
         kv_cache_space=args.kv_cache_space,
+        int8_activations=int8_activations,
     )
     startup = time.perf_counter() - PROCESS_START
     vocab = first.vocab_size
@@ -185,8 +195,8 @@ def run_llama_cpp(path: Path, args: argparse.Namespace) -> dict[str, Any]:
 def run_one(args: argparse.Namespace) -> dict[str, Any]:
     if args.run_one == "int8-reference":
         result = run_int8_reference(args)
-    elif args.run_one == "pagedllm":
-        result = run_pagedllm(args.file, args)
+    elif args.run_one in OURS:
+        result = run_pagedllm(args.file, args, int8_activations=args.run_one != "pagedllm")
     else:
         result = run_llama_cpp(args.file, args)
     result["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)
@@ -204,7 +214,7 @@ def _in_subprocess(engine: str, path: Path | None, args: argparse.Namespace) -> 
     ]
     cmd += ["--file", str(path)] if path else []
     cmd += ["--smoke"] if args.smoke else []
-    cmd += ["--decode-rows"] if args.decode_rows and engine == "pagedllm" else []
+    cmd += ["--decode-rows"] if args.decode_rows and engine in OURS else []
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         tail = proc.stderr.strip().splitlines()[-3:]
@@ -255,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="a tiny Q4_0 file (CI)")
     parser.add_argument("--models", default="smollm2,1b-q4_0,1b-q4_k_m,1b-q8_0")
-    parser.add_argument("--engines", default="pagedllm,llama.cpp")
+    parser.add_argument("--engines", default=",".join((*OURS, "llama.cpp")))
     parser.add_argument("--decode-rows", action="store_true", help="decode steps at 1-8 seqs")
     parser.add_argument("--kv-cache-space", type=float, default=2.0, help="GiB (pagedllm)")
     parser.add_argument("--run-one", help=argparse.SUPPRESS)
@@ -282,9 +292,11 @@ def main(argv: list[str] | None = None) -> None:
     for name, path in files.items():
         entry = {e: _in_subprocess(e, path, args) for e in engines}
         entry["file_mib"] = path.stat().st_size / (1 << 20)
-        ours, theirs = entry.get("pagedllm", {}), entry.get("llama.cpp", {})
-        if "error" not in ours and theirs and "error" not in theirs:
-            entry["pagedllm_vs_llama_cpp"] = _ratios(ours, theirs)
+        theirs = entry.get("llama.cpp", {})
+        for engine in OURS:
+            ours = entry.get(engine, {})
+            if ours and "error" not in ours and theirs and "error" not in theirs:
+                entry[f"{engine}_vs_llama_cpp"] = _ratios(ours, theirs)
         report["models"][name] = entry
     if (
         args.decode_rows
@@ -298,11 +310,15 @@ def main(argv: list[str] | None = None) -> None:
 def _decode_rows(report: dict[str, Any], path: Path, args: argparse.Namespace) -> dict[str, Any]:
     q4 = report["models"]["1b-q4_0"]["pagedllm"]
     int8 = _in_subprocess("int8-reference", None, args)
-    out: dict[str, Any] = {"int8": int8, "q4_0": q4["decode_step_seconds"]}
-    if "error" not in int8:
-        out["q4_0_vs_int8_speedup"] = {
-            n: int8["decode_step_seconds"][n] / t for n, t in q4["decode_step_seconds"].items()
-        }
+    out: dict[str, Any] = {"int8": int8}
+    for engine in OURS:
+        steps = report["models"]["1b-q4_0"].get(engine, {}).get("decode_step_seconds")
+        if steps and "error" not in int8:
+            suffix = "" if engine == "pagedllm" else "_int8act"
+            out[f"q4_0{suffix}"] = steps
+            out[f"q4_0{suffix}_vs_int8_speedup"] = {
+                n: int8["decode_step_seconds"][n] / t for n, t in steps.items()
+            }
     size = {"bfloat16": 2, "float32": 4, "float16": 2}[q4["dtype"]]
     streamed = _streamed_bytes(path, size)
     bandwidth = read_bandwidth()

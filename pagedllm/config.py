@@ -53,6 +53,9 @@ class ModelConfig:
     attention_backend: str | None = None
     trust_remote_code: bool = False
     quantization: str | None = None  # None, "int8" (weight-only), "w8a8" or "int4" (groups)
+    # Group-wise (4-bit / Q8_0) layers round bf16/fp16 decode rows to int8 per group of 32
+    # (llama.cpp's arithmetic), where the device has that kernel.
+    int8_activations: bool = False
 
     def __post_init__(self) -> None:
         _require(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
@@ -64,6 +67,11 @@ class ModelConfig:
         _positive_int(self.max_model_len, "max_model_len", allow_none=True)
         _require(isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
         _require(not self.trust_remote_code, "trust_remote_code", "remote code is never run")
+        _require(
+            isinstance(self.int8_activations, bool),
+            "int8_activations",
+            f"must be true or false, got {self.int8_activations!r}",
+        )
 
 
 @dataclass(frozen=True)
@@ -323,6 +331,12 @@ class EngineArgs:
         "weights and dynamic per-token int8 activations) or int4 (weight-only, groups of 32)",
         choices=_QUANTIZATIONS[1:],
     )
+    int8_activations: bool = engine_arg(
+        False,
+        "4-/8-bit group-wise layers (GGUF, int4) round bf16/fp16 batches of up to 64 rows to int8 "
+        "per group of 32 and use integer dot products, as llama.cpp does: faster decode, logits "
+        "further from the unquantised activations' (CPU; never the LM head)",
+    )
     enable_expert_parallel: bool = engine_arg(
         False, "place whole experts of mixture-of-experts layers on the tensor-parallel ranks"
     )
@@ -406,6 +420,7 @@ class EngineArgs:
                 attention_backend=self.attention_backend,
                 trust_remote_code=self.trust_remote_code,
                 quantization=self.quantization,
+                int8_activations=self.int8_activations,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,

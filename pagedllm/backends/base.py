@@ -371,8 +371,10 @@ class DeviceBackend(ABC):
         )
         return max(0, budget)
 
-    def prepare_model(self, model: torch.nn.Module) -> None:
-        """Device-specific tuning of a loaded model (repacked weights, say); default: none."""
+    def prepare_model(self, model: torch.nn.Module, *, int8_activations: bool = False) -> None:
+        """Device-specific tuning of a loaded model (repacked weights, say); default: none.
+        ``int8_activations``: the user allows group-wise layers to round activations to int8
+        (``ModelConfig.int8_activations``); a device without such a kernel ignores it."""
 
     def int8_quantizer(self) -> WeightQuantizer | None:
         """This device's kernel for int8 weights made at load (``quantization="int8"/"w8a8"``),

@@ -97,7 +97,7 @@ class Worker:
                 device=self.device,
             )
         # After the wrappers read the layers' shapes: a backend may repack the base weights.
-        self.backend.prepare_model(model)
+        self.backend.prepare_model(model, int8_activations=self.config.model.int8_activations)
         self.runner = ModelRunner(
             model,
             self.attention,

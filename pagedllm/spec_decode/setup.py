@@ -37,7 +37,7 @@ def build_spec_runner(worker: Worker) -> SpecDecodeRunner:
             device=worker.device,
             dtype=worker.dtype,
         )
-        worker.backend.prepare_model(model)
+        worker.backend.prepare_model(model, int8_activations=worker.config.model.int8_activations)
         draft = DraftProposer(
             ModelRunner(
                 model,

@@ -264,8 +264,10 @@ def test_pack_one_installs_the_groupwise_gemm() -> None:
         layer = _groupwise_layer(kind, 40, 128, row=row, bias=True)
         name = "q8_0" if kind == "q8_0" else "int4"
         fn, path = packed_linear._pack_one(layer)
-        rows = groupwise_linear.dot_rows(ops, torch.bfloat16)  # 0: the dot path is opt-in
-        assert path == f"cpp-{name}-{ops.built_isa()}" + (f"+dot{rows}" if rows else ""), path
+        assert path == f"cpp-{name}-{ops.built_isa()}", path  # x unrounded unless asked
+        _, dot_path = packed_linear._pack_one(layer, int8_activations=True)
+        rows = groupwise_linear.dot_rows(ops, torch.bfloat16)  # 0: no dot path in this build
+        assert dot_path == path + (f"+dot{rows}" if rows else ""), dot_path
         ref_w = dequantize_layer(layer).double()
         # A row-parallel layer adds its bias after the all-reduce, not in the GEMM.
         bias = layer.bias.double() if layer.fast_linear_has_bias else None
@@ -275,6 +277,25 @@ def test_pack_one_installs_the_groupwise_gemm() -> None:
             assert y.shape == (2, m, 40) and y.dtype == dtype
             ref = F.linear(x.double(), ref_w, bias)
             assert _rel_err(y, ref) < tol, f"{kind} m={m} {dtype}"
+
+
+def test_an_lm_head_never_rounds_x() -> None:
+    """With ``int8_activations`` the dot path runs in the layers of bf16 decode batches, never in
+    the LM head: the head's bf16 rows equal the float path's, bit for bit, where a layer's take
+    the dot path."""
+    ops = packed_linear.gemm_ops()
+    if ops is None or not groupwise_linear.dot_rows(ops, torch.bfloat16):
+        pytest.skip("no default dot path on this build")
+    layer = _groupwise_layer("q8_0", 48, 128)
+    x = torch.randn(3, 128).bfloat16()
+    head_fn, head_path = packed_linear._pack_one(layer, is_head=True, int8_activations=True)
+    layer_fn, layer_path = packed_linear._pack_one(layer, int8_activations=True)
+    assert head_path == f"cpp-q8_0-{ops.built_isa()}" and layer_path.startswith(head_path + "+dot")
+    pw = groupwise_linear.pack_groupwise(ops, layer.weight, *groupwise_linear.weight_groups(layer))
+    gemm = groupwise_linear.make_groupwise_gemm(ops, pw, None)
+    assert torch.equal(head_fn(x), gemm(x, dot=False))
+    assert torch.equal(layer_fn(x), gemm(x, dot=True))
+    assert not torch.equal(head_fn(x), layer_fn(x))
 
 
 def test_pack_one_keeps_pytorch_when_the_check_fails(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -58,14 +58,14 @@ class CpuBackend(DeviceBackend):
     linear_path = ""
     layer_kernels = ""  # what install_layer_kernels put in, for the log and benchmarks
 
-    def prepare_model(self, model: torch.nn.Module) -> None:
+    def prepare_model(self, model: torch.nn.Module, *, int8_activations: bool = False) -> None:
         """Per layer, the fastest correct GEMM for its weight dtype (see packed_linear), and the
         one-pass norm, activation and rotary kernels (see layer_kernels)."""
         from pagedllm.backends.cpu.fused_moe import pack_moe_layers
         from pagedllm.backends.cpu.layer_kernels import install_layer_kernels
         from pagedllm.backends.cpu.packed_linear import pack_linear_layers
 
-        paths = pack_linear_layers(model)
+        paths = pack_linear_layers(model, int8_activations=int8_activations)
         self.linear_path = ", ".join(f"{kind}={path}" for kind, path in paths.items())
         moe = pack_moe_layers(model)
         if moe:

@@ -15,8 +15,9 @@ Two paths run on the same packed weights:
 - **dot** (``dot=True``): each row of x is rounded to int8 per group of 32
   (:func:`quantize_activation_groups`), integer dot products (VNNI / AVX2), float32 scales per
   group; its definition is :func:`dot_linear_reference`. It costs accuracy (x to ~8 bits per
-  group) and saves arithmetic, so it runs by default only where :func:`dot_rows` says so:
-  bf16/fp16 batches of up to 64 rows (decode steps), never float32.
+  group, as llama.cpp does) and saves arithmetic, so it runs by default only where the user
+  asks for it (``int8_activations``) and :func:`dot_rows` says so: bf16/fp16 batches of up to
+  64 rows (decode steps), never float32, never an LM head.
 """
 
 from __future__ import annotations
@@ -196,36 +197,38 @@ def weight_integers(layer: nn.Module) -> torch.Tensor:
     return unpack_nibbles(w) if w.dtype == torch.uint8 else w
 
 
-# Rows up to which bf16/fp16 x takes the dot path by default. On a Zen 4 EPYC (1B shapes,
-# benchmarks/linear_cpu.py) it ran 1.1-1.2x the float path at one row (both near the memory's
-# rate), 1.3-1.6x at 2-8 rows and 1.7-1.9x at 16-512 (vpdpbusd does twice the multiply-adds of
-# vdpbf16ps); the AVX2 build's vpmaddubsw 2-2.6x its float path at 1-16 rows. So it is faster at
-# every batch, so the threshold is a choice of accuracy. It is 0 (off) by default: on the demo
-# model (SmolLM2-135M Q4_1, bf16) rounding x to int8 per group on top of bf16 turned "What is the
-# capital of France?" from "The capital of France is Paris." into a looping wrong answer (at up
-# to 8 rows as at 64; float32 and the bf16 float path answer right). Until the dot path's error
-# is bounded per model, users get the float path; tests and benchmarks call it with dot=True.
-_DOT_ROWS = 0
+# Rows up to which bf16/fp16 x takes the dot path where the user asked for it
+# (``int8_activations``). On a Zen 4 EPYC (1B shapes, benchmarks/linear_cpu.py) it ran 1.1-1.2x
+# the float path at one row (both near the memory's rate), 1.3-1.6x at 2-8 rows and 1.7-1.9x at
+# 16-512 (vpdpbusd does twice the multiply-adds of vdpbf16ps); the AVX2 build's vpmaddubsw
+# 2-2.6x its float path at 1-16 rows. Larger (prefill) batches keep x unrounded.
+DOT_ROWS = 64
 
 
-def dot_rows(ops: object, dtype: torch.dtype) -> int:
+def dot_rows(ops: object, dtype: torch.dtype, *, enabled: bool = True) -> int:
     """Up to how many rows of ``dtype`` x the dot path runs by default (0: never).
 
-    float32 x never: float32 models are held to transformers' tokens, and the dot path rounds x
-    (to ~0.6% of a layer's output, rms, against ~0.2% for bf16's own rounding of it; see the
-    tests). The scalar build never: it is the correctness fallback.
+    Only where ``enabled`` (the user's ``int8_activations``): rounding x to int8 per group is
+    llama.cpp's arithmetic, not the reference's. On SmolLM2-135M-Instruct (bf16) it answers
+    "What is the capital of France?" with "L'Étoile, la Cité, ..." exactly as llama.cpp does on
+    the same file, where transformers in float32 (and our bf16 float path) answer "The capital
+    of France is Paris." (the first token is a near tie: 0.08 nats in float32).
+    float32 x never: float32 models are held to transformers' tokens. The scalar build never:
+    it is the correctness fallback.
     """
-    if dtype == torch.float32 or ops.groupwise_dot_isa() == "scalar" or not _DOT_ROWS:
+    if not enabled or dtype == torch.float32 or ops.groupwise_dot_isa() == "scalar":
         return 0
-    return _DOT_ROWS
+    return DOT_ROWS
 
 
 def make_groupwise_gemm(
-    ops: object, pw: PackedGroupwise, bias: torch.Tensor | None
+    ops: object, pw: PackedGroupwise, bias: torch.Tensor | None, *, dot: bool = False
 ) -> Callable[..., torch.Tensor]:
-    """``gemm(x [T, K], dot=None) -> [T, N]``: ``dot=None`` takes the default for x's rows."""
+    """``gemm(x [T, K], dot=None) -> [T, N]``: ``dot=None`` takes the default for x's rows
+    (the float path for every batch unless ``dot``)."""
     bias32 = None if bias is None else bias.detach().float().contiguous()
-    defaults = {dt: dot_rows(ops, dt) for dt in (torch.float32, torch.bfloat16, torch.float16)}
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    defaults = {dt: dot_rows(ops, dt, enabled=dot) for dt in dtypes}
 
     def gemm(x: torch.Tensor, dot: bool | None = None) -> torch.Tensor:
         if dot is None:
@@ -236,12 +239,13 @@ def make_groupwise_gemm(
 
 
 def make_groupwise_linear(
-    module: nn.Module, bias: torch.Tensor | None
+    module: nn.Module, bias: torch.Tensor | None, *, dot: bool = False
 ) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, str]:
     """The C++ GEMM on a group-wise layer's packed weights, checked on sampled output rows
     against ``dequantize_layer`` (and the dot path against its definition), and its path name:
     ``cpp-int4-<isa>`` / ``cpp-q8_0-<isa>``, ``+dot<rows>`` where bf16/fp16 batches of up to
-    ``rows`` rows take the dot path."""
+    ``rows`` rows take the dot path (only where ``dot``: the user's ``int8_activations``, and
+    never in an LM head, see packed_linear)."""
     from pagedllm.backends.cpu import packed_linear as pl
 
     name = module.quant_method.name
@@ -251,7 +255,7 @@ def make_groupwise_linear(
     scale, offset = weight_groups(module)
     weight = module.weight.detach()
     pw = pack_groupwise(ops, weight, scale, offset)
-    gemm = make_groupwise_gemm(ops, pw, bias)
+    gemm = make_groupwise_gemm(ops, pw, bias, dot=dot)
     linear = pl._reshaped(gemm, pw.k, pw.n)
     rows = pl._sample_rows(pw.n)
     dequant = dequantize_rows(module, rows)  # [rows, K]
@@ -274,7 +278,7 @@ def make_groupwise_linear(
     )
     what = f"C++ {name} GEMM"
     ok = pl._checked(forced(False), weight, reference, rows, probes, what) is not None
-    if ok and dot_rows(ops, torch.bfloat16):
+    if ok and dot_rows(ops, torch.bfloat16, enabled=dot):
         q = weight_integers(module)[rows]
         off = None if offset is None else offset[rows]
 
@@ -286,11 +290,11 @@ def make_groupwise_linear(
         ok = pl._checked(forced(True), weight, dot_reference, rows, probe, what) is not None
     if not ok:
         return None, f"torch-{name}"
-    return linear, path_name(ops, name)
+    return linear, path_name(ops, name, dot=dot)
 
 
-def path_name(ops: object, name: str) -> str:
+def path_name(ops: object, name: str, *, dot: bool = False) -> str:
     """``cpp-<int4|q8_0>-<isa>``, ``+dot<rows>`` where bf16 batches of up to that many rows take
     the dot path by default."""
-    dot = dot_rows(ops, torch.bfloat16)
+    dot = dot_rows(ops, torch.bfloat16, enabled=dot)
     return f"cpp-{name}-{ops.built_isa()}" + (f"+dot{dot}" if dot else "")

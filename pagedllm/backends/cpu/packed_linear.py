@@ -340,7 +340,9 @@ def _kind(module: nn.Module, head: nn.Module | None) -> str:
     return "lm_head" if module is head else type(module).__name__
 
 
-def _pack_one(module: nn.Module) -> tuple[LinearFn | None, str]:
+def _pack_one(
+    module: nn.Module, *, is_head: bool = False, int8_activations: bool = False
+) -> tuple[LinearFn | None, str]:
     """The fastest correct GEMM for one layer, and its path's name."""
     from pagedllm.layers.quantization import weight_scale
 
@@ -351,7 +353,11 @@ def _pack_one(module: nn.Module) -> tuple[LinearFn | None, str]:
         from pagedllm.backends.cpu.groupwise_linear import make_groupwise_linear
 
         # Linear layers and a quantised LM head alike (a GGUF's Q8_0 / 4-bit output table).
-        return make_groupwise_linear(module, bias)
+        # An LM head keeps x unrounded even so: its outputs are the logits sampling reads, with
+        # no later layer to average the rounding out (SmolLM2's Q8_0 head on the dot path
+        # turned the demo's batched "capital of France" answer from Paris into a loop).
+        dot = int8_activations and not is_head
+        return make_groupwise_linear(module, bias, dot=dot)
     if method is not None and method.is_quantized(module) and method.name == "w8a8":
         fn = make_w8a8_linear(weight, weight_scale(module), bias)
         ops = gemm_ops()
@@ -417,7 +423,7 @@ def _drop_group_scales(module: nn.Module) -> None:
             setattr(module, name, torch.empty(0, dtype=torch.int32))
 
 
-def pack_linear_layers(model: nn.Module) -> dict[str, str]:
+def pack_linear_layers(model: nn.Module, *, int8_activations: bool = False) -> dict[str, str]:
     """Install the chosen GEMM on every layer that offers the ``fast_linear`` slot.
 
     Returns ``{layer kind: path}`` (e.g. ``{"QKVParallelLinear": "cpp-bf16-avx2"}``), which the
@@ -432,7 +438,7 @@ def pack_linear_layers(model: nn.Module) -> dict[str, str]:
             is_linear = isinstance(module, (ColumnParallelLinear, RowParallelLinear))
             if not (is_linear or module is head):
                 continue
-            fn, path = _pack_one(module)
+            fn, path = _pack_one(module, is_head=module is head, int8_activations=int8_activations)
             paths.setdefault(_kind(module, head), set()).add(path)
             if fn is None:
                 continue

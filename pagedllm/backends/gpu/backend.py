@@ -57,7 +57,7 @@ class CudaBackend(DeviceBackend):
     def memory_reserved(self, rank: int = 0) -> int:
         return int(torch.cuda.memory_reserved(self.device(rank)))
 
-    def prepare_model(self, model: torch.nn.Module) -> None:
+    def prepare_model(self, model: torch.nn.Module, *, int8_activations: bool = False) -> None:
         """Mixture-of-experts layers run the Triton fused-MoE kernels (float and 16-bit experts;
         int8 experts keep the layer's PyTorch path)."""
         import functools
