@@ -8,8 +8,10 @@ The extension builds once per session (module fixture); later sessions only impo
 
 from __future__ import annotations
 
+import re
 import shutil
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,6 +127,34 @@ def test_build_is_cached_and_flags_are_portable(cpp, monkeypatch) -> None:
     monkeypatch.setattr(_ops.shutil, "which", lambda name: None)
     with pytest.raises(RuntimeError, match="c\\+\\+"):
         _ops._check_toolchain()
+
+
+def _included(names: tuple[str, ...], csrc: Path) -> set[str]:
+    """Every local header ``names`` include, directly or through each other."""
+    seen: set[str] = set()
+    todo = list(names)
+    while todo:
+        text = (csrc / todo.pop()).read_text()
+        for header in re.findall(r'^#include "([^"]+)"', text, flags=re.M):
+            if header not in seen:
+                seen.add(header)
+                todo.append(header)
+    return seen
+
+
+def test_every_included_header_is_in_the_build_key() -> None:
+    """A header left out of an extension's list does not rebuild it when edited: the cached
+    build would run the old code."""
+    from pagedllm.backends.cpu import _ops
+
+    csrc = Path(_ops.__file__).with_name("csrc")
+    for sources, headers in (
+        (_ops._ATTENTION_SOURCES, _ops._ATTENTION_HEADERS),
+        (_ops._GEMM_SOURCES, _ops._GEMM_HEADERS),
+    ):
+        assert _included(sources, csrc) <= set(headers), sorted(
+            _included(sources, csrc) - set(headers)
+        )
 
 
 @pytest.mark.slow

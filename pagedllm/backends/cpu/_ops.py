@@ -307,6 +307,9 @@ _GEMM_SOURCES = (
     "gemm_q4_pack.cpp",
 )
 _GEMM_HEADERS = (
+    "convert.h",
+    "vec.h",
+    "dtype_dispatch.h",
     "gemm_vec.h",
     "gemm_i8.h",
     "gemm_dp.h",

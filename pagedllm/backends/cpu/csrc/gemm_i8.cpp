@@ -18,6 +18,7 @@
 #include "gemm_i8.h"
 
 #include "convert.h"
+#include "dtype_dispatch.h"
 #include "gemm_amx.h"
 
 #include <ATen/Parallel.h>
@@ -392,21 +393,6 @@ void check_packed(const char* name, const torch::Tensor& packed, int64_t k, int6
               " does not fit ", panels, " panels of 16");
 }
 
-// fn(typed pointer to x's elements) for a float32, bfloat16 or float16 x; `name` in the error.
-template <typename Fn>
-void with_input(const torch::Tensor& x, const char* name, const Fn& fn) {
-  switch (x.scalar_type()) {
-    case at::kFloat:
-      return fn(x.data_ptr<float>());
-    case at::kBFloat16:
-      return fn(x.data_ptr<at::BFloat16>());
-    case at::kHalf:
-      return fn(x.data_ptr<at::Half>());
-    default:
-      TORCH_CHECK(false, name, ": x must be float32, bfloat16 or float16, got ", x.scalar_type());
-  }
-}
-
 // (int8 [planes * M, 4 * groups], float32 [planes * M]) for x [M, K]: one row per token
 // (planes 1, quantize_into, optionally scaled by the given row maxima) or two (split_into).
 std::tuple<torch::Tensor, torch::Tensor> rows_padded(const char* name, const torch::Tensor& x,
@@ -420,7 +406,7 @@ std::tuple<torch::Tensor, torch::Tensor> rows_padded(const char* name, const tor
   torch::Tensor s = torch::empty({planes * m}, xc.options().dtype(at::kFloat));
   auto* qp = q.data_ptr<int8_t>();
   auto* sp = s.data_ptr<float>();
-  with_input(xc, name, [&](const auto* in) {
+  with_float_elements(xc, name, [&](const auto* in) {
     if (planes == 1) {
       quantize_into(in, m, k, ldq, absmax, qp, sp);
     } else {

@@ -21,6 +21,7 @@
 #include <tuple>
 #include <vector>
 
+#include "dtype_dispatch.h"
 #include "gemm_q4_dot.h"
 #include "gemm_q4_float.h"
 
@@ -224,28 +225,12 @@ void run_dot(const QuantizedRows& qx, const Problem& pb, Out* y) {
   });
 }
 
-// fn(typed pointer) for x's float32 / bf16 / fp16 elements.
-template <typename Fn>
-void with_dtype(const torch::Tensor& t, const Fn& fn) {
-  switch (t.scalar_type()) {
-    case at::kFloat:
-      return fn(t.data_ptr<float>());
-    case at::kBFloat16:
-      return fn(t.data_ptr<at::BFloat16>());
-    case at::kHalf:
-      return fn(t.data_ptr<at::Half>());
-    default:
-      TORCH_CHECK(false, "groupwise: x must be float32, bfloat16 or float16, got ",
-                  t.scalar_type());
-  }
-}
-
 template <int Bits>
 void dispatch(const torch::Tensor& x, const Problem& pb, bool dot, torch::Tensor& y) {
   if (dot) {
-    with_dtype(x, [&](const auto* xp) {
+    with_float_elements(x, "groupwise", [&](const auto* xp) {
       const QuantizedRows qx = quantize_rows(xp, pb.m, pb.k);
-      with_dtype(y, [&](auto* yp) { run_dot<Bits>(qx, pb, yp); });
+      with_float_elements(y, "groupwise", [&](auto* yp) { run_dot<Bits>(qx, pb, yp); });
     });
     return;
   }
@@ -256,7 +241,8 @@ void dispatch(const torch::Tensor& x, const Problem& pb, bool dot, torch::Tensor
   }
 #endif
   const torch::Tensor xf = x.to(at::kFloat).contiguous();
-  with_dtype(y, [&](auto* yp) { run_f32<Bits>(xf.data_ptr<float>(), pb, yp); });
+  with_float_elements(y, "groupwise",
+                      [&](auto* yp) { run_f32<Bits>(xf.data_ptr<float>(), pb, yp); });
 }
 
 torch::Tensor groupwise_gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
@@ -282,7 +268,7 @@ torch::Tensor groupwise_gemm(const torch::Tensor& x, const torch::Tensor& packed
   }
   const torch::Tensor xc = x.contiguous();
   torch::Tensor y = torch::empty({m, n}, xc.options());
-  with_dtype(xc, [](const auto*) {});  // rejects other dtypes
+  with_float_elements(xc, "groupwise", [](const auto*) {});  // rejects other dtypes
   if (m == 0) return y;
   const Problem pb{m, k, n, groups, packed.data_ptr<uint8_t>(), f,
                    b.defined() ? b.data_ptr<float>() : nullptr};
@@ -300,7 +286,7 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_groups(const torch::Tensor& x)
   const int64_t m = xc.size(0), k = xc.size(1);
   torch::Tensor q = torch::empty({m, k}, xc.options().dtype(at::kChar));
   torch::Tensor dx = torch::empty({m, k / kGroup}, xc.options().dtype(at::kFloat));
-  with_dtype(xc, [&](const auto* xp) {
+  with_float_elements(xc, "groupwise", [&](const auto* xp) {
     const QuantizedRows qx = quantize_rows(xp, m, k);
     std::memcpy(q.data_ptr<int8_t>(), qx.q.data(), qx.q.size());
     std::memcpy(dx.data_ptr<float>(), qx.dx.data(), qx.dx.size() * sizeof(float));
