@@ -288,6 +288,10 @@ def test_killed_replica_fails_only_its_streams_and_comes_back(
         assert len(gauges) == 6 and not any(gauges), metrics
         assert metric_values(metrics, "replica_up") == [1.0, 1.0]
         assert metric_values(metrics, "replica_restarts_total") == [1.0, 0.0]
+        assert sum(metric_values(metrics, "router_decisions_total")) >= NUM_STREAMS + 8
+        auth = {"Authorization": f"Bearer {API_KEY}"}
+        board = httpx.get(base + "/v1/dashboard", headers=auth, timeout=10).json()["replicas"]
+        assert board["policy"] == "prefix" and [r["state"] for r in board["rows"]] == ["up"] * 2
         for s in idle_replica_stats(engine):
             assert s["num_free_device_blocks"] == s["num_device_blocks"], s
     finally:
