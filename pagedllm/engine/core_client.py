@@ -19,14 +19,12 @@ import concurrent.futures
 import contextlib
 import itertools
 import logging
-import multiprocessing as mp
 import shutil
 import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.engine import core_wire as wire
@@ -36,6 +34,7 @@ from pagedllm.engine.async_engine import (
     EngineStepError,
     RequestStream,
 )
+from pagedllm.engine.core_launch import CoreLauncher, CoreSpec, ProcessLauncher
 from pagedllm.engine.cpu_binding import CpuBinding
 from pagedllm.engine.stat_logger import StatLogger
 from pagedllm.outputs import RequestOutput
@@ -482,62 +481,3 @@ class EngineCoreClient(EngineClient):
 def _put_all(batch: list[tuple[RequestStream, Any]]) -> None:
     for stream, item in batch:
         stream.put(item)
-
-
-def _getpid() -> int:
-    import os
-
-    return os.getpid()
-
-
-@dataclass(frozen=True)
-class CoreSpec:
-    """What a launcher needs to start a core: the engine and the addresses to connect to."""
-
-    model: str
-    device: str
-    engine_args: dict[str, Any]
-    in_addr: str
-    out_addr: str
-    log_level: int
-    cpu_binding: CpuBinding | None = None
-
-
-class CoreLauncher(Protocol):
-    """Where a core runs. ``bind`` binds the client's two sockets and returns the addresses
-    the core connects to; ``start`` returns a handle shaped like ``multiprocessing.Process``
-    (``sentinel``, ``is_alive``, ``join``, ``terminate``, ``kill``, ``exitcode``, ``pid``)."""
-
-    def bind(self, in_sock: Any, out_sock: Any, folder: str) -> tuple[str, str]: ...
-
-    def start(self, spec: CoreSpec) -> Any: ...
-
-
-class ProcessLauncher:
-    """A spawned process on this machine over ``ipc://`` sockets in a private folder."""
-
-    def bind(self, in_sock: Any, out_sock: Any, folder: str) -> tuple[str, str]:
-        in_sock.bind(f"ipc://{folder}/in")
-        out_sock.bind(f"ipc://{folder}/out")
-        return f"ipc://{folder}/in", f"ipc://{folder}/out"
-
-    def start(self, spec: CoreSpec) -> Any:
-        from pagedllm.engine.core_process import core_main
-
-        proc = mp.get_context("spawn").Process(
-            target=core_main,
-            name="pagedllm-core",
-            daemon=False,
-            args=(
-                spec.model,
-                spec.device,
-                spec.engine_args,
-                spec.in_addr,
-                spec.out_addr,
-                _getpid(),
-                spec.log_level,
-                spec.cpu_binding,
-            ),
-        )
-        proc.start()
-        return proc

@@ -27,7 +27,8 @@ from typing import Any
 
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.engine.async_engine import EngineClient, EngineDeadError, RequestStream
-from pagedllm.engine.core_client import EngineCoreClient, ProcessLauncher
+from pagedllm.engine.core_client import EngineCoreClient
+from pagedllm.engine.core_launch import ProcessLauncher
 from pagedllm.engine.router import Router
 from pagedllm.outputs import RequestOutput
 
@@ -138,6 +139,7 @@ class DataParallelClient(EngineClient):
             self.num_replicas,
             num_cpus=num_cpus,
             accelerator=accel or None,
+            num_accelerators=tp,
             env_vars=replica_actor_env(package_root),
             timeout_s=self._startup_timeout,
         )
@@ -234,7 +236,10 @@ class DataParallelClient(EngineClient):
     # -- what the server reads -----------------------------------------------------------------
     @property
     def is_healthy(self) -> bool:
-        return self._accepting and any(s != FAILED for s in self.states)
+        """False once stopped or every replica is gone for good (not while one restarts, and
+        not merely while draining at shutdown: the server's watcher would read that as a
+        failure)."""
+        return not self._closing.is_set() and any(s != FAILED for s in self.states)
 
     @property
     def dead_error(self) -> BaseException | None:

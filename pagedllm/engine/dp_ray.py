@@ -23,7 +23,7 @@ import os
 import threading
 from typing import Any
 
-from pagedllm.engine.core_client import CoreSpec
+from pagedllm.engine.core_launch import CoreSpec
 
 logger = logging.getLogger(__name__)
 
@@ -62,13 +62,11 @@ class RayCoreHandle:
 
     def _watch(self) -> None:
         ray = self._ray
-        while True:
-            ready, _ = ray.wait([self._ref], timeout=_POLL_S)
-            if ready:
-                break
         try:
+            while not ray.wait([self._ref], timeout=_POLL_S)[0]:
+                pass
             self.exitcode = int(ray.get(self._ref))
-        except Exception as exc:  # the actor died (killed, or its node is gone)
+        except Exception as exc:  # the actor died (killed, its node gone, or Ray shut down)
             logger.debug("replica actor ended: %s", exc)
             self.exitcode = -9
         self._done.set()
@@ -120,6 +118,7 @@ class RayPlacement:
         *,
         num_cpus: int,
         accelerator: str | None,
+        num_accelerators: int = 1,
         env_vars: dict[str, str],
         timeout_s: float = 600.0,
         strategy: str = "SPREAD",
@@ -135,11 +134,12 @@ class RayPlacement:
         self.timeout_s = timeout_s
         self.num_cpus = num_cpus
         self.accelerator = accelerator
+        self.num_accelerators = num_accelerators
         self.env_vars = env_vars
         self.address = _node_address(ray)
         bundle: dict[str, float] = {"CPU": float(num_cpus)}
         if accelerator:
-            bundle[accelerator] = 1.0
+            bundle[accelerator] = float(num_accelerators)  # one per tensor-parallel rank
         self.pg = placement_group([dict(bundle)] * num_replicas, strategy=strategy)
         ready, _ = ray.wait([self.pg.ready()], timeout=timeout_s)
         if not ready:
@@ -161,7 +161,7 @@ class RayPlacement:
             .options(
                 name=None,
                 num_cpus=self.num_cpus,
-                num_gpus=1 if self.accelerator == "GPU" else 0,
+                num_gpus=self.num_accelerators if self.accelerator == "GPU" else 0,
                 max_restarts=0,  # the client restarts replicas itself, with its own bounds
                 runtime_env={"env_vars": dict(self.env_vars)},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(

@@ -135,3 +135,18 @@ def test_bad_settings_name_their_field() -> None:
         Router(2, "random")
     with pytest.raises(ValueError, match="^data_parallel_size: "):
         Router(0)
+
+
+def test_config_and_flags_name_their_field() -> None:
+    from pagedllm.config import ParallelConfig
+    from pagedllm.entrypoints.cli import build_parser, engine_kwargs
+
+    with pytest.raises(ValueError, match="^router: "):
+        ParallelConfig(router="random")
+    with pytest.raises(ValueError, match="^data_parallel_size: "):
+        ParallelConfig(data_parallel_size=0)
+    args = build_parser().parse_args(
+        ["serve", "m", "--data-parallel-size", "4", "--router", "round_robin"]
+    )
+    kwargs = engine_kwargs(args)
+    assert kwargs["data_parallel_size"] == 4 and kwargs["router"] == "round_robin"
