@@ -94,6 +94,7 @@ class DataParallelClient(EngineClient):
         self.on_timing: list[Callable[[str, float], None]] = []
         self.max_restarts = max_restarts
         self.restarts = [0] * data_parallel_size
+        self.failed_requests = [0] * data_parallel_size
         self.states = [UP] * data_parallel_size
         self._lock = threading.Lock()
         self._closing = threading.Event()
@@ -148,6 +149,10 @@ class DataParallelClient(EngineClient):
     def _start_all(self) -> list[EngineCoreClient]:
         """Every replica at once (each loads its model); on a failure, none is left running."""
         n = self.num_replicas
+        # Each client loads the tokenizer on its thread; transformers' lazy module is not safe
+        # to import from several threads at once, so it is imported here first.
+        from transformers import AutoTokenizer  # noqa: F401
+
         with concurrent.futures.ThreadPoolExecutor(n) as pool:
             futures = [pool.submit(self._start_replica, i) for i in range(n)]
             concurrent.futures.wait(futures)
@@ -182,7 +187,9 @@ class DataParallelClient(EngineClient):
 
     def _request_done(self, request_id: str) -> None:
         with self._lock:
-            self.router.finished(request_id)
+            replica = self.router.finished(request_id)
+        if replica is not None and self.replicas and not self.replicas[replica].is_healthy:
+            self.failed_requests[replica] += 1  # ended by the replica's death
 
     def _watch(self) -> None:
         while not self._closing.wait(_MONITOR_S):
@@ -193,12 +200,12 @@ class DataParallelClient(EngineClient):
     def _on_replica_dead(self, index: int, replica: EngineCoreClient) -> None:
         with self._lock:
             self.states[index] = RESTARTING
-            lost = self.router.mark_down(index)
+            self.failed_requests[index] += len(self.router.mark_down(index))
         logger.error(
-            "replica %d is down (%s); %d requests ended with an error; restarting it",
+            "replica %d is down (%s); %d requests in all ended with an error; restarting it",
             index,
             replica.dead_error,
-            len(lost),
+            self.failed_requests[index],
         )
         threading.Thread(
             target=self._restart, args=(index, replica), name=f"pagedllm-restart-{index}"
@@ -292,6 +299,7 @@ class DataParallelClient(EngineClient):
                     "load_tokens": float(self.router.load[i]),
                     "routed_in_flight": float(self.router.in_flight[i]),
                     "restarts": float(self.restarts[i]),
+                    "failed_requests": float(self.failed_requests[i]),
                 }
                 for i in range(self.num_replicas)
             ]

@@ -288,6 +288,8 @@ def test_killed_replica_fails_only_its_streams_and_comes_back(
         assert len(gauges) == 6 and not any(gauges), metrics
         assert metric_values(metrics, "replica_up") == [1.0, 1.0]
         assert metric_values(metrics, "replica_restarts_total") == [1.0, 0.0]
+        lost, others = metric_values(metrics, "replica_failed_requests_total")
+        assert lost >= len(failed) and others == 0  # (+ any routed there as it died, rerouted)
         assert sum(metric_values(metrics, "router_decisions_total")) >= NUM_STREAMS + 8
         auth = {"Authorization": f"Bearer {API_KEY}"}
         board = httpx.get(base + "/v1/dashboard", headers=auth, timeout=10).json()["replicas"]

@@ -34,6 +34,10 @@ _REPLICA_GAUGES = {
 }
 _REPLICA_COUNTERS = {
     "replica_restarts": ("Restarts of the replica after it died.", "restarts"),
+    "replica_failed_requests": (
+        "Requests ended with an error because the replica died under them.",
+        "failed_requests",
+    ),
     "replica_prefix_cache_hits": (
         "Blocks the replica found in its prefix cache.",
         "prefix_cache_hits",
