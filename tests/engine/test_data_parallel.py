@@ -301,3 +301,20 @@ def test_killed_replica_fails_only_its_streams_and_comes_back(
         server.should_exit = True
         thread.join(30)
         engine.stop()
+
+
+def test_replicas_can_be_tensor_parallel(llama_path: Path, baseline: Any) -> None:
+    """Two replicas of two tensor-parallel ranks each (the ranks are processes next to their
+    replica's core): still the single engine's tokens."""
+    engine = Engine(
+        str(llama_path),
+        "cpu",
+        data_parallel_size=2,
+        tensor_parallel_size=2,
+        distributed_executor_backend="mp",
+        **ENGINE_ARGS,
+    )
+    try:
+        check_replicas_equal(engine, baseline)
+    finally:
+        engine.shutdown()
