@@ -103,6 +103,8 @@ class DataParallelClient(EngineClient):
         self._startup_timeout = startup_timeout
         self._log_stats_interval = log_stats_interval
         self.backend = choose_backend(engine_args.get("distributed_executor_backend"))
+        if router == "prefix" and not engine_args.get("enable_prefix_caching"):
+            logger.warning("router 'prefix' without enable_prefix_caching: no replica caches")
         self._engine_args, self._placement = self._replica_setup(engine_args)
         self.replicas: list[EngineCoreClient] = self._start_all()
         self.tokenizer = self.replicas[0].tokenizer
@@ -170,7 +172,7 @@ class DataParallelClient(EngineClient):
         client = EngineCoreClient(
             self._model,
             self._device,
-            log_stats_interval=None,
+            log_stats_interval=self._log_stats_interval,  # each replica's own throughput line
             startup_timeout=self._startup_timeout,
             launcher=launcher,
             name=f"replica {index}",
