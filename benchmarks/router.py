@@ -100,7 +100,7 @@ def lockstep(model: Path, rounds: list[list[list[int]]], policy: str, n: int, ar
         for prompt in turn:
             rid = f"r{next(ids)}"
             decision = router.choose(prompt)
-            router.sent(rid, decision, prompt, tokens=len(prompt) + args.answer)
+            router.sent(rid, decision, tokens=len(prompt) + args.answer)
             engines[decision.replica].add_request(rid, {"prompt_token_ids": prompt}, params)
             arrival[rid] = tick
         while any(e.has_unfinished_requests() for e in engines):

@@ -343,7 +343,7 @@ class DataParallelClient(EngineClient):
                     decision = self.router.choose(token_ids, root=root)
                 except ValueError as exc:
                     raise EngineDeadError(str(exc)) from None
-                self.router.sent(request_id, decision, token_ids, tokens=tokens, root=root)
+                self.router.sent(request_id, decision, tokens=tokens)
             replica = self.replicas[decision.replica]
             try:
                 return await replica.add_request(

@@ -73,6 +73,7 @@ class Decision:
     matched_blocks: int  # leading blocks the chosen replica is believed to hold
     query_blocks: int  # full blocks of the prompt that could have matched
     reason: str
+    chain: list[int] = field(default_factory=list, repr=False)  # the prompt's block keys
 
 
 @dataclass
@@ -139,15 +140,15 @@ class Router:
             return Decision(live[0], 0, len(query), ROUND_ROBIN)
         least = min(live, key=lambda r: self.load[r])  # first in rotation among equals
         if self.policy == "least_loaded" or not query:
-            return Decision(least, 0, len(query), LEAST_LOADED)
+            return Decision(least, 0, len(query), LEAST_LOADED, chain)
         matches = {r: self.mirrors[r].match(query) for r in live}
         best = max(live, key=lambda r: (matches[r], -self.load[r]))
         if matches[best] == 0:
-            return Decision(least, 0, len(query), LEAST_LOADED)
+            return Decision(least, 0, len(query), LEAST_LOADED, chain)
         bound = self.balance_ratio * self.load[least] + self.balance_tokens
         if self.load[best] > bound:
-            return Decision(least, matches[least], len(query), BALANCED)
-        return Decision(best, matches[best], len(query), PREFIX_HIT)
+            return Decision(least, matches[least], len(query), BALANCED, chain)
+        return Decision(best, matches[best], len(query), PREFIX_HIT, chain)
 
     def _live_order(self) -> list[int]:
         """Replicas that are up, starting at the rotation cursor."""
@@ -158,15 +159,7 @@ class Router:
         return live
 
     # -- bookkeeping -------------------------------------------------------------------------
-    def sent(
-        self,
-        request_id: str,
-        decision: Decision,
-        token_ids: Sequence[int],
-        *,
-        tokens: int,
-        root: int | None = None,
-    ) -> None:
+    def sent(self, request_id: str, decision: Decision, *, tokens: int) -> None:
         """Count the request on its replica; ``tokens``: its expected work (prompt + output)."""
         r = decision.replica
         self._next = (r + 1) % self.num_replicas
@@ -177,8 +170,7 @@ class Router:
         self.stats.decisions[key] = self.stats.decisions.get(key, 0) + 1
         self.stats.matched_blocks += decision.matched_blocks
         self.stats.query_blocks += decision.query_blocks
-        if self.policy == "prefix":
-            self.mirrors[r].insert(prefix_chain(token_ids, self.block_size, root))
+        self.mirrors[r].insert(decision.chain)  # empty unless the policy is prefix
 
     def finished(self, request_id: str) -> int | None:
         """The request left its replica (finished, failed or aborted); its replica, if known."""

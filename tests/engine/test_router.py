@@ -28,7 +28,7 @@ BS = 4
 
 def send(router: Router, rid: str, tokens: list[int], *, work: int | None = None) -> int:
     decision = router.choose(tokens)
-    router.sent(rid, decision, tokens, tokens=len(tokens) if work is None else work)
+    router.sent(rid, decision, tokens=len(tokens) if work is None else work)
     return decision.replica
 
 
