@@ -10,8 +10,8 @@ Ray resource), spread over the nodes where they fit.
 Ray ends an actor whose owner (this process) is gone, so a killed server leaves no replica
 behind. Death is seen by a thread that waits on the actor's ``run`` call and then writes to a
 pipe: the pipe's read end is the handle's ``sentinel``, polled by the client next to its socket
-exactly as a process's sentinel is. Like Ray itself, the sockets trust the cluster's network:
-run the cluster on a private network (Ray's own advice).
+exactly as a process's sentinel is. The sockets carry no authentication (Ray's token
+authentication covers Ray's traffic only): run the cluster on a private network.
 
 Ray is imported only here (and in ``executors/ray_executor.py``).
 """
@@ -130,7 +130,7 @@ class RayPlacement:
 
         self.owns_ray = not ray.is_initialized()
         if self.owns_ray:
-            ray.init(log_to_driver=False)
+            ray.init()
         self.timeout_s = timeout_s
         self.num_cpus = num_cpus
         self.accelerator = accelerator
@@ -141,6 +141,7 @@ class RayPlacement:
         if accelerator:
             bundle[accelerator] = float(num_accelerators)  # one per tensor-parallel rank
         self.pg = placement_group([dict(bundle)] * num_replicas, strategy=strategy)
+        logger.info("reserving %d x %s on the Ray cluster", num_replicas, bundle)
         ready, _ = ray.wait([self.pg.ready()], timeout=timeout_s)
         if not ready:
             self.release()
