@@ -93,7 +93,8 @@ class LLMEngine:
 
     def __new__(cls, model: str = "", device: str = "auto", **engine_args: Any) -> Any:
         """``data_parallel_size`` > 1: a :class:`DataParallelEngine` over that many replicas."""
-        if cls is LLMEngine and (engine_args.get("data_parallel_size") or 1) > 1:
+        replicas = engine_args.get("data_parallel_size")
+        if cls is LLMEngine and isinstance(replicas, int) and replicas > 1:  # else: validated
             from pagedllm.engine.dp_engine import DataParallelEngine
 
             return DataParallelEngine(model, device, **engine_args)
