@@ -19,6 +19,7 @@ _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 _PREEMPTION_MODES = (None, "recompute", "swap")
 _POLICIES = ("fcfs", "priority")
+_ROUTERS = ("prefix", "least_loaded", "round_robin")  # engine/router.py
 _GiB = 1 << 30
 _QUANTIZATIONS = (None, "int8", "w8a8", "int4")
 
@@ -199,10 +200,15 @@ class ParallelConfig:
     enable_expert_parallel: bool = False
     # intra-op threads of a CPU engine, shared by its ranks; None: the device decides
     cpu_threads: int | None = None
+    # engine replicas behind one front end (engine/dp_client.py), and how requests are routed
+    data_parallel_size: int = 1
+    router: str = "prefix"
 
     def __post_init__(self) -> None:
         _positive_int(self.tensor_parallel_size, "tensor_parallel_size")
         _positive_int(self.cpu_threads, "cpu_threads", allow_none=True)
+        _positive_int(self.data_parallel_size, "data_parallel_size")
+        _require(self.router in _ROUTERS, "router", f"must be one of {', '.join(_ROUTERS)}")
         _require(
             isinstance(self.enable_expert_parallel, bool),
             "enable_expert_parallel",
@@ -371,6 +377,18 @@ class EngineArgs:
         "--kv-cache-dir, else 0; the CPU's KV pool is host memory already)",
     )
 
+    data_parallel_size: int = engine_arg(
+        1,
+        "engine replicas behind one endpoint, each with its own KV cache (Ray actors, or "
+        "local processes without Ray or with --distributed-executor-backend mp)",
+    )
+    router: str = engine_arg(
+        "prefix",
+        "how requests are spread over the replicas: prefix (to the replica holding the "
+        "prompt's leading blocks, balanced by load), least_loaded or round_robin",
+        choices=_ROUTERS,
+    )
+
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
         names = {f.name for f in dataclasses.fields(cls)} - {"model"}
@@ -448,6 +466,8 @@ class EngineArgs:
                 distributed_executor_backend=self.distributed_executor_backend,
                 enable_expert_parallel=self.enable_expert_parallel,
                 cpu_threads=self.cpu_threads,
+                data_parallel_size=self.data_parallel_size,
+                router=self.router,
             ),
             device=device,
             speculative=speculative,
@@ -509,6 +529,17 @@ def core_openmp_env() -> dict[str, str]:
     if any(k in os.environ for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")):
         return {}
     return {"GOMP_SPINCOUNT": str(CORE_GOMP_SPINCOUNT)}
+
+
+def replica_actor_env(package_root: str) -> dict[str, str]:
+    """The environment of a Ray replica actor (``engine/dp_ray.py``): the core's OpenMP
+    settings, and this package's folder first on ``PYTHONPATH``, so an actor on this machine
+    imports the pagedllm the server runs (a source checkout too); on another machine a missing
+    folder is skipped and the installed package is used."""
+    env = core_openmp_env()
+    paths = [package_root, *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
+    return env
 
 
 def prefer_huge_pages() -> None:

@@ -19,7 +19,6 @@ import concurrent.futures
 import contextlib
 import itertools
 import logging
-import multiprocessing as mp
 import shutil
 import tempfile
 import threading
@@ -35,6 +34,7 @@ from pagedllm.engine.async_engine import (
     EngineStepError,
     RequestStream,
 )
+from pagedllm.engine.core_launch import CoreLauncher, CoreSpec, ProcessLauncher
 from pagedllm.engine.cpu_binding import CpuBinding
 from pagedllm.engine.stat_logger import StatLogger
 from pagedllm.outputs import RequestOutput
@@ -66,14 +66,17 @@ class EngineCoreClient(EngineClient):
         log_stats_interval: float | None = 5.0,
         startup_timeout: float = 900.0,
         cpu_binding: CpuBinding | None = None,
+        launcher: CoreLauncher | None = None,
+        name: str | None = None,
         **engine_args: Any,
     ) -> None:
         import zmq
 
-        from pagedllm.engine.core_process import core_main
-
+        self.name = name  # a data-parallel replica's name, put before its errors
         self.on_request_finished: list[Callable[[RequestOutput], None]] = []
         self.on_timing: list[Callable[[str, float], None]] = []
+        # Called with the id of every request that leaves this client (finished, failed, cut).
+        self.on_request_done: Callable[[str], None] | None = None
         self.num_cut = 0
         self._streams: dict[str, RequestStream] = {}
         self._accs: dict[str, wire.OutputAccumulator] = {}
@@ -93,26 +96,21 @@ class EngineCoreClient(EngineClient):
         self._in = self._ctx.socket(zmq.PUSH)
         self._in.setsockopt(zmq.SNDHWM, 0)
         self._in.setsockopt(zmq.LINGER, 0)
-        self._in.bind(f"ipc://{self._dir}/in")
         self._out = self._ctx.socket(zmq.PULL)
         self._out.setsockopt(zmq.RCVHWM, 0)
-        self._out.bind(f"ipc://{self._dir}/out")
-        self.proc = mp.get_context("spawn").Process(
-            target=core_main,
-            name="pagedllm-core",
-            daemon=False,
-            args=(
+        launcher = launcher or ProcessLauncher()
+        in_addr, out_addr = launcher.bind(self._in, self._out, self._dir)
+        self.proc = launcher.start(
+            CoreSpec(
                 model,
                 device,
                 engine_args,
-                f"ipc://{self._dir}/in",
-                f"ipc://{self._dir}/out",
-                _getpid(),
+                in_addr,
+                out_addr,
                 logging.getLogger().getEffectiveLevel(),
                 cpu_binding,
-            ),
+            )
         )
-        self.proc.start()
         try:
             self.info = self._wait_ready(startup_timeout)
         except BaseException:
@@ -138,6 +136,7 @@ class EngineCoreClient(EngineClient):
         cpu_binding: CpuBinding | None = None,
         **engine_args: Any,
     ) -> EngineCoreClient:
+        """``engine_args`` may also hold ``launcher``, ``name`` and ``startup_timeout``."""
         return cls(
             model,
             device,
@@ -271,7 +270,13 @@ class EngineCoreClient(EngineClient):
     def _drop(self, request_id: str) -> RequestStream | None:
         self._accs.pop(request_id, None)
         self._arrivals.pop(request_id, None)
-        return self._streams.pop(request_id, None)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and self.on_request_done is not None:
+            try:
+                self.on_request_done(request_id)
+            except Exception:
+                logger.exception("on_request_done callback failed")
+        return stream
 
     # -- shutdown ------------------------------------------------------------------------------
     async def shutdown(self, timeout: float = 30.0) -> None:
@@ -447,6 +452,8 @@ class EngineCoreClient(EngineClient):
                 logger.exception("on_timing callback failed")
 
     def _on_dead(self, error: BaseException) -> None:
+        if self.name is not None:
+            error = EngineDeadError(f"{self.name}: {error}")
         logger.error("the engine core is dead: %s", error)
         self._dead = error
         self._fail_all(EngineDeadError(str(error)))
@@ -474,9 +481,3 @@ class EngineCoreClient(EngineClient):
 def _put_all(batch: list[tuple[RequestStream, Any]]) -> None:
     for stream, item in batch:
         stream.put(item)
-
-
-def _getpid() -> int:
-    import os
-
-    return os.getpid()

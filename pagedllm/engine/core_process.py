@@ -43,7 +43,7 @@ class EngineCore:
         engine: Any,
         in_sock: Any,
         out_sock: Any,
-        parent_pid: int,
+        parent_pid: int | None,
         binder: CoreThreadBinder | None = None,
     ) -> None:
         self.engine = engine
@@ -70,7 +70,7 @@ class EngineCore:
             if self.binder is not None:
                 self.binder.maybe_rebind(time.monotonic())
             busy = self.engine.has_unfinished_requests()
-            if os.getppid() != self.parent_pid:
+            if self.parent_pid is not None and os.getppid() != self.parent_pid:
                 logger.warning("the server process is gone; the engine core exits")
                 return 0
             if poller.poll(0 if busy else _IDLE_POLL_MS):
@@ -221,19 +221,33 @@ def core_main(
     engine_args: dict[str, Any],
     in_addr: str,
     out_addr: str,
-    parent_pid: int,
+    parent_pid: int | None,
     log_level: int,
     cpu_binding: CpuBinding | None = None,
 ) -> None:
-    """The process's entry point (spawned): build the engine, say READY, run the loop.
-    With ``cpu_binding`` the core's threads are bound once the engine (and so its OpenMP
-    pool) exists, before READY (see ``cpu_binding.py``)."""
+    """The spawned process's entry point: the core's exit status is the process's."""
     from pagedllm.config import core_openmp_env
 
     os.environ.update(core_openmp_env())  # before torch loads its OpenMP runtime
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [core] %(message)s")
+    sys.exit(run_core(model, device, engine_args, in_addr, out_addr, parent_pid, cpu_binding))
+
+
+def run_core(
+    model: str,
+    device: str,
+    engine_args: dict[str, Any],
+    in_addr: str,
+    out_addr: str,
+    parent_pid: int | None,
+    cpu_binding: CpuBinding | None = None,
+) -> int:
+    """Build the engine, say READY, run the loop; the exit status. Also the body of a Ray
+    replica's actor (``dp_ray.py``), where ``parent_pid`` is None: Ray ends an actor whose
+    owner is gone. With ``cpu_binding`` the core's threads are bound once the engine (and so
+    its OpenMP pool) exists, before READY (see ``cpu_binding.py``)."""
     import zmq
 
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [core] %(message)s")
     ctx = zmq.Context()
     out_sock = ctx.socket(zmq.PUSH)
     out_sock.setsockopt(zmq.LINGER, 2000)
@@ -250,28 +264,16 @@ def core_main(
         logger.debug("engine start failed:\n%s", traceback.format_exc())
         out_sock.send(wire.encode_out(wire.DEAD, [type(exc).__name__, str(exc)]))
         out_sock.close(linger=2000)
-        sys.exit(1)
+        in_sock.close(linger=0)
+        ctx.term()
+        return 1
     freeze_startup_objects()
     binder = None
     if cpu_binding is not None:
         binder = CoreThreadBinder(cpu_binding)
         binder.bind()
         logger.info("CPU binding: %s", cpu_binding.describe())
-    cfg = engine.config
-    out_sock.send(
-        wire.encode_out(
-            wire.READY,
-            {
-                "model": cfg.model.model,
-                "served_model_name": cfg.model.served_model_name,
-                "tokenizer": cfg.model.tokenizer,
-                "has_tokenizer": engine.tokenizer is not None,
-                "max_model_len": cfg.scheduler.max_model_len,
-                "vocab_size": int(engine.vocab_size),
-                "stats": engine.get_stats(),
-            },
-        )
-    )
+    out_sock.send(wire.encode_out(wire.READY, ready_info(engine)))
     status = 1
     try:
         status = EngineCore(engine, in_sock, out_sock, parent_pid, binder).run()
@@ -286,4 +288,17 @@ def core_main(
         out_sock.close(linger=2000)
         in_sock.close(linger=0)
         ctx.term()
-    sys.exit(status)
+    return status
+
+
+def ready_info(engine: Any) -> dict[str, Any]:
+    cfg = engine.config
+    return {
+        "model": cfg.model.model,
+        "served_model_name": cfg.model.served_model_name,
+        "tokenizer": cfg.model.tokenizer,
+        "has_tokenizer": engine.tokenizer is not None,
+        "max_model_len": cfg.scheduler.max_model_len,
+        "vocab_size": int(engine.vocab_size),
+        "stats": engine.get_stats(),
+    }

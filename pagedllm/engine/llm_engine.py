@@ -91,6 +91,15 @@ class LLMEngine:
     ``enable_chunked_prefill``, ``attention_backend`` and others listed in ``EngineArgs``.
     """
 
+    def __new__(cls, model: str = "", device: str = "auto", **engine_args: Any) -> Any:
+        """``data_parallel_size`` > 1: a :class:`DataParallelEngine` over that many replicas."""
+        replicas = engine_args.get("data_parallel_size")
+        if cls is LLMEngine and isinstance(replicas, int) and replicas > 1:  # else: validated
+            from pagedllm.engine.dp_engine import DataParallelEngine
+
+            return DataParallelEngine(model, device, **engine_args)
+        return super().__new__(cls)
+
     def __init__(self, model: str, device: str = "auto", **engine_args: Any) -> None:
         args = EngineArgs.from_kwargs(model, device=device, **engine_args)
         self._explicit_max_model_len = args.max_model_len is not None

@@ -312,7 +312,23 @@ def serve_cpu_binding(args: argparse.Namespace) -> CpuBinding | None:
     rank (tensor-parallel workers are processes of their own, placed by the kernel)."""
     if args.engine_in_process or (args.tensor_parallel_size or 1) > 1:
         return None
+    if (args.data_parallel_size or 1) > 1:
+        return None
     return CpuBinding.plan(args.cpu_bind)
+
+
+def serve_replicas(args: argparse.Namespace, model: str, kwargs: dict[str, Any]) -> Any:
+    """``--data-parallel-size N``: N engine cores behind the router (engine/dp_client.py)."""
+    from pagedllm.engine.dp_client import DataParallelClient
+
+    if args.engine_in_process:
+        raise UsageError("pagedllm serve: --engine-in-process runs one engine, not replicas")
+    return DataParallelClient.from_engine_args(
+        model,
+        args.device,
+        log_stats_interval=None if args.disable_log_stats else 5.0,
+        **kwargs,
+    )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -347,7 +363,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     kwargs["max_logprobs"] = args.max_logprobs
     binding = serve_cpu_binding(args)
     try:
-        if args.engine_in_process:
+        if (args.data_parallel_size or 1) > 1:
+            engine = serve_replicas(args, model, kwargs)
+        elif args.engine_in_process:
             engine = AsyncEngine.from_engine_args(
                 model,
                 args.device,

@@ -213,7 +213,8 @@ def build_app(
             raise APIError(
                 f"engine unhealthy: {engine.dead_error}", status=503, type="service_unavailable"
             )
-        return JSONResponse({"status": "ok"})
+        replicas = getattr(engine, "health", None)  # data-parallel: "degraded" while one is down
+        return JSONResponse(replicas() if replicas is not None else {"status": "ok"})
 
     @app.get("/version")
     async def version() -> dict[str, str]:

@@ -180,6 +180,10 @@ class ServerMetrics:
     def __init__(self, engine: AsyncEngine) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(EngineStatsCollector(engine.get_stats))
+        if hasattr(engine, "replica_stats"):  # data-parallel replicas behind the router
+            from pagedllm.entrypoints.openai.replica_metrics import ReplicaCollector
+
+            self.registry.register(ReplicaCollector(engine))
         self.ttft = Histogram(
             PREFIX + "time_to_first_token_seconds",
             "Time from arrival to the first token.",

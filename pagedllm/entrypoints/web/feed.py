@@ -155,7 +155,41 @@ class DashboardFeed:
             },
             "requests": self.tracker.rows(),
             "kv_tiers": tier_summary(stats),
+            "replicas": replica_summary(self.engine),
         }
+
+
+def replica_summary(engine: Any) -> dict[str, Any] | None:
+    """Data-parallel replicas (None with one engine): the router's policy and predicted prefix
+    matches, and per replica its state, routed load, queues, KV use and prefix-cache hits."""
+    if not hasattr(engine, "replica_stats"):
+        return None
+    router = engine.router_stats()
+    rows = []
+    for row in engine.replica_stats():
+        s = row["stats"]
+        routed = sum(n for (r, _), n in router["decisions"].items() if r == row["replica"])
+        queries = s.get("prefix_cache_queries", 0.0)
+        rows.append(
+            {
+                "replica": row["replica"],
+                "state": row["state"],
+                "load_tokens": row["load_tokens"],
+                "in_flight": row["routed_in_flight"],
+                "routed": routed,
+                "running": s.get("num_requests_running", 0.0),
+                "waiting": s.get("num_requests_waiting", 0.0),
+                "kv_usage": s.get("kv_cache_usage_perc", 0.0),
+                "prefix_hit_rate": s.get("prefix_cache_hits", 0.0) / queries if queries else None,
+                "restarts": row["restarts"],
+            }
+        )
+    q = router["query_blocks"]
+    return {
+        "policy": router["policy"],
+        "matched_rate": router["matched_blocks"] / q if q else None,
+        "rows": rows,
+    }
 
 
 def tier_summary(stats: dict[str, float]) -> dict[str, float | None] | None:

@@ -95,6 +95,31 @@
     }
   }
 
+  // Data-parallel replicas: the router's policy and one row per replica.
+  function replicas(d) {
+    const r = d.replicas;
+    if (!r) return;
+    $("replicas-box").hidden = false;
+    const rate = (v) => (v === null || v === undefined ? "–" : (100 * v).toFixed(1) + "%");
+    $("router-policy").textContent = "(router: " + r.policy + ", predicted prefix matches " +
+      rate(r.matched_rate) + ")";
+    const body = $("replicas");
+    body.textContent = "";
+    for (const row of r.rows) {
+      const tr = document.createElement("tr");
+      const cells = [row.replica, row.state, row.routed, row.in_flight, row.load_tokens,
+                     row.running + " / " + row.waiting, rate(row.kv_usage),
+                     rate(row.prefix_hit_rate), row.restarts];
+      cells.forEach((text, i) => {
+        const td = document.createElement("td");
+        td.textContent = text;
+        if (i > 1) td.className = "num";
+        tr.appendChild(td);
+      });
+      body.appendChild(tr);
+    }
+  }
+
   async function abort(id, btn) {
     btn.disabled = true;
     try {
@@ -111,6 +136,7 @@
       const d = await PagedAPI.getJSON("/v1/dashboard");
       plots(d);
       tiles(d);
+      replicas(d);
       table(d);
     } catch (e) {
       if (e.status === 401) {

@@ -1,0 +1,69 @@
+"""Where an engine core runs: a spawned local process, or (``dp_ray.py``) a Ray actor.
+
+``EngineCoreClient`` binds its two sockets through the launcher (which picks the transport:
+``ipc://`` in a private folder locally, TCP for a core on another machine) and holds the handle
+``start`` returns, shaped like ``multiprocessing.Process``: its ``sentinel`` is polled next to the
+socket, so a core's death is seen at once wherever it ran.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pagedllm.engine.cpu_binding import CpuBinding
+
+
+@dataclass(frozen=True)
+class CoreSpec:
+    """What a launcher needs to start a core: the engine and the addresses to connect to."""
+
+    model: str
+    device: str
+    engine_args: dict[str, Any]
+    in_addr: str
+    out_addr: str
+    log_level: int
+    cpu_binding: CpuBinding | None = None
+
+
+class CoreLauncher(Protocol):
+    """Where a core runs. ``bind`` binds the client's two sockets and returns the addresses
+    the core connects to; ``start`` returns a handle shaped like ``multiprocessing.Process``
+    (``sentinel``, ``is_alive``, ``join``, ``terminate``, ``kill``, ``exitcode``, ``pid``)."""
+
+    def bind(self, in_sock: Any, out_sock: Any, folder: str) -> tuple[str, str]: ...
+
+    def start(self, spec: CoreSpec) -> Any: ...
+
+
+class ProcessLauncher:
+    """A spawned process on this machine over ``ipc://`` sockets in a private folder."""
+
+    def bind(self, in_sock: Any, out_sock: Any, folder: str) -> tuple[str, str]:
+        in_sock.bind(f"ipc://{folder}/in")
+        out_sock.bind(f"ipc://{folder}/out")
+        return f"ipc://{folder}/in", f"ipc://{folder}/out"
+
+    def start(self, spec: CoreSpec) -> Any:
+        from pagedllm.engine.core_process import core_main
+
+        proc = mp.get_context("spawn").Process(
+            target=core_main,
+            name="pagedllm-core",
+            daemon=False,
+            args=(
+                spec.model,
+                spec.device,
+                spec.engine_args,
+                spec.in_addr,
+                spec.out_addr,
+                os.getpid(),
+                spec.log_level,
+                spec.cpu_binding,
+            ),
+        )
+        proc.start()
+        return proc

@@ -1,0 +1,100 @@
+"""``Engine(model, data_parallel_size=N)``: an offline batch spread over N engine replicas.
+
+The replicas and the router are the server's (``dp_client.py``); ``generate`` hands every prompt
+to the router, waits for all of them and returns the outputs in input order, as the one-engine
+``generate`` does. Stepping by hand (``add_request`` / ``step``) drives one scheduler, and N
+replicas have N: those are refused with a ValueError rather than half-supported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any
+
+from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.engine.dp_client import DataParallelClient
+from pagedllm.engine.lora_registry import per_prompt_loras
+from pagedllm.engine.router import Router
+from pagedllm.outputs import RequestOutput
+
+
+class DataParallelEngine:
+    """What ``Engine(..., data_parallel_size=N)`` returns for N > 1 (see the module docstring)."""
+
+    def __init__(self, model: str, device: str = "auto", **engine_args: Any) -> None:
+        self.client = DataParallelClient(model, device, log_stats_interval=None, **engine_args)
+        self.tokenizer = self.client.tokenizer
+        self._ids = itertools.count()
+
+    @property
+    def router(self) -> Router:
+        return self.client.router
+
+    @property
+    def replicas(self) -> list[Any]:
+        return self.client.replicas
+
+    def generate(
+        self,
+        prompts: Any,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        lora_request: Any = None,
+    ) -> list[RequestOutput]:
+        """Every prompt to completion over the replicas; outputs in input order."""
+        del use_tqdm  # no progress bar across replicas
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(prompts):
+                raise ValueError("sampling_params: the list must be as long as prompts")
+            params_list = sampling_params
+        else:
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        loras = per_prompt_loras(lora_request, len(prompts))
+        return asyncio.run(self._run(list(prompts), params_list, loras))
+
+    async def _run(
+        self, prompts: list[Any], params: list[SamplingParams], loras: list[Any]
+    ) -> list[RequestOutput]:
+        streams = []
+        try:
+            for prompt, sp, lora in zip(prompts, params, loras, strict=True):
+                rid = f"generate-{next(self._ids)}"
+                streams.append(await self.client.add_request(rid, prompt, sp, lora_request=lora))
+            return list(await asyncio.gather(*(_last(s) for s in streams)))
+        finally:
+            for stream in streams:
+                stream.abort()
+
+    def get_stats(self) -> dict[str, float]:
+        return self.client.get_stats()
+
+    def add_request(self, *args: Any, **kwargs: Any) -> None:
+        raise ValueError(
+            "data_parallel_size: add_request/step drive one engine; with replicas use "
+            "generate() or the server (pagedllm serve --data-parallel-size N)"
+        )
+
+    step = add_request
+
+    def shutdown(self) -> None:
+        self.client.stop()
+
+    def __enter__(self) -> DataParallelEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+async def _last(stream: Any) -> RequestOutput:
+    last = None
+    async for out in stream:
+        last = out
+    assert last is not None
+    return last
