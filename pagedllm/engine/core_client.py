@@ -99,18 +99,24 @@ class EngineCoreClient(EngineClient):
         self._out = self._ctx.socket(zmq.PULL)
         self._out.setsockopt(zmq.RCVHWM, 0)
         launcher = launcher or ProcessLauncher()
-        in_addr, out_addr = launcher.bind(self._in, self._out, self._dir)
-        self.proc = launcher.start(
-            CoreSpec(
-                model,
-                device,
-                engine_args,
-                in_addr,
-                out_addr,
-                logging.getLogger().getEffectiveLevel(),
-                cpu_binding,
+        try:
+            in_addr, out_addr = launcher.bind(self._in, self._out, self._dir)
+            self.proc = launcher.start(
+                CoreSpec(
+                    model,
+                    device,
+                    engine_args,
+                    in_addr,
+                    out_addr,
+                    logging.getLogger().getEffectiveLevel(),
+                    cpu_binding,
+                )
             )
-        )
+        except BaseException:
+            # A core that could not be launched (a Ray placement group gone, say): the sockets
+            # and context go now; left to the garbage collector, term() can block forever.
+            self._close()
+            raise
         try:
             self.info = self._wait_ready(startup_timeout)
         except BaseException:

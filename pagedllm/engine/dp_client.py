@@ -21,7 +21,6 @@ import concurrent.futures
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -168,7 +167,10 @@ class DataParallelClient(EngineClient):
         return [f.result() for f in futures]
 
     def _start_replica(self, index: int) -> EngineCoreClient:
-        launcher = ProcessLauncher() if self._placement is None else self._placement.launcher(index)
+        placement = self._placement
+        if placement is None and self.backend == "ray":
+            raise RuntimeError(f"replica {index}: the replicas' placement group was released")
+        launcher = ProcessLauncher() if placement is None else placement.launcher(index)
         client = EngineCoreClient(
             self._model,
             self._device,
@@ -225,8 +227,11 @@ class DataParallelClient(EngineClient):
             try:
                 fresh = self._start_replica(index)
             except Exception as exc:
+                if self._closing.is_set():
+                    return  # the client stopped (and released the placement) meanwhile
                 logger.error("replica %d: restart %d failed: %s", index, attempt, exc)
-                time.sleep(min(2.0**attempt, 30.0))
+                if self._closing.wait(min(2.0**attempt, 30.0)):
+                    return
                 continue
             if self._closing.is_set():
                 fresh.stop()
