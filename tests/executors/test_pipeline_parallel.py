@@ -78,6 +78,62 @@ def test_each_stage_holds_only_its_layers(tiny_models: dict[str, Path], model: s
         assert kv_geometry(m)[0] == end - start
 
 
+def _prefill(model: Any, ids: list[int], intermediate: Any = None) -> Any:
+    """One prompt through ``model`` (a whole model or one stage) over a fresh paged cache."""
+    from pagedllm.backends.reference import ReferenceAttention
+    from pagedllm.executors.worker import kv_geometry
+
+    backend, n, block = ReferenceAttention(), len(ids), 8
+    num_layers, kv_heads, head = kv_geometry(model)
+    caches = [
+        torch.zeros(backend.kv_cache_shape(4, block, kv_heads, head)) for _ in range(num_layers)
+    ]
+    meta = backend.build_metadata(
+        num_prefills=1,
+        seq_lens=[n],
+        query_lens=[n],
+        slot_mapping=list(range(n)),
+        block_tables=[list(range((n + block - 1) // block))],
+        block_size=block,
+        device=torch.device("cpu"),
+    )
+    args = () if intermediate is None else (intermediate,)
+    with torch.inference_mode():
+        return model(torch.tensor(ids), torch.arange(n), caches, meta, *args)
+
+
+STAGE_FAMILIES = ["qwen3", "gemma", "phi3", "mixtral", "qwen3_moe"]
+
+
+@pytest.fixture(scope="module")
+def family_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from tests.models.moe_models import MOE_FAMILIES, build_moe
+    from tests.models.test_more_families import build_family
+
+    root = tmp_path_factory.mktemp("stage_families")
+    return {
+        name: (build_moe if name in MOE_FAMILIES else build_family)(root / name, name)
+        for name in STAGE_FAMILIES
+    }
+
+
+@pytest.mark.parametrize("family", STAGE_FAMILIES)
+def test_relatives_of_llama_split_into_stages(family_paths: dict[str, Path], family: str) -> None:
+    """Qwen3, Gemma, Phi-3 and the MoE families inherit the split: two stages chained in one
+    process (the second fed the first's activations) give the whole model's logits."""
+    path = family_paths[family]
+    ids = [5, 9, 17, 33, 65, 7, 11, 13, 3, 21]
+    whole = load_on_reference(path, torch.float32)
+    expected = whole.compute_logits(_prefill(whole, ids))
+    first, last = (
+        load_on_reference(path, torch.float32, pp=PPContext(stage=s, size=2)) for s in range(2)
+    )
+    hidden, residual = _prefill(first, ids)
+    assert hidden.shape == residual.shape == (len(ids), whole.config.hidden_size)
+    got = last.compute_logits(_prefill(last, ids, (hidden, residual)))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 def _write_config(folder: Path, config: Any, arch: str) -> str:
     """A model folder with only its config.json: the refusal comes before any weight is read."""
     folder.mkdir(parents=True, exist_ok=True)
