@@ -249,7 +249,7 @@ class MultiprocExecutor(Executor):
                     self._fail(self._lost(rank, what))
                 del pending[rank]
                 if status == "error":
-                    label = self._label(rank)
+                    label = None if self.pp_size == 1 else self._label(rank)
                     self._fail_with(rank_error(rank, what, *value, label=label), what)
                 results[rank] = value
             message = self._death_message(what)

@@ -237,7 +237,7 @@ class RayExecutor(Executor):
                 except ray.exceptions.RayTaskError as exc:
                     if error is None:
                         cause = getattr(exc, "cause", None)
-                        label = self._label(rank)
+                        label = None if self.pp_size == 1 else self._label(rank)
                         error = rank_error(rank, what, cause, str(exc), label=label)
                         # Often the echo of a peer that died inside a collective: give a dead
                         # peer a moment to show up, so the report names it instead.
