@@ -5,8 +5,11 @@ lengths), run alternately because the machine is shared: PP=2 with two virtual e
 micro-batches in flight, the default), PP=2 with one scheduler (``virtual_engines=1``: a step
 goes through stage 0, then stage 1, and each stage idles half the time), and one process with
 the whole model for reference. The stages run on the multiprocess executor, each with an even
-share of the CPU threads. The figure quoted is the ratio of output tokens/s, virtual engines over
-one scheduler: what keeping every stage busy buys.
+share of the CPU threads. The figure quoted is the ratio of tokens/s, virtual engines over one
+scheduler: what keeping every stage busy buys. Two workloads: ``decode`` (short prompts, 64
+output tokens: on the CPU decoding is bound by reading the weights, and two micro-batches of half
+the batch read them twice as often, which eats what the overlap gains) and ``prefill`` (prompts of
+384-512 tokens, 8 output tokens: compute-bound, where overlapping the stages pays).
 
     python benchmarks/pipeline.py
     python benchmarks/pipeline.py --smoke
@@ -53,26 +56,55 @@ def run(engine: Engine, prompts: list[list[int]], lengths: list[int]) -> dict[st
     }
 
 
+# workload -> (prompt length range, output length range) at full size
+WORKLOADS: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
+    "decode": ((32, 128), (32, 64)),
+    "prefill": ((384, 512), (8, 8)),
+}
+
+
+def make_batch(
+    n: int, vocab: int, prompt_range: tuple[int, int], output_range: tuple[int, int]
+) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(0)
+    lens = [rng.randint(*prompt_range) for _ in range(n)]
+    prompts = [[rng.randrange(3, vocab) for _ in range(m)] for m in lens]
+    return prompts, [rng.randint(*output_range) for _ in range(n)]
+
+
+def measure(
+    engines: dict[str, Engine], batch: tuple[list[list[int]], list[int]], repeats: int
+) -> dict[str, Any]:
+    prompts, lengths = batch
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in engines}
+    for _ in range(repeats):  # alternating: load drifts
+        for name, engine in engines.items():
+            runs[name].append(run(engine, prompts, lengths))
+    best = {k: max(v, key=lambda r: r["total_tok_s"]) for k, v in runs.items()}
+    return {
+        "num_requests": len(prompts),
+        "prompt_tokens": sum(map(len, prompts)),
+        "engines": best,
+        "all_total_tok_s": {k: [r["total_tok_s"] for r in v] for k, v in runs.items()},
+        "virtual_engines_over_one_scheduler": best["pp2-virtual-engines"]["total_tok_s"]
+        / best["pp2-one-scheduler"]["total_tok_s"],
+        "pp2_over_single_process": best["pp2-virtual-engines"]["total_tok_s"]
+        / best["single-process"]["total_tok_s"],
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-requests", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument(
-        "--repeats", type=int, default=2, help="runs of each, alternating (best one reported)"
+        "--repeats", type=int, default=3, help="runs of each, alternating (best one reported)"
     )
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
     spec = SMOKE_MODEL if args.smoke else FULL_MODEL
     n = 4 if args.smoke else args.num_requests
-    max_tokens = 4 if args.smoke else args.max_tokens
-    rng = random.Random(0)
-    prompts = [
-        [rng.randrange(3, spec["vocab_size"]) for _ in range(rng.randint(32, 128))]
-        for _ in range(n)
-    ]
-    lengths = [rng.randint(max_tokens // 2, max_tokens) for _ in range(n)]
     threads = os.cpu_count() or 1
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in ENGINES}
+    results: dict[str, Any] = {}
     peaks: dict[str, int] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model(Path(tmp) / "model", spec)
@@ -89,15 +121,16 @@ def main(argv: list[str] | None = None) -> None:
             )
             for name, extra in ENGINES.items()
         }
-        for engine in engines.values():
-            run(engine, prompts, [2] * n)  # warm-up: every prompt's prefill, a few decodes
-        for _ in range(1 if args.smoke else args.repeats):  # alternating: load drifts
-            for name, engine in engines.items():
-                runs[name].append(run(engine, prompts, lengths))
+        for name, (prompt_range, output_range) in WORKLOADS.items():
+            if args.smoke:
+                prompt_range, output_range = (8, 16), (2, 4)
+            batch = make_batch(n, spec["vocab_size"], prompt_range, output_range)
+            for engine in engines.values():
+                run(engine, batch[0][:2], [2, 2])  # warm-up
+            results[name] = measure(engines, batch, 1 if args.smoke else args.repeats)
         for name, engine in engines.items():
             peaks[name] = engine.executor.peak_in_flight
             engine.shutdown()
-    best = {k: max(v, key=lambda r: r["output_tok_s"]) for k, v in runs.items()}
     from pagedllm.backends.cpu._ops import cpu_model_name, resolve_isa
 
     print(
@@ -109,14 +142,8 @@ def main(argv: list[str] | None = None) -> None:
                 "isa": resolve_isa(),
                 "cpu_threads": threads,
                 "model": {k: spec[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")},
-                "num_requests": n,
-                "engines": best,
+                "workloads": results,
                 "peak_micro_batches_in_flight": peaks,
-                "all_output_tok_s": {k: [r["output_tok_s"] for r in v] for k, v in runs.items()},
-                "virtual_engines_over_one_scheduler": best["pp2-virtual-engines"]["output_tok_s"]
-                / best["pp2-one-scheduler"]["output_tok_s"],
-                "pp2_over_single_process": best["pp2-virtual-engines"]["output_tok_s"]
-                / best["single-process"]["output_tok_s"],
             },
             indent=2,
         )

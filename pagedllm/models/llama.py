@@ -6,6 +6,7 @@ bias), ``head_dim``, rope scaling, ``sliding_window`` and ``tie_word_embeddings`
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -252,7 +253,8 @@ class LlamaForCausalLM(nn.Module):
         else:
             assert intermediate is not None, "a later pipeline stage needs the activations"
             hidden, residual = intermediate
-        layers = self.layers[self.start_layer : self.end_layer]
+        # (islice: slicing a ModuleList would build a new module on every step)
+        layers = itertools.islice(self.layers, self.start_layer, self.end_layer)
         for layer, cache in zip(layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, cache, meta)
         if not self.pp.is_last:

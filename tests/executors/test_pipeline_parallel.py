@@ -254,6 +254,25 @@ def test_virtual_engines_keep_micro_batches_in_flight(pp_engines: Lazy) -> None:
     assert all_blocks_free(engine)
 
 
+def test_beams_and_parallel_samples_match_single_process(
+    tiny_models: dict[str, Path], baselines: Lazy, pp_engines: Lazy
+) -> None:
+    """Beams fork and free through the virtual engine holding their blocks; seeded samples
+    depend only on their seed, whichever virtual engine runs them."""
+    ids = baselines["llama"].ids[:4]
+    params = [
+        SamplingParams(n=2, best_of=3, use_beam_search=True, temperature=0.0, max_tokens=6),
+        SamplingParams(n=2, temperature=0.9, seed=11, max_tokens=6),
+    ]
+    single = Engine(str(tiny_models["llama"]), **ENGINE_ARGS)
+    engine = pp_engines[("llama", 1, 2)]
+    for p in params:
+        want = [[c.token_ids for c in o.outputs] for o in generate(single, ids, p)]
+        got = [[c.token_ids for c in o.outputs] for o in generate(engine, ids, p)]
+        assert got == want, f"{p}: PP {got} != single {want}"
+    assert all_blocks_free(engine)
+
+
 def kill_mid_run(engine: Engine, pid: int) -> tuple[RuntimeError, float, list[Any]]:
     """Step long requests, SIGKILL ``pid`` once decoding is under way; the error, how long it
     took to surface after the kill, and the outputs that ended requests with it."""
