@@ -160,6 +160,7 @@ def test_unsupported_families_and_settings_are_refused(
         ({"distributed_executor_backend": "uni"}, "pipeline_parallel_size"),
         ({"speculative_config": json.dumps(NGRAM)}, "speculative_config"),
         ({"enable_lora": True}, "enable_lora"),
+        ({"virtual_engines": 0}, "virtual_engines"),
     ]
     for extra, field in refusals:
         args = {"pipeline_parallel_size": 2, **extra}
@@ -185,12 +186,14 @@ def baselines(tiny_models: dict[str, Path]) -> Lazy:
 
 @pytest.fixture(scope="module")
 def pp_engines(tiny_models: dict[str, Path]) -> Iterator[Lazy]:
-    """Multiprocess engines by (model, tp, pp); the kill test ends ("llama", 1, 2) last."""
+    """Multiprocess engines by (model, tp, pp[, virtual engines]); the kill test ends
+    ("llama", 1, 2) last."""
     engines = Lazy(
         lambda key: Engine(
             str(tiny_models[key[0]]),
             tensor_parallel_size=key[1],
             pipeline_parallel_size=key[2],
+            virtual_engines=key[3] if len(key) > 3 else None,
             distributed_executor_backend="mp",
             **ENGINE_ARGS,
         )
@@ -227,6 +230,14 @@ def test_pp2_matches_single_process_and_transformers(
     baselines: Lazy, pp_engines: Lazy, model: str
 ) -> None:
     check_equal(pp_engines[(model, 1, 2)], baselines[model], f"{model}/pp2")
+
+
+def test_pp2_with_one_scheduler_matches_single_process(baselines: Lazy, pp_engines: Lazy) -> None:
+    """``virtual_engines=1``: the stages take turns on one scheduler's steps (the whole cache)."""
+    engine = pp_engines[("llama", 1, 2, 1)]
+    assert engine.pipeline is None and engine.block_manager.num_device_blocks == 16
+    check_equal(engine, baselines["llama"], "llama/pp2-one-scheduler")
+    engine.shutdown()
 
 
 def test_tp2_pp2_matches_single_process_and_transformers(baselines: Lazy, pp_engines: Lazy) -> None:
