@@ -196,6 +196,11 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # None | "mp" | "ray"
+    # Contiguous layer ranges on this many stages; global rank = stage * TP size + TP rank.
+    pipeline_parallel_size: int = 1
+    # Schedulers with a micro-batch each in flight under pipeline parallelism (None: one per
+    # stage, so every stage has work; 1: one scheduler, the stages take turns).
+    virtual_engines: int | None = None
     # MoE layers place whole experts on ranks (instead of slicing every expert)
     enable_expert_parallel: bool = False
     # intra-op threads of a CPU engine, shared by its ranks; None: the device decides
@@ -206,6 +211,8 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         _positive_int(self.tensor_parallel_size, "tensor_parallel_size")
+        _positive_int(self.pipeline_parallel_size, "pipeline_parallel_size")
+        _positive_int(self.virtual_engines, "virtual_engines", allow_none=True)
         _positive_int(self.cpu_threads, "cpu_threads", allow_none=True)
         _positive_int(self.data_parallel_size, "data_parallel_size")
         _require(self.router in _ROUTERS, "router", f"must be one of {', '.join(_ROUTERS)}")
@@ -219,6 +226,23 @@ class ParallelConfig:
             "distributed_executor_backend",
             "must be 'uni', 'mp' or 'ray'",
         )
+        _require(
+            self.pipeline_parallel_size == 1 or self.distributed_executor_backend != "uni",
+            "pipeline_parallel_size",
+            "needs one process per stage: distributed_executor_backend 'mp' or 'ray', not 'uni'",
+        )
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in all: a tensor-parallel group of ``tensor_parallel_size`` per stage."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def num_virtual_engines(self) -> int:
+        """Schedulers (each with its share of the KV blocks); 1 without pipeline parallelism."""
+        if self.pipeline_parallel_size == 1:
+            return 1
+        return self.virtual_engines or self.pipeline_parallel_size
 
 
 @dataclass(frozen=True)
@@ -326,6 +350,12 @@ class EngineArgs:
     distributed_executor_backend: str | None = engine_arg(
         None, "how tensor-parallel workers run", choices=("uni", "mp", "ray")
     )
+    pipeline_parallel_size: int = engine_arg(
+        1, "number of pipeline stages (contiguous layer ranges), each with its TP group"
+    )
+    virtual_engines: int | None = engine_arg(
+        None, "pipeline micro-batches in flight (default: one per stage)", cli=False
+    )
     trust_remote_code: bool = engine_arg(False, "never honoured: remote code is not run", cli=False)
     skip_tokenizer_init: bool = engine_arg(False, "prompts are token ids, no text", cli=False)
     max_logprobs: int = engine_arg(
@@ -418,6 +448,7 @@ class EngineArgs:
             "speculative_config",
             "not supported with tensor_parallel_size > 1 yet",
         )
+        self._check_pipeline(speculative)
         _require(
             speculative is None or not self.enable_lora,
             "speculative_config",
@@ -464,6 +495,8 @@ class EngineArgs:
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
                 distributed_executor_backend=self.distributed_executor_backend,
+                pipeline_parallel_size=self.pipeline_parallel_size,
+                virtual_engines=self.virtual_engines,
                 enable_expert_parallel=self.enable_expert_parallel,
                 cpu_threads=self.cpu_threads,
                 data_parallel_size=self.data_parallel_size,
@@ -478,6 +511,16 @@ class EngineArgs:
             ),
         )
 
+    def _check_pipeline(self, speculative: SpeculativeConfig | None) -> None:
+        """What pipeline stages do not run yet: each needs the whole model in one worker."""
+        if self.pipeline_parallel_size == 1:
+            return
+        for name, used in (
+            ("speculative_config", speculative is not None),
+            ("enable_lora", self.enable_lora),
+        ):
+            _require(not used, name, "not supported with pipeline_parallel_size > 1 yet")
+
     def _check_kv_tiers(self, speculative: SpeculativeConfig | None) -> None:
         """The lower KV tiers sit under the prefix cache of one in-process worker."""
         offload = self.kv_offload_space
@@ -490,7 +533,9 @@ class EngineArgs:
             "lower KV tiers hold prefix-cache blocks: set enable_prefix_caching",
         )
         _require(
-            self.tensor_parallel_size == 1 and self.distributed_executor_backend in (None, "uni"),
+            self.tensor_parallel_size == 1
+            and self.pipeline_parallel_size == 1
+            and self.distributed_executor_backend in (None, "uni"),
             name,
             "lower KV tiers need one in-process worker (tensor_parallel_size 1) for now",
         )

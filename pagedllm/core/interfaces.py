@@ -66,6 +66,8 @@ class SchedulerOutput:
     # Lower KV tiers: blocks to copy out before anything writes, and blocks to load (see
     # core/prefix_tier.py); None without tiers or traffic.
     kv_transfer: TierTransfer | None = None
+    # Pipeline parallelism: which scheduler planned the step, i.e. whose KV cache it runs on.
+    virtual_engine: int = 0
 
     @property
     def is_empty(self) -> bool:

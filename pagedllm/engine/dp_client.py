@@ -55,8 +55,9 @@ def choose_backend(backend: str | None) -> str:
 
 
 def replica_threads(cpu_threads: int | None, num_replicas: int, tp: int) -> int:
-    """Each co-located replica's share of the CPU threads (the ranks of a tensor-parallel
-    replica split it again), so replicas never oversubscribe the cores."""
+    """Each co-located replica's share of the CPU threads (the ranks of a tensor- or
+    pipeline-parallel replica, ``tp`` of them, split it again), so replicas never oversubscribe
+    the cores."""
     if cpu_threads is None:
         from pagedllm.backends.cpu.backend import physical_cores
 
@@ -123,8 +124,10 @@ class DataParallelClient(EngineClient):
         args = dict(engine_args)
         args.pop("data_parallel_size", None)
         args.pop("router", None)
-        tp = int(args.get("tensor_parallel_size") or 1)
-        # A replica's tensor-parallel ranks are processes next to its core, on its node.
+        # Every rank of a replica (TP x PP) is a process next to its core, on its node.
+        tp = int(args.get("tensor_parallel_size") or 1) * int(
+            args.get("pipeline_parallel_size") or 1
+        )
         args["distributed_executor_backend"] = "mp" if tp > 1 else None
         if self.backend == "mp":
             args["cpu_threads"] = replica_threads(args.get("cpu_threads"), self.num_replicas, tp)

@@ -29,6 +29,7 @@ from pagedllm.engine.lora_registry import (
     per_prompt_loras,
 )
 from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.virtual_engines import PipelineLoop, VirtualBlockManagers, VirtualSchedulers
 from pagedllm.executors.base import create_executor
 from pagedllm.lora.request import LoRARequest
 from pagedllm.models.gguf.reader import gguf_path_of
@@ -115,14 +116,13 @@ class LLMEngine:
         self.executor = create_executor(self.config, self.hf_config)
         num_device, num_host = self.executor.determine_num_blocks()
         cache = self.config.cache
-        if num_device <= 0:
-            raise ValueError(
-                "kv_cache_space: no room for KV blocks after the model; raise kv_cache_space "
-                "or gpu_memory_utilization"
-            )
+        # Pipeline parallelism: each virtual engine gets its own share of the KV cache.
+        num_virtual = self.config.parallel.num_virtual_engines
+        num_device, num_host = num_device // num_virtual, num_host // num_virtual
         # Block sliding window: when every layer slides, blocks behind the window are freed, and
         # with chunked prefill a prompt gets blocks chunk by chunk (vLLM's block sliding window).
-        window = self.executor.collective_rpc("uniform_sliding_window")[0]
+        windows = set(self.executor.collective_rpc("uniform_sliding_window"))  # every stage's
+        window = windows.pop() if len(windows) == 1 else None
         sched_cfg = self.config.scheduler
         lazy = (
             window is not None
@@ -132,38 +132,52 @@ class LLMEngine:
         window_blocks = window_block_count(window, cache.block_size) if lazy else None
         self._fit_context(num_device, window_blocks, window)
         cache = self.config.cache
-        self.executor.initialize_cache(num_device, num_host)
+        self.executor.initialize_cache(num_device, num_host, num_virtual)
         logger.info(
-            "KV cache: %d device blocks (%d tokens), %d host blocks for swapping",
+            "KV cache: %d device blocks (%d tokens), %d host blocks for swapping%s",
             num_device,
             num_device * cache.block_size,
             num_host,
+            f", in each of {num_virtual} virtual engines" if num_virtual > 1 else "",
         )
         # Lower KV tiers: the one in-process worker's store (config.py refuses other executors).
         self.kv_tiers = (
             self.executor.collective_rpc("kv_tier_store")[0] if cache.kv_tiers_enabled else None
         )
-        self.block_manager = BlockSpaceManager(
-            cache.block_size,
-            num_device,
-            num_host,
-            watermark=cache.watermark,
-            enable_caching=cache.enable_prefix_caching,
-            sliding_window=window,
-            lazy_prompt_blocks=lazy,
-            tier=self.kv_tiers,
-        )
+        managers = [
+            BlockSpaceManager(
+                cache.block_size,
+                num_device,
+                num_host,
+                watermark=cache.watermark,
+                enable_caching=cache.enable_prefix_caching,
+                sliding_window=window,
+                lazy_prompt_blocks=lazy,
+                tier=self.kv_tiers,
+            )
+            for _ in range(num_virtual)
+        ]
         self._seq_ids = itertools.count()
         spec = self.config.speculative
-        self.scheduler = Scheduler(
-            self.config.scheduler,
-            self.block_manager,
-            next_seq_id=lambda: next(self._seq_ids),
-            lookahead=None
-            if spec is None
-            else LookaheadPlanner(spec, max_model_len=self.config.scheduler.max_model_len),
-            max_loras=self.config.lora.max_loras if self.config.lora else None,
-        )
+        schedulers = [
+            Scheduler(
+                self.config.scheduler,
+                manager,
+                next_seq_id=lambda: next(self._seq_ids),
+                lookahead=None
+                if spec is None
+                else LookaheadPlanner(spec, max_model_len=self.config.scheduler.max_model_len),
+                max_loras=self.config.lora.max_loras if self.config.lora else None,
+            )
+            for manager in managers
+        ]
+        self.block_manager: Any = managers[0]
+        self.scheduler: Any = schedulers[0]
+        self.pipeline: PipelineLoop | None = None  # the step under virtual engines
+        if num_virtual > 1:
+            self.block_manager = VirtualBlockManagers(managers)
+            self.scheduler = VirtualSchedulers(schedulers)
+            self.pipeline = PipelineLoop(self, self.scheduler)
         self.spec_metrics = SpecDecodeMetrics()
         self.loras = LoRARegistry(self.config.lora, self.executor)
         self.output_processor = OutputProcessor(
@@ -328,13 +342,12 @@ class LLMEngine:
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass, and report every request that changed."""
+        if self.pipeline is not None:  # virtual engines: micro-batches overlap in the stages
+            return self.pipeline.step()
         outputs, self._pending_outputs = self._pending_outputs, []
         self._admit_compiled(outputs)
         sched_out = self.scheduler.schedule()
-        for group in self.scheduler.take_ignored():
-            self._requests.pop(group.request_id, None)
-            self.guided.release(group.request_id)
-            outputs.append(self.output_processor.make_output(group, error=self._why(group)))
+        self._report_ignored(self.scheduler, outputs)
         if sched_out.is_empty:
             if sched_out.kv_transfer is not None:
                 self.executor.collective_rpc("apply_kv_transfer", sched_out.kv_transfer)
@@ -345,21 +358,37 @@ class LLMEngine:
             return outputs
         sched_out = self.guided.with_bitmask(sched_out)
         runner_out, ran = self._execute(sched_out, outputs)
+        self._process_step(self.scheduler, ran, runner_out, outputs)
+        return outputs
+
+    def _report_ignored(self, scheduler: Scheduler, outputs: list[RequestOutput]) -> None:
+        for group in scheduler.take_ignored():
+            self._requests.pop(group.request_id, None)
+            self.guided.release(group.request_id)
+            outputs.append(self.output_processor.make_output(group, error=self._why(group)))
+
+    def _process_step(
+        self,
+        scheduler: Scheduler,
+        ran: SchedulerOutput,
+        runner_out: Any,
+        outputs: list[RequestOutput],
+    ) -> None:
+        """Record what step ``ran`` (planned by ``scheduler``) produced, and report it."""
         self._count(ran)
         self.spec_metrics.observe(runner_out.spec_stats)
         self.counters.generation_tokens += sum(len(t) for t in runner_out.spec_tokens.values())
-        touched = self.scheduler.update_from_output(sched_out, runner_out)
+        touched = scheduler.update_from_output(ran, runner_out)
         for group in touched:
             self.counters.generation_tokens -= self.output_processor.process(group)
             self.guided.advance(group)
-        finished = {g.request_id for g in self.scheduler.free_finished()}
+        finished = {g.request_id for g in scheduler.free_finished()}
         for group in touched:
             outputs.append(self.output_processor.make_output(group))
             if group.request_id in finished:
                 self._requests.pop(group.request_id, None)
                 self.guided.release(group.request_id)
                 self.counters.requests_finished += 1
-        return outputs
 
     def _admit_compiled(self, outputs: list[RequestOutput]) -> None:
         """Requests whose grammar finished compiling go to the scheduler (or end with its error)."""

@@ -309,10 +309,13 @@ def resolve_model(model: str | None, *, demo_chat: bool = False) -> tuple[str, s
 
 def serve_cpu_binding(args: argparse.Namespace) -> CpuBinding | None:
     """The ``--cpu-bind`` plan for ``pagedllm serve``: only with an engine-core process of one
-    rank (tensor-parallel workers are processes of their own, placed by the kernel)."""
+    rank (tensor- and pipeline-parallel workers are processes of their own, placed by the
+    kernel)."""
     if args.engine_in_process or (args.tensor_parallel_size or 1) > 1:
         return None
     if (args.data_parallel_size or 1) > 1:
+        return None
+    if (getattr(args, "pipeline_parallel_size", None) or 1) > 1:
         return None
     return CpuBinding.plan(args.cpu_bind)
 

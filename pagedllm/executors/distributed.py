@@ -1,4 +1,4 @@
-"""What every tensor-parallel rank does, whichever executor started it.
+"""What every tensor- or pipeline-parallel rank does, whichever executor started it.
 
 The multiprocess and Ray executors differ only in how they start a rank's process and carry
 calls to it. Inside that process both use :class:`WorkerHost`: join the ``torch.distributed``
@@ -18,6 +18,7 @@ from datetime import timedelta
 from typing import Any
 
 from pagedllm.config import EngineConfig
+from pagedllm.executors.pipeline import RankLayout, output_rank, rank_label
 
 logger = logging.getLogger(__name__)
 
@@ -53,17 +54,20 @@ def describe_error(exc: BaseException) -> tuple[BaseException | None, str]:
     return exc, text
 
 
-def rank_error(rank: int, what: str, exc: BaseException | None, text: str) -> Exception:
+def rank_error(
+    rank: int, what: str, exc: BaseException | None, text: str, *, label: str | None = None
+) -> Exception:
     """The exception the driver raises for a rank's failure.
 
     A ``ValueError`` (a bad setting or checkpoint, the same on every rank) stays a ``ValueError``
     so callers see the usual "field: message" error; anything else becomes a ``RuntimeError``
-    carrying the rank's traceback.
+    carrying the rank's traceback. ``label`` names the rank (with its pipeline stage, if any).
     """
+    name = label or f"tensor-parallel rank {rank}"
     if isinstance(exc, ValueError):
-        err: Exception = ValueError(f"{exc} (tensor-parallel rank {rank}, during {what})")
+        err: Exception = ValueError(f"{exc} ({name}, during {what})")
     else:
-        err = RuntimeError(f"tensor-parallel rank {rank} failed during {what}:\n{text}")
+        err = RuntimeError(f"{name} failed during {what}:\n{text}")
     if exc is not None:
         err.__cause__ = exc
     return err
@@ -91,7 +95,8 @@ class WorkerHost:
         self.device_index = device_index
         self.num_threads = num_threads
         self.worker: Any = None
-        self.tp_rank = -1
+        self.rank = -1
+        self.output_rank = 0
 
     def pid(self) -> int:
         return os.getpid()
@@ -103,7 +108,6 @@ class WorkerHost:
 
         from pagedllm.backends.registry import get_backend
         from pagedllm.executors.worker import Worker
-        from pagedllm.layers.parallel import TPContext
 
         if self.num_threads:
             torch.set_num_threads(self.num_threads)
@@ -118,25 +122,51 @@ class WorkerHost:
             world_size=init.world_size,
             timeout=timedelta(seconds=init.timeout_s),
         )
-        tp = TPContext(rank=init.rank, size=init.world_size, group=dist.group.WORLD)
-        self.tp_rank = init.rank
+        parallel = self.config.parallel
+        layout = RankLayout(
+            init.rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+        )
+        self.rank = init.rank
+        self.output_rank = output_rank(layout.tp_size, layout.pp_size)
         self.worker = Worker(
             self.config,
             self.hf_config,
             rank=self.device_index,
-            tp=tp,
+            tp=self._tp_context(layout),
+            pp=layout.pp_context(),
         )
         self.worker.load_model()
-        logger.info("tensor-parallel rank %d/%d ready", init.rank, init.world_size)
+        logger.info(
+            "%s of %d ready", rank_label(init.rank, layout.tp_size, layout.pp_size), init.world_size
+        )
         return os.getpid()
 
+    @staticmethod
+    def _tp_context(layout: RankLayout) -> Any:
+        """This rank's tensor-parallel group: the whole world without stages, else its stage's
+        ranks (every rank creates every stage's group, in order, as torch.distributed asks)."""
+        import torch.distributed as dist
+
+        from pagedllm.layers.parallel import TPContext
+
+        if layout.pp_size == 1:
+            return TPContext(rank=layout.tp_rank, size=layout.tp_size, group=dist.group.WORLD)
+        group = None
+        if layout.tp_size > 1:
+            for stage in range(layout.pp_size):
+                made = dist.new_group(ranks=layout.tp_group_ranks(stage))
+                if stage == layout.stage:
+                    group = made
+        return TPContext(rank=layout.tp_rank, size=layout.tp_size, group=group)
+
     def call(self, method: str, *args: Any) -> Any:
-        """Run ``method`` on the Worker. Only rank 0 returns a step's output: every rank samples
-        the same tokens from the same gathered logits and seed, so the rest need not send theirs."""
+        """Run ``method`` on the Worker. Only the output rank (TP rank 0 of the last stage)
+        returns a step's output: every TP rank samples the same tokens from the same gathered
+        logits and seed, and earlier stages have no logits."""
         if self.worker is None:
             raise RuntimeError("the worker was not started")
         result = getattr(self.worker, method)(*args)
-        if method == "execute_model" and self.tp_rank != 0:
+        if method == "execute_model" and self.rank != self.output_rank:
             return None
         return result
 

@@ -15,6 +15,7 @@ from pagedllm.core.interfaces import (
     SchedulerOutput,
 )
 from pagedllm.executors.inputs import FlatBatch, flatten
+from pagedllm.executors.pipeline import StageLink
 from pagedllm.layers.sampler import SampleKernel, Sampler, SamplingRow
 
 
@@ -29,8 +30,11 @@ class ModelRunner:
         seed: int,
         lora: Any = None,
         sample_kernel: SampleKernel | None = None,
+        pipeline: StageLink | None = None,
     ) -> None:
         self.model = model
+        # Pipeline parallelism: this stage's links to its neighbours (None: the whole model).
+        self.pipeline = pipeline
         self.lora = lora  # a pagedllm.lora.manager.LoRAManager when LoRA is enabled
         self.attention = attention
         self.device = device
@@ -47,13 +51,15 @@ class ModelRunner:
             sched_out = self.lora.prepare_step(sched_out)
         batch = flatten(sched_out, self.block_size)
         hidden = self.forward(batch, sched_out.num_prefill_seqs, kv_caches)
+        if hidden is None:  # a pipeline stage before the last: its activations went on
+            return ModelRunnerOutput(sampled={})
         sampled = self._sample(hidden, batch, sched_out)
         prompt_lps = self._prompt_logprobs(hidden, batch, sched_out.seqs)
         return ModelRunnerOutput(sampled=sampled, prompt_logprobs=prompt_lps)
 
     def forward(
         self, batch: FlatBatch, num_prefills: int, kv_caches: list[torch.Tensor]
-    ) -> torch.Tensor:  # [num_tokens, hidden]
+    ) -> torch.Tensor | None:  # [num_tokens, hidden]; None on a pipeline stage before the last
         dev = self.device
         meta = self.attention.build_metadata(
             num_prefills=num_prefills,
@@ -66,7 +72,15 @@ class ModelRunner:
         )
         input_ids = torch.tensor(batch.input_ids, dtype=torch.long).to(dev)
         positions = torch.tensor(batch.positions, dtype=torch.long).to(dev)
-        return self.model(input_ids, positions, kv_caches, meta)
+        link = self.pipeline
+        if link is None:
+            return self.model(input_ids, positions, kv_caches, meta)
+        intermediate = None if link.pp.is_first else link.recv(len(batch.input_ids))
+        out = self.model(input_ids, positions, kv_caches, meta, intermediate)
+        if link.pp.is_last:
+            return out
+        link.send(out)
+        return None
 
     def _sample(
         self, hidden: torch.Tensor, batch: FlatBatch, sched_out: SchedulerOutput

@@ -1,4 +1,5 @@
-"""Tensor parallelism on one machine: one spawned process per rank, joined by torch.distributed.
+"""Tensor and pipeline parallelism on one machine: one spawned process per rank, joined by
+torch.distributed.
 
 The engine process is only a coordinator, never a rank: it runs the scheduler once per step and
 sends the same (picklable, torch-free) ``SchedulerOutput`` down a pipe to every rank; the ranks run
@@ -6,6 +7,11 @@ the forward pass together (all-reduce / all-gather inside the layers) and rank 0
 ``ModelRunnerOutput``. Keeping the driver out of the collectives means it can never block inside
 one: every wait is on pipes and process sentinels with a deadline, so a rank that dies is noticed
 at once and named, the others are stopped, and the engine gets a ``RuntimeError``.
+
+Under pipeline parallelism several steps may be in flight (``execute_model_async``): each rank
+answers its calls in order, so the n-th reply on every pipe belongs to the n-th call, and a
+rank reads its pipe on a thread of its own, so the driver never blocks sending while the rank is
+busy with an earlier step.
 """
 
 from __future__ import annotations
@@ -15,14 +21,18 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
+import queue
 import signal
+import threading
 import time
 import weakref
+from collections import deque
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from pagedllm.config import EngineConfig
-from pagedllm.executors.base import Executor
+from pagedllm.core.interfaces import ModelRunnerOutput, SchedulerOutput
+from pagedllm.executors.base import Executor, StepFuture
 from pagedllm.executors.distributed import (
     DistInit,
     WorkerHost,
@@ -30,6 +40,7 @@ from pagedllm.executors.distributed import (
     get_open_port,
     rank_error,
 )
+from pagedllm.executors.pipeline import output_rank, rank_label
 
 logger = logging.getLogger(__name__)
 
@@ -51,12 +62,14 @@ def _worker_main(conn: Connection, host: WorkerHost, init: DistInit) -> None:
         # Stay alive until told to stop: the driver reads an exit as a crash, not an error.
         startup_error = describe_error(exc)
         conn.send(("error", startup_error))
+    inbox: queue.Queue[bytes | None] = queue.Queue()
+    threading.Thread(target=_read_calls, args=(conn, inbox), daemon=True).start()
     try:
         while True:
-            try:
-                method, args = pickle.loads(conn.recv_bytes())
-            except (EOFError, OSError):
+            raw = inbox.get()
+            if raw is None:  # the driver's end closed
                 break
+            method, args = pickle.loads(raw)
             if method == _SHUTDOWN:
                 conn.send(("ok", None))
                 break
@@ -73,6 +86,15 @@ def _worker_main(conn: Connection, host: WorkerHost, init: DistInit) -> None:
         pass  # the driver is gone
     finally:
         host.close()
+
+
+def _read_calls(conn: Connection, inbox: queue.Queue[bytes | None]) -> None:
+    """Move calls off the pipe as they come, so the driver's sends never wait on a busy rank."""
+    try:
+        while True:
+            inbox.put(conn.recv_bytes())
+    except (EOFError, OSError):
+        inbox.put(None)
 
 
 def _stop_processes(procs: list[Any], conns: list[Connection], grace_s: float) -> None:
@@ -96,7 +118,8 @@ def _stop_processes(procs: list[Any], conns: list[Connection], grace_s: float) -
 
 
 class MultiprocExecutor(Executor):
-    """``tensor_parallel_size`` worker processes on this machine (``spawn`` start method).
+    """``tensor_parallel_size`` x ``pipeline_parallel_size`` worker processes on this machine
+    (``spawn`` start method); rank ``stage * tensor_parallel_size + tp_rank``.
 
     ``startup_timeout_s`` bounds process start plus model load, ``step_timeout_s`` every later
     call; ``threads_per_worker`` defaults to an even share of this machine's cores.
@@ -111,9 +134,14 @@ class MultiprocExecutor(Executor):
         step_timeout_s: float = 600.0,
         threads_per_worker: int | None = None,
     ) -> None:
-        self.world_size = config.parallel.tensor_parallel_size
+        parallel = config.parallel
+        self.world_size = parallel.world_size
+        self.tp_size, self.pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+        self.output_rank = output_rank(self.tp_size, self.pp_size)
+        self.kind = "tensor-parallel" if self.pp_size == 1 else "pipeline-parallel"
         self.step_timeout_s = step_timeout_s
         self._failure: str | None = None
+        self._pending: deque[list[Any]] = deque()  # steps submitted, not yet answered
         total = config.parallel.cpu_threads or os.cpu_count() or 1
         threads = threads_per_worker or max(1, total // self.world_size)
         ctx = mp.get_context("spawn")
@@ -140,7 +168,7 @@ class MultiprocExecutor(Executor):
             proc = ctx.Process(
                 target=_worker_main,
                 args=(child, host, init),
-                name=f"pagedllm-tp{rank}",
+                name=f"pagedllm-tp{rank}" if self.pp_size == 1 else f"pagedllm-pp{rank}",
                 daemon=True,
             )
             proc.start()
@@ -148,18 +176,42 @@ class MultiprocExecutor(Executor):
             self._procs.append(proc)
             self._conns.append(parent)
         self.worker_pids: list[int] = self._collect("startup", startup_timeout_s)
-        logger.info("%d tensor-parallel workers up: pids %s", self.world_size, self.worker_pids)
+        logger.info("%d %s workers up: pids %s", self.world_size, self.kind, self.worker_pids)
 
     # -- the Executor surface ---------------------------------------------------------------
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         self.check_health()
+        while self._pending:  # earlier steps' replies come first on every pipe
+            self._answer_oldest()
+        self._send(method, args)
+        return self._collect(method, self.step_timeout_s)
+
+    def execute_model_async(self, sched_out: SchedulerOutput) -> StepFuture:
+        self.check_health()
+        self._send("execute_model", (sched_out,))
+        slot: list[Any] = []  # filled with the output rank's reply when it is read
+        self._pending.append(slot)
+        self._submitted()
+
+        def wait() -> ModelRunnerOutput:
+            while not slot:
+                self.check_health()
+                self._answer_oldest()
+            return slot[0]
+
+        return StepFuture(wait, self._answered)
+
+    def _answer_oldest(self) -> None:
+        replies = self._collect("execute_model", self.step_timeout_s)
+        self._pending.popleft().append(replies[self.output_rank])
+
+    def _send(self, method: str, args: tuple[Any, ...]) -> None:
         payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)  # once for all
         for rank, conn in enumerate(self._conns):
             try:
                 conn.send_bytes(payload)
             except (BrokenPipeError, ConnectionResetError, EOFError):
                 self._fail(self._lost(rank, method))
-        return self._collect(method, self.step_timeout_s)
 
     def check_health(self) -> None:
         if self._failure is not None:
@@ -184,7 +236,7 @@ class MultiprocExecutor(Executor):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 self._fail(
-                    f"tensor-parallel ranks {sorted(pending)} gave no reply to {what} "
+                    f"{self.kind} ranks {sorted(pending)} gave no reply to {what} "
                     f"within {timeout_s:.0f} s; stopped all workers"
                 )
             ready = wait([*pending.values(), *(p.sentinel for p in self._procs)], remaining)
@@ -197,7 +249,8 @@ class MultiprocExecutor(Executor):
                     self._fail(self._lost(rank, what))
                 del pending[rank]
                 if status == "error":
-                    self._fail_with(rank_error(rank, what, *value), what)
+                    label = None if self.pp_size == 1 else self._label(rank)
+                    self._fail_with(rank_error(rank, what, *value, label=label), what)
                 results[rank] = value
             message = self._death_message(what)
             if message:
@@ -208,11 +261,14 @@ class MultiprocExecutor(Executor):
         """Why the pipe to ``rank`` broke. Its end closes as the process exits, a moment before
         the exit can be collected, so wait for that to name the cause."""
         self._procs[rank].join(_DEATH_GRACE_S)
-        return self._death_message(what) or f"lost the pipe to tensor-parallel rank {rank}"
+        return self._death_message(what) or f"lost the pipe to {self.kind} {self._label(rank)}"
+
+    def _label(self, rank: int) -> str:
+        return rank_label(rank, self.tp_size, self.pp_size)
 
     def _death_message(self, what: str) -> str | None:
         dead = [
-            f"rank {rank} (pid {proc.pid}, {_exit_text(proc.exitcode)})"
+            f"{self._label(rank)} (pid {proc.pid}, {_exit_text(proc.exitcode)})"
             for rank, proc in enumerate(self._procs)
             if proc.exitcode is not None
         ]
@@ -220,7 +276,7 @@ class MultiprocExecutor(Executor):
             return None
         names = ", ".join(dead)
         return (
-            f"tensor-parallel worker died during {what}: {names}; "
+            f"{self.kind} worker died during {what}: {names}; "
             "its requests cannot finish and all workers were stopped"
         )
 

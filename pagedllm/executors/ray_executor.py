@@ -1,10 +1,15 @@
-"""Tensor parallelism across machines: one Ray actor per rank, joined by torch.distributed.
+"""Tensor and pipeline parallelism across machines: one Ray actor per rank, joined by
+torch.distributed.
 
 Same shape as the multiprocess executor: the engine process coordinates (scheduler once per step)
 and every rank gets the same ``SchedulerOutput``; only rank 0 returns its ``ModelRunnerOutput``.
 The ranks are Ray actors reserved together in a placement group (one bundle per rank: CPUs on the
 CPU backend, plus one accelerator elsewhere), and rank 0's actor picks the rendezvous address
-(its node's IP and a free port) for ``torch.distributed``.
+(its node's IP and a free port) for ``torch.distributed``. Under pipeline parallelism there are
+``tensor_parallel_size * pipeline_parallel_size`` bundles, rank ``stage * tp + tp_rank`` on bundle
+of the same index (so PACK keeps a stage's TP group together and stages may land on different
+nodes); steps are submitted without waiting (``execute_model_async``) and each actor runs its calls
+in the order they were made.
 
 Ray is imported only here, when this executor is chosen; ``import pagedllm`` never needs it.
 Uses the running Ray cluster if ``ray.init`` was called or ``ray start`` runs on this machine,
@@ -20,13 +25,15 @@ from typing import Any
 
 from pagedllm.backends.registry import backend_class
 from pagedllm.config import EngineConfig
-from pagedllm.executors.base import Executor
+from pagedllm.core.interfaces import SchedulerOutput
+from pagedllm.executors.base import Executor, StepFuture
 from pagedllm.executors.distributed import (
     DistInit,
     WorkerHost,
     get_open_port,
     rank_error,
 )
+from pagedllm.executors.pipeline import output_rank, rank_label
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +67,11 @@ class RayWorkerHost(WorkerHost):
         addr = addrs[0] if addrs else ray.util.get_node_ip_address()
         return addr, get_open_port(addr)
 
+    def node_id(self) -> str:
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
+
 
 def _release(ray: Any, actors: list[Any], pg: list[Any], owns_ray: bool) -> None:
     """Kill the actors, free their reservation, and stop Ray if this executor started it."""
@@ -83,7 +95,8 @@ def _release(ray: Any, actors: list[Any], pg: list[Any], owns_ray: bool) -> None
 
 
 class RayExecutor(Executor):
-    """``tensor_parallel_size`` Ray actors, possibly on several machines.
+    """``tensor_parallel_size`` x ``pipeline_parallel_size`` Ray actors, possibly on several
+    machines.
 
     ``num_cpus_per_worker`` is both the CPUs each rank reserves and its intra-op thread count;
     ``placement_strategy`` is Ray's ("PACK" fills one node first, "SPREAD"/"STRICT_SPREAD" put
@@ -104,7 +117,11 @@ class RayExecutor(Executor):
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        self.world_size = config.parallel.tensor_parallel_size
+        parallel = config.parallel
+        self.world_size = parallel.world_size
+        self.tp_size, self.pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+        self.output_rank = output_rank(self.tp_size, self.pp_size)
+        self.kind = "tensor-parallel" if self.pp_size == 1 else "pipeline-parallel"
         self.step_timeout_s = step_timeout_s
         self._failure: str | None = None
         owns_ray = not ray.is_initialized()
@@ -121,8 +138,9 @@ class RayExecutor(Executor):
         self._pg.append(pg)
         ready, _ = ray.wait([pg.ready()], timeout=startup_timeout_s)
         if not ready:
+            field = "tensor_parallel_size" if self.pp_size == 1 else "pipeline_parallel_size"
             self._fail(
-                f"tensor_parallel_size: cannot reserve {self.world_size} x {bundle} on the Ray "
+                f"{field}: cannot reserve {self.world_size} x {bundle} on the Ray "
                 f"cluster within {startup_timeout_s:.0f} s (it has {ray.cluster_resources()})"
             )
         actor_cls = ray.remote(RayWorkerHost)
@@ -150,7 +168,7 @@ class RayExecutor(Executor):
         ]
         self.worker_pids: list[int] = self._gather(refs, "startup", startup_timeout_s)
         logger.info(
-            "%d Ray tensor-parallel workers up (rendezvous %s:%d)", self.world_size, addr, port
+            "%d Ray %s workers up (rendezvous %s:%d)", self.world_size, self.kind, addr, port
         )
 
     # -- the Executor surface ---------------------------------------------------------------
@@ -160,6 +178,23 @@ class RayExecutor(Executor):
         args_ref = [self._ray.put(a) for a in args]
         refs = [actor.call.remote(method, *args_ref) for actor in self._actors]
         return self._gather(refs, method, self.step_timeout_s)
+
+    def execute_model_async(self, sched_out: SchedulerOutput) -> StepFuture:
+        self.check_health()
+        arg = self._ray.put(sched_out)
+        refs = [actor.call.remote("execute_model", arg) for actor in self._actors]
+        self._submitted()
+
+        def wait() -> Any:
+            self.check_health()
+            return self._gather(refs, "execute_model", self.step_timeout_s)[self.output_rank]
+
+        return StepFuture(wait, self._answered)
+
+    def node_ids(self) -> list[str]:
+        """The Ray node of each rank, in rank order (where the stages landed)."""
+        refs = [actor.node_id.remote() for actor in self._actors]
+        return self._gather(refs, "node_ids", self.step_timeout_s)
 
     def check_health(self) -> None:
         if self._failure is not None:
@@ -185,7 +220,7 @@ class RayExecutor(Executor):
                 if error is not None:
                     break
                 self._fail(
-                    f"tensor-parallel ranks {sorted(pending.values())} gave no reply to {what} "
+                    f"{self.kind} ranks {sorted(pending.values())} gave no reply to {what} "
                     f"within {timeout_s:.0f} s; stopped all workers"
                 )
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(remaining, _POLL_S))
@@ -196,13 +231,14 @@ class RayExecutor(Executor):
                 except ray.exceptions.RayActorError as exc:
                     reason = str(exc).strip().splitlines()[0] if str(exc).strip() else "died"
                     self._fail(
-                        f"tensor-parallel worker died during {what}: rank {rank} ({reason}); "
-                        "its requests cannot finish and all workers were stopped"
+                        f"{self.kind} worker died during {what}: {self._label(rank)} "
+                        f"({reason}); its requests cannot finish and all workers were stopped"
                     )
                 except ray.exceptions.RayTaskError as exc:
                     if error is None:
                         cause = getattr(exc, "cause", None)
-                        error = rank_error(rank, what, cause, str(exc))
+                        label = None if self.pp_size == 1 else self._label(rank)
+                        error = rank_error(rank, what, cause, str(exc), label=label)
                         # Often the echo of a peer that died inside a collective: give a dead
                         # peer a moment to show up, so the report names it instead.
                         deadline = min(deadline, time.monotonic() + _DEATH_GRACE_S)
@@ -211,6 +247,9 @@ class RayExecutor(Executor):
             self._finalizer()
             raise error
         return results
+
+    def _label(self, rank: int) -> str:
+        return rank_label(rank, self.tp_size, self.pp_size)
 
     def _fail(self, message: str) -> None:
         self._failure = message

@@ -14,7 +14,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.interfaces import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executors.model_runner import ModelRunner
 from pagedllm.layers.attention import Attention
-from pagedllm.layers.parallel import SINGLE, TPContext
+from pagedllm.layers.parallel import SINGLE, WHOLE_MODEL, PPContext, TPContext
 from pagedllm.models.model_loader import load_model, resolve_dtype
 
 logger = logging.getLogger(__name__)
@@ -49,11 +49,13 @@ class Worker:
         *,
         rank: int = 0,
         tp: TPContext = SINGLE,
+        pp: PPContext = WHOLE_MODEL,
     ) -> None:
         self.config = config
         self.hf_config = hf_config
         self.rank = rank
         self.tp = tp
+        self.pp = pp
         self.backend = get_backend(config.device)
         self.device = self.backend.device(rank)
         self.attention = self.backend.attention(config.model.attention_backend)
@@ -63,6 +65,8 @@ class Worker:
             config.cache.kv_cache_dtype, self.dtype
         )
         self.cache_engine: CacheEngine | None = None
+        # One per virtual engine (pipeline parallelism): each scheduler's blocks are its own.
+        self.cache_engines: list[CacheEngine] = []
         self.runner: ModelRunner | None = None
         self.spec: Any = None  # spec_decode.verify.SpecDecodeRunner under speculative decoding
         self.lora_manager: Any = None  # a LoRAManager once the model loads with LoRA enabled
@@ -79,6 +83,7 @@ class Worker:
             device=self.device,
             dtype=self.dtype,
             tp=tp,
+            pp=self.pp,
             quantization=self.config.model.quantization,
             quantizer=self.backend.int8_quantizer(),
             native_formats=self.backend.native_weight_formats(),
@@ -106,6 +111,7 @@ class Worker:
             seed=self.config.model.seed,
             lora=self.lora_manager,
             sample_kernel=self.backend.sample_kernel(),
+            pipeline=self._stage_link(),
         )
         if self.config.speculative is not None:
             from pagedllm.spec_decode.setup import build_spec_runner
@@ -118,6 +124,15 @@ class Worker:
             self.attention.name,
             self.attention.describe(),
             self.kv_cache_dtype,
+        )
+
+    def _stage_link(self) -> Any:
+        if self.pp.size == 1:
+            return None
+        from pagedllm.executors.pipeline import StageLink
+
+        return StageLink(
+            self.pp, hidden_size=self.hf_config.hidden_size, dtype=self.dtype, device=self.device
         )
 
     # -- LoRA adapters (the engine checks enable_lora first) ----------------------------------
@@ -199,14 +214,22 @@ class Worker:
         del scratch
         self.backend.synchronize(self.rank)
 
-    def initialize_cache(self, num_device_blocks: int, num_host_blocks: int) -> None:
-        self.cache_engine = self.backend.make_cache_engine(
-            self.cache_spec(),
-            num_device_blocks,
-            num_host_blocks,
-            attention=self.attention,
-            rank=self.rank,
-        )
+    def initialize_cache(
+        self, num_device_blocks: int, num_host_blocks: int, num_virtual_engines: int = 1
+    ) -> None:
+        """Block counts are per virtual engine: each gets a cache of its own, so that block ids
+        of different schedulers never meet."""
+        self.cache_engines = [
+            self.backend.make_cache_engine(
+                self.cache_spec(),
+                num_device_blocks,
+                num_host_blocks,
+                attention=self.attention,
+                rank=self.rank,
+            )
+            for _ in range(num_virtual_engines)
+        ]
+        self.cache_engine = self.cache_engines[0]
         if self.spec is not None:
             from pagedllm.spec_decode.setup import init_draft_cache
 
@@ -247,16 +270,17 @@ class Worker:
 
     @torch.inference_mode()
     def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
-        assert self.cache_engine is not None and self.runner is not None
+        assert self.cache_engines and self.runner is not None
+        cache = self.cache_engines[sched_out.virtual_engine]
         tiers, transfer = self.kv_tiers, sched_out.kv_transfer
         if tiers is not None and transfer is not None:
             # Blocks evicted while this step was planned may be written by any move below.
-            tiers.apply_saves(transfer, self.cache_engine.kv_caches)
-        self.cache_engine.swap_out(sched_out.blocks_to_swap_out)
-        self.cache_engine.swap_in(sched_out.blocks_to_swap_in)
+            tiers.apply_saves(transfer, cache.kv_caches)
+        cache.swap_out(sched_out.blocks_to_swap_out)
+        cache.swap_in(sched_out.blocks_to_swap_in)
         if tiers is not None and transfer is not None:
-            tiers.apply_loads(transfer, self.cache_engine.kv_caches)
-        self.cache_engine.copy(sched_out.blocks_to_copy)
+            tiers.apply_loads(transfer, cache.kv_caches)
+        cache.copy(sched_out.blocks_to_copy)
         if self.spec is not None:
-            return self.spec.execute(sched_out, self.cache_engine.kv_caches)
-        return self.runner.execute(sched_out, self.cache_engine.kv_caches)
+            return self.spec.execute(sched_out, cache.kv_caches)
+        return self.runner.execute(sched_out, cache.kv_caches)

@@ -16,7 +16,7 @@ from torch import nn
 
 from pagedllm.backends.base import AttentionBackend
 from pagedllm.layers.activation import GeluAndMul
-from pagedllm.layers.parallel import SINGLE, TPContext
+from pagedllm.layers.parallel import SINGLE, WHOLE_MODEL, PPContext, TPContext
 from pagedllm.models.llama import LlamaForCausalLM
 
 # transformers' Gemma config maps its legacy "gelu" to the tanh approximation as well.
@@ -39,9 +39,10 @@ class GemmaForCausalLM(LlamaForCausalLM):
         *,
         attn_backend: AttentionBackend,
         tp: TPContext = SINGLE,
+        pp: PPContext = WHOLE_MODEL,
         max_position: int | None = None,
     ) -> None:
-        super().__init__(config, attn_backend=attn_backend, tp=tp, max_position=max_position)
+        super().__init__(config, attn_backend=attn_backend, tp=tp, pp=pp, max_position=max_position)
         # A plain float, rounded to the activations' dtype at use by the same call transformers
         # makes (a buffer would be built on the meta device along with the parameters).
         self.normalizer = config.hidden_size**0.5
@@ -50,5 +51,6 @@ class GemmaForCausalLM(LlamaForCausalLM):
         return GeluAndMul(gemma_activation(config))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        assert self.embed_tokens is not None  # the first pipeline stage's
         hidden = self.embed_tokens(input_ids)
         return hidden * torch.tensor(self.normalizer, dtype=hidden.dtype, device=hidden.device)

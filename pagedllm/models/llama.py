@@ -6,7 +6,9 @@ bias), ``head_dim``, rope scaling, ``sliding_window`` and ``tie_word_embeddings`
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import itertools
+import re
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -17,15 +19,26 @@ from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.linear import (
     ColumnParallelLinear,
+    ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     lm_head_for,
 )
 from pagedllm.layers.norm import RMSNorm
-from pagedllm.layers.parallel import SINGLE, TPContext
+from pagedllm.layers.parallel import SINGLE, WHOLE_MODEL, PPContext, TPContext
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models.checkpoint import WeightMapper, load_mapped_weights
+
+# What one pipeline stage hands the next: the decoder's (hidden, residual), [num_tokens, hidden].
+Intermediate = tuple[torch.Tensor, torch.Tensor]
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+class AbsentLayer(nn.Module):
+    """A decoder layer another pipeline stage holds: no parameters here, never called. Keeps the
+    layer list indexed as the checkpoint numbers it."""
 
 
 def head_size_of(config: Any) -> int:
@@ -180,7 +193,12 @@ class LlamaForCausalLM(nn.Module):
         )
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        assert self.embed_tokens is not None  # the first pipeline stage's
         return self.embed_tokens(input_ids)
+
+    # Builds only a pipeline stage's layers when given one (PPContext); families without this
+    # refuse pipeline_parallel_size > 1 at engine construction.
+    supports_pipeline_parallel = True
 
     def __init__(
         self,
@@ -188,41 +206,85 @@ class LlamaForCausalLM(nn.Module):
         *,
         attn_backend: AttentionBackend,
         tp: TPContext = SINGLE,
+        pp: PPContext = WHOLE_MODEL,
         max_position: int | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.tp = tp
+        self.pp = pp
         head = head_size_of(config)
         rotary_dim = int(head * rope_partial_factor(config))
         max_pos = max_position or config.max_position_embeddings
         self.rotary = RotaryEmbedding(config, head, rotary_dim, max_pos)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
+        self.start_layer, self.end_layer = pp.layer_range(config.num_hidden_layers)
+        tied = getattr(config, "tie_word_embeddings", False)
+        # The first stage embeds; a tied head on the last stage reads the same table.
+        self.embed_tokens: VocabParallelEmbedding | None = None
+        if pp.is_first or (pp.is_last and tied):
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, attn_backend, self.rotary, tp, self)
+            if self.start_layer <= i < self.end_layer
+            else AbsentLayer()
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=self.norm_offset)
-        self.lm_head = lm_head_for(
-            config, self.embed_tokens, config.hidden_size, tied_default=False
-        )
+        self.norm: RMSNorm | None = None
+        self.lm_head: VocabParallelEmbedding | None = None
+        if pp.is_last:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=self.norm_offset)
+            if self.embed_tokens is None:  # untied, on a stage that does not embed
+                self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp=tp)
+            else:
+                self.lm_head = lm_head_for(
+                    config, self.embed_tokens, config.hidden_size, tied_default=False
+                )
 
     def forward(
         self,
         input_ids: torch.Tensor,  # [num_tokens]
         positions: torch.Tensor,  # [num_tokens]
-        kv_caches: list[torch.Tensor],
+        kv_caches: list[torch.Tensor],  # this stage's layers only
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_tokens, hidden]
-        hidden = self.embed(input_ids)
-        residual = None
-        for layer, cache in zip(self.layers, kv_caches, strict=True):
+        intermediate: Intermediate | None = None,  # from the stage before (not on the first)
+    ) -> torch.Tensor | Intermediate:  # [num_tokens, hidden], or what the next stage needs
+        if self.pp.is_first:
+            hidden, residual = self.embed(input_ids), None
+        else:
+            assert intermediate is not None, "a later pipeline stage needs the activations"
+            hidden, residual = intermediate
+        # (islice: slicing a ModuleList would build a new module on every step)
+        layers = itertools.islice(self.layers, self.start_layer, self.end_layer)
+        for layer, cache in zip(layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, cache, meta)
+        if not self.pp.is_last:
+            assert residual is not None  # every stage has at least one layer
+            return hidden, residual
+        assert self.norm is not None
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab]
+        assert self.lm_head is not None, "logits are the last pipeline stage's"
         return self.lm_head.logits(hidden)
+
+    def stage_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint tensors this pipeline stage holds; the others are dropped unread (under
+        pipeline parallelism the loader hands out lazy tensors, read on use)."""
+        for name, tensor in weights:
+            if self.pp.size == 1 or self._holds(name):
+                yield name, tensor
+
+    def _holds(self, name: str) -> bool:
+        match = _LAYER_INDEX.search(name)
+        if match is not None:
+            return self.start_layer <= int(match.group(1)) < self.end_layer
+        top = name.removeprefix("model.").split(".")[0]
+        if top in ("embed_tokens", "norm", "lm_head"):
+            return getattr(self, top) is not None
+        return True
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         mapper = WeightMapper(
@@ -237,7 +299,7 @@ class LlamaForCausalLM(nn.Module):
             ignore=("rotary_emb.inv_freq",),
         )
         tied = self.lm_head is self.embed_tokens
-        return load_mapped_weights(self, weights, mapper, skip_lm_head=tied)
+        return load_mapped_weights(self, self.stage_weights(weights), mapper, skip_lm_head=tied)
 
 
 def rope_partial_factor(config: Any) -> float:

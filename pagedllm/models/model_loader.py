@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from pagedllm.backends.base import AttentionBackend
-from pagedllm.layers.parallel import SINGLE, TPContext
+from pagedllm.layers.parallel import SINGLE, WHOLE_MODEL, PPContext, TPContext, stage_layers
 from pagedllm.layers.quantization import (
     WeightQuantizer,
     attach_quantization,
@@ -101,6 +101,7 @@ def load_model(
     device: torch.device,
     dtype: torch.dtype,
     tp: TPContext = SINGLE,
+    pp: PPContext = WHOLE_MODEL,
     quantization: str | None = None,
     quantizer: WeightQuantizer | None = None,
     native_formats: frozenset[str] = frozenset(),
@@ -114,11 +115,13 @@ def load_model(
     quantised at load (see :class:`~pagedllm.layers.quantization.Int8WeightOnly`).
     ``native_formats``: the group-wise weight formats the device runs without dequantising
     (``DeviceBackend.native_weight_formats``): GGUF layers in them stay quantised.
+    ``pp``: the pipeline stage whose layers alone are built and loaded.
     """
-    cls = resolve_model_class(getattr(hf_config, "architectures", None))
+    cls = pipeline_model_class(hf_config, pp.size)
     quant = get_quant_config(quantization, hf_config, quantizer)
+    stage = {} if pp.size == 1 else {"pp": pp}  # families without stages never see the argument
     with torch.device("meta"):
-        module = cls(hf_config, attn_backend=attn_backend, tp=tp)
+        module = cls(hf_config, attn_backend=attn_backend, tp=tp, **stage)
     materialize(module, device=device, dtype=dtype)
     gguf_path = gguf_path_of(model)
     if gguf_path is not None:
@@ -127,8 +130,8 @@ def load_model(
         weights, plan = gguf_weights(gguf_path, hf_config, native_formats)
         quant = with_checkpoint_layers(quant, plan)
     else:
-        # Under tensor parallelism each rank reads only the slices it keeps.
-        weights = iterate_weights(Path(model), lazy=tp.size > 1)
+        # Under tensor (pipeline) parallelism each rank reads only the slices (layers) it keeps.
+        weights = iterate_weights(Path(model), lazy=tp.size > 1 or pp.size > 1)
     if quant is not None:  # quantised linear layers: see layers/quantization
         attach_quantization(module, quant)
         weights = quant.transform(weights)
@@ -139,6 +142,23 @@ def load_model(
         )
     logger.info("loaded %d weight tensors for %s in %s", len(loaded), cls.__name__, dtype)
     return module.eval()
+
+
+def pipeline_model_class(hf_config: Any, pipeline_parallel_size: int) -> type[nn.Module]:
+    """The model class, refused by name when it cannot be split into ``pipeline_parallel_size``
+    stages (a family that builds every layer, or fewer layers than stages)."""
+    cls = resolve_model_class(getattr(hf_config, "architectures", None))
+    if pipeline_parallel_size == 1:
+        return cls
+    if not getattr(cls, "supports_pipeline_parallel", False):
+        raise ValueError(
+            f"pipeline_parallel_size: {cls.__name__} ({hf_config.architectures[0]}) has no "
+            "pipeline-parallel support; the Llama family and its relatives (Mistral, Qwen2, "
+            "Qwen3, Gemma, Phi-3, the mixture-of-experts families) have"
+        )
+    layers = int(getattr(hf_config, "num_hidden_layers", 0) or 0)
+    stage_layers(layers, pipeline_parallel_size, 0)  # raises when there are too few layers
+    return cls
 
 
 # Buffers that must keep float32 whatever the compute dtype: the rotary cos/sin tables are

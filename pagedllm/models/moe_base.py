@@ -178,7 +178,7 @@ class MoeForCausalLM(LlamaForCausalLM):
             ignore=("rotary_emb.inv_freq",),
         )
         tied = self.lm_head is self.embed_tokens
-        loaded = load_mapped_weights(self, weights, mapper, skip_lm_head=tied)
+        loaded = load_mapped_weights(self, self.stage_weights(weights), mapper, skip_lm_head=tied)
         quantize_experts_like_dense(self)
         return loaded
 

@@ -91,6 +91,7 @@ def test_serve_binds_only_a_single_rank_engine_core() -> None:
     assert serve_cpu_binding(parse(["serve", "m", "--cpu-bind", "off"])) is None
     assert serve_cpu_binding(parse(["serve", "m", "--engine-in-process"])) is None
     assert serve_cpu_binding(parse(["serve", "m", "--tensor-parallel-size", "2"])) is None
+    assert serve_cpu_binding(parse(["serve", "m", "--pipeline-parallel-size", "2"])) is None
     with pytest.raises(SystemExit):
         parse(["serve", "m", "--cpu-bind", "fast"])
     assert os.sched_getaffinity(0) == allowed  # planning binds nothing
