@@ -311,16 +311,17 @@ def test_killed_replica_fails_only_its_streams_and_comes_back(
         engine.stop()
 
 
-def test_replicas_can_be_tensor_parallel(llama_path: Path, baseline: Any) -> None:
-    """Two replicas of two tensor-parallel ranks each (the ranks are processes next to their
-    replica's core): still the single engine's tokens."""
+@pytest.mark.parametrize("split", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_replicas_can_be_tensor_or_pipeline_parallel(
+    llama_path: Path, baseline: Any, split: str
+) -> None:
+    """Two replicas of two tensor-parallel ranks or two pipeline stages each (the ranks are
+    processes next to their replica's core): still the single engine's tokens."""
+    args = dict(ENGINE_ARGS, **{split: 2})
+    if split == "pipeline_parallel_size":  # one scheduler: its 12 blocks squeeze it
+        args["virtual_engines"] = 1
     engine = Engine(
-        str(llama_path),
-        "cpu",
-        data_parallel_size=2,
-        tensor_parallel_size=2,
-        distributed_executor_backend="mp",
-        **ENGINE_ARGS,
+        str(llama_path), "cpu", data_parallel_size=2, distributed_executor_backend="mp", **args
     )
     try:
         check_replicas_equal(engine, baseline)
