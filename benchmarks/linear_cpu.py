@@ -15,10 +15,11 @@ shape, side by side in one run:
   two int8 planes (near-16-bit precision; what int8 layers use where there is AMX-INT8 or VNNI),
   except that without AMX-INT8 bf16 batches of ``int8_dp_min_rows()`` rows or more convert the
   weights to bf16 once per K-block instead; ``int8_planes_cpp``: the planes at every batch;
-* ``int4_cpp`` / ``q4_0_cpp`` / ``q4_k_cpp`` / ``q8_0_cpp``: our group-wise GEMM
+* ``int4_cpp`` / ``q4_0_cpp`` / ``q4_k_cpp`` / ``q8_0_cpp`` / ``q6_k_cpp``: our group-wise GEMM
   (``csrc/gemm_q4.cpp``) on the same weight quantised in groups of 32 as each source stores it
   (int4 made at load: fp16 scale and offset, 5 bits a weight; Q4_0: 4.5; Q4_K: d and dmin per 8
-  groups, 4.625; Q8_0: 8.5), with the path each batch takes by default (the integer dot path
+  groups, 4.625; Q8_0: 8.5; Q6_K: q - 32 as int8, d per 8 groups times int8 sc per 16 k,
+  8.5625), with the path each batch takes by default (the integer dot path
   for bf16 batches of up to 8 rows where there is VNNI); ``int4_float_cpp``: the float path at
   every batch;
 * ``linear_path``: what ``CpuBackend.prepare_model`` would pick for a bf16 weight on this CPU.
@@ -36,6 +37,7 @@ cache, so its GB/s exceeds the memory's; in a whole model every layer comes from
 
     python benchmarks/linear_cpu.py            # the 1B shapes above
     python benchmarks/linear_cpu.py --smoke    # small shapes, a few seconds (CI)
+    python benchmarks/linear_cpu.py --head 128256  # only the decode section, one LM head
 
 The group-wise weights come from small quantisers here (``_q4_0``, ``_q4_k``, ``_q8_0``: the
 formats, not ggml's search for the best scales), which is all the timing needs.
@@ -145,12 +147,25 @@ def _q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
     return q, d, None
 
 
+def _q6_k(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, torch.Tensor]:
+    """Q6_K's format: q in -32..31 per 16 k scaled by d * sc (fp16 d per 256 k, int8 sc)."""
+    n = w.shape[0]
+    g = w.float().reshape(n, -1, 16)  # [N, K/16, 16]
+    step = g.abs().amax(dim=-1).clamp_min(1e-8) / 31  # [N, K/16]
+    d = _fp16(step.reshape(n, -1, 16).amax(dim=-1) / 127).clamp_min(2**-24)  # [N, K/256]
+    sc = torch.round(step / d.repeat_interleave(16, dim=1)).clamp(1, 127)
+    scale = d.repeat_interleave(16, dim=1) * sc
+    q = torch.round(g / scale[..., None]).clamp(-32, 31).to(torch.int8).reshape(w.shape)
+    return q, scale, None, d
+
+
 def groupwise_weights(w32: torch.Tensor) -> dict[str, PackedGroupwise]:
     """``w32 [N, K]`` packed as each group-wise source stores it."""
     ops = gemm_ops()
     made = {"int4": quantize_int4(w32), "q4_0": _q4_0(w32), "q8_0": _q8_0(w32)}
-    if w32.shape[1] % 256 == 0:  # Q4_K's super-blocks
+    if w32.shape[1] % 256 == 0:  # Q4_K's and Q6_K's super-blocks
         made["q4_k"] = _q4_k(w32)
+        made["q6_k"] = _q6_k(w32)
     return {name: pack_groupwise(ops, *tensors) for name, tensors in made.items()}
 
 
@@ -316,7 +331,9 @@ def decode_from_memory(
                 row[f"{name}_weight_GBps"] = round(gbps, 2)
                 if read_gbps:
                     row[f"{name}_read_share"] = round(gbps / read_gbps, 2)
-        for name in ("int4", "q4_0", "q4_k", "q8_0"):
+        for name in ("int4", "q4_0", "q4_k", "q8_0", "q6_k"):
+            if f"{name}_ms" in row and "bf16_ms" in row:
+                row[f"{name}_vs_bf16"] = round(row["bf16_ms"] / row[f"{name}_ms"], 2)
             if f"{name}_ms" in row and "int8_ms" in row:
                 row[f"{name}_vs_int8"] = round(row["int8_ms"] / row[f"{name}_ms"], 2)
         rows.append(row)
@@ -337,10 +354,14 @@ def main() -> None:
     parser.add_argument(
         "--stream-mb", type=float, default=256, help="weight copies each decode path cycles"
     )
+    parser.add_argument("--head", type=int, default=None, help="only decode, an LM head of N")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.smoke:
+    if args.head:
+        shapes, k, batches, budget = {}, HIDDEN_1B, [], args.budget
+        decode_shapes, decode_rows, stream_bytes = {"lm_head": args.head}, [1, 8], 0.0
+    elif args.smoke:
         shapes, k, batches, budget = {"qkv": 96, "lm_head": 500}, 256, [1, 16], 0.05
         decode_shapes, decode_rows, stream_bytes = {"lm_head": 500}, [1, 8], 0.0
     else:

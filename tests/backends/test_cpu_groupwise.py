@@ -21,6 +21,7 @@ from pagedllm.backends.cpu import groupwise_linear, packed_linear
 from pagedllm.backends.cpu._ops import load_gemm_ops, supported_isas
 from pagedllm.backends.cpu.groupwise_linear import (
     dot_linear_reference,
+    factor_q6_k,
     factor_super_blocks,
     pack_groupwise,
     quantize_activation_groups,
@@ -45,9 +46,14 @@ DOT_TOL = {torch.float32: 2e-6, torch.bfloat16: 8e-3, torch.float16: 2e-3}
 ROWS = (1, 2, 3, 7, 8, 9, 16, 33, 70)
 # (N, K): N off the 16-column panels; K one group, three (an odd count), 128.
 SHAPES = ((37, 32), (17, 96), (50, 4096))  # factored Q4_K needs whole 256s: the last
-# Weight sources: GGUF Q4_0 / Q4_1 / Q4_K / Q8_0, quantize_int4, and float32 scales (no exact
-# compact form: the 6-bit and 9-bit formats).
-KINDS = ("q4_0", "q4_1", "q4_k", "int4", "q4_f32", "q8_0", "q8_f32")
+# Weight sources: GGUF Q4_0 / Q4_1 / Q4_K / Q8_0 / Q6_K, quantize_int4, and float32 scales (no
+# exact compact form: the 6-bit and 9-bit formats).
+KINDS = ("q4_0", "q4_1", "q4_k", "int4", "q4_f32", "q8_0", "q8_f32", "q6_k")
+# q6_k needs K in whole super-blocks of 256: one, three (an odd count) and 16.
+Q6_K_SHAPES = ((17, 256), (37, 768), (50, 4096))
+CASES = [(kind, shape) for kind in KINDS if kind != "q6_k" for shape in SHAPES] + [
+    ("q6_k", shape) for shape in Q6_K_SHAPES
+]
 
 
 @pytest.fixture(scope="module", params=ISAS)
@@ -70,10 +76,30 @@ def _q4_k_factor(n: int, g: int) -> torch.Tensor:
     return d * units
 
 
+def _q6_k_data(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q int8 in -32..31 [N, K], scale = d * sc [N, K/16], d [N, K/256]) as Q6_K stores them:
+    fp16 d of either sign, any signed byte sc (-128 included)."""
+    q = torch.randint(-32, 32, (n, k), dtype=torch.int8)
+    d = _fp16((torch.rand(n, k // 256) + 0.5) * 1e-4 * torch.randn(n, k // 256).sign())
+    sc = torch.randint(-128, 128, (n, k // 16)).float()
+    sc[:, ::16] = -128
+    return q, d.repeat_interleave(16, dim=1) * sc, d
+
+
+def _pack(ops, weight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None):
+    """pack_groupwise, given a q6_k layer's d (carried by _layer_data's scale as ``q6_k_d``)."""
+    return pack_groupwise(ops, weight, scale, offset, getattr(scale, "q6_k_d", None))
+
+
 def _layer_data(
     kind: str, n: int, k: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """(stored weight, scale, offset, integers q [N, K]) shaped as each source makes them."""
+    """(stored weight, scale, offset, integers q [N, K]) shaped as each source makes them
+    (q6_k: :func:`_q6_k_data`'s d as the scale's ``q6_k_d``, read by :func:`_pack`)."""
+    if kind == "q6_k":
+        q, scale, d = _q6_k_data(n, k)
+        scale.q6_k_d = d
+        return q, scale, None, q
     g = k // 32
     if kind in ("q8_0", "q8_f32"):  # fp16 d (or any float32), q in -127..127
         q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
@@ -106,14 +132,19 @@ def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"n{s[0]}k{s[1]}")
+def _case_id(case) -> str:
+    kind, (n, k) = case
+    return f"{kind}-n{n}k{k}"
+
+
 @pytest.mark.parametrize("xdtype", ACT_DTYPES, ids=str)
-@pytest.mark.parametrize("kind", KINDS)
-def test_float_path_matches_float64_reference(ops, kind: str, xdtype, shape) -> None:
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_float_path_matches_float64_reference(ops, case, xdtype) -> None:
+    kind, shape = case
     n, k = shape
     torch.manual_seed(n + k)
     weight, scale, offset, _ = _layer_data(kind, n, k)
-    pw = pack_groupwise(ops, weight, scale, offset)
+    pw = _pack(ops, weight, scale, offset)
     w = _dequantized(weight, scale, offset).double()
     for m in ROWS:
         for bias in (None, torch.randn(n).to(xdtype)):
@@ -125,14 +156,14 @@ def test_float_path_matches_float64_reference(ops, kind: str, xdtype, shape) -> 
             assert err < FLOAT_TOL[xdtype], f"m={m} bias={bias is not None}: rel err {err:.2e}"
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"n{s[0]}k{s[1]}")
 @pytest.mark.parametrize("xdtype", ACT_DTYPES, ids=str)
-@pytest.mark.parametrize("kind", KINDS)
-def test_dot_path_matches_its_definition(ops, kind: str, xdtype, shape) -> None:
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_dot_path_matches_its_definition(ops, case, xdtype) -> None:
+    kind, shape = case
     n, k = shape
     torch.manual_seed(n * k)
     weight, scale, offset, q = _layer_data(kind, n, k)
-    pw = pack_groupwise(ops, weight, scale, offset)
+    pw = _pack(ops, weight, scale, offset)
     for m in ROWS:
         for bias in (None, torch.randn(n).to(xdtype)):
             x = torch.randn(m, k).to(xdtype)
@@ -158,14 +189,14 @@ def test_activation_rounding_is_the_definition_bit_for_bit(ops, xdtype) -> None:
     assert int(q.abs().max()) == 127
 
 
-@pytest.mark.parametrize("kind", ("q4_1", "q8_0"))
+@pytest.mark.parametrize("kind", ("q4_1", "q8_0", "q6_k"))
 def test_dot_path_error_against_the_float_reference_is_bounded(ops, kind: str) -> None:
     """What rounding x to int8 per group costs: measured rms ~0.55% of the output (Gaussian x;
     ~1.1% with 1% of x 20x larger), against ~0.17% for rounding the output to bf16."""
     torch.manual_seed(3)
     n, k = 64, 2048
     weight, scale, offset, _ = _layer_data(kind, n, k)
-    pw = pack_groupwise(ops, weight, scale, offset)
+    pw = _pack(ops, weight, scale, offset)
     x = torch.randn(8, k)
     y = pw.gemm(ops, x, None, True)
     ref = x.double() @ _dequantized(weight, scale, offset).double().T
@@ -183,14 +214,46 @@ def test_formats_and_bits_per_weight(ops) -> None:
         "q4_f32": ((False, True, False), 6.0),
         "q8_0": ((True, False, False), 8.5),
         "q8_f32": ((False, False, False), 9.0),
+        "q6_k": ((True, False, True), 8.5625),  # 512 + 32 sc bytes a block, 32 d bytes per 8
     }
     for kind, (fmt, bits) in expected.items():
         torch.manual_seed(0)
         weight, scale, offset, _ = _layer_data(kind, n, k)
-        pw = pack_groupwise(ops, weight, scale, offset)
+        pw = _pack(ops, weight, scale, offset)
         assert (pw.half_scales, pw.with_offset, pw.factored) == fmt, kind
         assert pw.packed.shape == (2, int(bits * k * 16 / 8)), kind
         assert pw.bits_per_weight == bits
+        assert pw.name == {"q6_k": "q6_k", "q8_0": "q8_0", "q8_f32": "q8_0"}.get(kind, "int4")
+
+
+def test_q6_k_factoring_is_exact_or_refused(ops) -> None:
+    """sc = scale / d, checked bit for bit; a layer whose scales are not d * sc (sc a signed
+    byte) is refused rather than packed approximately."""
+    torch.manual_seed(4)
+    q, scale, d = _q6_k_data(4, 512)
+    sc = factor_q6_k(scale, d)
+    assert sc is not None and torch.equal(d.repeat_interleave(16, dim=1) * sc.float(), scale)
+    assert int(sc.min()) == -128
+    zero = d.clone()
+    zero[1, 0] = 0  # d = 0: sc = 0 is exact only where the products are zero
+    assert factor_q6_k(scale, zero) is None
+    scale0 = scale.clone()
+    scale0[1, :16] = 0
+    assert factor_q6_k(scale0, zero) is not None
+    off = scale.clone()
+    off[2, 5] *= 1 + 2**-20  # off the grid
+    assert factor_q6_k(off, d) is None
+    assert factor_q6_k(scale * 2, d) is None  # sc = -256: not a byte
+    with pytest.raises(ValueError, match="weight_scale"):
+        pack_groupwise(ops, q, off, None, d)
+    # d that no fp16 holds: stored as float32 (products of d and sc rounded as the layer's)
+    d32 = d * (1 + 2**-12)
+    scale32 = d32.repeat_interleave(16, dim=1) * sc.float()
+    pw = pack_groupwise(ops, q, scale32, None, d32)
+    assert pw.factored and not pw.half_scales
+    x = torch.randn(3, 512)
+    ref = x.double() @ dequantize_int8_groups(q, scale32).double().T
+    assert _rel_err(pw.gemm(ops, x, None, False), ref) < FLOAT_TOL[torch.float32]
 
 
 def test_factoring_is_exact_or_refused() -> None:
@@ -210,7 +273,7 @@ def test_one_inexact_fp16_scale_keeps_the_layer_float32(ops) -> None:
     torch.manual_seed(5)
     weight, scale, offset, _ = _layer_data("q4_1", 16, 64)
     scale[3, 1] = 1.0 + 2**-20  # not an fp16: rounding it would change the weights
-    pw = pack_groupwise(ops, weight, scale, offset)
+    pw = _pack(ops, weight, scale, offset)
     assert not pw.half_scales and not pw.factored
     x = torch.randn(2, 64)
     ref = x.double() @ dequantize_int4(weight, scale, offset).double().T
@@ -219,7 +282,7 @@ def test_one_inexact_fp16_scale_keeps_the_layer_float32(ops) -> None:
 
 def test_bad_inputs_raise(ops) -> None:
     weight, scale, offset, _ = _layer_data("q4_1", 20, 64)
-    pw = pack_groupwise(ops, weight, scale, offset)
+    pw = _pack(ops, weight, scale, offset)
     x = torch.randn(1, 64)
     with pytest.raises(RuntimeError, match="packed must be"):  # the format disagrees
         ops.groupwise_gemm(x, pw.packed, 20, 4, True, False, False, None, False)
@@ -242,7 +305,7 @@ def test_bad_inputs_raise(ops) -> None:
 def _groupwise_layer(kind: str, n: int, k: int, *, row: bool = False, bias: bool = False):
     torch.manual_seed(7)
     layer = RowParallelLinear(k, n, bias=bias) if row else ColumnParallelLinear(k, [n], bias=bias)
-    method = GroupwiseMethod(bits=8 if kind == "q8_0" else 4, prequantized=True)
+    method = GroupwiseMethod.for_format(kind if kind in ("q8_0", "q6_k") else "int4")
     layer.quant_method = method
     method.create_weights(layer)
     weight, scale, offset, _ = _layer_data(kind, n, k)
@@ -250,6 +313,8 @@ def _groupwise_layer(kind: str, n: int, k: int, *, row: bool = False, bias: bool
     layer.weight_scale.data.copy_(scale)
     if offset is not None:
         layer.weight_offset.data.copy_(offset)
+    if kind == "q6_k":
+        layer.weight_super.data.copy_(scale.q6_k_d)
     if bias:
         layer.bias.data.normal_()
     method.finish_loading(layer)
@@ -260,9 +325,15 @@ def test_pack_one_installs_the_groupwise_gemm() -> None:
     ops = packed_linear.gemm_ops()
     if ops is None:
         pytest.skip("the C++ GEMM could not be built")
-    for kind, row in (("q4_1", False), ("q8_0", True), ("q4_k", False)):
-        layer = _groupwise_layer(kind, 40, 128, row=row, bias=True)
-        name = "q8_0" if kind == "q8_0" else "int4"
+    for kind, row, k in (
+        ("q4_1", False, 128),
+        ("q8_0", True, 128),
+        ("q4_k", False, 256),
+        ("q6_k", True, 256),
+        ("q6_k", False, 512),
+    ):
+        layer = _groupwise_layer(kind, 40, k, row=row, bias=True)
+        name = kind if kind in ("q8_0", "q6_k") else "int4"
         fn, path = packed_linear._pack_one(layer)
         assert path == f"cpp-{name}-{ops.built_isa()}", path  # x unrounded unless asked
         _, dot_path = packed_linear._pack_one(layer, int8_activations=True)
@@ -272,7 +343,7 @@ def test_pack_one_installs_the_groupwise_gemm() -> None:
         # A row-parallel layer adds its bias after the all-reduce, not in the GEMM.
         bias = layer.bias.double() if layer.fast_linear_has_bias else None
         for m, dtype, tol in ((3, torch.float32, 2e-5), (70, torch.bfloat16, 8e-3)):
-            x = torch.randn(2, m, 128).to(dtype)  # [batch, tokens, K]
+            x = torch.randn(2, m, k).to(dtype)  # [batch, tokens, K]
             y = fn(x)
             assert y.shape == (2, m, 40) and y.dtype == dtype
             ref = F.linear(x.double(), ref_w, bias)

@@ -37,6 +37,10 @@ RECIPES: dict[str, tuple[dict[str, str], str, str]] = {
     "q5_0+q5_1": ({"attn_v": "Q5_0", "ffn_down": "Q5_1", "token_embd": "F16"}, "Q4_0", "llama"),
     # K-quants come in super-blocks of 256 columns: a wider model.
     "q4_k_m": ({"attn_v": "Q6_K", "ffn_down": "Q5_K", "token_embd": "Q6_K"}, "Q4_K", "wide"),
+    # Every layer Q6_K (fused q/k/v and gate/up whole), the tied head too.
+    "q6_k": ({}, "Q6_K", "wide"),
+    # An untied Q6_K head (as every llama.cpp quantisation writes it) over a Q6_K embedding.
+    "mistral-q6_k-head": ({"output": "Q6_K", "token_embd": "Q6_K"}, "Q8_0", "mistral-wide"),
     "qwen2-q4_0": ({"token_embd": "Q8_0"}, "Q4_0", "qwen2"),
     # An untied head: output.weight kept as Q4_1, the embedding as Q8_0.
     "mistral-q8_0": ({"output": "Q4_1"}, "Q8_0", "mistral"),
@@ -50,6 +54,7 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {
         "llama": build_model(root / "llama", "llama"),
         "wide": build_model(root / "wide", "llama", **wide),
+        "mistral-wide": build_model(root / "mistral-wide", "mistral", **wide),
         "qwen2": build_model(root / "qwen2", "qwen2"),
         "mistral": build_model(root / "mistral", "mistral"),
         **{name: build_family(root / name, name) for name in ("phi3", "gemma", "qwen3")},
@@ -145,6 +150,28 @@ def test_quantised_layers_stay_quantised(gguf_files: dict) -> None:
     assert qkv.quant_method is None  # a Q5_0 v part: the fused layer is dequantised whole
 
 
+def test_q6_k_layers_stay_quantised(gguf_files: dict) -> None:
+    """Q6_K layers, tables and heads stay Q6_K on the CPU (the C++ GEMM); a fused layer with one
+    Q6_K part among Q4_K ones is dequantised whole."""
+    engine = Engine(str(gguf_files["q6_k"]), device="cpu", block_size=8, num_kv_blocks=16)
+    model = engine.executor.worker.runner.model  # type: ignore[attr-defined]
+    for layer in (model.layers[0].self_attn.qkv_proj, model.layers[1].mlp.gate_up_proj):
+        assert layer.quant_method.name == "q6_k" and layer.fast_linear is not None
+    assert model.embed_tokens.quant_method.name == "q6_k"  # the tied head too
+    assert model.embed_tokens.weight.dtype == torch.int8
+    paths = model.linear_path.split(", ")  # kind=path, the head's included
+    assert len(paths) == 4 and all("=cpp-q6_k-" in p for p in paths), paths
+    mixed = Engine(str(gguf_files["q4_k_m"]), device="cpu", block_size=8, num_kv_blocks=16)
+    m = mixed.executor.worker.runner.model  # type: ignore[attr-defined]
+    assert m.layers[0].self_attn.qkv_proj.quant_method is None  # Q4_K q, k with a Q6_K v
+    assert m.layers[0].self_attn.o_proj.quant_method.name == "int4"
+    assert m.embed_tokens.quant_method.name == "q6_k"
+    untied = Engine(str(gguf_files["mistral-q6_k-head"]), device="cpu", num_kv_blocks=16)
+    u = untied.executor.worker.runner.model  # type: ignore[attr-defined]
+    assert u.lm_head.quant_method.name == "q6_k" and u.lm_head.weight.numel() == 0  # packed
+    assert u.embed_tokens.quant_method.name == "q6_k"
+
+
 def test_prefix_caching_chunked_prefill_and_preemption(gguf_files: dict) -> None:
     path = gguf_files["q4_0"]
     plain = engine_greedy(path)
@@ -169,19 +196,21 @@ def test_prefix_caching_chunked_prefill_and_preemption(gguf_files: dict) -> None
 
 
 def test_int8_groups_and_int4_groups_are_ggml_exact() -> None:
-    """Our group-wise form of Q4_0 / Q4_1 / Q4_K / Q8_0 dequantises bit for bit as ggml does."""
+    """Our group-wise form of Q4_0 / Q4_1 / Q4_K / Q8_0 / Q6_K dequantises bit for bit as ggml
+    does (float32)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
+    from pagedllm.backends.cpu.groupwise_linear import factor_q6_k
     from pagedllm.layers.quantization.groupwise import dequantize_int4, dequantize_int8_groups
     from pagedllm.models.gguf.reader import GGUFTensor
-    from pagedllm.models.gguf.weights import int4_groups, int8_groups
+    from pagedllm.models.gguf.weights import int4_groups, int8_groups, q6_k_groups
     from tests.models.gguf_files import _random_k_blocks
 
     rng = np.random.default_rng(0)
     rows, cols = 5, 512
-    for kind in ("Q4_0", "Q4_1", "Q8_0", "Q4_K"):
+    for kind in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"):
         qtype = GGMLQuantizationType[kind]
-        if kind == "Q4_K":
+        if kind in ("Q4_K", "Q6_K"):
             raw = _random_k_blocks(kind, rows, cols, rng)
         else:
             raw = quants.quantize(rng.normal(size=(rows, cols)).astype(np.float32), qtype)
@@ -190,6 +219,11 @@ def test_int8_groups_and_int4_groups_are_ggml_exact() -> None:
         tensor = GGUFTensor("t", kind, (rows, cols), raw, qtype)
         if kind == "Q8_0":
             q, scale = (torch.from_numpy(a) for a in int8_groups(tensor))
+            got = dequantize_int8_groups(q, scale)
+        elif kind == "Q6_K":
+            q, scale, d = (torch.from_numpy(a) for a in q6_k_groups(tensor))
+            assert int(q.min()) >= -32 and int(q.max()) <= 31
+            assert factor_q6_k(scale, d) is not None  # scale = d * sc, sc a signed byte
             got = dequantize_int8_groups(q, scale)
         else:
             packed, scale, offset = (torch.from_numpy(a) for a in int4_groups(tensor))

@@ -89,9 +89,9 @@ class CpuBackend(DeviceBackend):
         return cpp_weight_quantizer()
 
     def native_weight_formats(self) -> frozenset[str]:
-        """4-bit and Q8_0 groups stay packed: decode streams a quarter (a half) of the bf16
-        bytes, and ``prepare_model`` gives those layers the C++ group-wise GEMM."""
-        return frozenset({"int4", "q8_0"})
+        """4-bit, Q8_0 and Q6_K groups stay packed: decode streams a quarter (a half, 0.54) of
+        the bf16 bytes, and ``prepare_model`` gives those layers the C++ group-wise GEMM."""
+        return frozenset({"int4", "q8_0", "q6_k"})
 
     def configure_threads(self, world_size: int = 1, total: int | None = None) -> None:
         """Intra-op threads = ``total`` or the physical cores, shared evenly by co-located TP

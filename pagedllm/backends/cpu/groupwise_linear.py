@@ -1,10 +1,12 @@
-"""Group-wise quantised layers (4-bit ``int4`` / GGUF Q4_0, Q4_1, Q4_K and 8-bit ``q8_0``, groups
-of 32 along K) on the CPU backend's C++ GEMM (``csrc/gemm_q4.cpp``).
+"""Group-wise quantised layers (4-bit ``int4`` / GGUF Q4_0, Q4_1, Q4_K and 8-bit ``q8_0`` /
+``q6_k``, groups of 32 along K) on the CPU backend's C++ GEMM (``csrc/gemm_q4.cpp``).
 
 The weights stay quantised: each layer is packed once into panels of 16 output columns, one block
 per group holding its 4- or 8-bit q and its scales and offsets in the smallest form that is exact
 for the whole layer (:func:`pack_groupwise`): 4.5 bits a weight for Q4_0 (no offsets), 4.625 for
-Q4_K (scales factored per 8 groups), 5 for Q4_1 and int4 made at load (fp16), 8.5 for Q8_0.
+Q4_K (scales factored per 8 groups), 5 for Q4_1 and int4 made at load (fp16), 8.5 for Q8_0,
+8.5625 for Q6_K (q - 32 as int8, two scales per group factored as fp16 d per 8 groups times
+int8 sc: :func:`factor_q6_k`).
 
 Two paths run on the same packed weights:
 
@@ -35,6 +37,7 @@ from pagedllm.layers.quantization.groupwise import (
     dequantize_int4,
     dequantize_int8_groups,
     weight_groups,
+    weight_super_scale,
 )
 
 logger = logging.getLogger(__name__)
@@ -53,11 +56,15 @@ class PackedGroupwise:
     bits: int  # 4 or 8
     half_scales: bool  # scales and offsets (factored: d and dm) stored as fp16: exact here
     with_offset: bool  # 4-bit: offsets stored (else offset = -8 * scale for every group)
-    factored: bool  # 4-bit: scale = d * sc, offset = dm * m per super-block of 8 groups
+    # 4-bit: scale = d * sc, offset = dm * m per super-block of 8 groups; 8-bit: q6_k, a scale
+    # d * sc per 16 k (sc a signed byte, d per super-block of 8 groups)
+    factored: bool
 
     @property
     def name(self) -> str:
-        return "int4" if self.bits == 4 else "q8_0"
+        if self.bits == 4:
+            return "int4"
+        return "q6_k" if self.factored else "q8_0"
 
     @property
     def bits_per_weight(self) -> float:
@@ -105,6 +112,23 @@ def factor_super_blocks(
     return torch.stack(factors, dim=-1), torch.stack(units, dim=-1)
 
 
+_Q6_K_SUBS = 16  # scales (of 16 k) per super-block of 256 k
+
+
+def factor_q6_k(scale: torch.Tensor, d: torch.Tensor) -> torch.Tensor | None:
+    """Q6_K's signed byte ``sc [N, K/16]`` with ``scale == d * sc`` bit for bit (``scale`` the
+    products per 16 k, ``d [N, K/256]``), or None where some product is not so (then the layer
+    cannot be packed). ``d == 0`` takes ``sc = 0``, exact where its products are all zero."""
+    n, subs = scale.shape
+    if subs % _Q6_K_SUBS or d.shape != (n, subs // _Q6_K_SUBS):
+        return None
+    dd = d.repeat_interleave(_Q6_K_SUBS, dim=-1)  # [N, K/16]
+    sc = torch.round(torch.where(dd != 0, scale / dd, torch.zeros_like(scale)))
+    if not bool(((sc >= -128) & (sc <= 127) & (dd * sc == scale)).all()):
+        return None
+    return sc.to(torch.int8)
+
+
 def scale_format(scale: torch.Tensor, offset: torch.Tensor | None) -> tuple[bool, bool]:
     """(half_scales, with_offset) for float32 ``scale``/``offset [N, K/32]`` stored per group:
     fp16 only where every value is exactly an fp16 (GGUF's Q4_0/Q4_1/Q8_0 d and m; not Q4_K's
@@ -116,12 +140,19 @@ def scale_format(scale: torch.Tensor, offset: torch.Tensor | None) -> tuple[bool
 
 
 def pack_groupwise(
-    ops: object, weight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None
+    ops: object,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor | None,
+    super_scale: torch.Tensor | None = None,
 ) -> PackedGroupwise:
     """Pack ``weight`` (uint8 nibbles ``[N, K/2]`` with ``offset``, or int8 ``[N, K]``) and its
     float32 ``scale``/``offset [N, K/32]`` for ``ops.groupwise_gemm``, in the smallest exact
     format: no offsets (Q4_0: 4.5 bits a weight), factored (Q4_K: 4.625), fp16 (Q4_1: 5, Q8_0:
-    8.5), else float32 (6, 9)."""
+    8.5), else float32 (6, 9). A q6_k layer (``scale [N, K/16]``, ``super_scale`` its ``d``)
+    packs factored: 8.5625 bits a weight; ValueError where ``scale`` is not ``d * sc``."""
+    if super_scale is not None:
+        return _pack_q6_k(ops, weight, scale, super_scale)
     bits = 4 if offset is not None else 8
     half, with_offset = scale_format(scale, offset)
     factors = factor_super_blocks(scale, offset) if with_offset else None
@@ -131,6 +162,19 @@ def pack_groupwise(
     packed = ops.pack_groupwise(weight, scale, offset, bits, half, with_offset, fac, idx)
     k = weight.shape[1] * (2 if bits == 4 else 1)
     return PackedGroupwise(packed, weight.shape[0], k, bits, half, with_offset, fac is not None)
+
+
+def _pack_q6_k(
+    ops: object, weight: torch.Tensor, scale: torch.Tensor, d: torch.Tensor
+) -> PackedGroupwise:
+    sc = factor_q6_k(scale, d)
+    if sc is None:
+        raise ValueError("weight_scale: a q6_k layer's scales are not d * sc (sc a signed byte)")
+    n, k = weight.shape
+    half = _exact_in_half(d)
+    index = sc.view(torch.uint8).reshape(n, k // GROUP_SIZE, 2)  # per group: k 0..15, 16..31
+    packed = ops.pack_groupwise(weight, scale, None, 8, half, False, d[..., None], index)
+    return PackedGroupwise(packed, n, k, 8, half, False, True)
 
 
 def quantize_activation_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,15 +206,18 @@ def dot_linear_reference(
     ``isum = sum_k q xq`` and ``qsum = sum_k xq``:
     ``isum * fl32(scale * dx) + offset * fl32(dx * qsum)``; where every offset is
     ``-8 * scale`` (Q4_0, stored without offsets) ``(isum - 8 qsum) * fl32(scale * dx)``.
+    q6_k (``scale [N, K/16]``): ``isum`` per 16 k times ``fl32(scale * dx)`` of its group's dx.
     """
     m, k = x.shape
     g = k // GROUP_SIZE
+    size = k // scale.shape[1]  # k per scale: 32, or 16 (q6_k)
     xq, dx = quantize_activation_groups(x)
-    xg = xq.double().reshape(m, g, GROUP_SIZE)  # [M, G, 32]
-    qg = q.double().reshape(-1, g, GROUP_SIZE)  # [N, G, 32]
-    isum = torch.einsum("mgk,ngk->mng", xg, qg)  # [M, N, G], exact
-    qsum = xg.sum(-1)  # [M, G], exact
-    sd = (scale[None] * dx[:, None]).double()  # [M, N, G]: the float32 product
+    xg = xq.double().reshape(m, k // size, size)  # [M, G', size]
+    qg = q.double().reshape(-1, k // size, size)  # [N, G', size]
+    isum = torch.einsum("mgk,ngk->mng", xg, qg)  # [M, N, G'], exact
+    qsum = xq.double().reshape(m, g, GROUP_SIZE).sum(-1)  # [M, G], exact
+    dxs = dx.repeat_interleave(GROUP_SIZE // size, dim=-1)  # [M, G']
+    sd = (scale[None] * dxs[:, None]).double()  # [M, N, G']: the float32 product
     _, with_offset = scale_format(scale, offset)
     if offset is not None and not with_offset:
         isum = isum - 8 * qsum[:, None]
@@ -243,7 +290,7 @@ def make_groupwise_linear(
 ) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, str]:
     """The C++ GEMM on a group-wise layer's packed weights, checked on sampled output rows
     against ``dequantize_layer`` (and the dot path against its definition), and its path name:
-    ``cpp-int4-<isa>`` / ``cpp-q8_0-<isa>``, ``+dot<rows>`` where bf16/fp16 batches of up to
+    ``cpp-<int4|q8_0|q6_k>-<isa>``, ``+dot<rows>`` where bf16/fp16 batches of up to
     ``rows`` rows take the dot path (only where ``dot``: the user's ``int8_activations``, and
     never in an LM head, see packed_linear)."""
     from pagedllm.backends.cpu import packed_linear as pl
@@ -254,7 +301,11 @@ def make_groupwise_linear(
         return None, f"torch-{name}"
     scale, offset = weight_groups(module)
     weight = module.weight.detach()
-    pw = pack_groupwise(ops, weight, scale, offset)
+    try:
+        pw = pack_groupwise(ops, weight, scale, offset, weight_super_scale(module))
+    except ValueError as e:
+        logger.warning("%s kept on PyTorch: %s", name, e)
+        return None, f"torch-{name}"
     gemm = make_groupwise_gemm(ops, pw, bias, dot=dot)
     linear = pl._reshaped(gemm, pw.k, pw.n)
     rows = pl._sample_rows(pw.n)
@@ -294,7 +345,7 @@ def make_groupwise_linear(
 
 
 def path_name(ops: object, name: str, *, dot: bool = False) -> str:
-    """``cpp-<int4|q8_0>-<isa>``, ``+dot<rows>`` where bf16 batches of up to that many rows take
-    the dot path by default."""
+    """``cpp-<int4|q8_0|q6_k>-<isa>``, ``+dot<rows>`` where bf16 batches of up to that many
+    rows take the dot path by default."""
     dot = dot_rows(ops, torch.bfloat16, enabled=dot)
     return f"cpp-{name}-{ops.built_isa()}" + (f"+dot{dot}" if dot else "")

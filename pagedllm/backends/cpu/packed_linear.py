@@ -333,7 +333,7 @@ def _cpp_isa() -> str:
     return ops.built_isa() + ("+amx" if ops.has_amx() else "")
 
 
-_GROUPWISE = ("int4", "q8_0")  # group-wise methods (layers/quantization/groupwise.py)
+_GROUPWISE = ("int4", "q8_0", "q6_k")  # group-wise methods (layers/quantization/groupwise.py)
 
 
 def _kind(module: nn.Module, head: nn.Module | None) -> str:
@@ -418,7 +418,7 @@ def _drop_group_scales(module: nn.Module) -> None:
     method = getattr(module, "quant_method", None)
     if method is None or method.name not in _GROUPWISE:
         return
-    for name in ("weight_scale_bits", "weight_offset_bits"):
+    for name in ("weight_scale_bits", "weight_offset_bits", "weight_super_bits"):
         if hasattr(module, name):
             setattr(module, name, torch.empty(0, dtype=torch.int32))
 

@@ -130,13 +130,11 @@ def with_checkpoint_layers(
     config: QuantConfig | None, plan: Mapping[str, str]
 ) -> QuantConfig | None:
     """``config`` plus the layers a checkpoint stores group-quantised (``{module: "int4" |
-    "q8_0"}``, from a GGUF file), which are read as they are whatever scheme was requested."""
+    "q8_0" | "q6_k"}``, from a GGUF file), which are read as they are whatever scheme was
+    requested."""
     if not plan:
         return config
-    methods = {
-        fmt: GroupwiseMethod(bits=4 if fmt == "int4" else 8, prequantized=True)
-        for fmt in set(plan.values())
-    }
+    methods = {fmt: GroupwiseMethod.for_format(fmt) for fmt in set(plan.values())}
     layers = {module: methods[fmt] for module, fmt in plan.items()}
     if config is not None and config.checkpoint_format is not None:
         raise ValueError("quantization: a GGUF checkpoint is not a compressed-tensors one")

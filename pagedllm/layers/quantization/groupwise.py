@@ -9,7 +9,11 @@ One representation serves every 4-bit source, so one kernel per device runs them
   checkpoint is ``offset = -8 scale``. Each of these products is exact in float32, so the
   dequantised weight equals ggml's own dequantisation bit for bit (see ``dequantize_int4``).
   ``q`` is stored two to a byte, the even ``k`` in the low nibble: ``packed [N, K/2]``.
-- int8 groups: ``W[n, k] = q[n, k] * scale[n, g]`` with ``q`` in -127..127 (Q8_0).
+- int8 groups: ``W[n, k] = q[n, k] * scale[n, g]`` with ``q`` in -127..127 (Q8_0), or with a
+  scale per 16 k, ``W[n, k] = q[n, k] * scale[n, k // 16]`` (``q6_k``: GGUF Q6_K, whose 6-bit
+  ``q - 32`` is kept in an int8 and whose ``d * sc`` products are exact in float32). A q6_k
+  layer also keeps the super-block factor ``d`` per 256 k (``weight_super_bits``), so that the
+  CPU kernel can store ``d`` once per 256 and ``sc`` as a byte (8.56 bits a weight).
 
 Scales and offsets are float32, kept as their bits in ``int32`` buffers (``weight_scale_bits``,
 ``weight_offset_bits``) for the reason :mod:`.int8` gives. The PyTorch ``apply`` dequantises the
@@ -26,7 +30,11 @@ from torch import nn
 from pagedllm.layers.quantization.base import LinearMethod
 
 GROUP_SIZE = 32
+Q6_K_SCALE_GROUP = 16  # k per scale of a q6_k layer
+Q6_K_SUPER = 256  # k per super-block factor d of a q6_k layer
 _INT4_MAX = 15
+# Group-wise format name -> (bits, k per scale).
+FORMATS = {"int4": (4, GROUP_SIZE), "q8_0": (8, GROUP_SIZE), "q6_k": (8, Q6_K_SCALE_GROUP)}
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
@@ -44,9 +52,9 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((low, high), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
-def _per_column(groups: torch.Tensor) -> torch.Tensor:
-    """float32 ``[N, K/32]`` -> ``[N, K]``, each group's value repeated over its 32 columns."""
-    return groups.float().repeat_interleave(GROUP_SIZE, dim=-1)
+def _per_column(groups: torch.Tensor, size: int = GROUP_SIZE) -> torch.Tensor:
+    """float32 ``[N, K/size]`` -> ``[N, K]``, each group's value repeated over its columns."""
+    return groups.float().repeat_interleave(size, dim=-1)
 
 
 def dequantize_int4(
@@ -58,8 +66,9 @@ def dequantize_int4(
 
 
 def dequantize_int8_groups(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """float32 ``[N, K]``: ``q * scale`` per group of 32."""
-    return q.float() * _per_column(scale)
+    """float32 ``[N, K]``: ``q * scale`` per group of 32 (q8_0) or 16 (q6_k: ``scale`` has
+    ``K/16`` columns), one rounding as ggml's ``(d * sc) * q``."""
+    return q.float() * _per_column(scale, q.shape[-1] // scale.shape[-1])
 
 
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -106,6 +115,12 @@ def weight_groups(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     return scale, None if offset is None else offset.view(torch.float32)
 
 
+def weight_super_scale(layer: nn.Module) -> torch.Tensor | None:
+    """A q6_k layer's float32 ``d [N, K/256]`` (``scale = d * sc``); None for other layers."""
+    bits = getattr(layer, "weight_super_bits", None)
+    return None if bits is None else bits.view(torch.float32)
+
+
 def dequantize_layer(layer: nn.Module) -> torch.Tensor:
     """The layer's weight in float32 ``[N, K]`` (the reference every kernel is checked against)."""
     scale, offset = weight_groups(layer)
@@ -141,28 +156,42 @@ def _row_loader(layer: nn.Module, columns_per_stored: int) -> object:
 
 
 class GroupwiseMethod(LinearMethod):
-    """Weights quantised in groups of 32 along K: 4-bit (``bits=4``) or 8-bit (``bits=8``).
+    """Weights quantised in groups along K: 4-bit (``bits=4``), 8-bit with a scale per 32 k
+    (``bits=8``: q8_0) or per 16 k (``bits=8, scale_group=16``: q6_k).
 
     ``prequantized``: the checkpoint (GGUF, compressed-tensors) supplies ``weight`` (packed
-    nibbles or int8), ``weight_scale`` and, for 4-bit, ``weight_offset`` per group; otherwise
+    nibbles or int8), ``weight_scale`` and, for 4-bit, ``weight_offset`` per group (q6_k:
+    ``weight_scale`` per 16 k and ``weight_super``, its factor ``d`` per 256 k); otherwise
     the float weight is loaded and quantised by :func:`quantize_int4` once the layer is whole
     (8-bit groups are only read, never made).
     """
 
-    def __init__(self, *, bits: int, prequantized: bool) -> None:
+    def __init__(self, *, bits: int, prequantized: bool, scale_group: int = GROUP_SIZE) -> None:
         if bits not in (4, 8):
-            raise ValueError(f"group-wise weights are 4- or 8-bit, got {bits}")
+            raise ValueError(f"bits: group-wise weights are 4- or 8-bit, got {bits}")
         if bits == 8 and not prequantized:
-            raise ValueError("8-bit group weights come from checkpoints only")
+            raise ValueError("prequantized: 8-bit group weights come from checkpoints only")
+        if scale_group not in (GROUP_SIZE, Q6_K_SCALE_GROUP) or (bits == 4 and scale_group != 32):
+            raise ValueError(f"scale_group: 32 (or 16 for 8-bit q6_k), got {scale_group}")
         self.bits = bits
         self.prequantized = prequantized
-        self.name = "int4" if bits == 4 else "q8_0"
+        self.scale_group = scale_group
+        self.name = "int4" if bits == 4 else ("q8_0" if scale_group == GROUP_SIZE else "q6_k")
+
+    @classmethod
+    def for_format(cls, fmt: str) -> GroupwiseMethod:
+        """The prequantized method of a format name (``int4``, ``q8_0``, ``q6_k``)."""
+        if fmt not in FORMATS:
+            raise ValueError(f"format: one of {sorted(FORMATS)}, got {fmt!r}")
+        bits, scale_group = FORMATS[fmt]
+        return cls(bits=bits, prequantized=True, scale_group=scale_group)
 
     def create_weights(self, layer: nn.Module) -> None:
         n, k = layer.weight.shape
-        if k % GROUP_SIZE:
+        multiple = Q6_K_SUPER if self.name == "q6_k" else GROUP_SIZE
+        if k % multiple:
             raise ValueError(
-                f"{self.name} weights need the input size to be a multiple of {GROUP_SIZE}, "
+                f"{self.name} weights need the input size to be a multiple of {multiple}, "
                 f"got a layer of {k} inputs"
             )
         layer.compute_dtype = layer.weight.dtype  # what the float weight would have been
@@ -172,12 +201,15 @@ class GroupwiseMethod(LinearMethod):
         layer.weight = _stored(
             torch.empty(n, stored_k, dtype=dtype), _row_loader(layer, k // stored_k)
         )
-        layer.weight_scale = _stored(
-            torch.empty(n, k // GROUP_SIZE), _row_loader(layer, GROUP_SIZE)
-        )
+        sg = self.scale_group
+        layer.weight_scale = _stored(torch.empty(n, k // sg), _row_loader(layer, sg))
         if self.bits == 4:
             layer.weight_offset = _stored(
                 torch.empty(n, k // GROUP_SIZE), _row_loader(layer, GROUP_SIZE)
+            )
+        if self.name == "q6_k":
+            layer.weight_super = _stored(
+                torch.empty(n, k // Q6_K_SUPER), _row_loader(layer, Q6_K_SUPER)
             )
 
     def finish_loading(self, layer: nn.Module) -> None:
@@ -189,6 +221,10 @@ class GroupwiseMethod(LinearMethod):
             if self.bits == 4:
                 offset = layer.weight_offset.detach().float().contiguous()
                 del layer.weight_offset
+            if self.name == "q6_k":
+                d = layer.weight_super.detach().float().contiguous()
+                del layer.weight_super
+                layer.register_buffer("weight_super_bits", d.view(torch.int32))
         else:
             packed, scale, offset = quantize_int4(layer.weight.detach())
             layer.weight = nn.Parameter(packed, requires_grad=False)

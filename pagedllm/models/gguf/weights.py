@@ -1,8 +1,8 @@
 """A GGUF file's tensors as the named checkpoint tensors our models load.
 
 Each ``blk.N.<kind>`` tensor gets its Hugging Face name. What it becomes depends on the layer's
-plan (:func:`plan_layers`): a linear layer whose every part is 4-bit (Q4_0, Q4_1, Q4_K) or
-Q8_0 stays quantised in the group-wise format of :mod:`pagedllm.layers.quantization.groupwise`
+plan (:func:`plan_layers`): a linear layer whose every part is 4-bit (Q4_0, Q4_1, Q4_K), Q8_0
+or Q6_K stays quantised in the group-wise format of :mod:`pagedllm.layers.quantization.groupwise`
 when the device runs that format natively; everything else is dequantised by ggml's own
 ``gguf.quants`` to float32 here and rounded to the compute dtype as it is copied in. llama.cpp's
 converter interleaves the q/k rows of Llama-family models for its rotary kernel; the rows are
@@ -53,8 +53,9 @@ _BLOCK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 INT8_GROUP_TYPES = ("Q8_0",)
-DEQUANTIZED_TYPES = ("F32", "F16", "BF16", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
-SUPPORTED_TYPES = INT4_TYPES + INT8_GROUP_TYPES + DEQUANTIZED_TYPES
+Q6_K_TYPES = ("Q6_K",)
+DEQUANTIZED_TYPES = ("F32", "F16", "BF16", "Q5_0", "Q5_1", "Q5_K")
+SUPPORTED_TYPES = INT4_TYPES + INT8_GROUP_TYPES + Q6_K_TYPES + DEQUANTIZED_TYPES
 
 
 def hf_name(gguf_name: str, family: Family) -> tuple[str, str | None]:
@@ -80,15 +81,19 @@ def _format_of(types: set[str]) -> str | None:
         return "int4"
     if types <= set(INT8_GROUP_TYPES):
         return "q8_0"
+    if types <= set(Q6_K_TYPES):
+        return "q6_k"
     return None
 
 
 def plan_layers(gguf: GGUFFile, family: Family, native: frozenset[str]) -> dict[str, str]:
-    """``{module name: "int4" | "q8_0"}`` for the linear layers that stay quantised.
+    """``{module name: "int4" | "q8_0" | "q6_k"}`` for the linear layers (and tables) that stay
+    quantised.
 
     A fused layer (q/k/v, gate/up) stays quantised only when all its parts share a format the
-    device runs (``native``); Q4_K_M files, say, keep Q6_K ``attn_v`` rows, which makes the
-    whole ``qkv_proj`` dequantised. Layers not named are dequantised to the compute dtype.
+    device runs (``native``); Q4_K_M files, say, keep Q6_K ``attn_v`` rows next to Q4_K q and
+    k, which makes the whole ``qkv_proj`` dequantised (one layer holds one format). Layers not
+    named are dequantised to the compute dtype.
     """
     types: dict[str, set[str]] = {}
     for name, tensor in gguf.tensors.items():
@@ -185,6 +190,44 @@ def int8_groups(tensor: GGUFTensor) -> tuple[np.ndarray, np.ndarray]:
     return q, _f16(blocks, 0).reshape(rows, -1)
 
 
+_Q6_K_BYTES = 210  # ql 128, qh 64, sc 16 (int8), d 2 (fp16) per super-block of 256
+_Q6_K_ROWS = 4096  # rows decoded at a time: an LM head's uint8 temporaries stay ~100 MB
+
+
+def q6_k_groups(tensor: GGUFTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A Q6_K tensor -> (q - 32 int8 ``[N, K]``, scale ``d * sc`` ``[N, K/16]``, d ``[N, K/256]``).
+
+    ggml's dequantisation is ``fl32(d * sc) * (q - 32)``: ``d * sc`` is exact in float32 (11 by
+    8 significant bits), so ``dequantize_int8_groups(q, scale)`` rounds as ggml does.
+    """
+    blocks = _blocks(tensor, _Q6_K_BYTES)
+    rows, supers = blocks.shape[:2]
+    d = _f16(blocks, 208)  # [rows, supers]
+    sc = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).astype(np.float32)
+    scale = (d[..., None] * sc).reshape(rows, -1)
+    q = np.empty((rows, supers * 256), dtype=np.int8)
+    for r0 in range(0, rows, _Q6_K_ROWS):
+        q[r0 : r0 + _Q6_K_ROWS] = _q6_k_values(blocks[r0 : r0 + _Q6_K_ROWS])
+    return q, scale, d
+
+
+def _q6_k_values(blocks: np.ndarray) -> np.ndarray:
+    """``[rows, supers, 210]`` -> int8 ``[rows, supers * 256]``: q - 32 in element order.
+
+    Each half super-block (128 elements) takes 64 bytes of ql and 32 of qh: element
+    ``32 j + i`` (j in 0..3, i in 0..31) has its low nibble in ql byte ``32 (j % 2) + i``
+    (j < 2: low nibble, else high) and its top two bits at bits ``2 j`` of qh byte ``i``.
+    """
+    rows, supers = blocks.shape[:2]
+    ql = blocks[..., :128].reshape(rows, supers, 2, 1, 64)  # [.., half, 1, 64]
+    low = (ql >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 0x0F  # [.., half, 2, 64]
+    low = low.reshape(rows, supers, 2, 4, 32)  # j = 2 * (nibble) + byte // 32
+    qh = blocks[..., 128:192].reshape(rows, supers, 2, 1, 32)
+    high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)) & 0x03
+    q = (low | (high << 4)).astype(np.int8) - np.int8(32)  # [.., half, 4, 32]
+    return q.reshape(rows, -1)
+
+
 def dequantized(tensor: GGUFTensor) -> np.ndarray:
     """float32 in the tensor's PyTorch shape, by ggml's own dequantisation."""
     from gguf.quants import dequantize
@@ -236,6 +279,13 @@ class GGUFWeights:
                 stem = name.removesuffix(".weight")
                 yield name, self._permute(gguf_name, q8)
                 yield f"{stem}.weight_scale", self._permute(gguf_name, scale)
+                continue
+            if fmt == "q6_k" and name.endswith(".weight"):
+                q6, scale, d = (torch.from_numpy(a) for a in q6_k_groups(tensor))
+                stem = name.removesuffix(".weight")
+                yield name, self._permute(gguf_name, q6)
+                yield f"{stem}.weight_scale", self._permute(gguf_name, scale)
+                yield f"{stem}.weight_super", self._permute(gguf_name, d)
                 continue
             values = torch.from_numpy(dequantized(tensor))
             if self.family.norm_plus_one and name.endswith("norm.weight"):

@@ -155,11 +155,17 @@ void run_bf16(const uint16_t* x, const Problem& pb, at::BFloat16* y) {
         for (int64_t m0 = 0; m0 < m; m0 += kBf16TileRows) {
           const int rows = static_cast<int>(std::min<int64_t>(kBf16TileRows, m - m0));
           with_rows<kBf16TileRows>(rows, [&](auto r) {
-            bf16_tile<decltype(r)::value>(x + m0 * k + g0 * kGroup, k, xs.data() + m0 * groups + g0,
-                                          groups, wbuf.data(), wbuf.data() + second * wstride,
-                                          so.data(), so.data() + second * sstride, gc, offsets,
-                                          acc.data() + m0 * kCols, acc.data() + (m + m0) * kCols,
-                                          g0 > 0);
+            constexpr int R = decltype(r)::value;
+            const uint16_t* xr = x + m0 * k + g0 * kGroup;
+            const uint16_t* w1 = wbuf.data() + second * wstride;
+            const float* so1 = so.data() + second * sstride;
+            float* c0 = acc.data() + m0 * kCols;
+            float* c1 = acc.data() + (m + m0) * kCols;
+            if (pb.f.two_scales())
+              bf16_tile_halves<R>(xr, k, wbuf.data(), w1, so.data(), so1, gc, c0, c1, g0 > 0);
+            else
+              bf16_tile<R>(xr, k, xs.data() + m0 * groups + g0, groups, wbuf.data(), w1,
+                           so.data(), so1, gc, offsets, c0, c1, g0 > 0);
           });
         }
       }
@@ -202,12 +208,28 @@ QuantizedRows quantize_rows(const In* x, int64_t m, int64_t k) {
   return out;
 }
 
+// Each group sum's integer correction (dot_rows): -8 sum(xq) (4-bit), 128 sum(xq) (8-bit);
+// two-scale layers (Q6_K) sum each half group apart: 128 sum(xq) per 16 k, [M][groups][2].
+std::vector<int32_t> dot_corrections(const QuantizedRows& qx, int bits, bool two) {
+  if (!two) {
+    std::vector<int32_t> corr(qx.qsum.size());
+    for (size_t i = 0; i < corr.size(); ++i) corr[i] = (bits == 4 ? -8 : 128) * qx.qsum[i];
+    return corr;
+  }
+  std::vector<int32_t> corr(2 * qx.qsum.size());
+  for (size_t h = 0; h < corr.size(); ++h) {
+    int32_t sum = 0;
+    for (int64_t j = 0; j < kGroup / 2; ++j) sum += qx.q[h * (kGroup / 2) + j];
+    corr[h] = 128 * sum;
+  }
+  return corr;
+}
+
 template <int Bits, typename Out>
 void run_dot(const QuantizedRows& qx, const Problem& pb, Out* y) {
   const int64_t m = pb.m, k = pb.k, groups = pb.groups;
-  // Each group sum's integer correction (dot_rows): -8 sum(xq) (4-bit), 128 sum(xq) (8-bit).
-  std::vector<int32_t> corr(qx.qsum.size());
-  for (size_t i = 0; i < corr.size(); ++i) corr[i] = (Bits == 4 ? -8 : 128) * qx.qsum[i];
+  const std::vector<int32_t> corr = dot_corrections(qx, Bits, pb.f.two_scales());
+  const int64_t corr_row = pb.f.two_scales() ? 2 : 1;  // corrections per group
   at::parallel_for(0, pb.panels(), 1, [&](int64_t p0, int64_t p1) {
     float c[kDotRows * kCols];
     for (int64_t p = p0; p < p1; ++p) {
@@ -216,7 +238,8 @@ void run_dot(const QuantizedRows& qx, const Problem& pb, Out* y) {
         const int64_t a = m0 * groups;
         with_rows<kDotRows>(rows, [&](auto r) {
           dot_rows<Bits, decltype(r)::value>(qx.q.data() + m0 * k, k, qx.dx.data() + a,
-                                             qx.xsum.data() + a, corr.data() + a, groups,
+                                             qx.xsum.data() + a, corr.data() + a * corr_row,
+                                             groups,
                                              pb.w + p * pb.panel_bytes(), groups, pb.f, c);
         });
         store(c, rows, pb.n, p * kCols, pb.bias, y + m0 * pb.n);

@@ -15,6 +15,8 @@
 // 4-bit q (0..15) are the unsigned operand as they are. 8-bit q are signed: VNNI offsets them by
 // 128 (one xor per chunk, shared by the rows) and takes 128 * sum_k xq off each group's sum;
 // AVX2 moves x's sign onto them (vpsignb) and uses |x| as the unsigned side, as gemm_i8.cpp does.
+// Two-scale layers (Q6_K: a scale per 16 k) keep two int32 sums per group, each scaled by its
+// own scale times dx (VNNI's correction is then per 16 k: corr[group][2]).
 // Nothing saturates: a vpmaddubsw pair is at most 2 * 15 * 127 (4-bit) or 2 * 127 * 127.
 #pragma once
 
@@ -88,6 +90,7 @@ inline void dot_rows(const int8_t* xq, int64_t ldx, const float* dx, const float
                      const int32_t* corr, int64_t lda, const uint8_t* panel, int64_t groups,
                      const Format& f, float* c) {
   constexpr int C = R <= 2 ? 2 : 1;  // independent chains while few rows
+  const bool two = Bits == 8 && f.two_scales();
   __m512 t[R];
   for (auto& v : t) v = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
@@ -113,6 +116,33 @@ inline void dot_rows(const int8_t* xq, int64_t ldx, const float* dx, const float
           a[C - 1][r] = dot4(a[C - 1][r], hi, xr + 4);
         }
       }
+    } else if (two) {  // a[0]: k 0..15, a[C - 1]: k 16..31 (one chain each while few rows)
+      __m512i b[R];
+      for (auto& v : b) v = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int ch = 0; ch < 8; ++ch) {
+        const __m512i u = _mm512_xor_si512(_mm512_loadu_si512(block + ch * kChunk), flip);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xr = xg + r * ldx + 4 * ch;
+          if (ch < 4)
+            a[0][r] = dot4(a[0][r], u, xr);
+          else
+            b[r] = dot4(b[r], u, xr);
+        }
+      }
+      V16 s, o;
+      group_scales(panel, g, f, &s, &o);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const int32_t* cr = corr + (r * lda + g) * 2;  // (q + 128) . xq - 128 * sum(xq)
+        const __m512i s0 = _mm512_sub_epi32(a[0][r], _mm512_set1_epi32(cr[0]));
+        const __m512i s1 = _mm512_sub_epi32(b[r], _mm512_set1_epi32(cr[1]));
+        const __m512 vdx = _mm512_set1_ps(dx[r * lda + g]);
+        t[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(s.v, vdx), t[r]);
+        t[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(o.v, vdx), t[r]);
+      }
+      continue;
     } else {
 #pragma GCC unroll 8
       for (int ch = 0; ch < 8; ++ch) {
@@ -156,7 +186,7 @@ template <int Bits, int R>
 inline void dot_rows(const int8_t* xq, int64_t ldx, const float* dx, const float* xsum,
                      const int32_t* corr, int64_t lda, const uint8_t* panel, int64_t groups,
                      const Format& f, float* c) {
-  const bool centred = Bits == 4 && !f.with_offset;
+  const bool centred = Bits == 4 && !f.with_offset, two = Bits == 8 && f.two_scales();
   for (int r = 0; r < R; ++r) v_store(c + r * kCols, v_zero());
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int64_t g = 0; g < groups; ++g) {
@@ -190,6 +220,16 @@ inline void dot_rows(const int8_t* xq, int64_t ldx, const float* dx, const float
       }
     } else {
       for (int ch = 0; ch < 8; ++ch) {
+        if (two && ch == 4) {  // k 0..15 done: scaled by their own scale, then k 16..31
+          V16 s, o;
+          group_scales(panel, g, f, &s, &o);
+          for (int r = 0; r < R; ++r) {
+            const V16 sum = to_v16(a[r][0], a[r][1]);
+            v_store(c + r * kCols,
+                    v_fmav(v_load(c + r * kCols), sum, v_mul(s, v_set(dx[r * lda + g]))));
+            a[r][0] = a[r][1] = _mm256_setzero_si256();
+          }
+        }
         const auto* w = reinterpret_cast<const __m256i*>(block + ch * kChunk);
         const __m256i w0 = _mm256_loadu_si256(w), w1 = _mm256_loadu_si256(w + 1);
 #pragma GCC unroll 4
@@ -205,6 +245,7 @@ inline void dot_rows(const int8_t* xq, int64_t ldx, const float* dx, const float
     }
     V16 s, o;
     group_scales(panel, g, f, &s, &o);
+    if (two) s = o;  // the sums left are k 16..31's
     for (int r = 0; r < R; ++r) {
       const V16 sum = to_v16(a[r][0], a[r][1]);
       V16 t = v_fmav(v_load(c + r * kCols), sum, v_mul(s, v_set(dx[r * lda + g])));
@@ -221,7 +262,7 @@ template <int Bits, int R>
 inline void dot_rows(const int8_t* xq, int64_t ldx, const float* dx, const float* xsum,
                      const int32_t* corr, int64_t lda, const uint8_t* panel, int64_t groups,
                      const Format& f, float* c) {
-  const bool centred = Bits == 4 && !f.with_offset;
+  const bool centred = Bits == 4 && !f.with_offset, two = Bits == 8 && f.two_scales();
   for (int r = 0; r < R; ++r) v_store(c + r * kCols, v_zero());
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* block = panel + f.block_offset(g);
@@ -232,6 +273,10 @@ inline void dot_rows(const int8_t* xq, int64_t ldx, const float* dx, const float
       for (int j = 0; j < kCols; ++j) {
         int32_t sum = centred ? corr[r * lda + g] : 0;
         for (int ch = 0; ch < (Bits == 4 ? 4 : 8); ++ch) {
+          if (two && ch == 4) {  // k 0..15 by their own scale
+            c[r * kCols + j] += static_cast<float>(sum) * (s.v[j] * dx[r * lda + g]);
+            sum = 0;
+          }
           for (int b = 0; b < 4; ++b) {
             const uint8_t byte = block[ch * kChunk + 4 * j + b];
             if constexpr (Bits == 4) {
@@ -241,7 +286,8 @@ inline void dot_rows(const int8_t* xq, int64_t ldx, const float* dx, const float
             }
           }
         }
-        c[r * kCols + j] += static_cast<float>(sum) * (s.v[j] * dx[r * lda + g]);
+        const float sc = two ? o.v[j] : s.v[j];
+        c[r * kCols + j] += static_cast<float>(sum) * (sc * dx[r * lda + g]);
         if (Bits == 4 && !centred) c[r * kCols + j] += o.v[j] * xsum[r * lda + g];
       }
     }

@@ -8,7 +8,8 @@
 // a float32 scratch that every row tile reads (f32_block + f32_tile).
 //
 // bf16 activations (avx512bf16 builds): vdpbf16ps on q itself, exact in bf16, one float32 sum
-// per group and row, then y += scale * sum + offset * sum_k(x) per group. A 4-bit q becomes
+// per group and row (two for Q6_K's two scales: one per 16 k), then y += scale * sum +
+// offset * sum_k(x) per group. A 4-bit q becomes
 // bf16 by a table look-up (vpermw over the 16 values); an 8-bit q through float32, as in
 // gemm_dp.h. Only the rounding of float32 sums differs from the definition.
 #pragma once
@@ -57,9 +58,10 @@ inline void f32_rows(const float* x, int64_t ldx, const uint8_t* panel, int64_t 
         int4_rows(block + ch * kChunk, q);
       else
         int8_rows(block + ch * kChunk, q);
+      const V16 sc = Bits == 8 && f.two_scales() && ch >= 4 ? o : s;  // Q6_K: k 16..31
 #pragma GCC unroll 8
       for (int i = 0; i < kRowsPerChunk; ++i) {
-        const V16 w = Bits == 4 ? v_fmav(o, q[i], s) : v_mul(q[i], s);
+        const V16 w = Bits == 4 ? v_fmav(o, q[i], s) : v_mul(q[i], sc);
         const int64_t k = ch * kRowsPerChunk + i;
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) t[i % C][r] = v_fma(t[i % C][r], w, xg[r * ldx + k]);
@@ -173,15 +175,29 @@ inline void bf16_rows(const uint16_t* x, int64_t ldx, const float* xs, int64_t l
   constexpr int C = R >= 4 ? 1 : (R >= 2 ? 2 : 4);
   constexpr int kP = kPairsPerChunk<Bits>;
   const bool q_centred = centred(f), offsets = Bits == 4 && !q_centred;
+  const bool two = Bits == 8 && f.two_scales();
+  constexpr int kChunks = kGroup / (2 * kP);
   __m512 t[R];
   for (auto& v : t) v = _mm512_setzero_ps();
+  __m512 a[C][R];
+  // t += the chains' sums times `scale` (per group, or per 16 k with two scales), chains reset.
+  const auto flush = [&](const V16& scale) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      __m512 sum = a[0][r];
+      for (int i = 1; i < C; ++i) sum = _mm512_add_ps(sum, a[i][r]);
+      t[r] = _mm512_fmadd_ps(sum, scale.v, t[r]);
+      for (auto& chain : a) chain[r] = _mm512_setzero_ps();
+    }
+  };
+  for (auto& chain : a)
+    for (auto& v : chain) v = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* block = panel + f.block_offset(g);
     const uint16_t* xg = x + g * kGroup;
-    __m512 a[C][R];
-    for (auto& chain : a)
-      for (auto& v : chain) v = _mm512_setzero_ps();
-    for (int ch = 0; ch < kGroup / (2 * kP); ++ch) {
+    V16 s, o;
+    group_scales(panel, g, f, &s, &o);
+    for (int ch = 0; ch < kChunks; ++ch) {
       __m512i w[4];
       chunk_pairs<Bits>(block + ch * kChunk, q_centred, w);
 #pragma GCC unroll 4
@@ -190,22 +206,18 @@ inline void bf16_rows(const uint16_t* x, int64_t ldx, const float* xs, int64_t l
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) a[i % C][r] = dot2(a[i % C][r], w[i], xg + r * ldx + k);
       }
+      if (two && ch == kChunks / 2 - 1) flush(s);  // k 0..15 done: their scale
     }
-    V16 s, o;
-    group_scales(panel, g, f, &s, &o);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      __m512 sum = a[0][r];
-      for (int i = 1; i < C; ++i) sum = _mm512_add_ps(sum, a[i][r]);
-      t[r] = _mm512_fmadd_ps(sum, s.v, t[r]);
-      if (offsets) t[r] = _mm512_fmadd_ps(o.v, _mm512_set1_ps(xs[r * ldxs + g]), t[r]);
-    }
+    flush(two ? o : s);
+    if (offsets)
+      for (int r = 0; r < R; ++r)
+        t[r] = _mm512_fmadd_ps(o.v, _mm512_set1_ps(xs[r * ldxs + g]), t[r]);
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(c + r * kCols, t[r]);
 }
 
 // Groups [g0, g0 + gc) of one panel as bf16 pair rows (pairs[g][16][32]) and float32 scales
-// and offsets (so[g] = 16 scales then 16 offsets).
+// and offsets (so[g] = 16 scales then 16 offsets; two-scale: the scales of k 0..15, 16..31).
 template <int Bits>
 inline void bf16_block(const uint8_t* panel, int64_t g0, int64_t gc, const Format& f,
                        uint16_t* pairs, float* so) {
@@ -229,6 +241,7 @@ inline void bf16_block(const uint8_t* panel, int64_t g0, int64_t gc, const Forma
 // c0, c1 [R][16] (+)= x[R, 0:32 * gc] @ two converted panels (bf16_block): per group and row
 // a vdpbf16ps sum, then scale and (offsets) offset. 6 rows: 24 accumulators, 2 weights, 4
 // scales. Measured from L1 on a Zen 4 EPYC: ~0.9 vdpbf16ps per cycle, conversion included.
+// Two-scale panels (Q6_K) scale each half group's sums: bf16_tile_halves.
 template <int R>
 inline void bf16_tile(const uint16_t* x, int64_t ldx, const float* xs, int64_t ldxs,
                       const uint16_t* w0, const uint16_t* w1, const float* so0, const float* so1,
@@ -270,6 +283,45 @@ inline void bf16_tile(const uint16_t* x, int64_t ldx, const float* xs, int64_t l
         t0[r] = _mm512_fmadd_ps(a0[r], s0, t0[r]);
         t1[r] = _mm512_fmadd_ps(a1[r], s1, t1[r]);
       }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(c0 + r * kCols, t0[r]);
+    _mm512_storeu_ps(c1 + r * kCols, t1[r]);
+  }
+}
+// bf16_tile for two-scale panels (no offsets): a sum per 16 k, scaled by so[g][0:16] for
+// k 0..15 and so[g][16:32] for k 16..31.
+template <int R>
+inline void bf16_tile_halves(const uint16_t* x, int64_t ldx, const uint16_t* w0,
+                             const uint16_t* w1, const float* so0, const float* so1, int64_t gc,
+                             float* c0, float* c1, bool accumulate) {
+  __m512 t0[R], t1[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    t0[r] = accumulate ? _mm512_loadu_ps(c0 + r * kCols) : _mm512_setzero_ps();
+    t1[r] = accumulate ? _mm512_loadu_ps(c1 + r * kCols) : _mm512_setzero_ps();
+  }
+  for (int64_t h = 0; h < 2 * gc; ++h) {  // half groups of 16 k: 8 pair rows each
+    __m512 a0[R], a1[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+    const uint16_t* xh = x + h * (kGroup / 2);
+    for (int i = 0; i < 8; ++i) {
+      const __m512i v0 = _mm512_loadu_si512(w0 + (h * 8 + i) * dp::kPairWords);
+      const __m512i v1 = _mm512_loadu_si512(w1 + (h * 8 + i) * dp::kPairWords);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        a0[r] = dot2(a0[r], v0, xh + r * ldx + 2 * i);
+        a1[r] = dot2(a1[r], v1, xh + r * ldx + 2 * i);
+      }
+    }
+    const __m512 s0 = _mm512_loadu_ps(so0 + h * kCols), s1 = _mm512_loadu_ps(so1 + h * kCols);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      t0[r] = _mm512_fmadd_ps(a0[r], s0, t0[r]);
+      t1[r] = _mm512_fmadd_ps(a1[r], s1, t1[r]);
     }
   }
 #pragma GCC unroll 8

@@ -4,7 +4,8 @@
 //
 // The definition of the weights is pagedllm/layers/quantization/groupwise.py: 4-bit
 // W[n, k] = q * scale[n, k/32] + offset[n, k/32] (q in 0..15; GGUF Q4_0 / Q4_1 / Q4_K and
-// quantization="int4"), 8-bit W[n, k] = q * scale[n, k/32] (q in -127..127, GGUF Q8_0).
+// quantization="int4"), 8-bit W[n, k] = q * scale[n, k/32] (q in -127..127, GGUF Q8_0) or
+// q * scale[n, k/16] (q in -32..31, GGUF Q6_K).
 //
 // Layout: panels of 16 output columns, each a run of blocks, one per group of 32 k, so a decode
 // step streams every panel once, front to back, scales included:
@@ -17,6 +18,10 @@
 // group factors so exactly, the layer is "factored": each run of 8 blocks is preceded by a
 // header of the 16 columns' d then dm (fp16 where exact, else float32), and each block holds
 // sc and m as bytes: 4.625 bits a weight instead of 6.
+// Q6_K ("two scales": 8-bit and factored) has one scale per 16 k, d * sc with d per 8 groups
+// (fp16 in the file) and sc a signed byte: each block's q (q - 32 of the file, in -32..31) is
+// followed by the 16 columns' sc of k 0..15 (chunks 0-3), then of k 16..31 (chunks 4-7), each
+// run of 8 blocks preceded by the columns' d: 8.5625 bits a weight instead of bf16's 16.
 // The weights are 64-byte chunks of one dword per column (the operand shape of vpdpbusd, and of
 // vpmaddubsw + vpmaddwd): 4-bit chunk c holds, in column j's byte b, k = 8c + b in the low
 // nibble and k = 8c + 4 + b in the high one; 8-bit chunk c holds k = 4c + b in byte b.
@@ -42,17 +47,20 @@ struct Format {
   int bits = 4;             // 4 or 8
   bool half_scales = true;  // scales and offsets (factored: d and dm) stored as fp16
   bool with_offset = true;  // 4-bit only: offsets stored; else offset = -8 * scale
-  bool factored = false;    // 4-bit with offsets: d, dm per 8 groups, sc, m bytes per group
+  // 4-bit with offsets: d, dm per 8 groups, sc, m bytes per group (Q4_K). 8-bit: d per 8
+  // groups, two signed sc bytes per group, one per 16 k (Q6_K: two_scales).
+  bool factored = false;
+  PAGEDLLM_Q4_INLINE bool two_scales() const { return bits == 8 && factored; }
   PAGEDLLM_Q4_INLINE int64_t weight_bytes() const { return bits == 4 ? 256 : 512; }
   PAGEDLLM_Q4_INLINE int64_t scale_bytes() const {
     return factored ? kCols : (half_scales ? 2 : 4) * kCols;
   }
   PAGEDLLM_Q4_INLINE bool stores_offset() const { return bits == 4 && with_offset; }
   PAGEDLLM_Q4_INLINE int64_t block_bytes() const {
-    return weight_bytes() + scale_bytes() * (stores_offset() ? 2 : 1);
+    return weight_bytes() + scale_bytes() * (stores_offset() || two_scales() ? 2 : 1);
   }
   PAGEDLLM_Q4_INLINE int64_t header_bytes() const {
-    return factored ? 2 * (half_scales ? 2 : 4) * kCols : 0;
+    return factored ? (two_scales() ? 1 : 2) * (half_scales ? 2 : 4) * kCols : 0;
   }
   PAGEDLLM_Q4_INLINE int64_t super_bytes() const { return header_bytes() + kSuper * block_bytes(); }
   // Where group g's block starts in its panel, and a panel's size.
@@ -92,26 +100,30 @@ inline V16 v_set(float x) {
 }
 #endif
 
-// 16 bytes as float32 (the factored layout's sc and m).
+// 16 bytes as float32 (the factored layout's sc and m: unsigned; Q6_K's sc: signed).
+template <bool Signed = false>
 PAGEDLLM_Q4_INLINE V16 u8_load(const uint8_t* p) {
 #if defined(__AVX512F__)
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b))};
+  return {_mm512_cvtepi32_ps(Signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b))};
 #elif defined(__AVX2__)
   const auto half = [p](int h) {
     const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * h));
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+    return _mm256_cvtepi32_ps(Signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
   };
   return {half(0), half(1)};
 #else
   V16 r;
-  for (int j = 0; j < 16; ++j) r.v[j] = static_cast<float>(p[j]);
+  for (int j = 0; j < 16; ++j)
+    r.v[j] = Signed ? static_cast<float>(static_cast<int8_t>(p[j])) : static_cast<float>(p[j]);
   return r;
 #endif
 }
 
 // Group g's scales and offsets (of the panel starting at `panel`) as float32; an 8-bit group
 // has no offset: zero. Factored: d * sc and dm * m, exact (the products the file defines).
+// Two-scale (Q6_K) groups have no offset either: *offset is the scale of k 16..31 instead,
+// *scale that of k 0..15, both d * sc (exact: 11 by 8 significant bits).
 PAGEDLLM_Q4_INLINE void group_scales(const uint8_t* panel, int64_t g, const Format& f,
                                      V16* scale, V16* offset) {
   const auto load = [&f](const uint8_t* q) {
@@ -121,7 +133,13 @@ PAGEDLLM_Q4_INLINE void group_scales(const uint8_t* panel, int64_t g, const Form
   const uint8_t* p = panel + f.block_offset(g) + f.weight_bytes();
   if (f.factored) {
     const uint8_t* header = panel + (g / Format::kSuper) * f.super_bytes();
-    *scale = v_mul(load(header), u8_load(p));
+    const V16 d = load(header);
+    if (f.two_scales()) {
+      *scale = v_mul(d, u8_load<true>(p));
+      *offset = v_mul(d, u8_load<true>(p + kCols));
+      return;
+    }
+    *scale = v_mul(d, u8_load(p));
     *offset = v_mul(load(header + f.header_bytes() / 2), u8_load(p + kCols));
     return;
   }
@@ -240,11 +258,12 @@ inline void dequantize_block(const uint8_t* panel, int64_t g, const Format& f, V
       int4_rows(block + c * kChunk, q);
       for (int i = 0; i < 8; ++i) w[8 * c + i] = v_fmav(o, q[i], s);
     }
-  } else {
+  } else {  // two scales: chunks 4-7 (k 16..31) take the second
     for (int c = 0; c < 8; ++c) {
       V16 q[4];
       int8_rows(block + c * kChunk, q);
-      for (int i = 0; i < 4; ++i) w[4 * c + i] = v_mul(q[i], s);
+      const V16 sc = f.two_scales() && c >= 4 ? o : s;
+      for (int i = 0; i < 4; ++i) w[4 * c + i] = v_mul(q[i], sc);
     }
   }
 }

@@ -13,8 +13,8 @@ namespace pagedllm::gemm::q4 {
 
 Format format_of(int64_t bits, bool half_scales, bool with_offset, bool factored) {
   TORCH_CHECK(bits == 4 || bits == 8, "groupwise: bits must be 4 or 8, got ", bits);
-  TORCH_CHECK(!factored || (bits == 4 && with_offset),
-              "groupwise: only 4-bit weights with offsets are factored");
+  TORCH_CHECK(!factored || (bits == 4) == with_offset,
+              "groupwise: factored weights are 4-bit with offsets or 8-bit without");
   return Format{static_cast<int>(bits), half_scales, bits == 4 && with_offset, factored};
 }
 
@@ -87,10 +87,12 @@ void pack_panel(const PackSource& src, int64_t n, int64_t p, const Format& f, ui
   for (int64_t g = 0; g < src.groups; ++g) {
     if (f.factored && g % Format::kSuper == 0) {  // the super-block's header: d, then dm
       uint8_t* header = panel + (g / Format::kSuper) * f.super_bytes();
-      const int64_t sb = g / Format::kSuper, ldf = src.groups / Format::kSuper * 2;
-      const float* fac = src.factors + n0 * ldf + sb * 2;
+      const int64_t per = f.two_scales() ? 1 : 2;  // factors per super-block: d (, dm)
+      const int64_t sb = g / Format::kSuper, ldf = src.groups / Format::kSuper * per;
+      const float* fac = src.factors + n0 * ldf + sb * per;
       put_floats(header, fac, ldf, cols, f.half_scales);
-      put_floats(header + f.header_bytes() / 2, fac + 1, ldf, cols, f.half_scales);
+      if (!f.two_scales())
+        put_floats(header + f.header_bytes() / 2, fac + 1, ldf, cols, f.half_scales);
     }
     pack_block(src, n0, cols, g, f, panel + f.block_offset(g));
   }
@@ -121,7 +123,8 @@ torch::Tensor pack_groupwise(const torch::Tensor& weight, const torch::Tensor& s
     return t.contiguous();
   };
   const torch::Tensor w = weight.contiguous();
-  const torch::Tensor s = check(scale, at::kFloat, {n, groups}, "scale");
+  const int64_t scales = f.two_scales() ? 2 * groups : groups;  // Q6_K: one per 16 k
+  const torch::Tensor s = check(scale, at::kFloat, {n, scales}, "scale");
   torch::Tensor o, fac, idx;
   if (f.stores_offset()) {
     TORCH_CHECK(offset.has_value(), "pack_groupwise: with_offset needs the offsets");
@@ -130,7 +133,8 @@ torch::Tensor pack_groupwise(const torch::Tensor& weight, const torch::Tensor& s
   if (f.factored) {
     TORCH_CHECK(groups % Format::kSuper == 0 && index.has_value(),
                 "pack_groupwise: factored scales need K in whole 256s and the indices");
-    fac = check(*factors, at::kFloat, {n, groups / Format::kSuper, 2}, "factors");
+    const int64_t per = f.two_scales() ? 1 : 2;
+    fac = check(*factors, at::kFloat, {n, groups / Format::kSuper, per}, "factors");
     idx = check(*index, at::kByte, {n, groups, 2}, "index");
   }
   torch::Tensor out = torch::empty({panels, f.panel_bytes(groups)}, w.options().dtype(at::kByte));
