@@ -358,6 +358,14 @@ def test_devices_without_group_kernels_get_every_layer_dequantised(gguf_files: d
     torch.testing.assert_close(down_dense(h), down_kept(h), rtol=1e-5, atol=1e-5)
     qkv_dense, qkv_kept = dense.layers[1].self_attn.qkv_proj, kept.layers[1].self_attn.qkv_proj
     torch.testing.assert_close(qkv_dense(x), qkv_kept(x), rtol=1e-5, atol=1e-5)
+    # Q6_K: dequantised at load without the format, kept (the PyTorch definition here) with it.
+    path = gguf_files["q6_k"]
+    dense = load_on_reference(path, torch.float32, native_formats=frozenset({"int4", "q8_0"}))
+    kept = load_on_reference(path, torch.float32, native_formats=frozenset({"q6_k"}))
+    qkv_dense, qkv_kept = dense.layers[0].self_attn.qkv_proj, kept.layers[0].self_attn.qkv_proj
+    assert qkv_dense.quant_method is None and qkv_kept.quant_method.name == "q6_k"
+    x = torch.randn(3, 256)
+    torch.testing.assert_close(qkv_dense(x), qkv_kept(x), rtol=1e-5, atol=1e-5)
 
 
 def test_rope_scaling_from_the_metadata(tmp_path: Path) -> None:
