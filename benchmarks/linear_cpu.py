@@ -360,7 +360,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if args.head:
         shapes, k, batches, budget = {}, HIDDEN_1B, [], args.budget
-        decode_shapes, decode_rows, stream_bytes = {"lm_head": args.head}, [1, 8], 0.0
+        decode_shapes, decode_rows, stream_bytes = {"lm_head": args.head}, [1, 8, 16, 64], 0.0
     elif args.smoke:
         shapes, k, batches, budget = {"qkv": 96, "lm_head": 500}, 256, [1, 16], 0.05
         decode_shapes, decode_rows, stream_bytes = {"lm_head": 500}, [1, 8], 0.0
