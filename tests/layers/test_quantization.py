@@ -245,7 +245,7 @@ def test_bf16_gemm_paths_match_f_linear(llama_path: Path, monkeypatch, path: str
     fast = [o.outputs[0].token_ids for o in engine.generate(PROMPTS, params, use_tqdm=False)]
     del engine
 
-    monkeypatch.setattr(packed_linear, "pack_linear_layers", lambda model: {})
+    monkeypatch.setattr(packed_linear, "pack_linear_layers", lambda model, **_: {})
     plain = _engine(llama_path, dtype="bfloat16").generate(PROMPTS, params, use_tqdm=False)
     assert fast == [o.outputs[0].token_ids for o in plain]
 
