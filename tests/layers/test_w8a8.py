@@ -132,7 +132,7 @@ def test_torch_apply_path_matches_cpp(llama_path: Path, w8a8_run, monkeypatch) -
     """The PyTorch fallback (other backends) computes the same scheme as the C++ kernel."""
     import pagedllm.backends.cpu.packed_linear as packed_linear
 
-    monkeypatch.setattr(packed_linear, "pack_linear_layers", lambda model: {})
+    monkeypatch.setattr(packed_linear, "pack_linear_layers", lambda model, **_: {})
     tokens, lps, _ = _run(llama_path, quantization="w8a8")
     assert tokens == w8a8_run[0]
     assert _max_diff(lps, w8a8_run[1]) < 1e-3

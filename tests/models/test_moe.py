@@ -103,7 +103,7 @@ def test_plain_pytorch_expert_path_matches_too(
     """The generic path (XPU's, and any backend without a fused kernel): no packed GEMMs."""
     from pagedllm.backends.cpu import backend as cpu_backend
 
-    monkeypatch.setattr(cpu_backend.CpuBackend, "prepare_model", lambda self, model: None)
+    monkeypatch.setattr(cpu_backend.CpuBackend, "prepare_model", lambda self, model, **_: None)
     ids, refs = moe_refs(name)
     engine = Engine(
         str(moe_paths[name]), device="cpu", dtype="float32", block_size=16, num_kv_blocks=64
