@@ -266,8 +266,13 @@ class DataParallelClient(EngineClient):
         return errors[0] if errors else EngineDeadError("every replica is gone")
 
     def health(self) -> dict[str, Any]:
-        """``ok``, or ``degraded`` while a replica is down (restarting or given up)."""
-        states = list(self.states)
+        """``ok``, or ``degraded`` while a replica is down (restarting or given up). A replica
+        the monitor has not looked at since it died (it looks every ``_MONITOR_S``) is down
+        already: its streams have failed, so "ok" would be a lie."""
+        states = [
+            "down" if s == UP and not r.is_healthy else s
+            for s, r in zip(self.states, self.replicas, strict=True)
+        ]
         status = "ok" if all(s == UP for s in states) else "degraded"
         return {"status": status, "replicas": states}
 
