@@ -236,9 +236,10 @@ def _ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float]:
 
 
 def _streamed_bytes(path: Path, compute_bytes: int) -> int:
-    """Weight bytes one decode step reads: each linear layer as the engine keeps it (the file's
-    bytes for the layers that stay quantised), and the LM head dequantised to the compute
-    dtype (the embedding's rows are gathered, not streamed)."""
+    """Weight bytes one decode step reads: each linear layer and the LM head as the engine keeps
+    them (the file's bytes for 4-bit and Q8_0; 8.5625 bits a weight for Q6_K, whose 6-bit q
+    are held as int8; the compute dtype for what is dequantised). The embedding's rows are
+    gathered, not streamed."""
     from pagedllm.backends.cpu.backend import CpuBackend
     from pagedllm.models.gguf.config import family_of
     from pagedllm.models.gguf.loading import open_gguf
@@ -253,12 +254,17 @@ def _streamed_bytes(path: Path, compute_bytes: int) -> int:
         if name in NOT_WEIGHTS or len(t.shape) != 2:
             continue
         module = hf_name(name, family)[1]
+        if name != head and (module is None or name == "token_embd.weight"):
+            continue  # not a linear layer, or the table of an untied head (rows gathered)
         elements = t.shape[0] * t.shape[1]
-        if name == head:
+        fmt = plan.get(module)
+        if fmt == "q6_k":
+            total += elements * 8.5625 / 8
+        elif fmt is not None:
+            total += int(t.raw.nbytes)
+        else:
             total += elements * compute_bytes
-        elif module is not None:
-            total += int(t.raw.nbytes) if module in plan else elements * compute_bytes
-    return total
+    return int(total)
 
 
 def main(argv: list[str] | None = None) -> None:
