@@ -14,7 +14,7 @@ from typing import Any
 
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.engine.dp_client import DataParallelClient
-from pagedllm.engine.lora_registry import per_prompt_loras
+from pagedllm.engine.llm_engine import batch_inputs
 from pagedllm.engine.router import Router
 from pagedllm.outputs import RequestOutput
 
@@ -45,18 +45,8 @@ class DataParallelEngine:
     ) -> list[RequestOutput]:
         """Every prompt to completion over the replicas; outputs in input order."""
         del use_tqdm  # no progress bar across replicas
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        if isinstance(sampling_params, list):
-            if len(sampling_params) != len(prompts):
-                raise ValueError("sampling_params: the list must be as long as prompts")
-            params_list = sampling_params
-        else:
-            params_list = [sampling_params or SamplingParams()] * len(prompts)
-        loras = per_prompt_loras(lora_request, len(prompts))
-        return asyncio.run(self._run(list(prompts), params_list, loras))
+        prompts, params_list, loras = batch_inputs(prompts, sampling_params, lora_request)
+        return asyncio.run(self._run(prompts, params_list, loras))
 
     async def _run(
         self, prompts: list[Any], params: list[SamplingParams], loras: list[Any]

@@ -82,6 +82,25 @@ def eos_ids_of(model: str, hf_config: Any, tokenizer: Any) -> set[int]:
     return {int(i) for i in ids} if isinstance(ids, (list, tuple)) else {int(ids)}
 
 
+def batch_inputs(
+    prompts: Any, sampling_params: Any, lora_request: Any
+) -> tuple[list[Any], list[SamplingParams], list[Any]]:
+    """``generate``'s arguments as one list each: a single prompt (text, a dict, or token ids)
+    becomes a batch of one; one ``SamplingParams`` (or None) and one adapter apply to all."""
+    if isinstance(prompts, (str, dict)) or (
+        isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+    ):
+        prompts = [prompts]
+    prompts = list(prompts)
+    if isinstance(sampling_params, list):
+        if len(sampling_params) != len(prompts):
+            raise ValueError("sampling_params: the list must be as long as prompts")
+        params_list = sampling_params
+    else:
+        params_list = [sampling_params or SamplingParams()] * len(prompts)
+    return prompts, params_list, per_prompt_loras(lora_request, len(prompts))
+
+
 class LLMEngine:
     """The synchronous engine; ``AsyncEngine`` wraps it for the server.
 
@@ -460,18 +479,7 @@ class LLMEngine:
         """
         from tqdm.auto import tqdm
 
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]  # type: ignore[list-item]
-        assert isinstance(prompts, list)
-        if isinstance(sampling_params, list):
-            if len(sampling_params) != len(prompts):
-                raise ValueError("sampling_params: the list must be as long as prompts")
-            params_list = sampling_params
-        else:
-            params_list = [sampling_params or SamplingParams()] * len(prompts)
-        loras = per_prompt_loras(lora_request, len(prompts))
+        prompts, params_list, loras = batch_inputs(prompts, sampling_params, lora_request)
         ids = [f"generate-{next(self._seq_ids)}" for _ in prompts]
         for params in params_list:  # offline: an invalid constraint raises before anything runs
             if params is not None and params.guided_decoding is not None:
