@@ -37,11 +37,13 @@ import resource  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+from typing import TYPE_CHECKING, Any  # noqa: E402
 
+# Nothing heavier is imported here: llama.cpp's start-up must not carry PyTorch's import (our
+# helpers below import torch, so they are imported where used, after start-up is measured).
 sys.path.insert(0, str(Path(__file__).parent))
-from model_builder import LLAMA_1B, LLAMA_TINY, build_random_llama  # noqa: E402
-from throughput import Request, _decode_step_seconds, make_workload, read_bandwidth  # noqa: E402
+if TYPE_CHECKING:
+    from throughput import Request
 
 CACHE = Path(__file__).resolve().parent.parent / "build" / "bench" / "gguf"
 # llama.cpp's file types (llama.h's llama_ftype) for its quantiser.
@@ -52,6 +54,7 @@ PARALLEL = (16, 64)
 def model_files(names: list[str], smoke: bool) -> dict[str, Path]:
     """name -> GGUF file (made and cached here; the demo model fetched)."""
     import llama_cpp_bench
+    from model_builder import LLAMA_1B, LLAMA_TINY, build_random_llama
 
     files: dict[str, Path] = {}
     if smoke:
@@ -99,6 +102,8 @@ def _quantized(folder: Path, size: str, quant: str, llama_cpp_bench: Any) -> Pat
 
 
 def _workloads(vocab: int, smoke: bool) -> dict[str, list[Request]]:
+    from throughput import make_workload
+
     parallel = (2, 4) if smoke else PARALLEL
     out = {
         f"parallel_{p}": make_workload(p, vocab, (32, 128), (8, 16) if smoke else (32, 96), p)
@@ -147,6 +152,8 @@ def run_pagedllm(
         first.generate(prompts, params, use_tqdm=False)
         result[f"{name}_tok_s"] = sum(r.output_len for r in reqs) / (time.perf_counter() - start)
     if args.decode_rows:
+        from throughput import _decode_step_seconds
+
         spec = {"vocab_size": vocab}
         result["decode_step_seconds"] = {n: _decode_step_seconds(first, spec, n) for n in (1, 4, 8)}
     return result
@@ -155,6 +162,8 @@ def run_pagedllm(
 def run_int8_reference(args: argparse.Namespace) -> dict[str, Any]:
     """Our int8 weight-only path on the same 1B weights (the bf16 checkpoint, quantised at load):
     decode steps at 1, 4 and 8 sequences, to set the 4-bit file's against."""
+    from throughput import _decode_step_seconds
+
     from pagedllm import Engine
 
     eng = Engine(
@@ -175,9 +184,8 @@ def run_int8_reference(args: argparse.Namespace) -> dict[str, Any]:
 def run_llama_cpp(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     import llama_cpp as lib
     import llama_cpp_bench
-    import torch
 
-    threads = torch.get_num_threads()
+    threads = args.threads
     lib.llama_log_set(ctypes.cast(None, lib.llama_log_callback), ctypes.c_void_p())
     lib.llama_backend_init()
     model = lib.llama_model_load_from_file(str(path).encode(), lib.llama_model_default_params())
@@ -213,6 +221,8 @@ def _in_subprocess(engine: str, path: Path | None, args: argparse.Namespace) -> 
         str(args.kv_cache_space),
     ]
     cmd += ["--file", str(path)] if path else []
+    # llama.cpp gets the threads PyTorch (so pagedllm) uses, without importing PyTorch itself.
+    cmd += ["--threads", str(_torch_threads())]
     cmd += ["--smoke"] if args.smoke else []
     cmd += ["--decode-rows"] if args.decode_rows and engine in OURS else []
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -220,6 +230,12 @@ def _in_subprocess(engine: str, path: Path | None, args: argparse.Namespace) -> 
         tail = proc.stderr.strip().splitlines()[-3:]
         return {"error": " | ".join(tail) or f"exit code {proc.returncode}"}
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 # --- the side-by-side run ----------------------------------------------------------------------
@@ -276,6 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-cache-space", type=float, default=2.0, help="GiB (pagedllm)")
     parser.add_argument("--run-one", help=argparse.SUPPRESS)
     parser.add_argument("--file", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.run_one:
         print(json.dumps(run_one(args)))
@@ -314,6 +331,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _decode_rows(report: dict[str, Any], path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    from throughput import read_bandwidth
+
     q4 = report["models"]["1b-q4_0"]["pagedllm"]
     int8 = _in_subprocess("int8-reference", None, args)
     out: dict[str, Any] = {"int8": int8}
