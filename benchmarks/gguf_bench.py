@@ -259,7 +259,7 @@ def _streamed_bytes(path: Path, compute_bytes: int) -> int:
     from pagedllm.backends.cpu.backend import CpuBackend
     from pagedllm.models.gguf.config import family_of
     from pagedllm.models.gguf.loading import open_gguf
-    from pagedllm.models.gguf.weights import NOT_WEIGHTS, hf_name, plan_layers
+    from pagedllm.models.gguf.weights import NOT_WEIGHTS, hf_name, plan_layers, tensor_format
 
     gguf = open_gguf(path)
     family = family_of(gguf)
@@ -273,7 +273,7 @@ def _streamed_bytes(path: Path, compute_bytes: int) -> int:
         if name != head and (module is None or name == "token_embd.weight"):
             continue  # not a linear layer, or the table of an untied head (rows gathered)
         elements = t.shape[0] * t.shape[1]
-        fmt = plan.get(module)
+        fmt = tensor_format(plan, name, module)  # a fused layer's parts may differ
         if fmt == "q6_k":
             total += elements * 8.5625 / 8
         elif fmt is not None:

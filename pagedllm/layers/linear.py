@@ -62,13 +62,18 @@ class ColumnParallelLinear(nn.Module):
     def _offset(self, shard_id: int) -> int:
         return sum(self.shard_sizes[:shard_id])
 
-    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+    def shard_rows(self, loaded: torch.Tensor, shard_id: int = 0) -> torch.Tensor:
+        """This rank's rows of part ``shard_id`` of a checkpoint tensor (whatever each row
+        stores: float weights, packed nibbles, group scales)."""
         size = self.shard_sizes[shard_id]
         full = self.output_sizes[shard_id]
         if loaded.shape[0] != full:
             raise ValueError(f"weight has {loaded.shape[0]} rows, expected {full}")
-        piece = loaded.narrow(0, self.tp.rank * size, size)
-        dst = param.data.narrow(0, self._offset(shard_id), size)
+        return loaded.narrow(0, self.tp.rank * size, size)
+
+    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        piece = self.shard_rows(loaded, shard_id)
+        dst = param.data.narrow(0, self._offset(shard_id), self.shard_sizes[shard_id])
         if dst.shape != piece.shape:
             raise ValueError(f"weight shape {tuple(piece.shape)} != expected {tuple(dst.shape)}")
         dst.copy_(piece)
@@ -113,15 +118,13 @@ class QKVParallelLinear(ColumnParallelLinear):
         super().__init__(hidden_size, sizes, bias=bias, tp=tp, shard_sizes=shards)
         self.head_size = head_size
 
-    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+    def shard_rows(self, loaded: torch.Tensor, shard_id: int = 0) -> torch.Tensor:
         total_kv = self.output_sizes[1] // self.head_size
         if shard_id == 0 or total_kv >= self.tp.size:
-            super().load_shard(param, loaded, shard_id)
-            return
+            return super().shard_rows(loaded, shard_id)
         # Fewer KV heads than ranks: each is replicated; rank r uses head r * total_kv // tp.
         head = self.tp.rank * total_kv // self.tp.size
-        piece = loaded.narrow(0, head * self.head_size, self.head_size)
-        param.data.narrow(0, self._offset(shard_id), self.head_size).copy_(piece)
+        return loaded.narrow(0, head * self.head_size, self.head_size)
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = qkv.split(self.shard_sizes, dim=-1)

@@ -398,3 +398,55 @@ def test_pack_linear_layers_drops_the_unpacked_tensors() -> None:
     assert model.proj.weight.numel() == 0
     assert model.proj.weight_scale_bits.numel() == model.proj.weight_offset_bits.numel() == 0
     torch.testing.assert_close(model.proj(x), x @ ref_w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_a_fused_layer_of_several_formats_runs_each_run_of_parts_packed(
+    ops, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Q4_K q/k with a Q6_K v (parts of 40, 24, 24 rows: off the 16-column panels), loaded
+    through the fused layer's loaders: two packed GEMMs (q/k, v), the bias in its columns, equal
+    to ``F.linear`` on the parts' dequantised weights side by side (and so is the PyTorch path)."""
+    from pagedllm.layers.quantization.groupwise_parts import GroupwisePartsMethod
+
+    monkeypatch.setattr(packed_linear, "gemm_ops", lambda: ops)  # this ISA level's build
+    k, sizes, kinds = 256, [40, 24, 24], ("q4_k", "q4_k", "q6_k")
+    layer = ColumnParallelLinear(k, sizes, bias=True)
+    method = GroupwisePartsMethod(("int4", "int4", "q6_k"))
+    layer.quant_method = method
+    method.create_weights(layer)
+    dense = []
+    torch.manual_seed(3)
+    for shard, (kind, n) in enumerate(zip(kinds, sizes, strict=True)):
+        weight, scale, offset, _ = _layer_data(kind, n, k)
+        stored = {"weight": weight, "weight_scale": scale}
+        if offset is not None:
+            stored["weight_offset"] = offset
+        if kind == "q6_k":
+            stored["weight_super"] = scale.q6_k_d
+            dense.append(dequantize_int8_groups(weight, scale))
+        else:
+            dense.append(dequantize_int4(weight, scale, offset))
+        for name, tensor in stored.items():
+            param = getattr(layer, name)
+            param.weight_loader(param, tensor, shard)
+    layer.bias.data.normal_()
+    method.finish_loading(layer)
+    assert len(layer.parts) == 2 and method.is_quantized(layer)
+    ref_w, bias = torch.cat(dense).double(), layer.bias.double()
+    x = torch.randn(5, k)
+    torch.testing.assert_close(
+        layer(x).double(), F.linear(x.double(), ref_w, bias), rtol=1e-5, atol=1e-5
+    )
+    fn, path = packed_linear._pack_one(layer)
+    assert path == f"cpp-mixed(int4,int4,q6_k)-{ops.built_isa()}", path
+    for m, dtype in (
+        (1, torch.float32),
+        (3, torch.float32),
+        (1, torch.bfloat16),
+        (70, torch.bfloat16),
+    ):
+        x = torch.randn(m, k).to(dtype)
+        y = fn(x)
+        assert y.shape == (m, sum(sizes)) and y.dtype == dtype
+        ref = F.linear(x.double(), ref_w, bias)
+        assert _rel_err(y, ref) < FLOAT_TOL[dtype], f"m={m} {dtype}"

@@ -37,6 +37,13 @@ RECIPES: dict[str, tuple[dict[str, str], str, str]] = {
     "q5_0+q5_1": ({"attn_v": "Q5_0", "ffn_down": "Q5_1", "token_embd": "F16"}, "Q4_0", "llama"),
     # K-quants come in super-blocks of 256 columns: a wider model.
     "q4_k_m": ({"attn_v": "Q6_K", "ffn_down": "Q5_K", "token_embd": "Q6_K"}, "Q4_K", "wide"),
+    # llama.cpp's Q4_K_M mix as our kernels see it: q/k Q4_K with a Q6_K v, gate Q4_K with a
+    # Q8_0 up (fused layers of several formats, each part kept in its own), Q6_K down.
+    "q4_k+q6_k+q8_0": (
+        {"attn_v": "Q6_K", "ffn_up": "Q8_0", "ffn_down": "Q6_K", "token_embd": "Q6_K"},
+        "Q4_K",
+        "wide",
+    ),
     # Every layer Q6_K (fused q/k/v and gate/up whole), the tied head too.
     "q6_k": ({}, "Q6_K", "wide"),
     # An untied Q6_K head (as every llama.cpp quantisation writes it) over a Q6_K embedding.
@@ -151,8 +158,8 @@ def test_quantised_layers_stay_quantised(gguf_files: dict) -> None:
 
 
 def test_q6_k_layers_stay_quantised(gguf_files: dict) -> None:
-    """Q6_K layers, tables and heads stay Q6_K on the CPU (the C++ GEMM); a fused layer with one
-    Q6_K part among Q4_K ones is dequantised whole."""
+    """Q6_K layers, tables and heads stay Q6_K on the CPU (the C++ GEMM), a Q6_K part of a fused
+    layer among Q4_K ones too."""
     engine = Engine(str(gguf_files["q6_k"]), device="cpu", block_size=8, num_kv_blocks=16)
     model = engine.executor.worker.runner.model  # type: ignore[attr-defined]
     for layer in (model.layers[0].self_attn.qkv_proj, model.layers[1].mlp.gate_up_proj):
@@ -163,13 +170,55 @@ def test_q6_k_layers_stay_quantised(gguf_files: dict) -> None:
     assert len(paths) == 4 and all("=cpp-q6_k-" in p for p in paths), paths
     mixed = Engine(str(gguf_files["q4_k_m"]), device="cpu", block_size=8, num_kv_blocks=16)
     m = mixed.executor.worker.runner.model  # type: ignore[attr-defined]
-    assert m.layers[0].self_attn.qkv_proj.quant_method is None  # Q4_K q, k with a Q6_K v
+    qkv = m.layers[0].self_attn.qkv_proj  # Q4_K q, k with a Q6_K v
+    assert qkv.quant_method.formats == ("int4", "int4", "q6_k") and qkv.fast_linear is not None
     assert m.layers[0].self_attn.o_proj.quant_method.name == "int4"
     assert m.embed_tokens.quant_method.name == "q6_k"
     untied = Engine(str(gguf_files["mistral-q6_k-head"]), device="cpu", num_kv_blocks=16)
     u = untied.executor.worker.runner.model  # type: ignore[attr-defined]
     assert u.lm_head.quant_method.name == "q6_k" and u.lm_head.weight.numel() == 0  # packed
     assert u.embed_tokens.quant_method.name == "q6_k"
+
+
+def test_fused_layers_of_several_formats_keep_each_part_in_its_own(gguf_files: dict) -> None:
+    """Q4_K q/k with a Q6_K v, Q4_K gate with a Q8_0 up: each fused layer runs one packed GEMM
+    per part on the CPU (no part dequantised to the compute dtype: it would stream 3-4x the
+    bytes), with transformers' tokens (the greedy tests above)."""
+    engine = Engine(str(gguf_files["q4_k+q6_k+q8_0"]), device="cpu", num_kv_blocks=16)
+    model = engine.executor.worker.runner.model  # type: ignore[attr-defined]
+    for layer in model.layers:
+        qkv, gate_up = layer.self_attn.qkv_proj, layer.mlp.gate_up_proj
+        assert qkv.quant_method.formats == ("int4", "int4", "q6_k")
+        assert gate_up.quant_method.formats == ("int4", "q8_0")
+        assert len(qkv.parts) == 2  # q and k (one format) in one GEMM, v in another
+        for fused in (qkv, gate_up):
+            assert fused.fast_linear is not None
+            assert all(p.weight.numel() == 0 for p in fused.parts)  # packed copies only
+    paths = dict(p.split("=") for p in model.linear_path.split(", "))
+    assert paths["QKVParallelLinear"].startswith("cpp-mixed(int4,int4,q6_k)-"), paths
+    assert paths["ColumnParallelLinear"].startswith("cpp-mixed(int4,q8_0)-"), paths
+    assert not any("float" in p for p in paths.values()), paths
+
+
+def test_fused_layers_of_several_formats_on_the_pytorch_path(gguf_files: dict) -> None:
+    """Without the C++ GEMM (another device that runs the formats in PyTorch), a fused layer of
+    several formats computes what the same layer dequantised at load computes."""
+    from tests.conftest import load_on_reference
+
+    path = gguf_files["q4_k+q6_k+q8_0"]
+    dense = load_on_reference(path, torch.float32, native_formats=frozenset())
+    kept = load_on_reference(
+        path, torch.float32, native_formats=frozenset({"int4", "q6_k", "q8_0"})
+    )
+    x = torch.randn(3, 256)
+    for name in ("self_attn.qkv_proj", "mlp.gate_up_proj"):
+        want, got = dense.layers[1].get_submodule(name), kept.layers[1].get_submodule(name)
+        assert want.quant_method is None and got.quant_method.name == "mixed"
+        torch.testing.assert_close(got(x), want(x), rtol=1e-5, atol=1e-5)
+    # One of the formats not run here: the fused layer is dequantised whole, as before.
+    partly = load_on_reference(path, torch.float32, native_formats=frozenset({"int4", "q8_0"}))
+    assert partly.layers[1].self_attn.qkv_proj.quant_method is None
+    assert partly.layers[1].mlp.gate_up_proj.quant_method.formats == ("int4", "q8_0")
 
 
 def test_prefix_caching_chunked_prefill_and_preemption(gguf_files: dict) -> None:

@@ -344,6 +344,32 @@ def make_groupwise_linear(
     return linear, path_name(ops, name, dot=dot)
 
 
+def make_parts_linear(
+    module: nn.Module, bias: torch.Tensor | None, *, dot: bool = False
+) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, str]:
+    """A fused layer whose parts keep their own formats (``mixed``, Q4_K q/k with a Q6_K v):
+    one GEMM per run of parts in one format (q/k, v), packed and checked as a layer of its own,
+    the outputs side by side. The path: ``cpp-mixed(<format per part>)-<isa>``; a run that
+    cannot be packed leaves the whole layer on PyTorch."""
+    fns, start = [], 0
+    for part in module.parts:
+        rows = part.weight.shape[0]
+        part_bias = None if bias is None else bias[start : start + rows]
+        fn, _ = make_groupwise_linear(part, part_bias, dot=dot)
+        if fn is None:
+            return None, "torch-mixed"
+        fns.append(fn)
+        start += rows
+
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([fn(x) for fn in fns], dim=-1)
+
+    from pagedllm.backends.cpu import packed_linear as pl
+
+    name = f"mixed({','.join(module.quant_method.formats)})"
+    return linear, path_name(pl.gemm_ops(), name, dot=dot)
+
+
 def path_name(ops: object, name: str, *, dot: bool = False) -> str:
     """``cpp-<int4|q8_0|q6_k>-<isa>``, ``+dot<rows>`` where bf16 batches of up to that many
     rows take the dot path by default."""

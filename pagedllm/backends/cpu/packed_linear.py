@@ -16,8 +16,9 @@ processors without bf16 arithmetic. So each layer gets, by weight dtype and proc
   1B shapes; ``int8_split_planes``);
 - W8A8 (int8 weights, int8 activations per token): our integer GEMM (``csrc/gemm_i8.cpp``);
 - group-wise 4-bit / 8-bit weights (``int4``: GGUF Q4_0 / Q4_1 / Q4_K, ``quantization="int4"``;
-  ``q8_0``): our group-wise GEMM on the packed blocks (``groupwise_linear.py``,
-  ``csrc/gemm_q4.cpp``), column/row-parallel layers only.
+  ``q8_0``; ``q6_k``): our group-wise GEMM on the packed blocks (``groupwise_linear.py``,
+  ``csrc/gemm_q4.cpp``), column/row-parallel layers only; a fused layer whose parts differ in
+  format (``mixed``) runs one such GEMM per part.
 
 Every packed layer is checked against a PyTorch reference when it is packed; a layer whose result
 differs, or a missing op / extension, keeps the layer's own forward. The unpacked weight is then
@@ -349,6 +350,10 @@ def _pack_one(
     weight = module.weight
     bias = getattr(module, "bias", None) if module.fast_linear_has_bias else None
     method = getattr(module, "quant_method", None)
+    if method is not None and method.name == "mixed" and method.is_quantized(module):
+        from pagedllm.backends.cpu.groupwise_linear import make_parts_linear
+
+        return make_parts_linear(module, bias, dot=int8_activations)
     if method is not None and method.name in _GROUPWISE and method.is_quantized(module):
         from pagedllm.backends.cpu.groupwise_linear import make_groupwise_linear
 
@@ -416,6 +421,11 @@ def _drop_group_scales(module: nn.Module) -> None:
     """A packed group-wise layer's scale/offset buffers: in the packed copy now (they were as
     large as half the 4-bit weights)."""
     method = getattr(module, "quant_method", None)
+    if method is not None and method.name == "mixed":  # each part's own tensors
+        for part in module.parts:
+            part.weight = torch.empty(0, dtype=part.weight.dtype)
+            _drop_group_scales(part)
+        return
     if method is None or method.name not in _GROUPWISE:
         return
     for name in ("weight_scale_bits", "weight_offset_bits", "weight_super_bits"):

@@ -23,6 +23,7 @@ from torch import nn
 from pagedllm.layers.quantization.base import UNQUANTIZED, LinearMethod
 from pagedllm.layers.quantization.compressed_tensors import check_config, transform_weights
 from pagedllm.layers.quantization.groupwise import GroupwiseMethod
+from pagedllm.layers.quantization.groupwise_parts import GroupwisePartsMethod
 from pagedllm.layers.quantization.int8 import (
     Int8WeightOnly,
     WeightQuantizer,
@@ -39,6 +40,7 @@ __all__ = [
     "QUANTIZATION_METHODS",
     "UNQUANTIZED",
     "GroupwiseMethod",
+    "GroupwisePartsMethod",
     "Int8W8A8",
     "Int8WeightOnly",
     "LinearMethod",
@@ -127,14 +129,20 @@ def get_quant_config(
 
 
 def with_checkpoint_layers(
-    config: QuantConfig | None, plan: Mapping[str, str]
+    config: QuantConfig | None, plan: Mapping[str, str | tuple[str, ...]]
 ) -> QuantConfig | None:
     """``config`` plus the layers a checkpoint stores group-quantised (``{module: "int4" |
-    "q8_0" | "q6_k"}``, from a GGUF file), which are read as they are whatever scheme was
-    requested."""
+    "q8_0" | "q6_k"}``, from a GGUF file; a tuple of those for a fused layer whose parts differ,
+    one per part), which are read as they are whatever scheme was requested."""
     if not plan:
         return config
-    methods = {fmt: GroupwiseMethod.for_format(fmt) for fmt in set(plan.values())}
+
+    def method(fmt: str | tuple[str, ...]) -> LinearMethod:
+        if isinstance(fmt, tuple):
+            return GroupwisePartsMethod(fmt)
+        return GroupwiseMethod.for_format(fmt)
+
+    methods = {fmt: method(fmt) for fmt in set(plan.values())}
     layers = {module: methods[fmt] for module, fmt in plan.items()}
     if config is not None and config.checkpoint_format is not None:
         raise ValueError("quantization: a GGUF checkpoint is not a compressed-tensors one")

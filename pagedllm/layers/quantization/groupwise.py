@@ -186,31 +186,38 @@ class GroupwiseMethod(LinearMethod):
         bits, scale_group = FORMATS[fmt]
         return cls(bits=bits, prequantized=True, scale_group=scale_group)
 
-    def create_weights(self, layer: nn.Module) -> None:
-        n, k = layer.weight.shape
+    def stored_tensors(self, n: int, k: int) -> dict[str, tuple[torch.Tensor, int]]:
+        """The empty tensors a prequantized ``[n, k]`` layer reads from its checkpoint, by
+        name: (tensor, input columns per stored column). ValueError where ``k`` does not fit."""
+        self.check_input_size(k)
+        per, dtype = (2, torch.uint8) if self.bits == 4 else (1, torch.int8)
+        sg = self.scale_group
+        tensors = {
+            "weight": (torch.empty(n, k // per, dtype=dtype), per),
+            "weight_scale": (torch.empty(n, k // sg), sg),
+        }
+        if self.bits == 4:
+            tensors["weight_offset"] = (torch.empty(n, k // GROUP_SIZE), GROUP_SIZE)
+        if self.name == "q6_k":
+            tensors["weight_super"] = (torch.empty(n, k // Q6_K_SUPER), Q6_K_SUPER)
+        return tensors
+
+    def check_input_size(self, k: int) -> None:
         multiple = Q6_K_SUPER if self.name == "q6_k" else GROUP_SIZE
         if k % multiple:
             raise ValueError(
                 f"{self.name} weights need the input size to be a multiple of {multiple}, "
                 f"got a layer of {k} inputs"
             )
+
+    def create_weights(self, layer: nn.Module) -> None:
+        n, k = layer.weight.shape
+        self.check_input_size(k)
         layer.compute_dtype = layer.weight.dtype  # what the float weight would have been
         if not self.prequantized:
             return
-        stored_k, dtype = (k // 2, torch.uint8) if self.bits == 4 else (k, torch.int8)
-        layer.weight = _stored(
-            torch.empty(n, stored_k, dtype=dtype), _row_loader(layer, k // stored_k)
-        )
-        sg = self.scale_group
-        layer.weight_scale = _stored(torch.empty(n, k // sg), _row_loader(layer, sg))
-        if self.bits == 4:
-            layer.weight_offset = _stored(
-                torch.empty(n, k // GROUP_SIZE), _row_loader(layer, GROUP_SIZE)
-            )
-        if self.name == "q6_k":
-            layer.weight_super = _stored(
-                torch.empty(n, k // Q6_K_SUPER), _row_loader(layer, Q6_K_SUPER)
-            )
+        for name, (tensor, per) in self.stored_tensors(n, k).items():
+            setattr(layer, name, _stored(tensor, _row_loader(layer, per)))
 
     def finish_loading(self, layer: nn.Module) -> None:
         if self.is_quantized(layer):

@@ -14,9 +14,11 @@ from pagedllm.models.gguf.tokenizer import load_gguf_tokenizer
 from pagedllm.models.gguf.weights import (
     NOT_WEIGHTS,
     GGUFWeights,
+    LayerFormat,
     check_types,
     hf_name,
     plan_layers,
+    tensor_format,
 )
 
 logger = logging.getLogger(__name__)
@@ -46,7 +48,7 @@ def gguf_tokenizer(path: Path) -> Any:
 
 def gguf_weights(
     path: Path, hf_config: Any, native: frozenset[str]
-) -> tuple[GGUFWeights, dict[str, str]]:
+) -> tuple[GGUFWeights, dict[str, LayerFormat]]:
     """The file's tensors under Hugging Face names, and ``{linear module: format}`` for the
     layers that stay quantised (the rest are dequantised); logs what became of each type."""
     gguf = open_gguf(path)
@@ -56,11 +58,11 @@ def gguf_weights(
     return GGUFWeights(gguf, family, hf_config, plan), plan
 
 
-def _log_types(gguf: GGUFFile, family: Any, plan: dict[str, str]) -> None:
+def _log_types(gguf: GGUFFile, family: Any, plan: dict[str, LayerFormat]) -> None:
     fate: Counter[tuple[str, str]] = Counter()
     for name, tensor in gguf.tensors.items():
         module = None if name in NOT_WEIGHTS else hf_name(name, family)[1]
-        kept = plan.get(module or "")
+        kept = None if name in NOT_WEIGHTS else tensor_format(plan, name, module)
         fate[(tensor.type_name, f"kept as {kept}" if kept else "dequantized")] += 1
     logger.info(
         "%s: %s",

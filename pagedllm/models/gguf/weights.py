@@ -3,7 +3,8 @@
 Each ``blk.N.<kind>`` tensor gets its Hugging Face name. What it becomes depends on the layer's
 plan (:func:`plan_layers`): a linear layer whose every part is 4-bit (Q4_0, Q4_1, Q4_K), Q8_0
 or Q6_K stays quantised in the group-wise format of :mod:`pagedllm.layers.quantization.groupwise`
-when the device runs that format natively; everything else is dequantised by ggml's own
+when the device runs that format natively (a fused layer whose parts are in different such
+formats keeps each part in its own); everything else is dequantised by ggml's own
 ``gguf.quants`` to float32 here and rounded to the compute dtype as it is copied in. llama.cpp's
 converter interleaves the q/k rows of Llama-family models for its rotary kernel; the rows are
 put back (a row permutation, so it applies to quantised rows too).
@@ -47,6 +48,8 @@ _GLOBAL_TENSORS = {
 }
 # The tables that may stay quantised, by GGUF name -> our module's name.
 _TABLE_MODULES = {"token_embd": "embed_tokens", "output": "lm_head"}
+# The part each tensor of a fused layer fills (its shard id in the model's weight mapper).
+_FUSED_PARTS = {"attn_q": 0, "attn_k": 1, "attn_v": 2, "ffn_gate": 0, "ffn_up": 1}
 # Tensors that configure rather than weigh (read by the config, or unused by the reference).
 NOT_WEIGHTS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 _BLOCK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
@@ -86,28 +89,55 @@ def _format_of(types: set[str]) -> str | None:
     return None
 
 
-def plan_layers(gguf: GGUFFile, family: Family, native: frozenset[str]) -> dict[str, str]:
+# A layer's plan: one format, or one per part of a fused layer whose parts differ.
+LayerFormat = str | tuple[str, ...]
+
+
+def _part_of(gguf_name: str) -> int:
+    """The part (shard) a tensor fills in its fused layer; 0 for an unfused one."""
+    match = _BLOCK.match(gguf_name)
+    return _FUSED_PARTS.get(match.group(2), 0) if match else 0
+
+
+def plan_layers(gguf: GGUFFile, family: Family, native: frozenset[str]) -> dict[str, LayerFormat]:
     """``{module name: "int4" | "q8_0" | "q6_k"}`` for the linear layers (and tables) that stay
     quantised.
 
-    A fused layer (q/k/v, gate/up) stays quantised only when all its parts share a format the
-    device runs (``native``); Q4_K_M files, say, keep Q6_K ``attn_v`` rows next to Q4_K q and
-    k, which makes the whole ``qkv_proj`` dequantised (one layer holds one format). Layers not
-    named are dequantised to the compute dtype.
+    A fused layer (q/k/v, gate/up) whose parts share a format the device runs (``native``)
+    stays in it; one whose parts each have a native format, but not the same one, gets a
+    tuple of formats, one per part (Q4_K_M files keep Q6_K ``attn_v`` rows next to Q4_K q and
+    k: :mod:`pagedllm.layers.quantization.groupwise_parts`). Layers not named are dequantised
+    to the compute dtype.
     """
-    types: dict[str, set[str]] = {}
+    types: dict[str, dict[int, set[str]]] = {}
     for name, tensor in gguf.tensors.items():
         if name in NOT_WEIGHTS or not name.endswith(".weight"):
             continue
         _, module = hf_name(name, family)
         if module is not None:
-            types.setdefault(module, set()).add(tensor.type_name)
-    plan = {}
-    for module, kinds in types.items():
-        fmt = _format_of(kinds)
+            parts = types.setdefault(module, {})
+            parts.setdefault(_part_of(name), set()).add(tensor.type_name)
+    plan: dict[str, LayerFormat] = {}
+    for module, parts in types.items():
+        fmt = _format_of(set().union(*parts.values()))
         if fmt is not None and fmt in native:
             plan[module] = fmt
+            continue
+        if len(parts) < 2 or sorted(parts) != list(range(len(parts))):
+            continue  # one tensor (whole) in a format the device does not run
+        formats = tuple(_format_of(parts[i]) for i in range(len(parts)))
+        if all(f is not None and f in native for f in formats):
+            plan[module] = formats  # type: ignore[assignment]
     return plan
+
+
+def tensor_format(plan: dict[str, LayerFormat], gguf_name: str, module: str | None) -> str | None:
+    """The group-wise format one tensor is kept in (its part's, in a fused layer of several
+    formats), or None where it is dequantised."""
+    fmt = plan.get(module or "")
+    if isinstance(fmt, tuple):
+        return fmt[_part_of(gguf_name)]
+    return fmt
 
 
 def check_types(gguf: GGUFFile) -> Counter[str]:
@@ -247,7 +277,9 @@ def unpermute_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
 class GGUFWeights:
     """Iterates a GGUF file's tensors as (Hugging Face name, tensor) for ``load_weights``."""
 
-    def __init__(self, gguf: GGUFFile, family: Family, hf_config: object, plan: dict[str, str]):
+    def __init__(
+        self, gguf: GGUFFile, family: Family, hf_config: object, plan: dict[str, LayerFormat]
+    ) -> None:
         self.gguf, self.family, self.plan = gguf, family, plan
         self.heads = int(hf_config.num_attention_heads)  # type: ignore[attr-defined]
         self.kv_heads = int(hf_config.num_key_value_heads)  # type: ignore[attr-defined]
@@ -266,7 +298,7 @@ class GGUFWeights:
             if gguf_name in NOT_WEIGHTS:
                 continue
             name, module = hf_name(gguf_name, self.family)
-            fmt = self.plan.get(module or "")
+            fmt = tensor_format(self.plan, gguf_name, module)
             if fmt == "int4" and name.endswith(".weight"):
                 packed, scale, offset = (torch.from_numpy(a) for a in int4_groups(tensor))
                 stem = name.removesuffix(".weight")
