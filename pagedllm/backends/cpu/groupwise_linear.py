@@ -250,8 +250,9 @@ def weight_integers(layer: nn.Module) -> torch.Tensor:
 # q/k/v and gate/up, Q4_0 / Q4_K / Q8_0 / Q6_K, bf16 x): VNNI ran 1.1-1.2x the float path at
 # one row, 1.3-1.9x at 2-64 and 1.2-2.8x at 128-1024 (vpdpbusd does twice the multiply-adds of
 # vdpbf16ps, and the float path's weight conversion is not cheaper per row), with no crossover:
-# prefill batches round x as llama.cpp's do. AVX2's vpmaddubsw (the avx2 and avx512 builds):
-# AVX2_DOT_NOTE.
+# prefill batches round x as llama.cpp's do. AVX2's vpmaddubsw (the avx2 and avx512 builds) ran
+# 2-2.6x its float path at 1-16 rows and 1.0-1.6x at 256-512 (a run on a loaded host; Q4_0 and
+# Q8_0, o_proj and down_proj): no crossover either.
 DOT_ROWS: dict[str, int | None] = {"avx512vnni": None, "avx2": None}
 # What ``dot_rows`` returns for "every batch".
 EVERY_BATCH = 1 << 62
