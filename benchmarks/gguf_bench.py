@@ -114,15 +114,16 @@ def _workloads(vocab: int, smoke: bool) -> dict[str, list[Request]]:
 
 
 # Our two arithmetics: activations as the model's dtype (the default), and rounded to int8 per
-# group in the 4-bit layers' decode rows (``int8_activations``, as llama.cpp computes).
+# group in the 4-bit layers' rows, prefill and decode (``int8_activations``, as llama.cpp
+# computes).
 OURS = ("pagedllm", "pagedllm-int8act")
 
 
 def run_pagedllm(
     path: Path, args: argparse.Namespace, *, int8_activations: bool = False
 ) -> dict[str, Any]:
-    """pagedllm as users start it; ``int8_activations``: the 4-bit layers' decode rows rounded
-    to int8 per group (llama.cpp's arithmetic), the ``pagedllm-int8act`` engine."""
+    """pagedllm as users start it; ``int8_activations``: the 4-bit layers' rows rounded to int8
+    per group (llama.cpp's arithmetic), the ``pagedllm-int8act`` engine."""
     from pagedllm import Engine, SamplingParams
     from pagedllm.backends.cpu._ops import resolve_isa
 

@@ -38,6 +38,13 @@ cache, so its GB/s exceeds the memory's; in a whole model every layer comes from
     python benchmarks/linear_cpu.py            # the 1B shapes above
     python benchmarks/linear_cpu.py --smoke    # small shapes, a few seconds (CI)
     python benchmarks/linear_cpu.py --head 128256  # only the decode section, one LM head
+    python benchmarks/linear_cpu.py --dot-rows  # the group-wise dot path vs the float path
+
+``--dot-rows`` times, for the 1B layer shapes as the model packs them (``DOT_SHAPES``: the
+fused q/k/v and gate/up included) and each group-wise format, the dot path (x rounded to int8
+per group) against the float path on the same packed weights and against oneDNN's bf16 GEMM,
+at 1 to 512 rows of bf16 x, the contenders taking turns in one process (best of several): what
+``groupwise_linear.DOT_ROWS`` is measured by.
 
 The group-wise weights come from small quantisers here (``_q4_0``, ``_q4_k``, ``_q8_0``: the
 formats, not ggml's search for the best scales), which is all the timing needs.
@@ -76,6 +83,16 @@ from pagedllm.layers.quantization.groupwise import pack_nibbles, quantize_int4
 
 SHAPES_1B = {"qkv": 2560, "gate_up": 16384, "o_proj": 2048, "lm_head": 32000}
 HIDDEN_1B = 2048
+# (N, K) of a 1B Llama's layers: q/o, k/v, gate/up, down, and the fused q/k/v and gate/up.
+DOT_SHAPES = {
+    "o_proj": (2048, 2048),
+    "k_proj": (512, 2048),
+    "up_proj": (8192, 2048),
+    "down_proj": (2048, 8192),
+    "qkv": (3072, 2048),
+    "gate_up": (16384, 2048),
+}
+DOT_ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 
 
 def bench(fn: Callable[[], object], budget_s: float) -> float:
@@ -346,6 +363,47 @@ def decode_from_memory(
     }
 
 
+def dot_vs_float(
+    shapes: dict[str, tuple[int, int]], batches: list[int], budget_s: float, formats: list[str]
+) -> dict[str, list[dict[str, object]]]:
+    """Per shape and row count: each format's dot and float path and bf16 oneDNN, interleaved;
+    ``<fmt>_dot_vs_float`` > 1 where the dot path is faster."""
+    ops = gemm_ops()
+    out: dict[str, list[dict[str, object]]] = {}
+    for name, (n, k) in shapes.items():
+        torch.manual_seed(0)
+        w32 = torch.randn(n, k) * 0.02
+        dense = make_packed_linear(w32.bfloat16(), None)
+        gemms = {
+            fmt: make_groupwise_gemm(ops, pw, None)
+            for fmt, pw in groupwise_weights(w32).items()
+            if fmt in formats
+        }
+        rows = []
+        for m in batches:
+            x = torch.randn(m, k).bfloat16()
+            fns: dict[str, Callable[[], object]] = {}
+            if dense is not None:
+                fns["bf16_onednn"] = lambda dense=dense, x=x: dense(x)
+            for fmt, gemm in gemms.items():
+                fns[f"{fmt}_dot"] = lambda gemm=gemm, x=x: gemm(x, dot=True)
+                fns[f"{fmt}_float"] = lambda gemm=gemm, x=x: gemm(x, dot=False)
+            best = _interleaved(fns, budget_s * len(fns))
+            row: dict[str, object] = {"m": m}
+            for key, seconds in best.items():
+                row[f"{key}_ms"] = round(seconds * 1e3, 3)
+            for fmt in gemms:
+                dot, flt = best[f"{fmt}_dot"], best[f"{fmt}_float"]
+                row[f"{fmt}_dot_vs_float"] = round(flt / dot, 2)
+                if "bf16_onednn" in best:
+                    row[f"{fmt}_dot_vs_bf16"] = round(best["bf16_onednn"] / dot, 2)
+                    row[f"{fmt}_float_vs_bf16"] = round(best["bf16_onednn"] / flt, 2)
+                row[f"{fmt}_dot_GMACps"] = round(m * n * k / dot / 1e9, 1)
+            rows.append(row)
+        out[name] = rows
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="small shapes, a few seconds (CI)")
@@ -355,9 +413,34 @@ def main() -> None:
         "--stream-mb", type=float, default=256, help="weight copies each decode path cycles"
     )
     parser.add_argument("--head", type=int, default=None, help="only decode, an LM head of N")
+    parser.add_argument(
+        "--dot-rows", action="store_true", help="only the dot path vs the float path, 1-512 rows"
+    )
+    parser.add_argument("--shapes", default=None, help="--dot-rows: comma-separated DOT_SHAPES")
+    parser.add_argument("--rows", default=None, help="--dot-rows: comma-separated row counts")
+    parser.add_argument(
+        "--formats", default="q4_0,q4_k,q8_0,q6_k", help="--dot-rows: group-wise formats"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.dot_rows:
+        names = args.shapes.split(",") if args.shapes else list(DOT_SHAPES)
+        rows = [int(r) for r in args.rows.split(",")] if args.rows else DOT_ROWS
+        result = {
+            "benchmark": "linear_cpu_dot_rows",
+            "processor": cpu_model_name(),
+            "isa": resolve_isa(),
+            "threads": torch.get_num_threads(),
+            "shapes": dot_vs_float(
+                {name: DOT_SHAPES[name] for name in names},
+                rows,
+                args.budget,
+                args.formats.split(","),
+            ),
+        }
+        print(json.dumps(result, indent=1))
+        return
     if args.head:
         shapes, k, batches, budget = {}, HIDDEN_1B, [], args.budget
         decode_shapes, decode_rows, stream_bytes = {"lm_head": args.head}, [1, 8, 16, 64], 0.0

@@ -54,8 +54,8 @@ class ModelConfig:
     attention_backend: str | None = None
     trust_remote_code: bool = False
     quantization: str | None = None  # None, "int8" (weight-only), "w8a8" or "int4" (groups)
-    # Group-wise (4-bit / Q8_0) layers round bf16/fp16 decode rows to int8 per group of 32
-    # (llama.cpp's arithmetic), where the device has that kernel.
+    # Group-wise (4-bit / Q8_0) layers round bf16/fp16 rows (decode and prefill) to int8 per
+    # group of 32 (llama.cpp's arithmetic), where the device has that kernel.
     int8_activations: bool = False
 
     def __post_init__(self) -> None:
@@ -369,8 +369,8 @@ class EngineArgs:
     )
     int8_activations: bool = engine_arg(
         False,
-        "4-/8-bit group-wise layers (GGUF, int4) round bf16/fp16 batches of up to 64 rows to int8 "
-        "per group of 32 and use integer dot products, as llama.cpp does: faster decode, logits "
+        "4-/8-bit group-wise layers (GGUF, int4) round bf16/fp16 activations (decode and prefill) "
+        "to int8 per group of 32 and use integer dot products, as llama.cpp does: faster, logits "
         "further from the unquantised activations' (CPU; never the LM head)",
     )
     enable_expert_parallel: bool = engine_arg(

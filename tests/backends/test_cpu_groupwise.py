@@ -174,6 +174,31 @@ def test_dot_path_matches_its_definition(ops, case, xdtype) -> None:
             assert err < DOT_TOL[xdtype], f"m={m} bias={bias is not None}: rel err {err:.2e}"
 
 
+# Prefill-sized batches: odd row counts across the dot path's blocks of rows (128 rows of
+# K = 2048, 64 of K = 4096) and its row tiles, N off the panels.
+MANY_ROWS = ((257, 2048), (131, 4096))
+
+
+@pytest.mark.parametrize("xdtype", (torch.float32, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("kind", ("q4_0", "q4_1", "q4_k", "q8_0", "q6_k"))
+def test_dot_path_matches_its_definition_at_many_rows(ops, kind: str, xdtype) -> None:
+    n = 20
+    for m, k in MANY_ROWS:
+        torch.manual_seed(m + k)
+        weight, scale, offset, q = _layer_data(kind, n, k)
+        pw = _pack(ops, weight, scale, offset)
+        x = torch.randn(m, k).to(xdtype)
+        bias = torch.randn(n).to(xdtype)
+        y = pw.gemm(ops, x, bias, True)
+        assert y.dtype == xdtype and y.shape == (m, n)
+        ref = dot_linear_reference(x, q, scale, offset, bias.float())
+        err = _rel_err(y, ref)
+        assert err < DOT_TOL[xdtype], f"m={m} k={k}: rel err {err:.2e}"
+        # Each row is its own: the rows of a prefill equal those rows computed alone.
+        rows = torch.tensor([0, m // 2, m - 1])
+        assert torch.equal(pw.gemm(ops, x[rows], bias, True), y[rows]), f"m={m} k={k}"
+
+
 @pytest.mark.parametrize("xdtype", ACT_DTYPES, ids=str)
 def test_activation_rounding_is_the_definition_bit_for_bit(ops, xdtype) -> None:
     torch.manual_seed(1)
@@ -337,8 +362,9 @@ def test_pack_one_installs_the_groupwise_gemm() -> None:
         fn, path = packed_linear._pack_one(layer)
         assert path == f"cpp-{name}-{ops.built_isa()}", path  # x unrounded unless asked
         _, dot_path = packed_linear._pack_one(layer, int8_activations=True)
-        rows = groupwise_linear.dot_rows(ops, torch.bfloat16)  # 0: no dot path in this build
-        assert dot_path == path + (f"+dot{rows}" if rows else ""), dot_path
+        # Every bf16 batch on the dot path; the scalar build has none.
+        dot = "" if ops.groupwise_dot_isa() == "scalar" else "+dot"
+        assert dot_path == path + dot, dot_path
         ref_w = dequantize_layer(layer).double()
         # A row-parallel layer adds its bias after the all-reduce, not in the GEMM.
         bias = layer.bias.double() if layer.fast_linear_has_bias else None
@@ -367,6 +393,27 @@ def test_an_lm_head_never_rounds_x() -> None:
     assert torch.equal(head_fn(x), gemm(x, dot=False))
     assert torch.equal(layer_fn(x), gemm(x, dot=True))
     assert not torch.equal(head_fn(x), layer_fn(x))
+
+
+def test_int8_activations_round_prefill_batches_too() -> None:
+    """Under ``int8_activations`` bf16 batches of every size take the dot path (prefill
+    included, as llama.cpp rounds them): the layer's rows equal the dot path's bit for bit, at
+    one row and at a prefill's 300; float32 x never rounds; without the flag nothing does."""
+    ops = packed_linear.gemm_ops()
+    if ops is None or not groupwise_linear.dot_rows(ops, torch.bfloat16):
+        pytest.skip("no default dot path on this build")
+    layer = _groupwise_layer("q4_0", 40, 256)
+    fn, _ = packed_linear._pack_one(layer, int8_activations=True)
+    plain, _ = packed_linear._pack_one(layer)
+    pw = groupwise_linear.pack_groupwise(ops, layer.weight, *groupwise_linear.weight_groups(layer))
+    gemm = groupwise_linear.make_groupwise_gemm(ops, pw, None)
+    for m in (1, 65, 300):
+        x = torch.randn(m, 256).bfloat16()
+        assert torch.equal(fn(x), gemm(x, dot=True)), m
+        assert torch.equal(plain(x), gemm(x, dot=False)), m
+        assert not torch.equal(fn(x), plain(x)), m
+        x32 = x.float()
+        assert torch.equal(fn(x32), gemm(x32, dot=False)), m
 
 
 def test_pack_one_keeps_pytorch_when_the_check_fails(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -221,6 +221,42 @@ def test_fused_layers_of_several_formats_on_the_pytorch_path(gguf_files: dict) -
     assert partly.layers[1].mlp.gate_up_proj.quant_method.formats == ("int4", "q8_0")
 
 
+def test_int8_activations_round_prefill_rows_but_never_the_head(
+    gguf_files: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``int8_activations`` every bf16 batch of the group-wise layers takes the dot path,
+    a 120-row prefill step included (as llama.cpp rounds its prompts), and the LM head never
+    does: each call of the C++ GEMM is recorded with its rows and path."""
+    from pagedllm.backends.cpu import groupwise_linear, packed_linear
+
+    ops = packed_linear.gemm_ops()
+    if ops is None or not groupwise_linear.dot_rows(ops, torch.bfloat16):
+        pytest.skip("no dot path on this build")
+    calls: list[tuple[int, int, bool]] = []
+    gemm = groupwise_linear.PackedGroupwise.gemm
+
+    def recorded(self, ops, x, bias, dot):
+        calls.append((self.n, x.shape[0], dot))
+        return gemm(self, ops, x, bias, dot)
+
+    monkeypatch.setattr(groupwise_linear.PackedGroupwise, "gemm", recorded)
+    path = gguf_files["q4_0"]
+    engine = Engine(str(path), device="cpu", block_size=8, num_kv_blocks=64, int8_activations=True)
+    if engine.executor.worker.dtype != torch.bfloat16:  # type: ignore[attr-defined]
+        pytest.skip("this processor computes a bf16 checkpoint in float32")
+    calls.clear()  # the checks at load
+    prompts = [list(range(20 + i, 60 + i)) for i in range(3)]  # one 120-row prefill step
+    outs = engine.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == MAX_NEW for o in outs)
+    head = [c for c in calls if c[0] == engine.vocab_size]
+    layers = [c for c in calls if c[0] != engine.vocab_size]
+    assert max(rows for _, rows, _ in layers) == 120, sorted({rows for _, rows, _ in layers})
+    assert all(dot for _, _, dot in layers), [c for c in layers if not c[2]][:3]
+    assert head and not any(dot for _, _, dot in head), head[:3]
+    bm = engine.block_manager
+    assert bm.get_num_free_device_blocks() == bm.num_device_blocks
+
+
 def test_prefix_caching_chunked_prefill_and_preemption(gguf_files: dict) -> None:
     path = gguf_files["q4_0"]
     plain = engine_greedy(path)

@@ -18,8 +18,8 @@ Two paths run on the same packed weights:
   (:func:`quantize_activation_groups`), integer dot products (VNNI / AVX2), float32 scales per
   group; its definition is :func:`dot_linear_reference`. It costs accuracy (x to ~8 bits per
   group, as llama.cpp does) and saves arithmetic, so it runs by default only where the user
-  asks for it (``int8_activations``) and :func:`dot_rows` says so: bf16/fp16 batches of up to
-  64 rows (decode steps), never float32, never an LM head.
+  asks for it (``int8_activations``) and :func:`dot_rows` says so: bf16/fp16 batches of every
+  size (decode steps and prefill, as llama.cpp rounds them), never float32, never an LM head.
 """
 
 from __future__ import annotations
@@ -245,15 +245,22 @@ def weight_integers(layer: nn.Module) -> torch.Tensor:
 
 
 # Rows up to which bf16/fp16 x takes the dot path where the user asked for it
-# (``int8_activations``). On a Zen 4 EPYC (1B shapes, benchmarks/linear_cpu.py) it ran 1.1-1.2x
-# the float path at one row (both near the memory's rate), 1.3-1.6x at 2-8 rows and 1.7-1.9x at
-# 16-512 (vpdpbusd does twice the multiply-adds of vdpbf16ps); the AVX2 build's vpmaddubsw
-# 2-2.6x its float path at 1-16 rows. Larger (prefill) batches keep x unrounded.
-DOT_ROWS = 64
+# (``int8_activations``), per integer dot product (``ops.groupwise_dot_isa()``); None: every
+# batch. Measured by ``benchmarks/linear_cpu.py --dot-rows`` on a Zen 4 EPYC (1B shapes, fused
+# q/k/v and gate/up, Q4_0 / Q4_K / Q8_0 / Q6_K, bf16 x): VNNI ran 1.1-1.2x the float path at
+# one row, 1.3-1.9x at 2-64 and 1.2-2.8x at 128-1024 (vpdpbusd does twice the multiply-adds of
+# vdpbf16ps, and the float path's weight conversion is not cheaper per row), with no crossover:
+# prefill batches round x as llama.cpp's do. AVX2's vpmaddubsw (the avx2 and avx512 builds) ran
+# 2-2.6x its float path at 1-16 rows and 1.0-1.6x at 256-512 (a run on a loaded host; Q4_0 and
+# Q8_0, o_proj and down_proj): no crossover either.
+DOT_ROWS: dict[str, int | None] = {"avx512vnni": None, "avx2": None}
+# What ``dot_rows`` returns for "every batch".
+EVERY_BATCH = 1 << 62
 
 
 def dot_rows(ops: object, dtype: torch.dtype, *, enabled: bool = True) -> int:
-    """Up to how many rows of ``dtype`` x the dot path runs by default (0: never).
+    """Up to how many rows of ``dtype`` x the dot path runs by default (0: never,
+    ``EVERY_BATCH``: every batch).
 
     Only where ``enabled`` (the user's ``int8_activations``): rounding x to int8 per group is
     llama.cpp's arithmetic, not the reference's. On SmolLM2-135M-Instruct (bf16) it answers
@@ -263,9 +270,11 @@ def dot_rows(ops: object, dtype: torch.dtype, *, enabled: bool = True) -> int:
     float32 x never: float32 models are held to transformers' tokens. The scalar build never:
     it is the correctness fallback.
     """
-    if not enabled or dtype == torch.float32 or ops.groupwise_dot_isa() == "scalar":
+    isa = ops.groupwise_dot_isa()
+    if not enabled or dtype == torch.float32 or isa not in DOT_ROWS:
         return 0
-    return DOT_ROWS
+    rows = DOT_ROWS[isa]
+    return EVERY_BATCH if rows is None else rows
 
 
 def make_groupwise_gemm(
@@ -290,9 +299,9 @@ def make_groupwise_linear(
 ) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, str]:
     """The C++ GEMM on a group-wise layer's packed weights, checked on sampled output rows
     against ``dequantize_layer`` (and the dot path against its definition), and its path name:
-    ``cpp-<int4|q8_0|q6_k>-<isa>``, ``+dot<rows>`` where bf16/fp16 batches of up to
-    ``rows`` rows take the dot path (only where ``dot``: the user's ``int8_activations``, and
-    never in an LM head, see packed_linear)."""
+    ``cpp-<int4|q8_0|q6_k>-<isa>``, ``+dot`` where every bf16/fp16 batch takes the dot path
+    (``+dot<rows>``: batches of up to ``rows`` rows), only where ``dot`` (the user's
+    ``int8_activations``), and never in an LM head (see packed_linear)."""
     from pagedllm.backends.cpu import packed_linear as pl
 
     name = module.quant_method.name
@@ -371,7 +380,8 @@ def make_parts_linear(
 
 
 def path_name(ops: object, name: str, *, dot: bool = False) -> str:
-    """``cpp-<int4|q8_0|q6_k>-<isa>``, ``+dot<rows>`` where bf16 batches of up to that many
-    rows take the dot path by default."""
-    dot = dot_rows(ops, torch.bfloat16, enabled=dot)
-    return f"cpp-{name}-{ops.built_isa()}" + (f"+dot{dot}" if dot else "")
+    """``cpp-<int4|q8_0|q6_k>-<isa>``, ``+dot`` where every bf16 batch takes the dot path by
+    default, ``+dot<rows>`` where batches of up to that many rows do."""
+    rows = dot_rows(ops, torch.bfloat16, enabled=dot)
+    suffix = "" if not rows else "+dot" if rows == EVERY_BATCH else f"+dot{rows}"
+    return f"cpp-{name}-{ops.built_isa()}" + suffix
