@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import re
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -24,6 +24,10 @@ from pagedllm.models.gguf.reader import GGUFFile, GGUFTensor
 from pagedllm.models.safetensors_reader import CheckpointError
 
 logger = logging.getLogger(__name__)
+
+# A device backend's kernel for int4_groups: (blocks uint8 [N, row bytes], type name) ->
+# (nibbles, scale, offset) as torch tensors, equal to int4_groups bit for bit.
+Int4Decoder = Callable[[torch.Tensor, str], tuple[torch.Tensor, ...]]
 
 # GGUF tensor kind -> (Hugging Face module path under model.layers.N, our fused module's name).
 _LAYER_TENSORS: dict[str, tuple[str, str | None]] = {
@@ -247,8 +251,17 @@ def unpermute_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
 class GGUFWeights:
     """Iterates a GGUF file's tensors as (Hugging Face name, tensor) for ``load_weights``."""
 
-    def __init__(self, gguf: GGUFFile, family: Family, hf_config: object, plan: dict[str, str]):
+    def __init__(
+        self,
+        gguf: GGUFFile,
+        family: Family,
+        hf_config: object,
+        plan: dict[str, str],
+        *,
+        int4_decoder: Int4Decoder | None = None,
+    ):
         self.gguf, self.family, self.plan = gguf, family, plan
+        self.int4_decoder = int4_decoder
         self.heads = int(hf_config.num_attention_heads)  # type: ignore[attr-defined]
         self.kv_heads = int(hf_config.num_key_value_heads)  # type: ignore[attr-defined]
 
@@ -261,6 +274,13 @@ class GGUFWeights:
             return unpermute_rows(t, self.kv_heads)
         return t
 
+    def _int4_groups(self, tensor: GGUFTensor) -> tuple[torch.Tensor, ...]:
+        if self.int4_decoder is None or tensor.type_name not in INT4_TYPES:
+            return tuple(torch.from_numpy(a) for a in int4_groups(tensor))
+        rows = int(np.prod(tensor.shape[:-1])) if len(tensor.shape) > 1 else 1
+        blocks = torch.from_numpy(tensor.read().view(np.uint8).reshape(rows, -1))
+        return self.int4_decoder(blocks, tensor.type_name)
+
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for gguf_name, tensor in self.gguf.tensors.items():
             if gguf_name in NOT_WEIGHTS:
@@ -268,7 +288,7 @@ class GGUFWeights:
             name, module = hf_name(gguf_name, self.family)
             fmt = self.plan.get(module or "")
             if fmt == "int4" and name.endswith(".weight"):
-                packed, scale, offset = (torch.from_numpy(a) for a in int4_groups(tensor))
+                packed, scale, offset = self._int4_groups(tensor)
                 stem = name.removesuffix(".weight")
                 yield name, self._permute(gguf_name, packed)
                 yield f"{stem}.weight_scale", self._permute(gguf_name, scale)
