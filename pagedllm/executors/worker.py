@@ -86,7 +86,7 @@ class Worker:
             pp=self.pp,
             quantization=self.config.model.quantization,
             quantizer=self.backend.int8_quantizer(),
-            gguf_int4_decoder=self.backend.gguf_int4_decoder(),
+            gguf_block_decoder=self.backend.gguf_block_decoder(),
             native_formats=self.backend.native_weight_formats(),
         )
         lora = self.config.lora

@@ -441,18 +441,19 @@ def test_pack_linear_layers_drops_the_unpacked_tensors() -> None:
 
 
 # -- GGUF 4-bit blocks decoded at load ---------------------------------------------------------
-def test_the_gguf_int4_decoder_equals_the_numpy_definition() -> None:
-    """``decode_gguf_int4`` (the CPU backend's ``gguf_int4_decoder``) gives ``int4_groups``'
+def test_the_gguf_block_decoder_equals_the_numpy_definitions() -> None:
+    """``decode_gguf_blocks`` (the CPU backend's ``gguf_block_decoder``) gives ``int4_groups``'
     nibbles, scales and offsets bit for bit (offsets' signed zeros included) for Q4_0, Q4_1
-    and Q4_K blocks, random bytes with finite fp16 factors."""
+    and Q4_K blocks, and ``q6_k_groups``' q, scales and d for Q6_K: random bytes with finite
+    fp16 factors."""
     import numpy as np
     from gguf import GGMLQuantizationType
 
     from pagedllm.backends.cpu.backend import CpuBackend
     from pagedllm.models.gguf.reader import GGUFTensor
-    from pagedllm.models.gguf.weights import int4_groups
+    from pagedllm.models.gguf.weights import int4_groups, q6_k_groups
 
-    decode = CpuBackend().gguf_int4_decoder()
+    decode = CpuBackend().gguf_block_decoder()
     if decode is None:
         pytest.skip("the C++ GEMM could not be built")
     rng = np.random.default_rng(3)
@@ -461,6 +462,7 @@ def test_the_gguf_int4_decoder_equals_the_numpy_definition() -> None:
         ("Q4_0", 18, 32, (0,)),
         ("Q4_1", 20, 32, (0, 2)),
         ("Q4_K", 144, 256, (0, 2)),
+        ("Q6_K", 210, 256, (208,)),
     ):
         raw = rng.integers(0, 256, size=(rows, cols // per, size), dtype=np.uint8)
         for at in halves:  # finite fp16 factors, some of them zero
@@ -469,13 +471,14 @@ def test_the_gguf_int4_decoder_equals_the_numpy_definition() -> None:
             raw[..., at : at + 2] = h.view(np.uint8).reshape(rows, cols // per, 2)
         raw = raw.reshape(rows, -1)
         tensor = GGUFTensor("t", kind, (rows, cols), raw, GGMLQuantizationType[kind])
-        want = [torch.from_numpy(a) for a in int4_groups(tensor)]
+        definition = q6_k_groups if kind == "Q6_K" else int4_groups
+        want = [torch.from_numpy(a) for a in definition(tensor)]
         got = decode(torch.from_numpy(raw), kind)
         assert [t.dtype for t in got] == [t.dtype for t in want], kind
-        for name, g, w in zip(("nibbles", "scale", "offset"), got, want, strict=True):
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
             g, w = g.contiguous(), w.contiguous()
-            bits = (g, w) if g.dtype == torch.uint8 else (g.view(torch.int32), w.view(torch.int32))
-            assert torch.equal(*bits), f"{kind} {name}"
+            bits = (g.view(torch.int32), w.view(torch.int32)) if g.is_floating_point() else (g, w)
+            assert torch.equal(*bits), f"{kind} output {i}"
     with pytest.raises(RuntimeError, match="kind must be"):
         decode(torch.zeros(2, 18, dtype=torch.uint8), "Q5_0")
     with pytest.raises(RuntimeError, match="not whole Q4_0 blocks"):

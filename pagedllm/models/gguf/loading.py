@@ -13,8 +13,8 @@ from pagedllm.models.gguf.reader import GGUFFile
 from pagedllm.models.gguf.tokenizer import load_gguf_tokenizer
 from pagedllm.models.gguf.weights import (
     NOT_WEIGHTS,
+    BlockDecoder,
     GGUFWeights,
-    Int4Decoder,
     check_types,
     hf_name,
     plan_layers,
@@ -46,7 +46,7 @@ def gguf_tokenizer(path: Path) -> Any:
 
 
 def gguf_weights(
-    path: Path, hf_config: Any, native: frozenset[str], *, int4_decoder: Int4Decoder | None = None
+    path: Path, hf_config: Any, native: frozenset[str], *, block_decoder: BlockDecoder | None = None
 ) -> tuple[GGUFWeights, dict[str, str]]:
     """The file's tensors under Hugging Face names, and ``{linear module: format}`` for the
     layers that stay quantised (the rest are dequantised); logs what became of each type."""
@@ -54,7 +54,7 @@ def gguf_weights(
     family = family_of(gguf)
     plan = plan_layers(gguf, family, native)
     _log_types(gguf, family, plan)
-    return GGUFWeights(gguf, family, hf_config, plan, int4_decoder=int4_decoder), plan
+    return GGUFWeights(gguf, family, hf_config, plan, block_decoder=block_decoder), plan
 
 
 def _log_types(gguf: GGUFFile, family: Any, plan: dict[str, str]) -> None:

@@ -25,9 +25,9 @@ from pagedllm.models.safetensors_reader import CheckpointError
 
 logger = logging.getLogger(__name__)
 
-# A device backend's kernel for int4_groups: (blocks uint8 [N, row bytes], type name) ->
-# (nibbles, scale, offset) as torch tensors, equal to int4_groups bit for bit.
-Int4Decoder = Callable[[torch.Tensor, str], tuple[torch.Tensor, ...]]
+# A device backend's kernel for int4_groups and q6_k_groups: (blocks uint8 [N, row bytes],
+# type name) -> their three arrays as torch tensors, bit for bit.
+BlockDecoder = Callable[[torch.Tensor, str], tuple[torch.Tensor, ...]]
 
 # GGUF tensor kind -> (Hugging Face module path under model.layers.N, our fused module's name).
 _LAYER_TENSORS: dict[str, tuple[str, str | None]] = {
@@ -258,10 +258,10 @@ class GGUFWeights:
         hf_config: object,
         plan: dict[str, str],
         *,
-        int4_decoder: Int4Decoder | None = None,
+        block_decoder: BlockDecoder | None = None,
     ):
         self.gguf, self.family, self.plan = gguf, family, plan
-        self.int4_decoder = int4_decoder
+        self.block_decoder = block_decoder
         self.heads = int(hf_config.num_attention_heads)  # type: ignore[attr-defined]
         self.kv_heads = int(hf_config.num_key_value_heads)  # type: ignore[attr-defined]
 
@@ -274,12 +274,14 @@ class GGUFWeights:
             return unpermute_rows(t, self.kv_heads)
         return t
 
-    def _int4_groups(self, tensor: GGUFTensor) -> tuple[torch.Tensor, ...]:
-        if self.int4_decoder is None or tensor.type_name not in INT4_TYPES:
-            return tuple(torch.from_numpy(a) for a in int4_groups(tensor))
+    def _decoded(self, tensor: GGUFTensor) -> tuple[torch.Tensor, ...]:
+        """``int4_groups`` or ``q6_k_groups`` of ``tensor``, by the device's kernel if any."""
+        numpy_definition = q6_k_groups if tensor.type_name in Q6_K_TYPES else int4_groups
+        if self.block_decoder is None or tensor.type_name not in INT4_TYPES + Q6_K_TYPES:
+            return tuple(torch.from_numpy(a) for a in numpy_definition(tensor))
         rows = int(np.prod(tensor.shape[:-1])) if len(tensor.shape) > 1 else 1
         blocks = torch.from_numpy(tensor.read().view(np.uint8).reshape(rows, -1))
-        return self.int4_decoder(blocks, tensor.type_name)
+        return self.block_decoder(blocks, tensor.type_name)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for gguf_name, tensor in self.gguf.tensors.items():
@@ -288,7 +290,7 @@ class GGUFWeights:
             name, module = hf_name(gguf_name, self.family)
             fmt = self.plan.get(module or "")
             if fmt == "int4" and name.endswith(".weight"):
-                packed, scale, offset = self._int4_groups(tensor)
+                packed, scale, offset = self._decoded(tensor)
                 stem = name.removesuffix(".weight")
                 yield name, self._permute(gguf_name, packed)
                 yield f"{stem}.weight_scale", self._permute(gguf_name, scale)
@@ -301,7 +303,7 @@ class GGUFWeights:
                 yield f"{stem}.weight_scale", self._permute(gguf_name, scale)
                 continue
             if fmt == "q6_k" and name.endswith(".weight"):
-                q6, scale, d = (torch.from_numpy(a) for a in q6_k_groups(tensor))
+                q6, scale, d = self._decoded(tensor)
                 stem = name.removesuffix(".weight")
                 yield name, self._permute(gguf_name, q6)
                 yield f"{stem}.weight_scale", self._permute(gguf_name, scale)
