@@ -382,6 +382,15 @@ class DeviceBackend(ABC):
         in PyTorch (every device runs it; it costs a few passes over each float chunk)."""
         return None
 
+    def gguf_block_decoder(
+        self,
+    ) -> Callable[[torch.Tensor, str], tuple[torch.Tensor, ...]] | None:
+        """This device's kernel for a GGUF file's Q4_0 / Q4_1 / Q4_K / Q6_K blocks (uint8
+        ``[N, row bytes]``, the type's name) -> the arrays of ``models.gguf.weights``
+        ``int4_groups`` / ``q6_k_groups``, bit for bit; None: those numpy definitions (several
+        passes over each tensor: most of a 4-bit file's load)."""
+        return None
+
     def native_weight_formats(self) -> frozenset[str]:
         """Group-wise weight formats (``layers/quantization/groupwise``: ``"int4"``,
         ``"q8_0"``) this device multiplies without dequantising them first. A GGUF checkpoint's

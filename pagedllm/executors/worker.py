@@ -86,6 +86,7 @@ class Worker:
             pp=self.pp,
             quantization=self.config.model.quantization,
             quantizer=self.backend.int8_quantizer(),
+            gguf_block_decoder=self.backend.gguf_block_decoder(),
             native_formats=self.backend.native_weight_formats(),
         )
         lora = self.config.lora

@@ -21,6 +21,7 @@ from pagedllm.layers.quantization import (
 )
 from pagedllm.models.checkpoint import CheckpointError, iterate_weights
 from pagedllm.models.gguf.reader import gguf_path_of
+from pagedllm.models.gguf.weights import BlockDecoder
 from pagedllm.models.registry import resolve_model_class
 
 logger = logging.getLogger(__name__)
@@ -105,6 +106,7 @@ def load_model(
     quantization: str | None = None,
     quantizer: WeightQuantizer | None = None,
     native_formats: frozenset[str] = frozenset(),
+    gguf_block_decoder: BlockDecoder | None = None,
 ) -> nn.Module:
     """Build the model with its parameters already in ``dtype`` and fill them from the checkpoint.
 
@@ -116,6 +118,8 @@ def load_model(
     ``native_formats``: the group-wise weight formats the device runs without dequantising
     (``DeviceBackend.native_weight_formats``): GGUF layers in them stay quantised.
     ``pp``: the pipeline stage whose layers alone are built and loaded.
+    ``gguf_block_decoder``: the device backend's kernel for GGUF 4-bit and Q6_K blocks (see
+    ``DeviceBackend.gguf_block_decoder``); None: the numpy definition.
     """
     cls = pipeline_model_class(hf_config, pp.size)
     quant = get_quant_config(quantization, hf_config, quantizer)
@@ -127,7 +131,9 @@ def load_model(
     if gguf_path is not None:
         from pagedllm.models.gguf.loading import gguf_weights
 
-        weights, plan = gguf_weights(gguf_path, hf_config, native_formats)
+        weights, plan = gguf_weights(
+            gguf_path, hf_config, native_formats, block_decoder=gguf_block_decoder
+        )
         quant = with_checkpoint_layers(quant, plan)
     else:
         # Under tensor (pipeline) parallelism each rank reads only the slices (layers) it keeps.

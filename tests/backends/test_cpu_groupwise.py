@@ -433,6 +433,46 @@ def test_pack_one_keeps_pytorch_when_the_check_fails(monkeypatch: pytest.MonkeyP
     assert fn is None and path == "torch-int4"
 
 
+class _Counting:
+    """The GEMM library with its checking GEMMs counted (and, from ``wrong_after`` calls on, its
+    results off by 1%)."""
+
+    def __init__(self, ops: object, wrong_after: int | None = None) -> None:
+        self.ops, self.calls, self.wrong_after = ops, 0, wrong_after
+
+    def __getattr__(self, name: str):
+        return getattr(self.ops, name)
+
+    def groupwise_gemm(self, *args):
+        self.calls += 1
+        y = self.ops.groupwise_gemm(*args)
+        return y * 1.01 if self.wrong_after is not None and self.calls > self.wrong_after else y
+
+
+def test_a_repeated_shape_is_checked_with_one_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In one load the first layer of a (format, shape) gets every probe; the next ones one
+    float32 row, which still compares their own packed values with their dequantised rows."""
+    ops = packed_linear.gemm_ops()
+    if ops is None:
+        pytest.skip("the C++ GEMM could not be built")
+    counting = _Counting(ops)
+    monkeypatch.setattr(packed_linear, "gemm_ops", lambda: counting)
+    checked: set[tuple] = set()
+    first, _ = packed_linear._pack_one(_groupwise_layer("q4_0", 32, 64), checked=checked)
+    full = counting.calls
+    assert first is not None and full >= 4
+    second, _ = packed_linear._pack_one(_groupwise_layer("q4_1", 32, 64), checked=checked)
+    assert second is not None and counting.calls == 2 * full  # another format: all probes
+    third, _ = packed_linear._pack_one(_groupwise_layer("q4_0", 32, 64), checked=checked)
+    assert third is not None and counting.calls == 2 * full + 1
+    # The one probe of a repeated shape still refuses a kernel that is wrong on its layer.
+    wrong = _Counting(ops, wrong_after=counting.calls)
+    monkeypatch.setattr(packed_linear, "gemm_ops", lambda: wrong)
+    wrong.calls = counting.calls
+    fn, path = packed_linear._pack_one(_groupwise_layer("q4_0", 32, 64), checked=checked)
+    assert fn is None and path == "torch-int4"
+
+
 def test_pack_linear_layers_drops_the_unpacked_tensors() -> None:
     if packed_linear.gemm_ops() is None:
         pytest.skip("the C++ GEMM could not be built")
@@ -497,3 +537,48 @@ def test_a_fused_layer_of_several_formats_runs_each_run_of_parts_packed(
         assert y.shape == (m, sum(sizes)) and y.dtype == dtype
         ref = F.linear(x.double(), ref_w, bias)
         assert _rel_err(y, ref) < FLOAT_TOL[dtype], f"m={m} {dtype}"
+
+
+# -- GGUF 4-bit blocks decoded at load ---------------------------------------------------------
+def test_the_gguf_block_decoder_equals_the_numpy_definitions() -> None:
+    """``decode_gguf_blocks`` (the CPU backend's ``gguf_block_decoder``) gives ``int4_groups``'
+    nibbles, scales and offsets bit for bit (offsets' signed zeros included) for Q4_0, Q4_1
+    and Q4_K blocks, and ``q6_k_groups``' q, scales and d for Q6_K: random bytes with finite
+    fp16 factors."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+
+    from pagedllm.backends.cpu.backend import CpuBackend
+    from pagedllm.models.gguf.reader import GGUFTensor
+    from pagedllm.models.gguf.weights import int4_groups, q6_k_groups
+
+    decode = CpuBackend().gguf_block_decoder()
+    if decode is None:
+        pytest.skip("the C++ GEMM could not be built")
+    rng = np.random.default_rng(3)
+    rows, cols = 7, 512
+    for kind, size, per, halves in (
+        ("Q4_0", 18, 32, (0,)),
+        ("Q4_1", 20, 32, (0, 2)),
+        ("Q4_K", 144, 256, (0, 2)),
+        ("Q6_K", 210, 256, (208,)),
+    ):
+        raw = rng.integers(0, 256, size=(rows, cols // per, size), dtype=np.uint8)
+        for at in halves:  # finite fp16 factors, some of them zero
+            h = rng.normal(size=(rows, cols // per)).astype(np.float16)
+            h[0, :2] = 0
+            raw[..., at : at + 2] = h.view(np.uint8).reshape(rows, cols // per, 2)
+        raw = raw.reshape(rows, -1)
+        tensor = GGUFTensor("t", kind, (rows, cols), raw, GGMLQuantizationType[kind])
+        definition = q6_k_groups if kind == "Q6_K" else int4_groups
+        want = [torch.from_numpy(a) for a in definition(tensor)]
+        got = decode(torch.from_numpy(raw), kind)
+        assert [t.dtype for t in got] == [t.dtype for t in want], kind
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            g, w = g.contiguous(), w.contiguous()
+            bits = (g.view(torch.int32), w.view(torch.int32)) if g.is_floating_point() else (g, w)
+            assert torch.equal(*bits), f"{kind} output {i}"
+    with pytest.raises(RuntimeError, match="kind must be"):
+        decode(torch.zeros(2, 18, dtype=torch.uint8), "Q5_0")
+    with pytest.raises(RuntimeError, match="not whole Q4_0 blocks"):
+        decode(torch.zeros(2, 19, dtype=torch.uint8), "Q4_0")

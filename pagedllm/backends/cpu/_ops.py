@@ -305,6 +305,7 @@ _GEMM_SOURCES = (
     "gemm_amx.cpp",
     "gemm_q4.cpp",
     "gemm_q4_pack.cpp",
+    "gguf_decode.cpp",
 )
 _GEMM_HEADERS = (
     "convert.h",

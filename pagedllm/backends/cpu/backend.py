@@ -88,6 +88,16 @@ class CpuBackend(DeviceBackend):
 
         return cpp_weight_quantizer()
 
+    def gguf_block_decoder(
+        self,
+    ) -> Callable[[torch.Tensor, str], tuple[torch.Tensor, ...]] | None:
+        """The C++ decoder (csrc/gguf_decode.cpp: one threaded pass per tensor), where it
+        builds."""
+        from pagedllm.backends.cpu.packed_linear import gemm_ops
+
+        ops = gemm_ops()
+        return None if ops is None else ops.decode_gguf_blocks
+
     def native_weight_formats(self) -> frozenset[str]:
         """4-bit, Q8_0 and Q6_K groups stay packed: decode streams a quarter (a half, 0.54) of
         the bf16 bytes, and ``prepare_model`` gives those layers the C++ group-wise GEMM."""

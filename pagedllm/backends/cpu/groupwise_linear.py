@@ -295,13 +295,25 @@ def make_groupwise_gemm(
 
 
 def make_groupwise_linear(
-    module: nn.Module, bias: torch.Tensor | None, *, dot: bool = False
+    module: nn.Module,
+    bias: torch.Tensor | None,
+    *,
+    dot: bool = False,
+    checked: set[tuple] | None = None,
 ) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, str]:
     """The C++ GEMM on a group-wise layer's packed weights, checked on sampled output rows
     against ``dequantize_layer`` (and the dot path against its definition), and its path name:
     ``cpp-<int4|q8_0|q6_k>-<isa>``, ``+dot`` where every bf16/fp16 batch takes the dot path
     (``+dot<rows>``: batches of up to ``rows`` rows), only where ``dot`` (the user's
-    ``int8_activations``), and never in an LM head (see packed_linear)."""
+    ``int8_activations``), and never in an LM head (see packed_linear).
+
+    ``checked``: the (format, shape) keys already checked with every probe in this load (the
+    caller's set, updated here). A layer of such a key gets one float32 row (the tightest
+    tolerance) on fewer sampled rows: what depends on its values (the packed scales, offsets
+    and q) is still compared, while the kernel paths (register and scratch rows, float32 and
+    bf16, the dot path) were proven on the same layout once. A 1B model's 16 layers of each
+    shape made ~260 checking GEMMs otherwise.
+    """
     from pagedllm.backends.cpu import packed_linear as pl
 
     name = module.quant_method.name
@@ -317,7 +329,10 @@ def make_groupwise_linear(
         return None, f"torch-{name}"
     gemm = make_groupwise_gemm(ops, pw, bias, dot=dot)
     linear = pl._reshaped(gemm, pw.k, pw.n)
-    rows = pl._sample_rows(pw.n)
+    key = (name, pw.n, pw.k, pw.half_scales, pw.with_offset, pw.factored, bias is None, dot)
+    repeat = checked is not None and key in checked
+    # A repeated shape: a panel at each end and a spread (a float32 copy of fewer rows).
+    rows = pl._sample_rows(pw.n, edge=16, spread=32) if repeat else pl._sample_rows(pw.n)
     dequant = dequantize_rows(module, rows)  # [rows, K]
     bias_rows = None if bias is None else bias.detach().float()[rows]
 
@@ -331,14 +346,18 @@ def make_groupwise_linear(
     # scratch, bf16 rows in registers (avx512bf16) and through the scratch.
     f32_rows = ops.groupwise_rows()[0]
     probes = (
-        (torch.randn(3, pw.k), 1e-4),
-        (torch.randn(f32_rows + 4, pw.k), 1e-4),
-        (torch.randn(3, pw.k).bfloat16(), 2e-2),
-        (torch.randn(16, pw.k).bfloat16(), 2e-2),
+        ((torch.randn(1, pw.k), 1e-4),)
+        if repeat
+        else (
+            (torch.randn(3, pw.k), 1e-4),
+            (torch.randn(f32_rows + 4, pw.k), 1e-4),
+            (torch.randn(3, pw.k).bfloat16(), 2e-2),
+            (torch.randn(16, pw.k).bfloat16(), 2e-2),
+        )
     )
     what = f"C++ {name} GEMM"
     ok = pl._checked(forced(False), weight, reference, rows, probes, what) is not None
-    if ok and dot_rows(ops, torch.bfloat16, enabled=dot):
+    if ok and not repeat and dot_rows(ops, torch.bfloat16, enabled=dot):
         q = weight_integers(module)[rows]
         off = None if offset is None else offset[rows]
 
@@ -350,21 +369,27 @@ def make_groupwise_linear(
         ok = pl._checked(forced(True), weight, dot_reference, rows, probe, what) is not None
     if not ok:
         return None, f"torch-{name}"
+    if checked is not None:
+        checked.add(key)
     return linear, path_name(ops, name, dot=dot)
 
 
 def make_parts_linear(
-    module: nn.Module, bias: torch.Tensor | None, *, dot: bool = False
+    module: nn.Module,
+    bias: torch.Tensor | None,
+    *,
+    dot: bool = False,
+    checked: set[tuple] | None = None,
 ) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, str]:
     """A fused layer whose parts keep their own formats (``mixed``, Q4_K q/k with a Q6_K v):
-    one GEMM per run of parts in one format (q/k, v), packed and checked as a layer of its own,
+    one GEMM per run of parts in one format (q/k, v), packed and checked as a layer of its own (``checked``: as there),
     the outputs side by side. The path: ``cpp-mixed(<format per part>)-<isa>``; a run that
     cannot be packed leaves the whole layer on PyTorch."""
     fns, start = [], 0
     for part in module.parts:
         rows = part.weight.shape[0]
         part_bias = None if bias is None else bias[start : start + rows]
-        fn, _ = make_groupwise_linear(part, part_bias, dot=dot)
+        fn, _ = make_groupwise_linear(part, part_bias, dot=dot, checked=checked)
         if fn is None:
             return None, "torch-mixed"
         fns.append(fn)

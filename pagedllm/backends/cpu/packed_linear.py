@@ -315,14 +315,15 @@ def make_int8_linear(
     return fn, f"cpp-int8-{_cpp_isa()}" if fn else "torch-int8"
 
 
-def _sample_rows(n: int) -> torch.Tensor:
-    """The first, last and a spread of output rows: every panel position and the tail panel."""
+def _sample_rows(n: int, *, edge: int = 48, spread: int = 128) -> torch.Tensor:
+    """The first and last ``edge`` and a spread of output rows: every panel position and the
+    tail panel."""
     return torch.unique(
         torch.cat(
             [
-                torch.arange(min(n, 48)),
-                torch.arange(max(0, n - 48), n),
-                torch.linspace(0, n - 1, steps=min(n, 128)).long(),
+                torch.arange(min(n, edge)),
+                torch.arange(max(0, n - edge), n),
+                torch.linspace(0, n - 1, steps=min(n, spread)).long(),
             ]
         )
     )
@@ -342,9 +343,14 @@ def _kind(module: nn.Module, head: nn.Module | None) -> str:
 
 
 def _pack_one(
-    module: nn.Module, *, is_head: bool = False, int8_activations: bool = False
+    module: nn.Module,
+    *,
+    is_head: bool = False,
+    int8_activations: bool = False,
+    checked: set[tuple] | None = None,
 ) -> tuple[LinearFn | None, str]:
-    """The fastest correct GEMM for one layer, and its path's name."""
+    """The fastest correct GEMM for one layer, and its path's name; ``checked``: the group-wise
+    shapes this load has already checked in full (see ``make_groupwise_linear``)."""
     from pagedllm.layers.quantization import weight_scale
 
     weight = module.weight
@@ -353,7 +359,7 @@ def _pack_one(
     if method is not None and method.name == "mixed" and method.is_quantized(module):
         from pagedllm.backends.cpu.groupwise_linear import make_parts_linear
 
-        return make_parts_linear(module, bias, dot=int8_activations)
+        return make_parts_linear(module, bias, dot=int8_activations, checked=checked)
     if method is not None and method.name in _GROUPWISE and method.is_quantized(module):
         from pagedllm.backends.cpu.groupwise_linear import make_groupwise_linear
 
@@ -362,7 +368,7 @@ def _pack_one(
         # no later layer to average the rounding out (SmolLM2's Q8_0 head on the dot path
         # turned the demo's batched "capital of France" answer from Paris into a loop).
         dot = int8_activations and not is_head
-        return make_groupwise_linear(module, bias, dot=dot)
+        return make_groupwise_linear(module, bias, dot=dot, checked=checked)
     if method is not None and method.is_quantized(module) and method.name == "w8a8":
         fn = make_w8a8_linear(weight, weight_scale(module), bias)
         ops = gemm_ops()
@@ -443,12 +449,15 @@ def pack_linear_layers(model: nn.Module, *, int8_activations: bool = False) -> d
 
     head = getattr(model, "lm_head", None)
     paths: dict[str, set[str]] = {}
+    checked: set[tuple] = set()
     with torch.inference_mode():
         for module in model.modules():
             is_linear = isinstance(module, (ColumnParallelLinear, RowParallelLinear))
             if not (is_linear or module is head):
                 continue
-            fn, path = _pack_one(module, is_head=module is head, int8_activations=int8_activations)
+            fn, path = _pack_one(
+                module, is_head=module is head, int8_activations=int8_activations, checked=checked
+            )
             paths.setdefault(_kind(module, head), set()).add(path)
             if fn is None:
                 continue

@@ -152,6 +152,9 @@ def _row_loader(layer: nn.Module, columns_per_stored: int) -> object:
     def load(param: nn.Parameter, loaded: torch.Tensor) -> None:
         default_weight_loader(param, loaded.narrow(1, rank * per_rank, per_rank))
 
+    # Only a narrowing: the checkpoint loader may adopt a whole tensor it reads (one rank)
+    # as the parameter instead of copying it (a GGUF's o_proj and down_proj, say).
+    load.reads_slices = True  # type: ignore[attr-defined]
     return load
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pagedllm.models.gguf.light_config import light_config
 from pagedllm.models.gguf.reader import GGUFFile
 from pagedllm.models.safetensors_reader import CheckpointError
 
@@ -152,9 +153,23 @@ def stored_dtype(gguf: GGUFFile) -> str:
 
 
 def hf_config_from_gguf(gguf: GGUFFile) -> Any:
-    """The transformers config of the model in ``gguf``; ``CheckpointError`` names what's off."""
-    from transformers import AutoConfig
+    """The config of the model in ``gguf``; ``CheckpointError`` names what's off.
 
+    A file whose rotary embedding is plain (every file llama.cpp writes without rope scaling,
+    Llama 3's frequency factors included) gets a :class:`GGUFConfig`: the same attributes with
+    the same values as the transformers config class would hold, without importing
+    transformers (over a second of a GGUF start; ``tests/models/test_gguf_config.py`` holds the
+    two side by side, attribute by attribute). Scaled rope (linear, YaRN, Phi-3's long rope) is
+    computed by transformers' own functions, which read its config class: those files get it.
+    """
+    family, values = config_values(gguf)
+    if values.get("rope_scaling") is None:
+        return light_config(gguf, family.model_type, values)
+    return transformers_config(gguf, family, values)
+
+
+def config_values(gguf: GGUFFile) -> tuple[Family, dict[str, Any]]:
+    """The family, and the keyword arguments of its transformers config class."""
     family = family_of(gguf)
     arch = gguf.architecture
     values = _hyper_parameters(gguf, arch)
@@ -185,6 +200,12 @@ def hf_config_from_gguf(gguf: GGUFFile) -> Any:
     values.update(params)
     values["architectures"] = [family.architecture]
     values["dtype"] = stored_dtype(gguf)
+    return family, values
+
+
+def transformers_config(gguf: GGUFFile, family: Family, values: dict[str, Any]) -> Any:
+    from transformers import AutoConfig
+
     try:
         return AutoConfig.for_model(family.model_type, **values)
     except (ValueError, TypeError) as exc:

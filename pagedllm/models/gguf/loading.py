@@ -13,6 +13,7 @@ from pagedllm.models.gguf.reader import GGUFFile
 from pagedllm.models.gguf.tokenizer import load_gguf_tokenizer
 from pagedllm.models.gguf.weights import (
     NOT_WEIGHTS,
+    BlockDecoder,
     GGUFWeights,
     LayerFormat,
     check_types,
@@ -47,7 +48,11 @@ def gguf_tokenizer(path: Path) -> Any:
 
 
 def gguf_weights(
-    path: Path, hf_config: Any, native: frozenset[str]
+    path: Path,
+    hf_config: Any,
+    native: frozenset[str],
+    *,
+    block_decoder: BlockDecoder | None = None,
 ) -> tuple[GGUFWeights, dict[str, LayerFormat]]:
     """The file's tensors under Hugging Face names, and ``{linear module: format}`` for the
     layers that stay quantised (the rest are dequantised); logs what became of each type."""
@@ -55,7 +60,7 @@ def gguf_weights(
     family = family_of(gguf)
     plan = plan_layers(gguf, family, native)
     _log_types(gguf, family, plan)
-    return GGUFWeights(gguf, family, hf_config, plan), plan
+    return GGUFWeights(gguf, family, hf_config, plan, block_decoder=block_decoder), plan
 
 
 def _log_types(gguf: GGUFFile, family: Any, plan: dict[str, LayerFormat]) -> None:

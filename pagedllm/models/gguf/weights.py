@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import re
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -25,6 +25,10 @@ from pagedllm.models.gguf.reader import GGUFFile, GGUFTensor
 from pagedllm.models.safetensors_reader import CheckpointError
 
 logger = logging.getLogger(__name__)
+
+# A device backend's kernel for int4_groups and q6_k_groups: (blocks uint8 [N, row bytes],
+# type name) -> their three arrays as torch tensors, bit for bit.
+BlockDecoder = Callable[[torch.Tensor, str], tuple[torch.Tensor, ...]]
 
 # GGUF tensor kind -> (Hugging Face module path under model.layers.N, our fused module's name).
 _LAYER_TENSORS: dict[str, tuple[str, str | None]] = {
@@ -278,9 +282,16 @@ class GGUFWeights:
     """Iterates a GGUF file's tensors as (Hugging Face name, tensor) for ``load_weights``."""
 
     def __init__(
-        self, gguf: GGUFFile, family: Family, hf_config: object, plan: dict[str, LayerFormat]
-    ) -> None:
+        self,
+        gguf: GGUFFile,
+        family: Family,
+        hf_config: object,
+        plan: dict[str, LayerFormat],
+        *,
+        block_decoder: BlockDecoder | None = None,
+    ):
         self.gguf, self.family, self.plan = gguf, family, plan
+        self.block_decoder = block_decoder
         self.heads = int(hf_config.num_attention_heads)  # type: ignore[attr-defined]
         self.kv_heads = int(hf_config.num_key_value_heads)  # type: ignore[attr-defined]
 
@@ -293,6 +304,15 @@ class GGUFWeights:
             return unpermute_rows(t, self.kv_heads)
         return t
 
+    def _decoded(self, tensor: GGUFTensor) -> tuple[torch.Tensor, ...]:
+        """``int4_groups`` or ``q6_k_groups`` of ``tensor``, by the device's kernel if any."""
+        numpy_definition = q6_k_groups if tensor.type_name in Q6_K_TYPES else int4_groups
+        if self.block_decoder is None or tensor.type_name not in INT4_TYPES + Q6_K_TYPES:
+            return tuple(torch.from_numpy(a) for a in numpy_definition(tensor))
+        rows = int(np.prod(tensor.shape[:-1])) if len(tensor.shape) > 1 else 1
+        blocks = torch.from_numpy(tensor.read().view(np.uint8).reshape(rows, -1))
+        return self.block_decoder(blocks, tensor.type_name)
+
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for gguf_name, tensor in self.gguf.tensors.items():
             if gguf_name in NOT_WEIGHTS:
@@ -300,7 +320,7 @@ class GGUFWeights:
             name, module = hf_name(gguf_name, self.family)
             fmt = tensor_format(self.plan, gguf_name, module)
             if fmt == "int4" and name.endswith(".weight"):
-                packed, scale, offset = (torch.from_numpy(a) for a in int4_groups(tensor))
+                packed, scale, offset = self._decoded(tensor)
                 stem = name.removesuffix(".weight")
                 yield name, self._permute(gguf_name, packed)
                 yield f"{stem}.weight_scale", self._permute(gguf_name, scale)
@@ -313,7 +333,7 @@ class GGUFWeights:
                 yield f"{stem}.weight_scale", self._permute(gguf_name, scale)
                 continue
             if fmt == "q6_k" and name.endswith(".weight"):
-                q6, scale, d = (torch.from_numpy(a) for a in q6_k_groups(tensor))
+                q6, scale, d = self._decoded(tensor)
                 stem = name.removesuffix(".weight")
                 yield name, self._permute(gguf_name, q6)
                 yield f"{stem}.weight_scale", self._permute(gguf_name, scale)

@@ -355,6 +355,10 @@ void bind_groupwise(pybind11::module& m) {
   m.def("read_bytes", &q4::read_bytes,
         "reads every byte of a tensor once on all threads (a read-bandwidth probe); a checksum",
         NoGil(), py::arg("t"));
+  m.def("decode_gguf_blocks", &q4::decode_gguf_blocks,
+        "GGUF blocks uint8 [N, row bytes] -> Q4_0/Q4_1/Q4_K: (nibbles uint8 [N, K/2], scale, "
+        "offset float32 [N, K/32]); Q6_K: (q - 32 int8 [N, K], d * sc [N, K/16], d [N, K/256])",
+        NoGil(), py::arg("blocks"), py::arg("kind"));
   m.def(
       "groupwise_rows", [] { return std::make_tuple(q4::kF32Rows, q4::kDotRows); },
       "(rows up to which float32 x dequantises in registers, rows per dot-path tile)");

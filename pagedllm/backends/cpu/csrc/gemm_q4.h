@@ -6,6 +6,8 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <string>
+#include <tuple>
 
 #include "gemm_q4_layout.h"
 
@@ -28,6 +30,12 @@ torch::Tensor pack_groupwise(const torch::Tensor& weight, const torch::Tensor& s
 
 // Reads every byte of t once on all threads (the benchmarks' read-bandwidth probe).
 int64_t read_bytes(const torch::Tensor& t);
+
+// GGUF blocks uint8 [N, row bytes] -> Q4_0 / Q4_1 / Q4_K: (nibbles uint8 [N, K/2], scale,
+// offset float32 [N, K/32]); Q6_K: (q - 32 int8 [N, K], d * sc [N, K/16], d [N, K/256])
+// (gguf_decode.cpp).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> decode_gguf_blocks(
+    const torch::Tensor& blocks, const std::string& kind);
 
 }  // namespace q4
 }  // namespace pagedllm::gemm

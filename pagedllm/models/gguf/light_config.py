@@ -1,0 +1,150 @@
+"""A GGUF file's config without transformers: what its config class would hold, as plain data.
+
+Building a transformers config imports the whole transformers package (its lazy module scans
+every model folder at import): over a second of a start that is otherwise torch, the file and
+the weights. The model classes only read attributes, so :func:`light_config` gives them those
+attributes with the values transformers' class for the family would give for the same keyword
+arguments: its defaults where the metadata is silent, its ``__post_init__`` rules (Qwen's
+sliding window only with ``use_sliding_window``, ``layer_types`` per layer, a derived
+``head_dim``), and the rotary settings in transformers 5's ``rope_parameters`` shape.
+``tests/models/test_gguf_config.py`` builds both from the same files and compares them
+attribute by attribute, including every attribute the engine's code reads from a config.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedllm.models.gguf.reader import GGUFFile
+from pagedllm.models.safetensors_reader import CheckpointError
+
+# Per family: the class defaults of the attributes the metadata may leave out, and the fields
+# the class declares that the model code reads (transformers 5's LlamaConfig, MistralConfig,
+# Qwen2Config, Qwen3Config, Phi3Config, GemmaConfig).
+_SILU = {"hidden_act": "silu"}
+_SPECIAL_1_2 = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None}
+_QWEN = {
+    **_SILU,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "bos_token_id": None,
+    "eos_token_id": None,
+    "pad_token_id": None,
+    "use_sliding_window": False,
+    "sliding_window": 4096,
+    "max_window_layers": 28,
+}
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {
+        **_SILU,
+        **_SPECIAL_1_2,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "attention_bias": False,
+        "mlp_bias": False,
+    },
+    "mistral": {
+        **_SILU,
+        **_SPECIAL_1_2,
+        "max_position_embeddings": 4096 * 32,
+        "rms_norm_eps": 1e-6,
+        "sliding_window": 4096,
+    },
+    "qwen2": _QWEN,
+    "qwen3": {**_QWEN, "head_dim": 128, "attention_bias": False},
+    "phi3": {
+        **_SILU,
+        "max_position_embeddings": 4096,
+        "original_max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "bos_token_id": 1,
+        "eos_token_id": 32000,
+        "pad_token_id": 32000,
+        "sliding_window": None,
+    },
+    "gemma": {
+        "hidden_act": "gelu_pytorch_tanh",
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-6,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+        "bos_token_id": 2,
+        "attention_bias": False,
+        "head_dim": 256,
+    },
+}
+_DERIVED_HEAD_DIM = ("llama", "mistral")  # head_dim None -> hidden_size // num_attention_heads
+_DTYPES = ("float32", "float16", "bfloat16")
+
+
+class GGUFConfig:
+    """Plain attributes in place of a transformers config (picklable, for worker processes)."""
+
+    def __init__(self, **values: Any) -> None:
+        self.__dict__.update(values)
+
+    @property
+    def rope_scaling(self) -> dict[str, Any]:
+        """transformers 5's alias of ``rope_parameters``."""
+        return self.rope_parameters
+
+    @property
+    def torch_dtype(self) -> Any:
+        """transformers' older name of ``dtype``."""
+        return self.dtype
+
+    def __repr__(self) -> str:
+        body = ", ".join(f"{k}={v!r}" for k, v in sorted(vars(self).items()))
+        return f"GGUFConfig({body})"
+
+
+def light_config(gguf: GGUFFile, model_type: str, values: dict[str, Any]) -> GGUFConfig:
+    """The config of a file with plain rope from the keyword arguments that
+    ``AutoConfig.for_model(model_type, **values)`` would take."""
+    values = dict(values)
+    if values.pop("rope_scaling", None) is not None:
+        raise ValueError("light_config: scaled rope takes transformers' config class")
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": values.pop("rope_theta")}
+    if "partial_rotary_factor" in values:
+        rope["partial_rotary_factor"] = values["partial_rotary_factor"]
+        if model_type != "phi3":  # Phi3Config alone also keeps it as an attribute
+            del values["partial_rotary_factor"]
+    elif model_type == "phi3":
+        rope["partial_rotary_factor"] = 1.0
+    out = {**_DEFAULTS[model_type], **values, "model_type": model_type, "rope_parameters": rope}
+    if out.get("head_dim") is None and model_type in _DERIVED_HEAD_DIM:
+        out["head_dim"] = out["hidden_size"] // out["num_attention_heads"]
+    if model_type in ("qwen2", "qwen3"):
+        if not out["use_sliding_window"]:
+            out["sliding_window"] = None
+        out["layer_types"] = [
+            "sliding_attention"
+            if out["sliding_window"] is not None and i >= out["max_window_layers"]
+            else "full_attention"
+            for i in range(out["num_hidden_layers"])
+        ]
+    _check(gguf, model_type, out)
+    import torch
+
+    out["dtype"] = getattr(torch, out["dtype"])
+    return GGUFConfig(**out)
+
+
+def _check(gguf: GGUFFile, model_type: str, values: dict[str, Any]) -> None:
+    """What transformers' validation would refuse, as the one-line error the loader gives."""
+    problems = []
+    for key in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size"):
+        if not isinstance(values[key], int) or values[key] <= 0:
+            problems.append(f"{key} must be a positive integer, got {values[key]!r}")
+    heads, kv = values["num_attention_heads"], values["num_key_value_heads"]
+    if not isinstance(heads, int) or heads <= 0 or not isinstance(kv, int) or kv <= 0:
+        problems.append(f"head counts must be positive integers, got {heads!r} and {kv!r}")
+    elif heads % kv:
+        problems.append(f"num_attention_heads {heads} is not a multiple of {kv} KV heads")
+    if values["dtype"] not in _DTYPES:
+        problems.append(f"dtype {values['dtype']!r}")
+    if problems:
+        raise CheckpointError(
+            f"{gguf.path}: metadata does not make a valid {model_type} config "
+            f"({'; '.join(problems)})"
+        )
