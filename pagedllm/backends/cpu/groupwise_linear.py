@@ -382,9 +382,10 @@ def make_parts_linear(
     checked: set[tuple] | None = None,
 ) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, str]:
     """A fused layer whose parts keep their own formats (``mixed``, Q4_K q/k with a Q6_K v):
-    one GEMM per run of parts in one format (q/k, v), packed and checked as a layer of its own (``checked``: as there),
-    the outputs side by side. The path: ``cpp-mixed(<format per part>)-<isa>``; a run that
-    cannot be packed leaves the whole layer on PyTorch."""
+    one GEMM per run of parts in one format (q/k, v), packed and checked as a layer of its own
+    (``checked``: as there), the outputs side by side. The path:
+    ``cpp-mixed(<format per part>)-<isa>``; a run that cannot be packed leaves the whole layer
+    on PyTorch."""
     fns, start = [], 0
     for part in module.parts:
         rows = part.weight.shape[0]
