@@ -92,28 +92,39 @@ def build_attention_metadata(
     block_size: int,
     device: torch.device,
 ) -> AttentionMetadata:
-    """Turn per-sequence Python lists into the tensors every kernel reads."""
+    """Turn per-sequence Python lists into the tensors every kernel reads.
+
+    The int32 fields are views of one tensor made from one flat list (block tables first, so
+    that they start where its storage does): a tensor per field and a copy per block-table row
+    made this a tenth of a small model's decode step at one sequence, and a row copy per
+    sequence grows with the batch.
+    """
     num_seqs = len(seq_lens)
-    max_blocks = max((len(t) for t in block_tables), default=0)
-    padded = torch.zeros((num_seqs, max(max_blocks, 1)), dtype=torch.int32)
-    for i, table in enumerate(block_tables):
-        if table:
-            padded[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+    width = max(max((len(t) for t in block_tables), default=0), 1)
     qsl = [0]
     for q in query_lens:
         qsl.append(qsl[-1] + q)
+    flat: list[int] = []
+    for table in block_tables:
+        flat.extend(table)
+        flat.extend([0] * (width - len(table)))
+    flat.extend(seq_lens)
+    flat.extend([s - q for s, q in zip(seq_lens, query_lens, strict=True)])
+    flat.extend(qsl)
+    ints = torch.tensor(flat, dtype=torch.int32, device=device)
+    tables, seq_t, context_t, qsl_t = ints.split_with_sizes(
+        [num_seqs * width, num_seqs, num_seqs, num_seqs + 1]
+    )
     num_prefill_tokens = qsl[num_prefills]
-    seq_t = torch.tensor(list(seq_lens), dtype=torch.int32)
-    q_t = torch.tensor(list(query_lens), dtype=torch.int32)
     return AttentionMetadata(
         num_prefills=num_prefills,
         num_prefill_tokens=num_prefill_tokens,
         num_decode_tokens=qsl[-1] - num_prefill_tokens,
-        slot_mapping=torch.tensor(list(slot_mapping), dtype=torch.int64).to(device),
-        seq_lens=seq_t.to(device),
-        context_lens=(seq_t - q_t).to(device),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(device),
-        block_tables=padded.to(device),
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+        seq_lens=seq_t,
+        context_lens=context_t,
+        query_start_loc=qsl_t,
+        block_tables=tables.view(num_seqs, width),
         seq_lens_list=list(seq_lens),
         query_lens_list=list(query_lens),
         max_query_len=max(query_lens, default=0),

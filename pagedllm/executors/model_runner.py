@@ -70,8 +70,8 @@ class ModelRunner:
             block_size=self.block_size,
             device=dev,
         )
-        input_ids = torch.tensor(batch.input_ids, dtype=torch.long).to(dev)
-        positions = torch.tensor(batch.positions, dtype=torch.long).to(dev)
+        input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=dev)
+        positions = torch.tensor(batch.positions, dtype=torch.long, device=dev)
         link = self.pipeline
         if link is None:
             return self.model(input_ids, positions, kv_caches, meta)
@@ -88,8 +88,11 @@ class ModelRunner:
         seqs = sched_out.seqs
         if not batch.sample_indices:
             return {}
-        idx = torch.tensor(batch.sample_indices, dtype=torch.long, device=hidden.device)
-        logits = self.model.compute_logits(hidden[idx])  # [num_sampled, vocab]
+        if len(batch.sample_indices) < hidden.shape[0]:
+            idx = torch.tensor(batch.sample_indices, dtype=torch.long, device=hidden.device)
+            hidden = hidden[idx]
+        # (else every row samples: the indices, strictly increasing, are all rows in order)
+        logits = self.model.compute_logits(hidden)  # [num_sampled, vocab]
         rows: list[SamplingRow] = []
         source: list[int] = []  # logits row of each sampling row (best_of repeats a row)
         for j, i in enumerate(batch.sample_seq_positions):

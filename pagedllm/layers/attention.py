@@ -38,16 +38,21 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        q: torch.Tensor,  # [num_tokens, num_heads * head_size]
-        k: torch.Tensor,  # [num_tokens, num_kv_heads * head_size]
+        q: torch.Tensor,  # [num_tokens, num_heads * head_size] or [num_tokens, num_heads, head]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads * head_size] or per head, as q
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_size]
         n = q.shape[0]
-        q = q.view(n, self.num_heads, self.head_size)
-        k = k.view(n, self.num_kv_heads, self.head_size)
-        v = v.view(n, self.num_kv_heads, self.head_size)
+        # Per-head views are what the backends take; a caller that has them passes them as they
+        # are (a view call per tensor per layer is not free at decode sizes).
+        if q.dim() == 2:
+            q = q.view(n, self.num_heads, self.head_size)
+        if k.dim() == 2:
+            k = k.view(n, self.num_kv_heads, self.head_size)
+        if v.dim() == 2:
+            v = v.view(n, self.num_kv_heads, self.head_size)
         # Only backends that accept fp8 caches take the scales (16-bit caches have none).
         scales = (
             {"k_scale": self.k_scale, "v_scale": self.v_scale}

@@ -234,24 +234,33 @@ class Sampler:
         """
         dev = self.generator.device
         temps = [0.0 if r.params.is_greedy else r.params.temperature for r in rows]
-        u = torch.zeros(len(rows), device=dev)
-        if any(temps):
-            u = torch.rand(len(rows), generator=self.generator, device=dev)
-            for i, row in enumerate(rows):
-                if row.params.seed is not None and temps[i]:
-                    g = torch.Generator(device=dev).manual_seed(
-                        hash((row.params.seed, row.sample_index, row.output_len)) & _SEED_MASK
-                    )
-                    u[i] = torch.rand(1, generator=g, device=dev)[0]
+        top_k = torch.tensor(
+            [r.params.top_k if r.params.top_k > 0 else vocab for r in rows],
+            dtype=torch.long,
+            device=dev,
+        )
+        top_p = [r.params.top_p for r in rows]
+        min_p = [r.params.min_p for r in rows]
+        if not any(temps):
+            # Nothing is drawn: the float rows and a zero uniform come from one tensor (five
+            # small tensors a step were a visible share of a one-sequence decode step).
+            floats = torch.tensor(
+                [temps, top_p, min_p, [0.0] * len(rows)], dtype=torch.float32, device=dev
+            )
+            temp_t, top_p_t, min_p_t, u = floats.unbind(0)
+            return temp_t, top_k, top_p_t, min_p_t, u
+        u = torch.rand(len(rows), generator=self.generator, device=dev)
+        for i, row in enumerate(rows):
+            if row.params.seed is not None and temps[i]:
+                g = torch.Generator(device=dev).manual_seed(
+                    hash((row.params.seed, row.sample_index, row.output_len)) & _SEED_MASK
+                )
+                u[i] = torch.rand(1, generator=g, device=dev)[0]
         return (
             torch.tensor(temps, dtype=torch.float32, device=dev),
-            torch.tensor(
-                [r.params.top_k if r.params.top_k > 0 else vocab for r in rows],
-                dtype=torch.long,
-                device=dev,
-            ),
-            torch.tensor([r.params.top_p for r in rows], dtype=torch.float32, device=dev),
-            torch.tensor([r.params.min_p for r in rows], dtype=torch.float32, device=dev),
+            top_k,
+            torch.tensor(top_p, dtype=torch.float32, device=dev),
+            torch.tensor(min_p, dtype=torch.float32, device=dev),
             u,
         )
 

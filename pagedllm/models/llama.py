@@ -104,6 +104,7 @@ class LlamaAttention(nn.Module):
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_size = head
+        self.heads_split = [self.num_heads, self.num_kv_heads, self.num_kv_heads]
         self.attn = Attention(
             backend,
             num_heads=self.num_heads,
@@ -120,15 +121,14 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        n = hidden.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        q, k = self.rotary(
-            positions,
-            q.view(n, self.num_heads, self.head_size),
-            k.view(n, self.num_kv_heads, self.head_size),
+        qkv = self.qkv_proj(hidden)  # [num_tokens, (heads + 2 * kv_heads) * head_size]
+        # q, k and v as per-head views of the fused output: one reshape and one split, where
+        # splitting first and viewing each part cost four more tensor calls per layer.
+        q, k, v = qkv.reshape(qkv.shape[0], -1, self.head_size).split_with_sizes(
+            self.heads_split, 1
         )
-        out = self.attn(q.reshape(n, -1), k.reshape(n, -1), v, kv_cache, meta)
-        return self.o_proj(out)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
 
 
 def qkv_bias_only(config: Any) -> bool:

@@ -285,11 +285,14 @@ def make_groupwise_gemm(
     bias32 = None if bias is None else bias.detach().float().contiguous()
     dtypes = (torch.float32, torch.bfloat16, torch.float16)
     defaults = {dt: dot_rows(ops, dt, enabled=dot) for dt in dtypes}
+    # PackedGroupwise.gemm's call with its arguments bound once: this runs per layer per step.
+    kernel = ops.groupwise_gemm  # type: ignore[attr-defined]
+    weights = (pw.packed, pw.n, pw.bits, pw.half_scales, pw.with_offset, pw.factored, bias32)
 
     def gemm(x: torch.Tensor, dot: bool | None = None) -> torch.Tensor:
         if dot is None:
             dot = x.shape[0] <= defaults.get(x.dtype, 0)
-        return pw.gemm(ops, x, bias32, dot)
+        return kernel(x, *weights, dot)
 
     return gemm
 

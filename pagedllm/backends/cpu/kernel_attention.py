@@ -30,13 +30,28 @@ _CACHE_DTYPES = (*_COMPUTE_DTYPES, *FP8_DTYPES)
 
 
 def _kernel_ok(tokens: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """Whether the C++ kernels take these tensors (CPU, their dtypes, unit inner stride)."""
+    """Whether the C++ kernels take these tensors (CPU, their dtypes, unit inner stride).
+
+    Asked once per tensor per layer of every step, so it sticks to the cheapest attribute
+    reads (``is_cpu``, not ``device.type``, which builds a device object each time).
+    """
     return (
-        tokens.dtype in _COMPUTE_DTYPES
+        tokens.is_cpu
+        and kv_cache.is_cpu
+        and tokens.dtype in _COMPUTE_DTYPES
         and kv_cache.dtype in _CACHE_DTYPES
-        and all(t.device.type == "cpu" and t.stride(-1) == 1 for t in (tokens, kv_cache))
+        and tokens.stride(-1) == 1
         and kv_cache.is_contiguous()
     )
+
+
+def _as_kernel_index(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` as the contiguous ``dtype`` tensor the kernels read. The step's metadata is built
+    in that form already (``build_attention_metadata``), and a ``.to().contiguous()`` per
+    layer costs two dispatches even when it returns ``t`` itself."""
+    if t.dtype == dtype and t.is_contiguous():
+        return t
+    return t.to(dtype).contiguous()
 
 
 def _scales(kv_cache: torch.Tensor, k_scale: float, v_scale: float) -> tuple[float, float]:
@@ -89,11 +104,10 @@ class CppPagedAttention(AttentionBackend):
             _kernel_ok(key, kv_cache)
             and _kernel_ok(value, kv_cache)
             and key.dtype == value.dtype
-            and slot_mapping.device.type == "cpu"
+            and slot_mapping.is_cpu
         ):
-            self._ops.reshape_and_cache(
-                key, value, kv_cache, slot_mapping.to(torch.int64).contiguous(), ks, vs
-            )
+            slots = _as_kernel_index(slot_mapping, torch.int64)
+            self._ops.reshape_and_cache(key, value, kv_cache, slots, ks, vs)
             return
         self._fallback.write_kv(key, value, kv_cache, slot_mapping, k_scale=ks, v_scale=vs)
 
@@ -124,9 +138,9 @@ class CppPagedAttention(AttentionBackend):
         return self._ops.paged_attention(
             query,
             kv_cache,
-            meta.block_tables.to(torch.int32).contiguous(),
-            meta.seq_lens.to(torch.int32).contiguous(),
-            meta.query_start_loc.to(torch.int32).contiguous(),
+            _as_kernel_index(meta.block_tables, torch.int32),
+            _as_kernel_index(meta.seq_lens, torch.int32),
+            _as_kernel_index(meta.query_start_loc, torch.int32),
             float(scale),
             int(sliding_window or 0),
             ks,

@@ -40,34 +40,42 @@ def layer_ops() -> ModuleType | None:
         return None
 
 
+# These run a few times per layer of every decode step, where each needless tensor call (a
+# ``device`` object built, a ``view`` that changes nothing) costs about as much as the
+# kernel's arithmetic on one row: the checks read only cheap attributes, and 2-D inputs, the
+# decoder's own case, pass through without a view.
+
+
 def _as_rows(x: torch.Tensor) -> torch.Tensor | None:
     """x as a 2-D [rows, last dim] view with unit inner stride, or None if it has none."""
-    if x.device.type != "cpu" or x.dtype not in _DTYPES or x.stride(-1) != 1:
+    if not x.is_cpu or x.dtype not in _DTYPES or x.stride(-1) != 1:
         return None
-    if x.dim() == 2:
+    dim = x.dim()
+    if dim == 2:
         return x
-    if x.dim() > 2 and x.is_contiguous():
+    if dim > 2 and x.is_contiguous():
         return x.view(-1, x.shape[-1])
     return None
 
 
 def norm_kernel(ops: ModuleType, module: nn.Module):
     """``fast_norm`` for one RMSNorm: the fused kernel, else the definition."""
+    rms_norm = ops.rms_norm
 
     def norm(x: torch.Tensor, residual: torch.Tensor | None = None):
         rows = _as_rows(x)
-        res = None if residual is None else _as_rows(residual)
         weight = module.weight
-        if (
-            rows is None
-            or (residual is not None and (res is None or residual.shape != x.shape))
-            or weight.dtype != x.dtype
-            or weight.device.type != "cpu"
-        ):
+        if rows is None or weight.dtype != x.dtype or not weight.is_cpu:
             return module.forward_native(x, residual)
-        out, h = ops.rms_norm(rows, weight, module.eps, module.offset, res)
         if residual is None:
-            return out.view(x.shape), x
+            out, _ = rms_norm(rows, weight, module.eps, module.offset, None)
+            return (out if rows is x else out.view(x.shape)), x
+        res = _as_rows(residual)
+        if res is None or residual.shape != x.shape:
+            return module.forward_native(x, residual)
+        out, h = rms_norm(rows, weight, module.eps, module.offset, res)
+        if rows is x:
+            return out, h
         return out.view(x.shape), h.view(x.shape)
 
     return norm
@@ -81,6 +89,8 @@ def act_kernel(ops: ModuleType, module: nn.Module):
         rows = _as_rows(x)
         if rows is None or x.shape[-1] % 2:
             return module.forward_native(x)
+        if rows is x:
+            return kernel(rows)
         return kernel(rows).view(*x.shape[:-1], x.shape[-1] // 2)
 
     return act
@@ -89,21 +99,33 @@ def act_kernel(ops: ModuleType, module: nn.Module):
 def rotary_kernel(ops: ModuleType, module: nn.Module):
     """``fast_rotary`` for one RotaryEmbedding: rotates q and k in place."""
 
+    rotary_embedding = ops.rotary_embedding
+
     def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        tables = (module.cos, module.sin)
+        cos, sin = module.cos, module.sin
         ok = (
             q.dim() == 3
             and k.dim() == 3
             and q.dtype == k.dtype
             and q.dtype in _DTYPES
-            and all(t.device.type == "cpu" and t.stride(-1) == 1 for t in (q, k, positions))
-            and all(t.dtype == torch.float32 and t.is_contiguous() for t in tables)
+            and q.is_cpu
+            and k.is_cpu
+            and positions.is_cpu
+            and q.stride(-1) == 1
+            and k.stride(-1) == 1
             and positions.dim() == 1
+            and cos.dtype == sin.dtype == torch.float32
+            and cos.is_cpu
+            and sin.is_cpu
+            and cos.is_contiguous()
+            and sin.is_contiguous()
         )
         if not ok:
             return module.forward_native(positions, q, k)
-        pos = positions if positions.dtype == torch.long else positions.long()
-        ops.rotary_embedding(pos.contiguous(), q, k, *tables, module.rotary_dim)
+        pos = positions
+        if pos.dtype != torch.long or not pos.is_contiguous():
+            pos = pos.long().contiguous()
+        rotary_embedding(pos, q, k, cos, sin, module.rotary_dim)
         return q, k
 
     return rotary
