@@ -226,20 +226,20 @@ def test_int8_activations_round_prefill_rows_but_never_the_head(
 ) -> None:
     """With ``int8_activations`` every bf16 batch of the group-wise layers takes the dot path,
     a 120-row prefill step included (as llama.cpp rounds its prompts), and the LM head never
-    does: each call of the C++ GEMM is recorded with its rows and path."""
+    does: each call of the C++ GEMM is recorded with its columns, rows and path."""
     from pagedllm.backends.cpu import groupwise_linear, packed_linear
 
     ops = packed_linear.gemm_ops()
     if ops is None or not groupwise_linear.dot_rows(ops, torch.bfloat16):
         pytest.skip("no dot path on this build")
     calls: list[tuple[int, int, bool]] = []
-    gemm = groupwise_linear.PackedGroupwise.gemm
+    kernel = ops.groupwise_gemm
 
-    def recorded(self, ops, x, bias, dot):
-        calls.append((self.n, x.shape[0], dot))
-        return gemm(self, ops, x, bias, dot)
+    def recorded(x, packed, n, *rest):  # (x, packed, n, ..., bias, dot): the layers bind it
+        calls.append((n, x.shape[0], rest[-1]))
+        return kernel(x, packed, n, *rest)
 
-    monkeypatch.setattr(groupwise_linear.PackedGroupwise, "gemm", recorded)
+    monkeypatch.setattr(ops, "groupwise_gemm", recorded)  # before the engine binds it
     path = gguf_files["q4_0"]
     engine = Engine(str(path), device="cpu", block_size=8, num_kv_blocks=64, int8_activations=True)
     if engine.executor.worker.dtype != torch.bfloat16:  # type: ignore[attr-defined]
