@@ -8,7 +8,8 @@
 //   float32 summation differs from the definition.
 // - dot: x rounded to int8 per group of 32, integer dot products (gemm_q4_dot.h): half the
 //   instructions of vdpbf16ps per weight or less. The caller chooses (dot=); the CPU backend
-//   takes it for decode-sized bf16/fp16 batches (groupwise_linear.dot_rows).
+//   takes it only where the user sets int8_activations, for bf16/fp16 batches of every size,
+//   prefill included, never in an LM head (groupwise_linear.dot_rows).
 // Threads split the panels; each panel is streamed front to back, once per row tile.
 #include "gemm_q4.h"
 
