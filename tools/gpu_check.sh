@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # One self-contained check on a CUDA machine (no network; torch, triton, transformers present).
 # Runs, compiled on the device (never the interpreter):
-#   1. the Triton kernel tests (fp32/fp16/bf16 vs the PyTorch reference) and the end-to-end
-#      engine test with attention_backend="triton";
-#   2. the Hugging Face equality tests on device="cuda" in float16 (tests/models reads
-#      PAGEDLLM_TEST_DEVICE / PAGEDLLM_TEST_DTYPE);
-#   3. the decode benchmark (JSON written to $OUT_DIR/attention_gpu.json).
+#   1. the Triton kernel tests (fp32/fp16/bf16 and fp8 caches vs the PyTorch reference, fused
+#      MoE, LoRA, the sm_80/sm_90 compile check) and the end-to-end engine tests with
+#      attention_backend="triton";
+#   2. the Hugging Face equality tests on device="cuda" in float16 (test_hf_equality.py is the
+#      file that reads PAGEDLLM_TEST_DEVICE / PAGEDLLM_TEST_DTYPE; the rest of tests/models runs
+#      on the CPU whatever the machine, and would only compile the CPU extension there);
+#   3. the decode benchmark (JSON written to $OUT_DIR/attention_gpu.json);
+#   4. the demo (`make demo`'s job on the embedded model, no download) with --device cuda.
 # Exits non-zero if any step fails; each step has its own time limit (< 8 minutes in all).
+# Needs the `gguf` package (the model tests import it): carry its wheel where it is missing.
 #
 #   tools/gpu_check.sh                 # uses .venv/bin/python, else python3
 #   PYTHON=/path/to/python OUT_DIR=/tmp/out tools/gpu_check.sh
@@ -31,6 +35,11 @@ print(f"{p.name} (sm_{p.major}{p.minor}, {p.total_memory / 2**30:.0f} GiB), "
       f"torch {torch.__version__}, triton {triton.__version__}")
 PYEOF
 
+# Each Triton specialisation compiles for several seconds on the device: spread the kernel
+# tests over the machine's cores where pytest-xdist is installed (184 tests, ~7 s each alone).
+PAR=()
+if "$PY" -c "import xdist" 2>/dev/null; then PAR=(-n "$(nproc)"); fi
+
 failed=()
 step() {  # step NAME SECONDS CMD...
     local name=$1 limit=$2
@@ -45,15 +54,18 @@ step() {  # step NAME SECONDS CMD...
     fi
 }
 
-step "triton kernel + engine tests" 180 \
-    "$PY" -m pytest -q -rfEs -p no:cacheprovider -m gpu \
+step "triton kernel + engine tests" 200 \
+    "$PY" -m pytest -q -rfEs --tb=short -p no:cacheprovider "${PAR[@]}" -m gpu \
     tests/backends/test_attention_conformance.py tests/backends/test_triton_kernels.py \
-    tests/backends/test_triton_engine.py
-step "HF equality on cuda/float16" 150 \
+    tests/backends/test_triton_engine.py tests/backends/test_triton_fp8.py \
+    tests/backends/test_triton_fused_moe.py tests/backends/test_triton_lora.py
+step "HF equality on cuda/float16" 120 \
     env PAGEDLLM_TEST_DEVICE=cuda PAGEDLLM_TEST_DTYPE=float16 \
-    "$PY" -m pytest -q -rfEs -p no:cacheprovider tests/models
-step "decode benchmark" 90 \
-    "$PY" benchmarks/attention_gpu.py --output "$OUT_DIR/attention_gpu.json"
+    "$PY" -m pytest -q -rfEs -p no:cacheprovider tests/models/test_hf_equality.py
+step "decode benchmark" 60 \
+    env PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$PY" benchmarks/attention_gpu.py --output "$OUT_DIR/attention_gpu.json"
+step "demo on cuda" 60 \
+    "$PY" -m pagedllm.entrypoints.demo --no-download --device cuda --max-tokens 32
 
 if [ ${#failed[@]} -gt 0 ]; then
     echo "gpu_check: FAILED: ${failed[*]}"

@@ -97,6 +97,10 @@ class AttentionBackend(ABC):
             f"{works}"
         )
 
+    def check_device(self, device: torch.device) -> None:
+        """``ValueError`` (naming ``attention_backend``) when these kernels cannot run on
+        ``device``: called at engine construction, before any step would fail on it."""
+
     def describe(self) -> str:
         """Which code path runs, for the log line at engine start (an ISA level, say)."""
         return "generic"
@@ -271,7 +275,9 @@ class DeviceBackend(ABC):
                     f"attention_backend: {kind!r} does not run on device {self.name!r}; "
                     f"choose one of {['auto', *offered]}"
                 )
-            return attention_class(kind)()
+            chosen = attention_class(kind)()
+            chosen.check_device(self.device())
+            return chosen
         failures: list[str] = []
         for candidate in self.attention_kinds:
             try:

@@ -106,6 +106,9 @@ class UniProcExecutor(Executor):
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         return [getattr(self.worker, method)(*args)]
 
+    def shutdown(self) -> None:
+        self.worker.release()
+
 
 def check_worker_choices(config: EngineConfig, hf_config: Any) -> None:
     """Raise here the ``ValueError`` a worker would raise as it starts (``kv_cache_dtype`` or

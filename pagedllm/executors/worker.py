@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 from typing import Any
 
@@ -71,6 +72,22 @@ class Worker:
         self.spec: Any = None  # spec_decode.verify.SpecDecodeRunner under speculative decoding
         self.lora_manager: Any = None  # a LoRAManager once the model loads with LoRA enabled
         self.kv_tiers: Any = None  # a kv_tiers.TieredBlockStore with lower KV tiers
+
+    def release(self) -> None:
+        """Drop the model, the KV caches and the adapters, and hand the device memory back.
+
+        For in-process executors, whose process outlives the engine: on a GPU the next engine
+        sizes its KV cache from what the card has free (``gpu_memory_utilization`` of the whole
+        card minus all in use), so whatever this one still held would be taken from it.
+        Idempotent; the worker serves nothing afterwards.
+        """
+        self.cache_engine = None
+        self.cache_engines = []
+        self.runner = None
+        self.spec = None
+        self.lora_manager = None
+        gc.collect()  # a model's modules can hold reference cycles
+        self.backend.empty_cache(self.rank)
 
     def load_model(self) -> None:
         tp = self.tp

@@ -22,6 +22,9 @@ from pagedllm import Engine, SamplingParams
 from tests.conftest import PROMPTS
 from tests.hf_reference import assert_greedy_match, hf_greedy
 
+# Compiled kernels need CUDA tensors; interpreted ones run on CPU tensors.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
@@ -95,7 +98,7 @@ def test_kv_cache_dtype_accepted_or_refused(llama_path: Path) -> None:
     refused at construction, naming what works."""
     engine = Engine(
         str(llama_path),
-        device="cpu",
+        device=DEVICE,
         dtype="float16",
         kv_cache_dtype="float16",
         attention_backend="triton",
@@ -111,7 +114,7 @@ def test_kv_cache_dtype_accepted_or_refused(llama_path: Path) -> None:
     assert len(out[0].outputs[0].token_ids) == 2
     fp8 = Engine(
         str(llama_path),
-        device="cpu",
+        device=DEVICE,
         dtype="float16",
         kv_cache_dtype="fp8_e5m2",
         attention_backend="triton",
@@ -122,7 +125,7 @@ def test_kv_cache_dtype_accepted_or_refused(llama_path: Path) -> None:
     with pytest.raises(ValueError, match=r"^kv_cache_dtype: .*supports \['auto', 'float16', 'fp8"):
         Engine(
             str(llama_path),
-            device="cpu",
+            device=DEVICE,
             dtype="float16",
             kv_cache_dtype="bfloat16",
             attention_backend="triton",

@@ -26,12 +26,16 @@ pytestmark = [
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 
 
-@pytest.fixture(scope="module")
-def kind():
+@pytest.fixture(scope="module", params=[False, True], ids=["fp8-casts", "fp8-bytes"])
+def kind(request):
+    """Both ways the kernels handle fp8: casts (sm_89+, the interpreter) and bytes converted
+    by integer arithmetic (what GPUs before sm_89 run), forced here on whatever device runs."""
     reason = conformance._skip_reason("triton")
     if reason is not None:
         pytest.skip(reason)
-    return conformance._make("triton")
+    kind = conformance._make("triton")
+    kind.backend.fp8_bytes = request.param
+    return kind
 
 
 @pytest.mark.parametrize("cache_dtype", FP8, ids=str)

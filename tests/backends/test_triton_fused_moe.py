@@ -62,11 +62,11 @@ def test_expert_parallel_halves_sum_to_the_whole(fm) -> None:
     half = E // 2
     total = sum(
         fm.fused_moe(
-            x,
-            w13[r * half : (r + 1) * half].contiguous(),
-            w2[r * half : (r + 1) * half].contiguous(),
-            weights,
-            ids,
+            x.to(DEVICE),
+            w13[r * half : (r + 1) * half].contiguous().to(DEVICE),
+            w2[r * half : (r + 1) * half].contiguous().to(DEVICE),
+            weights.to(DEVICE),
+            ids.to(DEVICE),
             expert_start=r * half,
             block_m=16,
             block_n=32,
@@ -74,7 +74,7 @@ def test_expert_parallel_halves_sum_to_the_whole(fm) -> None:
         )
         for r in range(2)
     )
-    check(total, reference_moe(x, w13, w2, weights, ids), 1e-4, "ep")
+    check(total.cpu(), reference_moe(x, w13, w2, weights, ids), 1e-4, "ep")
 
 
 def test_alignment_pads_each_expert_to_whole_blocks(fm) -> None:
@@ -100,14 +100,14 @@ def test_alignment_pads_each_expert_to_whole_blocks(fm) -> None:
 
 
 def test_launcher_rejects_bad_inputs(fm) -> None:
-    w13, w2 = weights_for(torch.float32)
-    x = torch.randn(4, H)
-    ids = torch.zeros(4, TOP_K, dtype=torch.long)
-    w = torch.ones(4, TOP_K)
+    w13, w2 = (w.to(DEVICE) for w in weights_for(torch.float32))
+    x = torch.randn(4, H, device=DEVICE)
+    ids = torch.zeros(4, TOP_K, dtype=torch.long, device=DEVICE)
+    w = torch.ones(4, TOP_K, device=DEVICE)
     with pytest.raises(ValueError, match="dtypes differ"):
         fm.fused_moe(x.half(), w13, w2, w, ids)
     with pytest.raises(ValueError, match="shapes disagree"):
-        fm.fused_moe(torch.randn(4, H + 1), w13, w2, w, ids)
+        fm.fused_moe(torch.randn(4, H + 1, device=DEVICE), w13, w2, w, ids)
     with pytest.raises(ValueError, match="topk_ids"):
         fm.fused_moe(x, w13, w2, w, ids[:3])
 
@@ -128,14 +128,16 @@ def test_gpu_backend_installs_the_kernel_on_moe_layers() -> None:
     assert layer.path == "triton" and quantised.path == "torch"
     weights, ids = routing_case("random")
     x = torch.randn(13, H)
-    check(layer(x, weights, ids), reference_moe(x, w13, w2, weights, ids), 1e-4, "installed")
+    got = layer.to(DEVICE)(x.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE))
+    check(got.cpu(), reference_moe(x, w13, w2, weights, ids), 1e-4, "installed")
 
 
 def test_engine_with_the_triton_moe_path_matches_transformers(
     tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The whole engine on the tiny Mixtral with its experts on the Triton kernels (interpreted
-    on CPU tensors here), greedy tokens equal to transformers'."""
+    """The whole engine on the tiny Mixtral with its experts on the Triton kernels (on a GPU
+    through the CUDA backend, else interpreted on CPU tensors through the CPU backend given the
+    CUDA backend's model preparation), greedy tokens equal to transformers'."""
     from transformers import AutoTokenizer
 
     from pagedllm import Engine, SamplingParams
@@ -147,11 +149,12 @@ def test_engine_with_the_triton_moe_path_matches_transformers(
     from tests.models.moe_models import build_moe
 
     path = build_moe(tmp_path / "mixtral", "mixtral")
-    monkeypatch.setattr(CpuBackend, "prepare_model", CudaBackend.prepare_model)
+    if not ON_CUDA:
+        monkeypatch.setattr(CpuBackend, "prepare_model", CudaBackend.prepare_model)
     tok = AutoTokenizer.from_pretrained(str(path))
     ids = [tok.encode(p) for p in PROMPTS[:4]]
     refs = hf_greedy(path, ids, 6)
-    engine = Engine(str(path), device="cpu", dtype="float32", block_size=8, num_kv_blocks=64)
+    engine = Engine(str(path), device=DEVICE.type, dtype="float32", block_size=8, num_kv_blocks=64)
     model = engine.executor.worker.runner.model  # type: ignore[attr-defined]
     assert {m.path for m in model.modules() if isinstance(m, FusedMoE)} == {"triton"}
     params = SamplingParams(temperature=0.0, max_tokens=6)

@@ -277,6 +277,24 @@ def test_cpu_tensors_without_interpreter_fail_clearly() -> None:
     assert "ERR Triton kernels got cpu tensors" in res.stdout, res.stdout
 
 
+def test_engine_refuses_compiled_triton_on_the_cpu(llama_path) -> None:
+    """Without the interpreter, naming the Triton kernels for device="cpu" is refused when the
+    engine is built (a ValueError naming the field), not at the first step (which would end every
+    request; seen on a CUDA machine, where the interpreter is off)."""
+    code = (
+        "from pagedllm import Engine\n"
+        "try:\n"
+        f"    Engine({str(llama_path)!r}, device='cpu', attention_backend='triton')\n"
+        "except ValueError as e:\n"
+        "    print('ERR', e)\n"
+    )
+    res = _run_python(code)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert "ERR attention_backend: 'triton' on device 'cpu' runs only under" in res.stdout, (
+        res.stdout
+    )
+
+
 def test_kernels_compile_for_nvidia_targets(tmp_path) -> None:
     """The interpreter proves the math; this proves the kernels lower to sm_80/sm_90 cubins."""
     if importlib.util.find_spec("triton.backends.nvidia") is None:
@@ -290,5 +308,5 @@ def test_kernels_compile_for_nvidia_targets(tmp_path) -> None:
     res = _run_python(code, TRITON_DEFAULT_FP_FUSION="1", TRITON_CACHE_DIR=str(tmp_path))
     assert res.returncode == 0, res.stderr[-4000:]
     # 4 attention + 2 fused-MoE + 2 LoRA (shrink, expand) kernels, x3; fp8 caches: write,
-    # decode, prefill for e4m3 and e5m2 on sm_90 and for e5m2 only on sm_80 (x2 dtypes).
-    assert res.stdout.count(" ok ") == 24 + 6 + 2 * 3, res.stdout
+    # decode, prefill for e4m3 and e5m2 on sm_90 (fp8 casts) and on sm_80 (bytes, x2 dtypes).
+    assert res.stdout.count(" ok ") == 24 + 6 + 2 * 6, res.stdout

@@ -145,3 +145,19 @@ def test_failed_step_ends_its_requests_and_engine_recovers(
     assert all_free(engine)
     ok = engine.generate(["A"], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(ok[0].outputs[0].token_ids) == 3
+
+
+def test_shutdown_hands_the_model_and_kv_cache_back(llama_path: Path) -> None:
+    """An in-process engine's process outlives it: after ``shutdown`` nothing it allocated may
+    stay reachable, or a GPU's next engine would size its cache around it (seen on an H200: the
+    second engine of a process got 0 blocks)."""
+    import weakref
+
+    engine = Engine(str(llama_path), num_kv_blocks=16, block_size=8)
+    engine.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)
+    worker = engine.executor.worker  # type: ignore[attr-defined]
+    cache = weakref.ref(worker.cache_engine.kv_caches[0])
+    weight = weakref.ref(next(worker.runner.model.parameters()))
+    engine.shutdown()
+    engine.shutdown()  # idempotent
+    assert cache() is None and weight() is None

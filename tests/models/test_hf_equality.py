@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from pagedllm import Engine, SamplingParams
 from tests.conftest import PROMPTS, TEST_DEVICE, TEST_DTYPE
@@ -27,6 +30,17 @@ def references(tiny_models: dict[str, Path]) -> dict[str, tuple[list[list[int]],
         ids = [tok.encode(p) for p in PROMPTS]
         refs[name] = (ids, hf_greedy(path, ids, MAX_NEW, device=TEST_DEVICE, dtype=TEST_DTYPE))
     return refs
+
+
+@pytest.fixture(autouse=True)
+def release_device_memory() -> Iterator[None]:
+    """On a GPU each engine takes ``gpu_memory_utilization`` of the whole card for its KV cache,
+    counting what earlier engines still hold: a finished test's engine (kept alive by reference
+    cycles) must be collected and its blocks handed back, or the next engine gets 0 blocks."""
+    yield
+    if TEST_DEVICE != "cpu":
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def run_engine(path: Path, ids: list[list[int]], **kwargs: object) -> tuple[Engine, list]:

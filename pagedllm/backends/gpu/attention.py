@@ -32,13 +32,6 @@ def _load_ops() -> ModuleType:
         ) from exc
 
 
-def _e4m3_lowers() -> bool:
-    """Triton lowers fp8 e4m3 from sm_89; off CUDA the interpreter runs it anywhere."""
-    if not torch.cuda.is_available():
-        return True
-    return torch.cuda.get_device_capability() >= (8, 9)
-
-
 class TritonPagedAttention(AttentionBackend):
     """Prefill chunks go to the prefill kernel, decodes to the split-K decode kernel.
 
@@ -56,6 +49,9 @@ class TritonPagedAttention(AttentionBackend):
     #: Used when no ``partition_size`` is given (the engine constructs the backend without
     #: arguments); engine-level tests set it to engage split-K on short contexts.
     default_partition_size: int | None = None
+    #: fp8 caches as bytes converted by integer arithmetic (True) or by fp8 casts (False); None:
+    #: as the device needs (``triton_ops.fp8_as_bytes``: bytes before sm_89). Tests force both.
+    fp8_bytes: bool | None = None
 
     def __init__(
         self, *, partition_size: int | None = None, prefill_block_m: int = 64, tile_n: int = 64
@@ -65,18 +61,21 @@ class TritonPagedAttention(AttentionBackend):
         self.prefill_block_m = prefill_block_m
         self.tile_n = tile_n
 
+    def check_device(self, device: torch.device) -> None:
+        if device.type != "cuda" and not self._ops.interpreted():
+            raise ValueError(
+                f"attention_backend: 'triton' on device {device.type!r} runs only under Triton's "
+                "interpreter (TRITON_INTERPRET=1 set before triton is first imported); its "
+                "compiled kernels need device='cuda'"
+            )
+
     def resolve_kv_cache_dtype(
         self, kv_cache_dtype: str, compute_dtype: torch.dtype
     ) -> torch.dtype:
-        """fp8 with any compute dtype; a 16/32-bit cache only in the compute dtype."""
+        """fp8 (either format, any GPU: before sm_89 the kernels convert its bytes themselves)
+        with any compute dtype; a 16/32-bit cache only in the compute dtype."""
         if kv_cache_dtype in FP8_NAMES:
-            wanted = KV_CACHE_DTYPES[kv_cache_dtype]
-            if wanted == torch.float8_e4m3fn and not _e4m3_lowers():
-                raise ValueError(
-                    f"kv_cache_dtype: {kv_cache_dtype!r} (fp8 e4m3) needs a GPU of compute "
-                    "capability 8.9 or later with the triton backend; use 'fp8_e5m2' here"
-                )
-            return wanted
+            return KV_CACHE_DTYPES[kv_cache_dtype]
         try:
             return super().resolve_kv_cache_dtype(kv_cache_dtype, compute_dtype)
         except ValueError:
@@ -97,7 +96,9 @@ class TritonPagedAttention(AttentionBackend):
         k_scale: float = 1.0,
         v_scale: float = 1.0,
     ) -> None:
-        self._ops.reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale)
+        self._ops.reshape_and_cache(
+            key, value, kv_cache, slot_mapping, k_scale, v_scale, fp8_bytes=self.fp8_bytes
+        )
 
     def forward(
         self,
@@ -127,6 +128,7 @@ class TritonPagedAttention(AttentionBackend):
                 out=out[:p_tok],
                 k_scale=k_scale,
                 v_scale=v_scale,
+                fp8_bytes=self.fp8_bytes,
             )
         if meta.num_decode_tokens:
             self._ops.paged_decode_attention(
@@ -142,6 +144,7 @@ class TritonPagedAttention(AttentionBackend):
                 out=out[p_tok:],
                 k_scale=k_scale,
                 v_scale=v_scale,
+                fp8_bytes=self.fp8_bytes,
             )
         return out
 

@@ -77,7 +77,7 @@ def _cases(dtype: str, quick: bool) -> list[tuple[Any, dict[str, str], dict[str,
                     "BLOCK_G": 16,
                     "BLOCK_D": head,
                     "DOT_PRECISION": prec,
-                    "FP8": False,
+                    **_NO_FP8,
                 },
             )
         )
@@ -107,7 +107,7 @@ def _cases(dtype: str, quick: bool) -> list[tuple[Any, dict[str, str], dict[str,
                     "BLOCK_G": block_g,
                     "BLOCK_D": head,
                     "DOT_PRECISION": prec,
-                    "FP8": False,
+                    **_NO_FP8,
                 },
             )
         )
@@ -130,28 +130,31 @@ def _lora_cases(t: str, prec: str) -> list[tuple[Any, dict[str, str], dict[str, 
     ]
 
 
-_NO_FP8_WRITE = {"FP8_MANTISSA": 0, "FP8_MIN_EXP": 0, "FP8_MAX": 0.0}
+_NO_FP8 = {"FP8_MANTISSA": 0, "FP8_MIN_EXP": 0, "FP8_BYTES": False}
+_NO_FP8_WRITE = {**_NO_FP8, "FP8_MAX": 0.0}
 # Triton's fp8 element types and the write kernel's rounding constants for each.
 _FP8_CASES = {"fp8e4nv": (3, -6, 448.0), "fp8e5": (2, -14, 57344.0)}
 
 
 def fp8_cases(dtype: str, arch: int) -> list[tuple[Any, dict[str, str], dict[str, Any]]]:
-    """The fp8-cache variants (write, split decode, prefill) for a compute ``dtype``; e4m3 only
-    from sm_89 (Ada, Hopper), as Triton lowers it nowhere earlier (the backend refuses it)."""
+    """The fp8-cache variants (write, split decode, prefill) for a compute ``dtype``. Before
+    sm_89 (no fp8 conversion instructions) the kernels take the cache as bytes
+    (``triton_ops.fp8_as_bytes``), as the launchers do on such a GPU."""
     from pagedllm.backends.gpu import triton_ops as ops
 
     t = _TT_DTYPES[dtype]
     prec = "ieee" if dtype == "float32" else "tf32"
+    as_bytes = arch < 89
     cases: list[tuple[Any, dict[str, str], dict[str, Any]]] = []
     for c, (mantissa, min_exp, max_value) in _FP8_CASES.items():
-        if c == "fp8e4nv" and arch < 89:
-            continue
-        cache_ptrs = {"cache_ptr": c, "table_ptr": "i32", "seq_lens_ptr": "i32"}
-        write = {"FP8_MANTISSA": mantissa, "FP8_MIN_EXP": min_exp, "FP8_MAX": max_value}
+        elem = "u8" if as_bytes else c
+        cache_ptrs = {"cache_ptr": elem, "table_ptr": "i32", "seq_lens_ptr": "i32"}
+        fp8 = {"FP8_MANTISSA": mantissa, "FP8_MIN_EXP": min_exp, "FP8_BYTES": as_bytes}
+        write = {**fp8, "FP8_MAX": max_value}
         cases.append(
             (
                 ops._reshape_and_cache_kernel,
-                {"key_ptr": t, "value_ptr": t, "cache_ptr": c, "slot_ptr": "i64"},
+                {"key_ptr": t, "value_ptr": t, "cache_ptr": elem, "slot_ptr": "i64"},
                 {"BLOCK_SIZE": 16, "BLOCK_H": 8, "BLOCK_D": 128, **write},
             )
         )
@@ -167,7 +170,7 @@ def fp8_cases(dtype: str, arch: int) -> list[tuple[Any, dict[str, str], dict[str
                     "SPLIT": True,
                     "BLOCK_G": 16,
                     "DOT_PRECISION": prec,
-                    "FP8": True,
+                    **fp8,
                 },
             )
         )
@@ -175,7 +178,7 @@ def fp8_cases(dtype: str, arch: int) -> list[tuple[Any, dict[str, str], dict[str
             (
                 ops._prefill_kernel,
                 {**cache_ptrs, "q_ptr": t, "out_ptr": t, "query_start_ptr": "i32"},
-                {**attend, "BLOCK_Q": 16, "BLOCK_G": 4, "DOT_PRECISION": prec, "FP8": True},
+                {**attend, "BLOCK_Q": 16, "BLOCK_G": 4, "DOT_PRECISION": prec, **fp8},
             )
         )
     return cases

@@ -18,6 +18,7 @@ Importing this module imports triton; callers import it lazily (see ``attention.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import triton
@@ -44,30 +45,75 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _round_to_fp8(x, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr, MAX_VALUE: tl.constexpr):
+def _pow2_f32(e):
+    """2**e as float32 for an int32 tensor ``e`` in the normal range, built from its bits."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_to_fp8(x, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr, MAX_VALUE: tl.constexpr,
+                  AS_BYTES: tl.constexpr):
     """float32 ``x`` saturated to +-MAX_VALUE and rounded (half to even) to the fp8 grid.
 
-    The cast to fp8 that follows is then exact. Rounding here rather than in the cast gives
-    the reference's bytes on every target: Triton's interpreter mis-rounds casts whose mantissa
-    carries into the exponent (7.97 -> 4.0 instead of 8.0).
+    Returns the rounded float32 (its cast to fp8 is then exact), or with ``AS_BYTES`` the fp8
+    byte itself, for GPUs without fp8 conversion instructions (before sm_89). Rounding here
+    rather than in the cast gives the reference's bytes on every target: Triton's interpreter
+    mis-rounds casts whose mantissa carries into the exponent (7.97 -> 4.0 instead of 8.0).
+    Only exact operations (scaling by powers of 2, integer bits), so fused multiply-adds and
+    approximate division cannot change a byte; the sign is copied as a bit, so tiny negatives
+    stay -0 as in the reference (a negation can be lowered as 0 - r, which gives +0).
     """
     bits = x.to(tl.int32, bitcast=True)
     a = tl.minimum(tl.abs(x), MAX_VALUE)
     exp = (a.to(tl.int32, bitcast=True) >> 23) - 127  # floor(log2(a)), exact
     exp = tl.maximum(exp, MIN_EXP)  # subnormals share the smallest normal exponent's step
-    ulp = ((exp - MANTISSA + 127) << 23).to(tl.float32, bitcast=True)  # 2^(exp - MANTISSA)
     magic = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds y < 2^22 half to even
-    r = ((a / ulp + magic) - magic) * ulp  # a / ulp < 2^(MANTISSA + 1) is exact
-    return tl.where(bits < 0, -r, r)  # the sign bit, so that -0.0 and tiny negatives stay -0
+    steps = (a * _pow2_f32(MANTISSA - exp) + magic) - magic  # a / ulp, rounded: <= 2^(M+1)
+    if AS_BYTES:
+        # Biased exponent (exp - MIN_EXP + 1) and mantissa in one sum: steps holds the implicit
+        # leading 1, and a carry into the next binade (steps == 2^(M+1)) lands right as well.
+        code = ((exp - MIN_EXP) << MANTISSA) + steps.to(tl.int32)
+        out = (code | ((bits >> 24) & 128)).to(tl.uint8)
+    else:
+        r = steps * _pow2_f32(exp - MANTISSA)
+        out = (r.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)
+    return out  # one return: the compiler types every return statement, taken or not
+
+
+@triton.jit
+def _fp8_byte_value(b, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr):
+    """The float32 value of fp8 bytes ``b`` (uint8), by integer arithmetic: what a GPU without
+    fp8 conversions reads. Never-written bytes that would be NaN/inf read as finite values;
+    they are masked out of every softmax, as on the native path."""
+    b = b.to(tl.int32)
+    e = (b >> MANTISSA) & ((1 << (7 - MANTISSA)) - 1)
+    m = b & ((1 << MANTISSA) - 1)
+    mant = tl.where(e == 0, m, m + (1 << MANTISSA)).to(tl.float32)
+    v = mant * _pow2_f32(tl.maximum(e, 1) + (MIN_EXP - 1 - MANTISSA))
+    return tl.where(b >= 128, -v, v)
 
 
 @triton.jit
 def _cache_values(x, scale, FP8_MANTISSA: tl.constexpr, FP8_MIN_EXP: tl.constexpr,
-                  FP8_MAX: tl.constexpr):
+                  FP8_MAX: tl.constexpr, FP8_BYTES: tl.constexpr):
     """What the cache stores, before the cast: ``x``, or for fp8 ``x / scale`` rounded as
-    above (``FP8_MANTISSA`` 0 means a 16/32-bit cache)."""
+    above (``FP8_MANTISSA`` 0 means a 16/32-bit cache). The division is IEEE (``div_rn``), as
+    the reference's; Triton's ``/`` on float32 may be approximate."""
     if FP8_MANTISSA > 0:
-        x = _round_to_fp8(x.to(tl.float32) / scale, FP8_MANTISSA, FP8_MIN_EXP, FP8_MAX)
+        x = _round_to_fp8(
+            tl.div_rn(x.to(tl.float32), scale), FP8_MANTISSA, FP8_MIN_EXP, FP8_MAX, FP8_BYTES
+        )
+    return x
+
+
+@triton.jit
+def _cached_values(x, scale, dtype: tl.constexpr, FP8_MANTISSA: tl.constexpr,
+                   FP8_MIN_EXP: tl.constexpr, FP8_BYTES: tl.constexpr):
+    """Loaded K or V in the compute ``dtype``: fp8 dequantised (times its scale) on the way."""
+    if FP8_MANTISSA > 0:
+        if FP8_BYTES:
+            x = _fp8_byte_value(x, FP8_MANTISSA, FP8_MIN_EXP)
+        x = (x.to(tl.float32) * scale).to(dtype)
     return x
 
 
@@ -79,6 +125,7 @@ def _reshape_and_cache_kernel(
     num_kv_heads, head_size, k_scale, v_scale,
     BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     FP8_MANTISSA: tl.constexpr, FP8_MIN_EXP: tl.constexpr, FP8_MAX: tl.constexpr,
+    FP8_BYTES: tl.constexpr,
 ):
     """One program per token: its [num_kv_heads, head_size] keys and values go to its slot."""
     tok = tl.program_id(0)
@@ -98,8 +145,8 @@ def _reshape_and_cache_kernel(
     v = tl.load(
         value_ptr + tok * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask
     )
-    k = _cache_values(k, k_scale, FP8_MANTISSA, FP8_MIN_EXP, FP8_MAX)
-    v = _cache_values(v, v_scale, FP8_MANTISSA, FP8_MIN_EXP, FP8_MAX)
+    k = _cache_values(k, k_scale, FP8_MANTISSA, FP8_MIN_EXP, FP8_MAX, FP8_BYTES)
+    v = _cache_values(v, v_scale, FP8_MANTISSA, FP8_MIN_EXP, FP8_MAX, FP8_BYTES)
     tl.store(cache_ptr + dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
     tl.store(cache_ptr + stride_c0 + dst, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
@@ -113,11 +160,13 @@ def _attend_range(
     offs_d, d_mask,
     qk_scale, k_scale, v_scale,
     SLIDING_WINDOW: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FP8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    FP8_MANTISSA: tl.constexpr, FP8_MIN_EXP: tl.constexpr, FP8_BYTES: tl.constexpr,
 ):
     """Online softmax of query rows ``q`` [M, D] over keys kv_lo..kv_hi, TILE_N keys at a time.
 
-    An fp8 cache (``FP8``) is dequantised as it is loaded: times its scale, in q's dtype.
+    An fp8 cache (``FP8_MANTISSA`` > 0) is dequantised as it is loaded: times its scale, in q's
+    dtype; with ``FP8_BYTES`` it is read as bytes and converted by integer arithmetic.
     """
     for start in range(kv_lo, kv_hi, TILE_N):
         offs_n = start + tl.arange(0, TILE_N)
@@ -126,8 +175,7 @@ def _attend_range(
         tok_off = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs  # [TILE_N]
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_base + tok_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if FP8:
-            k = (k.to(tl.float32) * k_scale).to(q.dtype)
+        k = _cached_values(k, k_scale, q.dtype, FP8_MANTISSA, FP8_MIN_EXP, FP8_BYTES)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, TILE_N]
         allowed = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
         if SLIDING_WINDOW > 0:
@@ -140,8 +188,7 @@ def _attend_range(
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_base + tok_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if FP8:
-            v = (v.to(tl.float32) * v_scale).to(q.dtype)
+        v = _cached_values(v, v_scale, q.dtype, FP8_MANTISSA, FP8_MIN_EXP, FP8_BYTES)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
@@ -159,7 +206,7 @@ def _decode_partition_kernel(
     SLIDING_WINDOW: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     PARTITION: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FP8: tl.constexpr,
+    FP8_MANTISSA: tl.constexpr, FP8_MIN_EXP: tl.constexpr, FP8_BYTES: tl.constexpr,
 ):
     """Grid (decode seq, KV head, partition): one context partition for one group of heads.
 
@@ -194,7 +241,7 @@ def _decode_partition_kernel(
         q, acc, m_i, l_i, q_pos, lo, hi,
         table_ptr + seq * stride_tb, k_base, k_base + stride_c0, stride_cb, stride_cs,
         offs_d, d_mask, qk_scale, k_scale, v_scale,
-        SLIDING_WINDOW, BLOCK_SIZE, TILE_N, DOT_PRECISION, FP8,
+        SLIDING_WINDOW, BLOCK_SIZE, TILE_N, DOT_PRECISION, FP8_MANTISSA, FP8_MIN_EXP, FP8_BYTES,
     )
     if SPLIT:
         row = seq * stride_mt + heads * stride_mh + part
@@ -253,7 +300,8 @@ def _prefill_kernel(
     qk_scale, k_scale, v_scale, group, head_size,
     SLIDING_WINDOW: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FP8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    FP8_MANTISSA: tl.constexpr, FP8_MIN_EXP: tl.constexpr, FP8_BYTES: tl.constexpr,
 ):
     """Grid (query tile, prefill seq, KV head): BLOCK_Q new tokens x the heads of one group.
 
@@ -292,7 +340,8 @@ def _prefill_kernel(
             q, acc, m_i, l_i, q_pos, lo, hi,
             table_ptr + seq * stride_tb, k_base, k_base + stride_c0, stride_cb, stride_cs,
             offs_d, d_mask, qk_scale, k_scale, v_scale,
-            SLIDING_WINDOW, BLOCK_SIZE, TILE_N, DOT_PRECISION, FP8,
+            SLIDING_WINDOW, BLOCK_SIZE, TILE_N, DOT_PRECISION,
+            FP8_MANTISSA, FP8_MIN_EXP, FP8_BYTES,
         )
         # Padding rows (g >= group, tok >= q_len) have l = 0; keep them finite, they are masked.
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -309,9 +358,14 @@ def _pow2(n: int, floor: int = 1) -> int:
     return max(floor, triton.next_power_of_2(n))
 
 
+def interpreted() -> bool:
+    """Whether the kernels run under Triton's interpreter (TRITON_INTERPRET=1 at import)."""
+    return isinstance(_prefill_kernel, InterpretedFunction)
+
+
 def _check_runnable(device: torch.device) -> None:
     """Off CUDA the kernels only run interpreted; say so instead of failing deep in triton."""
-    if device.type != "cuda" and not isinstance(_prefill_kernel, InterpretedFunction):
+    if device.type != "cuda" and not interpreted():
         raise RuntimeError(
             f"Triton kernels got {device.type} tensors: they need a CUDA device, or "
             "TRITON_INTERPRET=1 set before triton is first imported (tests, CPU debugging)"
@@ -327,6 +381,27 @@ def _dot_precision(dtype: torch.dtype) -> str:
 _FP8_FORMATS = {torch.float8_e4m3fn: (3, -6, 448.0), torch.float8_e5m2: (2, -14, 57344.0)}
 
 
+def fp8_as_bytes(device: torch.device) -> bool:
+    """Whether the kernels handle an fp8 cache on ``device`` as bytes, converting with integer
+    arithmetic: GPUs before sm_89 (A100) have no fp8 conversion instructions, and Triton 3.6
+    lowers even e5m2 to them there (ptxas then refuses the kernel). sm_89+ and the interpreter
+    convert natively."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9)
+
+
+def _fp8_args(
+    kv_cache: torch.Tensor, fp8_bytes: bool | None
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The cache as the kernels take it and its fp8 constexprs (mantissa 0: not fp8).
+    ``fp8_bytes`` None: :func:`fp8_as_bytes` for the cache's device; tests force either path."""
+    fmt = _FP8_FORMATS.get(kv_cache.dtype)
+    if fmt is None:
+        return kv_cache, {"FP8_MANTISSA": 0, "FP8_MIN_EXP": 0, "FP8_BYTES": False}
+    as_bytes = fp8_as_bytes(kv_cache.device) if fp8_bytes is None else fp8_bytes
+    cache = kv_cache.view(torch.uint8) if as_bytes else kv_cache
+    return cache, {"FP8_MANTISSA": fmt[0], "FP8_MIN_EXP": fmt[1], "FP8_BYTES": as_bytes}
+
+
 def reshape_and_cache(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
@@ -334,11 +409,14 @@ def reshape_and_cache(
     slot_mapping: torch.Tensor,  # [num_tokens] int; -1 skips a token
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    *,
+    fp8_bytes: bool | None = None,
 ) -> None:
     """Write each token's keys and values at ``slot = block * block_size + offset``.
 
     An fp8 cache stores ``key / k_scale`` and ``value / v_scale``, saturated and rounded half
     to even (the bytes of ``kv_layout.to_cache_dtype``); the scales are ignored otherwise.
+    ``fp8_bytes``: see :func:`_fp8_args`.
     """
     kvh, block_size, head_size = check_cache(kv_cache, key.device)
     check_tokens("key", key, kvh, head_size)
@@ -352,14 +430,14 @@ def reshape_and_cache(
     if key.shape[0] == 0:
         return
     _check_runnable(key.device)
-    fp8 = _FP8_FORMATS.get(kv_cache.dtype, (0, 0, 0.0))
+    cache, fp8 = _fp8_args(kv_cache, fp8_bytes)
     _reshape_and_cache_kernel[(key.shape[0],)](
-        key, value, kv_cache, slot_mapping,
+        key, value, cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         kvh, head_size, float(k_scale), float(v_scale),
         BLOCK_SIZE=block_size, BLOCK_H=_pow2(kvh), BLOCK_D=_pow2(head_size),
-        FP8_MANTISSA=fp8[0], FP8_MIN_EXP=fp8[1], FP8_MAX=fp8[2],
+        FP8_MAX=_FP8_FORMATS.get(kv_cache.dtype, (0, 0, 0.0))[2], **fp8,
     )
 
 
@@ -393,6 +471,7 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    fp8_bytes: bool | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_size]
     """Decode attention; contexts over ``partition_size`` tokens are split across programs.
 
@@ -431,8 +510,9 @@ def paged_decode_attention(
         part_sum = torch.empty_like(part_max)
     else:  # unused but must be valid pointers
         part_out = part_max = part_sum = out
+    cache, fp8 = _fp8_args(kv_cache, fp8_bytes)
     _decode_partition_kernel[(num_seqs, kvh, num_parts)](
-        query, out, kv_cache, block_tables, seq_lens,
+        query, out, cache, block_tables, seq_lens,
         part_out, part_max, part_sum,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
@@ -443,7 +523,7 @@ def paged_decode_attention(
         SLIDING_WINDOW=window, BLOCK_SIZE=block_size, TILE_N=tile,
         PARTITION=partition_size, SPLIT=split,
         BLOCK_G=_pow2(group, 16), BLOCK_D=block_d, DOT_PRECISION=_dot_precision(query.dtype),
-        FP8=kv_cache.dtype in _FP8_FORMATS,
+        **fp8,
         num_warps=4,
     )
     if split:
@@ -475,6 +555,7 @@ def prefill_attention(
     out: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    fp8_bytes: bool | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
     """Causal attention of new tokens over their cached context and themselves.
 
@@ -499,15 +580,16 @@ def prefill_attention(
     block_g = _pow2(group)
     block_q = max(1, block_m // block_g)
     grid = (triton.cdiv(max_query_len, block_q), num_seqs, kvh)
+    cache, fp8 = _fp8_args(kv_cache, fp8_bytes)
     _prefill_kernel[grid](
-        query, out, kv_cache, block_tables, seq_lens, query_start_loc,
+        query, out, cache, block_tables, seq_lens, query_start_loc,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0),
         scale * _LOG2E, float(k_scale), float(v_scale), group, head_size,
         SLIDING_WINDOW=window, BLOCK_SIZE=block_size, TILE_N=tile_n,
         BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_D=_pow2(head_size, 16),
-        DOT_PRECISION=_dot_precision(query.dtype), FP8=kv_cache.dtype in _FP8_FORMATS,
+        DOT_PRECISION=_dot_precision(query.dtype), **fp8,
         num_warps=4,
     )
     return out
