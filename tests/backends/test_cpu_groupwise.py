@@ -582,3 +582,25 @@ def test_the_gguf_block_decoder_equals_the_numpy_definitions() -> None:
         decode(torch.zeros(2, 18, dtype=torch.uint8), "Q5_0")
     with pytest.raises(RuntimeError, match="not whole Q4_0 blocks"):
         decode(torch.zeros(2, 19, dtype=torch.uint8), "Q4_0")
+
+
+def test_the_load_time_check_bounds_like_assert_close() -> None:
+    """``_check`` keeps assert_close's bound (NaN and shape mismatches fail) without importing
+    what assert_close imports on first use (torch.distributed.tensor: up to 1.8 s of start-up)."""
+    import subprocess
+    import sys
+
+    ref = torch.tensor([[1.0, -2.0], [0.0, 3.0]])
+    ident = packed_linear._check
+    ident(lambda x: x + 1e-6, ref, ref, 1e-5)  # within rtol x (max|ref| + 1 + |ref|)
+    for got in (ref * 1.01, ref.masked_fill(ref == 0, float("nan")), ref[:1]):
+        with pytest.raises(AssertionError):
+            ident(lambda x, got=got: got, ref, ref, 1e-5)
+    code = (
+        "import sys, torch\n"
+        "from pagedllm.backends.cpu import packed_linear as p\n"
+        "p._check(lambda x: x, torch.ones(2, 2), torch.ones(2, 2), 1e-5)\n"
+        "print('torch.distributed.tensor' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr

@@ -169,14 +169,17 @@ def burst_prompts() -> list[list[int]]:
 
 
 async def run_burst(base_url: str, prompts: list[list[int]], kill: Any) -> list[dict[str, Any]]:
+    """Stream every prompt at once; from the moment half the streams have their first chunk,
+    ``kill()`` is called at each further first chunk until it returns True (it acts only once
+    its victim holds a stream: under load the victim's streams can all be done by then)."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=base_url, api_key=API_KEY, max_retries=0, timeout=120)
     results: list[dict[str, Any]] = [{} for _ in prompts]
-    started = 0
+    started, killed = 0, False
 
     async def one(i: int) -> None:
-        nonlocal started
+        nonlocal started, killed
         text, first = "", True
         try:
             stream = await client.completions.create(
@@ -192,8 +195,8 @@ async def run_burst(base_url: str, prompts: list[list[int]], kill: Any) -> list[
                 text += chunk.choices[0].text if chunk.choices else ""
                 if first:
                     first, started = False, started + 1
-                    if started == NUM_STREAMS // 2:
-                        kill()
+                    if started >= NUM_STREAMS // 2 and not killed:
+                        killed = bool(kill())
             results[i]["text"] = text
         except openai.APIError as exc:
             results[i]["error"] = str(exc)
@@ -240,9 +243,13 @@ def test_killed_replica_fails_only_its_streams_and_comes_back(
     owners: dict[str, int] = {}
     victim = engine.replicas[0]
 
-    def kill() -> None:
-        owners.update(engine.router.owners())
+    def kill() -> bool:
+        now = engine.router.owners()
+        if 0 not in now.values():
+            return False  # the victim holds no stream at this moment: wait for one
+        owners.update(now)
         os.kill(victim.proc.pid, 9)
+        return True
 
     health: list[str] = []
     stop_polling = threading.Event()
@@ -279,7 +286,7 @@ def test_killed_replica_fails_only_its_streams_and_comes_back(
         poller.join(5)
         assert "degraded" in health and health[-1] == "ok", health
         # The replica serves again: a few requests land on both.
-        again = asyncio.run(run_burst(base + "/v1", prompts[:8], lambda: None))
+        again = asyncio.run(run_burst(base + "/v1", prompts[:8], lambda: True))
         assert [r["text"] for r in again] == expected[:8]
         with httpx.Client(base_url=base, timeout=10) as http:
             for _ in range(100):
