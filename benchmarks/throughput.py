@@ -14,6 +14,12 @@ machine's measured read bandwidth they reach (weight bytes streamed per step ove
     python benchmarks/throughput.py                      # 56M float32 Llama (a few minutes)
     python benchmarks/throughput.py --model-size 1b      # Llama-3.2-1B shape in bfloat16
     python benchmarks/throughput.py --smoke              # tiny model and workload, for CI
+    python benchmarks/throughput.py --device cuda        # on a GPU: ours vs transformers,
+                                                         # bf16 and fp32 (tools/gpu_check.sh)
+
+On a GPU the host's matmul peak and bandwidth are not measured (null), our engine takes half the
+card for its KV cache and runs the whole workload once untimed first (Triton compiles each
+kernel specialisation on first use), and transformers' time ends at a device synchronisation.
 """
 
 from __future__ import annotations
@@ -63,6 +69,13 @@ MODELS: dict[str, dict[str, Any]] = {
 # The shapes the other benchmarks build (float32).
 FULL_MODEL = MODELS["56m"]
 SMOKE_MODEL = MODELS["smoke"]
+# On a CUDA device (``--device cuda``): our engine and transformers in the same dtypes.
+GPU_ENGINES = [
+    "pagedllm-bfloat16",
+    "transformers-bfloat16",
+    "pagedllm-float32",
+    "transformers-float32",
+]
 # Which engines each size compares by default (name -> how it runs).
 ENGINES: dict[str, list[str]] = {
     "smoke": ["pagedllm-float32", "pagedllm-bfloat16", "pagedllm-w8a8", "transformers-float32"],
@@ -184,12 +197,18 @@ def run_pagedllm(
     from pagedllm.backends.cpu._ops import resolve_isa
 
     start = time.perf_counter()
+    # The CPU's KV budget is given; a GPU's is half the card (others may share it).
+    memory = (
+        {"kv_cache_space": args.kv_cache_space}
+        if args.device == "cpu"
+        else {"gpu_memory_utilization": 0.5}
+    )
     engine = Engine(
         str(model),
-        device="cpu",
+        device=args.device,
         skip_tokenizer_init=True,
         max_num_seqs=max(len(reqs), 64),
-        kv_cache_space=args.kv_cache_space,
+        **memory,
         **_engine_kwargs(engine_name, spec),
     )
     load_seconds = time.perf_counter() - start
@@ -197,7 +216,10 @@ def run_pagedllm(
     params = [
         SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in reqs
     ]
-    engine.generate(prompts[:2], [p.clone(max_tokens=2) for p in params[:2]], use_tqdm=False)
+    if args.device == "cpu":
+        engine.generate(prompts[:2], [p.clone(max_tokens=2) for p in params[:2]], use_tqdm=False)
+    else:  # every Triton specialisation the workload meets compiles here, not in the timing
+        engine.generate(prompts, params, use_tqdm=False)
     c = engine.counters
     alloc0, used0 = c.kv_slots_allocated, c.kv_slots_used
     start = time.perf_counter()
@@ -251,8 +273,9 @@ def run_transformers(
     from transformers import AutoModelForCausalLM
 
     dtype = getattr(torch, engine_name.rsplit("-", 1)[1])
+    device = torch.device(args.device)
     start = time.perf_counter()
-    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype).eval().to(device)
     load_seconds = time.perf_counter() - start
     start = time.perf_counter()
     with torch.inference_mode():
@@ -266,13 +289,15 @@ def run_transformers(
                 mask[j, width - len(r.prompt) :] = 1
             new = max(r.output_len for r in batch)
             hf.generate(
-                ids,
-                attention_mask=mask,
+                ids.to(device),
+                attention_mask=mask.to(device),
                 max_new_tokens=new,
                 min_new_tokens=new,
                 do_sample=False,
                 pad_token_id=0,
             )
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the last batch's kernels may still be queued
     return {
         "seconds": time.perf_counter() - start,
         "load_seconds": load_seconds,
@@ -324,6 +349,8 @@ def _in_subprocess(engine: str, args: argparse.Namespace, requests: Path) -> dic
         str(args.kv_cache_space),
         "--llama-cpp-parallel",
         str(args.llama_cpp_parallel),
+        "--device",
+        args.device,
         *(["--bandwidth"] if args.bandwidth else []),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -350,12 +377,13 @@ def summarize(
         "requests_per_s": len(reqs) / secs,
         "output_tokens_per_s": out_tokens / secs,
         "total_tokens_per_s": (out_tokens + in_tokens) / secs,
-        "matmul_peak_fraction": flops / secs / peak,
+        "matmul_peak_fraction": flops / secs / peak if peak else None,
     }
 
 
 def _engines(args: argparse.Namespace) -> list[str]:
-    names = args.engines.split(",") if args.engines else ENGINES[args.model_size]
+    default = GPU_ENGINES if args.device != "cpu" else ENGINES[args.model_size]
+    names = args.engines.split(",") if args.engines else default
     if args.skip_hf:
         names = [n for n in names if not n.startswith("transformers")]
     llama_missing = _llama_cpp_missing()
@@ -379,7 +407,7 @@ def _bandwidth(results: list[dict[str, Any]], spec: dict[str, Any], bw: float) -
     out = {}
     for r in results:
         step = r.get("decode_step_seconds_64")
-        if step:
+        if step and bw:
             weights = streamed_weight_bytes(spec, r["engine"])
             out[r["engine"]] = {
                 "weight_gib_per_step": round(weights / (1 << 30), 3),
@@ -402,6 +430,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-dir", type=Path, default=None)
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="tiny model and workload (CI)")
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="cuda: ours vs transformers"
+    )
+    parser.add_argument("--output", type=Path, default=None, help="also write the JSON here")
     parser.add_argument("--run-one", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--requests", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -421,14 +453,23 @@ def main(argv: list[str] | None = None) -> None:
         reqs = make_workload(n, spec["vocab_size"], prompt_range, output_range, args.seed)
         requests = Path(tmp) / "requests.json"
         requests.write_text(json.dumps([asdict(r) for r in reqs]))
-        peak = matmul_peak_flops(0.3 if args.smoke else 2.0)
-        bw = read_bandwidth(0.2 if args.smoke else 1.0, 1 << (26 if args.smoke else 30))
+        # The host's matmul peak and read bandwidth describe CPU engines only.
+        on_cpu = args.device == "cpu"
+        peak = matmul_peak_flops(0.3 if args.smoke else 2.0) if on_cpu else 0.0
+        bw = (
+            read_bandwidth(0.2 if args.smoke else 1.0, 1 << (26 if args.smoke else 30))
+            if on_cpu
+            else 0.0
+        )
         flops = workload_flops(reqs, spec)
         results = [
             summarize(e, _in_subprocess(e, args, requests), reqs, flops, peak)
             for e in _engines(args)
         ]
-    print(json.dumps(_report(args, spec, reqs, results, flops, peak, bw), indent=2))
+    report = json.dumps(_report(args, spec, reqs, results, flops, peak, bw), indent=2)
+    print(report)
+    if args.output is not None:
+        args.output.write_text(report + "\n")
 
 
 def _report(
@@ -445,6 +486,7 @@ def _report(
     return {
         "benchmark": "throughput",
         "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "processor": cpu_model_name(),
         "isa": resolve_isa(),
         "torch_threads": torch.get_num_threads(),
@@ -454,8 +496,8 @@ def _report(
         "input_tokens": sum(len(r.prompt) for r in reqs),
         "output_tokens": sum(r.output_len for r in reqs),
         "workload_gflop": flops / 1e9,
-        "matmul_peak_gflops": peak / 1e9,
-        "read_bandwidth_gbps": bw / 1e9,
+        "matmul_peak_gflops": peak / 1e9 or None,
+        "read_bandwidth_gbps": bw / 1e9 or None,
         "results": results,
         "output_speed_ratios": _ratios(results),
         "decode_bandwidth": _bandwidth(results, spec, bw),

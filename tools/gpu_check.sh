@@ -8,8 +8,10 @@
 #      file that reads PAGEDLLM_TEST_DEVICE / PAGEDLLM_TEST_DTYPE; the rest of tests/models runs
 #      on the CPU whatever the machine, and would only compile the CPU extension there);
 #   3. the decode benchmark (JSON written to $OUT_DIR/attention_gpu.json);
-#   4. the demo (`make demo`'s job on the embedded model, no download) with --device cuda.
-# Exits non-zero if any step fails; each step has its own time limit (< 8 minutes in all).
+#   4. the offline throughput benchmark, our engine vs transformers on the device (bf16, fp32;
+#      JSON written to $OUT_DIR/throughput_gpu.json);
+#   5. the demo (`make demo`'s job on the embedded model, no download) with --device cuda.
+# Exits non-zero if any step fails; each step has its own time limit (< 10 minutes in all).
 # Needs the `gguf` package (the model tests import it): carry its wheel where it is missing.
 #
 #   tools/gpu_check.sh                 # uses .venv/bin/python, else python3
@@ -64,6 +66,9 @@ step "HF equality on cuda/float16" 120 \
     "$PY" -m pytest -q -rfEs -p no:cacheprovider tests/models/test_hf_equality.py
 step "decode benchmark" 60 \
     env PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$PY" benchmarks/attention_gpu.py --output "$OUT_DIR/attention_gpu.json"
+step "throughput vs transformers" 150 \
+    env PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$PY" benchmarks/throughput.py \
+    --device cuda --num-requests 64 --output "$OUT_DIR/throughput_gpu.json"
 step "demo on cuda" 60 \
     "$PY" -m pagedllm.entrypoints.demo --no-download --device cuda --max-tokens 32
 
