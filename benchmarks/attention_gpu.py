@@ -10,7 +10,10 @@ after a while of serving), it times one decode step of the whole batch:
   paging at all: the bar to reach).
 
 Every iteration first overwrites a buffer larger than L2, so K/V come from HBM (``--no-flush`` to
-keep L2 warm). Bandwidth = KV + query + output bytes per second, against the theoretical peak
+keep L2 warm). Each implementation is timed as one CUDA-graph replay (``ms``: the kernels' own
+time) and as launched (``ms_eager``: Python's launch cost included, what the engine pays today;
+on the first H200 runs two runs' eager Triton times differed 3.5x while PyTorch's agreed).
+Bandwidth = KV + query + output bytes per second, against the theoretical peak
 from the device's memory clock and bus width (or ``--peak-gbps``). Prints one JSON object.
 
     python benchmarks/attention_gpu.py            # batch 32, context 512/2048, d=128, 8q/2kv, fp16
@@ -58,10 +61,14 @@ def peak_bytes_per_s(props: object) -> float | None:
     return 2.0 * clock_khz * 1e3 * bus_bits / 8
 
 
-def timer(device: torch.device, flush: torch.Tensor | None) -> Callable[..., float]:
-    """Median seconds of ``fn`` over ``iters`` calls (CUDA events on the GPU)."""
+def timer(
+    device: torch.device, flush: torch.Tensor | None
+) -> Callable[..., dict[str, float | None]]:
+    """Median seconds of ``fn`` over ``iters`` calls (CUDA events on the GPU), launched as it is
+    (``eager``: what the engine pays today, Python launch overhead included) and, on a GPU, as
+    one CUDA-graph replay (``graph``: the kernels' own time; None where capture fails)."""
 
-    def run(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
+    def measure(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
         for _ in range(warmup):
             fn()
         times = []
@@ -82,7 +89,30 @@ def timer(device: torch.device, flush: torch.Tensor | None) -> Callable[..., flo
                 times.append(time.perf_counter() - t0)
         return statistics.median(times)
 
+    def run(fn: Callable[[], object], iters: int) -> dict[str, float | None]:
+        eager = measure(fn, iters)
+        replay = graphed(fn) if device.type == "cuda" else None
+        return {"eager": eager, "graph": measure(replay, iters) if replay else None}
+
     return run
+
+
+def graphed(fn: Callable[[], object]) -> Callable[[], object] | None:
+    """``fn`` captured in a CUDA graph (its replay launches every kernel at once), or None."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up off the capture (Triton compiles, allocator)
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception as exc:  # a benchmark: whatever the capture refuses, time it eagerly
+        sys.stderr.write(f"CUDA graph capture failed ({exc}); eager timing only\n")
+        return None
+    return graph.replay
 
 
 def decode_case(
@@ -142,14 +172,17 @@ def run_context(
         ("torch_gathered", gathered),
         ("sdpa_contiguous", contiguous),
     ):
-        secs = timed(fn, args.iters)
+        times = timed(fn, args.iters)
+        secs = times["graph"] or times["eager"]
         bw = moved / secs
         rows.append(
             {
                 "context": ctx,
                 "impl": name,
                 "partition_size": partition if name == "triton" else None,
+                "timing": "cuda_graph" if times["graph"] else "eager",
                 "ms": round(secs * 1e3, 4),
+                "ms_eager": round(times["eager"] * 1e3, 4),
                 "gbytes_per_s": round(bw / 1e9, 2),
                 "frac_of_peak": round(bw / peak, 3) if peak else None,
                 "max_abs_diff_vs_triton": float((fn().float() - ref).abs().max()),
