@@ -71,10 +71,9 @@ def test_triton_engine_matches_transformers(
 
     monkeypatch.setattr(TritonPagedAttention, "default_partition_size", PARTITION)
     assert max(len(i) for i in prompt_ids) + MAX_NEW > PARTITION  # split-K engaged
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     engine = Engine(
         str(llama_path),
-        device=device,
+        device=DEVICE,
         attention_backend="triton",
         dtype="float32",
         num_kv_blocks=96,
