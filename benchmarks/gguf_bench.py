@@ -262,10 +262,11 @@ def _ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float]:
 
 def _streamed_bytes(path: Path, compute_bytes: int) -> int:
     """Weight bytes one decode step reads: each linear layer and the LM head as the engine keeps
-    them (the file's bytes for 4-bit and Q8_0; 8.5625 bits a weight for Q6_K, whose 6-bit q
-    are held as int8; the compute dtype for what is dequantised). The embedding's rows are
-    gathered, not streamed."""
+    them in the default engine (the file's bytes for 4-bit and Q8_0; Q6_K at 6.625 bits a weight
+    where the build reads its q at 6 bits, else 8.5625 as int8; the compute dtype for what is
+    dequantised). The embedding's rows are gathered, not streamed."""
     from pagedllm.backends.cpu.backend import CpuBackend
+    from pagedllm.backends.cpu.packed_linear import gemm_ops
     from pagedllm.models.gguf.config import family_of
     from pagedllm.models.gguf.loading import open_gguf
     from pagedllm.models.gguf.weights import NOT_WEIGHTS, hf_name, plan_layers, tensor_format
@@ -274,6 +275,8 @@ def _streamed_bytes(path: Path, compute_bytes: int) -> int:
     family = family_of(gguf)
     plan = plan_layers(gguf, family, CpuBackend().native_weight_formats())
     head = "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"
+    ops = gemm_ops()
+    q6_k_bits = 6.625 if ops is not None and ops.groupwise_six_bits() else 8.5625
     total = 0
     for name, t in gguf.tensors.items():
         if name in NOT_WEIGHTS or len(t.shape) != 2:
@@ -284,7 +287,7 @@ def _streamed_bytes(path: Path, compute_bytes: int) -> int:
         elements = t.shape[0] * t.shape[1]
         fmt = tensor_format(plan, name, module)  # a fused layer's parts may differ
         if fmt == "q6_k":
-            total += elements * 8.5625 / 8
+            total += elements * q6_k_bits / 8
         elif fmt is not None:
             total += int(t.raw.nbytes)
         else:

@@ -19,7 +19,8 @@ shape, side by side in one run:
   (``csrc/gemm_q4.cpp``) on the same weight quantised in groups of 32 as each source stores it
   (int4 made at load: fp16 scale and offset, 5 bits a weight; Q4_0: 4.5; Q4_K: d and dmin per 8
   groups, 4.625; Q8_0: 8.5; Q6_K: q - 32 as int8, d per 8 groups times int8 sc per 16 k,
-  8.5625), with the path each batch takes by default (the integer dot path
+  8.5625; ``q6_k6``: Q6_K's q at 6 bits, 6.625, where the build reads them, the float path
+  only), with the path each batch takes by default (the integer dot path
   for bf16 batches of up to 8 rows where there is VNNI); ``int4_float_cpp``: the float path at
   every batch;
 * ``linear_path``: what ``CpuBackend.prepare_model`` would pick for a bf16 weight on this CPU.
@@ -183,7 +184,10 @@ def groupwise_weights(w32: torch.Tensor) -> dict[str, PackedGroupwise]:
     if w32.shape[1] % 256 == 0:  # Q4_K's and Q6_K's super-blocks
         made["q4_k"] = _q4_k(w32)
         made["q6_k"] = _q6_k(w32)
-    return {name: pack_groupwise(ops, *tensors) for name, tensors in made.items()}
+    packed = {name: pack_groupwise(ops, *tensors) for name, tensors in made.items()}
+    if "q6_k" in made and ops.groupwise_six_bits():
+        packed["q6_k6"] = pack_groupwise(ops, *made["q6_k"], six=True)
+    return packed
 
 
 def _groupwise_paths(w32: torch.Tensor) -> dict[str, tuple[object, torch.dtype, float]]:
@@ -348,7 +352,7 @@ def decode_from_memory(
                 row[f"{name}_weight_GBps"] = round(gbps, 2)
                 if read_gbps:
                     row[f"{name}_read_share"] = round(gbps / read_gbps, 2)
-        for name in ("int4", "q4_0", "q4_k", "q8_0", "q6_k"):
+        for name in ("int4", "q4_0", "q4_k", "q8_0", "q6_k", "q6_k6"):
             if f"{name}_ms" in row and "bf16_ms" in row:
                 row[f"{name}_vs_bf16"] = round(row["bf16_ms"] / row[f"{name}_ms"], 2)
             if f"{name}_ms" in row and "int8_ms" in row:
@@ -377,7 +381,7 @@ def dot_vs_float(
         gemms = {
             fmt: make_groupwise_gemm(ops, pw, None)
             for fmt, pw in groupwise_weights(w32).items()
-            if fmt in formats
+            if fmt in formats and pw.bits != 6  # six-bit layers have no dot path
         }
         rows = []
         for m in batches:

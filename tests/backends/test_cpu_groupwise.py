@@ -54,6 +54,8 @@ Q6_K_SHAPES = ((17, 256), (37, 768), (50, 4096))
 CASES = [(kind, shape) for kind in KINDS if kind != "q6_k" for shape in SHAPES] + [
     ("q6_k", shape) for shape in Q6_K_SHAPES
 ]
+# The float path reads Q6_K's q at 6 bits too ("q6_k6": AVX-512 builds; no dot path).
+FLOAT_CASES = CASES + [("q6_k6", shape) for shape in Q6_K_SHAPES]
 
 
 @pytest.fixture(scope="module", params=ISAS)
@@ -87,8 +89,12 @@ def _q6_k_data(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 
 
 def _pack(ops, weight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None):
-    """pack_groupwise, given a q6_k layer's d (carried by _layer_data's scale as ``q6_k_d``)."""
-    return pack_groupwise(ops, weight, scale, offset, getattr(scale, "q6_k_d", None))
+    """pack_groupwise, given a q6_k layer's d (carried by _layer_data's scale as ``q6_k_d``,
+    and ``q6_k_six`` for q at 6 bits)."""
+    six = getattr(scale, "q6_k_six", False)
+    if six and not ops.groupwise_six_bits():
+        pytest.skip(f"the {ops.built_isa()} build reads no six-bit weights")
+    return pack_groupwise(ops, weight, scale, offset, getattr(scale, "q6_k_d", None), six=six)
 
 
 def _layer_data(
@@ -96,9 +102,10 @@ def _layer_data(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """(stored weight, scale, offset, integers q [N, K]) shaped as each source makes them
     (q6_k: :func:`_q6_k_data`'s d as the scale's ``q6_k_d``, read by :func:`_pack`)."""
-    if kind == "q6_k":
+    if kind in ("q6_k", "q6_k6"):
         q, scale, d = _q6_k_data(n, k)
         scale.q6_k_d = d
+        scale.q6_k_six = kind == "q6_k6"
         return q, scale, None, q
     g = k // 32
     if kind in ("q8_0", "q8_f32"):  # fp16 d (or any float32), q in -127..127
@@ -138,7 +145,7 @@ def _case_id(case) -> str:
 
 
 @pytest.mark.parametrize("xdtype", ACT_DTYPES, ids=str)
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.parametrize("case", FLOAT_CASES, ids=_case_id)
 def test_float_path_matches_float64_reference(ops, case, xdtype) -> None:
     kind, shape = case
     n, k = shape
@@ -241,6 +248,8 @@ def test_formats_and_bits_per_weight(ops) -> None:
         "q8_f32": ((False, False, False), 9.0),
         "q6_k": ((True, False, True), 8.5625),  # 512 + 32 sc bytes a block, 32 d bytes per 8
     }
+    if ops.groupwise_six_bits():
+        expected["q6_k6"] = ((True, False, True), 6.625)  # 384 a block, 320 per 8: d, sc
     for kind, (fmt, bits) in expected.items():
         torch.manual_seed(0)
         weight, scale, offset, _ = _layer_data(kind, n, k)
@@ -248,7 +257,43 @@ def test_formats_and_bits_per_weight(ops) -> None:
         assert (pw.half_scales, pw.with_offset, pw.factored) == fmt, kind
         assert pw.packed.shape == (2, int(bits * k * 16 / 8)), kind
         assert pw.bits_per_weight == bits
-        assert pw.name == {"q6_k": "q6_k", "q8_0": "q8_0", "q8_f32": "q8_0"}.get(kind, "int4")
+        names = {"q6_k": "q6_k", "q6_k6": "q6_k", "q8_0": "q8_0", "q8_f32": "q8_0"}
+        assert pw.name == names.get(kind, "int4")
+
+
+def test_six_bit_weights_are_refused_where_they_cannot_run(ops) -> None:
+    """Six-bit q6_k runs the float path only, and only in builds that read it (AVX-512)."""
+    torch.manual_seed(5)
+    q, scale, d = _q6_k_data(20, 256)
+    x = torch.randn(2, 256).bfloat16()
+    if not ops.groupwise_six_bits():
+        with pytest.raises(RuntimeError, match="six-bit weights need an AVX-512 build"):
+            pack_groupwise(ops, q, scale, None, d, six=True)
+        return
+    pw = pack_groupwise(ops, q, scale, None, d, six=True)
+    assert pw.bits == 6
+    with pytest.raises(RuntimeError, match="six-bit weights run the float path only"):
+        pw.gemm(ops, x, None, True)
+    # The six and int8 layouts of one layer give the same float path sums, up to order.
+    eight = pack_groupwise(ops, q, scale, None, d)
+    ref = eight.gemm(ops, x.float(), None, False)
+    torch.testing.assert_close(pw.gemm(ops, x.float(), None, False), ref, rtol=1e-5, atol=1e-7)
+    with pytest.raises(RuntimeError, match="factored"):
+        ops.groupwise_gemm(x, pw.packed, 20, 6, True, False, False, None, False)
+
+
+def test_a_q6_k_layer_packs_six_bits_unless_it_takes_the_dot_path() -> None:
+    """make_groupwise_linear: six bits where the layer only runs the float path (the default,
+    and every LM head); the int8 layout where int8_activations sends it to the dot path."""
+    ops = packed_linear.gemm_ops()
+    if ops is None or not ops.groupwise_six_bits():
+        pytest.skip("this machine's build reads no six-bit weights")
+    torch.manual_seed(6)
+    q, scale, d = _q6_k_data(48, 512)
+    for dot, bits in ((False, 6), (True, 8)):
+        assert groupwise_linear.six_bits(ops, "q6_k", dot=dot) == (bits == 6)
+        assert pack_groupwise(ops, q, scale, None, d, six=bits == 6).bits == bits
+    assert not groupwise_linear.six_bits(ops, "q8_0", dot=False)
 
 
 def test_q6_k_factoring_is_exact_or_refused(ops) -> None:

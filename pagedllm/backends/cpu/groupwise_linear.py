@@ -6,7 +6,8 @@ per group holding its 4- or 8-bit q and its scales and offsets in the smallest f
 for the whole layer (:func:`pack_groupwise`): 4.5 bits a weight for Q4_0 (no offsets), 4.625 for
 Q4_K (scales factored per 8 groups), 5 for Q4_1 and int4 made at load (fp16), 8.5 for Q8_0,
 8.5625 for Q6_K (q - 32 as int8, two scales per group factored as fp16 d per 8 groups times
-int8 sc: :func:`factor_q6_k`).
+int8 sc: :func:`factor_q6_k`), or 6.625 for Q6_K where the build reads its q at 6 bits and the
+layer runs the float path only (:func:`six_bits`).
 
 Two paths run on the same packed weights:
 
@@ -53,7 +54,7 @@ class PackedGroupwise:
     packed: torch.Tensor  # uint8 [ceil(N/16), panel bytes]
     n: int
     k: int
-    bits: int  # 4 or 8
+    bits: int  # 4 or 8; 6: q6_k's q at 6 bits (the float path only, AVX-512 builds)
     half_scales: bool  # scales and offsets (factored: d and dm) stored as fp16: exact here
     with_offset: bool  # 4-bit: offsets stored (else offset = -8 * scale for every group)
     # 4-bit: scale = d * sc, offset = dm * m per super-block of 8 groups; 8-bit: q6_k, a scale
@@ -145,14 +146,17 @@ def pack_groupwise(
     scale: torch.Tensor,
     offset: torch.Tensor | None,
     super_scale: torch.Tensor | None = None,
+    *,
+    six: bool = False,
 ) -> PackedGroupwise:
     """Pack ``weight`` (uint8 nibbles ``[N, K/2]`` with ``offset``, or int8 ``[N, K]``) and its
     float32 ``scale``/``offset [N, K/32]`` for ``ops.groupwise_gemm``, in the smallest exact
     format: no offsets (Q4_0: 4.5 bits a weight), factored (Q4_K: 4.625), fp16 (Q4_1: 5, Q8_0:
     8.5), else float32 (6, 9). A q6_k layer (``scale [N, K/16]``, ``super_scale`` its ``d``)
-    packs factored: 8.5625 bits a weight; ValueError where ``scale`` is not ``d * sc``."""
+    packs factored: 8.5625 bits a weight, or 6.625 with ``six`` (q at 6 bits, for a layer that
+    never takes the dot path); ValueError where ``scale`` is not ``d * sc``."""
     if super_scale is not None:
-        return _pack_q6_k(ops, weight, scale, super_scale)
+        return _pack_q6_k(ops, weight, scale, super_scale, six=six)
     bits = 4 if offset is not None else 8
     half, with_offset = scale_format(scale, offset)
     factors = factor_super_blocks(scale, offset) if with_offset else None
@@ -164,8 +168,16 @@ def pack_groupwise(
     return PackedGroupwise(packed, weight.shape[0], k, bits, half, with_offset, fac is not None)
 
 
+def six_bits(ops: object, name: str, *, dot: bool) -> bool:
+    """Whether a ``name`` layer packs its q at 6 bits: a q6_k layer that never takes the dot
+    path (the integer kernels read whole bytes), in a build whose float path reads six blocks
+    (AVX-512: a lane-wise shift and a ``vpermi2w`` per 32 weights, as cheap as the int8
+    layout's look-up, for three quarters of its bytes; the one-row decode streams them)."""
+    return name == "q6_k" and not dot and bool(ops.groupwise_six_bits())
+
+
 def _pack_q6_k(
-    ops: object, weight: torch.Tensor, scale: torch.Tensor, d: torch.Tensor
+    ops: object, weight: torch.Tensor, scale: torch.Tensor, d: torch.Tensor, *, six: bool
 ) -> PackedGroupwise:
     sc = factor_q6_k(scale, d)
     if sc is None:
@@ -173,8 +185,9 @@ def _pack_q6_k(
     n, k = weight.shape
     half = _exact_in_half(d)
     index = sc.view(torch.uint8).reshape(n, k // GROUP_SIZE, 2)  # per group: k 0..15, 16..31
-    packed = ops.pack_groupwise(weight, scale, None, 8, half, False, d[..., None], index)
-    return PackedGroupwise(packed, n, k, 8, half, False, True)
+    bits = 6 if six else 8
+    packed = ops.pack_groupwise(weight, scale, None, bits, half, False, d[..., None], index)
+    return PackedGroupwise(packed, n, k, bits, half, False, True)
 
 
 def quantize_activation_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -325,14 +338,25 @@ def make_groupwise_linear(
         return None, f"torch-{name}"
     scale, offset = weight_groups(module)
     weight = module.weight.detach()
+    six = six_bits(ops, name, dot=dot)
     try:
-        pw = pack_groupwise(ops, weight, scale, offset, weight_super_scale(module))
+        pw = pack_groupwise(ops, weight, scale, offset, weight_super_scale(module), six=six)
     except ValueError as e:
         logger.warning("%s kept on PyTorch: %s", name, e)
         return None, f"torch-{name}"
     gemm = make_groupwise_gemm(ops, pw, bias, dot=dot)
     linear = pl._reshaped(gemm, pw.k, pw.n)
-    key = (name, pw.n, pw.k, pw.half_scales, pw.with_offset, pw.factored, bias is None, dot)
+    key = (
+        name,
+        pw.n,
+        pw.k,
+        pw.bits,
+        pw.half_scales,
+        pw.with_offset,
+        pw.factored,
+        bias is None,
+        dot,
+    )
     repeat = checked is not None and key in checked
     # A repeated shape: a panel at each end and a spread (a float32 copy of fewer rows).
     rows = pl._sample_rows(pw.n, edge=16, spread=32) if repeat else pl._sample_rows(pw.n)

@@ -273,6 +273,7 @@ torch::Tensor groupwise_gemm(const torch::Tensor& x, const torch::Tensor& packed
                              int64_t bits, bool half_scales, bool with_offset, bool factored,
                              const c10::optional<torch::Tensor>& bias, bool dot) {
   const Format f = format_of(bits, half_scales, with_offset, factored);
+  TORCH_CHECK(!(dot && f.six()), "groupwise_gemm: six-bit weights run the float path only");
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "groupwise_gemm: x must be a CPU [M, K], got ",
               x.sizes());
   const int64_t m = x.size(0), k = x.size(1), groups = k / kGroup, panels = packed.size(0);
@@ -298,7 +299,7 @@ torch::Tensor groupwise_gemm(const torch::Tensor& x, const torch::Tensor& packed
                    b.defined() ? b.data_ptr<float>() : nullptr};
   if (bits == 4)
     dispatch<4>(xc, pb, dot, y);
-  else
+  else  // 8, and six (Q6_K at 6 bits): the 8-bit kernels, which read a six block by f.six()
     dispatch<8>(xc, pb, dot, y);
   return y;
 }
@@ -353,6 +354,16 @@ void bind_groupwise(pybind11::module& m) {
         "x [M, K] -> (int8 [M, K], float32 [M, K/32]): the dot path's rounding of x per group",
         NoGil(), py::arg("x"));
   m.def("groupwise_dot_isa", &q4::dot_isa, "the integer dot product of the group-wise dot path");
+  m.def(
+      "groupwise_six_bits",
+      [] {
+#if defined(__AVX512BW__)
+        return true;
+#else
+        return false;
+#endif
+      },
+      "whether this build packs Q6_K's q at 6 bits (bits=6: the float path only)");
   m.def("read_bytes", &q4::read_bytes,
         "reads every byte of a tensor once on all threads (a read-bandwidth probe); a checksum",
         NoGil(), py::arg("t"));

@@ -10,8 +10,9 @@
 // bf16 activations (avx512bf16 builds): vdpbf16ps on q itself, exact in bf16, one float32 sum
 // per group and row (two for Q6_K's two scales: one per 16 k), then y += scale * sum +
 // offset * sum_k(x) per group. A 4-bit q becomes
-// bf16 by a table look-up (vpermw over the 16 values); an 8-bit q through float32, as in
-// gemm_dp.h. Only the rounding of float32 sums differs from the definition.
+// bf16 by a table look-up (vpermw over the 16 values), Q6_K's (int8 or six) by vpermi2w over
+// its 64; a Q8_0 q through float32, as in gemm_dp.h. Only the rounding of float32 sums differs
+// from the definition.
 #pragma once
 
 #include <algorithm>
@@ -52,6 +53,20 @@ inline void f32_rows(const float* x, int64_t ldx, const uint8_t* panel, int64_t 
     V16 s, o;
     group_scales(panel, g, f, &s, &o);
     const float* xg = x + g * kGroup;
+#if defined(__AVX512BW__)
+    if (Bits == 8 && f.six()) {
+      for (int h = 0; h < 2; ++h) {
+        V16 w[16];
+        six_rows(block + h * Format::kSixHalf, h == 0 ? s : o, w);
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i)
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r)
+            t[i % C][r] = v_fma(t[i % C][r], w[i], xg[r * ldx + 16 * h + i]);
+      }
+      continue;
+    }
+#endif
     for (int ch = 0; ch < kGroup / kRowsPerChunk; ++ch) {
       V16 q[kRowsPerChunk];
       if constexpr (Bits == 4)
@@ -147,18 +162,6 @@ inline void int4_pairs(const uint8_t* chunk, bool centred, __m512i out[4]) {
   out[3] = _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), table);
 }
 
-// bf16 bits of the 6-bit q of a two-scale (Q6_K) layer, -32..31, by their low 6 bits (the
-// index bits vpermi2w reads): i for i < 32, i - 64 above.
-alignas(64) inline constexpr uint16_t kBf16OfSix[64] = {
-    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
-    0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
-    0x4180, 0x4188, 0x4190, 0x4198, 0x41A0, 0x41A8, 0x41B0, 0x41B8,
-    0x41C0, 0x41C8, 0x41D0, 0x41D8, 0x41E0, 0x41E8, 0x41F0, 0x41F8,
-    0xC200, 0xC1F8, 0xC1F0, 0xC1E8, 0xC1E0, 0xC1D8, 0xC1D0, 0xC1C8,
-    0xC1C0, 0xC1B8, 0xC1B0, 0xC1A8, 0xC1A0, 0xC198, 0xC190, 0xC188,
-    0xC180, 0xC170, 0xC160, 0xC150, 0xC140, 0xC130, 0xC120, 0xC110,
-    0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80};
-
 // A Q6_K chunk (int8 q in -32..31) as its 2 pair rows: bytes (0, 1) and (2, 3) of every dword
 // zero-extended to words, then looked up (vpermi2w over the 64 values). 4 instructions where
 // the general int8 conversion (through float32) takes ~14: the 1-row decode of a 1B head was
@@ -226,6 +229,19 @@ inline void bf16_rows(const uint16_t* x, int64_t ldx, const float* xs, int64_t l
     const uint16_t* xg = x + g * kGroup;
     V16 s, o;
     group_scales(panel, g, f, &s, &o);
+    if (Bits == 8 && f.six()) {  // two half groups of 8 pair rows, one scale each
+      for (int h = 0; h < 2; ++h) {
+        __m512i w[8];
+        six_pairs(block + h * Format::kSixHalf, w);
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i)
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r)
+            a[i % C][r] = dot2(a[i % C][r], w[i], xg + r * ldx + 16 * h + 2 * i);
+        flush(h == 0 ? s : o);
+      }
+      continue;
+    }
     for (int ch = 0; ch < kChunks; ++ch) {
       __m512i w[4];
       chunk_pairs<Bits>(block + ch * kChunk, f, w);
@@ -253,7 +269,15 @@ inline void bf16_block(const uint8_t* panel, int64_t g0, int64_t gc, const Forma
   constexpr int kP = kPairsPerChunk<Bits>;
   for (int64_t g = 0; g < gc; ++g) {
     const uint8_t* block = panel + f.block_offset(g0 + g);
-    for (int ch = 0; ch < kGroup / (2 * kP); ++ch) {
+    if (Bits == 8 && f.six()) {  // pair rows 0-7 of k 0..15, then 8-15 of k 16..31
+      for (int h = 0; h < 2; ++h) {
+        __m512i w[8];
+        six_pairs(block + h * Format::kSixHalf, w);
+        for (int i = 0; i < 8; ++i)
+          _mm512_storeu_si512(pairs + (g * 16 + h * 8 + i) * dp::kPairWords, w[i]);
+      }
+    }
+    for (int ch = 0; !(Bits == 8 && f.six()) && ch < kGroup / (2 * kP); ++ch) {
       __m512i w[4];
       chunk_pairs<Bits>(block + ch * kChunk, f, w);
       for (int i = 0; i < kP; ++i)

@@ -22,6 +22,15 @@
 // (fp16 in the file) and sc a signed byte: each block's q (q - 32 of the file, in -32..31) is
 // followed by the 16 columns' sc of k 0..15 (chunks 0-3), then of k 16..31 (chunks 4-7), each
 // run of 8 blocks preceded by the columns' d: 8.5625 bits a weight instead of bf16's 16.
+// Q6_K at 6 bits ("six", bits = 6; AVX-512 builds, float path only): the same d and sc, all in
+// the super-block's header (d, padded to 64 bytes, then each group's 32 sc bytes: 320 bytes),
+// so that every block is 384 bytes of q and every 64-byte load of the stream is aligned (split
+// loads cost the one-row decode ~15% on a Zen 4 EPYC). A block holds two half groups of 16 k,
+// 192 bytes each: three 64-byte rows R1, R2, R3 of 32 16-bit lanes. Lane 2c + j holds column c's q at k = 2p + j of the half group, p = 0..7 (the
+// pair rows vdpbf16ps reads), as 6-bit u = q & 63: R1 = u0 | u1 << 6 | (u6 & 15) << 12,
+// R2 = u2 | u3 << 6 | (u7 & 15) << 12, R3 = u4 | u5 << 6 | (u6 >> 4) << 12 | (u7 >> 4) << 14.
+// vpermi2w reads only the low 6 bits of an index, so pair rows 0-5 are a lane-wise shift away
+// (9 instructions for 8 rows with the two split values, where vpshufb took 8): 6.625 bits.
 // The weights are 64-byte chunks of one dword per column (the operand shape of vpdpbusd, and of
 // vpmaddubsw + vpmaddwd): 4-bit chunk c holds, in column j's byte b, k = 8c + b in the low
 // nibble and k = 8c + 4 + b in the high one; 8-bit chunk c holds k = 4c + b in byte b.
@@ -44,29 +53,41 @@ constexpr int64_t kChunk = 64;  // bytes: one dword per column
 
 struct Format {
   static constexpr int64_t kSuper = 8;  // groups per factored super-block
-  int bits = 4;             // 4 or 8
+  int bits = 4;             // 4, 8, or 6 (Q6_K's q at 6 bits: always factored, two scales)
   bool half_scales = true;  // scales and offsets (factored: d and dm) stored as fp16
   bool with_offset = true;  // 4-bit only: offsets stored; else offset = -8 * scale
   // 4-bit with offsets: d, dm per 8 groups, sc, m bytes per group (Q4_K). 8-bit: d per 8
   // groups, two signed sc bytes per group, one per 16 k (Q6_K: two_scales).
   bool factored = false;
-  PAGEDLLM_Q4_INLINE bool two_scales() const { return bits == 8 && factored; }
-  PAGEDLLM_Q4_INLINE int64_t weight_bytes() const { return bits == 4 ? 256 : 512; }
+  PAGEDLLM_Q4_INLINE bool two_scales() const { return bits != 4 && factored; }
+  PAGEDLLM_Q4_INLINE bool six() const { return bits == 6; }
+  PAGEDLLM_Q4_INLINE int64_t weight_bytes() const {
+    return bits == 4 ? 256 : (bits == 6 ? 2 * kSixHalf : 512);
+  }
+  static constexpr int64_t kSixHalf = 192;  // bytes of a six block's half group: R1, R2, R3
   PAGEDLLM_Q4_INLINE int64_t scale_bytes() const {
     return factored ? kCols : (half_scales ? 2 : 4) * kCols;
   }
   PAGEDLLM_Q4_INLINE bool stores_offset() const { return bits == 4 && with_offset; }
   PAGEDLLM_Q4_INLINE int64_t block_bytes() const {
+    if (six()) return weight_bytes();  // its sc live in the header
     return weight_bytes() + scale_bytes() * (stores_offset() || two_scales() ? 2 : 1);
   }
   PAGEDLLM_Q4_INLINE int64_t header_bytes() const {
+    if (six()) return kSixD + kSuper * 2 * kCols;
     return factored ? (two_scales() ? 1 : 2) * (half_scales ? 2 : 4) * kCols : 0;
   }
+  static constexpr int64_t kSixD = 64;  // a six header's d (fp16 or float32), padded
   PAGEDLLM_Q4_INLINE int64_t super_bytes() const { return header_bytes() + kSuper * block_bytes(); }
   // Where group g's block starts in its panel, and a panel's size.
   PAGEDLLM_Q4_INLINE int64_t block_offset(int64_t g) const {
     if (!factored) return g * block_bytes();
     return (g / kSuper) * super_bytes() + header_bytes() + (g % kSuper) * block_bytes();
+  }
+  // Where group g's scales (or sc bytes) start in its panel: after its q, or (six) in the header.
+  PAGEDLLM_Q4_INLINE int64_t scales_offset(int64_t g) const {
+    if (six()) return (g / kSuper) * super_bytes() + kSixD + (g % kSuper) * 2 * kCols;
+    return block_offset(g) + weight_bytes();
   }
   PAGEDLLM_Q4_INLINE int64_t panel_bytes(int64_t groups) const {
     return factored ? groups / kSuper * super_bytes() : groups * block_bytes();
@@ -130,7 +151,7 @@ PAGEDLLM_Q4_INLINE void group_scales(const uint8_t* panel, int64_t g, const Form
     return f.half_scales ? w_load(Fp16W{}, reinterpret_cast<const uint16_t*>(q))
                          : v_load(reinterpret_cast<const float*>(q));
   };
-  const uint8_t* p = panel + f.block_offset(g) + f.weight_bytes();
+  const uint8_t* p = panel + f.scales_offset(g);
   if (f.factored) {
     const uint8_t* header = panel + (g / Format::kSuper) * f.super_bytes();
     const V16 d = load(header);
@@ -245,6 +266,56 @@ inline void int8_rows(const uint8_t* chunk, V16 q[4]) {
 }
 #endif
 
+#if defined(__AVX512BW__)
+// -- six: Q6_K's q at 6 bits -------------------------------------------------------------------
+// bf16 bits of the 6-bit q of a two-scale (Q6_K) layer, -32..31, by their low 6 bits (the
+// index bits vpermi2w reads): i for i < 32, i - 64 above.
+alignas(64) inline constexpr uint16_t kBf16OfSix[64] = {
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+    0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
+    0x4180, 0x4188, 0x4190, 0x4198, 0x41A0, 0x41A8, 0x41B0, 0x41B8,
+    0x41C0, 0x41C8, 0x41D0, 0x41D8, 0x41E0, 0x41E8, 0x41F0, 0x41F8,
+    0xC200, 0xC1F8, 0xC1F0, 0xC1E8, 0xC1E0, 0xC1D8, 0xC1D0, 0xC1C8,
+    0xC1C0, 0xC1B8, 0xC1B0, 0xC1A8, 0xC1A0, 0xC198, 0xC190, 0xC188,
+    0xC180, 0xC170, 0xC160, 0xC150, 0xC140, 0xC130, 0xC120, 0xC110,
+    0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80};
+
+// One six half group (16 k) as its 8 pair rows of bf16 q: out[p] holds k = 2p, 2p + 1 of
+// every column (vdpbf16ps's pairs). The index words carry bits above the 6 that vpermi2w
+// reads; only the two split values need their high bits masked in (vpternlogd: a | (b & m)).
+PAGEDLLM_Q4_INLINE void six_pairs(const uint8_t* half, __m512i out[8]) {
+  const __m512i lo = _mm512_load_si512(kBf16OfSix), hi = _mm512_load_si512(kBf16OfSix + 32);
+  const __m512i r1 = _mm512_loadu_si512(half), r2 = _mm512_loadu_si512(half + 64);
+  const __m512i r3 = _mm512_loadu_si512(half + 128), top = _mm512_set1_epi16(0x30);
+  const __m512i idx[8] = {
+      r1, _mm512_srli_epi16(r1, 6), r2, _mm512_srli_epi16(r2, 6),
+      r3, _mm512_srli_epi16(r3, 6),
+      _mm512_ternarylogic_epi32(_mm512_srli_epi16(r1, 12), _mm512_srli_epi16(r3, 8), top, 0xF8),
+      _mm512_ternarylogic_epi32(_mm512_srli_epi16(r2, 12), _mm512_srli_epi16(r3, 10), top, 0xF8)};
+#pragma GCC unroll 8
+  for (int p = 0; p < 8; ++p) out[p] = _mm512_permutex2var_epi16(lo, idx[p], hi);
+}
+
+// A pair row's two k as float32 rows of 16 columns (bf16 to float32: the top half of a dword).
+PAGEDLLM_Q4_INLINE void pair_floats(__m512i pair, V16* even, V16* odd) {
+  *even = {_mm512_castsi512_ps(_mm512_slli_epi32(pair, 16))};
+  *odd = {_mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32(-65536)))};
+}
+
+// q of one six half group as 16 float32 rows (w[i]: k = i of the half group), times `scale`.
+PAGEDLLM_Q4_INLINE void six_rows(const uint8_t* half, V16 scale, V16 w[16]) {
+  __m512i pairs[8];
+  six_pairs(half, pairs);
+#pragma GCC unroll 8
+  for (int p = 0; p < 8; ++p) {
+    V16 even, odd;
+    pair_floats(pairs[p], &even, &odd);
+    w[2 * p] = v_mul(even, scale);
+    w[2 * p + 1] = v_mul(odd, scale);
+  }
+}
+#endif  // __AVX512BW__
+
 // The 16 columns' dequantised weights at the 32 k of group g, exactly as the definition
 // rounds them (q * scale + offset: one fused rounding, which for GGUF data, where q * scale is
 // exact, is the definition's own): w[i] is k = i of the group.
@@ -252,6 +323,13 @@ inline void dequantize_block(const uint8_t* panel, int64_t g, const Format& f, V
   const uint8_t* block = panel + f.block_offset(g);
   V16 s, o;
   group_scales(panel, g, f, &s, &o);
+#if defined(__AVX512BW__)
+  if (f.six()) {
+    six_rows(block, s, w);
+    six_rows(block + Format::kSixHalf, o, w + 16);
+    return;
+  }
+#endif
   if (f.bits == 4) {
     for (int c = 0; c < 4; ++c) {
       V16 q[8];

@@ -12,9 +12,14 @@
 namespace pagedllm::gemm::q4 {
 
 Format format_of(int64_t bits, bool half_scales, bool with_offset, bool factored) {
-  TORCH_CHECK(bits == 4 || bits == 8, "groupwise: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(bits == 4 || bits == 8 || bits == 6, "groupwise: bits must be 4, 6 or 8, got ",
+              bits);
   TORCH_CHECK(!factored || (bits == 4) == with_offset,
               "groupwise: factored weights are 4-bit with offsets or 8-bit without");
+  TORCH_CHECK(bits != 6 || factored, "groupwise: six-bit weights are Q6_K's: factored");
+#if !defined(__AVX512BW__)
+  TORCH_CHECK(bits != 6, "groupwise: six-bit weights need an AVX-512 build");
+#endif
   return Format{static_cast<int>(bits), half_scales, bits == 4 && with_offset, factored};
 }
 
@@ -47,9 +52,26 @@ struct PackSource {
 
 // One block: the 16 columns n0.. (cols of them real; the rest zero) of group g.
 void pack_block(const PackSource& src, int64_t n0, int64_t cols, int64_t g, const Format& f,
-                uint8_t* block) {
+                uint8_t* panel) {
+  uint8_t* block = panel + f.block_offset(g);
   std::memset(block, 0, f.block_bytes());
-  for (int64_t j = 0; j < cols; ++j) {
+  for (int64_t j = 0; j < cols && f.six(); ++j) {  // see gemm_q4_layout.h
+    const uint8_t* row = src.w + (n0 + j) * src.ldw + g * kGroup;
+    for (int64_t h = 0; h < 2; ++h)
+      for (int64_t lane = 2 * j; lane < 2 * j + 2; ++lane) {
+        uint32_t u[8];
+        for (int64_t p = 0; p < 8; ++p) u[p] = row[16 * h + 2 * p + lane % 2] & 63u;
+        const uint32_t rows[3] = {u[0] | u[1] << 6 | (u[6] & 15) << 12,
+                                  u[2] | u[3] << 6 | (u[7] & 15) << 12,
+                                  u[4] | u[5] << 6 | (u[6] >> 4) << 12 | (u[7] >> 4) << 14};
+        for (int64_t r = 0; r < 3; ++r) {
+          uint8_t* word = block + h * Format::kSixHalf + r * kChunk + 2 * lane;
+          word[0] = static_cast<uint8_t>(rows[r]);
+          word[1] = static_cast<uint8_t>(rows[r] >> 8);
+        }
+      }
+  }
+  for (int64_t j = 0; j < cols && !f.six(); ++j) {
     const uint8_t* row = src.w + (n0 + j) * src.ldw;
     for (int64_t c = 0; c < f.weight_bytes() / kChunk; ++c) {
       for (int64_t b = 0; b < 4; ++b) {
@@ -67,7 +89,7 @@ void pack_block(const PackSource& src, int64_t n0, int64_t cols, int64_t g, cons
       }
     }
   }
-  uint8_t* s = block + f.weight_bytes();
+  uint8_t* s = panel + f.scales_offset(g);
   if (f.factored) {
     for (int64_t j = 0; j < cols; ++j) {
       const uint8_t* idx = src.index + ((n0 + j) * src.groups + g) * 2;
@@ -87,6 +109,7 @@ void pack_panel(const PackSource& src, int64_t n, int64_t p, const Format& f, ui
   for (int64_t g = 0; g < src.groups; ++g) {
     if (f.factored && g % Format::kSuper == 0) {  // the super-block's header: d, then dm
       uint8_t* header = panel + (g / Format::kSuper) * f.super_bytes();
+      std::memset(header, 0, f.header_bytes());  // a six header's padding, its sc's columns
       const int64_t per = f.two_scales() ? 1 : 2;  // factors per super-block: d (, dm)
       const int64_t sb = g / Format::kSuper, ldf = src.groups / Format::kSuper * per;
       const float* fac = src.factors + n0 * ldf + sb * per;
@@ -94,7 +117,7 @@ void pack_panel(const PackSource& src, int64_t n, int64_t p, const Format& f, ui
       if (!f.two_scales())
         put_floats(header + f.header_bytes() / 2, fac + 1, ldf, cols, f.half_scales);
     }
-    pack_block(src, n0, cols, g, f, panel + f.block_offset(g));
+    pack_block(src, n0, cols, g, f, panel);
   }
 }
 
