@@ -276,12 +276,13 @@ inline void bf16_block(const uint8_t* panel, int64_t g0, int64_t gc, const Forma
         for (int i = 0; i < 8; ++i)
           _mm512_storeu_si512(pairs + (g * 16 + h * 8 + i) * dp::kPairWords, w[i]);
       }
-    }
-    for (int ch = 0; !(Bits == 8 && f.six()) && ch < kGroup / (2 * kP); ++ch) {
-      __m512i w[4];
-      chunk_pairs<Bits>(block + ch * kChunk, f, w);
-      for (int i = 0; i < kP; ++i)
-        _mm512_storeu_si512(pairs + (g * 16 + ch * kP + i) * dp::kPairWords, w[i]);
+    } else {
+      for (int ch = 0; ch < kGroup / (2 * kP); ++ch) {
+        __m512i w[4];
+        chunk_pairs<Bits>(block + ch * kChunk, f, w);
+        for (int i = 0; i < kP; ++i)
+          _mm512_storeu_si512(pairs + (g * 16 + ch * kP + i) * dp::kPairWords, w[i]);
+      }
     }
     V16 s, o;
     group_scales(panel, g0 + g, f, &s, &o);

@@ -26,8 +26,9 @@
 // the super-block's header (d, padded to 64 bytes, then each group's 32 sc bytes: 320 bytes),
 // so that every block is 384 bytes of q and every 64-byte load of the stream is aligned (split
 // loads cost the one-row decode ~15% on a Zen 4 EPYC). A block holds two half groups of 16 k,
-// 192 bytes each: three 64-byte rows R1, R2, R3 of 32 16-bit lanes. Lane 2c + j holds column c's q at k = 2p + j of the half group, p = 0..7 (the
-// pair rows vdpbf16ps reads), as 6-bit u = q & 63: R1 = u0 | u1 << 6 | (u6 & 15) << 12,
+// 192 bytes each: three 64-byte rows R1, R2, R3 of 32 16-bit lanes. Lane 2c + j holds column
+// c's q at k = 2p + j of the half group, p = 0..7 (the pair rows vdpbf16ps reads), as 6-bit
+// u = q & 63: R1 = u0 | u1 << 6 | (u6 & 15) << 12,
 // R2 = u2 | u3 << 6 | (u7 & 15) << 12, R3 = u4 | u5 << 6 | (u6 >> 4) << 12 | (u7 >> 4) << 14.
 // vpermi2w reads only the low 6 bits of an index, so pair rows 0-5 are a lane-wise shift away
 // (9 instructions for 8 rows with the two split values, where vpshufb took 8): 6.625 bits.

@@ -50,44 +50,53 @@ struct PackSource {
   const uint8_t* index;   // [N][groups][2]: sc, m
 };
 
+// Column j's q of one group (row: its 32 int8 q) into a six block (gemm_q4_layout.h).
+void pack_six(const uint8_t* row, int64_t j, uint8_t* block) {
+  for (int64_t h = 0; h < 2; ++h)
+    for (int64_t lane = 2 * j; lane < 2 * j + 2; ++lane) {
+      uint32_t u[8];
+      for (int64_t p = 0; p < 8; ++p) u[p] = row[16 * h + 2 * p + lane % 2] & 63u;
+      const uint32_t rows[3] = {u[0] | u[1] << 6 | (u[6] & 15) << 12,
+                                u[2] | u[3] << 6 | (u[7] & 15) << 12,
+                                u[4] | u[5] << 6 | (u[6] >> 4) << 12 | (u[7] >> 4) << 14};
+      for (int64_t r = 0; r < 3; ++r) {
+        uint8_t* word = block + h * Format::kSixHalf + r * kChunk + 2 * lane;
+        word[0] = static_cast<uint8_t>(rows[r]);
+        word[1] = static_cast<uint8_t>(rows[r] >> 8);
+      }
+    }
+}
+
+// Column j's q of group g (row: the column's whole stored row) into a 4- or 8-bit block's
+// chunks, one dword per column.
+void pack_bytes(const uint8_t* row, int64_t g, int64_t j, const Format& f, uint8_t* block) {
+  for (int64_t c = 0; c < f.weight_bytes() / kChunk; ++c) {
+    for (int64_t b = 0; b < 4; ++b) {
+      uint8_t byte;
+      if (f.bits == 4) {
+        const auto nibble = [&](int64_t k) {  // even k in the low nibble of byte k / 2
+          const uint8_t v = row[(g * kGroup + k) / 2];
+          return k % 2 ? v >> 4 : v & 0x0F;
+        };
+        byte = static_cast<uint8_t>(nibble(8 * c + b) | nibble(8 * c + 4 + b) << 4);
+      } else {
+        byte = row[g * kGroup + 4 * c + b];
+      }
+      block[c * kChunk + 4 * j + b] = byte;
+    }
+  }
+}
+
 // One block: the 16 columns n0.. (cols of them real; the rest zero) of group g.
 void pack_block(const PackSource& src, int64_t n0, int64_t cols, int64_t g, const Format& f,
                 uint8_t* panel) {
   uint8_t* block = panel + f.block_offset(g);
   std::memset(block, 0, f.block_bytes());
-  for (int64_t j = 0; j < cols && f.six(); ++j) {  // see gemm_q4_layout.h
-    const uint8_t* row = src.w + (n0 + j) * src.ldw + g * kGroup;
-    for (int64_t h = 0; h < 2; ++h)
-      for (int64_t lane = 2 * j; lane < 2 * j + 2; ++lane) {
-        uint32_t u[8];
-        for (int64_t p = 0; p < 8; ++p) u[p] = row[16 * h + 2 * p + lane % 2] & 63u;
-        const uint32_t rows[3] = {u[0] | u[1] << 6 | (u[6] & 15) << 12,
-                                  u[2] | u[3] << 6 | (u[7] & 15) << 12,
-                                  u[4] | u[5] << 6 | (u[6] >> 4) << 12 | (u[7] >> 4) << 14};
-        for (int64_t r = 0; r < 3; ++r) {
-          uint8_t* word = block + h * Format::kSixHalf + r * kChunk + 2 * lane;
-          word[0] = static_cast<uint8_t>(rows[r]);
-          word[1] = static_cast<uint8_t>(rows[r] >> 8);
-        }
-      }
-  }
-  for (int64_t j = 0; j < cols && !f.six(); ++j) {
-    const uint8_t* row = src.w + (n0 + j) * src.ldw;
-    for (int64_t c = 0; c < f.weight_bytes() / kChunk; ++c) {
-      for (int64_t b = 0; b < 4; ++b) {
-        uint8_t byte;
-        if (f.bits == 4) {
-          const auto nibble = [&](int64_t k) {  // even k in the low nibble of byte k / 2
-            const uint8_t v = row[(g * kGroup + k) / 2];
-            return k % 2 ? v >> 4 : v & 0x0F;
-          };
-          byte = static_cast<uint8_t>(nibble(8 * c + b) | nibble(8 * c + 4 + b) << 4);
-        } else {
-          byte = row[g * kGroup + 4 * c + b];
-        }
-        block[c * kChunk + 4 * j + b] = byte;
-      }
-    }
+  for (int64_t j = 0; j < cols; ++j) {
+    if (f.six())
+      pack_six(src.w + (n0 + j) * src.ldw + g * kGroup, j, block);
+    else
+      pack_bytes(src.w + (n0 + j) * src.ldw, g, j, f, block);
   }
   uint8_t* s = panel + f.scales_offset(g);
   if (f.factored) {
