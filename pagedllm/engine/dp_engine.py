@@ -45,17 +45,36 @@ class DataParallelEngine:
     ) -> list[RequestOutput]:
         """Every prompt to completion over the replicas; outputs in input order."""
         del use_tqdm  # no progress bar across replicas
-        prompts, params_list, loras = batch_inputs(prompts, sampling_params, lora_request)
-        return asyncio.run(self._run(prompts, params_list, loras))
+        return asyncio.run(self.generate_async(prompts, sampling_params, lora_request=lora_request))
 
-    async def _run(
-        self, prompts: list[Any], params: list[SamplingParams], loras: list[Any]
+    async def generate_async(
+        self,
+        prompts: Any,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
-        streams = []
+        """``generate`` for a caller already inside an event loop (a notebook, a service).
+
+        Every prompt is handed over before any hand-over is awaited: a replica acknowledges
+        between steps, so awaiting each in turn would bring it about one prompt a step and no
+        batch would form. A prompt that is refused fails the call, and the prompts already taken
+        are aborted (their blocks return).
+        """
+        prompts, params_list, loras = batch_inputs(prompts, sampling_params, lora_request)
+        rids = [f"generate-{next(self._ids)}" for _ in prompts]
+        handed = await asyncio.gather(
+            *(
+                self.client.add_request(rid, prompt, sp, lora_request=lora)
+                for rid, prompt, sp, lora in zip(rids, prompts, params_list, loras, strict=True)
+            ),
+            return_exceptions=True,
+        )
+        streams = [s for s in handed if not isinstance(s, BaseException)]
         try:
-            for prompt, sp, lora in zip(prompts, params, loras, strict=True):
-                rid = f"generate-{next(self._ids)}"
-                streams.append(await self.client.add_request(rid, prompt, sp, lora_request=lora))
+            for outcome in handed:
+                if isinstance(outcome, BaseException):
+                    raise outcome
             return list(await asyncio.gather(*(_last(s) for s in streams)))
         finally:
             for stream in streams:

@@ -96,9 +96,24 @@ def idle_replica_stats(client: Any, timeout: float = 10.0) -> list[dict[str, flo
         time.sleep(0.05)
 
 
+def _hold(engine: Any, seconds: float) -> None:
+    time.sleep(seconds)  # in the replica's core, between steps
+
+
+async def generate_held(engine: Any, prompts: list[list[int]]) -> list[Any]:
+    """``generate_async`` with each replica held while the batch is handed over, so each sees
+    its whole share at its first step: squeezed however slowly this process runs under load
+    (a replica that took its prompts a few steps apart could finish them without preempting)."""
+    holds = [asyncio.ensure_future(r.call(_hold, 0.5)) for r in engine.replicas]
+    await asyncio.sleep(0)  # the holds are sent before any prompt
+    outs = await engine.generate_async([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    await asyncio.gather(*holds)
+    return outs
+
+
 def check_replicas_equal(engine: Any, baseline: tuple[list[list[int]], list[list[int]]]) -> None:
     prompts, expected = baseline
-    outs = engine.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    outs = asyncio.run(generate_held(engine, prompts))
     assert token_ids(outs) == expected
     stats = idle_replica_stats(engine.client)
     seen = [(s["num_preemptions_total"], s["prefix_cache_hits"]) for s in stats]
@@ -148,6 +163,12 @@ def test_local_processes_dp2_match_one_engine(llama_path: Path, baseline: Any) -
     try:
         assert engine.client.backend == "mp"
         check_replicas_equal(engine, baseline)
+        prompts, expected = baseline
+        batch = [{"prompt_token_ids": p} for p in prompts]
+        with pytest.raises(ValueError, match="prompt_token_ids: token id 999999 "):
+            engine.generate([*batch[:5], {"prompt_token_ids": [5, 999999]}, *batch[5:]], GREEDY)
+        idle_replica_stats(engine.client)  # the prompts taken were aborted, every block back
+        assert token_ids(engine.generate(batch[:4], GREEDY)) == expected[:4]
     finally:
         engine.shutdown()
     assert not any(r.proc.is_alive() for r in engine.replicas)
