@@ -13,7 +13,11 @@ process's first line to the engine ready) and peak RSS are its own. Per file and
 throughput at 16 and 64 parallel sequences (as many requests, prompts 32-128 tokens, outputs
 32-96, greedy, every request generating its whole length; pagedllm ``max_num_seqs`` = llama.cpp
 ``n_parallel``), single-stream decode (one request, 16-token prompt, 64 tokens), start-up, peak
-RSS. With ``--decode-rows`` pagedllm also times decode steps at 1, 4 and 8 sequences, for the
+RSS. ``--single-rounds N`` then runs the single stream alone N more times per engine, our engine
+and llama.cpp alternating (a fresh process each, one unmeasured warm-up request first), and
+reports each round's ratio and their median: on a shared host single-stream decode follows the
+memory bandwidth of the minute, and two figures taken a minute apart once disagreed by 30%.
+With ``--decode-rows`` pagedllm also times decode steps at 1, 4 and 8 sequences, for the
 4-bit file and for the bf16 checkpoint quantised to int8 at load (our int8 path), and reports
 the share of the measured read bandwidth at one sequence (weight bytes a step reads: each linear
 layer as stored, quantised or in the compute dtype, plus the LM head in the compute dtype).
@@ -21,6 +25,7 @@ Prints one JSON object with the processor, the ISA path, the linear-layer paths 
 
     python benchmarks/gguf_bench.py                      # everything (~20 minutes on 2 cores)
     python benchmarks/gguf_bench.py --models smollm2     # the demo model only
+    python benchmarks/gguf_bench.py --models 1b-q4_k_m --single-rounds 5
     python benchmarks/gguf_bench.py --smoke              # a tiny Q4_0 file, seconds (CI)
 """
 
@@ -101,15 +106,20 @@ def _quantized(folder: Path, size: str, quant: str, llama_cpp_bench: Any) -> Pat
 # --- one engine on one file, in its own process -----------------------------------------------
 
 
-def _workloads(vocab: int, smoke: bool) -> dict[str, list[Request]]:
+def _workloads(vocab: int, args: argparse.Namespace) -> dict[str, list[Request]]:
+    """The measured workloads; with ``--only-single`` (a round of ``--single-rounds``) the
+    single stream twice, the first an unmeasured warm-up (``warmup_``)."""
     from throughput import make_workload
 
-    parallel = (2, 4) if smoke else PARALLEL
+    single = make_workload(1, vocab, (16, 16), (16 if args.smoke else 64,) * 2, 7)
+    if args.only_single:
+        return {"warmup_single": single, "single": single}
+    parallel = (2, 4) if args.smoke else PARALLEL
     out = {
-        f"parallel_{p}": make_workload(p, vocab, (32, 128), (8, 16) if smoke else (32, 96), p)
+        f"parallel_{p}": make_workload(p, vocab, (32, 128), (8, 16) if args.smoke else (32, 96), p)
         for p in parallel
     }
-    out["single"] = make_workload(1, vocab, (16, 16), (16 if smoke else 64,) * 2, 7)
+    out["single"] = single
     return out
 
 
@@ -143,7 +153,7 @@ def run_pagedllm(
         "dtype": str(first.executor.worker.dtype).removeprefix("torch."),
         "linear_path": first.executor.collective_rpc("linear_path")[0],
     }
-    for name, reqs in _workloads(vocab, args.smoke).items():
+    for name, reqs in _workloads(vocab, args).items():
         # P requests at once: all P run together (max_num_seqs is the largest P).
         prompts = [{"prompt_token_ids": r.prompt} for r in reqs]
         params = [
@@ -151,8 +161,10 @@ def run_pagedllm(
         ]
         start = time.perf_counter()
         first.generate(prompts, params, use_tqdm=False)
-        result[f"{name}_tok_s"] = sum(r.output_len for r in reqs) / (time.perf_counter() - start)
-    if args.decode_rows:
+        if not name.startswith("warmup_"):
+            seconds = time.perf_counter() - start
+            result[f"{name}_tok_s"] = sum(r.output_len for r in reqs) / seconds
+    if args.decode_rows and not args.only_single:
         from throughput import _decode_step_seconds
 
         spec = {"vocab_size": vocab}
@@ -194,10 +206,11 @@ def run_llama_cpp(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
     lib.llama_model_free(model)
     result: dict[str, Any] = {"startup_seconds": startup, "threads": threads}
-    for name, reqs in _workloads(vocab, args.smoke).items():
+    for name, reqs in _workloads(vocab, args).items():
         n_parallel = len(reqs) if name != "single" else 1
         run = llama_cpp_bench.run_llama_cpp(path, reqs, n_parallel=n_parallel, threads=threads)
-        result[f"{name}_tok_s"] = sum(r.output_len for r in reqs) / run["seconds"]
+        if not name.startswith("warmup_"):
+            result[f"{name}_tok_s"] = sum(r.output_len for r in reqs) / run["seconds"]
     return result
 
 
@@ -212,7 +225,9 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def _in_subprocess(engine: str, path: Path | None, args: argparse.Namespace) -> dict[str, Any]:
+def _in_subprocess(
+    engine: str, path: Path | None, args: argparse.Namespace, *, only_single: bool = False
+) -> dict[str, Any]:
     cmd = [
         sys.executable,
         __file__,
@@ -226,6 +241,7 @@ def _in_subprocess(engine: str, path: Path | None, args: argparse.Namespace) -> 
     cmd += ["--threads", str(_torch_threads())]
     cmd += ["--smoke"] if args.smoke else []
     cmd += ["--decode-rows"] if args.decode_rows and engine in OURS else []
+    cmd += ["--only-single"] if only_single else []
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         tail = proc.stderr.strip().splitlines()[-3:]
@@ -263,7 +279,7 @@ def _ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float]:
 def _streamed_bytes(path: Path, compute_bytes: int) -> int:
     """Weight bytes one decode step reads: each linear layer and the LM head as the engine keeps
     them in the default engine (the file's bytes for 4-bit and Q8_0; Q6_K at 6.625 bits a weight
-    where the build reads its q at 6 bits, else 8.5625 as int8; the compute dtype for what is
+    where the build reads its q at 6 bits, else 8.625 as int8; the compute dtype for what is
     dequantised). The embedding's rows are gathered, not streamed."""
     from pagedllm.backends.cpu.backend import CpuBackend
     from pagedllm.backends.cpu.packed_linear import gemm_ops
@@ -276,7 +292,7 @@ def _streamed_bytes(path: Path, compute_bytes: int) -> int:
     plan = plan_layers(gguf, family, CpuBackend().native_weight_formats())
     head = "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"
     ops = gemm_ops()
-    q6_k_bits = 6.625 if ops is not None and ops.groupwise_six_bits() else 8.5625
+    q6_k_bits = 6.625 if ops is not None and ops.groupwise_six_bits() else 8.625
     total = 0
     for name, t in gguf.tensors.items():
         if name in NOT_WEIGHTS or len(t.shape) != 2:
@@ -302,6 +318,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--engines", default=",".join((*OURS, "llama.cpp")))
     parser.add_argument("--decode-rows", action="store_true", help="decode steps at 1-8 seqs")
     parser.add_argument("--kv-cache-space", type=float, default=2.0, help="GiB (pagedllm)")
+    parser.add_argument(
+        "--single-rounds", type=int, default=0, help="single stream again, engines alternating"
+    )
+    parser.add_argument("--only-single", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--run-one", help=argparse.SUPPRESS)
     parser.add_argument("--file", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, help=argparse.SUPPRESS)
@@ -333,6 +353,8 @@ def main(argv: list[str] | None = None) -> None:
             ours = entry.get(engine, {})
             if ours and "error" not in ours and theirs and "error" not in theirs:
                 entry[f"{engine}_vs_llama_cpp"] = _ratios(ours, theirs)
+        if args.single_rounds > 0 and "llama.cpp" in engines:
+            entry["single_rounds"] = _single_rounds(path, engines, args)
         report["models"][name] = entry
     if (
         args.decode_rows
@@ -341,6 +363,25 @@ def main(argv: list[str] | None = None) -> None:
     ):
         report["decode_rows"] = _decode_rows(report, files["1b-q4_0"], args)
     print(json.dumps(report, indent=2))
+
+
+def _single_rounds(path: Path, engines: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    """Single-stream tok/s, ``args.single_rounds`` rounds; in each, every engine in a fresh
+    process, back to back (who goes first alternates), and our engines' ratios to llama.cpp's
+    in that round: a ratio of neighbours in time, which the host's drift moves least."""
+    import statistics
+
+    tok_s: dict[str, list[float]] = {e: [] for e in engines}
+    for i in range(args.single_rounds):
+        for engine in engines if i % 2 == 0 else engines[::-1]:
+            got = _in_subprocess(engine, path, args, only_single=True)
+            tok_s[engine].append(got.get("single_tok_s", float("nan")))
+    out: dict[str, Any] = {"tok_s": tok_s}
+    for engine in (e for e in engines if e in OURS):
+        ratios = [a / b for a, b in zip(tok_s[engine], tok_s["llama.cpp"], strict=True)]
+        out[f"{engine}_vs_llama_cpp"] = ratios
+        out[f"{engine}_vs_llama_cpp_median"] = statistics.median(ratios)
+    return out
 
 
 def _decode_rows(report: dict[str, Any], path: Path, args: argparse.Namespace) -> dict[str, Any]:

@@ -19,7 +19,7 @@ shape, side by side in one run:
   (``csrc/gemm_q4.cpp``) on the same weight quantised in groups of 32 as each source stores it
   (int4 made at load: fp16 scale and offset, 5 bits a weight; Q4_0: 4.5; Q4_K: d and dmin per 8
   groups, 4.625; Q8_0: 8.5; Q6_K: q - 32 as int8, d per 8 groups times int8 sc per 16 k,
-  8.5625; ``q6_k6``: Q6_K's q at 6 bits, 6.625, where the build reads them, the float path
+  8.625; ``q6_k6``: Q6_K's q at 6 bits, 6.625, where the build reads them, the float path
   only), with the path each batch takes by default (the integer dot path
   for bf16 batches of up to 8 rows where there is VNNI); ``int4_float_cpp``: the float path at
   every batch;

@@ -246,10 +246,12 @@ def test_formats_and_bits_per_weight(ops) -> None:
         "q4_f32": ((False, True, False), 6.0),
         "q8_0": ((True, False, False), 8.5),
         "q8_f32": ((False, False, False), 9.0),
-        "q6_k": ((True, False, True), 8.5625),  # 512 + 32 sc bytes a block, 32 d bytes per 8
+        # Factored: a header per 8 groups of d (and dm) padded to 64 bytes, then the groups'
+        # index bytes (sc, m: 2 * 16 each), before 8 blocks of q alone (each 64-byte aligned).
+        "q6_k": ((True, False, True), 8.625),  # 512 a block, 64 + 256 a header
     }
     if ops.groupwise_six_bits():
-        expected["q6_k6"] = ((True, False, True), 6.625)  # 384 a block, 320 per 8: d, sc
+        expected["q6_k6"] = ((True, False, True), 6.625)  # 384 a block, 64 + 256 a header
     for kind, (fmt, bits) in expected.items():
         torch.manual_seed(0)
         weight, scale, offset, _ = _layer_data(kind, n, k)
@@ -257,6 +259,8 @@ def test_formats_and_bits_per_weight(ops) -> None:
         assert (pw.half_scales, pw.with_offset, pw.factored) == fmt, kind
         assert pw.packed.shape == (2, int(bits * k * 16 / 8)), kind
         assert pw.bits_per_weight == bits
+        if pw.factored:  # every block of every panel starts on a cache line
+            assert pw.packed.shape[1] % 64 == 0 and pw.packed.data_ptr() % 64 == 0, kind
         names = {"q6_k": "q6_k", "q6_k6": "q6_k", "q8_0": "q8_0", "q8_f32": "q8_0"}
         assert pw.name == names.get(kind, "int4")
 

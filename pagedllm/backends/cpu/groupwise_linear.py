@@ -4,10 +4,11 @@
 The weights stay quantised: each layer is packed once into panels of 16 output columns, one block
 per group holding its 4- or 8-bit q and its scales and offsets in the smallest form that is exact
 for the whole layer (:func:`pack_groupwise`): 4.5 bits a weight for Q4_0 (no offsets), 4.625 for
-Q4_K (scales factored per 8 groups), 5 for Q4_1 and int4 made at load (fp16), 8.5 for Q8_0,
-8.5625 for Q6_K (q - 32 as int8, two scales per group factored as fp16 d per 8 groups times
-int8 sc: :func:`factor_q6_k`), or 6.625 for Q6_K where the build reads its q at 6 bits and the
-layer runs the float path only (:func:`six_bits`).
+Q4_K (scales factored per 8 groups, kept in a header per 8 blocks so that every block of q is
+cache-line aligned), 5 for Q4_1 and int4 made at load (fp16), 8.5 for Q8_0, 8.625 for Q6_K (q -
+32 as int8, two scales per group factored as fp16 d per 8 groups times int8 sc:
+:func:`factor_q6_k`), or 6.625 for Q6_K where the build reads its q at 6 bits and the layer runs
+the float path only (:func:`six_bits`).
 
 Two paths run on the same packed weights:
 
@@ -153,7 +154,7 @@ def pack_groupwise(
     float32 ``scale``/``offset [N, K/32]`` for ``ops.groupwise_gemm``, in the smallest exact
     format: no offsets (Q4_0: 4.5 bits a weight), factored (Q4_K: 4.625), fp16 (Q4_1: 5, Q8_0:
     8.5), else float32 (6, 9). A q6_k layer (``scale [N, K/16]``, ``super_scale`` its ``d``)
-    packs factored: 8.5625 bits a weight, or 6.625 with ``six`` (q at 6 bits, for a layer that
+    packs factored: 8.625 bits a weight, or 6.625 with ``six`` (q at 6 bits, for a layer that
     never takes the dot path); ValueError where ``scale`` is not ``d * sc``."""
     if super_scale is not None:
         return _pack_q6_k(ops, weight, scale, super_scale, six=six)

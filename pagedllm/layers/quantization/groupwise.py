@@ -13,7 +13,7 @@ One representation serves every 4-bit source, so one kernel per device runs them
   scale per 16 k, ``W[n, k] = q[n, k] * scale[n, k // 16]`` (``q6_k``: GGUF Q6_K, whose 6-bit
   ``q - 32`` is kept in an int8 and whose ``d * sc`` products are exact in float32). A q6_k
   layer also keeps the super-block factor ``d`` per 256 k (``weight_super_bits``), so that the
-  CPU kernel can store ``d`` once per 256 and ``sc`` as a byte (8.56 bits a weight with q as
+  CPU kernel can store ``d`` once per 256 and ``sc`` as a byte (8.625 bits a weight with q as
   int8; 6.625 with q at 6 bits, where its build reads them).
 
 Scales and offsets are float32, kept as their bits in ``int32`` buffers (``weight_scale_bits``,

@@ -15,17 +15,18 @@
 // symmetric int4) stores no offsets: 4.5 bits a weight, Q4_1-like 5, float32 scale and offset 6.
 // Q4_K's scales are d * sc and offsets dm * m, with d and dm per super-block of 8 groups (fp16
 // in the file) and sc, m 6-bit integers per group, products that fp16 cannot hold. Where every
-// group factors so exactly, the layer is "factored": each run of 8 blocks is preceded by a
-// header of the 16 columns' d then dm (fp16 where exact, else float32), and each block holds
-// sc and m as bytes: 4.625 bits a weight instead of 6.
+// group factors so exactly, the layer is "factored": each run of 8 blocks (a super-block) is
+// preceded by a header of the 16 columns' d then dm (fp16 where exact, else float32), padded
+// to whole 64 bytes, then each group's sc and m bytes (16 + 16), and the blocks hold q alone:
+// every block, so every 64-byte load of the stream, is aligned (a 288-byte block that carried
+// its own sc and m began every other one mid-line). 4.625 bits a weight instead of 6.
 // Q6_K ("two scales": 8-bit and factored) has one scale per 16 k, d * sc with d per 8 groups
-// (fp16 in the file) and sc a signed byte: each block's q (q - 32 of the file, in -32..31) is
-// followed by the 16 columns' sc of k 0..15 (chunks 0-3), then of k 16..31 (chunks 4-7), each
-// run of 8 blocks preceded by the columns' d: 8.5625 bits a weight instead of bf16's 16.
-// Q6_K at 6 bits ("six", bits = 6; AVX-512 builds, float path only): the same d and sc, all in
-// the super-block's header (d, padded to 64 bytes, then each group's 32 sc bytes: 320 bytes),
-// so that every block is 384 bytes of q and every 64-byte load of the stream is aligned (split
-// loads cost the one-row decode ~15% on a Zen 4 EPYC). A block holds two half groups of 16 k,
+// (fp16 in the file) and sc a signed byte: its header holds the 16 columns' d, padded to 64
+// bytes, then each group's sc of k 0..15 (chunks 0-3) and of k 16..31 (chunks 4-7), 16 bytes
+// each, before 8 blocks of q - 32 (of the file's q, in -32..31): 8.625 bits a weight.
+// Q6_K at 6 bits ("six", bits = 6; AVX-512 builds, float path only): the same header, blocks
+// of 384 bytes of q (split loads cost the one-row decode ~15% on a Zen 4 EPYC, which is why
+// every factored layout keeps its blocks aligned). A block holds two half groups of 16 k,
 // 192 bytes each: three 64-byte rows R1, R2, R3 of 32 16-bit lanes. Lane 2c + j holds column
 // c's q at k = 2p + j of the half group, p = 0..7 (the pair rows vdpbf16ps reads), as 6-bit
 // u = q & 63: R1 = u0 | u1 << 6 | (u6 & 15) << 12,
@@ -71,23 +72,26 @@ struct Format {
   }
   PAGEDLLM_Q4_INLINE bool stores_offset() const { return bits == 4 && with_offset; }
   PAGEDLLM_Q4_INLINE int64_t block_bytes() const {
-    if (six()) return weight_bytes();  // its sc live in the header
-    return weight_bytes() + scale_bytes() * (stores_offset() || two_scales() ? 2 : 1);
+    if (factored) return weight_bytes();  // its sc (and m) live in the header
+    return weight_bytes() + scale_bytes() * (stores_offset() ? 2 : 1);
   }
+  // A factored header: the columns' d (and dm), then each group's 2 * 16 index bytes.
+  PAGEDLLM_Q4_INLINE int64_t factor_bytes() const {
+    return (two_scales() ? 1 : 2) * (half_scales ? 2 : 4) * kCols;
+  }
+  PAGEDLLM_Q4_INLINE int64_t factor_space() const { return (factor_bytes() + 63) / 64 * 64; }
   PAGEDLLM_Q4_INLINE int64_t header_bytes() const {
-    if (six()) return kSixD + kSuper * 2 * kCols;
-    return factored ? (two_scales() ? 1 : 2) * (half_scales ? 2 : 4) * kCols : 0;
+    return factored ? factor_space() + kSuper * 2 * kCols : 0;
   }
-  static constexpr int64_t kSixD = 64;  // a six header's d (fp16 or float32), padded
   PAGEDLLM_Q4_INLINE int64_t super_bytes() const { return header_bytes() + kSuper * block_bytes(); }
   // Where group g's block starts in its panel, and a panel's size.
   PAGEDLLM_Q4_INLINE int64_t block_offset(int64_t g) const {
     if (!factored) return g * block_bytes();
     return (g / kSuper) * super_bytes() + header_bytes() + (g % kSuper) * block_bytes();
   }
-  // Where group g's scales (or sc bytes) start in its panel: after its q, or (six) in the header.
+  // Where group g's scales (or index bytes) start in its panel: after its q, or in the header.
   PAGEDLLM_Q4_INLINE int64_t scales_offset(int64_t g) const {
-    if (six()) return (g / kSuper) * super_bytes() + kSixD + (g % kSuper) * 2 * kCols;
+    if (factored) return (g / kSuper) * super_bytes() + factor_space() + (g % kSuper) * 2 * kCols;
     return block_offset(g) + weight_bytes();
   }
   PAGEDLLM_Q4_INLINE int64_t panel_bytes(int64_t groups) const {
@@ -162,7 +166,7 @@ PAGEDLLM_Q4_INLINE void group_scales(const uint8_t* panel, int64_t g, const Form
       return;
     }
     *scale = v_mul(d, u8_load(p));
-    *offset = v_mul(load(header + f.header_bytes() / 2), u8_load(p + kCols));
+    *offset = v_mul(load(header + f.factor_bytes() / 2), u8_load(p + kCols));
     return;
   }
   *scale = load(p);

@@ -118,13 +118,13 @@ void pack_panel(const PackSource& src, int64_t n, int64_t p, const Format& f, ui
   for (int64_t g = 0; g < src.groups; ++g) {
     if (f.factored && g % Format::kSuper == 0) {  // the super-block's header: d, then dm
       uint8_t* header = panel + (g / Format::kSuper) * f.super_bytes();
-      std::memset(header, 0, f.header_bytes());  // a six header's padding, its sc's columns
+      std::memset(header, 0, f.header_bytes());  // its padding, and absent columns' bytes
       const int64_t per = f.two_scales() ? 1 : 2;  // factors per super-block: d (, dm)
       const int64_t sb = g / Format::kSuper, ldf = src.groups / Format::kSuper * per;
       const float* fac = src.factors + n0 * ldf + sb * per;
       put_floats(header, fac, ldf, cols, f.half_scales);
       if (!f.two_scales())
-        put_floats(header + f.header_bytes() / 2, fac + 1, ldf, cols, f.half_scales);
+        put_floats(header + f.factor_bytes() / 2, fac + 1, ldf, cols, f.half_scales);
     }
     pack_block(src, n0, cols, g, f, panel);
   }
