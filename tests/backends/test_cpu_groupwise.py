@@ -247,7 +247,7 @@ def test_formats_and_bits_per_weight(ops) -> None:
         "q8_0": ((True, False, False), 8.5),
         "q8_f32": ((False, False, False), 9.0),
         # Factored: a header per 8 groups of d (and dm) padded to 64 bytes, then the groups'
-        # index bytes (sc, m: 2 * 16 each), before 8 blocks of q alone (each 64-byte aligned).
+        # index bytes (sc, m: 2 * 16 each), before 8 blocks of q alone.
         "q6_k": ((True, False, True), 8.625),  # 512 a block, 64 + 256 a header
     }
     if ops.groupwise_six_bits():
@@ -259,8 +259,8 @@ def test_formats_and_bits_per_weight(ops) -> None:
         assert (pw.half_scales, pw.with_offset, pw.factored) == fmt, kind
         assert pw.packed.shape == (2, int(bits * k * 16 / 8)), kind
         assert pw.bits_per_weight == bits
-        if pw.factored:  # every block of every panel starts on a cache line
-            assert pw.packed.shape[1] % 64 == 0 and pw.packed.data_ptr() % 64 == 0, kind
+        # Super-blocks of a header and 2 blocks (8 factored): every block on a cache line.
+        assert pw.packed.shape[1] % 64 == 0 and pw.packed.data_ptr() % 64 == 0, kind
         names = {"q6_k": "q6_k", "q6_k6": "q6_k", "q8_0": "q8_0", "q8_f32": "q8_0"}
         assert pw.name == names.get(kind, "int4")
 
@@ -360,8 +360,8 @@ def test_bad_inputs_raise(ops) -> None:
     x = torch.randn(1, 64)
     with pytest.raises(RuntimeError, match="packed must be"):  # the format disagrees
         ops.groupwise_gemm(x, pw.packed, 20, 4, True, False, False, None, False)
-    with pytest.raises(RuntimeError, match="packed must be"):
-        ops.groupwise_gemm(torch.randn(1, 32), pw.packed, 20, 4, True, True, False, None, False)
+    with pytest.raises(RuntimeError, match="packed must be"):  # K=128 for a K=64 layer
+        ops.groupwise_gemm(torch.randn(1, 128), pw.packed, 20, 4, True, True, False, None, False)
     with pytest.raises(RuntimeError, match="does not fit"):
         ops.groupwise_gemm(x, pw.packed, 40, 4, True, True, False, None, False)
     with pytest.raises(RuntimeError, match="bits must be"):

@@ -7,26 +7,28 @@
 // quantization="int4"), 8-bit W[n, k] = q * scale[n, k/32] (q in -127..127, GGUF Q8_0) or
 // q * scale[n, k/16] (q in -32..31, GGUF Q6_K).
 //
-// Layout: panels of 16 output columns, each a run of blocks, one per group of 32 k, so a decode
-// step streams every panel once, front to back, scales included:
-//   block = weights (4-bit: 256 bytes, 8-bit: 512) | 16 scales | 16 offsets (4-bit, optional),
-// scales and offsets as fp16 where that is exact for every group of the layer (GGUF Q4_0, Q4_1,
-// Q8_0 store fp16), else float32. A 4-bit layer whose offsets are all -8 * scale (Q4_0,
-// symmetric int4) stores no offsets: 4.5 bits a weight, Q4_1-like 5, float32 scale and offset 6.
+// Layout: panels of 16 output columns, each a run of super-blocks, so a decode step streams
+// every panel once, front to back, scales included. A super-block is a header holding its
+// groups' scales, then one block per group of 32 k holding q alone (4-bit: 256 bytes, 8-bit:
+// 512), every block starting on a cache line: split 64-byte loads cost the one-row decode
+// ~15% on a Zen 4 EPYC, and a block that carried its own scales (Q4_0: 256 + 32 bytes, Q8_0:
+// 512 + 32) began every other one mid-line. Plain super-blocks hold 2 groups: a header of
+// group 0's 16 scales | 16 offsets (4-bit, optional), then group 1's, then 2 blocks; a panel of
+// an odd number of groups ends in an unread zero block. Scales and offsets are fp16 where that
+// is exact for every group of the layer (GGUF Q4_0, Q4_1, Q8_0 store fp16), else float32. A
+// 4-bit layer whose offsets are all -8 * scale (Q4_0, symmetric int4) stores no offsets: 4.5
+// bits a weight, Q4_1-like 5, float32 scale and offset 6.
 // Q4_K's scales are d * sc and offsets dm * m, with d and dm per super-block of 8 groups (fp16
 // in the file) and sc, m 6-bit integers per group, products that fp16 cannot hold. Where every
-// group factors so exactly, the layer is "factored": each run of 8 blocks (a super-block) is
-// preceded by a header of the 16 columns' d then dm (fp16 where exact, else float32), padded
-// to whole 64 bytes, then each group's sc and m bytes (16 + 16), and the blocks hold q alone:
-// every block, so every 64-byte load of the stream, is aligned (a 288-byte block that carried
-// its own sc and m began every other one mid-line). 4.625 bits a weight instead of 6.
+// group factors so exactly, the layer is "factored": super-blocks of 8 groups whose header
+// holds the 16 columns' d then dm (fp16 where exact, else float32), padded to whole 64 bytes,
+// then each group's sc and m bytes (16 + 16): 4.625 bits a weight instead of 6.
 // Q6_K ("two scales": 8-bit and factored) has one scale per 16 k, d * sc with d per 8 groups
 // (fp16 in the file) and sc a signed byte: its header holds the 16 columns' d, padded to 64
 // bytes, then each group's sc of k 0..15 (chunks 0-3) and of k 16..31 (chunks 4-7), 16 bytes
 // each, before 8 blocks of q - 32 (of the file's q, in -32..31): 8.625 bits a weight.
 // Q6_K at 6 bits ("six", bits = 6; AVX-512 builds, float path only): the same header, blocks
-// of 384 bytes of q (split loads cost the one-row decode ~15% on a Zen 4 EPYC, which is why
-// every factored layout keeps its blocks aligned). A block holds two half groups of 16 k,
+// of 384 bytes of q. A block holds two half groups of 16 k,
 // 192 bytes each: three 64-byte rows R1, R2, R3 of 32 16-bit lanes. Lane 2c + j holds column
 // c's q at k = 2p + j of the half group, p = 0..7 (the pair rows vdpbf16ps reads), as 6-bit
 // u = q & 63: R1 = u0 | u1 << 6 | (u6 & 15) << 12,
@@ -55,6 +57,7 @@ constexpr int64_t kChunk = 64;  // bytes: one dword per column
 
 struct Format {
   static constexpr int64_t kSuper = 8;  // groups per factored super-block
+  static constexpr int64_t kPlain = 2;  // groups per plain super-block
   int bits = 4;             // 4, 8, or 6 (Q6_K's q at 6 bits: always factored, two scales)
   bool half_scales = true;  // scales and offsets (factored: d and dm) stored as fp16
   bool with_offset = true;  // 4-bit only: offsets stored; else offset = -8 * scale
@@ -71,31 +74,37 @@ struct Format {
     return factored ? kCols : (half_scales ? 2 : 4) * kCols;
   }
   PAGEDLLM_Q4_INLINE bool stores_offset() const { return bits == 4 && with_offset; }
-  PAGEDLLM_Q4_INLINE int64_t block_bytes() const {
-    if (factored) return weight_bytes();  // its sc (and m) live in the header
-    return weight_bytes() + scale_bytes() * (stores_offset() ? 2 : 1);
+  PAGEDLLM_Q4_INLINE int64_t block_bytes() const { return weight_bytes(); }  // q alone
+  PAGEDLLM_Q4_INLINE int64_t super_groups() const { return factored ? kSuper : kPlain; }
+  // A group's bytes in the header: sc and m (factored), or its scales and offsets.
+  PAGEDLLM_Q4_INLINE int64_t group_scale_bytes() const {
+    return factored ? 2 * kCols : scale_bytes() * (stores_offset() ? 2 : 1);
   }
-  // A factored header: the columns' d (and dm), then each group's 2 * 16 index bytes.
+  // A factored header's leading d (and dm), and the room it takes: whole 64 bytes.
   PAGEDLLM_Q4_INLINE int64_t factor_bytes() const {
     return (two_scales() ? 1 : 2) * (half_scales ? 2 : 4) * kCols;
   }
-  PAGEDLLM_Q4_INLINE int64_t factor_space() const { return (factor_bytes() + 63) / 64 * 64; }
+  PAGEDLLM_Q4_INLINE int64_t factor_space() const {
+    return factored ? (factor_bytes() + 63) / 64 * 64 : 0;
+  }
   PAGEDLLM_Q4_INLINE int64_t header_bytes() const {
-    return factored ? factor_space() + kSuper * 2 * kCols : 0;
+    return factor_space() + super_groups() * group_scale_bytes();
   }
-  PAGEDLLM_Q4_INLINE int64_t super_bytes() const { return header_bytes() + kSuper * block_bytes(); }
-  // Where group g's block starts in its panel, and a panel's size.
+  PAGEDLLM_Q4_INLINE int64_t super_bytes() const {
+    return header_bytes() + super_groups() * block_bytes();
+  }
+  // Where group g's super-block, block and scales (or index bytes) start in its panel.
+  PAGEDLLM_Q4_INLINE int64_t super_offset(int64_t g) const {
+    return g / super_groups() * super_bytes();
+  }
   PAGEDLLM_Q4_INLINE int64_t block_offset(int64_t g) const {
-    if (!factored) return g * block_bytes();
-    return (g / kSuper) * super_bytes() + header_bytes() + (g % kSuper) * block_bytes();
+    return super_offset(g) + header_bytes() + g % super_groups() * block_bytes();
   }
-  // Where group g's scales (or index bytes) start in its panel: after its q, or in the header.
   PAGEDLLM_Q4_INLINE int64_t scales_offset(int64_t g) const {
-    if (factored) return (g / kSuper) * super_bytes() + factor_space() + (g % kSuper) * 2 * kCols;
-    return block_offset(g) + weight_bytes();
+    return super_offset(g) + factor_space() + g % super_groups() * group_scale_bytes();
   }
   PAGEDLLM_Q4_INLINE int64_t panel_bytes(int64_t groups) const {
-    return factored ? groups / kSuper * super_bytes() : groups * block_bytes();
+    return (groups + super_groups() - 1) / super_groups() * super_bytes();
   }
 };
 
@@ -158,7 +167,7 @@ PAGEDLLM_Q4_INLINE void group_scales(const uint8_t* panel, int64_t g, const Form
   };
   const uint8_t* p = panel + f.scales_offset(g);
   if (f.factored) {
-    const uint8_t* header = panel + (g / Format::kSuper) * f.super_bytes();
+    const uint8_t* header = panel + f.super_offset(g);
     const V16 d = load(header);
     if (f.two_scales()) {
       *scale = v_mul(d, u8_load<true>(p));

@@ -90,8 +90,7 @@ void pack_bytes(const uint8_t* row, int64_t g, int64_t j, const Format& f, uint8
 // One block: the 16 columns n0.. (cols of them real; the rest zero) of group g.
 void pack_block(const PackSource& src, int64_t n0, int64_t cols, int64_t g, const Format& f,
                 uint8_t* panel) {
-  uint8_t* block = panel + f.block_offset(g);
-  std::memset(block, 0, f.block_bytes());
+  uint8_t* block = panel + f.block_offset(g);  // zeroed with its super-block
   for (int64_t j = 0; j < cols; ++j) {
     if (f.six())
       pack_six(src.w + (n0 + j) * src.ldw + g * kGroup, j, block);
@@ -116,9 +115,10 @@ void pack_block(const PackSource& src, int64_t n0, int64_t cols, int64_t g, cons
 void pack_panel(const PackSource& src, int64_t n, int64_t p, const Format& f, uint8_t* panel) {
   const int64_t n0 = p * kCols, cols = std::min(kCols, n - n0);
   for (int64_t g = 0; g < src.groups; ++g) {
+    if (g % f.super_groups() == 0)  // padding, absent columns' and absent groups' bytes: zero
+      std::memset(panel + f.super_offset(g), 0, f.super_bytes());
     if (f.factored && g % Format::kSuper == 0) {  // the super-block's header: d, then dm
-      uint8_t* header = panel + (g / Format::kSuper) * f.super_bytes();
-      std::memset(header, 0, f.header_bytes());  // its padding, and absent columns' bytes
+      uint8_t* header = panel + f.super_offset(g);
       const int64_t per = f.two_scales() ? 1 : 2;  // factors per super-block: d (, dm)
       const int64_t sb = g / Format::kSuper, ldf = src.groups / Format::kSuper * per;
       const float* fac = src.factors + n0 * ldf + sb * per;
