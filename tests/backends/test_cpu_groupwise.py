@@ -362,6 +362,11 @@ def test_bad_inputs_raise(ops) -> None:
         ops.groupwise_gemm(x, pw.packed, 20, 4, True, False, False, None, False)
     with pytest.raises(RuntimeError, match="packed must be"):  # K=128 for a K=64 layer
         ops.groupwise_gemm(torch.randn(1, 128), pw.packed, 20, 4, True, True, False, None, False)
+    # K=32 fills the same panels as K=64 (super-blocks of 2 groups): the layer checks K.
+    with pytest.raises(ValueError, match="^x: 32 features for a layer of 64$"):
+        pw.gemm(ops, torch.randn(1, 32), None, False)
+    with pytest.raises(ValueError, match="^x: 32 features for a layer of 64$"):
+        groupwise_linear.make_groupwise_gemm(ops, pw, None)(torch.randn(1, 32))
     with pytest.raises(RuntimeError, match="does not fit"):
         ops.groupwise_gemm(x, pw.packed, 40, 4, True, True, False, None, False)
     with pytest.raises(RuntimeError, match="bits must be"):

@@ -75,8 +75,16 @@ class PackedGroupwise:
 
     def gemm(self, ops: object, x: torch.Tensor, bias: torch.Tensor | None, dot: bool):
         """``ops.groupwise_gemm`` on these weights: ``x [T, K] -> [T, N]``."""
+        check_k(x, self.k)
         fmt = (self.bits, self.half_scales, self.with_offset, self.factored)
         return ops.groupwise_gemm(x, self.packed, self.n, *fmt, bias, dot)
+
+
+def check_k(x: torch.Tensor, k: int) -> None:
+    """The kernel can only check x's K against the panel's size, and super-blocks of 2 groups
+    make a K of 32 * (2j - 1) and one of 32 * 2j the same size: the layer checks it exactly."""
+    if x.shape[-1] != k:
+        raise ValueError(f"x: {x.shape[-1]} features for a layer of {k}")
 
 
 _SUPER = 8  # groups per factored super-block
@@ -304,6 +312,7 @@ def make_groupwise_gemm(
     weights = (pw.packed, pw.n, pw.bits, pw.half_scales, pw.with_offset, pw.factored, bias32)
 
     def gemm(x: torch.Tensor, dot: bool | None = None) -> torch.Tensor:
+        check_k(x, pw.k)
         if dot is None:
             dot = x.shape[0] <= defaults.get(x.dtype, 0)
         return kernel(x, *weights, dot)
