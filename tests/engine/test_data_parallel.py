@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from pagedllm import Engine, SamplingParams
-from tests.entrypoints.conftest import API_KEY, MODEL_NAME, start_server
+from tests.entrypoints.conftest import API_KEY, MODEL_NAME, stall_core, start_server
 from tests.hf_reference import assert_greedy_match, hf_greedy
 
 MAX_NEW = 12
@@ -96,15 +96,11 @@ def idle_replica_stats(client: Any, timeout: float = 10.0) -> list[dict[str, flo
         time.sleep(0.05)
 
 
-def _hold(engine: Any, seconds: float) -> None:
-    time.sleep(seconds)  # in the replica's core, between steps
-
-
 async def generate_held(engine: Any, prompts: list[list[int]]) -> list[Any]:
     """``generate_async`` with each replica held while the batch is handed over, so each sees
     its whole share at its first step: squeezed however slowly this process runs under load
     (a replica that took its prompts a few steps apart could finish them without preempting)."""
-    holds = [asyncio.ensure_future(r.call(_hold, 0.5)) for r in engine.replicas]
+    holds = [asyncio.ensure_future(r.call(stall_core, 0.5)) for r in engine.replicas]
     await asyncio.sleep(0)  # the holds are sent before any prompt
     outs = await engine.generate_async([{"prompt_token_ids": p} for p in prompts], GREEDY)
     await asyncio.gather(*holds)

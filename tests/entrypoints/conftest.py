@@ -80,6 +80,11 @@ class ServerHandle:
         return asyncio.run(self.engine.call(fn, *args))
 
 
+def stall_core(engine: Any, seconds: float) -> None:
+    """``engine.call(stall_core, s)``: the core sleeps between steps (requests queue meanwhile)."""
+    time.sleep(seconds)
+
+
 def small_core_client(llama_path: Path, **extra: Any) -> Any:
     """An engine core process on the tiny Llama with a small cache, for tests that start,
     break, kill or bind their own core (the session ``server`` fixture's core is shared)."""

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import openai
 
-from tests.entrypoints.conftest import API_KEY, MAX_MODEL_LEN, MODEL_NAME
+from tests.entrypoints.conftest import API_KEY, MAX_MODEL_LEN, MODEL_NAME, stall_core
 
 PROMPTS = [
     "The quick brown fox",
@@ -181,10 +181,6 @@ def test_client_timeout_on_non_streaming_request_aborts_it(server: Any) -> None:
     assert ended == ({"abort": 1} if timed_out else {"length": 1}), ended
 
 
-def _stall(engine: Any, seconds: float) -> None:
-    time.sleep(seconds)  # in the engine core, between steps
-
-
 def test_cancel_while_waiting_for_first_token(server: Any) -> None:
     """Clients that leave before their first token (the engine is stalled) are aborted too."""
 
@@ -192,7 +188,7 @@ def test_cancel_while_waiting_for_first_token(server: Any) -> None:
         client = openai.AsyncOpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0, timeout=60)
         async with client:
             # Hold the engine thread so the requests queue up without any output.
-            stall = asyncio.create_task(server.engine.call(_stall, 0.6))
+            stall = asyncio.create_task(server.engine.call(stall_core, 0.6))
             await asyncio.sleep(0.05)
             tasks = [asyncio.create_task(_one(client, i, cancel=False)) for i in range(8)]
             await asyncio.sleep(0.3)

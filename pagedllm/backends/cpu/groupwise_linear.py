@@ -310,9 +310,10 @@ def make_groupwise_gemm(
     # PackedGroupwise.gemm's call with its arguments bound once: this runs per layer per step.
     kernel = ops.groupwise_gemm  # type: ignore[attr-defined]
     weights = (pw.packed, pw.n, pw.bits, pw.half_scales, pw.with_offset, pw.factored, bias32)
+    k = pw.k
 
     def gemm(x: torch.Tensor, dot: bool | None = None) -> torch.Tensor:
-        check_k(x, pw.k)
+        check_k(x, k)
         if dot is None:
             dot = x.shape[0] <= defaults.get(x.dtype, 0)
         return kernel(x, *weights, dot)
