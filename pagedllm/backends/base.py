@@ -61,7 +61,9 @@ class AttentionBackend(ABC):
 
     ``write_kv`` and ``forward`` are called once per layer per step. ``forward`` must honour
     ``sliding_window`` (a token attends only to the last ``sliding_window`` positions, itself
-    included) and GQA (``num_heads`` a multiple of ``num_kv_heads``).
+    included), GQA (``num_heads`` a multiple of ``num_kv_heads``) and, where a model asks for it,
+    ``logits_soft_cap`` (Gemma 2: each score ``s = scale * q.k`` becomes ``cap * tanh(s / cap)``
+    before the mask and the softmax; the layer passes it only when set).
     """
 
     name: str = "abstract"
@@ -134,6 +136,7 @@ class AttentionBackend(ABC):
         scale: float,
         *,
         sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
         """Causal attention of each query token over its sequence's cached keys and values."""
 

@@ -45,14 +45,18 @@ def attend(
     context_len: int,
     scale: float,
     sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:  # [q_len, num_heads, d]
-    """Causal attention of queries at positions ``context_len..`` over all ``seq_len`` keys."""
+    """Causal attention of queries at positions ``context_len..`` over all ``seq_len`` keys;
+    with ``logits_soft_cap`` each score becomes ``cap * tanh(score / cap)`` first (Gemma 2)."""
     q_len, num_heads, _ = q.shape
     seq_len, kv_heads, _ = k.shape
     group = num_heads // kv_heads
     k = k.repeat_interleave(group, dim=1).float()
     v = v.repeat_interleave(group, dim=1).float()
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale  # [h, q_len, seq_len]
+    if logits_soft_cap is not None:
+        scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
     q_pos = torch.arange(context_len, context_len + q_len, device=q.device)[:, None]
     k_pos = torch.arange(seq_len, device=q.device)[None, :]
     allowed = k_pos <= q_pos
@@ -97,6 +101,7 @@ class ReferenceAttention(AttentionBackend):
         scale: float,
         *,
         sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
     ) -> torch.Tensor:
@@ -109,6 +114,8 @@ class ReferenceAttention(AttentionBackend):
             k, v = gather_seq_kv(kv_cache, tables[i], seq_len)
             k, v = from_cache_dtype(k, k_scale), from_cache_dtype(v, v_scale)
             q = query[start : start + q_len]
-            out[start : start + q_len] = attend(q, k, v, seq_len - q_len, scale, sliding_window)
+            out[start : start + q_len] = attend(
+                q, k, v, seq_len - q_len, scale, sliding_window, logits_soft_cap
+            )
             start += q_len
         return out

@@ -6,6 +6,8 @@ so the same module works for every backend and every batch.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -23,6 +25,7 @@ class Attention(nn.Module):
         head_size: int,
         scale: float,
         sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
         super().__init__()
         self.backend = backend
@@ -31,6 +34,10 @@ class Attention(nn.Module):
         self.head_size = head_size
         self.scale = scale
         self.sliding_window = sliding_window
+        if logits_soft_cap is not None and not 0 < logits_soft_cap < math.inf:
+            raise ValueError(f"logits_soft_cap must be > 0 and finite, got {logits_soft_cap}")
+        # Gemma 2's tanh cap on the scores; passed to the backend only when set.
+        self.extra = {} if logits_soft_cap is None else {"logits_soft_cap": float(logits_soft_cap)}
         # An fp8 cache holds k / k_scale and v / v_scale. Checkpoints calibrated for it carry
         # the scales (read by models/checkpoint_kv_scales.py); the others keep 1.0.
         self.k_scale = 1.0
@@ -61,6 +68,12 @@ class Attention(nn.Module):
         )
         self.backend.write_kv(k, v, kv_cache, meta.slot_mapping, **scales)
         out = self.backend.forward(
-            q, kv_cache, meta, self.scale, sliding_window=self.sliding_window, **scales
+            q,
+            kv_cache,
+            meta,
+            self.scale,
+            sliding_window=self.sliding_window,
+            **scales,
+            **self.extra,
         )
         return out.reshape(n, self.num_heads * self.head_size)

@@ -110,9 +110,18 @@ class LlamaAttention(nn.Module):
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             head_size=head,
-            scale=head**-0.5,
+            scale=self.attention_scale(config),
             sliding_window=sliding_window_of(config, layer_idx),
+            logits_soft_cap=self.logits_soft_cap(config),
         )
+
+    def attention_scale(self, config: Any) -> float:
+        """The softmax scale (Gemma 2 takes it from ``query_pre_attn_scalar``)."""
+        return self.head_size**-0.5
+
+    def logits_soft_cap(self, config: Any) -> float | None:
+        """A cap on the attention scores (Gemma 2), or None."""
+        return None
 
     def forward(
         self,
@@ -177,6 +186,7 @@ class LlamaForCausalLM(nn.Module):
     """
 
     attention_cls: type[LlamaAttention] = LlamaAttention
+    decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
     norm_offset = 0.0  # Gemma's RMSNorm scales by (1 + weight)
 
     def make_act(self, config: Any) -> nn.Module:
@@ -224,7 +234,7 @@ class LlamaForCausalLM(nn.Module):
         if pp.is_first or (pp.is_last and tied):
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, attn_backend, self.rotary, tp, self)
+            self.decoder_layer_cls(config, i, attn_backend, self.rotary, tp, self)
             if self.start_layer <= i < self.end_layer
             else AbsentLayer()
             for i in range(config.num_hidden_layers)

@@ -207,6 +207,7 @@ def write_and_compare(
     *,
     window: int | None = None,
     query_scale: float = 1.0,
+    soft_cap: float | None = None,
 ) -> None:
     """Write through the kind and the reference (same bytes), then attend over the same cache."""
     kw = _scale_kw(cache)
@@ -217,6 +218,8 @@ def write_and_compare(
         f"{kind.name} {what}: cache after write_kv differs from the reference's"
     )
     scale = query.shape[-1] ** -0.5 * query_scale
+    if soft_cap is not None:
+        kw["logits_soft_cap"] = soft_cap
     out = kind.backend.forward(query, cache, meta, scale, sliding_window=window, **kw)
     ref = REF.forward(query, cache, meta, scale, sliding_window=window, **kw)
     assert out.shape == query.shape and out.dtype == query.dtype
@@ -323,6 +326,33 @@ def test_large_scores_stay_finite(kind: Kind) -> None:
         [(0, 40), (long, 1)], 1, block_size=16, heads=(4, 2), head_size=64, device=kind.device
     )
     write_and_compare(kind, *batch, "scores x40", query_scale=40.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_id)
+@pytest.mark.parametrize(("cap", "query_scale", "window"), [(50.0, 1.0, None), (2.0, 8.0, 5)])
+def test_logits_soft_cap(
+    kind: Kind, dtype: torch.dtype, cap: float, query_scale: float, window: int | None
+) -> None:
+    """Gemma 2's soft cap, ``cap * tanh(s / cap)`` on every score: at Gemma's 50 (scores far
+    below it, the cap nearly linear) and at a cap of 2 under scores of ~8 (deep in the tanh's
+    saturation, where a kernel that skipped it would be far off), with and without a window."""
+    if dtype not in kind.dtypes:
+        pytest.skip(f"{kind.name} does not compute in {_id(dtype)} on {kind.device}")
+    if not kind.covers(DTYPES.index(dtype), 0 if window is None else 1):
+        pytest.skip("interpreted: this combination is outside the covering set")
+    seqs, num_prefills = mixed_seqs(16, kind)
+    batch = make_batch(
+        seqs,
+        num_prefills,
+        block_size=16,
+        heads=(8, 2),
+        head_size=64,
+        dtype=dtype,
+        device=kind.device,
+        backend=kind.backend,
+    )
+    what = f"soft cap {cap} {_id(dtype)}"
+    write_and_compare(kind, *batch, what, window=window, query_scale=query_scale, soft_cap=cap)
 
 
 def test_write_kv_skips_padding_slots(kind: Kind) -> None:

@@ -208,6 +208,51 @@ def test_rejects_bad_inputs(attn) -> None:
         attn.forward(query[:, :3], cache, meta, SCALE)
     with pytest.raises(ValueError, match="sliding_window"):
         attn.forward(query, cache, meta, SCALE, sliding_window=0)
+    # IPEX reads only -1 as "no cap" (0 or -2 give other numbers): refused before the op.
+    for cap in (0.0, -1.0, -50.0, float("nan")):
+        with pytest.raises(ValueError, match="logits_soft_cap"):
+            attn.forward(query, cache, meta, SCALE, logits_soft_cap=cap)
+
+
+# (compute dtype, cache dtype) for the soft cap: each compute dtype, and e5m2 with scales other
+# than 1 (k_scale is folded into the ops' scale, so it must land inside the tanh).
+SOFT_CAP_DTYPES = [
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float16, torch.float16),
+    (torch.bfloat16, torch.float8_e5m2),
+]
+
+
+@ipex_test
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window", [1, 5, None])
+@pytest.mark.parametrize(("dtype", "cache_dtype"), SOFT_CAP_DTYPES, ids=str)
+def test_logits_soft_cap_against_reference(
+    attn, device: str, window: int | None, dtype: torch.dtype, cache_dtype: torch.dtype
+) -> None:
+    """A cap of 2 under scores of ~8 (deep in the tanh's saturation) on a mixed batch: with
+    ``sliding_window == 1`` (computed in PyTorch, not by IPEX; the conformance test's windows
+    are None and 5), with a window of 5 (decodes then go through the varlen op: IPEX's decode op
+    refuses a window with a cap) and without; fp8 caches too, which the conformance test's
+    soft-cap case does not reach, with ``k_scale``/``v_scale`` of 0.5/2."""
+    seqs = [(0, 12), (16, 5), (19, 16), (2, 1), (15, 1), (40, 1)]  # 3 prompt chunks, 3 decodes
+    scales = (0.5, 2.0)
+    cache, ref_cache, meta, query = _batch(
+        attn, seqs, 3, block_size=16, num_heads=8, num_kv_heads=2, head_size=64,
+        dtype=dtype, cache_dtype=cache_dtype, scales=scales, device=device,
+    )  # fmt: skip
+    kw = {"sliding_window": window, "logits_soft_cap": 2.0, **fp8_kwargs(cache_dtype, scales)}
+    scale = 8 * 64**-0.5
+    out = attn.forward(query, cache, meta, scale, **kw)
+    expected = ReferenceAttention().forward(query, ref_cache, meta, scale, **kw)
+    assert out.shape == query.shape and out.dtype == query.dtype
+    _check(out, expected, f"soft cap 2, window {window}, {dtype} over {cache_dtype}")
+    if window != 1:  # the cap must have changed something: scores are far beyond it
+        uncapped = ReferenceAttention().forward(
+            query, ref_cache, meta, scale, **{**kw, "logits_soft_cap": None}
+        )
+        assert (uncapped.float() - expected.float()).abs().max().item() > 0.5
 
 
 # ---- XpuBackend glue: no IPEX, no Intel GPU needed -------------------------------------------

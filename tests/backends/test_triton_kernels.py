@@ -169,6 +169,35 @@ def test_launchers_reject_bad_inputs(ops) -> None:
         ops.paged_decode_attention(query, cache, *args, sliding_window=0)
 
 
+@pytest.mark.parametrize("cap", [0.0, -50.0, float("nan")])
+def test_launchers_reject_bad_soft_cap(ops, cap: float) -> None:
+    """A cap that is not positive is refused by name before anything launches."""
+    cache, meta, query, _, _ = _paged_batch(
+        [(3, 1)], 1, block_size=16, num_heads=2, num_kv_heads=1, head_size=16
+    )
+    with pytest.raises(ValueError, match="logits_soft_cap"):
+        ops.paged_decode_attention(
+            query,
+            cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.max_seq_len,
+            0.25,
+            logits_soft_cap=cap,
+        )
+    with pytest.raises(ValueError, match="logits_soft_cap"):
+        ops.prefill_attention(
+            query,
+            cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            1,
+            0.25,
+            logits_soft_cap=cap,
+        )
+
+
 def test_cache_engine_swap_and_copy() -> None:
     """CudaCacheEngine (side stream on CUDA, inline on CPU) moves whole blocks, K and V."""
     from pagedllm.backends.gpu.attention import TritonPagedAttention

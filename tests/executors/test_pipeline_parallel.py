@@ -102,7 +102,7 @@ def _prefill(model: Any, ids: list[int], intermediate: Any = None) -> Any:
         return model(torch.tensor(ids), torch.arange(n), caches, meta, *args)
 
 
-STAGE_FAMILIES = ["qwen3", "gemma", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+STAGE_FAMILIES = ["qwen3", "gemma", "gemma2", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +119,9 @@ def family_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.mark.parametrize("family", STAGE_FAMILIES)
 def test_relatives_of_llama_split_into_stages(family_paths: dict[str, Path], family: str) -> None:
-    """Qwen3, Gemma, Phi-3 and the four MoE families inherit the split: two stages chained in one
-    process (the second fed the first's activations) give the whole model's logits."""
+    """Qwen3, Gemma, Gemma 2, Phi-3 and the four MoE families inherit the split: two stages
+    chained in one process (the second fed the first's activations) give the whole model's
+    logits."""
     path = family_paths[family]
     ids = [5, 9, 17, 33, 65, 7, 11, 13, 3, 21]
     whole = load_on_reference(path, torch.float32)

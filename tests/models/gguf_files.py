@@ -3,8 +3,9 @@
 What llama.cpp's converter does, for our tiny models: metadata under ``<arch>.*``, the
 tokenizer as ``tokenizer.ggml.*`` (byte-level BPE: tokens, types, merges, special ids, chat
 template), Llama's q/k rows interleaved for llama.cpp's rotary, Gemma's norms stored as
-``1 + w``. Each tensor is written in the type a recipe names: types the ``gguf`` package
-quantises (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) from the model's weights; the K-quants
+``1 + w`` (Gemma 2's four a layer under their llama.cpp names, its caps and window as keys).
+Each tensor is written in the type a recipe names: types the ``gguf`` package quantises (F32,
+F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) from the model's weights; the K-quants
 (Q4_K, Q5_K, Q6_K), which it only reads, as random valid blocks of a similar magnitude (the
 reference is transformers reading the same file, so any valid weights serve).
 """
@@ -47,11 +48,20 @@ _GLOBAL_NAMES = {
 }
 
 
-def gguf_name(hf_name: str) -> str:
+# Gemma 2's four norms a layer, as llama.cpp's converter names them.
+_GEMMA2_NORMS = {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+
+
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
     stem, _, suffix = hf_name.rpartition(".")
     if stem.startswith("model.layers."):
         _, _, layer, rest = stem.split(".", 3)
-        return f"blk.{layer}.{_LAYER_NAMES[rest]}.{suffix}"
+        names = {**_LAYER_NAMES, **_GEMMA2_NORMS} if arch == "gemma2" else _LAYER_NAMES
+        return f"blk.{layer}.{names[rest]}.{suffix}"
     return f"{_GLOBAL_NAMES[stem]}.{suffix}"
 
 
@@ -139,11 +149,11 @@ def write_gguf(
         if config.tie_word_embeddings and name == "lm_head.weight":
             continue
         w = tensor.float().numpy()
-        target = gguf_name(name)
+        target = gguf_name(name, arch)
         kind = target.split(".")[-2]
         if arch in ("llama", "mistral") and kind in ("attn_q", "attn_k"):
             w = permute_rows(w, heads if kind == "attn_q" else kv_heads)
-        if arch == "gemma" and target.endswith("norm.weight"):
+        if arch in ("gemma", "gemma2") and target.endswith("norm.weight"):
             w = w + 1.0
         ttype = (recipe or {}).get(kind, default) if w.ndim == 2 else "F32"
         data, qtype = _encode(target, w, ttype, rng)
@@ -217,6 +227,10 @@ def _write_metadata(writer: Any, config: Any, arch: str) -> None:
     writer.add_value_length(head_dim)
     writer.add_vocab_size(config.vocab_size)
     writer.add_file_type(0)
+    if arch == "gemma2":  # what llama.cpp's converter adds for Gemma 2
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
 
 
 def _write_tokenizer(writer: Any, hf_folder: Path) -> None:

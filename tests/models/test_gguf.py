@@ -20,7 +20,7 @@ from pagedllm.models.checkpoint import CheckpointError
 from tests.conftest import build_model
 from tests.hf_reference import assert_greedy_match, hf_greedy
 from tests.models.gguf_files import hf_gguf_greedy, write_gguf
-from tests.models.test_more_families import build_family
+from tests.models.test_more_families import GGUF_GEMMA2, build_family
 
 MAX_NEW = 10
 PROMPTS = [[5, 17, 99, 3, 44, 12, 7], [7, 8, 9], list(range(20, 60)), [300, 12, 150, 151, 152]]
@@ -65,6 +65,7 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "qwen2": build_model(root / "qwen2", "qwen2"),
         "mistral": build_model(root / "mistral", "mistral"),
         **{name: build_family(root / name, name) for name in ("phi3", "gemma", "qwen3")},
+        "gemma2": build_family(root / "gemma2", "gemma2", **GGUF_GEMMA2),
     }
 
 
@@ -127,7 +128,7 @@ def assert_within_bf16_ties(ours: list[int], ref, label: str) -> None:
     assert len(ours) == len(ref.token_ids), label
 
 
-@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3", "phi3", "gemma"])
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2"])
 def test_float_file_matches_the_model_it_was_written_from(
     sources: dict[str, Path], tmp_path: Path, family: str
 ) -> None:
@@ -366,12 +367,15 @@ def test_bad_files_fail_at_start_with_one_line(
     no_tokenizer = write_gguf(sources["llama"], tmp_path / "notok.gguf", with_tokenizer=False)
     unknown_arch = write_gguf(sources["llama"], tmp_path / "arch.gguf", arch="bloom")
     unknown_type = write_gguf(sources["wide"], tmp_path / "iq.gguf", recipe={"attn_q": "TQ2_0"})
+    zero_cap = build_family(tmp_path / "gemma2-zero", "gemma2", attn_logit_softcapping=0.0)
+    zero_cap = write_gguf(zero_cap, tmp_path / "cap.gguf")
     cases = [
         (truncated, "truncated"),
         (bad_magic, "not a readable GGUF file"),
         (no_tokenizer, "tokenizer.ggml.tokens is missing"),
         (unknown_arch, "general.architecture 'bloom' is not supported"),
         (unknown_type, "blk.0.attn_q.weight' has type TQ2_0"),
+        (zero_cap, "gemma2.attn_logit_softcapping must be > 0, got 0.0"),
     ]
     for path, message in cases:
         with pytest.raises(CheckpointError, match=message) as info:

@@ -24,7 +24,7 @@ from pagedllm.models.llama import rope_partial_factor
 from pagedllm.models.model_loader import config_dtype, max_model_len_of
 from tests.conftest import build_model
 from tests.models.gguf_files import write_gguf
-from tests.models.test_more_families import build_family
+from tests.models.test_more_families import GGUF_GEMMA2, build_family
 
 MISSING = object()
 PACKAGE = Path(__file__).resolve().parents[2] / "pagedllm"
@@ -75,6 +75,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "mistral": build_model(root / "mistral", "mistral"),
         "qwen2": build_model(root / "qwen2", "qwen2"),
         **{name: build_family(root / name, name) for name in ("phi3", "gemma", "qwen3")},
+        "gemma2": build_family(root / "gemma2", "gemma2", **GGUF_GEMMA2),
     }
     out = {name: write_gguf(src, root / f"{name}.gguf") for name, src in sources.items()}
     out["mistral-arch"] = write_gguf(sources["mistral"], root / "m.gguf", arch="mistral")
@@ -97,7 +98,7 @@ def variants(values: dict) -> dict[str, dict]:
 
 
 @pytest.mark.parametrize(
-    "name", ["llama", "mistral", "mistral-arch", "qwen2", "qwen3", "phi3", "gemma"]
+    "name", ["llama", "mistral", "mistral-arch", "qwen2", "qwen3", "phi3", "gemma", "gemma2"]
 )
 def test_light_config_equals_the_transformers_config(files: dict[str, Path], name: str) -> None:
     gguf = open_gguf(files[name])
@@ -118,7 +119,7 @@ def test_light_config_equals_the_transformers_config(files: dict[str, Path], nam
 
 
 def test_plain_rope_files_do_not_build_a_transformers_config(files: dict[str, Path]) -> None:
-    for name in ("llama", "qwen2", "phi3", "gemma"):
+    for name in ("llama", "qwen2", "phi3", "gemma", "gemma2"):
         assert isinstance(hf_config_from_gguf(open_gguf(files[name])), GGUFConfig), name
 
 

@@ -1,4 +1,4 @@
-"""OPT, GPT-2, Phi, Phi-3, Gemma, Qwen3 and sliding-window Mistral equal transformers.
+"""OPT, GPT-2, Phi, Phi-3, Gemma, Gemma 2, Qwen3 and sliding-window Mistral equal transformers.
 
 Each family is a tiny random model (hidden 64, 2 layers) saved with ``save_pretrained`` and run
 through the whole engine on a mixed batch of prompts; greedy tokens must equal transformers'
@@ -101,6 +101,26 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], int]] = {
         ),
         8,
     ),
+    # Gemma 2 at caps small enough to bend random weights' scores and logits (the released
+    # models use 50 and 30), a query scale apart from head_dim, and 3 layers of alternating
+    # windowed (0, 2) and global (1) attention.
+    "gemma2": (
+        "Gemma2Config",
+        dict(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            intermediate_size=128,
+            num_hidden_layers=3,
+            sliding_window=WINDOW,
+            attn_logit_softcapping=1.5,
+            final_logit_softcapping=4.0,
+            hidden_activation="gelu_pytorch_tanh",
+        ),
+        8,
+    ),
     "qwen3": (
         "Qwen3Config",
         dict(
@@ -130,6 +150,11 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], int]] = {
 }
 
 
+# Gemma 2 as a GGUF file can hold it: no key carries query_pre_attn_scalar, which llama.cpp
+# (and our loader) take to be head_dim, as on the released 2B and 9B.
+GGUF_GEMMA2 = {"query_pre_attn_scalar": FAMILIES["gemma2"][1]["head_dim"]}
+
+
 def make_config(name: str, vocab_size: int, **overrides: Any) -> Any:
     import transformers
 
@@ -144,12 +169,12 @@ def make_config(name: str, vocab_size: int, **overrides: Any) -> Any:
     return getattr(transformers, cls_name)(**kwargs)
 
 
-def build_family(folder: Path, name: str) -> Path:
+def build_family(folder: Path, name: str, **overrides: Any) -> Path:
     from transformers import AutoModelForCausalLM
 
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(folder)
-    config = make_config(name, len(tokenizer))
+    config = make_config(name, len(tokenizer), **overrides)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -221,6 +246,51 @@ def test_sliding_window_is_live_in_reference(family_paths: dict[str, Path]) -> N
     assert outside > 1e-2, f"window has no effect past position {WINDOW} (max diff {outside:.2e})"
 
 
+@pytest.mark.parametrize("attention", ["torch", "reference"])
+def test_gemma2_on_the_other_cpu_attention_backends(
+    family_paths: dict[str, Path], attention: str
+) -> None:
+    """The soft cap and the per-layer windows through the PyTorch fallback and the oracle too
+    (the C++ kernel is the default in test_greedy_matches_transformers)."""
+    path = family_paths["gemma2"]
+    ids = prompt_ids(path)
+    refs = hf_greedy(path, ids, MAX_NEW)
+    engine = Engine(
+        str(path), device="cpu", dtype="float32", block_size=8, attention_backend=attention
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+    outs = engine.generate([{"prompt_token_ids": i} for i in ids], params, use_tqdm=False)
+    for i, (out, ref) in enumerate(zip(outs, refs, strict=True)):
+        assert_greedy_match(out.outputs[0].token_ids, ref, f"gemma2/{attention} prompt {i}")
+
+
+def test_gemma2_caps_and_windows_are_live_in_reference(family_paths: dict[str, Path]) -> None:
+    """The Gemma 2 comparison means something: transformers' logits change when either soft cap
+    or the window is taken away, so an engine that ignored one would fail the greedy match."""
+    from transformers import AutoModelForCausalLM
+
+    path = family_paths["gemma2"]
+    ids = max(prompt_ids(path), key=len)
+    assert len(ids) > 2 * WINDOW, f"prompt of {len(ids)} tokens does not exceed the window"
+    x = torch.tensor([ids])
+
+    def logits(**overrides: Any) -> torch.Tensor:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=torch.float32, attn_implementation="eager", **overrides
+        ).eval()
+        with torch.no_grad():
+            return model(x).logits[0]  # [seq, vocab]
+
+    base = logits()
+    for change in (
+        dict(attn_logit_softcapping=None),
+        dict(final_logit_softcapping=None),
+        dict(sliding_window=4 * len(ids)),
+    ):
+        diff = (logits(**change) - base).abs().max().item()
+        assert diff > 1e-2, f"{change} leaves the reference's logits as they were ({diff:.2e})"
+
+
 def test_unsupported_architecture_lists_supported() -> None:
     with pytest.raises(ValueError, match="not supported") as info:
         resolve_model_class(["BloomForCausalLM"])
@@ -231,6 +301,7 @@ def test_unsupported_architecture_lists_supported() -> None:
         "PhiForCausalLM",
         "Phi3ForCausalLM",
         "GemmaForCausalLM",
+        "Gemma2ForCausalLM",
         "Qwen3ForCausalLM",
         "LlamaForCausalLM",
     ):

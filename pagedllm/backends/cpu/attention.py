@@ -39,6 +39,23 @@ def _seq_kv(
     return k, v
 
 
+def _capped_attention(
+    q: torch.Tensor,  # [1, h, q_len, d] float32
+    k: torch.Tensor,  # [1, kvh, seq_len, d]
+    v: torch.Tensor,
+    mask: torch.Tensor,  # [q_len, seq_len] bool: what each query sees
+    scale: float,
+    cap: float,
+) -> torch.Tensor:  # [1, h, q_len, d]
+    """Attention whose scores are soft-capped (``cap * tanh(s / cap)``) before the mask."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("bhqd,bhkd->bhqk", q, k) * scale
+    scores = (torch.tanh(scores / cap) * cap).masked_fill(~mask, float("-inf"))
+    return torch.einsum("bhqk,bhkd->bhqd", torch.softmax(scores, dim=-1), v)
+
+
 class TorchPagedAttention(AttentionBackend):
     """Vectorised over the decode batch; per sequence only for prompt chunks."""
 
@@ -74,16 +91,18 @@ class TorchPagedAttention(AttentionBackend):
         scale: float,
         *,
         sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
         out = torch.empty_like(query)
         scales = (k_scale, v_scale)
+        cap = logits_soft_cap
         if meta.num_prefills:
-            self._prefill(query, kv_cache, meta, scale, sliding_window, out, scales)
+            self._prefill(query, kv_cache, meta, scale, sliding_window, out, scales, cap)
         if meta.num_decode_tokens:
             p = meta.num_prefill_tokens
-            out[p:] = self._decode(query[p:], kv_cache, meta, scale, sliding_window, scales)
+            out[p:] = self._decode(query[p:], kv_cache, meta, scale, sliding_window, scales, cap)
         return out
 
     def _prefill(
@@ -95,12 +114,13 @@ class TorchPagedAttention(AttentionBackend):
         sliding_window: int | None,
         out: torch.Tensor,
         scales: tuple[float, float],
+        cap: float | None = None,
     ) -> None:
         start = 0
         for i in range(meta.num_prefills):
             q_len, seq_len = meta.query_lens_list[i], meta.seq_lens_list[i]
             mask = None
-            if q_len != seq_len or sliding_window is not None:
+            if q_len != seq_len or sliding_window is not None or cap is not None:
                 q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
                 k_pos = torch.arange(seq_len, device=query.device)[None, :]
                 mask = k_pos <= q_pos  # [q_len, seq_len]
@@ -112,9 +132,13 @@ class TorchPagedAttention(AttentionBackend):
             k, v = _seq_kv(kv_cache, meta.block_tables[i], seq_len)
             k = from_cache_dtype(k, scales[0]).to(dtype).unsqueeze(0)  # [1, kvh, seq_len, d]
             v = from_cache_dtype(v, scales[1]).to(dtype).unsqueeze(0)
-            o = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
-            )
+            if cap is None:
+                o = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+                )
+            else:  # SDPA has no soft cap: the scores spelled out
+                assert mask is not None
+                o = _capped_attention(q, k, v, mask, scale, cap)
             out[start : start + q_len] = o[0].transpose(0, 1).to(out.dtype)
             start += q_len
 
@@ -126,6 +150,7 @@ class TorchPagedAttention(AttentionBackend):
         scale: float,
         sliding_window: int | None,
         scales: tuple[float, float],
+        cap: float | None = None,
     ) -> torch.Tensor:
         p = meta.num_prefills
         tables = meta.block_tables[p:].long()  # [b, max_blocks]
@@ -150,6 +175,8 @@ class TorchPagedAttention(AttentionBackend):
         group = heads // kvh
         q = query.float().view(b, kvh, group, d)
         scores = torch.einsum("bkgd,bkld->bkgl", q, k) * scale  # [b, kvh, g, L]
+        if cap is not None:
+            scores = torch.tanh(scores / cap) * cap
         scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out = torch.einsum("bkgl,bkld->bkgd", probs, v).reshape(b, heads, d)

@@ -119,6 +119,7 @@ class CppPagedAttention(AttentionBackend):
         scale: float,
         *,
         sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
@@ -130,6 +131,7 @@ class CppPagedAttention(AttentionBackend):
                 meta,
                 scale,
                 sliding_window=sliding_window,
+                logits_soft_cap=logits_soft_cap,
                 k_scale=ks,
                 v_scale=vs,
             )
@@ -145,6 +147,7 @@ class CppPagedAttention(AttentionBackend):
             int(sliding_window or 0),
             ks,
             vs,
+            float(logits_soft_cap or 0.0),
         )
 
     def copy_blocks(self, kv_caches: list[torch.Tensor], pairs: torch.Tensor) -> None:

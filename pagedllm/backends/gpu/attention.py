@@ -108,6 +108,7 @@ class TritonPagedAttention(AttentionBackend):
         scale: float,
         *,
         sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
@@ -123,6 +124,7 @@ class TritonPagedAttention(AttentionBackend):
                 max(meta.query_lens_list[:p]),
                 scale,
                 sliding_window=sliding_window,
+                logits_soft_cap=logits_soft_cap,
                 block_m=self.prefill_block_m,
                 tile_n=self.tile_n,
                 out=out[:p_tok],
@@ -139,6 +141,7 @@ class TritonPagedAttention(AttentionBackend):
                 max(meta.seq_lens_list[p:]),
                 scale,
                 sliding_window=sliding_window,
+                logits_soft_cap=logits_soft_cap,
                 partition_size=self.partition_size,
                 tile_n=self.tile_n,
                 out=out[p_tok:],

@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 _TT_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+_FP32_ARGS = ("qk_scale", "cap_log2e", "k_scale", "v_scale")
 
 
 def _signature(kernel: Any, pointers: dict[str, str], constexprs: dict[str, Any]) -> dict[str, str]:
@@ -31,14 +32,15 @@ def _signature(kernel: Any, pointers: dict[str, str], constexprs: dict[str, Any]
         elif name == "stride_c0":
             sig[name] = "i64"  # the V half of a large cache lies past 2**31 elements
         else:
-            sig[name] = "fp32" if name in ("qk_scale", "k_scale", "v_scale") else "i32"
+            sig[name] = "fp32" if name in _FP32_ARGS else "i32"
     return sig
 
 
 def _cases(dtype: str, quick: bool) -> list[tuple[Any, dict[str, str], dict[str, Any]]]:
     """(kernel, pointer element types, constexprs) for the configurations the launchers use.
 
-    ``quick`` keeps one variant per kernel, the one with every feature on.
+    ``quick`` keeps one variant per kernel, the one with every feature on. The logits soft cap
+    rides on the windowed variants (Gemma 2 has both), so ``quick`` compiles it too.
     """
     from pagedllm.backends.gpu import triton_ops as ops
 
@@ -70,6 +72,7 @@ def _cases(dtype: str, quick: bool) -> list[tuple[Any, dict[str, str], dict[str,
                 },
                 {
                     "SLIDING_WINDOW": window,
+                    "SOFT_CAP": window > 0,
                     "BLOCK_SIZE": 16,
                     "TILE_N": 64,
                     "PARTITION": 512,
@@ -101,6 +104,7 @@ def _cases(dtype: str, quick: bool) -> list[tuple[Any, dict[str, str], dict[str,
                 {**cache_ptrs, "q_ptr": t, "out_ptr": t, "query_start_ptr": "i32"},
                 {
                     "SLIDING_WINDOW": window,
+                    "SOFT_CAP": window > 0,
                     "BLOCK_SIZE": 16,
                     "TILE_N": 64,
                     "BLOCK_Q": 64 // block_g,
@@ -158,7 +162,14 @@ def fp8_cases(dtype: str, arch: int) -> list[tuple[Any, dict[str, str], dict[str
                 {"BLOCK_SIZE": 16, "BLOCK_H": 8, "BLOCK_D": 128, **write},
             )
         )
-        attend = {"SLIDING_WINDOW": 256, "BLOCK_SIZE": 16, "TILE_N": 64, "BLOCK_D": 128}
+        # The soft cap does not touch the cache path; it is compiled with the 16/32-bit caches.
+        attend = {
+            "SLIDING_WINDOW": 256,
+            "SOFT_CAP": False,
+            "BLOCK_SIZE": 16,
+            "TILE_N": 64,
+            "BLOCK_D": 128,
+        }
         partials = {"part_out_ptr": "fp32", "part_max_ptr": "fp32", "part_sum_ptr": "fp32"}
         cases.append(
             (

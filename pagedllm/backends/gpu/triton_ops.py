@@ -152,18 +152,31 @@ def _reshape_and_cache_kernel(
 
 
 @triton.jit
+def _tanh(x):
+    """tanh of float32 ``x`` from one exp of a non-positive argument, so it never overflows.
+    ``tl`` has no tanh and libdevice's does not run under the interpreter."""
+    t = tl.exp2(tl.abs(x) * -2.8853900817779268)  # exp(-2|x|)
+    y = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -y, y)
+
+
+@triton.jit
 def _attend_range(
     q, acc, m_i, l_i,
     q_pos,  # [M] int: absolute position of each query row
     kv_lo, kv_hi,  # key positions [kv_lo, kv_hi) of this sequence to visit
     table_ptr, k_base, v_base, stride_cb, stride_cs,
     offs_d, d_mask,
-    qk_scale, k_scale, v_scale,
-    SLIDING_WINDOW: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    qk_scale, cap_log2e, k_scale, v_scale,
+    SLIDING_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FP8_MANTISSA: tl.constexpr, FP8_MIN_EXP: tl.constexpr, FP8_BYTES: tl.constexpr,
 ):
     """Online softmax of query rows ``q`` [M, D] over keys kv_lo..kv_hi, TILE_N keys at a time.
+
+    With ``SOFT_CAP`` (Gemma 2) ``qk_scale`` is ``scale / cap``, the tanh's argument, and
+    ``cap_log2e`` brings the capped score to base 2; without it ``qk_scale`` is already
+    ``scale * log2(e)`` and ``cap_log2e`` is unused.
 
     An fp8 cache (``FP8_MANTISSA`` > 0) is dequantised as it is loaded: times its scale, in q's
     dtype; with ``FP8_BYTES`` it is read as bytes and converted by integer arithmetic.
@@ -177,6 +190,8 @@ def _attend_range(
         k = tl.load(k_base + tok_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         k = _cached_values(k, k_scale, q.dtype, FP8_MANTISSA, FP8_MIN_EXP, FP8_BYTES)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, TILE_N]
+        if SOFT_CAP:
+            s = _tanh(s) * cap_log2e  # before the mask: masked scores must stay -inf
         allowed = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
         if SLIDING_WINDOW > 0:
             allowed = allowed & (offs_n[None, :] > q_pos[:, None] - SLIDING_WINDOW)
@@ -202,9 +217,9 @@ def _decode_partition_kernel(
     stride_c0, stride_cb, stride_ch, stride_cs, stride_tb,
     stride_pt, stride_ph, stride_pp,  # partial outputs [seq, head, part, D]
     stride_mt, stride_mh,  # partial max / sum [seq, head, part]
-    qk_scale, k_scale, v_scale, group, head_size,
-    SLIDING_WINDOW: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    PARTITION: tl.constexpr, SPLIT: tl.constexpr,
+    qk_scale, cap_log2e, k_scale, v_scale, group, head_size,
+    SLIDING_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr, PARTITION: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FP8_MANTISSA: tl.constexpr, FP8_MIN_EXP: tl.constexpr, FP8_BYTES: tl.constexpr,
 ):
@@ -240,8 +255,9 @@ def _decode_partition_kernel(
     acc, m_i, l_i = _attend_range(
         q, acc, m_i, l_i, q_pos, lo, hi,
         table_ptr + seq * stride_tb, k_base, k_base + stride_c0, stride_cb, stride_cs,
-        offs_d, d_mask, qk_scale, k_scale, v_scale,
-        SLIDING_WINDOW, BLOCK_SIZE, TILE_N, DOT_PRECISION, FP8_MANTISSA, FP8_MIN_EXP, FP8_BYTES,
+        offs_d, d_mask, qk_scale, cap_log2e, k_scale, v_scale,
+        SLIDING_WINDOW, SOFT_CAP, BLOCK_SIZE, TILE_N, DOT_PRECISION,
+        FP8_MANTISSA, FP8_MIN_EXP, FP8_BYTES,
     )
     if SPLIT:
         row = seq * stride_mt + heads * stride_mh + part
@@ -297,9 +313,9 @@ def _prefill_kernel(
     q_ptr, out_ptr, cache_ptr, table_ptr, seq_lens_ptr, query_start_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c0, stride_cb, stride_ch, stride_cs, stride_tb,
-    qk_scale, k_scale, v_scale, group, head_size,
-    SLIDING_WINDOW: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+    qk_scale, cap_log2e, k_scale, v_scale, group, head_size,
+    SLIDING_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP8_MANTISSA: tl.constexpr, FP8_MIN_EXP: tl.constexpr, FP8_BYTES: tl.constexpr,
 ):
@@ -339,8 +355,8 @@ def _prefill_kernel(
         acc, m_i, l_i = _attend_range(
             q, acc, m_i, l_i, q_pos, lo, hi,
             table_ptr + seq * stride_tb, k_base, k_base + stride_c0, stride_cb, stride_cs,
-            offs_d, d_mask, qk_scale, k_scale, v_scale,
-            SLIDING_WINDOW, BLOCK_SIZE, TILE_N, DOT_PRECISION,
+            offs_d, d_mask, qk_scale, cap_log2e, k_scale, v_scale,
+            SLIDING_WINDOW, SOFT_CAP, BLOCK_SIZE, TILE_N, DOT_PRECISION,
             FP8_MANTISSA, FP8_MIN_EXP, FP8_BYTES,
         )
         # Padding rows (g >= group, tok >= q_len) have l = 0; keep them finite, they are masked.
@@ -400,6 +416,20 @@ def _fp8_args(
     as_bytes = fp8_as_bytes(kv_cache.device) if fp8_bytes is None else fp8_bytes
     cache = kv_cache.view(torch.uint8) if as_bytes else kv_cache
     return cache, {"FP8_MANTISSA": fmt[0], "FP8_MIN_EXP": fmt[1], "FP8_BYTES": as_bytes}
+
+
+def _score_args(scale: float, logits_soft_cap: float | None) -> tuple[float, float, bool]:
+    """(qk_scale, cap_log2e, SOFT_CAP) for :func:`_attend_range`. Uncapped, the scores keep
+    exactly the arithmetic they had before the cap existed (one multiply by scale * log2(e))."""
+    if logits_soft_cap is None:
+        return scale * _LOG2E, 0.0, False
+    # `not >` also refuses NaN; an infinite cap would turn every score into 0 * inf.
+    if isinstance(logits_soft_cap, bool) or not (0 < logits_soft_cap < math.inf):
+        raise ValueError(
+            f"logits_soft_cap must be a positive finite number or None, got {logits_soft_cap!r}"
+        )
+    cap = float(logits_soft_cap)
+    return scale / cap, cap * _LOG2E, True
 
 
 def reshape_and_cache(
@@ -466,6 +496,7 @@ def paged_decode_attention(
     scale: float,
     *,
     sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
     partition_size: int | None = None,
     tile_n: int = 64,
     out: torch.Tensor | None = None,
@@ -477,12 +508,14 @@ def paged_decode_attention(
 
     ``max_seq_len`` (a Python int the scheduler already knows) sizes the grid without reading
     ``seq_lens`` back from the device. ``partition_size=None`` picks one for the device
-    (:func:`decode_partition_size`).
+    (:func:`decode_partition_size`). ``logits_soft_cap``: each score ``s`` becomes
+    ``cap * tanh(s / cap)`` before the mask and the softmax (Gemma 2).
     """
     kvh, block_size, head_size, group = check_attention_inputs(
         query, kv_cache, block_tables, seq_lens
     )
     window = sliding_window_arg(sliding_window)
+    qk_scale, cap_log2e, soft_cap = _score_args(scale, logits_soft_cap)
     if partition_size is None:
         partition_size = decode_partition_size(max_seq_len, seq_lens.shape[0], kvh, query.device)
     tile = min(tile_n, partition_size)
@@ -519,8 +552,8 @@ def paged_decode_attention(
         block_tables.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2) if split else 0,
         part_max.stride(0), part_max.stride(1),
-        scale * _LOG2E, float(k_scale), float(v_scale), group, head_size,
-        SLIDING_WINDOW=window, BLOCK_SIZE=block_size, TILE_N=tile,
+        qk_scale, cap_log2e, float(k_scale), float(v_scale), group, head_size,
+        SLIDING_WINDOW=window, SOFT_CAP=soft_cap, BLOCK_SIZE=block_size, TILE_N=tile,
         PARTITION=partition_size, SPLIT=split,
         BLOCK_G=_pow2(group, 16), BLOCK_D=block_d, DOT_PRECISION=_dot_precision(query.dtype),
         **fp8,
@@ -550,6 +583,7 @@ def prefill_attention(
     scale: float,
     *,
     sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
     block_m: int = 64,
     tile_n: int = 64,
     out: torch.Tensor | None = None,
@@ -560,11 +594,13 @@ def prefill_attention(
     """Causal attention of new tokens over their cached context and themselves.
 
     The new tokens' keys and values must already be in the cache (``reshape_and_cache`` first).
+    ``logits_soft_cap``: as in :func:`paged_decode_attention`.
     """
     kvh, block_size, head_size, group = check_attention_inputs(
         query, kv_cache, block_tables, seq_lens
     )
     window = sliding_window_arg(sliding_window)
+    qk_scale, cap_log2e, soft_cap = _score_args(scale, logits_soft_cap)
     check_index("query_start_loc", query_start_loc, 1, query.device)
     num_seqs = seq_lens.shape[0]
     if query_start_loc.shape[0] != num_seqs + 1:
@@ -586,8 +622,8 @@ def prefill_attention(
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0),
-        scale * _LOG2E, float(k_scale), float(v_scale), group, head_size,
-        SLIDING_WINDOW=window, BLOCK_SIZE=block_size, TILE_N=tile_n,
+        qk_scale, cap_log2e, float(k_scale), float(v_scale), group, head_size,
+        SLIDING_WINDOW=window, SOFT_CAP=soft_cap, BLOCK_SIZE=block_size, TILE_N=tile_n,
         BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_D=_pow2(head_size, 16),
         DOT_PRECISION=_dot_precision(query.dtype), **fp8,
         num_warps=4,

@@ -23,6 +23,21 @@ Ops and the conventions checked against ``backends/reference.py`` (IPEX 2.8, CPU
   chunk with ``sliding_window == 1`` is computed here instead; each token then attends only to
   itself, so its output is exactly its own value row, read back from the cache.
 
+Gemma 2's ``logits_soft_cap`` (each score ``s = scale * q.k`` becomes ``cap * tanh(s / cap)``
+before the mask and the softmax) is the ``softcap`` argument of both attention ops, which in
+IPEX 2.8 (CPU) means exactly that, ``scale`` inside the tanh, in every compute dtype. Two gaps:
+
+* only -1 means "no cap" (0 or -2 silently give other numbers), so ``forward`` refuses a cap
+  that is not > 0 and passes -1 for None;
+* the decode op refuses a window together with a cap ("Expected !(window_size > 0 &&
+  use_softcap == true)"), which is Gemma 2's local layers. Those decodes go to the varlen op
+  instead, each as a one-token chunk over its ``seq_len`` keys (the bottom-right causal mask
+  puts the query last), which takes a window and a cap together and still reads the paged
+  cache; window 1 there has the gap above and is computed here alike.
+
+The ``sliding_window == 1`` path needs nothing for the cap: a softmax over one score is 1 whatever
+the cap makes of it, so the output is still the token's own value.
+
 fp8 KV cache (``kv_cache_dtype="fp8_e5m2"``, with bfloat16 compute only). What IPEX 2.8's CPU
 ops do with 8-bit caches, and so what this class does around them:
 
@@ -111,7 +126,8 @@ def _prefill_cu_seqlens_kv(meta: AttentionMetadata) -> torch.Tensor:
 
 
 class IpexPagedAttention(AttentionBackend):
-    """Prompt chunks go to IPEX's varlen flash attention, decodes to its paged decode kernel."""
+    """Prompt chunks go to IPEX's varlen flash attention, decodes to its paged decode kernel
+    (or, windowed and soft-capped, to the varlen op as one-token chunks: see the module doc)."""
 
     name = "ipex"
     # A 16/32-bit cache in the query's dtype, or e5m2 under bfloat16 compute (see the module doc).
@@ -200,12 +216,15 @@ class IpexPagedAttention(AttentionBackend):
         scale: float,
         *,
         sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
         """fp8 caches: ``q . (k * k_scale) = (q . k) * k_scale`` and the output is linear in
-        the values, so the ops see scales of 1 and the layer's scales are applied around them."""
-        _check_forward(query, kv_cache, meta, sliding_window)
+        the values, so the ops see scales of 1 and the layer's scales are applied around them
+        (``k_scale`` folded into ``scale`` lands inside the soft cap's tanh, where it belongs)."""
+        _check_forward(query, kv_cache, meta, sliding_window, logits_soft_cap)
+        softcap = -1.0 if logits_soft_cap is None else float(logits_soft_cap)
         fp8 = kv_cache.dtype in FP8_DTYPES
         if fp8:
             scale = scale * k_scale
@@ -214,9 +233,9 @@ class IpexPagedAttention(AttentionBackend):
         p = meta.num_prefill_tokens
         if meta.num_prefills:
             # Leading rows of a contiguous tensor: a contiguous view the op can write into.
-            self._prefill(query[:p], kv_cache, meta, scale, sliding_window, out[:p])
+            self._prefill(query[:p], kv_cache, meta, scale, sliding_window, softcap, out[:p])
         if meta.num_decode_tokens:
-            self._decode(query[p:], kv_cache, meta, scale, sliding_window, out[p:])
+            self._decode(query[p:], kv_cache, meta, scale, sliding_window, softcap, out[p:])
         if fp8 and v_scale != 1.0:
             out.mul_(v_scale)
         return out
@@ -249,34 +268,29 @@ class IpexPagedAttention(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        softcap: float,  # -1: none
         out: torch.Tensor,  # [num_prefill_tokens, num_heads, head_size], written in place
     ) -> None:
         n = meta.num_prefills
         if sliding_window == 1:
+            # One score per query: its softmax is 1, capped or not, so softcap changes nothing.
             out.copy_(_own_values(kv_cache, meta.slot_mapping[: query.shape[0]], query.shape[1]))
             return
         cu_kv = getattr(meta, "prefill_cu_seqlens_kv", None)
         if cu_kv is None:
             cu_kv = _prefill_cu_seqlens_kv(meta)
-        fp8 = kv_cache.dtype in FP8_DTYPES
-        if fp8 and kv_cache.shape[-1] < FP8_VARLEN_MIN_HEAD_SIZE:
-            kv_cache, fp8 = kv_cache.to(FP8_COMPUTE_DTYPE), False  # see the module doc
-        self._ops.flash_attn_varlen_func(
-            out,
+        self._varlen(
             query,
-            kv_cache[0],
-            kv_cache[1],
+            kv_cache,
             meta.query_start_loc[: n + 1],
             cu_kv,
             max(meta.query_lens_list[:n]),
             max(meta.seq_lens_list[:n]),
-            scale,
-            True,  # causal, aligned bottom-right over cached + new tokens
             meta.block_tables[:n],
-            None,  # alibi slopes
-            -1 if sliding_window is None else sliding_window - 1,
-            -1 if sliding_window is None else 0,
-            kv_cache_dtype=FP8_NAME if fp8 else "auto",
+            scale,
+            sliding_window,
+            softcap,
+            out,
         )
 
     def _decode(
@@ -286,9 +300,16 @@ class IpexPagedAttention(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        softcap: float,  # -1: none
         out: torch.Tensor,  # [num_decodes, num_heads, head_size], written in place
     ) -> None:
         n = meta.num_prefills
+        if sliding_window is not None and softcap > 0:
+            # IPEX 2.8's CPU decode op refuses a window with a soft cap ("Expected
+            # !(window_size > 0 && use_softcap == true)"); the varlen op takes both, and a
+            # decode is a one-token chunk to it (see the module doc).
+            self._decode_as_chunks(query, kv_cache, meta, scale, sliding_window, softcap, out)
+            return
         self._ops.single_query_cached_kv_attention(
             out,
             query,
@@ -302,6 +323,79 @@ class IpexPagedAttention(AttentionBackend):
             max(meta.seq_lens_list[n:]),
             None,  # alibi slopes
             -1 if sliding_window is None else sliding_window,
+            softcap=softcap,
+        )
+
+    def _decode_as_chunks(
+        self,
+        query: torch.Tensor,  # [num_decodes, num_heads, head_size]
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int,
+        softcap: float,
+        out: torch.Tensor,  # [num_decodes, num_heads, head_size], written in place
+    ) -> None:
+        """Decodes through the varlen op, each a chunk of one query over its ``seq_len`` keys
+        (the bottom-right causal mask puts it last); window 1 has the varlen op's gap."""
+        n, d = meta.num_prefills, query.shape[0]
+        if sliding_window == 1:
+            slots = meta.slot_mapping[meta.num_prefill_tokens :]
+            out.copy_(_own_values(kv_cache, slots, query.shape[1]))
+            return
+        device = query.device
+        cu_q = torch.arange(d + 1, dtype=torch.int32, device=device)
+        cu_kv = torch.zeros(d + 1, dtype=torch.int32, device=device)
+        torch.cumsum(meta.seq_lens[n:], dim=0, out=cu_kv[1:])
+        self._varlen(
+            query,
+            kv_cache,
+            cu_q,
+            cu_kv,
+            1,
+            max(meta.seq_lens_list[n:]),
+            meta.block_tables[n:],
+            scale,
+            sliding_window,
+            softcap,
+            out,
+        )
+
+    def _varlen(
+        self,
+        query: torch.Tensor,  # [num_query_tokens, num_heads, head_size]
+        kv_cache: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32, from 0
+        cu_seqlens_kv: torch.Tensor,  # [num_seqs + 1] int32, from 0
+        max_seqlen_q: int,
+        max_seqlen_kv: int,
+        block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+        scale: float,
+        sliding_window: int | None,  # not 1: window_size_left=0 reads as "no window"
+        softcap: float,  # -1: none
+        out: torch.Tensor,  # [num_query_tokens, num_heads, head_size], written in place
+    ) -> None:
+        """Causal chunks over the paged cache through IPEX's varlen flash attention."""
+        fp8 = kv_cache.dtype in FP8_DTYPES
+        if fp8 and kv_cache.shape[-1] < FP8_VARLEN_MIN_HEAD_SIZE:
+            kv_cache, fp8 = kv_cache.to(FP8_COMPUTE_DTYPE), False  # see the module doc
+        self._ops.flash_attn_varlen_func(
+            out,
+            query,
+            kv_cache[0],
+            kv_cache[1],
+            cu_seqlens_q,
+            cu_seqlens_kv,
+            max_seqlen_q,
+            max_seqlen_kv,
+            scale,
+            True,  # causal, aligned bottom-right over cached + new tokens
+            block_tables,
+            None,  # alibi slopes
+            -1 if sliding_window is None else sliding_window - 1,
+            -1 if sliding_window is None else 0,
+            kv_cache_dtype=FP8_NAME if fp8 else "auto",
+            softcap=softcap,
         )
 
 
@@ -330,8 +424,9 @@ def _check_forward(
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     sliding_window: int | None,
+    logits_soft_cap: float | None,
 ) -> None:
-    """Shapes and dtypes the ops would misread, refused with what was expected."""
+    """Shapes, dtypes and settings the ops would misread, refused with what was expected."""
     if query.dim() != 3:
         raise ValueError(f"query must be [num_tokens, num_heads, head_size], got {query.shape}")
     _check_cache(kv_cache, query.shape[2], None)
@@ -349,6 +444,10 @@ def _check_forward(
         raise ValueError(f"query has {query.shape[0]} tokens, metadata {meta.num_tokens}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    # `not > 0` so that NaN fails too. IPEX reads only -1 as "none": 0 or -2 silently give
+    # other numbers (IPEX 2.8, CPU), so a bad cap must never reach it.
+    if logits_soft_cap is not None and not logits_soft_cap > 0:
+        raise ValueError(f"logits_soft_cap must be None or > 0, got {logits_soft_cap}")
 
 
 def _own_values(

@@ -33,6 +33,7 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family("qwen3", "Qwen3ForCausalLM", permuted_qk=False),
     "phi3": Family("phi3", "Phi3ForCausalLM", permuted_qk=False),
     "gemma": Family("gemma", "GemmaForCausalLM", permuted_qk=False, norm_plus_one=True),
+    "gemma2": Family("gemma2", "Gemma2ForCausalLM", permuted_qk=False, norm_plus_one=True),
 }
 
 # ``<arch>.<key>`` -> config attribute; every family writes these the same way.
@@ -194,13 +195,36 @@ def config_values(gguf: GGUFFile) -> tuple[Family, dict[str, Any]]:
     values["tie_word_embeddings"] = "output.weight" not in gguf.tensors
     if family.model_type in ("llama", "mistral"):
         values["attention_bias"] = "blk.0.attn_q.bias" in gguf.tensors
-    if family.model_type == "gemma":
+    if family.model_type in ("gemma", "gemma2"):
         values.setdefault("head_dim", values["hidden_size"] // values["num_attention_heads"])
         values["hidden_activation"] = "gelu_pytorch_tanh"
+    if family.model_type == "gemma2":
+        _gemma2(gguf, values)
     values.update(params)
     values["architectures"] = [family.architecture]
     values["dtype"] = stored_dtype(gguf)
     return family, values
+
+
+# Gemma 2 27B: the one size whose query scale is not head_dim's (llama.cpp tells it by its
+# 46 layers; Google's config gives it query_pre_attn_scalar = hidden / heads = 144).
+_GEMMA2_27B_LAYERS = 46
+
+
+def _gemma2(gguf: GGUFFile, values: dict[str, Any]) -> None:
+    """Gemma 2's soft caps (llama.cpp's converter writes both; the released models' 50 and 30
+    where a file is silent) and query scale, which no GGUF key holds: llama.cpp takes
+    ``head_dim``, or ``hidden / heads`` for the 27B."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        value = gguf.metadata(f"gemma2.{key}", None)
+        if value is not None:
+            if not isinstance(value, int | float) or not 0 < value < float("inf"):
+                raise CheckpointError(f"{gguf.path}: gemma2.{key} must be > 0, got {value!r}")
+            values[key] = float(value)
+    scalar = values["head_dim"]
+    if values["num_hidden_layers"] == _GEMMA2_27B_LAYERS:
+        scalar = values["hidden_size"] // values["num_attention_heads"]
+    values["query_pre_attn_scalar"] = scalar
 
 
 def transformers_config(gguf: GGUFFile, family: Family, values: dict[str, Any]) -> Any:

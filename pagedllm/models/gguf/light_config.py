@@ -20,7 +20,7 @@ from pagedllm.models.safetensors_reader import CheckpointError
 
 # Per family: the class defaults of the attributes the metadata may leave out, and the fields
 # the class declares that the model code reads (transformers 5's LlamaConfig, MistralConfig,
-# Qwen2Config, Qwen3Config, Phi3Config, GemmaConfig).
+# Qwen2Config, Qwen3Config, Phi3Config, GemmaConfig, Gemma2Config).
 _SILU = {"hidden_act": "silu"}
 _SPECIAL_1_2 = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None}
 _QWEN = {
@@ -73,6 +73,14 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "head_dim": 256,
     },
 }
+_DEFAULTS["gemma2"] = {
+    **{k: v for k, v in _DEFAULTS["gemma"].items() if k != "hidden_act"},
+    "hidden_activation": "gelu_pytorch_tanh",
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "final_logit_softcapping": 30.0,
+    "attn_logit_softcapping": 50.0,
+}
 _DERIVED_HEAD_DIM = ("llama", "mistral")  # head_dim None -> hidden_size // num_attention_heads
 _DTYPES = ("float32", "float16", "bfloat16")
 
@@ -121,6 +129,11 @@ def light_config(gguf: GGUFFile, model_type: str, values: dict[str, Any]) -> GGU
             "sliding_attention"
             if out["sliding_window"] is not None and i >= out["max_window_layers"]
             else "full_attention"
+            for i in range(out["num_hidden_layers"])
+        ]
+    if model_type == "gemma2":  # local (windowed) attention on even layers, global on odd
+        out["layer_types"] = [
+            "sliding_attention" if i % 2 == 0 else "full_attention"
             for i in range(out["num_hidden_layers"])
         ]
     _check(gguf, model_type, out)

@@ -65,6 +65,7 @@ struct Args {
   float scale;     // softmax scale times k_scale
   float v_scale;   // dequantisation scale of the values (1 unless fp8)
   int sliding_window;  // 0: unlimited
+  float soft_cap;      // 0: none; else every score s becomes soft_cap * tanh(s / soft_cap)
 };
 
 struct Tile {
@@ -222,13 +223,15 @@ constexpr bool kDotProductScores = false;
 
 // Online softmax for row r over its visible keys [tb, te) of the span's n scored keys: updates
 // the running max and sum, leaves exp(s - max) in place and zeros the keys it may not see.
-void softmax_update(Workspace& ws, int r, int tb, int te, int n, int ld) {
+// A soft cap (> 0) is applied to the visible scores first.
+void softmax_update(Workspace& ws, int r, int tb, int te, int n, int ld, float cap) {
   float* sr = ws.s.data() + static_cast<size_t>(r) * ld;
   if (tb >= te) {
     std::fill(sr, sr + n, 0.f);
     ws.alpha[r] = 1.f;
     return;
   }
+  if (cap > 0.f) soft_cap(sr + tb, te - tb, cap);
   const float m_new = std::max(ws.m[r], max_of(sr + tb, te - tb));
   const float alpha = std::exp(ws.m[r] - m_new);  // 0 on the row's first visible block
   ws.l[r] = ws.l[r] * alpha + exp_shift_sum(sr + tb, te - tb, m_new);
@@ -419,7 +422,7 @@ void attend_tile(const Args<QT, CT>& a, const Tile& tile, Workspace& ws) {
     for (int i = 0; i < tile.q_len; ++i) {
       const int tb = std::max(ws.lo[i] - span_begin, 0);
       const int te = std::min(ws.hi[i] - span_begin, width);
-      for (int g = 0; g < group; ++g) softmax_update(ws, i * group + g, tb, te, width, ld);
+      for (int g = 0; g < group; ++g) softmax_update(ws, i * group + g, tb, te, width, ld, a.soft_cap);
     }
     for (int j = j0; j <= j1; ++j) {
       const int kb = std::max(kv_begin, j * bs);
@@ -487,7 +490,7 @@ template <typename QT, typename CT>
 void run_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& out,
                    const at::Tensor& block_tables, const at::Tensor& seq_lens,
                    const at::Tensor& query_start_loc, float scale, float v_scale,
-                   int sliding_window) {
+                   int sliding_window, float soft_cap) {
   Args<QT, CT> a;
   a.q = static_cast<const QT*>(query.data_ptr());
   a.q_tok_stride = query.stride(0);
@@ -510,6 +513,7 @@ void run_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at
   a.scale = scale;
   a.v_scale = v_scale;
   a.sliding_window = sliding_window;
+  a.soft_cap = soft_cap;
   const int num_seqs = static_cast<int>(seq_lens.size(0));
   check_tables(a, num_seqs, kv_cache.size(1), block_tables.size(1));
 
@@ -529,7 +533,8 @@ void run_attention(const at::Tensor& query, const at::Tensor& kv_cache, const at
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
                            const at::Tensor& query_start_loc, double scale,
-                           int64_t sliding_window, double k_scale, double v_scale) {
+                           int64_t sliding_window, double k_scale, double v_scale,
+                           double soft_cap) {
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu(),
               "paged_attention: CPU tensors only");
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1,
@@ -553,6 +558,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
               query_start_loc.data_ptr<int32_t>()[num_seqs]);
 
   TORCH_CHECK(k_scale > 0 && v_scale > 0, "paged_attention: k_scale and v_scale must be > 0");
+  TORCH_CHECK(soft_cap >= 0, "paged_attention: soft_cap must be >= 0 (0: none), got ", soft_cap);
   at::Tensor out = at::empty(query.sizes(), query.options());
   const float qk_scale = static_cast<float>(scale * k_scale);
   const int window = sliding_window > 0 ? static_cast<int>(sliding_window) : 0;
@@ -561,7 +567,8 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
     dispatch_cache(kv_cache.scalar_type(), "paged_attention", [&](auto c_tag) {
       using CT = decltype(c_tag);
       run_attention<QT, CT>(query, kv_cache, out, block_tables, seq_lens, query_start_loc,
-                            qk_scale, static_cast<float>(v_scale), window);
+                            qk_scale, static_cast<float>(v_scale), window,
+                            static_cast<float>(soft_cap));
     });
   });
   return out;

@@ -12,10 +12,12 @@ namespace pagedllm {
 // query [tokens, heads, head_size] f32/bf16/f16 (the output has its dtype); kv_cache [2, blocks,
 // kv_heads, block_size, head_size] f32/bf16/f16/fp8 (stored K = k / k_scale, V = v / v_scale);
 // block_tables [seqs, width] i32; seq_lens [seqs] i32; query_start_loc [seqs + 1] i32.
+// soft_cap > 0: each score s = scale * q.k becomes soft_cap * tanh(s / soft_cap) (Gemma 2).
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
                            const at::Tensor& query_start_loc, double scale,
-                           int64_t sliding_window, double k_scale, double v_scale);
+                           int64_t sliding_window, double k_scale, double v_scale,
+                           double soft_cap);
 
 // kv_cache[0/1, slot / bs, :, slot % bs] = key/value[token] converted to the cache dtype (fp8:
 // divided by k_scale / v_scale and saturated); negative slots are skipped.

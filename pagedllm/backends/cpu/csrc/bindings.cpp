@@ -20,7 +20,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &pagedllm::paged_attention, "causal paged attention, flat batch",
         NoGil(), py::arg("query"), py::arg("kv_cache"), py::arg("block_tables"),
         py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("scale"),
-        py::arg("sliding_window"), py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0);
+        py::arg("sliding_window"), py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0,
+        py::arg("soft_cap") = 0.0);
   m.def("reshape_and_cache", &pagedllm::reshape_and_cache, "write new K/V at their slots",
         NoGil(), py::arg("key"), py::arg("value"), py::arg("kv_cache"), py::arg("slot_mapping"),
         py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0);
