@@ -13,11 +13,13 @@ It also measures the machine's memory bandwidth in the same run (a large ``copy_
 bytes per second, and a read-only ``sum``) and reports the kernel's KV bytes read per second
 against both. ``--kv-cache-dtype`` repeats every case with the cache stored in each given dtype
 (float32, bfloat16, float16, fp8_e4m3, fp8_e5m2; the query stays in ``--dtype``) and reports the
-cpp decode time relative to the float32 cache. The JSON names the processor, the ISA build and
-its vector path, and the cache dtype of every case. Prints one JSON object.
+cpp decode time relative to the float32 cache. ``--soft-cap`` also times the kernel with Gemma
+2's attention soft cap (``soft_cap_time_ratio``: its cost). The JSON names the processor, the
+ISA build and its vector path, and the cache dtype of every case. Prints one JSON object.
 
     python benchmarks/attention_cpu.py            # batch 32, context 512 and 2048, d=128, 8q/2kv
     python benchmarks/attention_cpu.py --kv-cache-dtype float32 bfloat16 fp8_e4m3 --contexts 4096
+    python benchmarks/attention_cpu.py --soft-cap 50 --head-size 256  # Gemma 2's cap, its cost
     python benchmarks/attention_cpu.py --smoke    # tiny shapes, a few seconds (CI)
 """
 
@@ -107,6 +109,7 @@ def run_case(
     read_bw: float,
     kv_cache_dtype: str = "float32",
     dtype: torch.dtype = torch.float32,
+    soft_cap: float | None = None,
 ) -> dict[str, object]:
     query, cache, meta = decode_case(
         batch=batch,
@@ -146,6 +149,17 @@ def run_case(
             lambda: F.scaled_dot_product_attention(q4, k_exp, v_exp, scale=scale), reps
         ),
     }
+    capped: dict[str, object] = {}
+    if soft_cap is not None:  # Gemma 2's cap: the same kernel, tanh on every score first
+        cap = {"logits_soft_cap": soft_cap}
+        times["cpp_soft_cap"] = bench(lambda: cpp.forward(query, cache, meta, scale, **cap), reps)
+        got = cpp.forward(query, cache, meta, scale, **cap).float()
+        want = gathered.forward(query, ref_cache, meta, scale, **cap).float()
+        capped = {
+            "soft_cap": soft_cap,
+            "soft_cap_max_abs_diff_vs_torch": (got - want).abs().max().item(),
+            "soft_cap_time_ratio": round(times["cpp_soft_cap"] / times["cpp"], 3),
+        }
     if with_reference:
         ref = ReferenceAttention()
         times["reference"] = bench(lambda: ref.forward(query, ref_cache, meta, scale), 2, 1)
@@ -168,6 +182,7 @@ def run_case(
         "cpp_kv_read_gbps": round(kv_bytes / times["cpp"] / 1e9, 2),
         "cpp_kv_read_vs_copy_bw": round(kv_bytes / times["cpp"] / copy_bw, 2),
         "cpp_kv_read_vs_read_bw": round(kv_bytes / times["cpp"] / read_bw, 2),
+        **capped,
     }
 
 
@@ -210,6 +225,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="query"
     )
+    parser.add_argument(
+        "--soft-cap",
+        type=float,
+        default=None,
+        help="also time the kernel with this attention soft cap (Gemma 2: 50)",
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -218,6 +239,7 @@ def main(argv: list[str] | None = None) -> None:
         args.batch, args.contexts, args.head_size, args.reps = 2, [40], 64, 3
         args.with_reference = True
         args.kv_cache_dtype = ["float32", "bfloat16", "fp8_e4m3"]
+        args.soft_cap = 50.0
     copy_bw, read_bw = memory_bandwidth(
         16 << 20 if args.smoke else 512 << 20, 3 if args.smoke else 5
     )
@@ -235,6 +257,7 @@ def main(argv: list[str] | None = None) -> None:
             read_bw=read_bw,
             kv_cache_dtype=kv_dtype,
             dtype=getattr(torch, args.dtype),
+            soft_cap=args.soft_cap,
         )
         for ctx in args.contexts
         for kv_dtype in args.kv_cache_dtype

@@ -14,23 +14,31 @@ import torch
 from torch import nn
 
 
-def rope_parameters(config: Any) -> dict[str, Any]:
-    """transformers 5 keeps rope settings in ``rope_parameters``; 4.x in ``rope_theta``/scaling."""
+def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any]:
+    """transformers 5 keeps rope settings in ``rope_parameters``; 4.x in ``rope_theta``/scaling.
+    Gemma 3 keys them by layer type (its local layers rotate at another base): ``layer_type``
+    picks one ("full_attention", "sliding_attention")."""
     params = dict(getattr(config, "rope_parameters", None) or {})
-    if not params:
+    if layer_type is not None:
+        if not isinstance(params.get(layer_type), dict):
+            raise ValueError(f"rope_parameters: no settings for {layer_type!r} layers")
+        params = dict(params[layer_type])
+    elif not params:
         params = dict(getattr(config, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     params.setdefault("rope_type", params.get("type", "default"))
     return params
 
 
-def inverse_frequencies(config: Any, rotary_dim: int) -> tuple[torch.Tensor, float]:
+def inverse_frequencies(
+    config: Any, rotary_dim: int, layer_type: str | None = None
+) -> tuple[torch.Tensor, float]:
     """The rotary inverse frequencies and attention scaling the config describes.
 
     ``rope_freq_factors`` (a GGUF file's ``rope_freqs`` tensor, how llama.cpp's converter
     stores Llama 3's frequency-dependent scaling) divides them, as llama.cpp does.
     """
-    inv_freq, scaling = _scaled_inverse_frequencies(config, rotary_dim)
+    inv_freq, scaling = _scaled_inverse_frequencies(config, rotary_dim, layer_type)
     factors = getattr(config, "rope_freq_factors", None)
     if factors is not None:
         if len(factors) != inv_freq.numel():
@@ -41,8 +49,10 @@ def inverse_frequencies(config: Any, rotary_dim: int) -> tuple[torch.Tensor, flo
     return inv_freq, scaling
 
 
-def _scaled_inverse_frequencies(config: Any, rotary_dim: int) -> tuple[torch.Tensor, float]:
-    params = rope_parameters(config)
+def _scaled_inverse_frequencies(
+    config: Any, rotary_dim: int, layer_type: str | None
+) -> tuple[torch.Tensor, float]:
+    params = rope_parameters(config, layer_type)
     rope_type = params["rope_type"]
     if rope_type in ("default", None):
         base = float(params["rope_theta"])
@@ -52,7 +62,8 @@ def _scaled_inverse_frequencies(config: Any, rotary_dim: int) -> tuple[torch.Ten
 
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"rope_scaling: unsupported rope type {rope_type!r}")
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    per_type = {} if layer_type is None else {"layer_type": layer_type}
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **per_type)
     return inv_freq.float(), float(scaling)
 
 
@@ -70,14 +81,21 @@ class RotaryEmbedding(nn.Module):
 
     fast_rotary: RotaryFn | None = None
 
-    def __init__(self, config: Any, head_size: int, rotary_dim: int, max_position: int) -> None:
+    def __init__(
+        self,
+        config: Any,
+        head_size: int,
+        rotary_dim: int,
+        max_position: int,
+        layer_type: str | None = None,
+    ) -> None:
         super().__init__()
         self.head_size = head_size
         self.rotary_dim = rotary_dim
         # The tables are computed, not loaded: build them in float32 on the CPU even while the
         # model is being constructed on the meta device (the loader moves them to the device).
         with torch.device("cpu"):
-            inv_freq, scaling = inverse_frequencies(config, rotary_dim)
+            inv_freq, scaling = inverse_frequencies(config, rotary_dim, layer_type)
             t = torch.arange(max_position, dtype=torch.int64).float()
             freqs = t[:, None] * inv_freq[None, :]  # [max_position, rotary_dim / 2]
             emb = torch.cat((freqs, freqs), dim=-1)

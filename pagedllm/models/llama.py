@@ -206,6 +206,9 @@ class LlamaForCausalLM(nn.Module):
         assert self.embed_tokens is not None  # the first pipeline stage's
         return self.embed_tokens(input_ids)
 
+    # Gemma 3 keys rope_parameters by layer type: one table per type, each layer takes its own.
+    rope_per_layer_type = False
+
     # Builds only a pipeline stage's layers when given one (PPContext); families without this
     # refuse pipeline_parallel_size > 1 at engine construction.
     supports_pipeline_parallel = True
@@ -226,7 +229,15 @@ class LlamaForCausalLM(nn.Module):
         head = head_size_of(config)
         rotary_dim = int(head * rope_partial_factor(config))
         max_pos = max_position or config.max_position_embeddings
-        self.rotary = RotaryEmbedding(config, head, rotary_dim, max_pos)
+        if self.rope_per_layer_type:
+            self.rotaries = nn.ModuleDict(
+                {
+                    kind: RotaryEmbedding(config, head, rotary_dim, max_pos, layer_type=kind)
+                    for kind in sorted(set(config.layer_types))
+                }
+            )
+        else:
+            self.rotary = RotaryEmbedding(config, head, rotary_dim, max_pos)
         self.start_layer, self.end_layer = pp.layer_range(config.num_hidden_layers)
         tied = getattr(config, "tie_word_embeddings", False)
         # The first stage embeds; a tied head on the last stage reads the same table.
@@ -234,7 +245,7 @@ class LlamaForCausalLM(nn.Module):
         if pp.is_first or (pp.is_last and tied):
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
         self.layers = nn.ModuleList(
-            self.decoder_layer_cls(config, i, attn_backend, self.rotary, tp, self)
+            self.decoder_layer_cls(config, i, attn_backend, self._rotary_of(i), tp, self)
             if self.start_layer <= i < self.end_layer
             else AbsentLayer()
             for i in range(config.num_hidden_layers)
@@ -249,6 +260,11 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head = lm_head_for(
                     config, self.embed_tokens, config.hidden_size, tied_default=False
                 )
+
+    def _rotary_of(self, layer_idx: int) -> RotaryEmbedding:
+        if self.rope_per_layer_type:
+            return self.rotaries[self.config.layer_types[layer_idx]]  # type: ignore[return-value]
+        return self.rotary
 
     def forward(
         self,

@@ -46,12 +46,32 @@ def load_hf_config(model: str) -> Any:
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(str(folder), local_files_only=True)
+        config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
     except (ValueError, OSError, KeyError, *_config_validation_errors()) as exc:
         detail = " ".join(str(exc).split())  # validation errors span lines
         raise CheckpointError(
             f"{config_file}: cannot be read as a model config ({detail})"
         ) from exc
+    return text_part(config)
+
+
+# Checkpoints of models with a vision tower whose language model is one of our families (Gemma
+# 3's 4B and up ship only so): the engine serves their text. The text config stands for the
+# model and its family reads the language model's weights, leaving the vision tower unread.
+TEXT_PARTS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+
+
+def text_part(config: Any) -> Any:
+    """``config``, or for a checkpoint in :data:`TEXT_PARTS` its ``text_config`` (with the
+    checkpoint's dtype and the text family's architecture)."""
+    for arch in getattr(config, "architectures", None) or []:
+        if arch in TEXT_PARTS:
+            text = config.text_config
+            text.architectures = [TEXT_PARTS[arch]]
+            if getattr(text, "dtype", None) is None:
+                text.dtype = config.dtype
+            return text
+    return config
 
 
 def _config_validation_errors() -> tuple[type[Exception], ...]:

@@ -16,11 +16,14 @@ from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM
 
 
 class Qwen3Attention(LlamaAttention):
+    qk_norm_offset = 0.0  # Gemma 3's per-head norms scale by 1 + weight
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         config = args[0]
-        self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps)
+        offset = self.qk_norm_offset
+        self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps, offset=offset)
+        self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps, offset=offset)
 
     def forward(
         self,

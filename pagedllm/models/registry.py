@@ -17,6 +17,7 @@ _MODELS: dict[str, str] = {
     "Phi3ForCausalLM": "pagedllm.models.phi:Phi3ForCausalLM",
     "GemmaForCausalLM": "pagedllm.models.gemma:GemmaForCausalLM",
     "Gemma2ForCausalLM": "pagedllm.models.gemma2:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "pagedllm.models.gemma3:Gemma3ForCausalLM",
     "MixtralForCausalLM": "pagedllm.models.mixtral:MixtralForCausalLM",
     "Qwen2MoeForCausalLM": "pagedllm.models.qwen_moe:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "pagedllm.models.qwen_moe:Qwen3MoeForCausalLM",

@@ -102,7 +102,17 @@ def _prefill(model: Any, ids: list[int], intermediate: Any = None) -> Any:
         return model(torch.tensor(ids), torch.arange(n), caches, meta, *args)
 
 
-STAGE_FAMILIES = ["qwen3", "gemma", "gemma2", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+STAGE_FAMILIES = [
+    "qwen3",
+    "gemma",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmoe",
+]
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +129,7 @@ def family_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.mark.parametrize("family", STAGE_FAMILIES)
 def test_relatives_of_llama_split_into_stages(family_paths: dict[str, Path], family: str) -> None:
-    """Qwen3, Gemma, Gemma 2, Phi-3 and the four MoE families inherit the split: two stages
+    """Qwen3, Gemma 1-3, Phi-3 and the four MoE families inherit the split: two stages
     chained in one process (the second fed the first's activations) give the whole model's
     logits."""
     path = family_paths[family]

@@ -20,6 +20,7 @@ TARGETS: dict[str, list[str]] = {
     "mistral": ATTN + MLP,
     "gemma": ATTN + MLP,
     "gemma2": ATTN + MLP,
+    "gemma3": ATTN + MLP,
     "qwen3": ["q_proj", "v_proj", "down_proj"],
     "opt": ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"],
     "gpt2": ["c_attn", "c_proj", "c_fc"],

@@ -48,7 +48,8 @@ _GLOBAL_NAMES = {
 }
 
 
-# Gemma 2's four norms a layer, as llama.cpp's converter names them.
+_SANDWICH = ("gemma2", "gemma3")
+# Gemma 2 and 3's four norms a layer, as llama.cpp's converter names them.
 _GEMMA2_NORMS = {
     "post_attention_layernorm": "post_attention_norm",
     "pre_feedforward_layernorm": "ffn_norm",
@@ -60,7 +61,7 @@ def gguf_name(hf_name: str, arch: str = "llama") -> str:
     stem, _, suffix = hf_name.rpartition(".")
     if stem.startswith("model.layers."):
         _, _, layer, rest = stem.split(".", 3)
-        names = {**_LAYER_NAMES, **_GEMMA2_NORMS} if arch == "gemma2" else _LAYER_NAMES
+        names = {**_LAYER_NAMES, **_GEMMA2_NORMS} if arch in _SANDWICH else _LAYER_NAMES
         return f"blk.{layer}.{names[rest]}.{suffix}"
     return f"{_GLOBAL_NAMES[stem]}.{suffix}"
 
@@ -133,7 +134,9 @@ def write_gguf(
 
     config = AutoConfig.from_pretrained(str(hf_folder))
     # llama.cpp's converter writes Mistral models as "llama" (same tensors, same rotary).
-    arch = arch or {"mistral": "llama"}.get(config.model_type, config.model_type)
+    arch = arch or {"mistral": "llama", "gemma3_text": "gemma3"}.get(
+        config.model_type, config.model_type
+    )
     writer = gguf.GGUFWriter(str(out), arch)
     _write_metadata(writer, config, arch)
     for key, value in (metadata or {}).items():
@@ -153,7 +156,7 @@ def write_gguf(
         kind = target.split(".")[-2]
         if arch in ("llama", "mistral") and kind in ("attn_q", "attn_k"):
             w = permute_rows(w, heads if kind == "attn_q" else kv_heads)
-        if arch in ("gemma", "gemma2") and target.endswith("norm.weight"):
+        if arch in ("gemma", *_SANDWICH) and target.endswith("norm.weight"):
             w = w + 1.0
         ttype = (recipe or {}).get(kind, default) if w.ndim == 2 else "F32"
         data, qtype = _encode(target, w, ttype, rng)
@@ -212,6 +215,14 @@ def _add_value(writer: Any, key: str, value: Any) -> None:
 def _write_metadata(writer: Any, config: Any, arch: str) -> None:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     rope = getattr(config, "rope_parameters", None) or {}
+    if arch == "gemma3":  # the global layers' settings; the local base is llama.cpp's 10,000
+        assert rope["sliding_attention"]["rope_theta"] == 1e4, "llama.cpp's fixed local base"
+        rope = rope["full_attention"]
+        if rope.get("rope_type") == "linear":
+            from gguf import RopeScalingType
+
+            writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(rope["factor"])
     theta = rope.get("rope_theta", 10000.0)
     partial = rope.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", 1.0)
     writer.add_context_length(config.max_position_embeddings)
@@ -227,8 +238,9 @@ def _write_metadata(writer: Any, config: Any, arch: str) -> None:
     writer.add_value_length(head_dim)
     writer.add_vocab_size(config.vocab_size)
     writer.add_file_type(0)
-    if arch == "gemma2":  # what llama.cpp's converter adds for Gemma 2
+    if arch in _SANDWICH:
         writer.add_sliding_window(config.sliding_window)
+    if arch == "gemma2":  # what llama.cpp's converter adds for Gemma 2
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
 

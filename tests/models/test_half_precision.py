@@ -115,8 +115,9 @@ def nan_in(outs: list[Any]) -> bool:
 
 
 # -- fixtures ------------------------------------------------------------------------------------
-# Families of test_more_families.py also run in half precision (Gemma 2: the soft caps in bf16).
-HALF_FAMILIES = ("gemma", "gemma2", "gpt2", "phi3")
+# Families of test_more_families.py also run in half precision (Gemma 2: the soft caps in bf16;
+# Gemma 3: its per-head norms).
+HALF_FAMILIES = ("gemma", "gemma2", "gemma3", "gpt2", "phi3")
 
 
 @pytest.fixture(scope="module")

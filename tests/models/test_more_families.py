@@ -1,4 +1,4 @@
-"""OPT, GPT-2, Phi, Phi-3, Gemma, Gemma 2, Qwen3 and sliding-window Mistral equal transformers.
+"""OPT, GPT-2, Phi, Phi-3, Gemma 1-3, Qwen3 and sliding-window Mistral equal transformers.
 
 Each family is a tiny random model (hidden 64, 2 layers) saved with ``save_pretrained`` and run
 through the whole engine on a mixed batch of prompts; greedy tokens must equal transformers'
@@ -23,6 +23,20 @@ from tests.hf_reference import assert_first_logprobs_close, assert_greedy_match,
 
 MAX_NEW = 10
 WINDOW = 8
+
+# Gemma 2 and 3's shape: GQA, a query scale apart from head_dim, 3 layers whose windowed (0, 2)
+# and global (1) attention alternate.
+_GEMMA_2_3: dict[str, Any] = dict(
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    query_pre_attn_scalar=24,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    sliding_window=WINDOW,
+    hidden_activation="gelu_pytorch_tanh",
+)
 
 # name -> (transformers config class name, config fields, engine block size). Head sizes vary:
 # 16, 32 (OPT-350m style with project_in/out), 8 (GPT-2), 16 with 8 rotary dims (Phi),
@@ -102,22 +116,23 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], int]] = {
         8,
     ),
     # Gemma 2 at caps small enough to bend random weights' scores and logits (the released
-    # models use 50 and 30), a query scale apart from head_dim, and 3 layers of alternating
-    # windowed (0, 2) and global (1) attention.
+    # models use 50 and 30).
     "gemma2": (
         "Gemma2Config",
+        dict(**_GEMMA_2_3, attn_logit_softcapping=1.5, final_logit_softcapping=4.0),
+        8,
+    ),
+    # Gemma 3 (text): per-head q/k norms, local and global layers rotating at different bases
+    # (the global ones linearly scaled, as on the 4B and up), no soft caps.
+    "gemma3": (
+        "Gemma3TextConfig",
         dict(
-            hidden_size=64,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=32,
-            query_pre_attn_scalar=24,
-            intermediate_size=128,
-            num_hidden_layers=3,
-            sliding_window=WINDOW,
-            attn_logit_softcapping=1.5,
-            final_logit_softcapping=4.0,
-            hidden_activation="gelu_pytorch_tanh",
+            **_GEMMA_2_3,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
         ),
         8,
     ),
@@ -150,9 +165,15 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], int]] = {
 }
 
 
-# Gemma 2 as a GGUF file can hold it: no key carries query_pre_attn_scalar, which llama.cpp
-# (and our loader) take to be head_dim, as on the released 2B and 9B.
+# Gemma 2 and 3 as a GGUF file can hold them: no key carries query_pre_attn_scalar, which
+# llama.cpp (and our loader) take to be head_dim, as on every released size but the 27B.
 GGUF_GEMMA2 = {"query_pre_attn_scalar": FAMILIES["gemma2"][1]["head_dim"]}
+# Nor any its layer pattern: llama.cpp's Gemma 3 is five local layers to one global.
+GGUF_GEMMA3 = {
+    "query_pre_attn_scalar": FAMILIES["gemma3"][1]["head_dim"],
+    "num_hidden_layers": 6,
+    "layer_types": None,
+}
 
 
 def make_config(name: str, vocab_size: int, **overrides: Any) -> Any:
@@ -247,12 +268,13 @@ def test_sliding_window_is_live_in_reference(family_paths: dict[str, Path]) -> N
 
 
 @pytest.mark.parametrize("attention", ["torch", "reference"])
-def test_gemma2_on_the_other_cpu_attention_backends(
-    family_paths: dict[str, Path], attention: str
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_gemma_2_and_3_on_the_other_cpu_attention_backends(
+    family_paths: dict[str, Path], name: str, attention: str
 ) -> None:
     """The soft cap and the per-layer windows through the PyTorch fallback and the oracle too
     (the C++ kernel is the default in test_greedy_matches_transformers)."""
-    path = family_paths["gemma2"]
+    path = family_paths[name]
     ids = prompt_ids(path)
     refs = hf_greedy(path, ids, MAX_NEW)
     engine = Engine(
@@ -261,15 +283,25 @@ def test_gemma2_on_the_other_cpu_attention_backends(
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
     outs = engine.generate([{"prompt_token_ids": i} for i in ids], params, use_tqdm=False)
     for i, (out, ref) in enumerate(zip(outs, refs, strict=True)):
-        assert_greedy_match(out.outputs[0].token_ids, ref, f"gemma2/{attention} prompt {i}")
+        assert_greedy_match(out.outputs[0].token_ids, ref, f"{name}/{attention} prompt {i}")
 
 
 def test_gemma2_caps_and_windows_are_live_in_reference(family_paths: dict[str, Path]) -> None:
     """The Gemma 2 comparison means something: transformers' logits change when either soft cap
     or the window is taken away, so an engine that ignored one would fail the greedy match."""
+    assert_changes_logits(
+        family_paths["gemma2"],
+        dict(attn_logit_softcapping=None),
+        dict(final_logit_softcapping=None),
+        dict(sliding_window=1024),
+    )
+
+
+def assert_changes_logits(path: Path, *changes: dict[str, Any]) -> None:
+    """Each config change moves transformers' logits on the longest prompt (longer than twice
+    the window) by more than 1e-2."""
     from transformers import AutoModelForCausalLM
 
-    path = family_paths["gemma2"]
     ids = max(prompt_ids(path), key=len)
     assert len(ids) > 2 * WINDOW, f"prompt of {len(ids)} tokens does not exceed the window"
     x = torch.tensor([ids])
@@ -282,13 +314,80 @@ def test_gemma2_caps_and_windows_are_live_in_reference(family_paths: dict[str, P
             return model(x).logits[0]  # [seq, vocab]
 
     base = logits()
-    for change in (
-        dict(attn_logit_softcapping=None),
-        dict(final_logit_softcapping=None),
-        dict(sliding_window=4 * len(ids)),
-    ):
+    for change in changes:
         diff = (logits(**change) - base).abs().max().item()
         assert diff > 1e-2, f"{change} leaves the reference's logits as they were ({diff:.2e})"
+
+
+def test_gemma3_rope_kinds_and_windows_are_live_in_reference(
+    family_paths: dict[str, Path],
+) -> None:
+    """The Gemma 3 comparison means something: transformers' logits change when the local
+    layers rotate at the global base, when the global scaling goes, or when the window does."""
+    rope = FAMILIES["gemma3"][1]["rope_parameters"]
+    assert_changes_logits(
+        family_paths["gemma3"],
+        dict(rope_parameters={**rope, "sliding_attention": rope["full_attention"]}),
+        dict(rope_parameters={**rope, "full_attention": rope["sliding_attention"]}),
+        dict(sliding_window=1024),
+    )
+
+
+def build_gemma3_multimodal(folder: Path) -> Path:
+    """A tiny ``Gemma3ForConditionalGeneration`` (a SigLIP tower of one layer before the
+    family's gemma3 language model), saved as the hub holds Gemma 3 4B and up."""
+    import transformers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = len(build_tokenizer(folder))
+    text = make_config("gemma3", vocab)
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    config = transformers.Gemma3Config(
+        text_config=text.to_dict(),
+        vision_config=vision.to_dict(),
+        mm_tokens_per_image=4,
+        boi_token_index=vocab - 3,
+        eoi_token_index=vocab - 2,
+        image_token_index=vocab - 1,
+        pad_token_id=text.pad_token_id,  # what transformers' generate reads off the top
+    )
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+            else:
+                p.add_(torch.randn_like(p), alpha=0.1)
+    model.save_pretrained(str(folder))
+    return folder
+
+
+def test_gemma3_multimodal_checkpoint_serves_its_text(tmp_path: Path) -> None:
+    """Gemma 3's 4B and up ship as Gemma3ForConditionalGeneration: the engine serves its
+    language model (text prompts) with transformers' own multimodal class as the reference,
+    the vision tower left unread."""
+    from safetensors import safe_open
+
+    path = build_gemma3_multimodal(tmp_path / "gemma3-mm")
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        names = list(f.keys())
+    assert any(n.startswith("vision_tower.") for n in names), names[:5]
+    assert any(n.startswith("language_model.model.layers.") for n in names), names[:5]
+    ids = prompt_ids(path)
+    refs = hf_greedy(path, ids, MAX_NEW)
+    engine = Engine(str(path), device="cpu", dtype="float32", block_size=8)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+    outs = engine.generate([{"prompt_token_ids": i} for i in ids], params, use_tqdm=False)
+    for i, (out, ref) in enumerate(zip(outs, refs, strict=True)):
+        assert_greedy_match(out.outputs[0].token_ids, ref, f"gemma3 multimodal prompt {i}")
 
 
 def test_unsupported_architecture_lists_supported() -> None:
@@ -302,6 +401,7 @@ def test_unsupported_architecture_lists_supported() -> None:
         "Phi3ForCausalLM",
         "GemmaForCausalLM",
         "Gemma2ForCausalLM",
+        "Gemma3ForCausalLM",
         "Qwen3ForCausalLM",
         "LlamaForCausalLM",
     ):

@@ -24,6 +24,12 @@ class Family:
     architecture: str  # the class name our model registry knows
     permuted_qk: bool  # llama.cpp's converter interleaved q/k rows for its rotary (llama only)
     norm_plus_one: bool = False  # Gemma's converter stored RMSNorm weights as 1 + w
+    # Gemma 2 and 3: a norm after the attention and two around the MLP ("ffn_norm" is the
+    # one before it, "post_attention_norm" and "post_ffw_norm" the ones after).
+    sandwich_norms: bool = False
+    # Whether a file with plain rope gets the light config (light_config.py) instead of
+    # transformers' class (Gemma 3's rope settings per layer type come from its class).
+    light: bool = True
 
 
 FAMILIES: dict[str, Family] = {
@@ -33,7 +39,17 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family("qwen3", "Qwen3ForCausalLM", permuted_qk=False),
     "phi3": Family("phi3", "Phi3ForCausalLM", permuted_qk=False),
     "gemma": Family("gemma", "GemmaForCausalLM", permuted_qk=False, norm_plus_one=True),
-    "gemma2": Family("gemma2", "Gemma2ForCausalLM", permuted_qk=False, norm_plus_one=True),
+    "gemma2": Family(
+        "gemma2", "Gemma2ForCausalLM", permuted_qk=False, norm_plus_one=True, sandwich_norms=True
+    ),
+    "gemma3": Family(
+        "gemma3_text",
+        "Gemma3ForCausalLM",
+        permuted_qk=False,
+        norm_plus_one=True,
+        sandwich_norms=True,
+        light=False,
+    ),
 }
 
 # ``<arch>.<key>`` -> config attribute; every family writes these the same way.
@@ -164,7 +180,7 @@ def hf_config_from_gguf(gguf: GGUFFile) -> Any:
     computed by transformers' own functions, which read its config class: those files get it.
     """
     family, values = config_values(gguf)
-    if values.get("rope_scaling") is None:
+    if values.get("rope_scaling") is None and family.light:
         return light_config(gguf, family.model_type, values)
     return transformers_config(gguf, family, values)
 
@@ -195,11 +211,13 @@ def config_values(gguf: GGUFFile) -> tuple[Family, dict[str, Any]]:
     values["tie_word_embeddings"] = "output.weight" not in gguf.tensors
     if family.model_type in ("llama", "mistral"):
         values["attention_bias"] = "blk.0.attn_q.bias" in gguf.tensors
-    if family.model_type in ("gemma", "gemma2"):
+    if family.norm_plus_one:  # the Gemma families
         values.setdefault("head_dim", values["hidden_size"] // values["num_attention_heads"])
         values["hidden_activation"] = "gelu_pytorch_tanh"
-    if family.model_type == "gemma2":
+    if arch == "gemma2":
         _gemma2(gguf, values)
+    if arch == "gemma3":
+        _gemma3(values)
     values.update(params)
     values["architectures"] = [family.architecture]
     values["dtype"] = stored_dtype(gguf)
@@ -213,18 +231,36 @@ _GEMMA2_27B_LAYERS = 46
 
 def _gemma2(gguf: GGUFFile, values: dict[str, Any]) -> None:
     """Gemma 2's soft caps (llama.cpp's converter writes both; the released models' 50 and 30
-    where a file is silent) and query scale, which no GGUF key holds: llama.cpp takes
-    ``head_dim``, or ``hidden / heads`` for the 27B."""
+    where a file is silent) and query scale."""
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         value = gguf.metadata(f"gemma2.{key}", None)
         if value is not None:
             if not isinstance(value, int | float) or not 0 < value < float("inf"):
                 raise CheckpointError(f"{gguf.path}: gemma2.{key} must be > 0, got {value!r}")
             values[key] = float(value)
-    scalar = values["head_dim"]
-    if values["num_hidden_layers"] == _GEMMA2_27B_LAYERS:
-        scalar = values["hidden_size"] // values["num_attention_heads"]
-    values["query_pre_attn_scalar"] = scalar
+    values["query_pre_attn_scalar"] = _gemma_query_scalar(values, _GEMMA2_27B_LAYERS)
+
+
+# Gemma 3 27B's layers, and the base of its local layers' rotation, which llama.cpp holds as a
+# constant rather than a key (the global base is rope.freq_base).
+_GEMMA3_27B_LAYERS = 62
+_GEMMA3_LOCAL_ROPE_BASE = 10_000.0
+
+
+def _gemma3(values: dict[str, Any]) -> None:
+    """Gemma 3 as llama.cpp reads it: five local layers to one global (its class's default
+    pattern), the local ones rotating at 10,000, the query scale by the same rule as Gemma 2's;
+    no soft caps (the class's nulls)."""
+    values["rope_local_base_freq"] = _GEMMA3_LOCAL_ROPE_BASE
+    values["query_pre_attn_scalar"] = _gemma_query_scalar(values, _GEMMA3_27B_LAYERS)
+
+
+def _gemma_query_scalar(values: dict[str, Any], layers_27b: int) -> int:
+    """llama.cpp's query scale for Gemma 2 and 3 (no GGUF key holds it): ``head_dim``, or
+    ``hidden / heads`` on the 27B, which it tells by its layer count."""
+    if values["num_hidden_layers"] == layers_27b:
+        return values["hidden_size"] // values["num_attention_heads"]
+    return values["head_dim"]
 
 
 def transformers_config(gguf: GGUFFile, family: Family, values: dict[str, Any]) -> Any:

@@ -42,12 +42,12 @@ _LAYER_TENSORS: dict[str, tuple[str, str | None]] = {
     "ffn_down": ("mlp.down_proj", "mlp.down_proj"),
     "attn_norm": ("input_layernorm", None),
     "ffn_norm": ("post_attention_layernorm", None),  # Gemma 2: pre_feedforward_layernorm
-    "post_attention_norm": ("post_attention_layernorm", None),  # Gemma 2's norms on outputs
+    "post_attention_norm": ("post_attention_layernorm", None),  # Gemma 2/3's norms on outputs
     "post_ffw_norm": ("post_feedforward_layernorm", None),
     "attn_q_norm": ("self_attn.q_norm", None),
     "attn_k_norm": ("self_attn.k_norm", None),
 }
-_GEMMA2_ONLY = ("post_attention_norm", "post_ffw_norm")
+_SANDWICH_ONLY = ("post_attention_norm", "post_ffw_norm")
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -78,9 +78,9 @@ def hf_name(gguf_name: str, family: Family) -> tuple[str, str | None]:
         path, module = _LAYER_TENSORS[kind]
         if family.model_type == "phi3" and kind == "ffn_up":
             path, module = "mlp.gate_up_proj", "mlp.gate_up_proj"  # Phi-3 fuses gate and up
-        if family.model_type == "gemma2" and kind == "ffn_norm":
+        if family.sandwich_norms and kind == "ffn_norm":
             path = "pre_feedforward_layernorm"  # its post_attention_norm takes Llama's name
-        elif kind in _GEMMA2_ONLY and family.model_type != "gemma2":
+        elif kind in _SANDWICH_ONLY and not family.sandwich_norms:
             raise CheckpointError(f"tensor {gguf_name!r} has no place in a {family.model_type}")
         module_name = None if module is None else f"layers.{layer}.{module}"
         return f"model.layers.{layer}.{path}.{suffix}", module_name
