@@ -293,8 +293,17 @@ def test_int8_activations_round_prefill_rows_but_never_the_head(
     assert bm.get_num_free_device_blocks() == bm.num_device_blocks
 
 
-def test_prefix_caching_chunked_prefill_and_preemption(gguf_files: dict) -> None:
-    path = gguf_files["q4_0"]
+@pytest.mark.parametrize("model", ["q4_0", "gemma2", "gemma3"])
+def test_prefix_caching_chunked_prefill_and_preemption(
+    gguf_files: dict, sources: dict[str, Path], tmp_path: Path, model: str
+) -> None:
+    """Shared prefixes cached, prompts in chunks of 16 tokens, a cache too small for the batch
+    (preemption): the tokens of a plain run. The Gemma files' windows (8 tokens, every other
+    layer, or five in six) are shorter than the chunks and the shared prefix."""
+    if model == "q4_0":
+        path = gguf_files["q4_0"]
+    else:
+        path = write_gguf(sources[model], tmp_path / f"{model}.gguf", default="Q8_0")
     plain = engine_greedy(path)
     shared = [list(range(20, 60)) + p for p in PROMPTS]
     base = engine_greedy(path, shared)
@@ -303,13 +312,16 @@ def test_prefix_caching_chunked_prefill_and_preemption(gguf_files: dict) -> None
         device="cpu",
         dtype="float32",
         block_size=8,
-        num_kv_blocks=20,
+        num_kv_blocks=14,  # 20 held the batch without preempting (the stats now say so)
         enable_prefix_caching=True,
         enable_chunked_prefill=True,
         max_num_batched_tokens=16,
     )
     outs = engine.generate([{"prompt_token_ids": p} for p in shared], GREEDY, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == base
+    stats = engine.get_stats()
+    assert stats["num_preemptions_total"] > 0 and stats["chunked_prefill_steps"] > 0, stats
+    assert stats["prefix_cache_hits"] > 0, stats
     assert (
         engine.block_manager.get_num_free_device_blocks() == engine.block_manager.num_device_blocks
     )
