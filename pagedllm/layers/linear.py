@@ -174,6 +174,9 @@ class VocabParallelEmbedding(nn.Module):
     # A checkpoint's group-quantised table (GGUF Q8_0 / 4-bit embeddings): rows are dequantised
     # as they are looked up, and the head multiplies by the quantised table.
     quant_method: LinearMethod | None = None
+    # A backend's look-up when the table lives only in its packed head (``ids -> rows`` in the
+    # compute dtype, as ``quant_method.embed`` gives them), installed by its prepare_model.
+    fast_rows: LinearFn | None = None
 
     def __init__(self, vocab_size: int, hidden_size: int, *, tp: TPContext = SINGLE) -> None:
         super().__init__()
@@ -200,6 +203,8 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_gather_last_dim(local)[:, : self.vocab_size]
 
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.fast_rows is not None:
+            return self.fast_rows(ids)
         if self.quant_method is not None:
             return self.quant_method.embed(self, ids)  # type: ignore[attr-defined]
         return F.embedding(ids, self.weight)

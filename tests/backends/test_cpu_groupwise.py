@@ -163,6 +163,25 @@ def test_float_path_matches_float64_reference(ops, case, xdtype) -> None:
             assert err < FLOAT_TOL[xdtype], f"m={m} bias={bias is not None}: rel err {err:.2e}"
 
 
+@pytest.mark.parametrize("case", FLOAT_CASES, ids=_case_id)
+def test_weight_rows_from_the_panels_are_the_definition_bit_for_bit(ops, case) -> None:
+    """``groupwise_weight_rows`` unpacks rows of W from the panels (what a tied embedding reads
+    instead of a second copy of its table): every format, rows in every panel position and
+    the last, partial panel, equal to the definition's dequantisation bit for bit."""
+    kind, (n, k) = case
+    torch.manual_seed(n + k + 1)
+    weight, scale, offset, _ = _layer_data(kind, n, k)
+    pw = _pack(ops, weight, scale, offset)
+    rows = torch.tensor([0, n - 1, 15 % n, 16 % n, 5 % n, n - 1, 0])
+    got = pw.rows(ops, rows)
+    want = _dequantized(weight, scale, offset)[rows]
+    assert got.dtype == torch.float32 and got.shape == (len(rows), k)
+    assert torch.equal(got, want), f"max diff {(got - want).abs().max()}"
+    assert pw.rows(ops, torch.tensor([], dtype=torch.long)).shape == (0, k)
+    with pytest.raises(RuntimeError, match=f"row {n} of {n}"):
+        pw.rows(ops, torch.tensor([n]))
+
+
 @pytest.mark.parametrize("xdtype", ACT_DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_dot_path_matches_its_definition(ops, case, xdtype) -> None:
@@ -539,6 +558,46 @@ def test_pack_linear_layers_drops_the_unpacked_tensors() -> None:
     assert model.proj.weight.numel() == 0
     assert model.proj.weight_scale_bits.numel() == model.proj.weight_offset_bits.numel() == 0
     torch.testing.assert_close(model.proj(x), x @ ref_w.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ("q4_0", "q4_k", "q8_0", "q6_k"))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_a_tied_table_is_held_once_and_looked_up_from_the_head(kind: str, dtype) -> None:
+    """A group-wise embedding that is also the LM head: after packing, its table lives only in
+    the head's panels (weight and scales dropped), and look-ups read rows back from them equal
+    to ``GroupwiseMethod.embed``'s bit for bit, in the compute dtype; the logits are
+    unchanged."""
+    from pagedllm.layers.linear import VocabParallelEmbedding
+
+    if packed_linear.gemm_ops() is None:
+        pytest.skip("the C++ GEMM could not be built")
+    n, k = 45, 256  # rows off the 16-row panels; whole Q4_K / Q6_K super-blocks
+    torch.manual_seed(3)
+    table = VocabParallelEmbedding(n, k)
+    table.quant_method = GroupwiseMethod.for_format(kind if kind in ("q8_0", "q6_k") else "int4")
+    table.quant_method.create_weights(table)
+    weight, scale, offset, _ = _layer_data(kind, n, k)
+    table.weight.data = weight.clone()
+    table.weight_scale.data.copy_(scale)
+    if offset is not None:
+        table.weight_offset.data.copy_(offset)
+    if kind == "q6_k":
+        table.weight_super.data.copy_(scale.q6_k_d)
+    table.quant_method.finish_loading(table)
+    table.compute_dtype = dtype
+    model = torch.nn.Module()
+    model.embed_tokens = model.lm_head = table
+    ids = torch.tensor([[3, 0, 44], [16, 15, 3]])
+    want_rows = table(ids)
+    x = torch.randn(4, k)
+    ref_w = dequantize_layer(table)
+    paths = packed_linear.pack_linear_layers(model)
+    assert paths["lm_head"].startswith("cpp-"), paths
+    assert table.weight.numel() == 0 and table.weight_scale_bits.numel() == 0
+    got_rows = table(ids)
+    assert got_rows.dtype == dtype and got_rows.shape == (2, 3, k)
+    assert torch.equal(got_rows, want_rows)
+    torch.testing.assert_close(table.logits(x), x @ ref_w.T, rtol=1e-5, atol=1e-5)
 
 
 def test_a_fused_layer_of_several_formats_runs_each_run_of_parts_packed(

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +73,20 @@ class PackedGroupwise:
     def bits_per_weight(self) -> float:
         """Bytes streamed per call (scales included) per weight, in bits."""
         return self.packed.numel() * 8 / (self.packed.shape[0] * 16 * self.k)
+
+    def rows(self, ops: object, rows: torch.Tensor) -> torch.Tensor:
+        """float32 rows ``rows`` of W read back from the panels (as the definition
+        dequantises them)."""
+        return ops.groupwise_weight_rows(  # type: ignore[attr-defined]
+            self.packed,
+            self.n,
+            self.k,
+            self.bits,
+            self.half_scales,
+            self.with_offset,
+            self.factored,
+            rows,
+        )
 
     def gemm(self, ops: object, x: torch.Tensor, bias: torch.Tensor | None, dot: bool):
         """``ops.groupwise_gemm`` on these weights: ``x [T, K] -> [T, N]``."""
@@ -409,6 +424,9 @@ def make_groupwise_linear(
         return None, f"torch-{name}"
     if checked is not None:
         checked.add(key)
+    # Rows of W read back from these panels (float32 [R, K], the definition's values): what
+    # an embedding tied to this head reads instead of keeping its table a second time.
+    linear.weight_rows = partial(pw.rows, ops)  # type: ignore[attr-defined]
     return linear, path_name(ops, name, dot=dot)
 
 

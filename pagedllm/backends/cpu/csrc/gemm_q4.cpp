@@ -364,6 +364,11 @@ void bind_groupwise(pybind11::module& m) {
 #endif
       },
       "whether this build packs Q6_K's q at 6 bits (bits=6: the float path only)");
+  m.def("groupwise_weight_rows", &q4::groupwise_weight_rows,
+        "rows of W (float32 [R, K]) from pack_groupwise's panels, as the definition "
+        "dequantises them",
+        NoGil(), py::arg("packed"), py::arg("n"), py::arg("k"), py::arg("bits"),
+        py::arg("half_scales"), py::arg("with_offset"), py::arg("factored"), py::arg("rows"));
   m.def("read_bytes", &q4::read_bytes,
         "reads every byte of a tensor once on all threads (a read-bandwidth probe); a checksum",
         NoGil(), py::arg("t"));

@@ -28,6 +28,13 @@ torch::Tensor pack_groupwise(const torch::Tensor& weight, const torch::Tensor& s
                              const c10::optional<torch::Tensor>& factors,
                              const c10::optional<torch::Tensor>& index);
 
+// Rows ``rows`` of W, float32 [R, K], from pack_groupwise's panels (the inverse of the pack,
+// rounded as the definition dequantises): an embedding table tied to a packed head is read
+// from the head's panels instead of being held a second time.
+torch::Tensor groupwise_weight_rows(const torch::Tensor& packed, int64_t n, int64_t k,
+                                    int64_t bits, bool half_scales, bool with_offset,
+                                    bool factored, const torch::Tensor& rows);
+
 // Reads every byte of t once on all threads (the benchmarks' read-bandwidth probe).
 int64_t read_bytes(const torch::Tensor& t);
 

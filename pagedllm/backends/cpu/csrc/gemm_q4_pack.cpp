@@ -184,6 +184,115 @@ torch::Tensor pack_groupwise(const torch::Tensor& weight, const torch::Tensor& s
 
 namespace {
 
+// -- rows of W back from the panels -------------------------------------------------------------
+// Element j (a column of the panel: a row of W) of 16 fp16 or float32 values at p.
+float stored(const uint8_t* p, int64_t j, bool half) {
+  if (half) {
+    c10::Half h;
+    std::memcpy(&h, p + 2 * j, 2);
+    return static_cast<float>(h);
+  }
+  float v;
+  std::memcpy(&v, p + 4 * j, 4);
+  return v;
+}
+
+// Column j's q at k (0..31) of one block, as the packers above store it.
+int32_t block_q(const uint8_t* block, int64_t j, int64_t k, const Format& f) {
+  if (f.six()) {
+    const int64_t h = k / 16, pair = k % 16 / 2, lane = 2 * j + k % 2;
+    uint32_t r[3];
+    for (int64_t i = 0; i < 3; ++i) {
+      const uint8_t* word = block + h * Format::kSixHalf + i * kChunk + 2 * lane;
+      r[i] = word[0] | static_cast<uint32_t>(word[1]) << 8;
+    }
+    uint32_t u;  // the inverse of pack_six's three rows
+    switch (pair) {
+      case 0: u = r[0] & 63; break;
+      case 1: u = r[0] >> 6 & 63; break;
+      case 2: u = r[1] & 63; break;
+      case 3: u = r[1] >> 6 & 63; break;
+      case 4: u = r[2] & 63; break;
+      case 5: u = r[2] >> 6 & 63; break;
+      case 6: u = (r[0] >> 12 & 15) | (r[2] >> 12 & 3) << 4; break;
+      default: u = (r[1] >> 12 & 15) | (r[2] >> 14 & 3) << 4; break;
+    }
+    return u >= 32 ? static_cast<int32_t>(u) - 64 : static_cast<int32_t>(u);  // q in -32..31
+  }
+  if (f.bits == 4) {
+    const int64_t c = k / 8, b = k % 4;
+    const uint8_t byte = block[c * kChunk + 4 * j + b];
+    return k % 8 < 4 ? byte & 0x0F : byte >> 4;
+  }
+  return static_cast<int8_t>(block[k / 4 * kChunk + 4 * j + k % 4]);
+}
+
+// Row n of W (float32 [K]) from its panel, rounded as the definition rounds it
+// (layers/quantization/groupwise.py): q * scale for 8 bits, (q * scale) + offset for 4.
+void unpack_row(const uint8_t* panel, int64_t j, int64_t groups, const Format& f, float* out) {
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* block = panel + f.block_offset(g);
+    const uint8_t* sp = panel + f.scales_offset(g);
+    float scale[2], offset = 0.f;  // scale[1]: a two-scale group's k 16..31
+    if (f.factored) {
+      const uint8_t* header = panel + f.super_offset(g);
+      const float d = stored(header, j, f.half_scales);
+      if (f.two_scales()) {
+        scale[0] = d * static_cast<float>(static_cast<int8_t>(sp[j]));
+        scale[1] = d * static_cast<float>(static_cast<int8_t>(sp[kCols + j]));
+      } else {
+        scale[0] = scale[1] = d * static_cast<float>(sp[j]);
+        offset = stored(header + f.factor_bytes() / 2, j, f.half_scales) *
+                 static_cast<float>(sp[kCols + j]);
+      }
+    } else {
+      scale[0] = scale[1] = stored(sp, j, f.half_scales);
+      if (f.stores_offset())
+        offset = stored(sp + f.scale_bytes(), j, f.half_scales);
+      else if (f.bits == 4)
+        offset = scale[0] * -8.f;  // exact: a power of two
+    }
+    for (int64_t k = 0; k < kGroup; ++k) {
+      // volatile: the product rounded before the offset is added (no fused multiply-add),
+      // as PyTorch's two operations round it.
+      volatile float product = static_cast<float>(block_q(block, j, k, f)) * scale[k / 16];
+      out[g * kGroup + k] = f.bits == 4 ? product + offset : product;
+    }
+  }
+}
+
+}  // namespace
+
+torch::Tensor groupwise_weight_rows(const torch::Tensor& packed, int64_t n, int64_t k,
+                                    int64_t bits, bool half_scales, bool with_offset,
+                                    bool factored, const torch::Tensor& rows) {
+  const Format f = format_of(bits, half_scales, with_offset, factored);
+  TORCH_CHECK(k % kGroup == 0 && k > 0, "groupwise_weight_rows: K=", k, " is not whole groups");
+  const int64_t groups = k / kGroup, panels = (n + kCols - 1) / kCols;
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte &&
+                  packed.dim() == 2 && packed.size(0) == panels &&
+                  packed.size(1) == f.panel_bytes(groups) && packed.is_contiguous(),
+              "groupwise_weight_rows: packed must be the contiguous uint8 [", panels, ", ",
+              f.panel_bytes(groups), "] panels of this format, got ", packed.sizes());
+  TORCH_CHECK(rows.device().is_cpu() && rows.dim() == 1 && rows.scalar_type() == at::kLong,
+              "groupwise_weight_rows: rows must be a CPU int64 [R]");
+  const torch::Tensor ids = rows.contiguous();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const int64_t r = ids.numel();
+  for (int64_t i = 0; i < r; ++i)
+    TORCH_CHECK(id[i] >= 0 && id[i] < n, "groupwise_weight_rows: row ", id[i], " of ", n);
+  torch::Tensor out = torch::empty({r, k}, packed.options().dtype(at::kFloat));
+  const uint8_t* src = packed.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, r, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i)
+      unpack_row(src + id[i] / kCols * packed.size(1), id[i] % kCols, groups, f, dst + i * k);
+  });
+  return out;
+}
+
+namespace {
+
 // Every byte of t read once, threads splitting it in contiguous ranges as the GEMMs split
 // their panels: the read bandwidth the decode paths are measured against
 // (benchmarks/linear_cpu.py). Returns a checksum, so that the loads cannot be dropped.
