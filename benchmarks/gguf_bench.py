@@ -3,10 +3,12 @@
 (Not ``gguf.py``: this folder is first on ``sys.path`` for every benchmark, and a ``gguf.py``
 here would shadow ggml's ``gguf`` package.)
 
-Models: SmolLM2-135M-Instruct Q4_1 (the demo model, fetched from the package registry), and a
+Models: SmolLM2-135M-Instruct Q4_1 (the demo model, fetched from the package registry), a
 random-weight Llama-3.2-1B-shaped model (``model_builder.LLAMA_1B``) written as an F16 GGUF by
 ``llama_cpp_bench.export_gguf`` and quantised to Q4_0, Q4_K_M and Q8_0 by llama.cpp's own
-quantiser (``llama_model_quantize``); files are cached under ``build/bench/gguf``.
+quantiser (``llama_model_quantize``), and on request a random-weight Gemma-2-2B-shaped model
+(``gemma2-2b-q4_k_m``: soft caps, alternating windows, a 256,000-token tied table); files are
+cached under ``build/bench/gguf``.
 
 Each engine runs in its own subprocess per file, so start-up (imports included, from the
 process's first line to the engine ready) and peak RSS are its own. Per file and engine:
@@ -26,6 +28,7 @@ Prints one JSON object with the processor, the ISA path, the linear-layer paths 
     python benchmarks/gguf_bench.py                      # everything (~20 minutes on 2 cores)
     python benchmarks/gguf_bench.py --models smollm2     # the demo model only
     python benchmarks/gguf_bench.py --models 1b-q4_k_m --single-rounds 5
+    python benchmarks/gguf_bench.py --models gemma2-2b-q4_k_m --single-rounds 3  # ~10 GB RAM
     python benchmarks/gguf_bench.py --smoke              # a tiny Q4_0 file, seconds (CI)
 """
 
@@ -80,6 +83,9 @@ def model_files(names: list[str], smoke: bool) -> dict[str, Path]:
         folder = build_random_llama(CACHE / "llama-1b-bf16", LLAMA_1B, dtype=torch.bfloat16)
         for name in wanted:
             files[name] = _quantized(folder, "1b", name.removeprefix("1b-"), llama_cpp_bench)
+    for name in names:
+        if name.startswith("gemma2-2b-"):
+            files[name] = _gemma2_2b(name.removeprefix("gemma2-2b-"))
     return files
 
 
@@ -92,7 +98,10 @@ def _quantized(folder: Path, size: str, quant: str, llama_cpp_bench: Any) -> Pat
     except ImportError:  # CI: the gguf package's own quantiser (no K-quants)
         return llama_cpp_bench.export_gguf(folder, out, quant)
     f16 = llama_cpp_bench.export_gguf(folder, CACHE / f"llama-{size}-f16.gguf", "f16")
+    return _llama_cpp_quantize(lib, f16, out, quant)
 
+
+def _llama_cpp_quantize(lib: Any, f16: Path, out: Path, quant: str) -> Path:
     params = lib.llama_model_quantize_default_params()
     params.ftype = FTYPES[quant]
     params.nthread = 2
@@ -101,6 +110,58 @@ def _quantized(folder: Path, size: str, quant: str, llama_cpp_bench: Any) -> Pat
         raise RuntimeError(f"llama.cpp could not quantise {f16} to {quant}")
     tmp.rename(out)
     return out
+
+
+# Gemma 2 2B's shape (google/gemma-2-2b's config), for random weights.
+GEMMA2_2B = dict(
+    vocab_size=256000,
+    hidden_size=2304,
+    intermediate_size=9216,
+    num_hidden_layers=26,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=256,
+    max_position_embeddings=8192,
+    sliding_window=4096,
+    query_pre_attn_scalar=256,
+    attn_logit_softcapping=50.0,
+    final_logit_softcapping=30.0,
+    bos_token_id=2,
+    eos_token_id=1,
+    pad_token_id=0,
+)
+
+
+def _gemma2_2b(quant: str) -> Path:
+    """A Gemma-2-2B-shaped model of random weights (bf16, normal 0.02; norms 0.1 around the
+    stored 0 of Gemma's ``1 + w``) written to F16 GGUF by the tests' GGUF writer (llama.cpp's
+    conventions: ``tests/models/test_gguf.py`` checks that llama.cpp reads its files as
+    transformers reads the models) and quantised by llama.cpp's own quantiser; cached."""
+    out = CACHE / f"gemma2-2b-{quant}.gguf"
+    if out.exists():
+        return out
+    import llama_cpp as lib
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests' GGUF writer
+    from tests.models.gguf_files import write_gguf
+
+    f16 = CACHE / "gemma2-2b-f16.gguf"
+    if not f16.exists():
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = Gemma2ForCausalLM(Gemma2Config(**GEMMA2_2B))
+        model = model.to_empty(device="cpu").to(torch.bfloat16)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, 0.02 if p.dim() > 1 else 0.1)
+        folder = CACHE / "gemma2-2b-hf"
+        model.save_pretrained(str(folder))
+        del model
+        meta = {"tokenizer.ggml.model": "none"}
+        write_gguf(folder, f16, default="F16", with_tokenizer=False, metadata=meta)
+    return _llama_cpp_quantize(lib, f16, out, quant)
 
 
 # --- one engine on one file, in its own process -----------------------------------------------
