@@ -493,14 +493,16 @@ def pack_linear_layers(model: nn.Module, *, int8_activations: bool = False) -> d
             if fn is None:
                 continue
             module.fast_linear = fn
+            # A tied head is the embedding, which still needs its rows: a group-wise one
+            # reads them back from the head's panels (a Gemma 2 2B table: ~0.7 GB not held
+            # twice); a 16-bit or int8 one keeps both.
             rows = getattr(fn, "weight_rows", None)
-            if is_linear or isinstance(module, ParallelLMHead) or rows is not None:
-                # The packed copy is the only one used from now on: do not keep two. A tied
-                # head is the embedding, which still needs its rows: a group-wise one reads
-                # them back from the head's panels (a Gemma 2 2B table: ~0.7 GB not held
-                # twice); a 16-bit or int8 one keeps both.
-                if rows is not None and not isinstance(module, ParallelLMHead):
-                    module.fast_rows = _embedding_rows(rows, module.compute_dtype)
+            tied = module is head and not isinstance(module, ParallelLMHead)
+            if tied and rows is not None:
+                module.fast_rows = _embedding_rows(rows, module.compute_dtype)
+            read_back = getattr(module, "fast_rows", None) is not None
+            if is_linear or isinstance(module, ParallelLMHead) or read_back:
+                # The packed copy is the only one used from now on: do not keep two.
                 module.weight.data = torch.empty(0, dtype=module.weight.dtype)
                 _drop_group_scales(module)
     summary = {kind: "+".join(sorted(p)) for kind, p in paths.items()}
