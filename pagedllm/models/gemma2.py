@@ -39,8 +39,8 @@ def _positive_or_none(config: Any, name: str) -> float | None:
 
 class Gemma2Attention(LlamaAttention):
     def attention_scale(self, config: Any) -> float:
-        scalar = getattr(config, "query_pre_attn_scalar", None) or self.head_size
-        return float(scalar) ** -0.5
+        scalar = _positive_or_none(config, "query_pre_attn_scalar") or self.head_size
+        return scalar**-0.5
 
     def logits_soft_cap(self, config: Any) -> float | None:
         return _positive_or_none(config, "attn_logit_softcapping")

@@ -390,6 +390,21 @@ def test_gemma3_multimodal_checkpoint_serves_its_text(tmp_path: Path) -> None:
         assert_greedy_match(out.outputs[0].token_ids, ref, f"gemma3 multimodal prompt {i}")
 
 
+@pytest.mark.parametrize(
+    "field", ["query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"]
+)
+def test_gemma2_config_values_out_of_range_name_their_field(
+    family_paths: dict[str, Path], field: str
+) -> None:
+    from pagedllm.backends.reference import ReferenceAttention
+    from pagedllm.models.model_loader import load_hf_config
+
+    config = load_hf_config(str(family_paths["gemma2"]))
+    setattr(config, field, -4 if field == "query_pre_attn_scalar" else -4.0)  # typed fields
+    with pytest.raises(ValueError, match=f"^{field}: must be a positive number"):
+        resolve_model_class(config.architectures)(config, attn_backend=ReferenceAttention())
+
+
 def test_unsupported_architecture_lists_supported() -> None:
     with pytest.raises(ValueError, match="not supported") as info:
         resolve_model_class(["BloomForCausalLM"])
