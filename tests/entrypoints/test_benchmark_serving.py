@@ -30,9 +30,17 @@ def test_benchmark_report(server: Any) -> None:
     assert report["model"] == MODEL_NAME
     assert report["completed"] == 6 and report["failed"] == 0, report["errors"]
     assert report["output_tokens"] == 30
-    for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
+    for key in ("ttft_ms", "tpot_ms", "e2e_ms"):
         p = report[key]
         assert 0 < p["p50"] <= p["p90"] <= p["p99"] <= p["max"], (key, p)
+    # A reader that lags gets the tokens so far in one chunk (the server coalesces), so a busy
+    # machine can stream fewer chunks than tokens: one ITL sample per chunk after the first.
+    assert report["completed"] <= report["text_chunks"] <= report["output_tokens"], report
+    if report["text_chunks"] > report["completed"]:
+        p = report["itl_ms"]
+        assert 0 < p["p50"] <= p["p90"] <= p["p99"] <= p["max"], p
+    else:
+        assert report["itl_ms"] == {}
     assert report["concurrency"] == 3 and report["cpu_seconds"]["client"] > 0
     assert report["ttft_ms"]["max"] <= report["e2e_ms"]["max"]
     assert report["request_throughput"] > 0 and report["output_throughput"] > 0

@@ -195,6 +195,10 @@ def _report(
         "total_token_throughput": (in_tokens + out_tokens) / duration,
         "prompt_tokens": in_tokens,
         "output_tokens": out_tokens,
+        # Chunks that carried text; fewer than output tokens where the server sent a lagging
+        # reader several tokens at once (its stream coalesces): ITL has one sample per chunk
+        # after each request's first, so it may be empty when every answer came in one chunk.
+        "text_chunks": sum(r.chunks for r in ok),
         "ttft_ms": summarize([r.ttft for r in ok]),
         "tpot_ms": summarize(tpot),
         "itl_ms": summarize([t for r in ok for t in r.itl]),
