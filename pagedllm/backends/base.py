@@ -394,10 +394,11 @@ class DeviceBackend(ABC):
     def gguf_block_decoder(
         self,
     ) -> Callable[[torch.Tensor, str], tuple[torch.Tensor, ...]] | None:
-        """This device's kernel for a GGUF file's Q4_0 / Q4_1 / Q4_K / Q6_K blocks (uint8
-        ``[N, row bytes]``, the type's name) -> the arrays of ``models.gguf.weights``
-        ``int4_groups`` / ``q6_k_groups``, bit for bit; None: those numpy definitions (several
-        passes over each tensor: most of a 4-bit file's load)."""
+        """This device's kernel for the blocks of every GGUF type a native format holds but
+        Q8_0 (``models.gguf.weights.KEPT_AS``; uint8 ``[N, row bytes]``, the type's name) ->
+        the arrays of ``int4_groups`` / ``int8_groups`` / ``q6_k_groups``, bit for bit; None:
+        those numpy definitions (several passes over each tensor: most of a 4-bit file's
+        load)."""
         return None
 
     def native_weight_formats(self) -> frozenset[str]:

@@ -54,8 +54,13 @@ Q6_K_SHAPES = ((17, 256), (37, 768), (50, 4096))
 CASES = [(kind, shape) for kind in KINDS if kind != "q6_k" for shape in SHAPES] + [
     ("q6_k", shape) for shape in Q6_K_SHAPES
 ]
-# The float path reads Q6_K's q at 6 bits too ("q6_k6": AVX-512 builds; no dot path).
-FLOAT_CASES = CASES + [("q6_k6", shape) for shape in Q6_K_SHAPES]
+# The float path reads Q6_K's q at 6 bits too ("q6_k6": AVX-512 builds; no dot path), and
+# 8-bit layers of IQ4 levels at 4 bits (IQ4_NL's fp16 d, IQ4_XS's float32 d * (ls - 32)).
+FLOAT_CASES = (
+    CASES
+    + [("q6_k6", shape) for shape in Q6_K_SHAPES]
+    + [(kind, shape) for kind in ("iq4", "iq4_f32") for shape in SHAPES]
+)
 
 
 @pytest.fixture(scope="module", params=ISAS)
@@ -94,6 +99,8 @@ def _pack(ops, weight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor |
     six = getattr(scale, "q6_k_six", False)
     if six and not ops.groupwise_six_bits():
         pytest.skip(f"the {ops.built_isa()} build reads no six-bit weights")
+    if getattr(scale, "iq4", False):
+        return pack_groupwise(ops, weight, scale, offset, levels=True)
     return pack_groupwise(ops, weight, scale, offset, getattr(scale, "q6_k_d", None), six=six)
 
 
@@ -108,6 +115,14 @@ def _layer_data(
         scale.q6_k_six = kind == "q6_k6"
         return q, scale, None, q
     g = k // 32
+    if kind in ("iq4", "iq4_f32"):  # int8 IQ4 levels, every one of them; fp16 d or float32
+        q = torch.tensor(groupwise_linear.IQ4_LEVELS, dtype=torch.int8)[
+            torch.randint(0, 16, (n, k))
+        ]
+        d = (torch.rand(n, g) * 0.01 + 1e-3) * torch.randn(n, g).sign()
+        scale = _fp16(d) if kind == "iq4" else d
+        scale.iq4 = True
+        return q, scale, None, q
     if kind in ("q8_0", "q8_f32"):  # fp16 d (or any float32), q in -127..127
         q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
         d = torch.rand(n, g) * 0.01 + 1e-3
@@ -268,6 +283,8 @@ def test_formats_and_bits_per_weight(ops) -> None:
         # Factored: a header per 8 groups of d (and dm) padded to 64 bytes, then the groups'
         # index bytes (sc, m: 2 * 16 each), before 8 blocks of q alone.
         "q6_k": ((True, False, True), 8.625),  # 512 a block, 64 + 256 a header
+        "iq4": ((True, False, False), 4.5),  # Q4_0's layout, read through the levels
+        "iq4_f32": ((False, False, False), 5.0),
     }
     if ops.groupwise_six_bits():
         expected["q6_k6"] = ((True, False, True), 6.625)  # 384 a block, 64 + 256 a header
@@ -281,6 +298,7 @@ def test_formats_and_bits_per_weight(ops) -> None:
         # Super-blocks of a header and 2 blocks (8 factored): every block on a cache line.
         assert pw.packed.shape[1] % 64 == 0 and pw.packed.data_ptr() % 64 == 0, kind
         names = {"q6_k": "q6_k", "q6_k6": "q6_k", "q8_0": "q8_0", "q8_f32": "q8_0"}
+        names.update(iq4="iq4", iq4_f32="iq4")
         assert pw.name == names.get(kind, "int4")
 
 
@@ -303,6 +321,54 @@ def test_six_bit_weights_are_refused_where_they_cannot_run(ops) -> None:
     torch.testing.assert_close(pw.gemm(ops, x.float(), None, False), ref, rtol=1e-5, atol=1e-7)
     with pytest.raises(RuntimeError, match="factored"):
         ops.groupwise_gemm(x, pw.packed, 20, 6, True, False, False, None, False)
+
+
+def test_iq4_levels_run_the_float_path_only_and_must_all_be_levels(ops) -> None:
+    """A layer of IQ4 levels at 4 bits: the dot path refused; a q outside the levels refused
+    at pack time (make_groupwise_linear then keeps the 8-bit layout); the 4- and 8-bit layouts
+    of one layer give the same float path sums, up to order."""
+    torch.manual_seed(7)
+    q, scale, _, _ = _layer_data("iq4_f32", 20, 256)
+    pw = pack_groupwise(ops, q, scale, None, levels=True)
+    assert (pw.bits, pw.levels, pw.name) == (4, True, "iq4")
+    x = torch.randn(3, 256)
+    with pytest.raises(RuntimeError, match="IQ4 levels run the float path only"):
+        pw.gemm(ops, x.bfloat16(), None, True)
+    eight = pack_groupwise(ops, q, scale, None)
+    want = eight.gemm(ops, x, None, False)
+    torch.testing.assert_close(pw.gemm(ops, x, None, False), want, rtol=1e-5, atol=1e-6)
+    off = q.clone()
+    off[3, 7] = 2  # not a level
+    with pytest.raises(ValueError, match="not IQ4 levels"):
+        pack_groupwise(ops, off, scale, None, levels=True)
+
+
+def test_a_q8_0_layer_of_iq4_levels_packs_four_bits_unless_it_takes_the_dot_path() -> None:
+    """make_groupwise_linear: an IQ4 layer (held as q8_0) at 4 bits on the float path, the
+    8-bit layout on the dot path and for a true Q8_0 layer; a layer whose first row is levels
+    but not the rest falls back to 8 bits, still correct."""
+    from types import SimpleNamespace
+
+    ops = packed_linear.gemm_ops()
+    if ops is None:
+        pytest.skip("the C++ GEMM could not be built")
+    torch.manual_seed(8)
+    q, scale, _, _ = _layer_data("iq4", 48, 512)
+    q8, scale8, _, _ = _layer_data("q8_0", 48, 512)
+    mixed = q.clone()
+    mixed[5, 9] = 3
+    cases = ((q, scale, False, "iq4"), (q, scale, True, "q8_0"), (q8, scale8, False, "q8_0"))
+    for weight, s, dot, name in (*cases, (mixed, scale, False, "q8_0")):
+        layer = SimpleNamespace(
+            weight=weight,
+            weight_scale_bits=s.float().contiguous().view(torch.int32),
+            quant_method=SimpleNamespace(name="q8_0"),
+        )
+        fn, path = groupwise_linear.make_groupwise_linear(layer, None, dot=dot)
+        assert fn is not None and path.startswith(f"cpp-{name}-"), (name, dot, path)
+        x = torch.randn(2, 512)
+        ref = x.double() @ dequantize_int8_groups(weight, s.float()).double().T
+        assert _rel_err(fn(x), ref) < FLOAT_TOL[torch.float32]
 
 
 def test_a_q6_k_layer_packs_six_bits_unless_it_takes_the_dot_path() -> None:
@@ -656,14 +722,14 @@ def test_a_fused_layer_of_several_formats_runs_each_run_of_parts_packed(
 def test_the_gguf_block_decoder_equals_the_numpy_definitions() -> None:
     """``decode_gguf_blocks`` (the CPU backend's ``gguf_block_decoder``) gives ``int4_groups``'
     nibbles, scales and offsets bit for bit (offsets' signed zeros included) for Q4_0, Q4_1
-    and Q4_K blocks, and ``q6_k_groups``' q, scales and d for Q6_K: random bytes with finite
-    fp16 factors."""
+    and Q4_K blocks, ``q6_k_groups``' q, scales and d for Q6_K and Q3_K, and ``int8_groups``'
+    q and scales for Q5_0, IQ4_NL and IQ4_XS: random bytes with finite fp16 factors."""
     import numpy as np
     from gguf import GGMLQuantizationType
 
     from pagedllm.backends.cpu.backend import CpuBackend
     from pagedllm.models.gguf.reader import GGUFTensor
-    from pagedllm.models.gguf.weights import int4_groups, q6_k_groups
+    from pagedllm.models.gguf.weights import KEPT_AS, int4_groups, int8_groups, q6_k_groups
 
     decode = CpuBackend().gguf_block_decoder()
     if decode is None:
@@ -675,6 +741,10 @@ def test_the_gguf_block_decoder_equals_the_numpy_definitions() -> None:
         ("Q4_1", 20, 32, (0, 2)),
         ("Q4_K", 144, 256, (0, 2)),
         ("Q6_K", 210, 256, (208,)),
+        ("Q3_K", 110, 256, (108,)),
+        ("Q5_0", 22, 32, (0,)),
+        ("IQ4_NL", 18, 32, (0,)),
+        ("IQ4_XS", 136, 256, (0,)),
     ):
         raw = rng.integers(0, 256, size=(rows, cols // per, size), dtype=np.uint8)
         for at in halves:  # finite fp16 factors, some of them zero
@@ -683,7 +753,7 @@ def test_the_gguf_block_decoder_equals_the_numpy_definitions() -> None:
             raw[..., at : at + 2] = h.view(np.uint8).reshape(rows, cols // per, 2)
         raw = raw.reshape(rows, -1)
         tensor = GGUFTensor("t", kind, (rows, cols), raw, GGMLQuantizationType[kind])
-        definition = q6_k_groups if kind == "Q6_K" else int4_groups
+        definition = {"int4": int4_groups, "q8_0": int8_groups, "q6_k": q6_k_groups}[KEPT_AS[kind]]
         want = [torch.from_numpy(a) for a in definition(tensor)]
         got = decode(torch.from_numpy(raw), kind)
         assert [t.dtype for t in got] == [t.dtype for t in want], kind
@@ -692,7 +762,7 @@ def test_the_gguf_block_decoder_equals_the_numpy_definitions() -> None:
             bits = (g.view(torch.int32), w.view(torch.int32)) if g.is_floating_point() else (g, w)
             assert torch.equal(*bits), f"{kind} output {i}"
     with pytest.raises(RuntimeError, match="kind must be"):
-        decode(torch.zeros(2, 18, dtype=torch.uint8), "Q5_0")
+        decode(torch.zeros(2, 18, dtype=torch.uint8), "Q5_1")
     with pytest.raises(RuntimeError, match="not whole Q4_0 blocks"):
         decode(torch.zeros(2, 19, dtype=torch.uint8), "Q4_0")
 

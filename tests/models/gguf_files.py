@@ -5,9 +5,9 @@ tokenizer as ``tokenizer.ggml.*`` (byte-level BPE: tokens, types, merges, specia
 template), Llama's q/k rows interleaved for llama.cpp's rotary, Gemma's norms stored as
 ``1 + w`` (Gemma 2's four a layer under their llama.cpp names, its caps and window as keys).
 Each tensor is written in the type a recipe names: types the ``gguf`` package quantises (F32,
-F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) from the model's weights; the K-quants
-(Q4_K, Q5_K, Q6_K), which it only reads, as random valid blocks of a similar magnitude (the
-reference is transformers reading the same file, so any valid weights serve).
+F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, TQ1_0, TQ2_0) from the model's weights; the others
+(the K-quants, the IQ types, MXFP4), which it only reads, as random valid blocks of a similar
+magnitude (the reference is transformers reading the same file, so any valid weights serve).
 """
 
 from __future__ import annotations
@@ -91,6 +91,66 @@ def _random_k_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) 
     return blocks.reshape(rows, -1)
 
 
+# The types ggml's package reads but cannot write beyond the K-quants above, and where each keeps
+# its fp16 factors (byte offsets in a block). IQ1_M spreads its one fp16 over the top nibbles of
+# four uint16 (bytes 48-55); MXFP4 has a power-of-two exponent byte (E8M0) at 0.
+_F16_FIELDS: dict[str, tuple[int, ...]] = {
+    "Q2_K": (80, 82),
+    "Q3_K": (108,),
+    "IQ4_NL": (0,),
+    "IQ4_XS": (0,),
+    "IQ3_S": (0,),
+    "IQ3_XXS": (0,),
+    "IQ2_S": (0,),
+    "IQ2_XS": (0,),
+    "IQ2_XXS": (0,),
+    "IQ1_S": (0,),
+    "IQ1_M": (),
+    "MXFP4": (),
+}
+READ_ONLY_TYPES = (*K_TYPES, *_F16_FIELDS)
+# A type ggml has and pagedllm does not read (Nvidia's FP4, new in ggml), for the refusal test.
+REFUSED_TYPES = ("NVFP4",)
+
+
+def _set_factors(kind: str, blocks: np.ndarray, factors: np.ndarray) -> None:
+    """Write ``factors [rows, blocks]`` (float32) into every fp16 factor field of ``blocks``."""
+    half = factors.astype(np.float16)
+    if kind == "IQ1_M":
+        bits = half.view(np.uint16)
+        scales = np.ascontiguousarray(blocks[..., 48:56]).view(np.uint16)  # [rows, blocks, 4]
+        for i in range(4):  # nibble i of the fp16 in the top nibble of scale word i
+            nibble = (bits >> np.uint16(4 * i)) & np.uint16(0xF)
+            scales[..., i] = (scales[..., i] & np.uint16(0x0FFF)) | (nibble << np.uint16(12))
+        blocks[..., 48:56] = scales.view(np.uint8)
+        return
+    if kind == "MXFP4":  # the nearest power of two: exponent byte e means 2^(e - 128)
+        exponent = np.clip(np.round(np.log2(factors)) + 128, 1, 254)
+        blocks[..., 0] = exponent.astype(np.uint8)
+        return
+    for start in _F16_FIELDS[kind]:
+        blocks[..., start : start + 2] = half[..., None].view(np.uint8)
+
+
+def _random_read_only_blocks(
+    kind: str, rows: int, cols: int, rng: np.random.Generator
+) -> np.ndarray:
+    """Random valid blocks ``[rows, cols/block * type_size]`` of a type ggml's package only
+    reads, with weights of ~0.05 RMS: random bytes, and factors scaled so (every dequantised
+    weight is proportional to its block's factors)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+    qtype = GGMLQuantizationType[kind]
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(rows, cols // block, type_size), dtype=np.uint8)
+    ones = np.ones((rows, cols // block), dtype=np.float32)
+    _set_factors(kind, blocks, ones)
+    unit = quants.dequantize(blocks.reshape(rows, -1), qtype).reshape(rows, -1, block)
+    rms = np.sqrt((unit.astype(np.float64) ** 2).mean(axis=-1)) + 1e-12
+    _set_factors(kind, blocks, (0.05 / rms * rng.uniform(0.5, 1.5, size=rms.shape)))
+    return blocks.reshape(rows, -1)
+
+
 def _f16_bytes(rows: int, cols: int, scale: float, rng: np.random.Generator) -> np.ndarray:
     values = (rng.uniform(0.5, 1.5, size=(rows, cols // 256)) * scale).astype(np.float16)
     return values[..., None].view(np.uint8).reshape(rows, cols // 256, 2)
@@ -108,6 +168,14 @@ def _encode(
         return w.astype(np.float16), qtype
     if kind in K_TYPES:
         return _random_k_blocks(kind, w.shape[0], w.shape[1], rng), qtype
+    if kind in READ_ONLY_TYPES:
+        return _random_read_only_blocks(kind, w.shape[0], w.shape[1], rng), qtype
+    if kind in REFUSED_TYPES:  # bytes pagedllm never reads: it refuses the type by name
+        from gguf import GGML_QUANT_SIZES
+
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        size = (w.shape[0], w.shape[1] // block * type_size)
+        return rng.integers(0, 256, size=size, dtype=np.uint8), qtype
     return quants.quantize(w.astype(np.float32), qtype), qtype
 
 

@@ -49,6 +49,34 @@ RECIPES: dict[str, tuple[dict[str, str], str, str]] = {
     # An untied Q6_K head (as every llama.cpp quantisation writes it) over a Q6_K embedding.
     "mistral-q6_k-head": ({"output": "Q6_K", "token_embd": "Q6_K"}, "Q8_0", "mistral-wide"),
     "qwen2-q4_0": ({"token_embd": "Q8_0"}, "Q4_0", "qwen2"),
+    # The types kept as 8-bit groups (IQ4_XS, IQ4_NL, Q5_0: q8_0) and as q6_k (Q3_K), exactly:
+    # fused q/k/v and gate/up of two such types each, a Q3_K down, an IQ4_XS tied table.
+    "iq4_xs+iq4_nl+q5_0+q3_k": (
+        {"attn_v": "IQ4_NL", "ffn_up": "Q5_0", "ffn_down": "Q3_K", "attn_output": "Q3_K"},
+        "IQ4_XS",
+        "wide",
+    ),
+    # IQ4_XS files' Q5_K v (and a Q5_K up): a part no format holds, dequantised alone (dense)
+    # beside quantised neighbours.
+    "iq4_xs+q5_k": ({"attn_v": "Q5_K", "ffn_up": "Q5_K"}, "IQ4_XS", "wide"),
+    # Every type that is dequantised at load (ggml's own dequantisation) in one file; an untied
+    # head.
+    "low-bit": (
+        {
+            "attn_q": "IQ3_S",
+            "attn_k": "IQ3_XXS",
+            "attn_v": "IQ2_S",
+            "attn_output": "IQ2_XS",
+            "ffn_gate": "IQ2_XXS",
+            "ffn_up": "IQ1_S",
+            "ffn_down": "IQ1_M",
+            "token_embd": "TQ2_0",
+            "output": "TQ1_0",
+        },
+        "Q2_K",
+        "mistral-wide",
+    ),
+    "mxfp4+q5_1": ({"ffn_down": "Q5_1", "token_embd": "F16"}, "MXFP4", "wide"),
     # An untied head: output.weight kept as Q4_1, the embedding as Q8_0.
     "mistral-q8_0": ({"output": "Q4_1"}, "Q8_0", "mistral"),
 }
@@ -101,7 +129,9 @@ def test_greedy_matches_transformers_on_the_same_file(gguf_files: dict, recipe: 
 BF16_TIE = 8 * 2.0**-7
 
 
-@pytest.mark.parametrize("recipe", ["q4_k_m", "q4_1+q8_0"])
+@pytest.mark.parametrize(
+    "recipe", ["q4_k_m", "q4_1+q8_0", "iq4_xs+iq4_nl+q5_0+q3_k", "iq4_xs+q5_k"]
+)
 def test_quantised_files_default_to_bf16_and_match_transformers_in_bf16(
     gguf_files: dict, recipe: str
 ) -> None:
@@ -161,6 +191,61 @@ def test_llama_cpp_reads_our_test_files_as_transformers_reads_their_models(
     assert diff < bound, f"{family}: llama.cpp's logits differ from transformers' by {diff:.2e}"
 
 
+# llama.cpp's file types whose tensors we hold otherwise than as before: kept as 8-bit groups
+# (IQ4_XS, IQ4_NL, Q5_0) or q6_k (Q3_K), or dequantised (Q2_K, IQ3_S, TQ2_0).
+LLAMA_CPP_FTYPES = ("IQ4_XS", "IQ4_NL", "Q3_K_M", "Q5_0", "Q2_K", "IQ3_M", "TQ2_0")
+
+
+@pytest.mark.parametrize("ftype", LLAMA_CPP_FTYPES)
+def test_files_quantised_by_llama_cpp_read_as_llama_cpp_reads_them(
+    sources: dict[str, Path], tmp_path: Path, ftype: str
+) -> None:
+    """Blocks written by llama.cpp's own quantiser (not our test writer's random bytes) mean to
+    ggml's dequantisation in the ``gguf`` package (which we and transformers read them by) what
+    they mean to llama.cpp: its logits on the quantised file are within its int8 activations'
+    rounding of transformers' on the same file (0.10-0.21 for Q4_0, Q4_K_M, Q6_K files of this
+    model), far inside what the quantisation itself moved them from the F16 file's (0.9-6.6).
+    A misread block moves them by as much as the quantisation does."""
+    import ctypes
+
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.models.gguf.loading import open_gguf
+
+    f16 = write_gguf(sources["wide"], tmp_path / "f16.gguf", default="F16")
+    path = tmp_path / f"{ftype}.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    params.nthread = 2
+    assert not llama_cpp.llama_model_quantize(
+        str(f16).encode(), str(path).encode(), ctypes.byref(params)
+    )
+    types = {t.type_name for t in open_gguf(path).tensors.values()}
+    assert types & {"IQ4_XS", "IQ4_NL", "Q3_K", "Q5_0", "Q2_K", "IQ3_S", "TQ2_0"}, types
+    ids = [5, 9, 17, 33, 65, 7, 11, 13, 3, 21, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49]
+
+    def transformers_logits(file: Path) -> np.ndarray:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(file.parent), gguf_file=file.name, dtype=torch.float32
+        ).eval()
+        with torch.no_grad():
+            return model(torch.tensor([ids])).logits[0].numpy()
+
+    want = transformers_logits(path)
+    moved = float(np.abs(want - transformers_logits(f16)).max())
+    llm = llama_cpp.Llama(
+        str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=2, type_k=0, type_v=0
+    )
+    llm.eval(ids)
+    diff = float(np.abs(np.asarray(llm.scores[: len(ids)]) - want).max())
+    assert diff < 0.3 and diff < 0.25 * moved, (ftype, sorted(types), diff, moved)
+    # And our engine reads llama.cpp's blocks as transformers does: the same greedy tokens.
+    ref = hf_gguf_greedy(path, PROMPTS[:2], MAX_NEW)
+    for i, (ours, r) in enumerate(zip(engine_greedy(path, PROMPTS[:2]), ref, strict=True)):
+        assert_greedy_match(ours, r, f"{ftype} prompt {i}")
+
+
 @pytest.mark.parametrize(
     "family", ["mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3"]
 )
@@ -189,8 +274,32 @@ def test_quantised_layers_stay_quantised(gguf_files: dict) -> None:
     head = untied.executor.worker.runner.model.lm_head  # type: ignore[attr-defined]
     assert head.quant_method.name == "int4"
     mixed = Engine(str(gguf_files["q5_0+q5_1"]), device="cpu", block_size=8, num_kv_blocks=16)
-    qkv = mixed.executor.worker.runner.model.layers[0].self_attn.qkv_proj  # type: ignore[attr-defined]
-    assert qkv.quant_method is None  # a Q5_0 v part: the fused layer is dequantised whole
+    layer = mixed.executor.worker.runner.model.layers[0]  # type: ignore[attr-defined]
+    # Q4_0 q/k with a Q5_0 v (8-bit groups): each part in its own format.
+    assert layer.self_attn.qkv_proj.quant_method.name == "mixed"
+    assert layer.mlp.down_proj.quant_method is None  # Q5_1: dequantised
+
+
+def test_iq4_q5_0_and_q3_k_stay_quantised(gguf_files: dict) -> None:
+    """IQ4_XS, IQ4_NL and Q5_0 layers stay quantised as 8-bit groups, Q3_K ones as q6_k (its
+    q at 6 bits where the build reads them), the IQ4_XS tied table too; Q2_K and the IQ2/IQ3
+    types are dequantised."""
+    engine = Engine(
+        str(gguf_files["iq4_xs+iq4_nl+q5_0+q3_k"]), device="cpu", block_size=8, num_kv_blocks=16
+    )
+    model = engine.executor.worker.runner.model  # type: ignore[attr-defined]
+    layer = model.layers[0]
+    assert layer.self_attn.qkv_proj.quant_method.name == "q8_0"  # IQ4_XS q/k, IQ4_NL v
+    assert layer.mlp.gate_up_proj.quant_method.name == "q8_0"  # IQ4_XS gate, Q5_0 up
+    assert layer.mlp.down_proj.quant_method.name == "q6_k"  # Q3_K
+    assert layer.self_attn.o_proj.quant_method.name == "q6_k"
+    assert model.embed_tokens.quant_method.name == "q8_0"
+    path = engine.executor.collective_rpc("linear_path")[0]
+    assert "torch" not in path, path  # every layer on the C++ GEMM
+    low = Engine(str(gguf_files["low-bit"]), device="cpu", block_size=8, num_kv_blocks=16)
+    model = low.executor.worker.runner.model  # type: ignore[attr-defined]
+    assert model.layers[0].self_attn.qkv_proj.quant_method is None
+    assert model.lm_head.quant_method is None
 
 
 def test_q6_k_layers_stay_quantised(gguf_files: dict) -> None:
@@ -251,10 +360,35 @@ def test_fused_layers_of_several_formats_on_the_pytorch_path(gguf_files: dict) -
         want, got = dense.layers[1].get_submodule(name), kept.layers[1].get_submodule(name)
         assert want.quant_method is None and got.quant_method.name == "mixed"
         torch.testing.assert_close(got(x), want(x), rtol=1e-5, atol=1e-5)
-    # One of the formats not run here: the fused layer is dequantised whole, as before.
+    # One of the formats not run here: that part is dequantised alone (a dense run).
     partly = load_on_reference(path, torch.float32, native_formats=frozenset({"int4", "q8_0"}))
-    assert partly.layers[1].self_attn.qkv_proj.quant_method is None
+    qkv = partly.layers[1].self_attn.qkv_proj
+    assert qkv.quant_method.formats == ("int4", "int4", "dense")
+    assert qkv.parts[1].weight.dtype == torch.float32
+    torch.testing.assert_close(qkv(x), dense.layers[1].self_attn.qkv_proj(x), rtol=1e-5, atol=1e-5)
     assert partly.layers[1].mlp.gate_up_proj.quant_method.formats == ("int4", "q8_0")
+    # None run here: dequantised whole, as before.
+    none = load_on_reference(path, torch.float32, native_formats=frozenset({"q8_0"}))
+    assert none.layers[1].self_attn.qkv_proj.quant_method is None
+
+
+def test_a_part_in_no_native_format_is_dequantised_alone(gguf_files: dict) -> None:
+    """IQ4_XS q/k with a Q5_K v, IQ4_XS gate with a Q5_K up: the Q5_K parts become dense runs
+    in the compute dtype on the CPU's dense GEMM, q/k and gate stay 8-bit groups, with
+    transformers' tokens (the greedy tests above)."""
+    engine = Engine(str(gguf_files["iq4_xs+q5_k"]), device="cpu", num_kv_blocks=16)
+    model = engine.executor.worker.runner.model  # type: ignore[attr-defined]
+    for layer in model.layers:
+        qkv, gate_up = layer.self_attn.qkv_proj, layer.mlp.gate_up_proj
+        assert qkv.quant_method.formats == ("q8_0", "q8_0", "dense")
+        assert gate_up.quant_method.formats == ("q8_0", "dense")
+        for fused in (qkv, gate_up):
+            assert fused.fast_linear is not None
+            assert all(p.weight.numel() == 0 for p in fused.parts)  # packed copies only
+    paths = dict(p.split("=") for p in model.linear_path.split(", "))
+    # The IQ4_XS runs packed back to 4 bits (their levels' indices) on the float path.
+    assert paths["QKVParallelLinear"].startswith("cpp-mixed(iq4,iq4,dense)-"), paths
+    assert paths["ColumnParallelLinear"].startswith("cpp-mixed(iq4,dense)-"), paths
 
 
 def test_int8_activations_round_prefill_rows_but_never_the_head(
@@ -271,9 +405,9 @@ def test_int8_activations_round_prefill_rows_but_never_the_head(
     calls: list[tuple[int, int, bool]] = []
     kernel = ops.groupwise_gemm
 
-    def recorded(x, packed, n, *rest):  # (x, packed, n, ..., bias, dot): the layers bind it
-        calls.append((n, x.shape[0], rest[-1]))
-        return kernel(x, packed, n, *rest)
+    def recorded(x, packed, n, bits, half, with_offset, factored, bias, dot, levels=False):
+        calls.append((n, x.shape[0], dot))  # the layers bind the kernel with these arguments
+        return kernel(x, packed, n, bits, half, with_offset, factored, bias, dot, levels)
 
     monkeypatch.setattr(ops, "groupwise_gemm", recorded)  # before the engine binds it
     path = gguf_files["q4_0"]
@@ -329,33 +463,40 @@ def test_prefix_caching_chunked_prefill_and_preemption(
 
 
 def test_int8_groups_and_int4_groups_are_ggml_exact() -> None:
-    """Our group-wise form of Q4_0 / Q4_1 / Q4_K / Q8_0 / Q6_K dequantises bit for bit as ggml
-    does (float32)."""
+    """Our group-wise form of Q4_0 / Q4_1 / Q4_K (int4), Q8_0 / Q5_0 / IQ4_NL / IQ4_XS (8-bit
+    groups) and Q6_K / Q3_K (q6_k) dequantises bit for bit as ggml does (float32)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
     from pagedllm.backends.cpu.groupwise_linear import factor_q6_k
     from pagedllm.layers.quantization.groupwise import dequantize_int4, dequantize_int8_groups
     from pagedllm.models.gguf.reader import GGUFTensor
     from pagedllm.models.gguf.weights import int4_groups, int8_groups, q6_k_groups
-    from tests.models.gguf_files import _random_k_blocks
+    from tests.models.gguf_files import (
+        READ_ONLY_TYPES,
+        _random_k_blocks,
+        _random_read_only_blocks,
+    )
 
     rng = np.random.default_rng(0)
     rows, cols = 5, 512
-    for kind in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"):
+    for kind in ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "IQ4_NL", "IQ4_XS", "Q4_K", "Q6_K", "Q3_K"):
         qtype = GGMLQuantizationType[kind]
         if kind in ("Q4_K", "Q6_K"):
             raw = _random_k_blocks(kind, rows, cols, rng)
+        elif kind in READ_ONLY_TYPES:
+            raw = _random_read_only_blocks(kind, rows, cols, rng)
         else:
             raw = quants.quantize(rng.normal(size=(rows, cols)).astype(np.float32), qtype)
         assert raw.shape[1] == cols // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1]
         expected = torch.from_numpy(quants.dequantize(raw, qtype))
         tensor = GGUFTensor("t", kind, (rows, cols), raw, qtype)
-        if kind == "Q8_0":
+        if kind in ("Q8_0", "Q5_0", "IQ4_NL", "IQ4_XS"):
             q, scale = (torch.from_numpy(a) for a in int8_groups(tensor))
             got = dequantize_int8_groups(q, scale)
-        elif kind == "Q6_K":
+        elif kind in ("Q6_K", "Q3_K"):
             q, scale, d = (torch.from_numpy(a) for a in q6_k_groups(tensor))
-            assert int(q.min()) >= -32 and int(q.max()) <= 31
+            low, high = (-32, 31) if kind == "Q6_K" else (-4, 3)
+            assert int(q.min()) >= low and int(q.max()) <= high
             assert factor_q6_k(scale, d) is not None  # scale = d * sc, sc a signed byte
             got = dequantize_int8_groups(q, scale)
         else:
@@ -413,7 +554,7 @@ def test_bad_files_fail_at_start_with_one_line(
     bad_magic = _rewrite(good, tmp_path / "magic.gguf", lambda d: d.__setitem__(0, ord("X")))
     no_tokenizer = write_gguf(sources["llama"], tmp_path / "notok.gguf", with_tokenizer=False)
     unknown_arch = write_gguf(sources["llama"], tmp_path / "arch.gguf", arch="bloom")
-    unknown_type = write_gguf(sources["wide"], tmp_path / "iq.gguf", recipe={"attn_q": "TQ2_0"})
+    unknown_type = write_gguf(sources["wide"], tmp_path / "fp4.gguf", recipe={"attn_q": "NVFP4"})
     zero_cap = build_family(tmp_path / "gemma2-zero", "gemma2", attn_logit_softcapping=0.0)
     zero_cap = write_gguf(zero_cap, tmp_path / "cap.gguf")
     cases = [
@@ -421,7 +562,7 @@ def test_bad_files_fail_at_start_with_one_line(
         (bad_magic, "not a readable GGUF file"),
         (no_tokenizer, "tokenizer.ggml.tokens is missing"),
         (unknown_arch, "general.architecture 'bloom' is not supported"),
-        (unknown_type, "blk.0.attn_q.weight' has type TQ2_0"),
+        (unknown_type, "blk.0.attn_q.weight' has type NVFP4"),
         (zero_cap, "gemma2.attn_logit_softcapping must be > 0, got 0.0"),
     ]
     for path, message in cases:

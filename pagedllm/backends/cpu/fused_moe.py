@@ -24,10 +24,7 @@ def pack_weight(weight: torch.Tensor, scale: torch.Tensor | None) -> tuple[pl.Li
     """The fastest correct GEMM for one ``[N, K]`` expert weight, and its path's name."""
     if scale is not None:
         return pl.make_int8_linear(weight, scale, None)
-    if weight.dtype == torch.float32:
-        fn = pl.make_packed_linear(weight, None) if pl._ops_available() else None
-        return fn, "onednn-float32" if fn is not None else "torch-float32"
-    return pl.make_16bit_linear(weight, None)
+    return pl.make_dense_linear(weight, None)
 
 
 def pack_moe_layer(layer: nn.Module) -> str:

@@ -8,7 +8,10 @@ Q4_K (scales factored per 8 groups, kept in a header per 8 blocks so that every 
 cache-line aligned), 5 for Q4_1 and int4 made at load (fp16), 8.5 for Q8_0, 8.625 for Q6_K (q -
 32 as int8, two scales per group factored as fp16 d per 8 groups times int8 sc:
 :func:`factor_q6_k`), or 6.625 for Q6_K where the build reads its q at 6 bits and the layer runs
-the float path only (:func:`six_bits`).
+the float path only (:func:`six_bits`). A q8_0 layer whose every q is one of ggml's 16 IQ4
+levels (GGUF IQ4_NL / IQ4_XS) packs those q as 4-bit indices where it runs the float path only
+(:func:`iq4_levels`): 4.5 bits a weight (5 with IQ4_XS's float32 scales), read through a
+look-up table as Q4_0's nibbles are.
 
 Two paths run on the same packed weights:
 
@@ -62,9 +65,13 @@ class PackedGroupwise:
     # 4-bit: scale = d * sc, offset = dm * m per super-block of 8 groups; 8-bit: q6_k, a scale
     # d * sc per 16 k (sc a signed byte, d per super-block of 8 groups)
     factored: bool
+    # 4-bit q indexing ggml's IQ4 levels (a q8_0 layer whose every q is one: IQ4_NL, IQ4_XS)
+    levels: bool = False
 
     @property
     def name(self) -> str:
+        if self.levels:
+            return "iq4"
         if self.bits == 4:
             return "int4"
         return "q6_k" if self.factored else "q8_0"
@@ -86,13 +93,14 @@ class PackedGroupwise:
             self.with_offset,
             self.factored,
             rows,
+            self.levels,
         )
 
     def gemm(self, ops: object, x: torch.Tensor, bias: torch.Tensor | None, dot: bool):
         """``ops.groupwise_gemm`` on these weights: ``x [T, K] -> [T, N]``."""
         check_k(x, self.k)
         fmt = (self.bits, self.half_scales, self.with_offset, self.factored)
-        return ops.groupwise_gemm(x, self.packed, self.n, *fmt, bias, dot)
+        return ops.groupwise_gemm(x, self.packed, self.n, *fmt, bias, dot, self.levels)
 
 
 def check_k(x: torch.Tensor, k: int) -> None:
@@ -172,15 +180,26 @@ def pack_groupwise(
     super_scale: torch.Tensor | None = None,
     *,
     six: bool = False,
+    levels: bool = False,
 ) -> PackedGroupwise:
     """Pack ``weight`` (uint8 nibbles ``[N, K/2]`` with ``offset``, or int8 ``[N, K]``) and its
     float32 ``scale``/``offset [N, K/32]`` for ``ops.groupwise_gemm``, in the smallest exact
     format: no offsets (Q4_0: 4.5 bits a weight), factored (Q4_K: 4.625), fp16 (Q4_1: 5, Q8_0:
     8.5), else float32 (6, 9). A q6_k layer (``scale [N, K/16]``, ``super_scale`` its ``d``)
     packs factored: 8.625 bits a weight, or 6.625 with ``six`` (q at 6 bits, for a layer that
-    never takes the dot path); ValueError where ``scale`` is not ``d * sc``."""
+    never takes the dot path); ValueError where ``scale`` is not ``d * sc``. ``levels``: an
+    int8 ``weight`` of IQ4 levels (:func:`iq4_levels`) packed as 4-bit indices (4.5 bits a
+    weight with fp16 scales, 5 with float32); ValueError where some q is not a level."""
     if super_scale is not None:
         return _pack_q6_k(ops, weight, scale, super_scale, six=six)
+    if levels:
+        half, _ = scale_format(scale, None)
+        try:
+            packed = ops.pack_groupwise(weight, scale, None, 4, half, False, None, None, True)
+        except RuntimeError as exc:
+            raise ValueError(f"weight: not IQ4 levels ({exc})") from exc
+        n, k = weight.shape
+        return PackedGroupwise(packed, n, k, 4, half, False, False, levels=True)
     bits = 4 if offset is not None else 8
     half, with_offset = scale_format(scale, offset)
     factors = factor_super_blocks(scale, offset) if with_offset else None
@@ -190,6 +209,22 @@ def pack_groupwise(
     packed = ops.pack_groupwise(weight, scale, offset, bits, half, with_offset, fac, idx)
     k = weight.shape[1] * (2 if bits == 4 else 1)
     return PackedGroupwise(packed, weight.shape[0], k, bits, half, with_offset, fac is not None)
+
+
+# ggml's IQ4_NL / IQ4_XS levels (``kvalues_iq4nl``; GGUF's are held as q8_0 layers of them).
+IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def iq4_levels(name: str, weight: torch.Tensor, *, dot: bool) -> bool:
+    """Whether a ``name`` layer of int8 ``weight`` packs its q at 4 bits as indices into the
+    IQ4 levels: a q8_0 layer whose every q is one of them (an IQ4_NL / IQ4_XS tensor: 4.5-5 bits
+    a weight streamed instead of 8.5-9) that never takes the dot path (its integer kernels read
+    whole bytes). The first row is sampled here (a Q8_0 layer fails it at once); the pack
+    checks every value."""
+    if name != "q8_0" or dot or weight.dtype != torch.int8 or weight.numel() == 0:
+        return False
+    levels = torch.tensor(IQ4_LEVELS, dtype=torch.int8)
+    return bool(torch.isin(weight[0], levels).all())
 
 
 def six_bits(ops: object, name: str, *, dot: bool) -> bool:
@@ -325,13 +360,13 @@ def make_groupwise_gemm(
     # PackedGroupwise.gemm's call with its arguments bound once: this runs per layer per step.
     kernel = ops.groupwise_gemm  # type: ignore[attr-defined]
     weights = (pw.packed, pw.n, pw.bits, pw.half_scales, pw.with_offset, pw.factored, bias32)
-    k = pw.k
+    k, levels = pw.k, pw.levels
 
     def gemm(x: torch.Tensor, dot: bool | None = None) -> torch.Tensor:
         check_k(x, k)
         if dot is None:
             dot = x.shape[0] <= defaults.get(x.dtype, 0)
-        return kernel(x, *weights, dot)
+        return kernel(x, *weights, dot, levels)
 
     return gemm
 
@@ -345,9 +380,10 @@ def make_groupwise_linear(
 ) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, str]:
     """The C++ GEMM on a group-wise layer's packed weights, checked on sampled output rows
     against ``dequantize_layer`` (and the dot path against its definition), and its path name:
-    ``cpp-<int4|q8_0|q6_k>-<isa>``, ``+dot`` where every bf16/fp16 batch takes the dot path
-    (``+dot<rows>``: batches of up to ``rows`` rows), only where ``dot`` (the user's
-    ``int8_activations``), and never in an LM head (see packed_linear).
+    ``cpp-<int4|q8_0|q6_k|iq4>-<isa>`` (``iq4``: a q8_0 layer of IQ4 levels at 4 bits),
+    ``+dot`` where every bf16/fp16 batch takes the dot path (``+dot<rows>``: batches of up to
+    ``rows`` rows), only where ``dot`` (the user's ``int8_activations``), and never in an LM
+    head (see packed_linear).
 
     ``checked``: the (format, shape) keys already checked with every probe in this load (the
     caller's set, updated here). A layer of such a key gets one float32 row (the tightest
@@ -365,8 +401,15 @@ def make_groupwise_linear(
     scale, offset = weight_groups(module)
     weight = module.weight.detach()
     six = six_bits(ops, name, dot=dot)
+    pw = None
+    if iq4_levels(name, weight, dot=dot):
+        try:
+            pw = pack_groupwise(ops, weight, scale, offset, levels=True)
+        except ValueError as e:  # some q outside the levels: the 8-bit layout
+            logger.debug("q8_0 layer kept at 8 bits: %s", e)
     try:
-        pw = pack_groupwise(ops, weight, scale, offset, weight_super_scale(module), six=six)
+        if pw is None:
+            pw = pack_groupwise(ops, weight, scale, offset, weight_super_scale(module), six=six)
     except ValueError as e:
         logger.warning("%s kept on PyTorch: %s", name, e)
         return None, f"torch-{name}"
@@ -380,6 +423,7 @@ def make_groupwise_linear(
         pw.half_scales,
         pw.with_offset,
         pw.factored,
+        pw.levels,
         bias is None,
         dot,
     )
@@ -427,7 +471,8 @@ def make_groupwise_linear(
     # Rows of W read back from these panels (float32 [R, K], the definition's values): what
     # an embedding tied to this head reads instead of keeping its table a second time.
     linear.weight_rows = partial(pw.rows, ops)  # type: ignore[attr-defined]
-    return linear, path_name(ops, name, dot=dot)
+    linear.packed_as = pw.name if pw.levels else name  # type: ignore[attr-defined]
+    return linear, path_name(ops, linear.packed_as, dot=dot)  # type: ignore[attr-defined]
 
 
 def make_parts_linear(
@@ -439,26 +484,35 @@ def make_parts_linear(
 ) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, str]:
     """A fused layer whose parts keep their own formats (``mixed``, Q4_K q/k with a Q6_K v):
     one GEMM per run of parts in one format (q/k, v), packed and checked as a layer of its own
-    (``checked``: as there), the outputs side by side. The path:
-    ``cpp-mixed(<format per part>)-<isa>``; a run that cannot be packed leaves the whole layer
-    on PyTorch."""
-    fns, start = [], 0
+    (``checked``: as there; a ``dense`` run gets a dense layer's GEMM), the outputs side by
+    side. The path: ``cpp-mixed(<format per part>)-<isa>``; a run that cannot be packed leaves
+    the whole layer on PyTorch."""
+    from pagedllm.backends.cpu import packed_linear as pl
+    from pagedllm.layers.quantization.groupwise_parts import DENSE
+
+    fns, start, packed_as = [], 0, []  # packed_as: each run's layout (iq4 for IQ4 levels)
     for part in module.parts:
         rows = part.weight.shape[0]
         part_bias = None if bias is None else bias[start : start + rows]
-        fn, _ = make_groupwise_linear(part, part_bias, dot=dot, checked=checked)
+        if part.quant_method.name == DENSE:
+            fn, _ = pl.make_dense_linear(part.weight, part_bias)
+        else:
+            fn, _ = make_groupwise_linear(part, part_bias, dot=dot, checked=checked)
         if fn is None:
             return None, "torch-mixed"
         fns.append(fn)
+        packed_as.append(getattr(fn, "packed_as", part.quant_method.name))
         start += rows
 
     def linear(x: torch.Tensor) -> torch.Tensor:
         return torch.cat([fn(x) for fn in fns], dim=-1)
 
-    from pagedllm.backends.cpu import packed_linear as pl
-
-    name = f"mixed({','.join(module.quant_method.formats)})"
-    return linear, path_name(pl.gemm_ops(), name, dot=dot)
+    names, run, previous = [], -1, None  # each part under its run's layout, in part order
+    for fmt in module.quant_method.formats:
+        run += fmt != previous
+        previous = fmt
+        names.append(packed_as[run])
+    return linear, path_name(pl.gemm_ops(), f"mixed({','.join(names)})", dot=dot)
 
 
 def path_name(ops: object, name: str, *, dot: bool = False) -> str:

@@ -394,6 +394,14 @@ def _pack_one(
         return fn, f"cpp-w8a8-{isa}" if fn else "torch-w8a8"
     if method is not None and method.is_quantized(module):
         return make_int8_linear(weight, weight_scale(module), bias)
+    return make_dense_linear(weight, bias)
+
+
+def make_dense_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[LinearFn | None, str]:
+    """The fastest correct GEMM for a float32 / bf16 / fp16 ``weight [N, K]``, and its path's
+    name (a dense layer, a dense run of a fused layer's parts, an expert)."""
     if weight.dtype == torch.float32:
         fn = make_packed_linear(weight, bias) if _ops_available() else None
         return fn, "onednn-float32" if fn else "torch-float32"

@@ -8,28 +8,58 @@ each run of neighbouring parts in one format is kept in that format as a :class:
 q and k together, v alone), and the layer's output is the runs' outputs side by side, in the
 order of the fused ``output_sizes``. (One GEMM per run, not per part: each call costs a thread
 team's start and a dispatch, as much as a small part's weights take to stream at one row.)
+
+A part in a type no group-wise format holds (a Q5_K ``attn_v`` beside IQ4_XS q and k, as
+llama.cpp's IQ4_XS and Q3_K_M files keep them) is a ``dense`` run: dequantised at load to the
+compute dtype, while its neighbours stay quantised (dequantising the layer whole made q and k
+stream 16 bits a weight).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.quantization.base import LinearMethod
 from pagedllm.layers.quantization.groupwise import GroupwiseMethod
 
+DENSE = "dense"  # a run kept as a float weight in the compute dtype
+
+
+class DenseRows(LinearMethod):
+    """A run of parts dequantised at load: ``weight [rows, K]`` in the compute dtype."""
+
+    name = DENSE
+    prequantized = True
+
+    def stored_tensors(self, n: int, k: int) -> dict[str, tuple[torch.Tensor, int]]:
+        return {"weight": (torch.empty(n, k), 1)}  # in the compute dtype once a part's
+
+    def is_quantized(self, layer: nn.Module) -> bool:
+        return True  # nothing to finish
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, layer.weight.to(x.dtype), bias)
+
+
+def part_method(fmt: str) -> LinearMethod:
+    """The method of one run: a group-wise format's, or :class:`DenseRows`."""
+    return DenseRows() if fmt == DENSE else GroupwiseMethod.for_format(fmt)
+
 
 class GroupwisePart(nn.Module):
     """The rows of a run of parts in their group-wise format (``quant_method``): ``weight``,
-    ``weight_scale`` ... as buffers, so that loading checks only the fused layer's parameters."""
+    ``weight_scale`` ... as buffers, so that loading checks only the fused layer's parameters
+    (a dense run: ``weight`` alone, in the compute dtype)."""
 
-    def __init__(self, method: GroupwiseMethod, rows: int, input_size: int, dtype: torch.dtype):
+    def __init__(self, method: LinearMethod, rows: int, input_size: int, dtype: torch.dtype):
         super().__init__()
         self.quant_method = method
         self.input_size = input_size
         self.compute_dtype = dtype
         for name, (tensor, _) in method.stored_tensors(rows, input_size).items():
-            self.register_buffer(name, tensor)
+            self.register_buffer(name, tensor.to(dtype) if method.name == DENSE else tensor)
 
 
 class _PartLoader:
@@ -61,7 +91,8 @@ class _PartLoader:
 
 class GroupwisePartsMethod(LinearMethod):
     """A column-parallel fused layer (q/k/v, gate/up) with a group-wise format per part
-    (``formats``, in the order of the layer's ``output_sizes``)."""
+    (``formats``, in the order of the layer's ``output_sizes``; ``dense`` for a part kept as a
+    float weight), at least one part group-wise."""
 
     name = "mixed"
     prequantized = True  # read as stored: finished with the model, never quantised at load
@@ -69,8 +100,10 @@ class GroupwisePartsMethod(LinearMethod):
     def __init__(self, formats: tuple[str, ...]) -> None:
         if len(formats) < 2:
             raise ValueError(f"formats: a fused layer of 2 or more parts, got {formats!r}")
+        if all(f == DENSE for f in formats):
+            raise ValueError(f"formats: no group-wise part in {formats!r}")
         self.formats = tuple(formats)
-        self.part_methods = tuple(GroupwiseMethod.for_format(f) for f in self.formats)
+        self.part_methods = tuple(part_method(f) for f in self.formats)
 
     def create_weights(self, layer: nn.Module) -> None:
         sizes = getattr(layer, "shard_sizes", None)

@@ -20,14 +20,15 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
+from pagedllm.layers.quantization.groupwise_parts import DENSE
 from pagedllm.models.gguf.config import Family
 from pagedllm.models.gguf.reader import GGUFFile, GGUFTensor
 from pagedllm.models.safetensors_reader import CheckpointError
 
 logger = logging.getLogger(__name__)
 
-# A device backend's kernel for int4_groups and q6_k_groups: (blocks uint8 [N, row bytes],
-# type name) -> their three arrays as torch tensors, bit for bit.
+# A device backend's kernel for int4_groups, int8_groups and q6_k_groups: (blocks uint8
+# [N, row bytes], type name) -> their arrays as torch tensors, bit for bit.
 BlockDecoder = Callable[[torch.Tensor, str], tuple[torch.Tensor, ...]]
 
 # GGUF tensor kind -> (Hugging Face module path under model.layers.N, our fused module's name).
@@ -62,9 +63,20 @@ NOT_WEIGHTS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_sh
 _BLOCK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
-INT8_GROUP_TYPES = ("Q8_0",)
-Q6_K_TYPES = ("Q6_K",)
-DEQUANTIZED_TYPES = ("F32", "F16", "BF16", "Q5_0", "Q5_1", "Q5_K")
+# Kept as int8 q times a float32 scale per 32 weights, exactly (each weight the float32 that
+# ggml's dequantisation gives): Q8_0 (q * d), Q5_0 ((q - 16) * d), IQ4_NL (d * kv[q]) and
+# IQ4_XS ((d * (ls - 32)) * kv[q]), kv being ggml's 16 non-linear int8 levels: one format for
+# every device's 8-bit group kernels (Q5_0 at 8.5 bits a weight, half of a 16-bit copy); the
+# CPU backend packs the IQ4 levels back to 4-bit indices (``groupwise_linear.iq4_levels``).
+INT8_GROUP_TYPES = ("Q8_0", "Q5_0", "IQ4_NL", "IQ4_XS")
+# Kept as q6_k (int8 q times d * sc per 16 weights, sc a signed byte): Q6_K, and Q3_K, whose q in
+# -4..3 and 6-bit sc - 32 are the same product (6.625 bits a weight where q is packed at 6).
+Q6_K_TYPES = ("Q6_K", "Q3_K")
+# Dequantised at load to the compute dtype by ggml's own ``gguf.quants`` (every type it reads).
+DEQUANTIZED_TYPES = (
+    "F32", "F16", "BF16", "Q5_1", "Q5_K", "Q2_K", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS",
+    "IQ2_XXS", "IQ1_M", "IQ1_S", "TQ1_0", "TQ2_0", "MXFP4",
+)  # fmt: skip
 SUPPORTED_TYPES = INT4_TYPES + INT8_GROUP_TYPES + Q6_K_TYPES + DEQUANTIZED_TYPES
 
 
@@ -90,14 +102,17 @@ def hf_name(gguf_name: str, family: Family) -> tuple[str, str | None]:
     raise CheckpointError(f"tensor {gguf_name!r} has no place in a {family.model_type}")
 
 
+# GGUF type -> the group-wise format it is kept in, where the device runs that format.
+KEPT_AS = {
+    **dict.fromkeys(INT4_TYPES, "int4"),
+    **dict.fromkeys(INT8_GROUP_TYPES, "q8_0"),
+    **dict.fromkeys(Q6_K_TYPES, "q6_k"),
+}
+
+
 def _format_of(types: set[str]) -> str | None:
-    if types <= set(INT4_TYPES):
-        return "int4"
-    if types <= set(INT8_GROUP_TYPES):
-        return "q8_0"
-    if types <= set(Q6_K_TYPES):
-        return "q6_k"
-    return None
+    formats = {KEPT_AS.get(t) for t in types}
+    return formats.pop() if len(formats) == 1 else None
 
 
 # A layer's plan: one format, or one per part of a fused layer whose parts differ.
@@ -115,10 +130,10 @@ def plan_layers(gguf: GGUFFile, family: Family, native: frozenset[str]) -> dict[
     quantised.
 
     A fused layer (q/k/v, gate/up) whose parts share a format the device runs (``native``)
-    stays in it; one whose parts each have a native format, but not the same one, gets a
-    tuple of formats, one per part (Q4_K_M files keep Q6_K ``attn_v`` rows next to Q4_K q and
-    k: :mod:`pagedllm.layers.quantization.groupwise_parts`). Layers not named are dequantised
-    to the compute dtype.
+    stays in it; one whose parts differ gets a tuple of formats, one per part (Q4_K_M files
+    keep Q6_K ``attn_v`` rows next to Q4_K q and k: :mod:`pagedllm.layers.quantization.
+    groupwise_parts`), ``dense`` for a part in no native format (dequantised alone: IQ4_XS
+    files' Q5_K ``attn_v``). Layers not named are dequantised to the compute dtype.
     """
     types: dict[str, dict[int, set[str]]] = {}
     for name, tensor in gguf.tensors.items():
@@ -136,8 +151,9 @@ def plan_layers(gguf: GGUFFile, family: Family, native: frozenset[str]) -> dict[
             continue
         if len(parts) < 2 or sorted(parts) != list(range(len(parts))):
             continue  # one tensor (whole) in a format the device does not run
-        formats = tuple(_format_of(parts[i]) for i in range(len(parts)))
-        if all(f is not None and f in native for f in formats):
+        kept = tuple(_format_of(parts[i]) for i in range(len(parts)))
+        formats = tuple(f if f is not None and f in native else DENSE for f in kept)
+        if any(f != DENSE for f in formats):  # the others dequantised, as a dense run
             plan[module] = formats  # type: ignore[assignment]
     return plan
 
@@ -147,7 +163,8 @@ def tensor_format(plan: dict[str, LayerFormat], gguf_name: str, module: str | No
     formats), or None where it is dequantised."""
     fmt = plan.get(module or "")
     if isinstance(fmt, tuple):
-        return fmt[_part_of(gguf_name)]
+        part = fmt[_part_of(gguf_name)]
+        return None if part == DENSE else part
     return fmt
 
 
@@ -223,12 +240,47 @@ def int4_groups(tensor: GGUFTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     return packed, scale.reshape(rows, -1), offset.reshape(rows, -1)
 
 
+# ggml's IQ4_NL / IQ4_XS levels (``kvalues_iq4nl``).
+_IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113])
+_IQ4_LEVELS = _IQ4_LEVELS.astype(np.int8)
+
+
 def int8_groups(tensor: GGUFTensor) -> tuple[np.ndarray, np.ndarray]:
-    """A Q8_0 tensor -> (q int8 ``[N, K]``, scale ``[N, K/32]``)."""
-    blocks = _blocks(tensor, 34)
-    rows = blocks.shape[0]
-    q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(rows, -1)
-    return q, _f16(blocks, 0).reshape(rows, -1)
+    """A Q8_0 / Q5_0 / IQ4_NL / IQ4_XS tensor -> (q int8 ``[N, K]``, scale ``[N, K/32]``).
+
+    ``q * scale`` is ggml's dequantisation, rounding included: Q8_0 and Q5_0 are ``q * d``,
+    IQ4_NL ``d * kv[q]``, IQ4_XS ``dl * kv[q]`` with ``dl = d * (ls - 32)`` exact in float32.
+    """
+    kind = tensor.type_name
+    if kind == "Q8_0":
+        blocks = _blocks(tensor, 34)
+        q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8)
+        scale = _f16(blocks, 0)
+    elif kind == "Q5_0":  # d, 32 high bits (one per weight), 16 bytes of low nibbles
+        blocks = _blocks(tensor, 22)
+        scale = _f16(blocks, 0)
+        qh = np.ascontiguousarray(blocks[..., 2:6]).view(np.uint32)  # [rows, blocks, 1]
+        high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # weight j: bit j
+        q = (_nibbles_low_high(blocks[..., 6:]) | (high << 4)).astype(np.int8) - np.int8(16)
+    elif kind == "IQ4_NL":  # d, 16 bytes of level indices
+        blocks = _blocks(tensor, 18)
+        scale = _f16(blocks, 0)
+        q = _IQ4_LEVELS[_nibbles_low_high(blocks[..., 2:])]
+    elif kind == "IQ4_XS":  # per 256: d, ls' high bits, ls' low nibbles, 8 groups x 16 bytes
+        blocks = _blocks(tensor, 136)
+        rows, supers = blocks.shape[:2]
+        d = _f16(blocks, 0)
+        high = np.ascontiguousarray(blocks[..., 2:4]).view(np.uint16)  # group j: bits 2j, 2j+1
+        high = (high >> (2 * np.arange(8, dtype=np.uint16))) & 3  # [rows, supers, 8]
+        low = blocks[..., 4:8]  # group 2i: low nibble of byte i, 2i + 1: high nibble
+        low = np.stack((low & 0x0F, low >> 4), axis=-1).reshape(rows, supers, 8)
+        ls = (low | (high.astype(np.uint8) << 4)).astype(np.float32) - np.float32(32)
+        scale = (d[..., None] * ls).reshape(rows, -1)  # exact: 11 by 6 significant bits
+        q = _IQ4_LEVELS[_nibbles_low_high(blocks[..., 8:].reshape(rows, supers, 8, 16))]
+    else:
+        raise CheckpointError(f"tensor {tensor.name!r}: {kind} is not an 8-bit group type")
+    rows = q.shape[0]
+    return np.ascontiguousarray(q).reshape(rows, -1), scale.reshape(rows, -1)
 
 
 _Q6_K_BYTES = 210  # ql 128, qh 64, sc 16 (int8), d 2 (fp16) per super-block of 256
@@ -236,11 +288,14 @@ _Q6_K_ROWS = 4096  # rows decoded at a time: an LM head's uint8 temporaries stay
 
 
 def q6_k_groups(tensor: GGUFTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A Q6_K tensor -> (q - 32 int8 ``[N, K]``, scale ``d * sc`` ``[N, K/16]``, d ``[N, K/256]``).
+    """A Q6_K tensor -> (q - 32 int8 ``[N, K]``, scale ``d * sc`` ``[N, K/16]``, d ``[N, K/256]``);
+    a Q3_K one in the same form (:func:`q3_k_groups`).
 
     ggml's dequantisation is ``fl32(d * sc) * (q - 32)``: ``d * sc`` is exact in float32 (11 by
     8 significant bits), so ``dequantize_int8_groups(q, scale)`` rounds as ggml does.
     """
+    if tensor.type_name == "Q3_K":
+        return q3_k_groups(tensor)
     blocks = _blocks(tensor, _Q6_K_BYTES)
     rows, supers = blocks.shape[:2]
     d = _f16(blocks, 208)  # [rows, supers]
@@ -249,6 +304,41 @@ def q6_k_groups(tensor: GGUFTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     q = np.empty((rows, supers * 256), dtype=np.int8)
     for r0 in range(0, rows, _Q6_K_ROWS):
         q[r0 : r0 + _Q6_K_ROWS] = _q6_k_values(blocks[r0 : r0 + _Q6_K_ROWS])
+    return q, scale, d
+
+
+_Q3_K_BYTES = 110  # hmask 32, qs 64, 12 bytes of 6-bit scales, d 2 (fp16) per 256
+
+
+def q3_k_groups(tensor: GGUFTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A Q3_K tensor in :func:`q6_k_groups`' form: (q int8 ``[N, K]`` in -4..3, scale
+    ``d * (sc - 32)`` ``[N, K/16]``, d ``[N, K/256]``); ggml's dequantisation is
+    ``fl32(d * (sc - 32)) * q``, the product exact in float32 as Q6_K's.
+
+    Element ``e`` of a super-block (``i = e % 32``, ``j = e // 32``): its low two bits at bits
+    ``2 (j % 4)`` of qs byte ``32 (j // 4) + i``, and 4 subtracted unless bit ``j`` of hmask
+    byte ``i`` is set. Scale ``s`` (of 16): its low nibble in byte ``s % 8`` (``s >= 8``: the high
+    nibble), its top two bits at bits ``2 (s // 4)`` of byte ``8 + s % 4``.
+    """
+    blocks = _blocks(tensor, _Q3_K_BYTES)
+    rows, supers = blocks.shape[:2]
+    d = _f16(blocks, 108)
+    packed = blocks[..., 96:108]
+    low = (packed[..., None, :8] >> np.array([[0], [4]], dtype=np.uint8)) & 0x0F  # [.., 2, 8]
+    high = (packed[..., None, 8:] >> np.array([[0], [2], [4], [6]], dtype=np.uint8)) & 0x03
+    sc = low.reshape(rows, supers, 16) | (high.reshape(rows, supers, 16) << 4)
+    scale = (d[..., None] * (sc.astype(np.float32) - np.float32(32))).reshape(rows, -1)
+    q = np.empty((rows, supers * 256), dtype=np.int8)
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)
+    for r0 in range(0, rows, _Q6_K_ROWS):
+        part = blocks[r0 : r0 + _Q6_K_ROWS]
+        n = part.shape[0]
+        qs = part[..., 32:96].reshape(n, supers, 2, 1, 32)
+        two = (qs >> shifts) & 0x03  # [.., half, 4, 32]: e = 128 half + 32 (j % 4) + i
+        hmask = part[..., :32].reshape(n, supers, 1, 1, 32)
+        bit = (hmask >> np.arange(8, dtype=np.uint8).reshape(2, 4, 1)) & 1  # j = 4 half + ..
+        values = two.astype(np.int8) - ((bit ^ 1) << 2).astype(np.int8)
+        q[r0 : r0 + _Q6_K_ROWS] = values.reshape(n, -1)
     return q, scale, d
 
 
@@ -312,9 +402,13 @@ class GGUFWeights:
         return t
 
     def _decoded(self, tensor: GGUFTensor) -> tuple[torch.Tensor, ...]:
-        """``int4_groups`` or ``q6_k_groups`` of ``tensor``, by the device's kernel if any."""
-        numpy_definition = q6_k_groups if tensor.type_name in Q6_K_TYPES else int4_groups
-        if self.block_decoder is None or tensor.type_name not in INT4_TYPES + Q6_K_TYPES:
+        """``int4_groups``, ``int8_groups`` or ``q6_k_groups`` of ``tensor``, by the device's
+        kernel if any (Q8_0 is its own bytes: numpy's view and one copy are as fast)."""
+        kind = tensor.type_name
+        numpy_definition = {"int4": int4_groups, "q8_0": int8_groups, "q6_k": q6_k_groups}[
+            KEPT_AS[kind]
+        ]
+        if self.block_decoder is None or kind == "Q8_0":
             return tuple(torch.from_numpy(a) for a in numpy_definition(tensor))
         rows = int(np.prod(tensor.shape[:-1])) if len(tensor.shape) > 1 else 1
         blocks = torch.from_numpy(tensor.read().view(np.uint8).reshape(rows, -1))
@@ -334,7 +428,7 @@ class GGUFWeights:
                 yield f"{stem}.weight_offset", self._permute(gguf_name, offset)
                 continue
             if fmt == "q8_0" and name.endswith(".weight"):
-                q8, scale = (torch.from_numpy(a) for a in int8_groups(tensor))
+                q8, scale = self._decoded(tensor)
                 stem = name.removesuffix(".weight")
                 yield name, self._permute(gguf_name, q8)
                 yield f"{stem}.weight_scale", self._permute(gguf_name, scale)

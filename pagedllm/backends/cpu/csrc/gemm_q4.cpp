@@ -271,9 +271,10 @@ void dispatch(const torch::Tensor& x, const Problem& pb, bool dot, torch::Tensor
 
 torch::Tensor groupwise_gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
                              int64_t bits, bool half_scales, bool with_offset, bool factored,
-                             const c10::optional<torch::Tensor>& bias, bool dot) {
-  const Format f = format_of(bits, half_scales, with_offset, factored);
+                             const c10::optional<torch::Tensor>& bias, bool dot, bool levels) {
+  const Format f = format_of(bits, half_scales, with_offset, factored, levels);
   TORCH_CHECK(!(dot && f.six()), "groupwise_gemm: six-bit weights run the float path only");
+  TORCH_CHECK(!(dot && f.levels), "groupwise_gemm: IQ4 levels run the float path only");
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "groupwise_gemm: x must be a CPU [M, K], got ",
               x.sizes());
   const int64_t m = x.size(0), k = x.size(1), groups = k / kGroup, panels = packed.size(0);
@@ -339,17 +340,17 @@ void bind_groupwise(pybind11::module& m) {
   using NoGil = py::call_guard<py::gil_scoped_release>;
   m.def("pack_groupwise", &q4::pack_groupwise,
         "group-wise weights (uint8 nibbles [N, K/2] or int8 [N, K], float32 scale/offset "
-        "[N, K/32]; factored: d, dm [N, K/256, 2] and sc, m uint8 [N, K/32, 2]) -> uint8 "
-        "[N/16, panel bytes]",
+        "[N, K/32]; factored: d, dm [N, K/256, 2] and sc, m uint8 [N, K/32, 2]; levels: int8 "
+        "IQ4 levels [N, K], kept 4-bit as their indices) -> uint8 [N/16, panel bytes]",
         NoGil(), py::arg("weight"), py::arg("scale"), py::arg("offset"), py::arg("bits"),
         py::arg("half_scales"), py::arg("with_offset"), py::arg("factors") = py::none(),
-        py::arg("index") = py::none());
+        py::arg("index") = py::none(), py::arg("levels") = false);
   m.def("groupwise_gemm", &q4::groupwise_gemm,
         "y = x @ W^T (+ bias) on pack_groupwise panels; dot=True rounds x to int8 per group of "
         "32 and uses integer dot products",
         NoGil(), py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bits"),
         py::arg("half_scales"), py::arg("with_offset"), py::arg("factored"),
-        py::arg("bias") = py::none(), py::arg("dot") = false);
+        py::arg("bias") = py::none(), py::arg("dot") = false, py::arg("levels") = false);
   m.def("quantize_groups", &q4::quantize_groups,
         "x [M, K] -> (int8 [M, K], float32 [M, K/32]): the dot path's rounding of x per group",
         NoGil(), py::arg("x"));
@@ -368,13 +369,15 @@ void bind_groupwise(pybind11::module& m) {
         "rows of W (float32 [R, K]) from pack_groupwise's panels, as the definition "
         "dequantises them",
         NoGil(), py::arg("packed"), py::arg("n"), py::arg("k"), py::arg("bits"),
-        py::arg("half_scales"), py::arg("with_offset"), py::arg("factored"), py::arg("rows"));
+        py::arg("half_scales"), py::arg("with_offset"), py::arg("factored"), py::arg("rows"),
+        py::arg("levels") = false);
   m.def("read_bytes", &q4::read_bytes,
         "reads every byte of a tensor once on all threads (a read-bandwidth probe); a checksum",
         NoGil(), py::arg("t"));
   m.def("decode_gguf_blocks", &q4::decode_gguf_blocks,
         "GGUF blocks uint8 [N, row bytes] -> Q4_0/Q4_1/Q4_K: (nibbles uint8 [N, K/2], scale, "
-        "offset float32 [N, K/32]); Q6_K: (q - 32 int8 [N, K], d * sc [N, K/16], d [N, K/256])",
+        "offset float32 [N, K/32]); Q6_K/Q3_K: (int8 q [N, K], d * sc [N, K/16], d [N, K/256]);"
+        " Q5_0/IQ4_NL/IQ4_XS: (int8 q [N, K], scale [N, K/32])",
         NoGil(), py::arg("blocks"), py::arg("kind"));
   m.def(
       "groupwise_rows", [] { return std::make_tuple(q4::kF32Rows, q4::kDotRows); },

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "gemm_q4_layout.h"
 
@@ -19,30 +20,31 @@ void bind_groupwise(pybind11::module& m);
 namespace q4 {
 
 // The Format the arguments name, checked (bits 4 or 8; only 4-bit with offsets is factored).
-Format format_of(int64_t bits, bool half_scales, bool with_offset, bool factored);
+Format format_of(int64_t bits, bool half_scales, bool with_offset, bool factored,
+                 bool levels = false);
 
 // The layer's tensors -> uint8 [ceil(N/16), panel bytes] (gemm_q4_pack.cpp).
 torch::Tensor pack_groupwise(const torch::Tensor& weight, const torch::Tensor& scale,
                              const c10::optional<torch::Tensor>& offset, int64_t bits,
                              bool half_scales, bool with_offset,
                              const c10::optional<torch::Tensor>& factors,
-                             const c10::optional<torch::Tensor>& index);
+                             const c10::optional<torch::Tensor>& index, bool levels);
 
 // Rows ``rows`` of W, float32 [R, K], from pack_groupwise's panels (the inverse of the pack,
 // rounded as the definition dequantises): an embedding table tied to a packed head is read
 // from the head's panels instead of being held a second time.
 torch::Tensor groupwise_weight_rows(const torch::Tensor& packed, int64_t n, int64_t k,
                                     int64_t bits, bool half_scales, bool with_offset,
-                                    bool factored, const torch::Tensor& rows);
+                                    bool factored, const torch::Tensor& rows, bool levels);
 
 // Reads every byte of t once on all threads (the benchmarks' read-bandwidth probe).
 int64_t read_bytes(const torch::Tensor& t);
 
 // GGUF blocks uint8 [N, row bytes] -> Q4_0 / Q4_1 / Q4_K: (nibbles uint8 [N, K/2], scale,
-// offset float32 [N, K/32]); Q6_K: (q - 32 int8 [N, K], d * sc [N, K/16], d [N, K/256])
-// (gguf_decode.cpp).
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> decode_gguf_blocks(
-    const torch::Tensor& blocks, const std::string& kind);
+// offset float32 [N, K/32]); Q6_K / Q3_K: (int8 q [N, K], d * sc [N, K/16], d [N, K/256]);
+// Q5_0 / IQ4_NL / IQ4_XS: (int8 q [N, K], scale [N, K/32]) (gguf_decode.cpp).
+std::vector<torch::Tensor> decode_gguf_blocks(const torch::Tensor& blocks,
+                                              const std::string& kind);
 
 }  // namespace q4
 }  // namespace pagedllm::gemm

@@ -70,7 +70,7 @@ inline void f32_rows(const float* x, int64_t ldx, const uint8_t* panel, int64_t 
     for (int ch = 0; ch < kGroup / kRowsPerChunk; ++ch) {
       V16 q[kRowsPerChunk];
       if constexpr (Bits == 4)
-        int4_rows(block + ch * kChunk, q);
+        int4_rows(block + ch * kChunk, q, f.levels);
       else
         int8_rows(block + ch * kChunk, q);
       const V16 sc = Bits == 8 && f.two_scales() && ch >= 4 ? o : s;  // Q6_K: k 16..31
@@ -127,10 +127,10 @@ inline void f32_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, i
 constexpr int kBf16Rows = 8;      // decode tile: 8 group sums + 8 totals
 constexpr int kBf16TileRows = 6;  // prefill tile: 6 rows x 2 panels x (group sum, total)
 
-// bf16 bits of i & 15 (the look-up table of a 4-bit q; vpermw reads 5 index bits), and of
+// bf16 bits of i & 15 (the look-up table of a 4-bit q; vpermw reads 5 index bits), of
 // (i & 15) - 8: a layer whose offsets are all -8 * scale (Q4_0) multiplies q - 8, exact in
-// bf16 too, and needs no offset term.
-alignas(64) inline constexpr uint16_t kBf16OfNibble[2][32] = {
+// bf16 too, and needs no offset term, and of the IQ4 levels (kIq4Levels, exact in bf16).
+alignas(64) inline constexpr uint16_t kBf16OfNibble[3][32] = {
     {0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
      0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
@@ -138,10 +138,17 @@ alignas(64) inline constexpr uint16_t kBf16OfNibble[2][32] = {
     {0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
      0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
-     0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0}};
+     0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0},
+    {0xC2FE, 0xC2D0, 0xC2A6, 0xC282, 0xC244, 0xC20C, 0xC1B0, 0xC120,
+     0x3F80, 0x4150, 0x41C8, 0x4218, 0x4254, 0x428A, 0x42B2, 0x42E2,
+     0xC2FE, 0xC2D0, 0xC2A6, 0xC282, 0xC244, 0xC20C, 0xC1B0, 0xC120,
+     0x3F80, 0x4150, 0x41C8, 0x4218, 0x4254, 0x428A, 0x42B2, 0x42E2}};
 
-// Whether bf16 x multiplies q - 8 (no offsets stored: Q4_0) instead of q and the offsets.
+// Whether bf16 x multiplies q - 8 (no offsets stored: Q4_0; or an IQ4 level) instead of q and
+// the offsets.
 inline bool centred(const Format& f) { return f.bits == 4 && !f.with_offset; }
+// Which of kBf16OfNibble's tables a 4-bit layer's q read through.
+inline int nibble_table(const Format& f) { return f.levels ? 2 : (centred(f) ? 1 : 0); }
 // vpshufb controls: bytes (0, 1) / (2, 3) of every dword to its two words, zero-extended.
 alignas(16) inline constexpr int8_t kPairCtl[2][16] = {
     {0, -1, 1, -1, 4, -1, 5, -1, 8, -1, 9, -1, 12, -1, 13, -1},
@@ -149,8 +156,8 @@ alignas(16) inline constexpr int8_t kPairCtl[2][16] = {
 
 // A 4-bit chunk as 4 pair rows of bf16 q (k = 8c + 2i and 8c + 2i + 1 per column, as
 // vdpbf16ps pairs them): the low nibbles of bytes (0, 1), (2, 3), then the high ones.
-inline void int4_pairs(const uint8_t* chunk, bool centred, __m512i out[4]) {
-  const __m512i table = _mm512_load_si512(kBf16OfNibble[centred ? 1 : 0]);
+inline void int4_pairs(const uint8_t* chunk, int which, __m512i out[4]) {
+  const __m512i table = _mm512_load_si512(kBf16OfNibble[which]);
   const __m512i v = _mm512_loadu_si512(chunk);
   const auto ctl = [](int i) {
     return _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kPairCtl[i])));
@@ -181,7 +188,7 @@ inline void int6_pairs(const uint8_t* chunk, __m512i out[2]) {
 template <int Bits>
 inline void chunk_pairs(const uint8_t* chunk, const Format& f, __m512i out[4]) {
   if constexpr (Bits == 4)
-    int4_pairs(chunk, centred(f), out);
+    int4_pairs(chunk, nibble_table(f), out);
   else if (f.two_scales())
     int6_pairs(chunk, out);
   else

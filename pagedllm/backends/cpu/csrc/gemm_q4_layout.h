@@ -47,6 +47,10 @@
 
 namespace pagedllm::gemm::q4 {
 
+// ggml's IQ4_NL / IQ4_XS levels (kvalues_iq4nl), which a `levels` layer's q index.
+alignas(16) inline constexpr int8_t kIq4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                                      1,    13,   25,  38,  53,  69,  89,  113};
+
 constexpr int64_t kCols = 16;   // output columns per panel
 constexpr int64_t kGroup = 32;  // k per group: one scale (and offset) per column
 constexpr int64_t kChunk = 64;  // bytes: one dword per column
@@ -64,6 +68,9 @@ struct Format {
   // 4-bit with offsets: d, dm per 8 groups, sc, m bytes per group (Q4_K). 8-bit: d per 8
   // groups, two signed sc bytes per group, one per 16 k (Q6_K: two_scales).
   bool factored = false;
+  // 4-bit without offsets whose q index ggml's 16 non-linear levels (IQ4_NL, IQ4_XS):
+  // W = kIq4Levels[q] * scale. Q4_0's layout, read through another table.
+  bool levels = false;
   PAGEDLLM_Q4_INLINE bool two_scales() const { return bits != 4 && factored; }
   PAGEDLLM_Q4_INLINE bool six() const { return bits == 6; }
   PAGEDLLM_Q4_INLINE int64_t weight_bytes() const {
@@ -179,7 +186,7 @@ PAGEDLLM_Q4_INLINE void group_scales(const uint8_t* panel, int64_t g, const Form
     return;
   }
   *scale = load(p);
-  if (f.bits == 8)
+  if (f.bits == 8 || f.levels)
     *offset = v_zero();
   else if (f.with_offset)
     *offset = load(p + f.scale_bytes());
@@ -202,10 +209,14 @@ inline __m512i byte_ctl(int b) {
 }
 
 // vpermps reads the low 4 bits of each index: shifting nibble t of every dword down and looking
-// it up in [0.0, 1.0, ..., 15.0] converts it (one shift and one permute per row of 16).
-inline void int4_rows(const uint8_t* chunk, V16 q[8]) {
+// it up in [0.0, 1.0, ..., 15.0] (or the IQ4 levels) converts it (one shift and one permute per
+// row of 16).
+inline void int4_rows(const uint8_t* chunk, V16 q[8], bool levels = false) {
   const __m512i v = _mm512_loadu_si512(chunk);
-  const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 values =
+      levels ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                   _mm_load_si128(reinterpret_cast<const __m128i*>(kIq4Levels))))
+             : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 #pragma GCC unroll 8
   for (int t = 0; t < 8; ++t) {  // nibble t: byte t / 2, low (k = 8c + t / 2) or high (+4)
     const __m512i idx = t == 0 ? v : _mm512_srli_epi32(v, 4 * t);
@@ -233,21 +244,30 @@ inline __m256i byte_ctl(int b) {
   return _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kByteCtl[b])));
 }
 
-inline void int4_rows(const uint8_t* chunk, V16 q[8]) {
+// IQ4 levels: the nibbles looked up as signed bytes (vpshufb), sign-extended once moved to
+// their dwords.
+inline void int4_rows(const uint8_t* chunk, V16 q[8], bool levels = false) {
   const __m256i m = _mm256_set1_epi8(0x0F);
+  const __m256i table = _mm256_broadcastsi128_si256(
+      _mm_load_si128(reinterpret_cast<const __m128i*>(kIq4Levels)));
   __m256i lo[2], hi[2];
   for (int h = 0; h < 2; ++h) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 32 * h));
     lo[h] = _mm256_and_si256(v, m);
     hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
+    if (levels) {
+      lo[h] = _mm256_shuffle_epi8(table, lo[h]);
+      hi[h] = _mm256_shuffle_epi8(table, hi[h]);
+    }
   }
+  const auto floats = [levels](__m256i d) {
+    return _mm256_cvtepi32_ps(levels ? _mm256_srai_epi32(_mm256_slli_epi32(d, 24), 24) : d);
+  };
 #pragma GCC unroll 4
   for (int b = 0; b < 4; ++b) {
     const __m256i ctl = byte_ctl(b);
-    q[b] = {_mm256_cvtepi32_ps(_mm256_shuffle_epi8(lo[0], ctl)),
-            _mm256_cvtepi32_ps(_mm256_shuffle_epi8(lo[1], ctl))};
-    q[4 + b] = {_mm256_cvtepi32_ps(_mm256_shuffle_epi8(hi[0], ctl)),
-                _mm256_cvtepi32_ps(_mm256_shuffle_epi8(hi[1], ctl))};
+    q[b] = {floats(_mm256_shuffle_epi8(lo[0], ctl)), floats(_mm256_shuffle_epi8(lo[1], ctl))};
+    q[4 + b] = {floats(_mm256_shuffle_epi8(hi[0], ctl)), floats(_mm256_shuffle_epi8(hi[1], ctl))};
   }
 }
 
@@ -263,12 +283,15 @@ inline void int8_rows(const uint8_t* chunk, V16 q[4]) {
 }
 
 #else
-inline void int4_rows(const uint8_t* chunk, V16 q[8]) {
+inline void int4_rows(const uint8_t* chunk, V16 q[8], bool levels = false) {
+  const auto value = [levels](int nibble) {
+    return static_cast<float>(levels ? kIq4Levels[nibble] : nibble);
+  };
   for (int j = 0; j < 16; ++j) {
     for (int b = 0; b < 4; ++b) {
       const uint8_t byte = chunk[4 * j + b];
-      q[b].v[j] = static_cast<float>(byte & 0x0F);
-      q[4 + b].v[j] = static_cast<float>(byte >> 4);
+      q[b].v[j] = value(byte & 0x0F);
+      q[4 + b].v[j] = value(byte >> 4);
     }
   }
 }
@@ -347,7 +370,7 @@ inline void dequantize_block(const uint8_t* panel, int64_t g, const Format& f, V
   if (f.bits == 4) {
     for (int c = 0; c < 4; ++c) {
       V16 q[8];
-      int4_rows(block + c * kChunk, q);
+      int4_rows(block + c * kChunk, q, f.levels);
       for (int i = 0; i < 8; ++i) w[8 * c + i] = v_fmav(o, q[i], s);
     }
   } else {  // two scales: chunks 4-7 (k 16..31) take the second

@@ -11,7 +11,7 @@
 
 namespace pagedllm::gemm::q4 {
 
-Format format_of(int64_t bits, bool half_scales, bool with_offset, bool factored) {
+Format format_of(int64_t bits, bool half_scales, bool with_offset, bool factored, bool levels) {
   TORCH_CHECK(bits == 4 || bits == 8 || bits == 6, "groupwise: bits must be 4, 6 or 8, got ",
               bits);
   TORCH_CHECK(!factored || (bits == 4) == with_offset,
@@ -20,7 +20,9 @@ Format format_of(int64_t bits, bool half_scales, bool with_offset, bool factored
 #if !defined(__AVX512BW__)
   TORCH_CHECK(bits != 6, "groupwise: six-bit weights need an AVX-512 build");
 #endif
-  return Format{static_cast<int>(bits), half_scales, bits == 4 && with_offset, factored};
+  TORCH_CHECK(!levels || (bits == 4 && !with_offset && !factored),
+              "groupwise: IQ4 levels are 4-bit without offsets, unfactored");
+  return Format{static_cast<int>(bits), half_scales, bits == 4 && with_offset, factored, levels};
 }
 
 namespace {
@@ -67,14 +69,31 @@ void pack_six(const uint8_t* row, int64_t j, uint8_t* block) {
     }
 }
 
+// The index of each IQ4 level (a `levels` layer's int8 weight) by its byte, -1 for others.
+struct LevelIndex {
+  int8_t of[256];
+  constexpr LevelIndex() : of{} {
+    for (auto& v : of) v = -1;
+    for (int i = 0; i < 16; ++i) of[static_cast<uint8_t>(kIq4Levels[i])] = static_cast<int8_t>(i);
+  }
+};
+constexpr LevelIndex kLevelIndex{};
+
 // Column j's q of group g (row: the column's whole stored row) into a 4- or 8-bit block's
-// chunks, one dword per column.
+// chunks, one dword per column. A `levels` row is int8 levels, stored as their indices.
 void pack_bytes(const uint8_t* row, int64_t g, int64_t j, const Format& f, uint8_t* block) {
   for (int64_t c = 0; c < f.weight_bytes() / kChunk; ++c) {
     for (int64_t b = 0; b < 4; ++b) {
       uint8_t byte;
       if (f.bits == 4) {
-        const auto nibble = [&](int64_t k) {  // even k in the low nibble of byte k / 2
+        const auto nibble = [&](int64_t k) -> int {  // even k in the low nibble of byte k / 2
+          if (f.levels) {
+            const uint8_t v = row[g * kGroup + k];
+            const int i = kLevelIndex.of[v];
+            TORCH_CHECK(i >= 0, "pack_groupwise: ", static_cast<int>(static_cast<int8_t>(v)),
+                        " is not an IQ4 level");
+            return i;
+          }
           const uint8_t v = row[(g * kGroup + k) / 2];
           return k % 2 ? v >> 4 : v & 0x0F;
         };
@@ -136,14 +155,15 @@ torch::Tensor pack_groupwise(const torch::Tensor& weight, const torch::Tensor& s
                              const c10::optional<torch::Tensor>& offset, int64_t bits,
                              bool half_scales, bool with_offset,
                              const c10::optional<torch::Tensor>& factors,
-                             const c10::optional<torch::Tensor>& index) {
-  const Format f = format_of(bits, half_scales, with_offset, factors.has_value());
+                             const c10::optional<torch::Tensor>& index, bool levels) {
+  const Format f = format_of(bits, half_scales, with_offset, factors.has_value(), levels);
   TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2,
               "pack_groupwise: weight must be a CPU [N, K']");
-  TORCH_CHECK(weight.scalar_type() == (bits == 4 ? at::kByte : at::kChar), "pack_groupwise: ",
-              bits, "-bit weights must be ", bits == 4 ? "uint8" : "int8", ", got ",
+  const bool nibbles = bits == 4 && !levels;  // IQ4 levels arrive as int8 values
+  TORCH_CHECK(weight.scalar_type() == (nibbles ? at::kByte : at::kChar), "pack_groupwise: ",
+              bits, "-bit weights must be ", nibbles ? "uint8" : "int8", ", got ",
               weight.scalar_type());
-  const int64_t n = weight.size(0), k = weight.size(1) * (bits == 4 ? 2 : 1);
+  const int64_t n = weight.size(0), k = weight.size(1) * (nibbles ? 2 : 1);
   TORCH_CHECK(k % kGroup == 0 && k > 0, "pack_groupwise: K=", k, " is not a multiple of 32");
   const int64_t groups = k / kGroup, panels = (n + kCols - 1) / kCols;
   const auto check = [&](const torch::Tensor& t, at::ScalarType dtype,
@@ -249,14 +269,17 @@ void unpack_row(const uint8_t* panel, int64_t j, int64_t groups, const Format& f
       scale[0] = scale[1] = stored(sp, j, f.half_scales);
       if (f.stores_offset())
         offset = stored(sp + f.scale_bytes(), j, f.half_scales);
-      else if (f.bits == 4)
+      else if (f.bits == 4 && !f.levels)
         offset = scale[0] * -8.f;  // exact: a power of two
     }
+    const bool add_offset = f.bits == 4 && !f.levels;  // IQ4 levels: q * scale, as 8-bit
     for (int64_t k = 0; k < kGroup; ++k) {
+      int32_t q = block_q(block, j, k, f);
+      if (f.levels) q = kIq4Levels[q];
       // volatile: the product rounded before the offset is added (no fused multiply-add),
       // as PyTorch's two operations round it.
-      volatile float product = static_cast<float>(block_q(block, j, k, f)) * scale[k / 16];
-      out[g * kGroup + k] = f.bits == 4 ? product + offset : product;
+      volatile float product = static_cast<float>(q) * scale[k / 16];
+      out[g * kGroup + k] = add_offset ? product + offset : product;
     }
   }
 }
@@ -265,8 +288,8 @@ void unpack_row(const uint8_t* panel, int64_t j, int64_t groups, const Format& f
 
 torch::Tensor groupwise_weight_rows(const torch::Tensor& packed, int64_t n, int64_t k,
                                     int64_t bits, bool half_scales, bool with_offset,
-                                    bool factored, const torch::Tensor& rows) {
-  const Format f = format_of(bits, half_scales, with_offset, factored);
+                                    bool factored, const torch::Tensor& rows, bool levels) {
+  const Format f = format_of(bits, half_scales, with_offset, factored, levels);
   TORCH_CHECK(k % kGroup == 0 && k > 0, "groupwise_weight_rows: K=", k, " is not whole groups");
   const int64_t groups = k / kGroup, panels = (n + kCols - 1) / kCols;
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte &&
