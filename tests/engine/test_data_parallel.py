@@ -187,8 +187,8 @@ def burst_prompts() -> list[list[int]]:
 
 async def run_burst(base_url: str, prompts: list[list[int]], kill: Any) -> list[dict[str, Any]]:
     """Stream every prompt at once; from the moment half the streams have their first chunk,
-    ``kill()`` is called at each further first chunk until it returns True (it acts only once
-    its victim holds a stream: under load the victim's streams can all be done by then)."""
+    ``kill()`` is called at each further chunk until it returns True (it acts only once its
+    victim holds a stream: under load the victim's streams can all be done by then)."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=base_url, api_key=API_KEY, max_retries=0, timeout=120)
@@ -212,8 +212,10 @@ async def run_burst(base_url: str, prompts: list[list[int]], kill: Any) -> list[
                 text += chunk.choices[0].text if chunk.choices else ""
                 if first:
                     first, started = False, started + 1
-                    if started >= NUM_STREAMS // 2 and not killed:
-                        killed = bool(kill())
+                # At any chunk, not only first ones: on a loaded machine the victim's streams
+                # could all finish before the later streams' first chunks (and no kill came).
+                if started >= NUM_STREAMS // 2 and not killed:
+                    killed = bool(kill())
             results[i]["text"] = text
         except openai.APIError as exc:
             results[i]["error"] = str(exc)
