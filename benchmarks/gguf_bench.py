@@ -54,9 +54,17 @@ if TYPE_CHECKING:
     from throughput import Request
 
 CACHE = Path(__file__).resolve().parent.parent / "build" / "bench" / "gguf"
-# llama.cpp's file types (llama.h's llama_ftype) for its quantiser. The last three (llama.cpp
-# only: the gguf package cannot write them) are held as 8-bit groups or q6_k by pagedllm.
-FTYPES = {"q4_0": 2, "q8_0": 7, "q4_k_m": 15, "q3_k_m": 12, "iq4_nl": 25, "iq4_xs": 30}
+# llama.cpp's file types (llama.h's llama_ftype) for its quantiser. The last four need llama.cpp
+# (the gguf package cannot write K-quants or IQ types).
+FTYPES = {
+    "q4_0": 2,
+    "q8_0": 7,
+    "q4_k_m": 15,
+    "q3_k_m": 12,
+    "q5_k_m": 17,
+    "iq4_nl": 25,
+    "iq4_xs": 30,
+}
 PARALLEL = (16, 64)
 
 

@@ -29,6 +29,7 @@ from pagedllm.backends.cpu.groupwise_linear import (
 from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedllm.layers.quantization.groupwise import (
     GroupwiseMethod,
+    dequantize_groups,
     dequantize_int4,
     dequantize_int8_groups,
     dequantize_layer,
@@ -48,7 +49,7 @@ ROWS = (1, 2, 3, 7, 8, 9, 16, 33, 70)
 SHAPES = ((37, 32), (17, 96), (50, 4096))  # factored Q4_K needs whole 256s: the last
 # Weight sources: GGUF Q4_0 / Q4_1 / Q4_K / Q8_0 / Q6_K, quantize_int4, and float32 scales (no
 # exact compact form: the 6-bit and 9-bit formats).
-KINDS = ("q4_0", "q4_1", "q4_k", "int4", "q4_f32", "q8_0", "q8_f32", "q6_k")
+KINDS = ("q4_0", "q4_1", "q4_k", "int4", "q4_f32", "q8_0", "q8_f32", "q6_k", "q5_k")
 # q6_k needs K in whole super-blocks of 256: one, three (an odd count) and 16.
 Q6_K_SHAPES = ((17, 256), (37, 768), (50, 4096))
 CASES = [(kind, shape) for kind in KINDS if kind != "q6_k" for shape in SHAPES] + [
@@ -123,6 +124,10 @@ def _layer_data(
         scale = _fp16(d) if kind == "iq4" else d
         scale.iq4 = True
         return q, scale, None, q
+    if kind == "q5_k":  # q in 0..31 as int8, d * sc and -dmin * m (Q4_K's factors)
+        q = torch.randint(0, 32, (n, k), dtype=torch.int8)
+        scale, offset = _q4_k_factor(n, g) * 2**-10, _q4_k_factor(n, g) * -(2**-10)
+        return q, scale, offset, q
     if kind in ("q8_0", "q8_f32"):  # fp16 d (or any float32), q in -127..127
         q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
         d = torch.rand(n, g) * 0.01 + 1e-3
@@ -145,9 +150,7 @@ def _layer_data(
 
 
 def _dequantized(weight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None):
-    if offset is None:
-        return dequantize_int8_groups(weight, scale)
-    return dequantize_int4(weight, scale, offset)
+    return dequantize_groups(weight, scale, offset)
 
 
 def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -221,7 +224,7 @@ MANY_ROWS = ((257, 2048), (131, 4096))
 
 
 @pytest.mark.parametrize("xdtype", (torch.float32, torch.bfloat16), ids=str)
-@pytest.mark.parametrize("kind", ("q4_0", "q4_1", "q4_k", "q8_0", "q6_k"))
+@pytest.mark.parametrize("kind", ("q4_0", "q4_1", "q4_k", "q8_0", "q6_k", "q5_k"))
 def test_dot_path_matches_its_definition_at_many_rows(ops, kind: str, xdtype) -> None:
     n = 20
     for m, k in MANY_ROWS:
@@ -255,7 +258,7 @@ def test_activation_rounding_is_the_definition_bit_for_bit(ops, xdtype) -> None:
     assert int(q.abs().max()) == 127
 
 
-@pytest.mark.parametrize("kind", ("q4_1", "q8_0", "q6_k"))
+@pytest.mark.parametrize("kind", ("q4_1", "q8_0", "q6_k", "q5_k"))
 def test_dot_path_error_against_the_float_reference_is_bounded(ops, kind: str) -> None:
     """What rounding x to int8 per group costs: measured rms ~0.55% of the output (Gaussian x;
     ~1.1% with 1% of x 20x larger), against ~0.17% for rounding the output to bf16."""
@@ -283,6 +286,7 @@ def test_formats_and_bits_per_weight(ops) -> None:
         # Factored: a header per 8 groups of d (and dm) padded to 64 bytes, then the groups'
         # index bytes (sc, m: 2 * 16 each), before 8 blocks of q alone.
         "q6_k": ((True, False, True), 8.625),  # 512 a block, 64 + 256 a header
+        "q5_k": ((False, True, False), 10.0),  # 8-bit q, float32 scale and offset per 32
         "iq4": ((True, False, False), 4.5),  # Q4_0's layout, read through the levels
         "iq4_f32": ((False, False, False), 5.0),
     }
@@ -298,7 +302,7 @@ def test_formats_and_bits_per_weight(ops) -> None:
         # Super-blocks of a header and 2 blocks (8 factored): every block on a cache line.
         assert pw.packed.shape[1] % 64 == 0 and pw.packed.data_ptr() % 64 == 0, kind
         names = {"q6_k": "q6_k", "q6_k6": "q6_k", "q8_0": "q8_0", "q8_f32": "q8_0"}
-        names.update(iq4="iq4", iq4_f32="iq4")
+        names.update(iq4="iq4", iq4_f32="iq4", q5_k="q5_k")
         assert pw.name == names.get(kind, "int4")
 
 
@@ -722,14 +726,21 @@ def test_a_fused_layer_of_several_formats_runs_each_run_of_parts_packed(
 def test_the_gguf_block_decoder_equals_the_numpy_definitions() -> None:
     """``decode_gguf_blocks`` (the CPU backend's ``gguf_block_decoder``) gives ``int4_groups``'
     nibbles, scales and offsets bit for bit (offsets' signed zeros included) for Q4_0, Q4_1
-    and Q4_K blocks, ``q6_k_groups``' q, scales and d for Q6_K and Q3_K, and ``int8_groups``'
-    q and scales for Q5_0, IQ4_NL and IQ4_XS: random bytes with finite fp16 factors."""
+    and Q4_K blocks, ``q6_k_groups``' q, scales and d for Q6_K and Q3_K, ``int8_groups``' q
+    and scales for Q5_0, IQ4_NL and IQ4_XS, and ``q5_k_groups``' q, scales and offsets for Q5_K:
+    random bytes with finite fp16 factors."""
     import numpy as np
     from gguf import GGMLQuantizationType
 
     from pagedllm.backends.cpu.backend import CpuBackend
     from pagedllm.models.gguf.reader import GGUFTensor
-    from pagedllm.models.gguf.weights import KEPT_AS, int4_groups, int8_groups, q6_k_groups
+    from pagedllm.models.gguf.weights import (
+        KEPT_AS,
+        int4_groups,
+        int8_groups,
+        q5_k_groups,
+        q6_k_groups,
+    )
 
     decode = CpuBackend().gguf_block_decoder()
     if decode is None:
@@ -745,6 +756,7 @@ def test_the_gguf_block_decoder_equals_the_numpy_definitions() -> None:
         ("Q5_0", 22, 32, (0,)),
         ("IQ4_NL", 18, 32, (0,)),
         ("IQ4_XS", 136, 256, (0,)),
+        ("Q5_K", 176, 256, (0, 2)),
     ):
         raw = rng.integers(0, 256, size=(rows, cols // per, size), dtype=np.uint8)
         for at in halves:  # finite fp16 factors, some of them zero
@@ -753,7 +765,12 @@ def test_the_gguf_block_decoder_equals_the_numpy_definitions() -> None:
             raw[..., at : at + 2] = h.view(np.uint8).reshape(rows, cols // per, 2)
         raw = raw.reshape(rows, -1)
         tensor = GGUFTensor("t", kind, (rows, cols), raw, GGMLQuantizationType[kind])
-        definition = {"int4": int4_groups, "q8_0": int8_groups, "q6_k": q6_k_groups}[KEPT_AS[kind]]
+        definition = {
+            "int4": int4_groups,
+            "q8_0": int8_groups,
+            "q6_k": q6_k_groups,
+            "q5_k": q5_k_groups,
+        }[KEPT_AS[kind]]
         want = [torch.from_numpy(a) for a in definition(tensor)]
         got = decode(torch.from_numpy(raw), kind)
         assert [t.dtype for t in got] == [t.dtype for t in want], kind

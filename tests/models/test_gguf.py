@@ -56,9 +56,11 @@ RECIPES: dict[str, tuple[dict[str, str], str, str]] = {
         "IQ4_XS",
         "wide",
     ),
-    # IQ4_XS files' Q5_K v (and a Q5_K up): a part no format holds, dequantised alone (dense)
-    # beside quantised neighbours.
-    "iq4_xs+q5_k": ({"attn_v": "Q5_K", "ffn_up": "Q5_K"}, "IQ4_XS", "wide"),
+    # A part no format holds (a Q5_1 v, a Q2_K up), dequantised alone (dense) beside
+    # quantised neighbours.
+    "iq4_xs+dense": ({"attn_v": "Q5_1", "ffn_up": "Q2_K"}, "IQ4_XS", "wide"),
+    # llama.cpp's Q5_K_M mix: Q5_K, with Q6_K v and down (and a Q6_K table).
+    "q5_k_m": ({"attn_v": "Q6_K", "ffn_down": "Q6_K", "token_embd": "Q6_K"}, "Q5_K", "wide"),
     # Every type that is dequantised at load (ggml's own dequantisation) in one file; an untied
     # head.
     "low-bit": (
@@ -130,7 +132,7 @@ BF16_TIE = 8 * 2.0**-7
 
 
 @pytest.mark.parametrize(
-    "recipe", ["q4_k_m", "q4_1+q8_0", "iq4_xs+iq4_nl+q5_0+q3_k", "iq4_xs+q5_k"]
+    "recipe", ["q4_k_m", "q4_1+q8_0", "iq4_xs+iq4_nl+q5_0+q3_k", "iq4_xs+dense", "q5_k_m"]
 )
 def test_quantised_files_default_to_bf16_and_match_transformers_in_bf16(
     gguf_files: dict, recipe: str
@@ -280,6 +282,23 @@ def test_quantised_layers_stay_quantised(gguf_files: dict) -> None:
     assert layer.mlp.down_proj.quant_method is None  # Q5_1: dequantised
 
 
+def test_q5_k_layers_stay_quantised(gguf_files: dict) -> None:
+    """Q5_K layers stay q5_k on the CPU (q in 0..31 as int8 with a scale and an offset per 32,
+    on the group-wise GEMM): a Q5_K_M file's q/k/gate/up, a Q4_K_M file's down."""
+    engine = Engine(str(gguf_files["q5_k_m"]), device="cpu", block_size=8, num_kv_blocks=16)
+    model = engine.executor.worker.runner.model  # type: ignore[attr-defined]
+    layer = model.layers[0]
+    assert layer.self_attn.qkv_proj.quant_method.formats == ("q5_k", "q5_k", "q6_k")
+    assert layer.mlp.gate_up_proj.quant_method.name == "q5_k"
+    assert layer.mlp.down_proj.quant_method.name == "q6_k"
+    paths = dict(p.split("=") for p in model.linear_path.split(", "))
+    assert paths["ColumnParallelLinear"].startswith("cpp-q5_k-"), paths
+    assert paths["QKVParallelLinear"].startswith("cpp-mixed(q5_k,q5_k,q6_k)-"), paths
+    k_m = Engine(str(gguf_files["q4_k_m"]), device="cpu", block_size=8, num_kv_blocks=16)
+    down = k_m.executor.worker.runner.model.layers[0].mlp.down_proj  # type: ignore[attr-defined]
+    assert down.quant_method.name == "q5_k"
+
+
 def test_iq4_q5_0_and_q3_k_stay_quantised(gguf_files: dict) -> None:
     """IQ4_XS, IQ4_NL and Q5_0 layers stay quantised as 8-bit groups, Q3_K ones as q6_k (its
     q at 6 bits where the build reads them), the IQ4_XS tied table too; Q2_K and the IQ2/IQ3
@@ -373,10 +392,10 @@ def test_fused_layers_of_several_formats_on_the_pytorch_path(gguf_files: dict) -
 
 
 def test_a_part_in_no_native_format_is_dequantised_alone(gguf_files: dict) -> None:
-    """IQ4_XS q/k with a Q5_K v, IQ4_XS gate with a Q5_K up: the Q5_K parts become dense runs
-    in the compute dtype on the CPU's dense GEMM, q/k and gate stay 8-bit groups, with
-    transformers' tokens (the greedy tests above)."""
-    engine = Engine(str(gguf_files["iq4_xs+q5_k"]), device="cpu", num_kv_blocks=16)
+    """IQ4_XS q/k with a Q5_1 v, IQ4_XS gate with a Q2_K up: the Q5_1 and Q2_K parts become
+    dense runs in the compute dtype on the CPU's dense GEMM, q/k and gate stay 8-bit groups
+    (packed at 4 bits), with transformers' tokens (the greedy tests above)."""
+    engine = Engine(str(gguf_files["iq4_xs+dense"]), device="cpu", num_kv_blocks=16)
     model = engine.executor.worker.runner.model  # type: ignore[attr-defined]
     for layer in model.layers:
         qkv, gate_up = layer.self_attn.qkv_proj, layer.mlp.gate_up_proj
@@ -464,13 +483,18 @@ def test_prefix_caching_chunked_prefill_and_preemption(
 
 def test_int8_groups_and_int4_groups_are_ggml_exact() -> None:
     """Our group-wise form of Q4_0 / Q4_1 / Q4_K (int4), Q8_0 / Q5_0 / IQ4_NL / IQ4_XS (8-bit
-    groups) and Q6_K / Q3_K (q6_k) dequantises bit for bit as ggml does (float32)."""
+    groups), Q6_K / Q3_K (q6_k) and Q5_K (q5_k) dequantises bit for bit as ggml does
+    (float32)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
     from pagedllm.backends.cpu.groupwise_linear import factor_q6_k
-    from pagedllm.layers.quantization.groupwise import dequantize_int4, dequantize_int8_groups
+    from pagedllm.layers.quantization.groupwise import (
+        dequantize_groups,
+        dequantize_int4,
+        dequantize_int8_groups,
+    )
     from pagedllm.models.gguf.reader import GGUFTensor
-    from pagedllm.models.gguf.weights import int4_groups, int8_groups, q6_k_groups
+    from pagedllm.models.gguf.weights import int4_groups, int8_groups, q5_k_groups, q6_k_groups
     from tests.models.gguf_files import (
         READ_ONLY_TYPES,
         _random_k_blocks,
@@ -479,9 +503,10 @@ def test_int8_groups_and_int4_groups_are_ggml_exact() -> None:
 
     rng = np.random.default_rng(0)
     rows, cols = 5, 512
-    for kind in ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "IQ4_NL", "IQ4_XS", "Q4_K", "Q6_K", "Q3_K"):
+    kinds = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "IQ4_NL", "IQ4_XS", "Q4_K", "Q6_K", "Q3_K", "Q5_K")
+    for kind in kinds:
         qtype = GGMLQuantizationType[kind]
-        if kind in ("Q4_K", "Q6_K"):
+        if kind in ("Q4_K", "Q6_K", "Q5_K"):
             raw = _random_k_blocks(kind, rows, cols, rng)
         elif kind in READ_ONLY_TYPES:
             raw = _random_read_only_blocks(kind, rows, cols, rng)
@@ -499,6 +524,10 @@ def test_int8_groups_and_int4_groups_are_ggml_exact() -> None:
             assert int(q.min()) >= low and int(q.max()) <= high
             assert factor_q6_k(scale, d) is not None  # scale = d * sc, sc a signed byte
             got = dequantize_int8_groups(q, scale)
+        elif kind == "Q5_K":
+            q, scale, offset = (torch.from_numpy(a) for a in q5_k_groups(tensor))
+            assert q.dtype == torch.int8 and int(q.min()) >= 0 and int(q.max()) <= 31
+            got = dequantize_groups(q, scale, offset)
         else:
             packed, scale, offset = (torch.from_numpy(a) for a in int4_groups(tensor))
             got = dequantize_int4(packed, scale, offset)

@@ -40,8 +40,7 @@ from torch import nn
 
 from pagedllm.layers.quantization.groupwise import (
     GROUP_SIZE,
-    dequantize_int4,
-    dequantize_int8_groups,
+    dequantize_groups,
     weight_groups,
     weight_super_scale,
 )
@@ -74,6 +73,8 @@ class PackedGroupwise:
             return "iq4"
         if self.bits == 4:
             return "int4"
+        if self.with_offset:
+            return "q5_k"
         return "q6_k" if self.factored else "q8_0"
 
     @property
@@ -162,12 +163,14 @@ def factor_q6_k(scale: torch.Tensor, d: torch.Tensor) -> torch.Tensor | None:
     return sc.to(torch.int8)
 
 
-def scale_format(scale: torch.Tensor, offset: torch.Tensor | None) -> tuple[bool, bool]:
+def scale_format(
+    scale: torch.Tensor, offset: torch.Tensor | None, *, bits: int = 4
+) -> tuple[bool, bool]:
     """(half_scales, with_offset) for float32 ``scale``/``offset [N, K/32]`` stored per group:
     fp16 only where every value is exactly an fp16 (GGUF's Q4_0/Q4_1/Q8_0 d and m; not Q4_K's
-    d * sc products), offsets dropped only where all are exactly ``-8 * scale`` (Q4_0,
-    symmetric int4)."""
-    with_offset = offset is not None and not torch.equal(offset, scale * -8)
+    d * sc products), 4-bit offsets dropped only where all are exactly ``-8 * scale`` (Q4_0,
+    symmetric int4); 8-bit ones (q5_k) always kept."""
+    with_offset = offset is not None and (bits == 8 or not torch.equal(offset, scale * -8))
     half = _exact_in_half(scale) and (not with_offset or _exact_in_half(offset))
     return half, with_offset
 
@@ -200,9 +203,9 @@ def pack_groupwise(
             raise ValueError(f"weight: not IQ4 levels ({exc})") from exc
         n, k = weight.shape
         return PackedGroupwise(packed, n, k, 4, half, False, False, levels=True)
-    bits = 4 if offset is not None else 8
-    half, with_offset = scale_format(scale, offset)
-    factors = factor_super_blocks(scale, offset) if with_offset else None
+    bits = 4 if weight.dtype == torch.uint8 else 8  # nibbles, or int8 (q5_k: with offsets)
+    half, with_offset = scale_format(scale, offset, bits=bits)
+    factors = factor_super_blocks(scale, offset) if with_offset and bits == 4 else None
     fac, idx = factors if factors is not None else (None, None)
     if fac is not None:
         half = _exact_in_half(fac)
@@ -303,9 +306,8 @@ def dot_linear_reference(
 def dequantize_rows(layer: nn.Module, rows: torch.Tensor) -> torch.Tensor:
     """float32 ``[len(rows), K]``: the sampled output rows of ``dequantize_layer(layer)``."""
     scale, offset = weight_groups(layer)
-    if offset is None:
-        return dequantize_int8_groups(layer.weight[rows], scale[rows])
-    return dequantize_int4(layer.weight[rows], scale[rows], offset[rows])
+    off = None if offset is None else offset[rows]
+    return dequantize_groups(layer.weight[rows], scale[rows], off)
 
 
 def weight_integers(layer: nn.Module) -> torch.Tensor:

@@ -353,7 +353,8 @@ def _cpp_isa() -> str:
     return ops.built_isa() + ("+amx" if ops.has_amx() else "")
 
 
-_GROUPWISE = ("int4", "q8_0", "q6_k")  # group-wise methods (layers/quantization/groupwise.py)
+# Group-wise methods (layers/quantization/groupwise.py).
+_GROUPWISE = ("int4", "q8_0", "q6_k", "q5_k")
 
 
 def _kind(module: nn.Module, head: nn.Module | None) -> str:

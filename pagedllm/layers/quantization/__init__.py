@@ -132,8 +132,9 @@ def with_checkpoint_layers(
     config: QuantConfig | None, plan: Mapping[str, str | tuple[str, ...]]
 ) -> QuantConfig | None:
     """``config`` plus the layers a checkpoint stores group-quantised (``{module: "int4" |
-    "q8_0" | "q6_k"}``, from a GGUF file; a tuple of those for a fused layer whose parts differ,
-    one per part), which are read as they are whatever scheme was requested."""
+    "q8_0" | "q6_k" | "q5_k"}``, from a GGUF file; a tuple of those for a fused layer whose
+    parts differ, one per part, ``dense`` for a part dequantised), which are read as they are
+    whatever scheme was requested."""
     if not plan:
         return config
 

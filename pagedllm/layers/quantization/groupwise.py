@@ -15,6 +15,9 @@ One representation serves every 4-bit source, so one kernel per device runs them
   layer also keeps the super-block factor ``d`` per 256 k (``weight_super_bits``), so that the
   CPU kernel can store ``d`` once per 256 and ``sc`` as a byte (8.625 bits a weight with q as
   int8; 6.625 with q at 6 bits, where its build reads them).
+- int8 groups with offsets (``q5_k``: GGUF Q5_K): ``W[n, k] = q[n, k] * scale[n, g] +
+  offset[n, g]`` with ``q`` in 0..31 held in an int8, ``scale = d * sc`` and ``offset =
+  -dmin * m`` (products exact in float32, so one rounding as ggml's).
 
 Scales and offsets are float32, kept as their bits in ``int32`` buffers (``weight_scale_bits``,
 ``weight_offset_bits``) for the reason :mod:`.int8` gives. The PyTorch ``apply`` dequantises the
@@ -35,7 +38,13 @@ Q6_K_SCALE_GROUP = 16  # k per scale of a q6_k layer
 Q6_K_SUPER = 256  # k per super-block factor d of a q6_k layer
 _INT4_MAX = 15
 # Group-wise format name -> (bits, k per scale).
-FORMATS = {"int4": (4, GROUP_SIZE), "q8_0": (8, GROUP_SIZE), "q6_k": (8, Q6_K_SCALE_GROUP)}
+# Group-wise format name -> (bits, k per scale, offsets stored).
+FORMATS = {
+    "int4": (4, GROUP_SIZE, True),
+    "q8_0": (8, GROUP_SIZE, False),
+    "q6_k": (8, Q6_K_SCALE_GROUP, False),
+    "q5_k": (8, GROUP_SIZE, True),
+}
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
@@ -64,6 +73,17 @@ def dequantize_int4(
     """float32 ``[N, K]``: ``q * scale + offset`` per group, rounded once as ggml rounds it."""
     q = unpack_nibbles(packed).float()
     return q * _per_column(scale) + _per_column(offset)
+
+
+def dequantize_groups(
+    weight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None
+) -> torch.Tensor:
+    """float32 ``[N, K]`` of any group-wise layer's tensors, by the weight's storage: nibbles
+    (int4) or int8 (q8_0, q6_k; q5_k with offsets, ``q * scale + offset`` rounded once)."""
+    if weight.dtype == torch.uint8:
+        return dequantize_int4(weight, scale, offset)
+    w = dequantize_int8_groups(weight, scale)
+    return w if offset is None else w + _per_column(offset)
 
 
 def dequantize_int8_groups(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -125,9 +145,7 @@ def weight_super_scale(layer: nn.Module) -> torch.Tensor | None:
 def dequantize_layer(layer: nn.Module) -> torch.Tensor:
     """The layer's weight in float32 ``[N, K]`` (the reference every kernel is checked against)."""
     scale, offset = weight_groups(layer)
-    if offset is None:
-        return dequantize_int8_groups(layer.weight, scale)
-    return dequantize_int4(layer.weight, scale, offset)
+    return dequantize_groups(layer.weight, scale, offset)
 
 
 def _row_loader(layer: nn.Module, columns_per_stored: int) -> object:
@@ -170,25 +188,42 @@ class GroupwiseMethod(LinearMethod):
     (8-bit groups are only read, never made).
     """
 
-    def __init__(self, *, bits: int, prequantized: bool, scale_group: int = GROUP_SIZE) -> None:
+    def __init__(
+        self,
+        *,
+        bits: int,
+        prequantized: bool,
+        scale_group: int = GROUP_SIZE,
+        offsets: bool | None = None,
+    ) -> None:
         if bits not in (4, 8):
             raise ValueError(f"bits: group-wise weights are 4- or 8-bit, got {bits}")
         if bits == 8 and not prequantized:
             raise ValueError("prequantized: 8-bit group weights come from checkpoints only")
         if scale_group not in (GROUP_SIZE, Q6_K_SCALE_GROUP) or (bits == 4 and scale_group != 32):
             raise ValueError(f"scale_group: 32 (or 16 for 8-bit q6_k), got {scale_group}")
+        if offsets is None:
+            offsets = bits == 4
+        if (bits == 4 and not offsets) or (offsets and scale_group != GROUP_SIZE):
+            raise ValueError("offsets: 4-bit groups have them; 8-bit ones only per 32 (q5_k)")
         self.bits = bits
         self.prequantized = prequantized
         self.scale_group = scale_group
-        self.name = "int4" if bits == 4 else ("q8_0" if scale_group == GROUP_SIZE else "q6_k")
+        self.offsets = offsets  # weight_offset per group: int4, and q5_k's 8-bit q in 0..31
+        if bits == 4:
+            self.name = "int4"
+        elif offsets:
+            self.name = "q5_k"
+        else:
+            self.name = "q8_0" if scale_group == GROUP_SIZE else "q6_k"
 
     @classmethod
     def for_format(cls, fmt: str) -> GroupwiseMethod:
         """The prequantized method of a format name (``int4``, ``q8_0``, ``q6_k``)."""
         if fmt not in FORMATS:
             raise ValueError(f"format: one of {sorted(FORMATS)}, got {fmt!r}")
-        bits, scale_group = FORMATS[fmt]
-        return cls(bits=bits, prequantized=True, scale_group=scale_group)
+        bits, scale_group, offsets = FORMATS[fmt]
+        return cls(bits=bits, prequantized=True, scale_group=scale_group, offsets=offsets)
 
     def stored_tensors(self, n: int, k: int) -> dict[str, tuple[torch.Tensor, int]]:
         """The empty tensors a prequantized ``[n, k]`` layer reads from its checkpoint, by
@@ -200,7 +235,7 @@ class GroupwiseMethod(LinearMethod):
             "weight": (torch.empty(n, k // per, dtype=dtype), per),
             "weight_scale": (torch.empty(n, k // sg), sg),
         }
-        if self.bits == 4:
+        if self.offsets:
             tensors["weight_offset"] = (torch.empty(n, k // GROUP_SIZE), GROUP_SIZE)
         if self.name == "q6_k":
             tensors["weight_super"] = (torch.empty(n, k // Q6_K_SUPER), Q6_K_SUPER)
@@ -229,7 +264,7 @@ class GroupwiseMethod(LinearMethod):
         if self.prequantized:
             scale = layer.weight_scale.detach().float().contiguous()
             del layer.weight_scale
-            if self.bits == 4:
+            if self.offsets:
                 offset = layer.weight_offset.detach().float().contiguous()
                 del layer.weight_offset
             if self.name == "q6_k":
@@ -240,7 +275,7 @@ class GroupwiseMethod(LinearMethod):
             packed, scale, offset = quantize_int4(layer.weight.detach())
             layer.weight = nn.Parameter(packed, requires_grad=False)
         layer.register_buffer("weight_scale_bits", scale.view(torch.int32))
-        if self.bits == 4:
+        if self.offsets:
             layer.register_buffer("weight_offset_bits", offset.view(torch.int32))
 
     def is_quantized(self, layer: nn.Module) -> bool:
@@ -250,11 +285,8 @@ class GroupwiseMethod(LinearMethod):
         """Rows ``ids`` of a quantised embedding table, dequantised (float32, then the compute
         dtype of the layer's neighbours: the scale buffers' float32 is no guide to it)."""
         scale, offset = weight_groups(layer)
-        if offset is None:
-            rows = dequantize_int8_groups(layer.weight[ids], scale[ids])
-        else:
-            rows = dequantize_int4(layer.weight[ids], scale[ids], offset[ids])
-        return rows.to(layer.compute_dtype)
+        off = None if offset is None else offset[ids]
+        return dequantize_groups(layer.weight[ids], scale[ids], off).to(layer.compute_dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """PyTorch path: the weight dequantised per call (the C++ GEMM replaces it on CPUs)."""

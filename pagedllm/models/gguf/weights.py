@@ -1,10 +1,12 @@
 """A GGUF file's tensors as the named checkpoint tensors our models load.
 
 Each ``blk.N.<kind>`` tensor gets its Hugging Face name. What it becomes depends on the layer's
-plan (:func:`plan_layers`): a linear layer whose every part is 4-bit (Q4_0, Q4_1, Q4_K), Q8_0
-or Q6_K stays quantised in the group-wise format of :mod:`pagedllm.layers.quantization.groupwise`
-when the device runs that format natively (a fused layer whose parts are in different such
-formats keeps each part in its own); everything else is dequantised by ggml's own
+plan (:func:`plan_layers`): a linear layer in a type some group-wise format of
+:mod:`pagedllm.layers.quantization.groupwise` holds exactly (``KEPT_AS``: Q4_0, Q4_1, Q4_K as
+int4; Q8_0, Q5_0, IQ4_NL, IQ4_XS as 8-bit groups; Q6_K, Q3_K as q6_k; Q5_K as q5_k) stays
+quantised when the device runs that format natively (a fused layer whose parts are in
+different formats keeps each part in its own, a part in none dequantised alone); everything
+else is dequantised by ggml's own
 ``gguf.quants`` to float32 here and rounded to the compute dtype as it is copied in. llama.cpp's
 converter interleaves the q/k rows of Llama-family models for its rotary kernel; the rows are
 put back (a row permutation, so it applies to quantised rows too).
@@ -72,12 +74,14 @@ INT8_GROUP_TYPES = ("Q8_0", "Q5_0", "IQ4_NL", "IQ4_XS")
 # Kept as q6_k (int8 q times d * sc per 16 weights, sc a signed byte): Q6_K, and Q3_K, whose q in
 # -4..3 and 6-bit sc - 32 are the same product (6.625 bits a weight where q is packed at 6).
 Q6_K_TYPES = ("Q6_K", "Q3_K")
+# Kept as q5_k: Q5_K's 5-bit q (0..31) as int8, times d * sc, plus -dmin * m, per 32 weights.
+Q5_K_TYPES = ("Q5_K",)
 # Dequantised at load to the compute dtype by ggml's own ``gguf.quants`` (every type it reads).
 DEQUANTIZED_TYPES = (
-    "F32", "F16", "BF16", "Q5_1", "Q5_K", "Q2_K", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS",
+    "F32", "F16", "BF16", "Q5_1", "Q2_K", "IQ3_S", "IQ3_XXS", "IQ2_S", "IQ2_XS",
     "IQ2_XXS", "IQ1_M", "IQ1_S", "TQ1_0", "TQ2_0", "MXFP4",
 )  # fmt: skip
-SUPPORTED_TYPES = INT4_TYPES + INT8_GROUP_TYPES + Q6_K_TYPES + DEQUANTIZED_TYPES
+SUPPORTED_TYPES = INT4_TYPES + INT8_GROUP_TYPES + Q6_K_TYPES + Q5_K_TYPES + DEQUANTIZED_TYPES
 
 
 def hf_name(gguf_name: str, family: Family) -> tuple[str, str | None]:
@@ -107,6 +111,7 @@ KEPT_AS = {
     **dict.fromkeys(INT4_TYPES, "int4"),
     **dict.fromkeys(INT8_GROUP_TYPES, "q8_0"),
     **dict.fromkeys(Q6_K_TYPES, "q6_k"),
+    **dict.fromkeys(Q5_K_TYPES, "q5_k"),
 }
 
 
@@ -126,8 +131,8 @@ def _part_of(gguf_name: str) -> int:
 
 
 def plan_layers(gguf: GGUFFile, family: Family, native: frozenset[str]) -> dict[str, LayerFormat]:
-    """``{module name: "int4" | "q8_0" | "q6_k"}`` for the linear layers (and tables) that stay
-    quantised.
+    """``{module name: "int4" | "q8_0" | "q6_k" | "q5_k"}`` for the linear layers (and tables)
+    that stay quantised.
 
     A fused layer (q/k/v, gate/up) whose parts share a format the device runs (``native``)
     stays in it; one whose parts differ gets a tuple of formats, one per part (Q4_K_M files
@@ -307,6 +312,34 @@ def q6_k_groups(tensor: GGUFTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     return q, scale, d
 
 
+_Q5_K_BYTES = 176  # d, dmin (fp16), 12 bytes of 6-bit sc and m, qh 32, qs 128 per 256
+
+
+def q5_k_groups(tensor: GGUFTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A Q5_K tensor -> (q int8 ``[N, K]`` in 0..31, scale ``d * sc``, offset ``-dmin * m``
+    ``[N, K/32]``): ggml's dequantisation ``(d * sc) * q - dmin * m`` with both products exact
+    in float32 (11 + 6 + 5 significant bits), so ``q * scale + offset`` rounds as it does.
+
+    Group ``g`` (of 8 per super-block) and weight ``i``: the low nibble of qs byte
+    ``32 (g // 2) + i`` (odd groups: the high nibble), its fifth bit at bit ``g`` of qh byte
+    ``i``; sc and m packed as Q4_K's.
+    """
+    from gguf.quants import Q4_K
+
+    blocks = _blocks(tensor, _Q5_K_BYTES)
+    rows, supers = blocks.shape[:2]
+    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+    sc, mins = Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12))
+    scale = (d[..., None] * sc.reshape(rows, supers, 8).astype(np.float32)).reshape(rows, -1)
+    offset = -(dmin[..., None] * mins.reshape(rows, supers, 8).astype(np.float32))
+    qs = blocks[..., 48:].reshape(rows, supers, 4, 1, 32)
+    low = (qs >> np.array([[0], [4]], dtype=np.uint8)) & 0x0F  # [.., 4, 2, 32]: g = 2 j + h
+    qh = blocks[..., 16:48].reshape(rows, supers, 1, 1, 32)
+    high = (qh >> np.arange(8, dtype=np.uint8).reshape(4, 2, 1)) & 1
+    q = (low | (high << 4)).astype(np.int8).reshape(rows, -1)
+    return q, scale, offset.reshape(rows, -1)
+
+
 _Q3_K_BYTES = 110  # hmask 32, qs 64, 12 bytes of 6-bit scales, d 2 (fp16) per 256
 
 
@@ -405,9 +438,12 @@ class GGUFWeights:
         """``int4_groups``, ``int8_groups`` or ``q6_k_groups`` of ``tensor``, by the device's
         kernel if any (Q8_0 is its own bytes: numpy's view and one copy are as fast)."""
         kind = tensor.type_name
-        numpy_definition = {"int4": int4_groups, "q8_0": int8_groups, "q6_k": q6_k_groups}[
-            KEPT_AS[kind]
-        ]
+        numpy_definition = {
+            "int4": int4_groups,
+            "q8_0": int8_groups,
+            "q6_k": q6_k_groups,
+            "q5_k": q5_k_groups,
+        }[KEPT_AS[kind]]
         if self.block_decoder is None or kind == "Q8_0":
             return tuple(torch.from_numpy(a) for a in numpy_definition(tensor))
         rows = int(np.prod(tensor.shape[:-1])) if len(tensor.shape) > 1 else 1
@@ -420,7 +456,7 @@ class GGUFWeights:
                 continue
             name, module = hf_name(gguf_name, self.family)
             fmt = tensor_format(self.plan, gguf_name, module)
-            if fmt == "int4" and name.endswith(".weight"):
+            if fmt in ("int4", "q5_k") and name.endswith(".weight"):
                 packed, scale, offset = self._decoded(tensor)
                 stem = name.removesuffix(".weight")
                 yield name, self._permute(gguf_name, packed)

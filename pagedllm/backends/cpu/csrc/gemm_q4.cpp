@@ -138,7 +138,7 @@ void run_bf16(const uint16_t* x, const Problem& pb, at::BFloat16* y) {
   }
   constexpr int64_t kb = kBf16BlockGroups;
   const int64_t pairs = (pb.panels() + 1) / 2;
-  const bool offsets = Bits == 4 && !centred(pb.f);
+  const bool offsets = pb.f.with_offset;
   at::parallel_for(0, pairs, 1, [&](int64_t q0, int64_t q1) {
     std::vector<float> acc(static_cast<size_t>(2 * m * kCols));
     std::vector<uint16_t> wbuf(static_cast<size_t>(2 * kb * 16 * dp::kPairWords));

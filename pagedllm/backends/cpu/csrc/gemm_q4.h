@@ -42,7 +42,8 @@ int64_t read_bytes(const torch::Tensor& t);
 
 // GGUF blocks uint8 [N, row bytes] -> Q4_0 / Q4_1 / Q4_K: (nibbles uint8 [N, K/2], scale,
 // offset float32 [N, K/32]); Q6_K / Q3_K: (int8 q [N, K], d * sc [N, K/16], d [N, K/256]);
-// Q5_0 / IQ4_NL / IQ4_XS: (int8 q [N, K], scale [N, K/32]) (gguf_decode.cpp).
+// Q5_0 / IQ4_NL / IQ4_XS: (int8 q [N, K], scale [N, K/32]); Q5_K: (int8 q [N, K], scale,
+// offset [N, K/32]) (gguf_decode.cpp).
 std::vector<torch::Tensor> decode_gguf_blocks(const torch::Tensor& blocks,
                                               const std::string& kind);
 

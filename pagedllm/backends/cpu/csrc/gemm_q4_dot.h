@@ -163,7 +163,7 @@ inline void dot_rows(const int8_t* xq, int64_t ldx, const float* dx, const float
         sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(corr[r * lda + g]));
       const __m512 sd = _mm512_mul_ps(s.v, _mm512_set1_ps(dx[r * lda + g]));
       t[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), sd, t[r]);
-      if (Bits == 4 && f.with_offset)
+      if (f.with_offset)
         t[r] = _mm512_fmadd_ps(o.v, _mm512_set1_ps(xsum[r * lda + g]), t[r]);
     }
   }
@@ -249,7 +249,7 @@ inline void dot_rows(const int8_t* xq, int64_t ldx, const float* dx, const float
     for (int r = 0; r < R; ++r) {
       const V16 sum = to_v16(a[r][0], a[r][1]);
       V16 t = v_fmav(v_load(c + r * kCols), sum, v_mul(s, v_set(dx[r * lda + g])));
-      if (Bits == 4 && !centred) t = v_fma(t, o, xsum[r * lda + g]);
+      if (f.with_offset) t = v_fma(t, o, xsum[r * lda + g]);
       v_store(c + r * kCols, t);
     }
   }
@@ -288,7 +288,7 @@ inline void dot_rows(const int8_t* xq, int64_t ldx, const float* dx, const float
         }
         const float sc = two ? o.v[j] : s.v[j];
         c[r * kCols + j] += static_cast<float>(sum) * (sc * dx[r * lda + g]);
-        if (Bits == 4 && !centred) c[r * kCols + j] += o.v[j] * xsum[r * lda + g];
+        if (f.with_offset) c[r * kCols + j] += o.v[j] * xsum[r * lda + g];
       }
     }
   }

@@ -76,7 +76,7 @@ inline void f32_rows(const float* x, int64_t ldx, const uint8_t* panel, int64_t 
       const V16 sc = Bits == 8 && f.two_scales() && ch >= 4 ? o : s;  // Q6_K: k 16..31
 #pragma GCC unroll 8
       for (int i = 0; i < kRowsPerChunk; ++i) {
-        const V16 w = Bits == 4 ? v_fmav(o, q[i], s) : v_mul(q[i], sc);
+        const V16 w = Bits == 4 || f.with_offset ? v_fmav(o, q[i], s) : v_mul(q[i], sc);
         const int64_t k = ch * kRowsPerChunk + i;
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) t[i % C][r] = v_fma(t[i % C][r], w, xg[r * ldx + k]);
@@ -213,7 +213,7 @@ inline void bf16_rows(const uint16_t* x, int64_t ldx, const float* xs, int64_t l
                       const uint8_t* panel, int64_t groups, const Format& f, float* c) {
   constexpr int C = R >= 4 ? 1 : (R >= 2 ? 2 : 4);
   constexpr int kP = kPairsPerChunk<Bits>;
-  const bool q_centred = centred(f), offsets = Bits == 4 && !q_centred;
+  const bool offsets = f.with_offset;
   const bool two = Bits == 8 && f.two_scales();
   constexpr int kChunks = kGroup / (2 * kP);
   __m512 t[R];

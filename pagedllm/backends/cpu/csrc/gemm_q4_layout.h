@@ -5,7 +5,8 @@
 // The definition of the weights is pagedllm/layers/quantization/groupwise.py: 4-bit
 // W[n, k] = q * scale[n, k/32] + offset[n, k/32] (q in 0..15; GGUF Q4_0 / Q4_1 / Q4_K and
 // quantization="int4"), 8-bit W[n, k] = q * scale[n, k/32] (q in -127..127, GGUF Q8_0) or
-// q * scale[n, k/16] (q in -32..31, GGUF Q6_K).
+// q * scale[n, k/16] (q in -32..31, GGUF Q6_K), or q * scale + offset per 32 (q in 0..31,
+// GGUF Q5_K: plain super-blocks with offsets, float32 where fp16 cannot hold d * sc: 10 bits).
 //
 // Layout: panels of 16 output columns, each a run of super-blocks, so a decode step streams
 // every panel once, front to back, scales included. A super-block is a header holding its
@@ -64,7 +65,9 @@ struct Format {
   static constexpr int64_t kPlain = 2;  // groups per plain super-block
   int bits = 4;             // 4, 8, or 6 (Q6_K's q at 6 bits: always factored, two scales)
   bool half_scales = true;  // scales and offsets (factored: d and dm) stored as fp16
-  bool with_offset = true;  // 4-bit only: offsets stored; else offset = -8 * scale
+  // Offsets stored (4-bit: Q4_1, Q4_K; 8-bit: Q5_K's q in 0..31 with -dmin * m); a 4-bit
+  // layer without them has offset = -8 * scale, an 8-bit one none.
+  bool with_offset = true;
   // 4-bit with offsets: d, dm per 8 groups, sc, m bytes per group (Q4_K). 8-bit: d per 8
   // groups, two signed sc bytes per group, one per 16 k (Q6_K: two_scales).
   bool factored = false;
@@ -80,7 +83,7 @@ struct Format {
   PAGEDLLM_Q4_INLINE int64_t scale_bytes() const {
     return factored ? kCols : (half_scales ? 2 : 4) * kCols;
   }
-  PAGEDLLM_Q4_INLINE bool stores_offset() const { return bits == 4 && with_offset; }
+  PAGEDLLM_Q4_INLINE bool stores_offset() const { return with_offset; }
   PAGEDLLM_Q4_INLINE int64_t block_bytes() const { return weight_bytes(); }  // q alone
   PAGEDLLM_Q4_INLINE int64_t super_groups() const { return factored ? kSuper : kPlain; }
   // A group's bytes in the header: sc and m (factored), or its scales and offsets.
@@ -186,10 +189,10 @@ PAGEDLLM_Q4_INLINE void group_scales(const uint8_t* panel, int64_t g, const Form
     return;
   }
   *scale = load(p);
-  if (f.bits == 8 || f.levels)
-    *offset = v_zero();
-  else if (f.with_offset)
+  if (f.with_offset)
     *offset = load(p + f.scale_bytes());
+  else if (f.bits == 8 || f.levels)
+    *offset = v_zero();
   else
     *offset = v_mul(*scale, v_set(-8.f));  // exact: a power of two
 }
@@ -378,7 +381,8 @@ inline void dequantize_block(const uint8_t* panel, int64_t g, const Format& f, V
       V16 q[4];
       int8_rows(block + c * kChunk, q);
       const V16 sc = f.two_scales() && c >= 4 ? o : s;
-      for (int i = 0; i < 4; ++i) w[4 * c + i] = v_mul(q[i], sc);
+      for (int i = 0; i < 4; ++i)
+        w[4 * c + i] = f.with_offset ? v_fmav(o, q[i], s) : v_mul(q[i], sc);
     }
   }
 }

@@ -22,7 +22,8 @@ Format format_of(int64_t bits, bool half_scales, bool with_offset, bool factored
 #endif
   TORCH_CHECK(!levels || (bits == 4 && !with_offset && !factored),
               "groupwise: IQ4 levels are 4-bit without offsets, unfactored");
-  return Format{static_cast<int>(bits), half_scales, bits == 4 && with_offset, factored, levels};
+  TORCH_CHECK(bits != 6 || !with_offset, "groupwise: six-bit weights have no offsets");
+  return Format{static_cast<int>(bits), half_scales, with_offset, factored, levels};
 }
 
 namespace {
@@ -272,7 +273,8 @@ void unpack_row(const uint8_t* panel, int64_t j, int64_t groups, const Format& f
       else if (f.bits == 4 && !f.levels)
         offset = scale[0] * -8.f;  // exact: a power of two
     }
-    const bool add_offset = f.bits == 4 && !f.levels;  // IQ4 levels: q * scale, as 8-bit
+    // q * scale + offset (Q4_0: -8 * scale); IQ4 levels and 8-bit without offsets: q * scale.
+    const bool add_offset = f.with_offset || (f.bits == 4 && !f.levels);
     for (int64_t k = 0; k < kGroup; ++k) {
       int32_t q = block_q(block, j, k, f);
       if (f.levels) q = kIq4Levels[q];

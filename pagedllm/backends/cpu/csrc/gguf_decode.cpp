@@ -2,6 +2,7 @@
 // nibbles [N, K/2] (even k in the low nibble), float32 scale and offset [N, K/32] with
 // W = q * scale + offset. Q6_K and Q3_K: int8 q [N, K], float32 d * sc [N, K/16] and d
 // [N, K/256]. Q5_0, IQ4_NL and IQ4_XS: int8 q [N, K] and float32 scale [N, K/32], W = q * scale.
+// Q5_K: int8 q [N, K] in 0..31, float32 scale and offset [N, K/32], W = q * scale + offset.
 // The same values as the loader's numpy definitions (models/gguf/weights.py int4_groups,
 // q6_k_groups, int8_groups), bit for bit, in one threaded pass instead of ~10 numpy passes over
 // the whole tensor (most of a 4-bit file's conversion time).
@@ -54,7 +55,7 @@ void q4_k_units(const uint8_t* s, int g, int* sc, int* m) {
   }
 }
 
-enum class Type { kQ4_0, kQ4_1, kQ4_K, kQ6_K, kQ3_K, kQ5_0, kIQ4_NL, kIQ4_XS };
+enum class Type { kQ4_0, kQ4_1, kQ4_K, kQ6_K, kQ3_K, kQ5_0, kIQ4_NL, kIQ4_XS, kQ5_K };
 
 struct Kind {
   Type type;
@@ -71,9 +72,10 @@ Kind kind_of(const std::string& name) {
   if (name == "Q5_0") return {Type::kQ5_0, 22, 32};
   if (name == "IQ4_NL") return {Type::kIQ4_NL, 18, 32};
   if (name == "IQ4_XS") return {Type::kIQ4_XS, 136, 256};
+  if (name == "Q5_K") return {Type::kQ5_K, 176, 256};
   TORCH_CHECK(false,
-              "decode_gguf_blocks: kind must be Q4_0, Q4_1, Q4_K, Q6_K, Q3_K, Q5_0, IQ4_NL or "
-              "IQ4_XS, got ",
+              "decode_gguf_blocks: kind must be Q4_0, Q4_1, Q4_K, Q6_K, Q3_K, Q5_0, IQ4_NL, "
+              "IQ4_XS or Q5_K, got ",
               name);
 }
 
@@ -166,6 +168,26 @@ void decode_q6_k(const uint8_t* b, int8_t* q, float* scale, float* d_out) {
   *d_out = d;
 }
 
+// One Q5_K super-block (d, dmin, 12 bytes of sc and m as Q4_K's, qh 32, qs 128) -> 256 q in
+// 0..31 (group g, weight i: the low nibble of qs byte 32 (g / 2) + i, the high one for odd g,
+// and bit g of qh byte i), and per group d * sc and -(dmin * m).
+void decode_q5_k(const uint8_t* b, int8_t* q, float* scale, float* offset) {
+  const float d = half_at(b), dmin = half_at(b + 2);
+  const uint8_t* qh = b + 16;
+  const uint8_t* qs = b + 48;
+  for (int g = 0; g < 8; ++g) {
+    const uint8_t* run = qs + 32 * (g / 2);
+    for (int i = 0; i < 32; ++i) {
+      const int low = g % 2 ? run[i] >> 4 : run[i] & 0x0F;
+      q[32 * g + i] = static_cast<int8_t>(low | (((qh[i] >> g) & 1) << 4));
+    }
+    int sc, m;
+    q4_k_units(b + 4, g, &sc, &m);
+    scale[g] = d * static_cast<float>(sc);
+    offset[g] = -(dmin * static_cast<float>(m));
+  }
+}
+
 // One block of `type` -> its groups' packed nibbles, scales and offsets.
 void decode_block(Type type, const uint8_t* b, uint8_t* packed, float* scale, float* offset) {
   uint8_t q[32];
@@ -220,6 +242,22 @@ std::vector<torch::Tensor> decode_gguf_blocks(const torch::Tensor& blocks,
         }
     });
     return {q, scale, d};
+  }
+  if (k.type == Type::kQ5_K) {
+    auto q = torch::empty({n, values}, torch::kChar);
+    auto scale = torch::empty({n, values / kGroup}, torch::kFloat);
+    auto offset = torch::empty({n, values / kGroup}, torch::kFloat);
+    int8_t* qp = q.data_ptr<int8_t>();
+    float* sp = scale.data_ptr<float>();
+    float* op = offset.data_ptr<float>();
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        for (int64_t b = 0; b < per_row; ++b) {
+          const int64_t at = r * per_row + b;
+          decode_q5_k(in + at * k.bytes, qp + at * 256, sp + at * 8, op + at * 8);
+        }
+    });
+    return {q, scale, offset};
   }
   if (k.type == Type::kQ5_0 || k.type == Type::kIQ4_NL || k.type == Type::kIQ4_XS) {
     auto q = torch::empty({n, values}, torch::kChar);
