@@ -344,21 +344,31 @@ def test_q6_k_layers_stay_quantised(gguf_files: dict) -> None:
     assert u.embed_tokens.quant_method.name == "q6_k"
 
 
-def test_fused_layers_of_several_formats_keep_each_part_in_its_own(gguf_files: dict) -> None:
-    """Q4_K q/k with a Q6_K v, Q4_K gate with a Q8_0 up: each fused layer runs one packed GEMM
-    per part on the CPU (no part dequantised to the compute dtype: it would stream 3-4x the
-    bytes), with transformers' tokens (the greedy tests above)."""
-    engine = Engine(str(gguf_files["q4_k+q6_k+q8_0"]), device="cpu", num_kv_blocks=16)
+def _packed_part_by_part(
+    path: Path, qkv_formats: tuple[str, ...], gate_up_formats: tuple[str, ...]
+) -> dict[str, str]:
+    """Every layer's fused q/k/v and gate/up hold these formats per part, two runs of parts a
+    layer (one per format), each packed with no unpacked copy left; returns the linear paths."""
+    engine = Engine(str(path), device="cpu", num_kv_blocks=16)
     model = engine.executor.worker.runner.model  # type: ignore[attr-defined]
     for layer in model.layers:
         qkv, gate_up = layer.self_attn.qkv_proj, layer.mlp.gate_up_proj
-        assert qkv.quant_method.formats == ("int4", "int4", "q6_k")
-        assert gate_up.quant_method.formats == ("int4", "q8_0")
+        assert qkv.quant_method.formats == qkv_formats
+        assert gate_up.quant_method.formats == gate_up_formats
         assert len(qkv.parts) == 2  # q and k (one format) in one GEMM, v in another
         for fused in (qkv, gate_up):
             assert fused.fast_linear is not None
             assert all(p.weight.numel() == 0 for p in fused.parts)  # packed copies only
-    paths = dict(p.split("=") for p in model.linear_path.split(", "))
+    return dict(p.split("=") for p in model.linear_path.split(", "))
+
+
+def test_fused_layers_of_several_formats_keep_each_part_in_its_own(gguf_files: dict) -> None:
+    """Q4_K q/k with a Q6_K v, Q4_K gate with a Q8_0 up: each fused layer runs one packed GEMM
+    per part on the CPU (no part dequantised to the compute dtype: it would stream 3-4x the
+    bytes), with transformers' tokens (the greedy tests above)."""
+    paths = _packed_part_by_part(
+        gguf_files["q4_k+q6_k+q8_0"], ("int4", "int4", "q6_k"), ("int4", "q8_0")
+    )
     assert paths["QKVParallelLinear"].startswith("cpp-mixed(int4,int4,q6_k)-"), paths
     assert paths["ColumnParallelLinear"].startswith("cpp-mixed(int4,q8_0)-"), paths
     assert not any("float" in p for p in paths.values()), paths
@@ -395,16 +405,9 @@ def test_a_part_in_no_native_format_is_dequantised_alone(gguf_files: dict) -> No
     """IQ4_XS q/k with a Q5_1 v, IQ4_XS gate with a Q2_K up: the Q5_1 and Q2_K parts become
     dense runs in the compute dtype on the CPU's dense GEMM, q/k and gate stay 8-bit groups
     (packed at 4 bits), with transformers' tokens (the greedy tests above)."""
-    engine = Engine(str(gguf_files["iq4_xs+dense"]), device="cpu", num_kv_blocks=16)
-    model = engine.executor.worker.runner.model  # type: ignore[attr-defined]
-    for layer in model.layers:
-        qkv, gate_up = layer.self_attn.qkv_proj, layer.mlp.gate_up_proj
-        assert qkv.quant_method.formats == ("q8_0", "q8_0", "dense")
-        assert gate_up.quant_method.formats == ("q8_0", "dense")
-        for fused in (qkv, gate_up):
-            assert fused.fast_linear is not None
-            assert all(p.weight.numel() == 0 for p in fused.parts)  # packed copies only
-    paths = dict(p.split("=") for p in model.linear_path.split(", "))
+    paths = _packed_part_by_part(
+        gguf_files["iq4_xs+dense"], ("q8_0", "q8_0", "dense"), ("q8_0", "dense")
+    )
     # The IQ4_XS runs packed back to 4 bits (their levels' indices) on the float path.
     assert paths["QKVParallelLinear"].startswith("cpp-mixed(iq4,iq4,dense)-"), paths
     assert paths["ColumnParallelLinear"].startswith("cpp-mixed(iq4,dense)-"), paths

@@ -243,35 +243,28 @@ std::vector<torch::Tensor> decode_gguf_blocks(const torch::Tensor& blocks,
     });
     return {q, scale, d};
   }
-  if (k.type == Type::kQ5_K) {
+  if (k.type == Type::kQ5_0 || k.type == Type::kIQ4_NL || k.type == Type::kIQ4_XS ||
+      k.type == Type::kQ5_K) {  // int8 q and a scale per 32 (Q5_K: an offset too)
+    const bool q5_k = k.type == Type::kQ5_K;
+    const int64_t per_block = k.values / kGroup;
     auto q = torch::empty({n, values}, torch::kChar);
     auto scale = torch::empty({n, values / kGroup}, torch::kFloat);
-    auto offset = torch::empty({n, values / kGroup}, torch::kFloat);
+    auto offset = q5_k ? torch::empty({n, values / kGroup}, torch::kFloat) : torch::Tensor();
     int8_t* qp = q.data_ptr<int8_t>();
     float* sp = scale.data_ptr<float>();
-    float* op = offset.data_ptr<float>();
+    float* op = q5_k ? offset.data_ptr<float>() : nullptr;
     at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
         for (int64_t b = 0; b < per_row; ++b) {
           const int64_t at = r * per_row + b;
-          decode_q5_k(in + at * k.bytes, qp + at * 256, sp + at * 8, op + at * 8);
+          const uint8_t* block = in + at * k.bytes;
+          if (q5_k)
+            decode_q5_k(block, qp + at * k.values, sp + at * per_block, op + at * per_block);
+          else
+            decode_int8_block(k.type, block, qp + at * k.values, sp + at * per_block);
         }
     });
-    return {q, scale, offset};
-  }
-  if (k.type == Type::kQ5_0 || k.type == Type::kIQ4_NL || k.type == Type::kIQ4_XS) {
-    auto q = torch::empty({n, values}, torch::kChar);
-    auto scale = torch::empty({n, values / kGroup}, torch::kFloat);
-    int8_t* qp = q.data_ptr<int8_t>();
-    float* sp = scale.data_ptr<float>();
-    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r)
-        for (int64_t b = 0; b < per_row; ++b) {
-          const int64_t at = r * per_row + b;
-          decode_int8_block(k.type, in + at * k.bytes, qp + at * k.values,
-                            sp + at * (k.values / kGroup));
-        }
-    });
+    if (q5_k) return {q, scale, offset};
     return {q, scale};
   }
   const int64_t groups = values / kGroup;
