@@ -59,6 +59,7 @@ import json
 import math
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -367,22 +368,32 @@ def decode_from_memory(
     }
 
 
+def _vector_path(ops: object, pw: PackedGroupwise, x: torch.Tensor) -> torch.Tensor:
+    """The float path on vdpbf16ps where it would take AMX tiles."""
+    fmt = (pw.bits, pw.half_scales, pw.with_offset, pw.factored)
+    return ops.groupwise_gemm(x, pw.packed, pw.n, *fmt, None, False, pw.levels, False)  # type: ignore[attr-defined]
+
+
 def dot_vs_float(
     shapes: dict[str, tuple[int, int]], batches: list[int], budget_s: float, formats: list[str]
 ) -> dict[str, list[dict[str, object]]]:
     """Per shape and row count: each format's dot and float path and bf16 oneDNN, interleaved;
-    ``<fmt>_dot_vs_float`` > 1 where the dot path is faster."""
+    ``<fmt>_dot_vs_float`` > 1 where the dot path is faster. Where bf16 batches take AMX tiles
+    (``groupwise_amx_rows``), also the float path kept on vdpbf16ps (``<fmt>_vector``), and
+    ``<fmt>_float_vs_vector`` > 1 where the tiles are faster."""
     ops = gemm_ops()
+    tiles_from = ops.groupwise_amx_rows()
     out: dict[str, list[dict[str, object]]] = {}
     for name, (n, k) in shapes.items():
         torch.manual_seed(0)
         w32 = torch.randn(n, k) * 0.02
         dense = make_packed_linear(w32.bfloat16(), None)
-        gemms = {
-            fmt: make_groupwise_gemm(ops, pw, None)
+        packed = {
+            fmt: pw
             for fmt, pw in groupwise_weights(w32).items()
             if fmt in formats and pw.bits != 6  # six-bit layers have no dot path
         }
+        gemms = {fmt: make_groupwise_gemm(ops, pw, None) for fmt, pw in packed.items()}
         rows = []
         for m in batches:
             x = torch.randn(m, k).bfloat16()
@@ -392,6 +403,8 @@ def dot_vs_float(
             for fmt, gemm in gemms.items():
                 fns[f"{fmt}_dot"] = lambda gemm=gemm, x=x: gemm(x, dot=True)
                 fns[f"{fmt}_float"] = lambda gemm=gemm, x=x: gemm(x, dot=False)
+                if tiles_from and m >= tiles_from:
+                    fns[f"{fmt}_vector"] = partial(_vector_path, ops, packed[fmt], x)
             best = _interleaved(fns, budget_s * len(fns))
             row: dict[str, object] = {"m": m}
             for key, seconds in best.items():
@@ -403,6 +416,8 @@ def dot_vs_float(
                     row[f"{fmt}_dot_vs_bf16"] = round(best["bf16_onednn"] / dot, 2)
                     row[f"{fmt}_float_vs_bf16"] = round(best["bf16_onednn"] / flt, 2)
                 row[f"{fmt}_dot_GMACps"] = round(m * n * k / dot / 1e9, 1)
+                if f"{fmt}_vector" in best:
+                    row[f"{fmt}_float_vs_vector"] = round(best[f"{fmt}_vector"] / flt, 2)
             rows.append(row)
         out[name] = rows
     return out

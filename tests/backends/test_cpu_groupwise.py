@@ -182,6 +182,38 @@ def test_float_path_matches_float64_reference(ops, case, xdtype) -> None:
 
 
 @pytest.mark.parametrize("case", FLOAT_CASES, ids=_case_id)
+def test_amx_tiles_agree_with_the_vdpbf16ps_path(ops, case) -> None:
+    """Where the processor has AMX-BF16, bf16 batches from ``groupwise_amx_rows()`` rows on
+    take a tile product per group (two half products for two-scale groups), scaled as the
+    vdpbf16ps path scales them: both against the float64 reference, and against each other
+    (the same products summed in another order), at row counts across whole and partial
+    tiles and the three-tile blocks."""
+    tiles_from = ops.groupwise_amx_rows()
+    if not tiles_from:
+        pytest.skip(f"no AMX tiles for the {ops.built_isa()} build on this processor")
+    kind, (n, k) = case
+    torch.manual_seed(7 * n + k)
+    weight, scale, offset, _ = _layer_data(kind, n, k)
+    pw = _pack(ops, weight, scale, offset)
+    w = _dequantized(weight, scale, offset).double()
+    fmt = (pw.bits, pw.half_scales, pw.with_offset, pw.factored)
+    for m in (tiles_from, 16, 17, 48, 49, 70):
+        x = torch.randn(m, k).bfloat16()
+        bias = torch.randn(n).bfloat16()
+        tiles = ops.groupwise_gemm(x, pw.packed, n, *fmt, bias, False, pw.levels, True)
+        vector = ops.groupwise_gemm(x, pw.packed, n, *fmt, bias, False, pw.levels, False)
+        ref = x.double() @ w.T + bias.double()
+        assert _rel_err(tiles, ref) < FLOAT_TOL[torch.bfloat16], f"m={m}"
+        assert _rel_err(vector, ref) < FLOAT_TOL[torch.bfloat16], f"m={m}"
+        assert _rel_err(tiles, vector.double()) < FLOAT_TOL[torch.bfloat16], f"m={m}"
+        # Rows are their own: a row's output does not depend on the rows batched with it.
+        assert torch.equal(
+            ops.groupwise_gemm(x[:tiles_from], pw.packed, n, *fmt, bias, False, pw.levels),
+            tiles[:tiles_from],
+        )
+
+
+@pytest.mark.parametrize("case", FLOAT_CASES, ids=_case_id)
 def test_weight_rows_from_the_panels_are_the_definition_bit_for_bit(ops, case) -> None:
     """``groupwise_weight_rows`` unpacks rows of W from the panels (what a tied embedding reads
     instead of a second copy of its table): every format, rows in every panel position and
@@ -503,11 +535,14 @@ def test_pack_one_installs_the_groupwise_gemm() -> None:
         layer = _groupwise_layer(kind, 40, k, row=row, bias=True)
         name = kind if kind in ("q8_0", "q6_k") else "int4"
         fn, path = packed_linear._pack_one(layer)
-        assert path == f"cpp-{name}-{ops.built_isa()}", path  # x unrounded unless asked
+        # x unrounded unless asked (+amx<rows> where bf16 batches run on AMX tiles)
+        assert path == groupwise_linear.path_name(ops, name), path
+        assert path.startswith(f"cpp-{name}-{ops.built_isa()}") and "+dot" not in path, path
         _, dot_path = packed_linear._pack_one(layer, int8_activations=True)
         # Every bf16 batch on the dot path; the scalar build has none.
-        dot = "" if ops.groupwise_dot_isa() == "scalar" else "+dot"
-        assert dot_path == path + dot, dot_path
+        # (No AMX tiles then: no bf16 batch takes the float path.)
+        scalar = ops.groupwise_dot_isa() == "scalar"
+        assert dot_path == (path if scalar else f"cpp-{name}-{ops.built_isa()}+dot"), dot_path
         ref_w = dequantize_layer(layer).double()
         # A row-parallel layer adds its bias after the all-reduce, not in the GEMM.
         bias = layer.bias.double() if layer.fast_linear_has_bias else None
@@ -530,7 +565,11 @@ def test_an_lm_head_never_rounds_x() -> None:
     x = torch.randn(3, 128).bfloat16()
     head_fn, head_path = packed_linear._pack_one(layer, is_head=True, int8_activations=True)
     layer_fn, layer_path = packed_linear._pack_one(layer, int8_activations=True)
-    assert head_path == f"cpp-q8_0-{ops.built_isa()}" and layer_path.startswith(head_path + "+dot")
+    isa = ops.built_isa()
+    assert head_path == groupwise_linear.path_name(ops, "q8_0") and head_path.startswith(
+        f"cpp-q8_0-{isa}"
+    )
+    assert layer_path.startswith(f"cpp-q8_0-{isa}+dot")
     pw = groupwise_linear.pack_groupwise(ops, layer.weight, *groupwise_linear.weight_groups(layer))
     gemm = groupwise_linear.make_groupwise_gemm(ops, pw, None)
     assert torch.equal(head_fn(x), gemm(x, dot=False))
@@ -708,7 +747,8 @@ def test_a_fused_layer_of_several_formats_runs_each_run_of_parts_packed(
         layer(x).double(), F.linear(x.double(), ref_w, bias), rtol=1e-5, atol=1e-5
     )
     fn, path = packed_linear._pack_one(layer)
-    assert path == f"cpp-mixed(int4,int4,q6_k)-{ops.built_isa()}", path
+    assert path == groupwise_linear.path_name(ops, "mixed(int4,int4,q6_k)"), path
+    assert path.startswith(f"cpp-mixed(int4,int4,q6_k)-{ops.built_isa()}"), path
     for m, dtype in (
         (1, torch.float32),
         (3, torch.float32),

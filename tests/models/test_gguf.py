@@ -127,7 +127,9 @@ def test_greedy_matches_transformers_on_the_same_file(gguf_files: dict, recipe: 
         assert_greedy_match(ours, r, f"{recipe} prompt {i}")
 
 
-# bf16 rounding of every activation: ties are as wide as in the half-precision engine tests.
+# bf16 rounding of every activation: ties are as wide as in the half-precision engine tests,
+# bounds included: logits between 8 and 16 are bf16 multiples of 2**-4 = BF16_TIE, so a gap of
+# exactly one such step is the narrowest a near-tie there can show.
 BF16_TIE = 8 * 2.0**-7
 
 
@@ -156,7 +158,7 @@ def assert_within_bf16_ties(ours: list[int], ref, label: str) -> None:
             continue
         lp = ref.step_logprobs[i]
         gap = float(lp.max() - lp[a])
-        assert gap < BF16_TIE, f"{label}: token {i} is {gap:.3f} below transformers' best"
+        assert gap <= BF16_TIE, f"{label}: token {i} is {gap:.3f} below transformers' best"
         return
     assert len(ours) == len(ref.token_ids), label
 

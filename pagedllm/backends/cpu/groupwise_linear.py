@@ -17,7 +17,9 @@ Two paths run on the same packed weights:
 
 - **float** (``dot=False``): x is not rounded; every weight is dequantised as
   :func:`~pagedllm.layers.quantization.groupwise.dequantize_layer` does (float32 x), or q meets
-  bf16 x in ``vdpbf16ps`` and is scaled per group (bf16 x, avx512bf16 builds). Results differ from
+  bf16 x in ``vdpbf16ps`` and is scaled per group (bf16 x, avx512bf16 builds; on processors
+  with AMX-BF16, batches of ``groupwise_amx_rows()`` rows or more take one tile product per
+  group instead, scaled the same way: 3-6x faster at 16-256 rows). Results differ from
   ``F.linear(x, dequantize_layer(layer))`` only by float32 summation order.
 - **dot** (``dot=True``): each row of x is rounded to int8 per group of 32
   (:func:`quantize_activation_groups`), integer dot products (VNNI / AVX2), float32 scales per
@@ -518,8 +520,12 @@ def make_parts_linear(
 
 
 def path_name(ops: object, name: str, *, dot: bool = False) -> str:
-    """``cpp-<int4|q8_0|q6_k>-<isa>``, ``+dot`` where every bf16 batch takes the dot path by
-    default, ``+dot<rows>`` where batches of up to that many rows do."""
+    """``cpp-<int4|q8_0|q6_k>-<isa>``, ``+amx<rows>`` where bf16 batches of that many rows or
+    more run on AMX tiles, ``+dot`` where every bf16 batch takes the dot path,
+    ``+dot<rows>`` where batches of up to that many rows do."""
     rows = dot_rows(ops, torch.bfloat16, enabled=dot)
     suffix = "" if not rows else "+dot" if rows == EVERY_BATCH else f"+dot{rows}"
+    tiles = ops.groupwise_amx_rows() if rows != EVERY_BATCH else 0  # type: ignore[attr-defined]
+    if tiles:
+        suffix = f"+amx{tiles}{suffix}"
     return f"cpp-{name}-{ops.built_isa()}" + suffix

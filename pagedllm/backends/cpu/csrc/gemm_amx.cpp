@@ -65,6 +65,16 @@ constexpr TileConfig make_config() {
 // may be dropped as dead (seen here: tilezero then faulted with an illegal instruction).
 alignas(64) constexpr TileConfig kTileConfig = make_config();
 
+// Half groups (16 k): C tiles 0-2 as above, a B tile of 8 pair rows (tmm3), A tiles of 16 rows
+// x 16 bf16 (tmm4-6).
+constexpr TileConfig make_half_config() {
+  TileConfig cfg = make_config();
+  cfg.rows[3] = kTile / 2;
+  for (int t = 4; t < 7; ++t) cfg.colsb[t] = kRowBytes / 2;
+  return cfg;
+}
+alignas(64) constexpr TileConfig kHalfTileConfig = make_half_config();
+
 void configure_tiles() { _tile_loadconfig(&kTileConfig); }
 
 // CPUID leaf 7 EDX: AMX-BF16 is bit 22, AMX-TILE bit 24, AMX-INT8 bit 25.
@@ -253,7 +263,77 @@ void run(const uint16_t* x, int64_t m, int64_t k, const typename Tag::T* w, int6
   });
 }
 
+// One row tile (16 rows) through groups [g0, g0 + gc): each group's tile product (two half
+// products for two-scale groups) stored to a small buffer and added, scaled, to 16 float32
+// accumulators held in registers. The next group's tile work does not wait for this group's
+// vector work (the buffers alternate), so the two units overlap.
+template <bool Halves>
+void tile_groups(const uint8_t* a, const uint8_t* b, const float* so, int64_t gc, bool offsets,
+                 const float* xs, int64_t ldxs, float* acc) {
+  constexpr int64_t kCStride = kCols * 4;
+  constexpr int kParts = Halves ? 2 : 1;
+  alignas(64) float sums[2][kParts][kTile * kCols];
+  __m512 c[kTile];
+#pragma GCC unroll 16
+  for (int r = 0; r < kTile; ++r) c[r] = _mm512_loadu_ps(acc + r * kCols);
+  for (int64_t g = 0; g < gc; ++g) {
+    float* out = sums[g & 1][0];
+#pragma GCC unroll 2
+    for (int h = 0; h < kParts; ++h) {
+      // A half tile starts 32 bytes into each 64-byte row; a B half tile is 8 of the 16 rows.
+      _tile_zero(0);
+      _tile_loadd(3, b + g * kTileBytes + h * (kTileBytes / 2), kRowBytes);
+      _tile_loadd(4, a + g * kTileBytes + h * (kRowBytes / 2), kRowBytes);
+      _tile_dpbf16ps(0, 4, 3);
+      _tile_stored(0, out + h * kTile * kCols, kCStride);
+    }
+    const float* sg = so + g * 2 * kCols;
+    const __m512 s0 = _mm512_loadu_ps(sg), s1 = _mm512_loadu_ps(sg + kCols);
+    if (Halves) {
+#pragma GCC unroll 16
+      for (int r = 0; r < kTile; ++r)
+        c[r] = _mm512_fmadd_ps(_mm512_load_ps(out + (kTile + r) * kCols), s1,
+                               _mm512_fmadd_ps(_mm512_load_ps(out + r * kCols), s0, c[r]));
+    } else if (offsets) {
+#pragma GCC unroll 16
+      for (int r = 0; r < kTile; ++r)
+        c[r] = _mm512_fmadd_ps(s1, _mm512_set1_ps(xs[r * ldxs + g]),
+                               _mm512_fmadd_ps(_mm512_load_ps(out + r * kCols), s0, c[r]));
+    } else {
+#pragma GCC unroll 16
+      for (int r = 0; r < kTile; ++r)
+        c[r] = _mm512_fmadd_ps(_mm512_load_ps(out + r * kCols), s0, c[r]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < kTile; ++r) _mm512_storeu_ps(acc + r * kCols, c[r]);
+}
+
 }  // namespace
+
+std::vector<uint8_t> pack_bf16_rows(const uint16_t* x, int64_t m, int64_t k) {
+  return pack_rows(reinterpret_cast<const uint8_t*>(x), m, k * 2);
+}
+
+void begin_group_tiles(bool halves) {
+  _tile_loadconfig(halves ? &kHalfTileConfig : &kTileConfig);
+}
+
+void panel_groups(const uint8_t* xa, int64_t m, int64_t groups_total, int64_t g0,
+                  const uint16_t* pairs, const float* so, int64_t gc, bool offsets, bool halves,
+                  const float* xs, float* acc) {
+  const int64_t m_tiles = (m + kTile - 1) / kTile, tile_stride = groups_total * kTileBytes;
+  const auto* b = reinterpret_cast<const uint8_t*>(pairs);
+  for (int64_t t = 0; t < m_tiles; ++t) {
+    const uint8_t* a = xa + t * tile_stride + g0 * kTileBytes;
+    const float* xr = xs + t * kTile * groups_total + g0;
+    float* c = acc + t * kTile * kCols;
+    if (halves)
+      tile_groups<true>(a, b, so, gc, false, xr, groups_total, c);
+    else
+      tile_groups<false>(a, b, so, gc, offsets, xr, groups_total, c);
+  }
+}
 
 bool available() {
   static const bool granted = ask_for_tiles(kAmxBf16Bit);  // once per process; thread-safe init
@@ -319,6 +399,10 @@ void begin_tiles() {}
 void end_tiles() {}
 void panels_int8(const uint8_t*, int64_t, int64_t, const int8_t*, const int8_t*, int32_t*,
                  int32_t*) {}
+std::vector<uint8_t> pack_bf16_rows(const uint16_t*, int64_t, int64_t) { return {}; }
+void begin_group_tiles(bool) {}
+void panel_groups(const uint8_t*, int64_t, int64_t, int64_t, const uint16_t*, const float*, int64_t,
+                  bool, bool, const float*, float*) {}
 }  // namespace pagedllm::gemm::amx
 
 #endif

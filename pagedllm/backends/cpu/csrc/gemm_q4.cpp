@@ -4,8 +4,9 @@
 // Paths, chosen per call:
 // - float: no rounding of x. float32/fp16 x: weights dequantised in registers (few rows) or
 //   once per K-block into a float32 scratch shared by the row tiles (many rows), float32 FMAs.
-//   bf16 x in avx512bf16 builds: vdpbf16ps on q, scaled per group (gemm_q4_float.h). Only the
-//   float32 summation differs from the definition.
+//   bf16 x in avx512bf16 builds: vdpbf16ps on q, scaled per group (gemm_q4_float.h); batches
+//   of 5+ rows on processors with AMX-BF16: a tile product per group (gemm_amx.h), scaled the
+//   same way. Only the float32 summation differs from the definition.
 // - dot: x rounded to int8 per group of 32, integer dot products (gemm_q4_dot.h): half the
 //   instructions of vdpbf16ps per weight or less. The caller chooses (dot=); the CPU backend
 //   takes it only where the user sets int8_activations, for bf16/fp16 batches of every size,
@@ -23,6 +24,7 @@
 #include <vector>
 
 #include "dtype_dispatch.h"
+#include "gemm_amx.h"
 #include "gemm_q4_dot.h"
 #include "gemm_q4_float.h"
 
@@ -106,6 +108,16 @@ void run_f32(const float* x, const Problem& pb, Out* y) {
   });
 }
 
+// Rows of bf16 x from which run_bf16 takes AMX tiles here (0: never: no tiles, or no
+// vdpbf16ps build).
+int64_t amx_rows() {
+#if defined(PAGEDLLM_GEMM_DP)
+  return amx::available() ? amx::kMinGroupRows : 0;
+#else
+  return 0;
+#endif
+}
+
 #if defined(__AVX512BF16__)
 // -- bf16 activations (vdpbf16ps) -------------------------------------------------------------
 // xs[r * groups + g]: the float32 sum of row r's group g (the offsets' factor).
@@ -119,10 +131,45 @@ std::vector<float> group_sums(const uint16_t* x, int64_t m, int64_t k) {
   return xs;
 }
 
+// Batches on AMX tiles (gemm_amx.h's panel_groups): per panel, K-blocks converted as below,
+// every row tile's group sums from tile products.
 template <int Bits>
-void run_bf16(const uint16_t* x, const Problem& pb, at::BFloat16* y) {
+void run_bf16_tiles(const uint16_t* x, const std::vector<float>& xs, const Problem& pb,
+                    at::BFloat16* y) {
+  const int64_t m = pb.m, groups = pb.groups;
+  constexpr int64_t kb = kBf16BlockGroups;
+  const std::vector<uint8_t> xa = amx::pack_bf16_rows(x, m, pb.k);
+  const bool halves = pb.f.two_scales(), offsets = pb.f.with_offset;
+  const int64_t m_pad = (m + 15) / 16 * 16;  // whole tiles of rows
+  std::vector<float> xs_pad(static_cast<size_t>(m_pad * groups), 0.0f);
+  std::copy(xs.begin(), xs.end(), xs_pad.begin());
+  at::parallel_for(0, pb.panels(), 1, [&](int64_t p0, int64_t p1) {
+    amx::begin_group_tiles(halves);
+    std::vector<float> acc(static_cast<size_t>(m_pad * kCols));
+    std::vector<uint16_t> wbuf(static_cast<size_t>(kb * 16 * dp::kPairWords));
+    std::vector<float> so(static_cast<size_t>(kb * 2 * kCols));
+    for (int64_t p = p0; p < p1; ++p) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t g0 = 0; g0 < groups; g0 += kb) {
+        const int64_t gc = std::min(kb, groups - g0);
+        bf16_block<Bits>(pb.w + p * pb.panel_bytes(), g0, gc, pb.f, wbuf.data(), so.data());
+        amx::panel_groups(xa.data(), m, groups, g0, wbuf.data(), so.data(), gc, offsets, halves,
+                          xs_pad.data(), acc.data());
+      }
+      store(acc.data(), m, pb.n, p * kCols, pb.bias, y);
+    }
+    amx::end_tiles();
+  });
+}
+
+template <int Bits>
+void run_bf16(const uint16_t* x, const Problem& pb, bool allow_amx, at::BFloat16* y) {
   const int64_t m = pb.m, k = pb.k, groups = pb.groups;
   const std::vector<float> xs = group_sums(x, m, k);
+  if (allow_amx && amx_rows() > 0 && m >= amx_rows()) {
+    run_bf16_tiles<Bits>(x, xs, pb, y);
+    return;
+  }
   if (m <= kBf16Rows) {
     at::parallel_for(0, pb.panels(), 1, [&](int64_t p0, int64_t p1) {
       float c[kBf16Rows * kCols];
@@ -250,7 +297,8 @@ void run_dot(const QuantizedRows& qx, const Problem& pb, Out* y) {
 }
 
 template <int Bits>
-void dispatch(const torch::Tensor& x, const Problem& pb, bool dot, torch::Tensor& y) {
+void dispatch(const torch::Tensor& x, const Problem& pb, bool dot, bool allow_amx,
+              torch::Tensor& y) {
   if (dot) {
     with_float_elements(x, "groupwise", [&](const auto* xp) {
       const QuantizedRows qx = quantize_rows(xp, pb.m, pb.k);
@@ -260,7 +308,7 @@ void dispatch(const torch::Tensor& x, const Problem& pb, bool dot, torch::Tensor
   }
 #if defined(__AVX512BF16__)
   if (x.scalar_type() == at::kBFloat16) {
-    return run_bf16<Bits>(reinterpret_cast<const uint16_t*>(x.data_ptr()), pb,
+    return run_bf16<Bits>(reinterpret_cast<const uint16_t*>(x.data_ptr()), pb, allow_amx,
                           y.data_ptr<at::BFloat16>());
   }
 #endif
@@ -271,7 +319,8 @@ void dispatch(const torch::Tensor& x, const Problem& pb, bool dot, torch::Tensor
 
 torch::Tensor groupwise_gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
                              int64_t bits, bool half_scales, bool with_offset, bool factored,
-                             const c10::optional<torch::Tensor>& bias, bool dot, bool levels) {
+                             const c10::optional<torch::Tensor>& bias, bool dot, bool levels,
+                             bool allow_amx) {
   const Format f = format_of(bits, half_scales, with_offset, factored, levels);
   TORCH_CHECK(!(dot && f.six()), "groupwise_gemm: six-bit weights run the float path only");
   TORCH_CHECK(!(dot && f.levels), "groupwise_gemm: IQ4 levels run the float path only");
@@ -299,9 +348,9 @@ torch::Tensor groupwise_gemm(const torch::Tensor& x, const torch::Tensor& packed
   const Problem pb{m, k, n, groups, packed.data_ptr<uint8_t>(), f,
                    b.defined() ? b.data_ptr<float>() : nullptr};
   if (bits == 4)
-    dispatch<4>(xc, pb, dot, y);
+    dispatch<4>(xc, pb, dot, allow_amx, y);
   else  // 8, and six (Q6_K at 6 bits): the 8-bit kernels, which read a six block by f.six()
-    dispatch<8>(xc, pb, dot, y);
+    dispatch<8>(xc, pb, dot, allow_amx, y);
   return y;
 }
 
@@ -347,14 +396,17 @@ void bind_groupwise(pybind11::module& m) {
         py::arg("index") = py::none(), py::arg("levels") = false);
   m.def("groupwise_gemm", &q4::groupwise_gemm,
         "y = x @ W^T (+ bias) on pack_groupwise panels; dot=True rounds x to int8 per group of "
-        "32 and uses integer dot products",
+        "32 and uses integer dot products; allow_amx=False keeps bf16 batches off AMX tiles",
         NoGil(), py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bits"),
         py::arg("half_scales"), py::arg("with_offset"), py::arg("factored"),
-        py::arg("bias") = py::none(), py::arg("dot") = false, py::arg("levels") = false);
+        py::arg("bias") = py::none(), py::arg("dot") = false, py::arg("levels") = false,
+        py::arg("allow_amx") = true);
   m.def("quantize_groups", &q4::quantize_groups,
         "x [M, K] -> (int8 [M, K], float32 [M, K/32]): the dot path's rounding of x per group",
         NoGil(), py::arg("x"));
   m.def("groupwise_dot_isa", &q4::dot_isa, "the integer dot product of the group-wise dot path");
+  m.def("groupwise_amx_rows", &q4::amx_rows,
+        "rows of bf16 x from which the float path runs on AMX tiles (0: never here)");
   m.def(
       "groupwise_six_bits",
       [] {
