@@ -57,8 +57,9 @@ void panels_int8(const uint8_t* xa, int64_t m_tiles, int64_t groups, const int8_
 // summation differs from the definition there too. Two-scale groups (Q6_K, Q3_K) take two
 // half products of 16 k. Rows of bf16 x from which this beats vdpbf16ps (a tile costs the same
 // for 1-16 rows; measured on a Xeon on a 2048 x 16384 Q4_0 layer: vdpbf16ps 0.94 / 1.53 / 2.74
-// ms at 2 / 4 / 8 rows, tiles 1.17 ms at 9 and 1.53 at 16):
-constexpr int64_t kMinGroupRows = 5;
+// ms at 2 / 4 / 8 rows, tiles 1.17 ms at 9 and 1.53 at 16; a 1B Q4_0 decode step: 82 ms at 4
+// rows on vdpbf16ps, 70 ms at 8 on tiles):
+constexpr int64_t kMinGroupRows = 4;
 // x [M, K] bf16 -> A-tile order, a tile per 16 rows and group (zero rows past M).
 std::vector<uint8_t> pack_bf16_rows(const uint16_t* x, int64_t m, int64_t k);
 // Tile configuration for panel_groups, per thread: halves for two-scale groups.

@@ -5,7 +5,7 @@
 // - float: no rounding of x. float32/fp16 x: weights dequantised in registers (few rows) or
 //   once per K-block into a float32 scratch shared by the row tiles (many rows), float32 FMAs.
 //   bf16 x in avx512bf16 builds: vdpbf16ps on q, scaled per group (gemm_q4_float.h); batches
-//   of 5+ rows on processors with AMX-BF16: a tile product per group (gemm_amx.h), scaled the
+//   of 4+ rows on processors with AMX-BF16: a tile product per group (gemm_amx.h), scaled the
 //   same way. Only the float32 summation differs from the definition.
 // - dot: x rounded to int8 per group of 32, integer dot products (gemm_q4_dot.h): half the
 //   instructions of vdpbf16ps per weight or less. The caller chooses (dot=); the CPU backend
