@@ -65,8 +65,8 @@ constexpr TileConfig make_config() {
 // may be dropped as dead (seen here: tilezero then faulted with an illegal instruction).
 alignas(64) constexpr TileConfig kTileConfig = make_config();
 
-// Half groups (16 k): C tiles 0-2 as above, a B tile of 8 pair rows (tmm3), A tiles of 16 rows
-// x 16 bf16 (tmm4-6).
+// Half groups (16 k, panel_groups' two-scale groups): C tiles as above, a B tile of 8 pair rows
+// (tmm3), A tiles of 16 rows x 16 bf16 (tmm4, the one panel_groups loads; tmm5-6 alike).
 constexpr TileConfig make_half_config() {
   TileConfig cfg = make_config();
   cfg.rows[3] = kTile / 2;
