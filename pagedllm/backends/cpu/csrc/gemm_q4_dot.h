@@ -96,6 +96,7 @@ inline void dot_rows(const int8_t* xq, int64_t ldx, const float* dx, const float
   const __m512i low = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* block = panel + f.block_offset(g);
+    prefetch_group(panel, g, f);
     const int8_t* xg = xq + g * kGroup;
     __m512i a[C][R];
     for (auto& chain : a)
@@ -191,6 +192,7 @@ inline void dot_rows(const int8_t* xq, int64_t ldx, const float* dx, const float
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* block = panel + f.block_offset(g);
+    prefetch_group(panel, g, f);
     const int8_t* xg = xq + g * kGroup;
     __m256i a[R][2];  // 4-bit: int16 sums of 16 products (<= 30480); 8-bit: int32 sums
     for (auto& row : a) row[0] = row[1] = _mm256_setzero_si256();
@@ -266,6 +268,7 @@ inline void dot_rows(const int8_t* xq, int64_t ldx, const float* dx, const float
   for (int r = 0; r < R; ++r) v_store(c + r * kCols, v_zero());
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* block = panel + f.block_offset(g);
+    prefetch_group(panel, g, f);
     V16 s, o;
     group_scales(panel, g, f, &s, &o);
     for (int r = 0; r < R; ++r) {

@@ -50,6 +50,7 @@ inline void f32_rows(const float* x, int64_t ldx, const uint8_t* panel, int64_t 
     for (V16& v : chain) v = v_zero();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* block = panel + f.block_offset(g);
+    prefetch_group(panel, g, f);
     V16 s, o;
     group_scales(panel, g, f, &s, &o);
     const float* xg = x + g * kGroup;
@@ -183,6 +184,31 @@ inline void int6_pairs(const uint8_t* chunk, __m512i out[2]) {
   }
 }
 
+// bf16 bits of 16 * (i & 15) as a signed nibble (-128..112): the high part of an int8 q.
+alignas(64) inline constexpr uint16_t kBf16OfHighNibble[32] = {
+    0x0000, 0x4180, 0x4200, 0x4240, 0x4280, 0x42A0, 0x42C0, 0x42E0,
+    0xC300, 0xC2E0, 0xC2C0, 0xC2A0, 0xC280, 0xC240, 0xC200, 0xC180,
+    0x0000, 0x4180, 0x4200, 0x4240, 0x4280, 0x42A0, 0x42C0, 0x42E0,
+    0xC300, 0xC2E0, 0xC2C0, 0xC2A0, 0xC280, 0xC240, 0xC200, 0xC180};
+
+// An 8-bit chunk (two pair rows) as four, q = 16 * high + low: low (0..15) and 16 * high
+// (signed) of pair row 0, then of pair row 1, each exact in bf16. Two vpshufb, a shift and four
+// vpermw where the conversion through float32 takes ~12 shuffle-port instructions: at one row
+// (each converted weight used once) that conversion, not the memory, bounded the 8-bit layers
+// on the Xeon; the two halves cost a second vdpbf16ps per pair row instead.
+inline void int8_split_pairs(const uint8_t* chunk, __m512i out[4]) {
+  const __m512i low = _mm512_load_si512(kBf16OfNibble[0]);
+  const __m512i high = _mm512_load_si512(kBf16OfHighNibble);
+  const __m512i v = _mm512_loadu_si512(chunk);
+  for (int i = 0; i < 2; ++i) {
+    const __m512i ctl =
+        _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kPairCtl[i])));
+    const __m512i words = _mm512_shuffle_epi8(v, ctl);  // bytes zero-extended: index bits 0-7
+    out[2 * i] = _mm512_permutexvar_epi16(words, low);   // vpermw reads bits 0-4; table repeats
+    out[2 * i + 1] = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), high);
+  }
+}
+
 // Pair rows of one chunk: 4 (4-bit) or 2 (8-bit, exact in bf16 through float32; Q6_K's 6-bit
 // values by a look-up).
 template <int Bits>
@@ -216,6 +242,7 @@ inline void bf16_rows(const uint16_t* x, int64_t ldx, const float* xs, int64_t l
   const bool offsets = f.with_offset;
   const bool two = Bits == 8 && f.two_scales();
   constexpr int kChunks = kGroup / (2 * kP);
+  constexpr bool kSplit = Bits == 8 && R == 1;
   __m512 t[R];
   for (auto& v : t) v = _mm512_setzero_ps();
   __m512 a[C][R];
@@ -234,6 +261,7 @@ inline void bf16_rows(const uint16_t* x, int64_t ldx, const float* xs, int64_t l
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* block = panel + f.block_offset(g);
     const uint16_t* xg = x + g * kGroup;
+    prefetch_group(panel, g, f);
     V16 s, o;
     group_scales(panel, g, f, &s, &o);
     if (Bits == 8 && f.six()) {  // two half groups of 8 pair rows, one scale each
@@ -251,6 +279,13 @@ inline void bf16_rows(const uint16_t* x, int64_t ldx, const float* xs, int64_t l
     }
     for (int ch = 0; ch < kChunks; ++ch) {
       __m512i w[4];
+      if (kSplit && !two) {  // one row of an 8-bit layer: q as its two nibbles
+        int8_split_pairs(block + ch * kChunk, w);
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i)
+          a[i % C][0] = dot2(a[i % C][0], w[i], xg + 2 * (ch * kP + i / 2));
+        continue;
+      }
       chunk_pairs<Bits>(block + ch * kChunk, f, w);
 #pragma GCC unroll 4
       for (int i = 0; i < kP; ++i) {
@@ -276,6 +311,7 @@ inline void bf16_block(const uint8_t* panel, int64_t g0, int64_t gc, const Forma
   constexpr int kP = kPairsPerChunk<Bits>;
   for (int64_t g = 0; g < gc; ++g) {
     const uint8_t* block = panel + f.block_offset(g0 + g);
+    prefetch_group(panel, g0 + g, f);
     if (Bits == 8 && f.six()) {  // pair rows 0-7 of k 0..15, then 8-15 of k 16..31
       for (int h = 0; h < 2; ++h) {
         __m512i w[8];
