@@ -1,7 +1,8 @@
 // GGUF blocks decoded into a group-wise layer's tensors, once at load. Q4_0 / Q4_1 / Q4_K:
 // nibbles [N, K/2] (even k in the low nibble), float32 scale and offset [N, K/32] with
 // W = q * scale + offset. Q6_K and Q3_K: int8 q [N, K], float32 d * sc [N, K/16] and d
-// [N, K/256]. Q5_0, IQ4_NL and IQ4_XS: int8 q [N, K] and float32 scale [N, K/32], W = q * scale.
+// [N, K/256]. Q8_0, Q5_0, IQ4_NL and IQ4_XS: int8 q [N, K] and float32 scale [N, K/32],
+// W = q * scale.
 // Q5_K: int8 q [N, K] in 0..31, float32 scale and offset [N, K/32], W = q * scale + offset.
 // The same values as the loader's numpy definitions (models/gguf/weights.py int4_groups,
 // q6_k_groups, int8_groups), bit for bit, in one threaded pass instead of ~10 numpy passes over
@@ -55,7 +56,7 @@ void q4_k_units(const uint8_t* s, int g, int* sc, int* m) {
   }
 }
 
-enum class Type { kQ4_0, kQ4_1, kQ4_K, kQ6_K, kQ3_K, kQ5_0, kIQ4_NL, kIQ4_XS, kQ5_K };
+enum class Type { kQ4_0, kQ4_1, kQ4_K, kQ6_K, kQ3_K, kQ8_0, kQ5_0, kIQ4_NL, kIQ4_XS, kQ5_K };
 
 struct Kind {
   Type type;
@@ -69,12 +70,13 @@ Kind kind_of(const std::string& name) {
   if (name == "Q4_K") return {Type::kQ4_K, 144, 256};
   if (name == "Q6_K") return {Type::kQ6_K, 210, 256};
   if (name == "Q3_K") return {Type::kQ3_K, 110, 256};
+  if (name == "Q8_0") return {Type::kQ8_0, 34, 32};
   if (name == "Q5_0") return {Type::kQ5_0, 22, 32};
   if (name == "IQ4_NL") return {Type::kIQ4_NL, 18, 32};
   if (name == "IQ4_XS") return {Type::kIQ4_XS, 136, 256};
   if (name == "Q5_K") return {Type::kQ5_K, 176, 256};
   TORCH_CHECK(false,
-              "decode_gguf_blocks: kind must be Q4_0, Q4_1, Q4_K, Q6_K, Q3_K, Q5_0, IQ4_NL, "
+              "decode_gguf_blocks: kind must be Q4_0, Q4_1, Q4_K, Q6_K, Q3_K, Q8_0, Q5_0, IQ4_NL, "
               "IQ4_XS or Q5_K, got ",
               name);
 }
@@ -117,13 +119,19 @@ void iq4_levels(const uint8_t* qs, int8_t* q) {
 #endif
 }
 
-// One block of Q5_0 / IQ4_NL (32 values) or IQ4_XS (256) -> int8 q and one scale per 32.
+// One block of Q8_0 / Q5_0 / IQ4_NL (32 values) or IQ4_XS (256) -> int8 q and one scale per
+// 32.
 // Q5_0: (q - 16) * d, q's low 4 bits as Q4_0's, its fifth bit j at bit j of 4 bytes after d.
 // IQ4_XS: per group g, d * (ls - 32) with ls's low nibble in byte 4 + g / 2 (odd g: the high
 // nibble) and its top 2 bits at bit 2 g of the uint16 after d; 16 bytes of level indices.
 void decode_int8_block(Type type, const uint8_t* b, int8_t* q, float* scale) {
   uint8_t idx[32];
   const float d = half_at(b);
+  if (type == Type::kQ8_0) {  // d, then the 32 q themselves
+    scale[0] = d;
+    std::memcpy(q, b + 2, 32);
+    return;
+  }
   if (type == Type::kIQ4_XS) {
     uint16_t high;
     std::memcpy(&high, b + 2, sizeof high);
@@ -243,7 +251,7 @@ std::vector<torch::Tensor> decode_gguf_blocks(const torch::Tensor& blocks,
     });
     return {q, scale, d};
   }
-  if (k.type == Type::kQ5_0 || k.type == Type::kIQ4_NL || k.type == Type::kIQ4_XS ||
+  if (k.type == Type::kQ8_0 || k.type == Type::kQ5_0 || k.type == Type::kIQ4_NL || k.type == Type::kIQ4_XS ||
       k.type == Type::kQ5_K) {  // int8 q and a scale per 32 (Q5_K: an offset too)
     const bool q5_k = k.type == Type::kQ5_K;
     const int64_t per_block = k.values / kGroup;
