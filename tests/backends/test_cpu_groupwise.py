@@ -767,8 +767,8 @@ def test_the_gguf_block_decoder_equals_the_numpy_definitions() -> None:
     """``decode_gguf_blocks`` (the CPU backend's ``gguf_block_decoder``) gives ``int4_groups``'
     nibbles, scales and offsets bit for bit (offsets' signed zeros included) for Q4_0, Q4_1
     and Q4_K blocks, ``q6_k_groups``' q, scales and d for Q6_K and Q3_K, ``int8_groups``' q
-    and scales for Q8_0, Q5_0, IQ4_NL and IQ4_XS, and ``q5_k_groups``' q, scales and offsets for Q5_K:
-    random bytes with finite fp16 factors."""
+    and scales for Q8_0, Q5_0, IQ4_NL and IQ4_XS, and ``q5_k_groups``' q, scales and offsets
+    for Q5_K: random bytes with finite fp16 factors."""
     import numpy as np
     from gguf import GGMLQuantizationType
 
