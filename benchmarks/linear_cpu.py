@@ -26,10 +26,11 @@ shape, side by side in one run:
 * ``linear_path``: what ``CpuBackend.prepare_model`` would pick for a bf16 weight on this CPU.
 
 The ``decode`` section times 1-8 rows with every call streaming its weights from memory (each
-path cycles through copies of its weights, ``--stream-mb`` in all, several times the
-last-level cache): bf16, the int8 path the backend picks, and the group-wise formats, with
-``read_GBps`` (``read_bytes`` over the same int4 copies: every byte loaded once on all threads)
-and each path's weight bytes per second at one row as a share of it.
+path cycles through copies of its weights, ``--stream-mb`` in all: by default twice the
+last-level cache Linux reports, at least 256 MiB): bf16, the int8 path the backend picks, and
+the group-wise formats, with ``read_GBps`` (``read_bytes`` over the same int4 copies: every
+byte loaded once on all threads) and each path's weight bytes per second at one row as a share
+of it.
 
 Reports milliseconds per call (best of several), ratios to float32 and to bf16 F.linear, and for
 M=1 the weight bytes streamed per second (weights are read once per call; activations are
@@ -45,7 +46,8 @@ cache, so its GB/s exceeds the memory's; in a whole model every layer comes from
 fused q/k/v and gate/up included) and each group-wise format, the dot path (x rounded to int8
 per group) against the float path on the same packed weights and against oneDNN's bf16 GEMM,
 at 1 to 512 rows of bf16 x, the contenders taking turns in one process (best of several): what
-``groupwise_linear.DOT_ROWS`` is measured by.
+``groupwise_linear.DOT_ROWS`` is measured by. Each contender cycles through copies of its
+weights as the decode section does (``--stream-mb 0``: one copy, timed from the cache).
 
 The group-wise weights come from small quantisers here (``_q4_0``, ``_q4_k``, ``_q8_0``: the
 formats, not ggml's search for the best scales), which is all the timing needs.
@@ -60,6 +62,7 @@ import math
 import time
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -294,6 +297,29 @@ def _copies(nbytes: float, stream_bytes: float) -> int:
     return max(1, math.ceil(stream_bytes / nbytes))
 
 
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache Linux reports for cpu0 (0 where it reports none). Hosts here have
+    had 32 MiB and 480 MiB: a fixed stream size that evicts one keeps the other's weights in
+    cache (one-row kernels then read 2x faster than in a model)."""
+    best = 0
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            size = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 2**10, "M": 2**20, "G": 2**30}
+        if size and size[-1] in units and size[:-1].isdigit():
+            best = max(best, int(size[:-1]) * units[size[-1]])
+        elif size.isdigit():
+            best = max(best, int(size))
+    return best
+
+
+def default_stream_mb() -> float:
+    """Weight copies a streamed path cycles, in MiB: twice the last-level cache, at least 256."""
+    return max(256.0, 2 * last_level_cache_bytes() / 2**20)
+
+
 def _interleaved(fns: dict[str, Callable[[], object]], budget_s: float) -> dict[str, float]:
     """Each function's fastest call, the functions taking turns (a few calls each, over
     several rounds) so that all of them meet the same memory traffic from other processes."""
@@ -375,36 +401,58 @@ def _vector_path(ops: object, pw: PackedGroupwise, x: torch.Tensor) -> torch.Ten
 
 
 def dot_vs_float(
-    shapes: dict[str, tuple[int, int]], batches: list[int], budget_s: float, formats: list[str]
+    shapes: dict[str, tuple[int, int]],
+    batches: list[int],
+    budget_s: float,
+    formats: list[str],
+    stream_bytes: float = 0.0,
 ) -> dict[str, list[dict[str, object]]]:
     """Per shape and row count: each format's dot and float path and bf16 oneDNN, interleaved;
     ``<fmt>_dot_vs_float`` > 1 where the dot path is faster. Where bf16 batches take AMX tiles
     (``groupwise_amx_rows``), also the float path kept on vdpbf16ps (``<fmt>_vector``), and
-    ``<fmt>_float_vs_vector`` > 1 where the tiles are faster."""
+    ``<fmt>_float_vs_vector`` > 1 where the tiles are faster. Each path cycles through copies
+    of its weights, ``stream_bytes`` in all (0: one copy, timed from the cache)."""
     ops = gemm_ops()
     tiles_from = ops.groupwise_amx_rows()
     out: dict[str, list[dict[str, object]]] = {}
     for name, (n, k) in shapes.items():
         torch.manual_seed(0)
         w32 = torch.randn(n, k) * 0.02
-        dense = make_packed_linear(w32.bfloat16(), None)
+        w16 = w32.bfloat16()
+        dense = make_packed_linear(w16, None)
+        if dense is not None:
+            more = _copies(n * k * 2, stream_bytes) - 1
+            dense = _cycling([dense] + [make_packed_linear(w16.clone(), None) for _ in range(more)])
         packed = {
             fmt: pw
             for fmt, pw in groupwise_weights(w32).items()
             if fmt in formats and pw.bits != 6  # six-bit layers have no dot path
         }
-        gemms = {fmt: make_groupwise_gemm(ops, pw, None) for fmt, pw in packed.items()}
+        copies = {
+            fmt: [pw]
+            + [
+                dataclasses.replace(pw, packed=pw.packed.clone())
+                for _ in range(_copies(pw.packed.numel(), stream_bytes) - 1)
+            ]
+            for fmt, pw in packed.items()
+        }
+        gemms = {
+            fmt: [make_groupwise_gemm(ops, pw, None) for pw in made] for fmt, made in copies.items()
+        }
         rows = []
         for m in batches:
             x = torch.randn(m, k).bfloat16()
             fns: dict[str, Callable[[], object]] = {}
             if dense is not None:
                 fns["bf16_onednn"] = lambda dense=dense, x=x: dense(x)
-            for fmt, gemm in gemms.items():
-                fns[f"{fmt}_dot"] = lambda gemm=gemm, x=x: gemm(x, dot=True)
-                fns[f"{fmt}_float"] = lambda gemm=gemm, x=x: gemm(x, dot=False)
+            for fmt, made in gemms.items():
+                dot = _cycling([partial(gemm, dot=True) for gemm in made])
+                flt = _cycling([partial(gemm, dot=False) for gemm in made])
+                fns[f"{fmt}_dot"] = partial(dot, x)
+                fns[f"{fmt}_float"] = partial(flt, x)
                 if tiles_from and m >= tiles_from:
-                    fns[f"{fmt}_vector"] = partial(_vector_path, ops, packed[fmt], x)
+                    vector = _cycling([partial(_vector_path, ops, pw) for pw in copies[fmt]])
+                    fns[f"{fmt}_vector"] = partial(vector, x)
             best = _interleaved(fns, budget_s * len(fns))
             row: dict[str, object] = {"m": m}
             for key, seconds in best.items():
@@ -429,7 +477,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads")
     parser.add_argument("--budget", type=float, default=1.0, help="seconds per measurement")
     parser.add_argument(
-        "--stream-mb", type=float, default=256, help="weight copies each decode path cycles"
+        "--stream-mb",
+        type=float,
+        default=None,
+        help="weight copies each streamed path cycles (default: 2x the last-level cache)",
     )
     parser.add_argument("--head", type=int, default=None, help="only decode, an LM head of N")
     parser.add_argument(
@@ -443,6 +494,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    stream_mb = args.stream_mb if args.stream_mb is not None else default_stream_mb()
     if args.dot_rows:
         names = args.shapes.split(",") if args.shapes else list(DOT_SHAPES)
         rows = [int(r) for r in args.rows.split(",")] if args.rows else DOT_ROWS
@@ -451,11 +503,14 @@ def main() -> None:
             "processor": cpu_model_name(),
             "isa": resolve_isa(),
             "threads": torch.get_num_threads(),
+            "llc_MB": round(last_level_cache_bytes() / 2**20),
+            "stream_MB": round(stream_mb),
             "shapes": dot_vs_float(
                 {name: DOT_SHAPES[name] for name in names},
                 rows,
                 args.budget,
                 args.formats.split(","),
+                stream_mb * 2**20,
             ),
         }
         print(json.dumps(result, indent=1))
@@ -468,7 +523,7 @@ def main() -> None:
         decode_shapes, decode_rows, stream_bytes = {"lm_head": 500}, [1, 8], 0.0
     else:
         shapes, k, batches, budget = SHAPES_1B, HIDDEN_1B, [1, 16, 64, 512], args.budget
-        decode_shapes, decode_rows, stream_bytes = shapes, [1, 2, 4, 8], args.stream_mb * 2**20
+        decode_shapes, decode_rows, stream_bytes = shapes, [1, 2, 4, 8], stream_mb * 2**20
     ops = gemm_ops()
     result = {
         "benchmark": "linear_cpu",
@@ -483,6 +538,7 @@ def main() -> None:
         "linear_path_int4": path_name(ops, "int4") if ops is not None else "torch-int4",
         "linear_path_q8_0": path_name(ops, "q8_0") if ops is not None else "torch-q8_0",
         "threads": torch.get_num_threads(),
+        "llc_MB": round(last_level_cache_bytes() / 2**20),
         "shapes": {name: run_shape(n, k, batches, budget) for name, n in shapes.items()},
         "decode": {
             name: decode_from_memory(n, k, decode_rows, budget, stream_bytes)
