@@ -25,6 +25,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #pragma GCC push_options
@@ -65,15 +66,26 @@ constexpr TileConfig make_config() {
 // may be dropped as dead (seen here: tilezero then faulted with an illegal instruction).
 alignas(64) constexpr TileConfig kTileConfig = make_config();
 
-// Half groups (16 k, panel_groups' two-scale groups): C tiles as above, a B tile of 8 pair rows
-// (tmm3), A tiles of 16 rows x 16 bf16 (tmm4, the one panel_groups loads; tmm5-6 alike).
-constexpr TileConfig make_half_config() {
-  TileConfig cfg = make_config();
-  cfg.rows[3] = kTile / 2;
-  for (int t = 4; t < 7; ++t) cfg.colsb[t] = kRowBytes / 2;
+// panel_groups' configurations: two sets of tiles (consecutive groups alternate), C and A tiles
+// of 4, 8 or 16 rows by the rows a batch fills (a tile product, load and store cost in
+// proportion to their rows); for two-scale groups (halves of 16 k) B tiles of 8 pair rows and
+// A tiles of 16 bf16 a row.
+constexpr int kGroupRowKinds = 3;  // 4, 8, 16 rows
+constexpr TileConfig make_group_config(bool halves, int64_t rows) {
+  TileConfig cfg = make_config();  // two sets: C tmm0 / tmm1, B tmm3 / tmm2, A tmm4 / tmm5
+  for (int t : {0, 1, 4, 5}) cfg.rows[t] = static_cast<uint8_t>(rows);
+  if (halves) {  // B tiles of 8 pair rows, A tiles of 16 bf16 a row
+    for (int t : {2, 3}) cfg.rows[t] = kTile / 2;
+    for (int t : {4, 5}) cfg.colsb[t] = kRowBytes / 2;
+  }
   return cfg;
 }
-alignas(64) constexpr TileConfig kHalfTileConfig = make_half_config();
+alignas(64) constexpr TileConfig kGroupConfigs[2][kGroupRowKinds] = {
+    {make_group_config(false, 4), make_group_config(false, 8), make_group_config(false, kTile)},
+    {make_group_config(true, 4), make_group_config(true, 8), make_group_config(true, kTile)}};
+
+// Which configuration a batch of m rows uses: 4, 8 or (every row tile past 8 rows) 16 rows.
+int group_row_kind(int64_t m) { return m <= 4 ? 0 : (m <= 8 ? 1 : 2); }
 
 void configure_tiles() { _tile_loadconfig(&kTileConfig); }
 
@@ -263,50 +275,70 @@ void run(const uint16_t* x, int64_t m, int64_t k, const typename Tag::T* w, int6
   });
 }
 
-// One row tile (16 rows) through groups [g0, g0 + gc): each group's tile product (two half
-// products for two-scale groups) stored to a small buffer and added, scaled, to 16 float32
-// accumulators held in registers. The next group's tile work does not wait for this group's
-// vector work (the buffers alternate), so the two units overlap.
-template <bool Halves>
+// One group's tile product(s) into out: C in tile TC, B in TB, A in TA. GCC's tile intrinsics
+// paste their tile numbers into the assembly text, so the numbers are literals, not template
+// arguments: one function per set of tiles.
+#define PAGEDLLM_GROUP_PRODUCT(NAME, TC, TB, TA)                                 \
+  template <int Parts>                                                           \
+  inline void NAME(const uint8_t* a, const uint8_t* b, float* out) {             \
+    for (int h = 0; h < Parts; ++h) {                                            \
+      _tile_zero(TC);                                                            \
+      _tile_loadd(TB, b + h * (kTileBytes / 2), kRowBytes);                      \
+      _tile_loadd(TA, a + h * (kRowBytes / 2), kRowBytes);                       \
+      _tile_dpbf16ps(TC, TA, TB);                                                \
+      _tile_stored(TC, out + h * kTile * kCols, kCols * 4);                      \
+    }                                                                            \
+  }
+// A half tile starts 32 bytes into each 64-byte row; a B half tile is 8 of the 16 rows.
+PAGEDLLM_GROUP_PRODUCT(group_product_even, 0, 3, 4)
+PAGEDLLM_GROUP_PRODUCT(group_product_odd, 1, 2, 5)
+#undef PAGEDLLM_GROUP_PRODUCT
+
+// One row tile through groups [g0, g0 + gc): each group's tile product (two half products for
+// two-scale groups) stored to a small buffer and added, scaled, to float32 accumulators held in
+// registers. Rows: the rows of the tile configuration (group_row_kind), the only ones scaled.
+// Consecutive groups alternate between two sets of tiles and buffers, and group g + 1's product
+// is issued before group g's vector pass: with one set every product waited for the previous
+// one's store (timed: a Q4_0 gate/up at 4-16 rows 1.6 ms, 1.0 without the tile work and the
+// same without the vector pass).
+template <bool Halves, int Rows>
 void tile_groups(const uint8_t* a, const uint8_t* b, const float* so, int64_t gc, bool offsets,
                  const float* xs, int64_t ldxs, float* acc) {
-  constexpr int64_t kCStride = kCols * 4;
   constexpr int kParts = Halves ? 2 : 1;
   alignas(64) float sums[2][kParts][kTile * kCols];
-  __m512 c[kTile];
+  __m512 c[Rows];
 #pragma GCC unroll 16
-  for (int r = 0; r < kTile; ++r) c[r] = _mm512_loadu_ps(acc + r * kCols);
+  for (int r = 0; r < Rows; ++r) c[r] = _mm512_loadu_ps(acc + r * kCols);
+  const auto product = [&](int64_t g) {
+    if (g & 1)
+      group_product_odd<kParts>(a + g * kTileBytes, b + g * kTileBytes, sums[1][0]);
+    else
+      group_product_even<kParts>(a + g * kTileBytes, b + g * kTileBytes, sums[0][0]);
+  };
+  if (gc > 0) product(0);
   for (int64_t g = 0; g < gc; ++g) {
-    float* out = sums[g & 1][0];
-#pragma GCC unroll 2
-    for (int h = 0; h < kParts; ++h) {
-      // A half tile starts 32 bytes into each 64-byte row; a B half tile is 8 of the 16 rows.
-      _tile_zero(0);
-      _tile_loadd(3, b + g * kTileBytes + h * (kTileBytes / 2), kRowBytes);
-      _tile_loadd(4, a + g * kTileBytes + h * (kRowBytes / 2), kRowBytes);
-      _tile_dpbf16ps(0, 4, 3);
-      _tile_stored(0, out + h * kTile * kCols, kCStride);
-    }
+    if (g + 1 < gc) product(g + 1);
+    const float* out = sums[g & 1][0];
     const float* sg = so + g * 2 * kCols;
     const __m512 s0 = _mm512_loadu_ps(sg), s1 = _mm512_loadu_ps(sg + kCols);
     if (Halves) {
 #pragma GCC unroll 16
-      for (int r = 0; r < kTile; ++r)
+      for (int r = 0; r < Rows; ++r)
         c[r] = _mm512_fmadd_ps(_mm512_load_ps(out + (kTile + r) * kCols), s1,
                                _mm512_fmadd_ps(_mm512_load_ps(out + r * kCols), s0, c[r]));
     } else if (offsets) {
 #pragma GCC unroll 16
-      for (int r = 0; r < kTile; ++r)
+      for (int r = 0; r < Rows; ++r)
         c[r] = _mm512_fmadd_ps(s1, _mm512_set1_ps(xs[r * ldxs + g]),
                                _mm512_fmadd_ps(_mm512_load_ps(out + r * kCols), s0, c[r]));
     } else {
 #pragma GCC unroll 16
-      for (int r = 0; r < kTile; ++r)
+      for (int r = 0; r < Rows; ++r)
         c[r] = _mm512_fmadd_ps(_mm512_load_ps(out + r * kCols), s0, c[r]);
     }
   }
 #pragma GCC unroll 16
-  for (int r = 0; r < kTile; ++r) _mm512_storeu_ps(acc + r * kCols, c[r]);
+  for (int r = 0; r < Rows; ++r) _mm512_storeu_ps(acc + r * kCols, c[r]);
 }
 
 }  // namespace
@@ -315,8 +347,8 @@ std::vector<uint8_t> pack_bf16_rows(const uint16_t* x, int64_t m, int64_t k) {
   return pack_rows(reinterpret_cast<const uint8_t*>(x), m, k * 2);
 }
 
-void begin_group_tiles(bool halves) {
-  _tile_loadconfig(halves ? &kHalfTileConfig : &kTileConfig);
+void begin_group_tiles(bool halves, int64_t m) {
+  _tile_loadconfig(&kGroupConfigs[halves ? 1 : 0][group_row_kind(m)]);
 }
 
 void panel_groups(const uint8_t* xa, int64_t m, int64_t groups_total, int64_t g0,
@@ -328,10 +360,20 @@ void panel_groups(const uint8_t* xa, int64_t m, int64_t groups_total, int64_t g0
     const uint8_t* a = xa + t * tile_stride + g0 * kTileBytes;
     const float* xr = xs + t * kTile * groups_total + g0;
     float* c = acc + t * kTile * kCols;
-    if (halves)
-      tile_groups<true>(a, b, so, gc, false, xr, groups_total, c);
+    const auto run = [&](auto rows) {
+      constexpr int R = decltype(rows)::value;
+      if (halves)
+        tile_groups<true, R>(a, b, so, gc, false, xr, groups_total, c);
+      else
+        tile_groups<false, R>(a, b, so, gc, offsets, xr, groups_total, c);
+    };
+    const int kind = group_row_kind(m);
+    if (kind == 0)
+      run(std::integral_constant<int, 4>{});
+    else if (kind == 1)
+      run(std::integral_constant<int, 8>{});
     else
-      tile_groups<false>(a, b, so, gc, offsets, xr, groups_total, c);
+      run(std::integral_constant<int, 16>{});
   }
 }
 
@@ -400,7 +442,7 @@ void end_tiles() {}
 void panels_int8(const uint8_t*, int64_t, int64_t, const int8_t*, const int8_t*, int32_t*,
                  int32_t*) {}
 std::vector<uint8_t> pack_bf16_rows(const uint16_t*, int64_t, int64_t) { return {}; }
-void begin_group_tiles(bool) {}
+void begin_group_tiles(bool, int64_t) {}
 void panel_groups(const uint8_t*, int64_t, int64_t, int64_t, const uint16_t*, const float*, int64_t,
                   bool, bool, const float*, float*) {}
 }  // namespace pagedllm::gemm::amx

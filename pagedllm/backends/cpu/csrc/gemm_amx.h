@@ -62,8 +62,9 @@ void panels_int8(const uint8_t* xa, int64_t m_tiles, int64_t groups, const int8_
 constexpr int64_t kMinGroupRows = 4;
 // x [M, K] bf16 -> A-tile order, a tile per 16 rows and group (zero rows past M).
 std::vector<uint8_t> pack_bf16_rows(const uint16_t* x, int64_t m, int64_t k);
-// Tile configuration for panel_groups, per thread: halves for two-scale groups.
-void begin_group_tiles(bool halves);
+// Tile configuration for panel_groups, per thread: halves for two-scale groups; tiles of 4 or 8
+// rows for batches of up to 4 or 8 rows (m), else 16.
+void begin_group_tiles(bool halves, int64_t m);
 // acc[M][16] += for g in [0, gc): (x's group g0 + g @ pairs[g]) * so[g][0:16] (two-scale: sums
 // of k 0..15 by so[g][0:16], 16..31 by so[g][16:32]) + so[g][16:32] * xs[row][g0 + g] where
 // offsets. pairs [gc][16][32] bf16 and so [gc][32] float32 as bf16_block makes them; xa from

@@ -144,7 +144,7 @@ void run_bf16_tiles(const uint16_t* x, const std::vector<float>& xs, const Probl
   std::vector<float> xs_pad(static_cast<size_t>(m_pad * groups), 0.0f);
   std::copy(xs.begin(), xs.end(), xs_pad.begin());
   at::parallel_for(0, pb.panels(), 1, [&](int64_t p0, int64_t p1) {
-    amx::begin_group_tiles(halves);
+    amx::begin_group_tiles(halves, m);
     std::vector<float> acc(static_cast<size_t>(m_pad * kCols));
     std::vector<uint16_t> wbuf(static_cast<size_t>(kb * 16 * dp::kPairWords));
     std::vector<float> so(static_cast<size_t>(kb * 2 * kCols));
