@@ -22,6 +22,8 @@ or ``ImportError``, which callers turn into a fallback to PyTorch ops.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import importlib.util
@@ -31,7 +33,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -44,6 +46,9 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
 _BUILT_MARKER = "built.ok"
+# Our cross-process build lock, and the file torch.utils.cpp_extension holds while it builds.
+_FLOCK = "build.flock"
+_TORCH_BATON = "lock"
 
 
 @dataclass(frozen=True)
@@ -216,19 +221,46 @@ def _load(
             logger.warning("rebuilding the CPU extension in %s: %s", build_dir, exc)
     _check_toolchain()
     build_dir.mkdir(parents=True, exist_ok=True)
-    from torch.utils.cpp_extension import load
+    with _build_lock(build_dir):
+        if (build_dir / _BUILT_MARKER).exists():  # another process built it while we waited
+            try:
+                return _import_built(build_dir, module_name)
+            except (ImportError, OSError) as exc:
+                logger.warning("rebuilding the CPU extension in %s: %s", build_dir, exc)
+        from torch.utils.cpp_extension import load
 
-    logger.info("building %s in %s (first use only)", module_name, build_dir)
-    module = load(
-        name=module_name,
-        sources=[str(_CSRC / s) for s in sources],
-        extra_cflags=list(flags),
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(build_dir),
-        verbose=verbose,
-    )
-    (build_dir / _BUILT_MARKER).write_text(" ".join(flags) + "\n")
+        logger.info("building %s in %s (first use only)", module_name, build_dir)
+        module = load(
+            name=module_name,
+            sources=[str(_CSRC / s) for s in sources],
+            extra_cflags=list(flags),
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            verbose=verbose,
+        )
+        (build_dir / _BUILT_MARKER).write_text(" ".join(flags) + "\n")
     return module
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """One builder per directory across processes, and no lock outlives its process.
+
+    torch's own guard is a file that exists while a build runs (``lock``): a build killed
+    mid-way (Ctrl-C on the first run, an OOM kill, a machine restart) leaves it behind and every
+    later process waits on it forever. An ``flock`` is dropped by the kernel when its holder dies,
+    so while we hold ours, any ``lock`` file is such a leftover and is removed.
+    """
+    with open(build_dir / _FLOCK, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / _TORCH_BATON
+            if stale.exists():
+                logger.warning("removing %s, left by a build that did not finish", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def compile_objects(

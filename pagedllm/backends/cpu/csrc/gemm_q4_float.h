@@ -194,8 +194,8 @@ alignas(64) inline constexpr uint16_t kBf16OfHighNibble[32] = {
 // An 8-bit chunk (two pair rows) as four, q = 16 * high + low: low (0..15) and 16 * high
 // (signed) of pair row 0, then of pair row 1, each exact in bf16. Two vpshufb, a shift and four
 // vpermw where the conversion through float32 takes ~12 shuffle-port instructions: at one row
-// (each converted weight used once) that conversion, not the memory, bounded the 8-bit layers
-// on the Xeon; the two halves cost a second vdpbf16ps per pair row instead.
+// each converted weight is used once, and a Q8_0 gate/up layer from cache ran 1.415 -> 1.215 ms
+// on a Xeon; the two halves cost a second vdpbf16ps per pair row instead.
 inline void int8_split_pairs(const uint8_t* chunk, __m512i out[4]) {
   const __m512i low = _mm512_load_si512(kBf16OfNibble[0]);
   const __m512i high = _mm512_load_si512(kBf16OfHighNibble);
