@@ -7,8 +7,9 @@ Models: SmolLM2-135M-Instruct Q4_1 (the demo model, fetched from the package reg
 random-weight Llama-3.2-1B-shaped model (``model_builder.LLAMA_1B``) written as an F16 GGUF by
 ``llama_cpp_bench.export_gguf`` and quantised to Q4_0, Q4_K_M and Q8_0 by llama.cpp's own
 quantiser (``llama_model_quantize``), and on request a random-weight Gemma-2-2B-shaped model
-(``gemma2-2b-q4_k_m``: soft caps, alternating windows, a 256,000-token tied table); files are
-cached under ``build/bench/gguf``.
+(``gemma2-2b-q4_k_m``: soft caps, alternating windows, a 256,000-token tied table) and a
+random-weight model of Qwen3-30B-A3B's layers (``qwen3moe-q4_k_m``: 128 experts, top-8, 4 of its
+48 layers); files are cached under ``build/bench/gguf``.
 
 Each engine runs in its own subprocess per file, so start-up (imports included, from the
 process's first line to the engine ready) and peak RSS are its own. Per file and engine:
@@ -29,6 +30,7 @@ Prints one JSON object with the processor, the ISA path, the linear-layer paths 
     python benchmarks/gguf_bench.py --models smollm2     # the demo model only
     python benchmarks/gguf_bench.py --models 1b-q4_k_m --single-rounds 5
     python benchmarks/gguf_bench.py --models gemma2-2b-q4_k_m --single-rounds 3  # ~10 GB RAM
+    python benchmarks/gguf_bench.py --models qwen3moe-q4_k_m --single-rounds 3   # ~12 GB RAM
     python benchmarks/gguf_bench.py --smoke              # a tiny Q4_0 file, seconds (CI)
 """
 
@@ -95,6 +97,8 @@ def model_files(names: list[str], smoke: bool) -> dict[str, Path]:
     for name in names:
         if name.startswith("gemma2-2b-"):
             files[name] = _gemma2_2b(name.removeprefix("gemma2-2b-"))
+        if name.startswith("qwen3moe-"):
+            files[name] = _qwen3_moe(name.removeprefix("qwen3moe-"))
     return files
 
 
@@ -166,6 +170,63 @@ def _gemma2_2b(quant: str) -> Path:
             for p in model.parameters():
                 p.normal_(0.0, 0.02 if p.dim() > 1 else 0.1)
         folder = CACHE / "gemma2-2b-hf"
+        model.save_pretrained(str(folder))
+        del model
+        meta = {"tokenizer.ggml.model": "none"}
+        write_gguf(folder, f16, default="F16", with_tokenizer=False, metadata=meta)
+    return _llama_cpp_quantize(lib, f16, out, quant)
+
+
+# Qwen3-30B-A3B's layer (Qwen/Qwen3-30B-A3B's config: 128 experts of 768, top-8 renormalised,
+# 32 query heads and 4 KV heads of 128), 4 of its 48 layers, a 32,000-token vocabulary: its
+# expert GEMMs at their real shapes in a file of ~1.5 GB (Q4_K_M).
+QWEN3_MOE_A3B_4L = dict(
+    vocab_size=32000,
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
+def _qwen3_moe(quant: str) -> Path:
+    """The Qwen3-MoE model above, random weights (bf16, normal 0.02; routers 0.3 for decisive
+    choices), written to F16 GGUF by the tests' GGUF writer (whose MoE files llama.cpp reads as
+    transformers reads the source models: ``tests/models/test_gguf_moe.py``) and quantised by
+    llama.cpp's own quantiser; cached. ~12 GB of RAM while the F16 file is written."""
+    out = CACHE / f"qwen3moe-a3b-4l-{quant}.gguf"
+    if out.exists():
+        return out
+    import llama_cpp as lib
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests' GGUF writer
+    from tests.models.gguf_files import write_gguf
+
+    f16 = CACHE / "qwen3moe-a3b-4l-f16.gguf"
+    if not f16.exists():
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**QWEN3_MOE_A3B_4L))
+        model = model.to_empty(device="cpu").to(torch.bfloat16)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                router = name.endswith("mlp.gate.weight")
+                p.normal_(0.0, 0.3 if router else 0.02) if p.dim() > 1 else p.uniform_(0.8, 1.2)
+        folder = CACHE / "qwen3moe-a3b-4l-hf"
         model.save_pretrained(str(folder))
         del model
         meta = {"tokenizer.ggml.model": "none"}

@@ -30,12 +30,17 @@ def hf_greedy(
     device: str = "cpu",
     dtype: str = "float32",
     gguf_file: str | None = None,
+    config_from: Path | None = None,
 ) -> list[HFGreedy]:
     """transformers' greedy outputs; ``gguf_file``: the model is that file in ``model_path``
-    (transformers dequantises it with ggml's ``gguf`` package)."""
-    from transformers import AutoModelForCausalLM
+    (transformers dequantises it with ggml's ``gguf`` package); ``config_from``: a model folder
+    whose config to use instead of the one transformers reads from the file (its GGUF reader
+    leaves out the MoE families' expert sizes)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    extra = {} if gguf_file is None else {"gguf_file": gguf_file}
+    extra: dict[str, object] = {} if gguf_file is None else {"gguf_file": gguf_file}
+    if config_from is not None:
+        extra["config"] = AutoConfig.from_pretrained(str(config_from))
     model = AutoModelForCausalLM.from_pretrained(
         str(model_path), dtype=getattr(torch, dtype), **extra
     )

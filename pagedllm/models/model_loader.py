@@ -149,11 +149,12 @@ def load_model(
     materialize(module, device=device, dtype=dtype)
     gguf_path = gguf_path_of(model)
     if gguf_path is not None:
-        from pagedllm.models.gguf.loading import gguf_weights
+        from pagedllm.models.gguf.loading import gguf_weights, keep_experts_quantised
 
         weights, plan = gguf_weights(
             gguf_path, hf_config, native_formats, block_decoder=gguf_block_decoder
         )
+        keep_experts_quantised(module, weights.expert_plan)
         quant = with_checkpoint_layers(quant, plan)
     else:
         # Under tensor (pipeline) parallelism each rank reads only the slices (layers) it keeps.

@@ -72,7 +72,11 @@ def is_sparse_layer(config: Any, layer_idx: int, num_experts: int) -> bool:
     return num_experts > 0 and (layer_idx + 1) % step == 0
 
 
-_EXPERT = re.compile(r"\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+# An expert's weight, or (a GGUF file's group-wise experts) its packed q's factors.
+_EXPERT = re.compile(
+    r"\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)"
+    r"\.weight(_scale|_offset|_super)?$"
+)
 _PART = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1, "w2": None, "down_proj": None}
 
 
@@ -89,7 +93,7 @@ class ExpertWeightMapper(WeightMapper):
         prefix = mapped[0][: -len(".x")]
         part = _PART[m.group(2)]
         stack = "w2_weight" if part is None else "w13_weight"
-        return f"{prefix}.experts.{stack}", (int(m.group(1)), part)
+        return f"{prefix}.experts.{stack}{m.group(3) or ''}", (int(m.group(1)), part)
 
 
 def quantize_experts_like_dense(model: nn.Module) -> int:
@@ -111,7 +115,8 @@ def quantize_experts_like_dense(model: nn.Module) -> int:
             "quantization: int8 checkpoints of mixture-of-experts models are not supported "
             "(quantize a float checkpoint at load with quantization='int8')"
         )
-    layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    # A GGUF file's group-wise experts stay as they are (its other layers may be int8).
+    layers = [m for m in model.modules() if isinstance(m, FusedMoE) and not m.groupwise]
     with torch.no_grad():
         for layer in layers:
             layer.quantize_int8(method.quantize)
@@ -179,6 +184,9 @@ class MoeForCausalLM(LlamaForCausalLM):
         )
         tied = self.lm_head is self.embed_tokens
         loaded = load_mapped_weights(self, self.stage_weights(weights), mapper, skip_lm_head=tied)
+        for layer in self.modules():
+            if isinstance(layer, FusedMoE) and layer.groupwise:
+                layer.finish_groupwise()
         quantize_experts_like_dense(self)
         return loaded
 

@@ -13,6 +13,7 @@ magnitude (the reference is transformers reading the same file, so any valid wei
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,15 @@ _LAYER_NAMES = {
     "post_attention_layernorm": "ffn_norm",
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
+    # Mixture of experts (Qwen2/3-MoE): the router, the shared expert and its gate.
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
+# Per-expert projections, stacked [E, N, K] into one tensor each as llama.cpp's converter does.
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 _GLOBAL_NAMES = {
     "model.embed_tokens": "token_embd",
     "model.norm": "output_norm",
@@ -189,12 +198,14 @@ def write_gguf(
     seed: int = 0,
     with_tokenizer: bool = True,
     metadata: dict[str, Any] | None = None,
+    drop_keys: tuple[str, ...] = (),
 ) -> Path:
     """Write the model in ``hf_folder`` as the GGUF file ``out``.
 
-    ``recipe``: GGUF kind (``attn_q``, ``ffn_down``, ``token_embd``...) -> tensor type for the
-    2-D weights; others get ``default``; 1-D tensors (norms, biases) are always F32, as
-    llama.cpp keeps them.
+    ``recipe``: GGUF kind (``attn_q``, ``ffn_down``, ``token_embd``, ``ffn_gate_exps``...) ->
+    tensor type for the 2-D weights and expert stacks; others get ``default``; 1-D tensors
+    (norms, biases) are always F32, as llama.cpp keeps them. ``drop_keys``: metadata keys
+    left out.
     """
     import gguf
     from safetensors.torch import load_file
@@ -202,32 +213,44 @@ def write_gguf(
 
     config = AutoConfig.from_pretrained(str(hf_folder))
     # llama.cpp's converter writes Mistral models as "llama" (same tensors, same rotary).
-    arch = arch or {"mistral": "llama", "gemma3_text": "gemma3"}.get(
-        config.model_type, config.model_type
-    )
+    arch = arch or {
+        "mistral": "llama",
+        "gemma3_text": "gemma3",
+        "qwen2_moe": "qwen2moe",
+        "qwen3_moe": "qwen3moe",
+    }.get(config.model_type, config.model_type)
     writer = gguf.GGUFWriter(str(out), arch)
     _write_metadata(writer, config, arch)
     for key, value in (metadata or {}).items():
         _add_value(writer, key, value)
     if with_tokenizer:
         _write_tokenizer(writer, hf_folder)
+    for key in drop_keys:  # a file that lacks a key the converter writes
+        del writer.kv_data[0][key]
     tensors = {}
     for file in sorted(hf_folder.glob("*.safetensors")):
         tensors.update(load_file(str(file)))
     rng = np.random.default_rng(seed)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    tensors = _stack_experts(tensors)
     for name, tensor in tensors.items():
         if config.tie_word_embeddings and name == "lm_head.weight":
             continue
         w = tensor.float().numpy()
-        target = gguf_name(name, arch)
+        if name.endswith("shared_expert_gate.weight"):
+            w = w.reshape(-1)  # llama.cpp keeps the shared expert's gate as a vector
+        target = name if name.startswith("blk.") else gguf_name(name, arch)
         kind = target.split(".")[-2]
         if arch in ("llama", "mistral") and kind in ("attn_q", "attn_k"):
             w = permute_rows(w, heads if kind == "attn_q" else kv_heads)
         if arch in ("gemma", *_SANDWICH) and target.endswith("norm.weight"):
             w = w + 1.0
-        ttype = (recipe or {}).get(kind, default) if w.ndim == 2 else "F32"
-        data, qtype = _encode(target, w, ttype, rng)
+        ttype = (recipe or {}).get(kind, default) if w.ndim >= 2 else "F32"
+        if w.ndim == 3:  # an expert stack: encoded as [E * N, K] rows
+            data, qtype = _encode(target, w.reshape(-1, w.shape[-1]), ttype, rng)
+            data = data.reshape(*w.shape[:2], -1)
+        else:
+            data, qtype = _encode(target, w, ttype, rng)
         if data.dtype == np.uint8:
             writer.add_tensor(target, data, raw_dtype=qtype)
         else:
@@ -239,6 +262,22 @@ def write_gguf(
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return out
+
+
+def _stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert tensors -> ``blk.N.ffn_{gate,up,down}_exps.weight`` stacks, in expert order."""
+    out: dict[str, torch.Tensor] = {}
+    stacks: dict[str, dict[int, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        m = _EXPERT.match(name)
+        if m is None:
+            out[name] = tensor
+            continue
+        layer, expert, proj = m.groups()
+        stacks.setdefault(f"blk.{layer}.ffn_{proj}_exps.weight", {})[int(expert)] = tensor
+    for name, experts in stacks.items():
+        out[name] = torch.stack([experts[e] for e in range(len(experts))])
     return out
 
 
@@ -308,6 +347,12 @@ def _write_metadata(writer: Any, config: Any, arch: str) -> None:
     writer.add_file_type(0)
     if arch in _SANDWICH:
         writer.add_sliding_window(config.sliding_window)
+    if arch in ("qwen2moe", "qwen3moe"):  # what llama.cpp's converter adds for the MoE families
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        if arch == "qwen2moe":
+            writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     if arch == "gemma2":  # what llama.cpp's converter adds for Gemma 2
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
@@ -340,10 +385,22 @@ def _write_tokenizer(writer: Any, hf_folder: Path) -> None:
 
 
 def hf_gguf_greedy(
-    path: Path, prompts: list[list[int]], max_new_tokens: int, dtype: torch.dtype = torch.float32
+    path: Path,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    dtype: torch.dtype = torch.float32,
+    config_from: Path | None = None,
 ) -> list[Any]:
-    """transformers' own GGUF loading (dequantised to ``dtype``), greedy: the reference."""
+    """transformers' own GGUF loading (dequantised to ``dtype``), greedy: the reference;
+    ``config_from``: the source folder whose config it builds the model from."""
     from tests.hf_reference import hf_greedy
 
     name = str(dtype).removeprefix("torch.")
-    return hf_greedy(path.parent, prompts, max_new_tokens, dtype=name, gguf_file=path.name)
+    return hf_greedy(
+        path.parent,
+        prompts,
+        max_new_tokens,
+        dtype=name,
+        gguf_file=path.name,
+        config_from=config_from,
+    )

@@ -2,7 +2,8 @@
 
 Each local expert's ``w13 [2I, H]`` and ``w2 [H, I]`` get the GEMM a dense layer of the same
 dtype gets (:mod:`.packed_linear`: oneDNN-packed float32, ``make_16bit_linear`` for bf16/fp16,
-``make_int8_linear`` for int8 experts). A step's tokens are grouped by expert with one sort;
+``make_int8_linear`` for int8 experts, the group-wise GEMM for a GGUF file's quantised
+experts, one expert's slice at a time). A step's tokens are grouped by expert with one sort;
 the loop runs over experts (not tokens), one GEMM per projection over all of an expert's
 tokens. The stacked weights are dropped afterwards: the packed copies are the only ones used.
 """
@@ -27,25 +28,61 @@ def pack_weight(weight: torch.Tensor, scale: torch.Tensor | None) -> tuple[pl.Li
     return pl.make_dense_linear(weight, None)
 
 
-def pack_moe_layer(layer: nn.Module) -> str:
-    """Install packed per-expert GEMMs on one ``FusedMoE``; returns the path's name."""
+class _GroupwiseExpert(nn.Module):
+    """One expert's slice of a group-wise stack, shaped as the dense group-wise layers are
+    (``weight``, ``weight_scale_bits``...), so that it gets their C++ GEMM and its checks."""
+
+    def __init__(self, layer: nn.Module, name: str, e: int) -> None:
+        from pagedllm.layers.quantization.groupwise import GroupwiseMethod
+
+        super().__init__()
+        q, scale, offset, sup = layer.groupwise_expert(name, e)
+        self.quant_method = GroupwiseMethod.for_format(layer.groupwise[name])
+        self.weight = q
+        self.weight_scale_bits = scale.view(torch.int32)
+        if offset is not None:
+            self.weight_offset_bits = offset.view(torch.int32)
+        if sup is not None:
+            self.weight_super_bits = sup.view(torch.int32)
+
+
+def _expert_gemm(
+    layer: nn.Module, name: str, e: int, checked: set[tuple]
+) -> tuple[pl.LinearFn | None, str]:
+    if name in layer.groupwise:
+        from pagedllm.backends.cpu.groupwise_linear import make_groupwise_linear
+
+        return make_groupwise_linear(_GroupwiseExpert(layer, name, e), None, checked=checked)
+    scale = layer.scales(name)
+    return pack_weight(getattr(layer, name)[e], None if scale is None else scale[e])
+
+
+def pack_moe_layer(layer: nn.Module, checked: set[tuple] | None = None) -> str:
+    """Install packed per-expert GEMMs on one ``FusedMoE``; returns the path's name.
+
+    ``checked``: group-wise shapes whose kernel paths this load has already proven (see
+    ``make_groupwise_linear``): a file's experts share two or three shapes.
+    """
     from pagedllm.layers.fused_moe import fused_experts_torch
 
+    checked = set() if checked is None else checked
     fns = []
     paths: set[str] = set()
     for e in range(layer.num_local_experts):
         pair = []
         for name in ("w13_weight", "w2_weight"):
-            scale = layer.scales(name)
-            fn, path = pack_weight(getattr(layer, name)[e], None if scale is None else scale[e])
+            fn, path = _expert_gemm(layer, name, e, checked)
             paths.add(path)
             pair.append(fn)
         if None in pair:
             return "torch"  # one expert without a packed GEMM: keep the layer's own path
         fns.append(tuple(pair))
     layer.fast_moe = functools.partial(fused_experts_torch, layer, expert_fns=fns)
-    for name in ("w13_weight", "w2_weight"):
+    for name in ("w13_weight", "w2_weight"):  # the packed copies are the only ones used
         getattr(layer, name).data = torch.empty(0, dtype=getattr(layer, name).dtype)
+        for suffix in ("_scale_bits", "_offset_bits", "_super_bits"):
+            if name in layer.groupwise and hasattr(layer, name + suffix):
+                setattr(layer, name + suffix, torch.empty(0, dtype=torch.int32))
     layer.path = "+".join(sorted(paths))
     return layer.path
 
@@ -55,10 +92,11 @@ def pack_moe_layers(model: nn.Module) -> str:
     from pagedllm.layers.fused_moe import FusedMoE
 
     paths: set[str] = set()
+    checked: set[tuple] = set()
     with torch.inference_mode():
         for module in model.modules():
             if isinstance(module, FusedMoE):
-                paths.add(pack_moe_layer(module))
+                paths.add(pack_moe_layer(module, checked))
     if not paths:
         return ""
     summary = "FusedMoE=" + "+".join(sorted(paths))

@@ -66,7 +66,7 @@ class CudaBackend(DeviceBackend):
         from pagedllm.layers.fused_moe import FusedMoE
 
         for layer in model.modules():
-            if isinstance(layer, FusedMoE) and not layer.is_int8:
+            if isinstance(layer, FusedMoE) and not (layer.is_int8 or layer.groupwise):
                 layer.fast_moe = functools.partial(_run_fused_moe, fused_moe, layer)
                 layer.path = "triton"
 

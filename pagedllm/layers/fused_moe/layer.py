@@ -75,13 +75,26 @@ class _ExpertLoader:
             return  # another rank's expert (expert parallelism)
         size, full = layer.intermediate_shard, layer.intermediate_size
         start = 0 if layer.expert_parallel else layer.tp.rank * size
+        # A group-wise expert's tensors store fewer columns than the weight has inputs (2 per
+        # byte of nibbles, 16 or 32 per scale): ``per`` inputs a stored column.
+        columns = param.shape[-1]
         if part is None:  # down: [H, I] -> columns of this rank
-            if tuple(loaded.shape) != (layer.hidden_size, full):
+            per = full // loaded.shape[-1] if loaded.shape[-1] else 0
+            if (
+                per < 1
+                or loaded.shape[-1] * per != full
+                or tuple(loaded.shape[:1]) != (layer.hidden_size,)
+            ):
                 raise ValueError(f"shape {tuple(loaded.shape)} != {(layer.hidden_size, full)}")
-            param.data[local].copy_(loaded.narrow(1, start, size))
+            if start % per or size % per or size // per != columns:
+                raise ValueError(
+                    f"expert down projection: {size} inputs a rank do not split {per}-column "
+                    "groups (tensor_parallel_size too large for this group-wise checkpoint)"
+                )
+            param.data[local].copy_(loaded.narrow(1, start // per, size // per))
         else:  # gate / up: [I, H] -> rows of this rank
-            if tuple(loaded.shape) != (full, layer.hidden_size):
-                raise ValueError(f"shape {tuple(loaded.shape)} != {(full, layer.hidden_size)}")
+            if tuple(loaded.shape) != (full, columns):
+                raise ValueError(f"shape {tuple(loaded.shape)} != {(full, columns)}")
             param.data[local].narrow(0, part * size, size).copy_(loaded.narrow(0, start, size))
 
 
@@ -91,6 +104,7 @@ class FusedMoE(nn.Module):
 
     fast_moe: MoEFn | None = None  # installed by a backend's prepare_model
     path = "torch"  # which implementation runs, for logs and benchmark JSON
+    groupwise: dict[str, str] = {}  # noqa: RUF012 (replaced, never mutated) stack -> format
 
     def __init__(
         self,
@@ -120,6 +134,63 @@ class FusedMoE(nn.Module):
         self.w13_weight.weight_loader = loader  # type: ignore[attr-defined]
         self.w2_weight.weight_loader = loader  # type: ignore[attr-defined]
 
+    # -- group-wise experts (a GGUF file's quantised stacks, kept as they are) -----------------
+    def use_groupwise(self, name: str, fmt: str) -> None:
+        """Store stack ``name`` (``w13_weight`` / ``w2_weight``) in group-wise format ``fmt``
+        (``int4``, ``q8_0``, ``q6_k``, ``q5_k``): the checkpoint then fills each expert's packed
+        q and factors (``<name>``, ``<name>_scale``, ``_offset``, ``_super``), which
+        :meth:`finish_groupwise` turns into float32 buffers. Called before loading."""
+        from pagedllm.layers.quantization.groupwise import GroupwiseMethod
+
+        stack = getattr(self, name)
+        e, n, k = stack.shape
+        loader = stack.weight_loader
+        stored = GroupwiseMethod.for_format(fmt).stored_tensors(n, k)
+        for suffix, (tensor, _) in stored.items():
+            full = name + suffix.removeprefix("weight")
+            param = nn.Parameter(
+                torch.empty(e, *tensor.shape, dtype=tensor.dtype, device=stack.device),
+                requires_grad=False,
+            )
+            param.weight_loader = loader  # type: ignore[attr-defined]
+            setattr(self, full, param)
+        self.groupwise = {**self.groupwise, name: fmt}
+
+    def finish_groupwise(self) -> None:
+        """Scales, offsets and super-scales as float32 buffers kept as int32 bits (a later
+        cast of floating tensors must not round them), as the dense group-wise layers keep
+        theirs."""
+        for name in self.groupwise:
+            for suffix in ("_scale", "_offset", "_super"):
+                param = getattr(self, name + suffix, None)
+                if isinstance(param, nn.Parameter):
+                    delattr(self, name + suffix)
+                    bits = param.detach().float().contiguous().view(torch.int32)
+                    self.register_buffer(f"{name}{suffix}_bits", bits)
+
+    def groupwise_expert(self, name: str, e: int) -> tuple[torch.Tensor, ...]:
+        """Expert ``e``'s (q, scale, offset or None, super-scale or None) of a group-wise
+        stack (its local index)."""
+
+        def factor(suffix: str) -> torch.Tensor | None:
+            bits = getattr(self, f"{name}{suffix}_bits", None)
+            return None if bits is None else bits[e].view(torch.float32)
+
+        scale = factor("_scale")
+        assert scale is not None, f"{name} is not group-wise"
+        return getattr(self, name)[e], scale, factor("_offset"), factor("_super")
+
+    def dequantized_expert(self, name: str, e: int) -> torch.Tensor:
+        """Expert ``e``'s weight ``[N, K]`` in float32, from whatever the stack stores."""
+        if name in self.groupwise:
+            from pagedllm.layers.quantization.groupwise import dequantize_groups
+
+            q, scale, offset, _ = self.groupwise_expert(name, e)
+            return dequantize_groups(q, scale, offset)
+        w = getattr(self, name)[e].float()
+        scale = self.scales(name)
+        return w if scale is None else w * scale[e][:, None]
+
     # -- int8 (weight-only, per expert and output channel, like the dense layers) --------------
     def quantize_int8(self, quantize: WeightQuantizer | None = None) -> None:
         """Replace both stacks by int8 values and float32 per-row scales (kept as int32 bits,
@@ -136,10 +207,12 @@ class FusedMoE(nn.Module):
 
     @property
     def is_int8(self) -> bool:
-        return hasattr(self, "w13_weight_scale_bits")
+        return hasattr(self, "w13_weight_scale_bits") and not self.groupwise
 
     def scales(self, name: str) -> torch.Tensor | None:
-        """Float32 scales ``[E, N]`` of an int8 stack, None for float weights."""
+        """Float32 scales ``[E, N]`` of an int8 stack, None for float (or group-wise) ones."""
+        if self.groupwise:
+            return None
         bits = getattr(self, f"{name}_scale_bits", None)
         return None if bits is None else bits.view(torch.float32)
 
@@ -158,6 +231,8 @@ class FusedMoE(nn.Module):
 
 
 def _expert_linear(layer: FusedMoE, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
+    if name in layer.groupwise:  # dequantised per call: devices without group-wise kernels
+        return F.linear(x, layer.dequantized_expert(name, e).to(x.dtype))
     w = getattr(layer, name)[e]  # [N, K]
     scale = layer.scales(name)
     if scale is None:

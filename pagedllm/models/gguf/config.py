@@ -30,6 +30,10 @@ class Family:
     # Whether a file with plain rope gets the light config (light_config.py) instead of
     # transformers' class (Gemma 3's rope settings per layer type come from its class).
     light: bool = True
+    # Mixture of experts: stacked expert tensors (``ffn_*_exps``), a router (``ffn_gate_inp``),
+    # Qwen2-MoE's shared expert (``ffn_*_shexp``); llama.cpp renormalises the top-k weights.
+    moe: bool = False
+    renormalize_top_k: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -49,6 +53,18 @@ FAMILIES: dict[str, Family] = {
         norm_plus_one=True,
         sandwich_norms=True,
         light=False,
+    ),
+    # The MoE configs take transformers' class (their routing fields and checks live there).
+    "qwen2moe": Family(
+        "qwen2_moe", "Qwen2MoeForCausalLM", permuted_qk=False, light=False, moe=True
+    ),
+    "qwen3moe": Family(
+        "qwen3_moe",
+        "Qwen3MoeForCausalLM",
+        permuted_qk=False,
+        light=False,
+        moe=True,
+        renormalize_top_k=True,
     ),
 }
 
@@ -218,10 +234,55 @@ def config_values(gguf: GGUFFile) -> tuple[Family, dict[str, Any]]:
         _gemma2(gguf, values)
     if arch == "gemma3":
         _gemma3(values)
+    if family.moe:
+        _experts(gguf, family, values)
     values.update(params)
     values["architectures"] = [family.architecture]
     values["dtype"] = stored_dtype(gguf)
     return family, values
+
+
+def _expert_rows(gguf: GGUFFile, kind: str) -> int | None:
+    """The output rows of the first ``blk.N.<kind>.weight`` (``[E, rows, K]`` for a stack)."""
+    for name, tensor in gguf.tensors.items():
+        if name.startswith("blk.") and name.endswith(f".{kind}.weight"):
+            return int(tensor.shape[-2])
+    return None
+
+
+def _experts(gguf: GGUFFile, family: Family, values: dict[str, Any]) -> None:
+    """Expert count, top-k, sizes and routing of a MoE file.
+
+    Sizes come from ``expert_feed_forward_length`` / ``expert_shared_feed_forward_length``
+    (what llama.cpp's converter writes), else from the stacks' shapes; layers without a router
+    are dense (``mlp_only_layers``). llama.cpp renormalises Qwen3-MoE's top-k weights and not
+    Qwen2-MoE's unless ``expert_weights_norm`` says so.
+    """
+    arch = gguf.architecture
+    values["num_experts"] = int(gguf.metadata(f"{arch}.expert_count"))
+    values["num_experts_per_tok"] = int(gguf.metadata(f"{arch}.expert_used_count"))
+    size = gguf.metadata(f"{arch}.expert_feed_forward_length", None) or _expert_rows(
+        gguf, "ffn_gate_exps"
+    )
+    if size is None:
+        raise CheckpointError(
+            f"{gguf.path}: {arch}.expert_feed_forward_length is missing and no ffn_gate_exps "
+            "tensor gives it"
+        )
+    values["moe_intermediate_size"] = int(size)
+    shared = gguf.metadata(f"{arch}.expert_shared_feed_forward_length", None) or _expert_rows(
+        gguf, "ffn_gate_shexp"
+    )
+    if shared is not None:
+        values["shared_expert_intermediate_size"] = int(shared)
+    norm = gguf.metadata(f"{arch}.expert_weights_norm", None)
+    values["norm_topk_prob"] = family.renormalize_top_k if norm is None else bool(norm)
+    values["decoder_sparse_step"] = 1
+    values["mlp_only_layers"] = [
+        i
+        for i in range(values["num_hidden_layers"])
+        if f"blk.{i}.ffn_gate_inp.weight" not in gguf.tensors
+    ]
 
 
 # Gemma 2 27B: the one size whose query scale is not head_dim's (llama.cpp tells it by its

@@ -8,16 +8,20 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from torch import nn
+
 from pagedllm.models.gguf.config import family_of, hf_config_from_gguf
 from pagedllm.models.gguf.reader import GGUFFile
 from pagedllm.models.gguf.tokenizer import load_gguf_tokenizer
 from pagedllm.models.gguf.weights import (
     NOT_WEIGHTS,
+    STACK_OF,
     BlockDecoder,
     GGUFWeights,
     LayerFormat,
     check_types,
     hf_name,
+    plan_experts,
     plan_layers,
     tensor_format,
 )
@@ -59,18 +63,48 @@ def gguf_weights(
     gguf = open_gguf(path)
     family = family_of(gguf)
     plan = plan_layers(gguf, family, native)
-    _log_types(gguf, family, plan)
-    return GGUFWeights(gguf, family, hf_config, plan, block_decoder=block_decoder), plan
+    experts = plan_experts(gguf, family, native)
+    _log_types(gguf, family, plan, experts)
+    weights = GGUFWeights(
+        gguf, family, hf_config, plan, block_decoder=block_decoder, expert_plan=experts
+    )
+    return weights, plan
 
 
-def _log_types(gguf: GGUFFile, family: Any, plan: dict[str, LayerFormat]) -> None:
+def keep_experts_quantised(model: nn.Module, expert_plan: dict[str, str]) -> None:
+    """Give the expert stacks the plan keeps quantised their group-wise storage, before the
+    weights are loaded (stacks of layers another pipeline stage holds are not here)."""
+    from pagedllm.layers.fused_moe import FusedMoE
+
+    for name, layer in model.named_modules():
+        if not isinstance(layer, FusedMoE):
+            continue
+        stem = name[name.index("layers.") :] if "layers." in name else name
+        for stack in ("w13_weight", "w2_weight"):
+            fmt = expert_plan.get(f"{stem}.{stack}")
+            if fmt is not None:
+                layer.use_groupwise(stack, fmt)
+
+
+def _log_types(
+    gguf: GGUFFile, family: Any, plan: dict[str, LayerFormat], experts: dict[str, str]
+) -> None:
     fate: Counter[tuple[str, str]] = Counter()
     for name, tensor in gguf.tensors.items():
-        module = None if name in NOT_WEIGHTS else hf_name(name, family)[1]
-        kept = None if name in NOT_WEIGHTS else tensor_format(plan, name, module)
+        kept = None
+        if name not in NOT_WEIGHTS and name.endswith(".weight"):  # biases: dequantised
+            module = hf_name(name, family)[1]
+            kept = tensor_format(plan, name, module) or _expert_format(name, experts)
         fate[(tensor.type_name, f"kept as {kept}" if kept else "dequantized")] += 1
     logger.info(
         "%s: %s",
         gguf.path.name,
         ", ".join(f"{n} {t} tensors {what}" for (t, what), n in sorted(fate.items())),
     )
+
+
+def _expert_format(gguf_name: str, experts: dict[str, str]) -> str | None:
+    parts = gguf_name.split(".")  # blk.N.ffn_gate_exps.weight
+    if len(parts) != 4 or parts[2] not in STACK_OF:
+        return None
+    return experts.get(f"layers.{parts[1]}.mlp.experts.{STACK_OF[parts[2]]}")

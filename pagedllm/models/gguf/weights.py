@@ -49,7 +49,26 @@ _LAYER_TENSORS: dict[str, tuple[str, str | None]] = {
     "post_ffw_norm": ("post_feedforward_layernorm", None),
     "attn_q_norm": ("self_attn.q_norm", None),
     "attn_k_norm": ("self_attn.k_norm", None),
+    # Mixture of experts: the router, Qwen2-MoE's shared expert and its gate.
+    "ffn_gate_inp": ("mlp.gate", None),
+    "ffn_gate_shexp": ("mlp.shared_expert.gate_proj", "mlp.shared_expert.gate_up_proj"),
+    "ffn_up_shexp": ("mlp.shared_expert.up_proj", "mlp.shared_expert.gate_up_proj"),
+    "ffn_down_shexp": ("mlp.shared_expert.down_proj", "mlp.shared_expert.down_proj"),
+    "ffn_gate_inp_shexp": ("mlp.shared_expert_gate", None),
 }
+# Stacked expert tensors ``[E, N, K]`` -> the projection each expert's slice is.
+EXPERT_STACKS = {
+    "ffn_gate_exps": "gate_proj",
+    "ffn_up_exps": "up_proj",
+    "ffn_down_exps": "down_proj",
+}
+_MOE_ONLY = (
+    "ffn_gate_inp",
+    "ffn_gate_shexp",
+    "ffn_up_shexp",
+    "ffn_down_shexp",
+    "ffn_gate_inp_shexp",
+)
 _SANDWICH_ONLY = ("post_attention_norm", "post_ffw_norm")
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -59,7 +78,10 @@ _GLOBAL_TENSORS = {
 # The tables that may stay quantised, by GGUF name -> our module's name.
 _TABLE_MODULES = {"token_embd": "embed_tokens", "output": "lm_head"}
 # The part each tensor of a fused layer fills (its shard id in the model's weight mapper).
-_FUSED_PARTS = {"attn_q": 0, "attn_k": 1, "attn_v": 2, "ffn_gate": 0, "ffn_up": 1}
+_FUSED_PARTS = {
+    "attn_q": 0, "attn_k": 1, "attn_v": 2, "ffn_gate": 0, "ffn_up": 1,
+    "ffn_gate_shexp": 0, "ffn_up_shexp": 1,
+}  # fmt: skip
 # Tensors that configure rather than weigh (read by the config, or unused by the reference).
 NOT_WEIGHTS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 _BLOCK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
@@ -89,7 +111,9 @@ def hf_name(gguf_name: str, family: Family) -> tuple[str, str | None]:
     match = _BLOCK.match(gguf_name)
     if match:
         layer, kind, suffix = match.groups()
-        if kind not in _LAYER_TENSORS:
+        if family.moe and kind in EXPERT_STACKS:  # one tensor per expert: see expert_name
+            return f"model.layers.{layer}.mlp.experts.{kind}.{suffix}", None
+        if kind not in _LAYER_TENSORS or (kind in _MOE_ONLY and not family.moe):
             raise CheckpointError(f"tensor {gguf_name!r} has no place in a {family.model_type}")
         path, module = _LAYER_TENSORS[kind]
         if family.model_type == "phi3" and kind == "ffn_up":
@@ -144,7 +168,10 @@ def plan_layers(gguf: GGUFFile, family: Family, native: frozenset[str]) -> dict[
     for name, tensor in gguf.tensors.items():
         if name in NOT_WEIGHTS or not name.endswith(".weight"):
             continue
-        _, module = hf_name(name, family)
+        try:
+            _, module = hf_name(name, family)
+        except CheckpointError as exc:  # the first look at every name: say which file
+            raise CheckpointError(f"{gguf.path}: {exc}") from None
         if module is not None:
             parts = types.setdefault(module, {})
             parts.setdefault(_part_of(name), set()).add(tensor.type_name)
@@ -160,6 +187,35 @@ def plan_layers(gguf: GGUFFile, family: Family, native: frozenset[str]) -> dict[
         formats = tuple(f if f is not None and f in native else DENSE for f in kept)
         if any(f != DENSE for f in formats):  # the others dequantised, as a dense run
             plan[module] = formats  # type: ignore[assignment]
+    return plan
+
+
+# Expert stack kind -> the FusedMoE stack it fills.
+STACK_OF = {
+    "ffn_gate_exps": "w13_weight",
+    "ffn_up_exps": "w13_weight",
+    "ffn_down_exps": "w2_weight",
+}
+
+
+def plan_experts(gguf: GGUFFile, family: Family, native: frozenset[str]) -> dict[str, str]:
+    """``{"layers.N.mlp.experts.<w13_weight|w2_weight>": format}`` for the expert stacks that
+    stay quantised: gate and up (one stack here) when both are in one native format, down
+    alone. A 30B-A3B file's experts are 90% of its bytes: dequantised they would not fit."""
+    if not family.moe:
+        return {}
+    types: dict[str, set[str]] = {}
+    for name, tensor in gguf.tensors.items():
+        match = _BLOCK.match(name)
+        if match is None or match.group(2) not in STACK_OF or match.group(3) != "weight":
+            continue
+        stack = f"layers.{match.group(1)}.mlp.experts.{STACK_OF[match.group(2)]}"
+        types.setdefault(stack, set()).add(tensor.type_name)
+    plan = {}
+    for stack, kinds in types.items():
+        fmt = _format_of(kinds)
+        if fmt is not None and fmt in native:
+            plan[stack] = fmt
     return plan
 
 
@@ -400,6 +456,11 @@ def dequantized(tensor: GGUFTensor) -> np.ndarray:
     return np.asarray(values, dtype=np.float32).reshape(tensor.shape)
 
 
+def _is_expert_stack(gguf_name: str) -> bool:
+    match = _BLOCK.match(gguf_name)
+    return match is not None and match.group(2) in EXPERT_STACKS
+
+
 def unpermute_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
     """Undo llama.cpp's q/k row interleave: within each head, rows ``2i`` and ``2i+1`` go back
     to ``i`` and ``i + head_dim/2`` (the Hugging Face "rotate half" order)."""
@@ -419,8 +480,10 @@ class GGUFWeights:
         plan: dict[str, LayerFormat],
         *,
         block_decoder: BlockDecoder | None = None,
+        expert_plan: dict[str, str] | None = None,
     ):
         self.gguf, self.family, self.plan = gguf, family, plan
+        self.expert_plan = expert_plan or {}
         self.block_decoder = block_decoder
         self.heads = int(hf_config.num_attention_heads)  # type: ignore[attr-defined]
         self.kv_heads = int(hf_config.num_key_value_heads)  # type: ignore[attr-defined]
@@ -451,33 +514,59 @@ class GGUFWeights:
         blocks = torch.from_numpy(tensor.read().view(np.uint8).reshape(rows, -1))
         return self.block_decoder(blocks, tensor.type_name)
 
+    def _experts(self, gguf_name: str, tensor: GGUFTensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """A stack ``[E, N, K]`` as each expert's ``[N, K]`` under its Hugging Face name: its
+        group-wise tensors where the plan keeps the stack quantised, else dequantised, one
+        expert at a time (a whole stack in float32 would be ~4-8x its bytes)."""
+        from gguf.quants import dequantize
+
+        match = _BLOCK.match(gguf_name)
+        assert match is not None
+        layer, kind, _ = match.groups()
+        fmt = self.expert_plan.get(f"layers.{layer}.mlp.experts.{STACK_OF[kind]}")
+        experts, rows, cols = (int(d) for d in tensor.shape)
+        raw = tensor.read()
+        raw = raw.reshape(experts, rows, -1)
+        for e in range(experts):
+            stem = f"model.layers.{layer}.mlp.experts.{e}.{EXPERT_STACKS[kind]}"
+            if fmt is not None:
+                part = GGUFTensor(
+                    f"{gguf_name}[{e}]", tensor.type_name, (rows, cols), raw[e], tensor.qtype
+                )
+                yield from self._groupwise(stem, fmt, part)
+                continue
+            values = np.asarray(dequantize(raw[e], tensor.qtype), dtype=np.float32)
+            yield f"{stem}.weight", torch.from_numpy(values.reshape(rows, cols))
+
+    def _groupwise(
+        self, stem: str, fmt: str, tensor: GGUFTensor, gguf_name: str = ""
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """A tensor kept in group-wise format ``fmt``: its q (``.weight``) and factors."""
+        arrays = self._decoded(tensor)
+        suffixes = {
+            "int4": ("", "_scale", "_offset"),
+            "q5_k": ("", "_scale", "_offset"),
+            "q8_0": ("", "_scale"),
+            "q6_k": ("", "_scale", "_super"),
+        }[fmt]
+        for suffix, array in zip(suffixes, arrays, strict=True):
+            yield f"{stem}.weight{suffix}", self._permute(gguf_name, array)
+
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for gguf_name, tensor in self.gguf.tensors.items():
             if gguf_name in NOT_WEIGHTS:
                 continue
+            if self.family.moe and _is_expert_stack(gguf_name):
+                yield from self._experts(gguf_name, tensor)
+                continue
             name, module = hf_name(gguf_name, self.family)
             fmt = tensor_format(self.plan, gguf_name, module)
-            if fmt in ("int4", "q5_k") and name.endswith(".weight"):
-                packed, scale, offset = self._decoded(tensor)
-                stem = name.removesuffix(".weight")
-                yield name, self._permute(gguf_name, packed)
-                yield f"{stem}.weight_scale", self._permute(gguf_name, scale)
-                yield f"{stem}.weight_offset", self._permute(gguf_name, offset)
-                continue
-            if fmt == "q8_0" and name.endswith(".weight"):
-                q8, scale = self._decoded(tensor)
-                stem = name.removesuffix(".weight")
-                yield name, self._permute(gguf_name, q8)
-                yield f"{stem}.weight_scale", self._permute(gguf_name, scale)
-                continue
-            if fmt == "q6_k" and name.endswith(".weight"):
-                q6, scale, d = self._decoded(tensor)
-                stem = name.removesuffix(".weight")
-                yield name, self._permute(gguf_name, q6)
-                yield f"{stem}.weight_scale", self._permute(gguf_name, scale)
-                yield f"{stem}.weight_super", self._permute(gguf_name, d)
+            if fmt is not None and name.endswith(".weight"):
+                yield from self._groupwise(name.removesuffix(".weight"), fmt, tensor, gguf_name)
                 continue
             values = torch.from_numpy(dequantized(tensor))
+            if gguf_name.endswith(".ffn_gate_inp_shexp.weight"):
+                values = values.reshape(1, -1)  # a vector in the file, a [1, H] layer here
             if self.family.norm_plus_one and name.endswith("norm.weight"):
                 values = values - 1.0
             yield name, self._permute(gguf_name, values).contiguous()

@@ -1,0 +1,218 @@
+"""GGUF files of mixture-of-experts models (Qwen2-MoE, Qwen3-MoE): llama.cpp's stacked expert
+tensors, its router and shared-expert names, and quantised experts kept quantised on the CPU.
+
+Files are written in the test from tiny random MoE models (``gguf_files.write_gguf`` stacks the
+experts as llama.cpp's converter does). References: the Hugging Face model a float32 file was
+written from, and transformers loading the same quantised file (dequantised by ggml's ``gguf``
+package) with the source's config, since transformers' GGUF reader leaves the expert sizes out
+(it would build 1,408-wide experts for any Qwen2-MoE file).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedllm import Engine
+from pagedllm.layers.fused_moe import FusedMoE
+from pagedllm.models.checkpoint import CheckpointError
+from tests.hf_reference import assert_greedy_match, hf_greedy
+from tests.models.gguf_files import hf_gguf_greedy, write_gguf
+from tests.models.moe_models import build_moe
+from tests.models.test_gguf import GREEDY, MAX_NEW, PROMPTS, engine_greedy
+
+# name -> (types by GGUF tensor kind, type of every other 2-D tensor, source model, the
+# group-wise formats the expert stacks keep: (w13, w2), None where dequantised)
+RECIPES: dict[str, tuple[dict[str, str], str, str, tuple[str | None, str | None]]] = {
+    # 4-bit experts with 8-bit down projections, a shared expert, an 8-bit table.
+    "qwen2_moe-q4_0": (
+        {"ffn_down_exps": "Q8_0", "ffn_gate_inp": "F32", "token_embd": "Q8_0"},
+        "Q4_0",
+        "qwen2_moe",
+        ("int4", "q8_0"),
+    ),
+    "qwen3_moe-q8_0": ({"ffn_gate_inp": "F32"}, "Q8_0", "qwen3_moe", ("q8_0", "q8_0")),
+    # Gate and up in different formats: that stack is dequantised, down stays 4-bit.
+    "qwen3_moe-q4_1+q8_0-up": (
+        {"ffn_up_exps": "Q8_0", "ffn_gate_inp": "F32"},
+        "Q4_1",
+        "qwen3_moe",
+        (None, "int4"),
+    ),
+    # llama.cpp's Q4_K_M mix for experts (Q4_K gate/up, Q6_K down), in super-blocks of 256.
+    "qwen3_moe-q4_k_m": (
+        {"ffn_down_exps": "Q6_K", "attn_v": "Q6_K", "token_embd": "Q6_K", "ffn_gate_inp": "F32"},
+        "Q4_K",
+        "qwen3_moe-wide",
+        ("int4", "q6_k"),
+    ),
+}
+WIDE = dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256, head_dim=64)
+
+
+@pytest.fixture(scope="module")
+def moe_sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("gguf-moe-sources")
+    return {
+        "qwen2_moe": build_moe(root / "qwen2_moe", "qwen2_moe"),
+        # A dense first layer (``mlp_only_layers``): transformers' GGUF reader drops its MLP,
+        # so this one is checked against the model it was written from only.
+        "qwen3_moe-dense0": build_moe(root / "qwen3_moe-dense0", "qwen3_moe"),
+        "qwen3_moe": build_moe(root / "qwen3_moe", "qwen3_moe", mlp_only_layers=[]),
+        "qwen3_moe-wide": build_moe(
+            root / "qwen3_moe-wide", "qwen3_moe", mlp_only_layers=[], **WIDE
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def moe_files(moe_sources: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("gguf-moe")
+    return {
+        name: write_gguf(moe_sources[src], root / f"{name}.gguf", recipe=recipe, default=default)
+        for name, (recipe, default, src, _) in RECIPES.items()
+    }
+
+
+def _experts(engine: Engine) -> list[FusedMoE]:
+    model = engine.executor.worker.runner.model  # type: ignore[attr-defined]
+    return [m for m in model.modules() if isinstance(m, FusedMoE)]
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe-dense0"])
+def test_float_moe_file_matches_the_model_it_was_written_from(
+    moe_sources: dict[str, Path], tmp_path: Path, family: str
+) -> None:
+    """Stacked experts split back per expert, the router, the shared expert and its gate (a
+    vector in the file), a dense layer between sparse ones: every mapping against the original
+    transformers model."""
+    path = write_gguf(moe_sources[family], tmp_path / f"{family}.gguf")
+    ref = hf_greedy(moe_sources[family], PROMPTS, MAX_NEW)
+    for i, (ours, r) in enumerate(zip(engine_greedy(path), ref, strict=True)):
+        assert_greedy_match(ours, r, f"{family} prompt {i}")
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_quantised_experts_match_transformers_on_the_same_file(
+    moe_files: dict, moe_sources: dict[str, Path], recipe: str
+) -> None:
+    path = moe_files[recipe]
+    source = moe_sources[RECIPES[recipe][2]]
+    ref = hf_gguf_greedy(path, PROMPTS, MAX_NEW, config_from=source)
+    for i, (ours, r) in enumerate(zip(engine_greedy(path), ref, strict=True)):
+        assert_greedy_match(ours, r, f"{recipe} prompt {i}")
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_expert_stacks_stay_quantised_on_the_cpu(moe_files: dict, recipe: str) -> None:
+    """Each stack in one native format stays in it, on the C++ group-wise GEMM, one packed GEMM
+    per expert; the stacks themselves are released once packed."""
+    w13, w2 = RECIPES[recipe][3]
+    engine = Engine(str(moe_files[recipe]), device="cpu", block_size=8, num_kv_blocks=16)
+    layers = _experts(engine)
+    assert layers
+    for layer in layers:
+        want = {k: v for k, v in (("w13_weight", w13), ("w2_weight", w2)) if v is not None}
+        assert layer.groupwise == want
+        for fmt in want.values():
+            assert f"cpp-{fmt}-" in layer.path, layer.path
+        if w13 is None:  # the dequantised stack: the dense float GEMM
+            assert "onednn" in layer.path or "bf16" in layer.path, layer.path
+        assert layer.w13_weight.numel() == 0 and layer.w2_weight.numel() == 0
+    outs = engine.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == MAX_NEW for o in outs)
+    manager = engine.block_manager
+    assert manager.get_num_free_device_blocks() == manager.num_device_blocks
+
+
+def test_quantised_experts_on_the_pytorch_path(moe_files: dict) -> None:
+    """Without the C++ GEMM (a device that runs the formats in PyTorch), group-wise experts
+    compute what the same experts dequantised at load compute."""
+    from tests.conftest import load_on_reference
+
+    path = moe_files["qwen2_moe-q4_0"]
+    dense = load_on_reference(path, torch.float32, native_formats=frozenset())
+    kept = load_on_reference(path, torch.float32, native_formats=frozenset({"int4", "q8_0"}))
+    want, got = dense.layers[1].mlp.experts, kept.layers[1].mlp.experts
+    assert want.groupwise == {} and got.groupwise == {"w13_weight": "int4", "w2_weight": "q8_0"}
+    assert got.w13_weight.dtype == torch.uint8 and got.w2_weight.dtype == torch.int8
+    torch.manual_seed(0)
+    x = torch.randn(5, 64)
+    ids = torch.tensor([[0, 1, 2, 3], [5, 4, 3, 2], [1, 3, 5, 0], [2, 2, 1, 0], [4, 0, 1, 5]])
+    weights = torch.rand(5, 4)
+    torch.testing.assert_close(got(x, weights, ids), want(x, weights, ids), rtol=1e-5, atol=1e-5)
+    for name in ("w13_weight", "w2_weight"):
+        for e in range(got.num_local_experts):
+            torch.testing.assert_close(
+                got.dequantized_expert(name, e), getattr(want, name)[e], rtol=0, atol=0
+            )
+
+
+def test_prefix_caching_chunked_prefill_and_preemption_over_moe_experts(moe_files: dict) -> None:
+    path = moe_files["qwen2_moe-q4_0"]
+    shared = [list(range(20, 60)) + p for p in PROMPTS]
+    base = engine_greedy(path, shared)
+    engine = Engine(
+        str(path),
+        device="cpu",
+        dtype="float32",
+        block_size=8,
+        num_kv_blocks=14,
+        enable_prefix_caching=True,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=16,
+    )
+    outs = engine.generate([{"prompt_token_ids": p} for p in shared], GREEDY, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == base
+    stats = engine.get_stats()
+    assert stats["num_preemptions_total"] > 0 and stats["chunked_prefill_steps"] > 0, stats
+    assert stats["prefix_cache_hits"] > 0, stats
+    manager = engine.block_manager
+    assert manager.get_num_free_device_blocks() == manager.num_device_blocks
+
+
+def test_bad_moe_files_fail_at_start_with_one_line(
+    moe_sources: dict[str, Path], tmp_path: Path
+) -> None:
+    source = moe_sources["qwen3_moe"]
+    no_count = write_gguf(source, tmp_path / "no-count.gguf", drop_keys=("qwen3moe.expert_count",))
+    experts_in_llama = write_gguf(source, tmp_path / "llama-experts.gguf", arch="llama")
+    cases = [
+        (no_count, "qwen3moe.expert_count"),
+        (experts_in_llama, "has no place in a llama"),
+    ]
+    for path, message in cases:
+        with pytest.raises(CheckpointError, match=message) as info:
+            Engine(str(path), device="cpu", block_size=8, num_kv_blocks=16)
+        text = str(info.value)
+        assert str(path) in text and "\n" not in text, text
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe"])  # llama.cpp: no dense layers
+def test_llama_cpp_reads_our_moe_files_as_transformers_reads_their_models(
+    moe_sources: dict[str, Path], tmp_path: Path, family: str
+) -> None:
+    """The writer's MoE conventions (stacks ``[E, N, K]`` in expert order, the router, the
+    shared expert and its vector gate, the expert-size keys) are what llama.cpp itself reads:
+    its float32 logits on the written file equal transformers' on the source model. Where
+    llama-cpp-python is installed (the benchmarks' environment; CI's clean one skips it)."""
+    import numpy as np
+
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from transformers import AutoModelForCausalLM
+
+    path = write_gguf(moe_sources[family], tmp_path / f"{family}.gguf")
+    ids = [5, 9, 17, 33, 65, 7, 11, 13, 3, 21, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49]
+    model = AutoModelForCausalLM.from_pretrained(
+        str(moe_sources[family]), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0].numpy()
+    llm = llama_cpp.Llama(
+        str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=2, type_k=0, type_v=0
+    )
+    llm.eval(ids)
+    diff = float(np.abs(np.asarray(llm.scores[: len(ids)]) - want).max())
+    assert diff < 1e-4, f"{family}: llama.cpp's logits differ from transformers' by {diff:.2e}"
