@@ -204,8 +204,8 @@ def write_gguf(
 
     ``recipe``: GGUF kind (``attn_q``, ``ffn_down``, ``token_embd``, ``ffn_gate_exps``...) ->
     tensor type for the 2-D weights and expert stacks; others get ``default``; 1-D tensors
-    (norms, biases) are always F32, as llama.cpp keeps them. ``drop_keys``: metadata keys
-    left out.
+    (norms, biases) are always F32, as llama.cpp keeps them. ``metadata``: keys added, or
+    written in place of the converter's; ``drop_keys``: the converter's keys left out.
     """
     import gguf
     from safetensors.torch import load_file
@@ -221,7 +221,8 @@ def write_gguf(
     }.get(config.model_type, config.model_type)
     writer = gguf.GGUFWriter(str(out), arch)
     _write_metadata(writer, config, arch)
-    for key, value in (metadata or {}).items():
+    for key, value in (metadata or {}).items():  # added, or in place of the converter's
+        writer.kv_data[0].pop(key, None)
         _add_value(writer, key, value)
     if with_tokenizer:
         _write_tokenizer(writer, hf_folder)

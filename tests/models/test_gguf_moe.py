@@ -179,8 +179,10 @@ def test_bad_moe_files_fail_at_start_with_one_line(
     source = moe_sources["qwen3_moe"]
     no_count = write_gguf(source, tmp_path / "no-count.gguf", drop_keys=("qwen3moe.expert_count",))
     experts_in_llama = write_gguf(source, tmp_path / "llama-experts.gguf", arch="llama")
+    miscounted = write_gguf(source, tmp_path / "count.gguf", metadata={"qwen3moe.expert_count": 6})
     cases = [
         (no_count, "qwen3moe.expert_count"),
+        (miscounted, "stacks 8 experts where qwen3moe.expert_count says 6"),
         (experts_in_llama, "has no place in a llama"),
     ]
     for path, message in cases:

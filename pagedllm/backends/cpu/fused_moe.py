@@ -83,6 +83,7 @@ def pack_moe_layer(layer: nn.Module, checked: set[tuple] | None = None) -> str:
         for suffix in ("_scale_bits", "_offset_bits", "_super_bits"):
             if name in layer.groupwise and hasattr(layer, name + suffix):
                 setattr(layer, name + suffix, torch.empty(0, dtype=torch.int32))
+    layer.paths = frozenset(paths)
     layer.path = "+".join(sorted(paths))
     return layer.path
 
@@ -96,7 +97,8 @@ def pack_moe_layers(model: nn.Module) -> str:
     with torch.inference_mode():
         for module in model.modules():
             if isinstance(module, FusedMoE):
-                paths.add(pack_moe_layer(module, checked))
+                path = pack_moe_layer(module, checked)
+                paths.update(getattr(module, "paths", None) or {path})
     if not paths:
         return ""
     summary = "FusedMoE=" + "+".join(sorted(paths))

@@ -270,6 +270,16 @@ def _experts(gguf: GGUFFile, family: Family, values: dict[str, Any]) -> None:
             "tensor gives it"
         )
     values["moe_intermediate_size"] = int(size)
+    for name, tensor in gguf.tensors.items():  # every stack holds every expert
+        if (
+            name.startswith("blk.")
+            and "_exps." in name
+            and tensor.shape[0] != values["num_experts"]
+        ):
+            raise CheckpointError(
+                f"{gguf.path}: tensor {name!r} stacks {tensor.shape[0]} experts where "
+                f"{arch}.expert_count says {values['num_experts']}"
+            )
     shared = gguf.metadata(f"{arch}.expert_shared_feed_forward_length", None) or _expert_rows(
         gguf, "ffn_gate_shexp"
     )

@@ -111,7 +111,7 @@ def hf_name(gguf_name: str, family: Family) -> tuple[str, str | None]:
     match = _BLOCK.match(gguf_name)
     if match:
         layer, kind, suffix = match.groups()
-        if family.moe and kind in EXPERT_STACKS:  # one tensor per expert: see expert_name
+        if family.moe and kind in EXPERT_STACKS:  # split per expert: GGUFWeights._experts
             return f"model.layers.{layer}.mlp.experts.{kind}.{suffix}", None
         if kind not in _LAYER_TENSORS or (kind in _MOE_ONLY and not family.moe):
             raise CheckpointError(f"tensor {gguf_name!r} has no place in a {family.model_type}")
@@ -524,6 +524,11 @@ class GGUFWeights:
         assert match is not None
         layer, kind, _ = match.groups()
         fmt = self.expert_plan.get(f"layers.{layer}.mlp.experts.{STACK_OF[kind]}")
+        if len(tensor.shape) != 3:
+            raise CheckpointError(
+                f"{self.gguf.path}: tensor {gguf_name!r} has shape {list(tensor.shape)}; "
+                "an expert stack is [experts, rows, columns]"
+            )
         experts, rows, cols = (int(d) for d in tensor.shape)
         raw = tensor.read()
         raw = raw.reshape(experts, rows, -1)
