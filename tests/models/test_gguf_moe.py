@@ -34,6 +34,13 @@ RECIPES: dict[str, tuple[dict[str, str], str, str, tuple[str | None, str | None]
         ("int4", "q8_0"),
     ),
     "qwen3_moe-q8_0": ({"ffn_gate_inp": "F32"}, "Q8_0", "qwen3_moe", ("q8_0", "q8_0")),
+    # Gate and up of two types of one format (Q4_0, Q4_1: int4): one stack, decoded apart.
+    "qwen2_moe-q4_0+q4_1-up": (
+        {"ffn_up_exps": "Q4_1", "ffn_gate_inp": "F32"},
+        "Q4_0",
+        "qwen2_moe",
+        ("int4", "int4"),
+    ),
     # Gate and up in different formats: that stack is dequantised, down stays 4-bit.
     "qwen3_moe-q4_1+q8_0-up": (
         {"ffn_up_exps": "Q8_0", "ffn_gate_inp": "F32"},
@@ -218,3 +225,47 @@ def test_llama_cpp_reads_our_moe_files_as_transformers_reads_their_models(
     llm.eval(ids)
     diff = float(np.abs(np.asarray(llm.scores[: len(ids)]) - want).max())
     assert diff < 1e-4, f"{family}: llama.cpp's logits differ from transformers' by {diff:.2e}"
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_whole_stacks_load_as_expert_by_expert_on_a_rank(expert_parallel: bool) -> None:
+    """A GGUF file's group-wise stacks arrive whole (``[E, 2I, ...]``, ``[E, H, ...]``); where
+    a rank keeps a slice (tensor or expert parallelism) the loader cuts it as it cuts experts
+    arriving one by one."""
+    from pagedllm.layers.parallel import TPContext
+
+    tp = TPContext(rank=1, size=2, expert_parallel=expert_parallel)
+
+    def layer() -> FusedMoE:
+        moe = FusedMoE(num_experts=4, hidden_size=64, intermediate_size=64, tp=tp)
+        moe.use_groupwise("w13_weight", "int4")
+        moe.use_groupwise("w2_weight", "q8_0")
+        return moe
+
+    whole, one_by_one = layer(), layer()
+    torch.manual_seed(0)
+    stacks = {
+        "w13_weight": torch.randint(0, 255, (4, 128, 32), dtype=torch.uint8),
+        "w13_weight_scale": torch.randn(4, 128, 2),
+        "w13_weight_offset": torch.randn(4, 128, 2),
+        "w2_weight": torch.randint(-127, 127, (4, 64, 64), dtype=torch.int8),
+        "w2_weight_scale": torch.randn(4, 64, 2),
+    }
+    for name, stack in stacks.items():
+        param = getattr(whole, name)
+        param.weight_loader(param, stack)
+        param = getattr(one_by_one, name)
+        for e in range(4):
+            if name.startswith("w2"):
+                param.weight_loader(param, stack[e], (e, None))
+            else:
+                param.weight_loader(param, stack[e, :64], (e, 0))
+                param.weight_loader(param, stack[e, 64:], (e, 1))
+        assert torch.equal(getattr(whole, name), getattr(one_by_one, name)), name
+    # What this rank keeps: experts 2-3 whole, or every expert's second half of I.
+    w13 = whole.w13_weight
+    if expert_parallel:
+        assert torch.equal(w13, stacks["w13_weight"][2:])
+    else:
+        assert torch.equal(w13[:, :32], stacks["w13_weight"][:, 32:64])
+        assert torch.equal(whole.w2_weight, stacks["w2_weight"][:, :, 32:])

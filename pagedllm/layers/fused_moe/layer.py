@@ -62,11 +62,24 @@ class _ExpertLoader:
 
     reads_slices = True
 
-    def __init__(self, layer: FusedMoE) -> None:
-        self.layer = layer
+    def __init__(self, layer: FusedMoE, stack: str) -> None:
+        self.layer, self.stack = layer, stack  # "w13_weight" or "w2_weight"
 
-    def __call__(self, param: nn.Parameter, loaded: Any, shard: tuple[int, int | None]) -> None:
+    def __call__(
+        self, param: nn.Parameter, loaded: Any, shard: tuple[int, int | None] | None = None
+    ) -> None:
         layer = self.layer
+        if shard is None:  # a whole stack [E, 2I or H, ...] (a GGUF file's, decoded at once)
+            if loaded.shape[0] != layer.num_experts:
+                raise ValueError(f"{loaded.shape[0]} experts stacked, not {layer.num_experts}")
+            half = layer.intermediate_size
+            for e in range(layer.expert_start, layer.expert_start + layer.num_local_experts):
+                if self.stack == "w2_weight":
+                    self(param, loaded[e], (e, None))
+                else:
+                    self(param, loaded[e, :half], (e, 0))
+                    self(param, loaded[e, half:], (e, 1))
+            return
         expert, part = shard
         local = expert - layer.expert_start
         if not 0 <= expert < layer.num_experts:
@@ -128,11 +141,10 @@ class FusedMoE(nn.Module):
             self.num_local_experts, self.expert_start = num_experts, 0
             self.intermediate_shard = tp.shard(intermediate_size, "moe intermediate size")
         e, i = self.num_local_experts, self.intermediate_shard
-        loader = _ExpertLoader(self)
         self.w13_weight = nn.Parameter(torch.empty(e, 2 * i, hidden_size), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(e, hidden_size, i), requires_grad=False)
-        self.w13_weight.weight_loader = loader  # type: ignore[attr-defined]
-        self.w2_weight.weight_loader = loader  # type: ignore[attr-defined]
+        self.w13_weight.weight_loader = _ExpertLoader(self, "w13_weight")  # type: ignore[attr-defined]
+        self.w2_weight.weight_loader = _ExpertLoader(self, "w2_weight")  # type: ignore[attr-defined]
 
     # -- group-wise experts (a GGUF file's quantised stacks, kept as they are) -----------------
     def use_groupwise(self, name: str, fmt: str) -> None:

@@ -456,6 +456,37 @@ def dequantized(tensor: GGUFTensor) -> np.ndarray:
     return np.asarray(values, dtype=np.float32).reshape(tensor.shape)
 
 
+def _read_interleaved(gate: GGUFTensor, up: GGUFTensor) -> np.ndarray:
+    """Raw blocks ``[E, 2I, row bytes]``: each expert's gate rows, then its up rows, read from
+    the file straight into place (a concatenation would be one more round of fresh memory)."""
+    experts, rows = gate.shape[0], gate.shape[1]
+    if gate.path is None or up.path is None:  # in-memory tensors
+        pair = (gate.read().reshape(experts, rows, -1), up.read().reshape(experts, rows, -1))
+        return np.concatenate(pair, axis=1)
+    row_bytes = gate.raw.nbytes // (experts * rows)
+    out = np.empty((experts, 2 * rows, row_bytes), dtype=np.uint8)
+    with gate.path.open("rb", buffering=0) as f:
+        for half, t in enumerate((gate, up)):
+            for e in range(experts):
+                f.seek(t.offset + e * rows * row_bytes)
+                view = memoryview(out[e, half * rows : (half + 1) * rows].reshape(-1))
+                while view.nbytes:
+                    got = f.readinto(view)
+                    if not got:
+                        raise CheckpointError(f"{t.path}: tensor {t.name!r} is cut short")
+                    view = view[got:]
+    return out
+
+
+# What ``_decoded`` returns per format: the q (``.weight``) and its factors, by name suffix.
+_GROUPWISE_SUFFIXES = {
+    "int4": ("", "_scale", "_offset"),
+    "q5_k": ("", "_scale", "_offset"),
+    "q8_0": ("", "_scale"),
+    "q6_k": ("", "_scale", "_super"),
+}
+
+
 def _is_expert_stack(gguf_name: str) -> bool:
     match = _BLOCK.match(gguf_name)
     return match is not None and match.group(2) in EXPERT_STACKS
@@ -530,31 +561,59 @@ class GGUFWeights:
                 "an expert stack is [experts, rows, columns]"
             )
         experts, rows, cols = (int(d) for d in tensor.shape)
-        raw = tensor.read()
-        raw = raw.reshape(experts, rows, -1)
+        if fmt is not None:
+            if kind == "ffn_up_exps":
+                return  # decoded with its gate stack, into one [E, 2I, ...] stack
+            yield from self._groupwise_stack(gguf_name, tensor, fmt, layer, kind)
+            return
+        raw = tensor.read().reshape(experts, rows, -1)
         for e in range(experts):
-            stem = f"model.layers.{layer}.mlp.experts.{e}.{EXPERT_STACKS[kind]}"
-            if fmt is not None:
-                part = GGUFTensor(
-                    f"{gguf_name}[{e}]", tensor.type_name, (rows, cols), raw[e], tensor.qtype
-                )
-                yield from self._groupwise(stem, fmt, part)
-                continue
             values = np.asarray(dequantize(raw[e], tensor.qtype), dtype=np.float32)
+            stem = f"model.layers.{layer}.mlp.experts.{e}.{EXPERT_STACKS[kind]}"
             yield f"{stem}.weight", torch.from_numpy(values.reshape(rows, cols))
+
+    def _groupwise_stack(
+        self, gguf_name: str, tensor: GGUFTensor, fmt: str, layer: str, kind: str
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """A group-wise stack decoded in one pass as the whole ``FusedMoE`` stack: down as it
+        is, gate with its up stack (``[E, 2I]`` rows). The decoder's output then becomes the
+        parameter: no per-expert copies into a second stack (each round of fresh memory cost
+        ~1 ms a MB on first touch on these hosts)."""
+        experts, rows, cols = (int(d) for d in tensor.shape)
+
+        def decoded(t: GGUFTensor) -> list[torch.Tensor]:
+            raw = t.read().reshape(experts * rows, -1)
+            whole = GGUFTensor(t.name, t.type_name, (experts * rows, cols), raw, t.qtype)
+            return [a.reshape(experts, rows, -1) for a in self._decoded(whole)]
+
+        stack = "w2_weight"
+        if kind == "ffn_gate_exps":
+            up = self.gguf.tensors.get(gguf_name.replace("ffn_gate_exps", "ffn_up_exps"))
+            if up is None or up.shape != tensor.shape:
+                raise CheckpointError(
+                    f"{self.gguf.path}: {gguf_name!r} has no ffn_up_exps stack of its shape"
+                )
+            stack = "w13_weight"
+            if up.type_name == tensor.type_name:  # one pass over both stacks' blocks
+                raw = _read_interleaved(tensor, up)
+                both = GGUFTensor(gguf_name, tensor.type_name, (2 * rows, cols), raw, tensor.qtype)
+                rows *= 2
+                arrays = decoded(both)
+            else:  # two types of one format (Q4_0 gate, Q4_1 up): decoded apart, then joined
+                arrays = [
+                    torch.cat(p, dim=1) for p in zip(decoded(tensor), decoded(up), strict=True)
+                ]
+        else:
+            arrays = decoded(tensor)
+        for suffix, array in zip(_GROUPWISE_SUFFIXES[fmt], arrays, strict=True):
+            yield f"model.layers.{layer}.mlp.experts.{stack}{suffix}", array
 
     def _groupwise(
         self, stem: str, fmt: str, tensor: GGUFTensor, gguf_name: str = ""
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """A tensor kept in group-wise format ``fmt``: its q (``.weight``) and factors."""
         arrays = self._decoded(tensor)
-        suffixes = {
-            "int4": ("", "_scale", "_offset"),
-            "q5_k": ("", "_scale", "_offset"),
-            "q8_0": ("", "_scale"),
-            "q6_k": ("", "_scale", "_super"),
-        }[fmt]
-        for suffix, array in zip(suffixes, arrays, strict=True):
+        for suffix, array in zip(_GROUPWISE_SUFFIXES[fmt], arrays, strict=True):
             yield f"{stem}.weight{suffix}", self._permute(gguf_name, array)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
