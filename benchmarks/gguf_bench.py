@@ -146,30 +146,44 @@ GEMMA2_2B = dict(
 
 
 def _gemma2_2b(quant: str) -> Path:
-    """A Gemma-2-2B-shaped model of random weights (bf16, normal 0.02; norms 0.1 around the
-    stored 0 of Gemma's ``1 + w``) written to F16 GGUF by the tests' GGUF writer (llama.cpp's
-    conventions: ``tests/models/test_gguf.py`` checks that llama.cpp reads its files as
-    transformers reads the models) and quantised by llama.cpp's own quantiser; cached."""
-    out = CACHE / f"gemma2-2b-{quant}.gguf"
+    """A Gemma-2-2B-shaped model of random weights (normal 0.02; norms 0.1 around the stored 0
+    of Gemma's ``1 + w``); see :func:`_random_model_file`."""
+
+    def init(name: str, p: Any) -> None:
+        p.normal_(0.0, 0.02 if p.dim() > 1 else 0.1)
+
+    return _random_model_file("gemma2-2b", "Gemma2", GEMMA2_2B, init, quant)
+
+
+def _random_model_file(
+    stem: str, family: str, config: dict[str, Any], init: Any, quant: str
+) -> Path:
+    """A random-weight model of transformers' ``<family>ForCausalLM`` (bf16, ``init(name,
+    param)`` per parameter) written to F16 GGUF by the tests' GGUF writer (llama.cpp's
+    conventions: ``tests/models/test_gguf.py`` and ``test_gguf_moe.py`` check that llama.cpp
+    reads its files as transformers reads the models) and quantised by llama.cpp's own
+    quantiser; cached as ``<stem>-<quant>.gguf``."""
+    out = CACHE / f"{stem}-{quant}.gguf"
     if out.exists():
         return out
     import llama_cpp as lib
     import torch
-    from transformers import Gemma2Config, Gemma2ForCausalLM
+    import transformers
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests' GGUF writer
     from tests.models.gguf_files import write_gguf
 
-    f16 = CACHE / "gemma2-2b-f16.gguf"
+    f16 = CACHE / f"{stem}-f16.gguf"
     if not f16.exists():
         torch.manual_seed(0)
+        cfg = getattr(transformers, f"{family}Config")(**config)
         with torch.device("meta"):
-            model = Gemma2ForCausalLM(Gemma2Config(**GEMMA2_2B))
+            model = getattr(transformers, f"{family}ForCausalLM")(cfg)
         model = model.to_empty(device="cpu").to(torch.bfloat16)
         with torch.no_grad():
-            for p in model.parameters():
-                p.normal_(0.0, 0.02 if p.dim() > 1 else 0.1)
-        folder = CACHE / "gemma2-2b-hf"
+            for name, param in model.named_parameters():
+                init(name, param)
+        folder = CACHE / f"{stem}-hf"
         model.save_pretrained(str(folder))
         del model
         meta = {"tokenizer.ggml.model": "none"}
@@ -202,36 +216,17 @@ QWEN3_MOE_A3B_4L = dict(
 
 
 def _qwen3_moe(quant: str) -> Path:
-    """The Qwen3-MoE model above, random weights (bf16, normal 0.02; routers 0.3 for decisive
-    choices), written to F16 GGUF by the tests' GGUF writer (whose MoE files llama.cpp reads as
-    transformers reads the source models: ``tests/models/test_gguf_moe.py``) and quantised by
-    llama.cpp's own quantiser; cached. ~12 GB of RAM while the F16 file is written."""
-    out = CACHE / f"qwen3moe-a3b-4l-{quant}.gguf"
-    if out.exists():
-        return out
-    import llama_cpp as lib
-    import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    """The Qwen3-MoE model above, random weights (normal 0.02; routers 0.3 for decisive
+    choices; norms around 1); see :func:`_random_model_file`. ~12 GB of RAM while the F16
+    file is written."""
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests' GGUF writer
-    from tests.models.gguf_files import write_gguf
+    def init(name: str, p: Any) -> None:
+        if p.dim() > 1:
+            p.normal_(0.0, 0.3 if name.endswith("mlp.gate.weight") else 0.02)
+        else:
+            p.uniform_(0.8, 1.2)
 
-    f16 = CACHE / "qwen3moe-a3b-4l-f16.gguf"
-    if not f16.exists():
-        torch.manual_seed(0)
-        with torch.device("meta"):
-            model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**QWEN3_MOE_A3B_4L))
-        model = model.to_empty(device="cpu").to(torch.bfloat16)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                router = name.endswith("mlp.gate.weight")
-                p.normal_(0.0, 0.3 if router else 0.02) if p.dim() > 1 else p.uniform_(0.8, 1.2)
-        folder = CACHE / "qwen3moe-a3b-4l-hf"
-        model.save_pretrained(str(folder))
-        del model
-        meta = {"tokenizer.ggml.model": "none"}
-        write_gguf(folder, f16, default="F16", with_tokenizer=False, metadata=meta)
-    return _llama_cpp_quantize(lib, f16, out, quant)
+    return _random_model_file("qwen3moe-a3b-4l", "Qwen3Moe", QWEN3_MOE_A3B_4L, init, quant)
 
 
 # --- one engine on one file, in its own process -----------------------------------------------

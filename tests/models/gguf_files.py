@@ -405,3 +405,26 @@ def hf_gguf_greedy(
         gguf_file=path.name,
         config_from=config_from,
     )
+
+
+LOGIT_IDS = [5, 9, 17, 33, 65, 7, 11, 13, 3, 21, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49]
+
+
+def llama_cpp_vs_source(source: Path, path: Path) -> float:
+    """Largest gap between llama.cpp's float32 logits on ``path`` (float32 KV cache, as
+    transformers keeps) and transformers' on the model ``path`` was written from, over
+    :data:`LOGIT_IDS`. Needs llama-cpp-python (callers skip without it)."""
+    import llama_cpp
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(source), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    with torch.no_grad():
+        want = model(torch.tensor([LOGIT_IDS])).logits[0].numpy()
+    f32 = 0  # GGML_TYPE_F32
+    llm = llama_cpp.Llama(
+        str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=2, type_k=f32, type_v=f32
+    )
+    llm.eval(LOGIT_IDS)
+    return float(np.abs(np.asarray(llm.scores[: len(LOGIT_IDS)]) - want).max())

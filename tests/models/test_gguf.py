@@ -19,7 +19,7 @@ from pagedllm import Engine, SamplingParams
 from pagedllm.models.checkpoint import CheckpointError
 from tests.conftest import build_model
 from tests.hf_reference import assert_greedy_match, hf_greedy
-from tests.models.gguf_files import hf_gguf_greedy, write_gguf
+from tests.models.gguf_files import hf_gguf_greedy, llama_cpp_vs_source, write_gguf
 from tests.models.test_more_families import GGUF_GEMMA2, GGUF_GEMMA3, build_family
 
 MAX_NEW = 10
@@ -174,24 +174,10 @@ def test_llama_cpp_reads_our_test_files_as_transformers_reads_their_models(
     transformers' on the model it was written from. Where llama-cpp-python is installed (the
     benchmarks' environment; CI's clean environment skips it). ggml's GELU reads an fp16
     table, hence the Gemma families' wider bound; Gemma 2 without its caps is 0.18 away."""
-    llama_cpp = pytest.importorskip("llama_cpp")
-    from transformers import AutoModelForCausalLM
-
+    pytest.importorskip("llama_cpp")
     path = write_gguf(sources[family], tmp_path / f"{family}.gguf")
-    ids = [5, 9, 17, 33, 65, 7, 11, 13, 3, 21, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49]
-    model = AutoModelForCausalLM.from_pretrained(
-        str(sources[family]), dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    with torch.no_grad():
-        want = model(torch.tensor([ids])).logits[0].numpy()
-    f32 = 0  # GGML_TYPE_F32: a float32 KV cache, as transformers keeps
-    llm = llama_cpp.Llama(
-        str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=2, type_k=f32, type_v=f32
-    )
-    llm.eval(ids)
-    got = np.asarray(llm.scores[: len(ids)])
     bound = 5e-3 if family.startswith("gemma") else 1e-4
-    diff = float(np.abs(got - want).max())
+    diff = llama_cpp_vs_source(sources[family], path)
     assert diff < bound, f"{family}: llama.cpp's logits differ from transformers' by {diff:.2e}"
 
 

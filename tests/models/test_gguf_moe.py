@@ -19,7 +19,7 @@ from pagedllm import Engine
 from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.models.checkpoint import CheckpointError
 from tests.hf_reference import assert_greedy_match, hf_greedy
-from tests.models.gguf_files import hf_gguf_greedy, write_gguf
+from tests.models.gguf_files import hf_gguf_greedy, llama_cpp_vs_source, write_gguf
 from tests.models.moe_models import build_moe
 from tests.models.test_gguf import GREEDY, MAX_NEW, PROMPTS, engine_greedy
 
@@ -207,23 +207,9 @@ def test_llama_cpp_reads_our_moe_files_as_transformers_reads_their_models(
     shared expert and its vector gate, the expert-size keys) are what llama.cpp itself reads:
     its float32 logits on the written file equal transformers' on the source model. Where
     llama-cpp-python is installed (the benchmarks' environment; CI's clean one skips it)."""
-    import numpy as np
-
-    llama_cpp = pytest.importorskip("llama_cpp")
-    from transformers import AutoModelForCausalLM
-
+    pytest.importorskip("llama_cpp")
     path = write_gguf(moe_sources[family], tmp_path / f"{family}.gguf")
-    ids = [5, 9, 17, 33, 65, 7, 11, 13, 3, 21, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49]
-    model = AutoModelForCausalLM.from_pretrained(
-        str(moe_sources[family]), dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    with torch.no_grad():
-        want = model(torch.tensor([ids])).logits[0].numpy()
-    llm = llama_cpp.Llama(
-        str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=2, type_k=0, type_v=0
-    )
-    llm.eval(ids)
-    diff = float(np.abs(np.asarray(llm.scores[: len(ids)]) - want).max())
+    diff = llama_cpp_vs_source(moe_sources[family], path)
     assert diff < 1e-4, f"{family}: llama.cpp's logits differ from transformers' by {diff:.2e}"
 
 

@@ -107,14 +107,19 @@ class GGUFTensor:
             return np.asarray(self.raw)
         buf = np.empty(self.raw.shape, dtype=self.raw.dtype)
         with self.path.open("rb", buffering=0) as f:
-            f.seek(self.offset)
-            view = memoryview(buf.reshape(-1).view(np.uint8))
-            while view.nbytes:
-                got = f.readinto(view)
-                if not got:
-                    raise CheckpointError(f"{self.path}: tensor {self.name!r} is cut short")
-                view = view[got:]
+            self.read_into(f, 0, buf)
         return buf
+
+    def read_into(self, f: Any, start: int, out: np.ndarray) -> None:
+        """``out.nbytes`` bytes of the data from byte ``start`` into ``out`` (contiguous), by
+        plain reads of the open file ``f``."""
+        f.seek(self.offset + start)
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        while view.nbytes:
+            got = f.readinto(view)
+            if not got:
+                raise CheckpointError(f"{self.path}: tensor {self.name!r} is cut short")
+            view = view[got:]
 
 
 class GGUFFile:

@@ -468,13 +468,7 @@ def _read_interleaved(gate: GGUFTensor, up: GGUFTensor) -> np.ndarray:
     with gate.path.open("rb", buffering=0) as f:
         for half, t in enumerate((gate, up)):
             for e in range(experts):
-                f.seek(t.offset + e * rows * row_bytes)
-                view = memoryview(out[e, half * rows : (half + 1) * rows].reshape(-1))
-                while view.nbytes:
-                    got = f.readinto(view)
-                    if not got:
-                        raise CheckpointError(f"{t.path}: tensor {t.name!r} is cut short")
-                    view = view[got:]
+                t.read_into(f, e * rows * row_bytes, out[e, half * rows : (half + 1) * rows])
     return out
 
 
