@@ -41,15 +41,29 @@ _LAYER_NAMES = {
     "post_attention_layernorm": "ffn_norm",
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
-    # Mixture of experts (Qwen2/3-MoE): the router, the shared expert and its gate.
+    # Mixture of experts: the router (Mixtral's under its block's name), Qwen2-MoE's shared
+    # expert and its gate.
     "mlp.gate": "ffn_gate_inp",
+    "block_sparse_moe.gate": "ffn_gate_inp",
     "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
     "mlp.shared_expert.up_proj": "ffn_up_shexp",
     "mlp.shared_expert.down_proj": "ffn_down_shexp",
     "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
 # Per-expert projections, stacked [E, N, K] into one tensor each as llama.cpp's converter does.
-_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+# Mixtral's block is ``block_sparse_moe`` and its projections w1 (gate), w3 (up), w2 (down).
+_EXPERT = re.compile(
+    r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)"
+    r"\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
+)
+_EXPERT_PROJ = {
+    "gate_proj": "gate",
+    "w1": "gate",
+    "up_proj": "up",
+    "w3": "up",
+    "down_proj": "down",
+    "w2": "down",
+}
 _GLOBAL_NAMES = {
     "model.embed_tokens": "token_embd",
     "model.norm": "output_norm",
@@ -73,6 +87,9 @@ def gguf_name(hf_name: str, arch: str = "llama") -> str:
         names = {**_LAYER_NAMES, **_GEMMA2_NORMS} if arch in _SANDWICH else _LAYER_NAMES
         return f"blk.{layer}.{names[rest]}.{suffix}"
     return f"{_GLOBAL_NAMES[stem]}.{suffix}"
+
+
+_PERMUTED = ("llama", "mistral")  # the families whose q/k rows llama.cpp's converter interleaves
 
 
 def permute_rows(w: np.ndarray, heads: int) -> np.ndarray:
@@ -199,13 +216,16 @@ def write_gguf(
     with_tokenizer: bool = True,
     metadata: dict[str, Any] | None = None,
     drop_keys: tuple[str, ...] = (),
+    split_experts: bool = False,
 ) -> Path:
     """Write the model in ``hf_folder`` as the GGUF file ``out``.
 
     ``recipe``: GGUF kind (``attn_q``, ``ffn_down``, ``token_embd``, ``ffn_gate_exps``...) ->
     tensor type for the 2-D weights and expert stacks; others get ``default``; 1-D tensors
     (norms, biases) are always F32, as llama.cpp keeps them. ``metadata``: keys added, or
-    written in place of the converter's; ``drop_keys``: the converter's keys left out.
+    written in place of the converter's; ``drop_keys``: the converter's keys left out;
+    ``split_experts``: one tensor per expert (``blk.N.ffn_gate.E.weight``), as llama.cpp's
+    converter wrote Mixtral before it stacked experts (early 2024), typed as the stack would be.
     """
     import gguf
     from safetensors.torch import load_file
@@ -218,6 +238,7 @@ def write_gguf(
         "gemma3_text": "gemma3",
         "qwen2_moe": "qwen2moe",
         "qwen3_moe": "qwen3moe",
+        "mixtral": "llama",  # Mixtral too: a llama file with expert stacks
     }.get(config.model_type, config.model_type)
     writer = gguf.GGUFWriter(str(out), arch)
     _write_metadata(writer, config, arch)
@@ -233,7 +254,7 @@ def write_gguf(
         tensors.update(load_file(str(file)))
     rng = np.random.default_rng(seed)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    tensors = _stack_experts(tensors)
+    tensors = _split_experts(tensors) if split_experts else _stack_experts(tensors)
     for name, tensor in tensors.items():
         if config.tie_word_embeddings and name == "lm_head.weight":
             continue
@@ -242,7 +263,9 @@ def write_gguf(
             w = w.reshape(-1)  # llama.cpp keeps the shared expert's gate as a vector
         target = name if name.startswith("blk.") else gguf_name(name, arch)
         kind = target.split(".")[-2]
-        if arch in ("llama", "mistral") and kind in ("attn_q", "attn_k"):
+        if kind.isdigit():  # one expert of a split stack: the stack's type
+            kind = f"{target.split('.')[-3]}_exps"
+        if arch in _PERMUTED and kind in ("attn_q", "attn_k"):
             w = permute_rows(w, heads if kind == "attn_q" else kv_heads)
         if arch in ("gemma", *_SANDWICH) and target.endswith("norm.weight"):
             w = w + 1.0
@@ -266,6 +289,19 @@ def write_gguf(
     return out
 
 
+def _split_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert tensors under llama.cpp's old per-expert names ``blk.N.ffn_gate.E.weight``."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        m = _EXPERT.match(name)
+        if m is None:
+            out[name] = tensor
+        else:
+            layer, expert, proj = m.groups()
+            out[f"blk.{layer}.ffn_{_EXPERT_PROJ[proj]}.{expert}.weight"] = tensor
+    return out
+
+
 def _stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Per-expert tensors -> ``blk.N.ffn_{gate,up,down}_exps.weight`` stacks, in expert order."""
     out: dict[str, torch.Tensor] = {}
@@ -276,7 +312,9 @@ def _stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             out[name] = tensor
             continue
         layer, expert, proj = m.groups()
-        stacks.setdefault(f"blk.{layer}.ffn_{proj}_exps.weight", {})[int(expert)] = tensor
+        stacks.setdefault(f"blk.{layer}.ffn_{_EXPERT_PROJ[proj]}_exps.weight", {})[int(expert)] = (
+            tensor
+        )
     for name, experts in stacks.items():
         out[name] = torch.stack([experts[e] for e in range(len(experts))])
     return out
@@ -348,12 +386,16 @@ def _write_metadata(writer: Any, config: Any, arch: str) -> None:
     writer.add_file_type(0)
     if arch in _SANDWICH:
         writer.add_sliding_window(config.sliding_window)
-    if arch in ("qwen2moe", "qwen3moe"):  # what llama.cpp's converter adds for the MoE families
-        writer.add_expert_count(config.num_experts)
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if experts:  # what llama.cpp's converter adds for the MoE families
+        writer.add_expert_count(experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
+    if arch in ("qwen2moe", "qwen3moe"):  # their experts' size apart from the dense MLP's
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
         if arch == "qwen2moe":
             writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    if getattr(config, "clip_qkv", None) is not None:  # OLMoE
+        writer.add_clamp_kqv(float(config.clip_qkv))
     if arch == "gemma2":  # what llama.cpp's converter adds for Gemma 2
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
@@ -383,6 +425,52 @@ def _write_tokenizer(writer: Any, hf_folder: Path) -> None:
     writer.add_pad_token_id(added["<pad>"])
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHAT_TEMPLATE)
+
+
+def dequantised_source(path: Path, source: Path, out: Path) -> Path:
+    """The model ``path`` was written from, with every weight replaced by the file's, as ggml's
+    ``gguf`` package dequantises it: a Hugging Face folder (the source's config and tokenizer)
+    for transformers to run where its own GGUF reader lacks the family (Mixtral, OLMoE). The
+    writer's steps are undone here: names, expert stacks, q/k interleave, Gemma's ``1 + w``."""
+    import shutil
+
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(source))
+    arch = GGUFReader(str(path)).fields["general.architecture"].contents()
+    stored = {}
+    for t in GGUFReader(str(path)).tensors:
+        values = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        stored[t.name] = values.reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
+    out.mkdir(parents=True, exist_ok=True)
+    weights: dict[str, torch.Tensor] = {}
+    for file in sorted(source.glob("*.safetensors")):
+        for name, tensor in load_file(str(file)).items():
+            m = _EXPERT.match(name)
+            if m is not None:
+                layer, expert, proj = m.groups()
+                w = stored[f"blk.{layer}.ffn_{_EXPERT_PROJ[proj]}_exps.weight"][int(expert)]
+            elif config.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            else:
+                target = gguf_name(name, arch)
+                w = stored[target]
+                kind = target.split(".")[-2]
+                if arch in _PERMUTED and kind in ("attn_q", "attn_k"):
+                    heads = config.num_attention_heads
+                    n = heads if kind == "attn_q" else config.num_key_value_heads
+                    w = w.reshape(n, -1, 2, w.shape[-1]).swapaxes(1, 2).reshape(w.shape)
+                if arch in ("gemma", *_SANDWICH) and target.endswith("norm.weight"):
+                    w = w - 1.0
+            weights[name] = torch.from_numpy(np.array(w, dtype=np.float32)).reshape(tensor.shape)
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for file in source.iterdir():
+        if file.suffix != ".safetensors" and file.is_file():
+            shutil.copy(file, out / file.name)
+    return out
 
 
 def hf_gguf_greedy(

@@ -24,6 +24,7 @@ from pagedllm.models.llama import rope_partial_factor
 from pagedllm.models.model_loader import config_dtype, max_model_len_of
 from tests.conftest import build_model
 from tests.models.gguf_files import write_gguf
+from tests.models.moe_models import build_moe
 from tests.models.test_more_families import GGUF_GEMMA2, build_family
 
 MISSING = object()
@@ -46,8 +47,11 @@ NOT_READ = {
     "max_window_layers",
     "output_hidden_states",
     "pretraining_tp",
+    "output_router_logits",
     "problem_type",
     "resid_pdrop",
+    "router_aux_loss_coef",
+    "router_jitter_noise",
     "return_dict",
     "transformers_version",
     "use_bidirectional_attention",
@@ -67,6 +71,9 @@ def attributes_read() -> set[str]:
     return names
 
 
+MOE = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("gguf-config")
@@ -76,6 +83,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "qwen2": build_model(root / "qwen2", "qwen2"),
         **{name: build_family(root / name, name) for name in ("phi3", "gemma", "qwen3")},
         "gemma2": build_family(root / "gemma2", "gemma2", **GGUF_GEMMA2),
+        **{name: build_moe(root / name, name) for name in MOE},
     }
     out = {name: write_gguf(src, root / f"{name}.gguf") for name, src in sources.items()}
     out["mistral-arch"] = write_gguf(sources["mistral"], root / "m.gguf", arch="mistral")
@@ -98,7 +106,8 @@ def variants(values: dict) -> dict[str, dict]:
 
 
 @pytest.mark.parametrize(
-    "name", ["llama", "mistral", "mistral-arch", "qwen2", "qwen3", "phi3", "gemma", "gemma2"]
+    "name",
+    ["llama", "mistral", "mistral-arch", "qwen2", "qwen3", "phi3", "gemma", "gemma2", *MOE],
 )
 def test_light_config_equals_the_transformers_config(files: dict[str, Path], name: str) -> None:
     gguf = open_gguf(files[name])
@@ -119,7 +128,7 @@ def test_light_config_equals_the_transformers_config(files: dict[str, Path], nam
 
 
 def test_plain_rope_files_do_not_build_a_transformers_config(files: dict[str, Path]) -> None:
-    for name in ("llama", "qwen2", "phi3", "gemma", "gemma2"):
+    for name in ("llama", "qwen2", "phi3", "gemma", "gemma2", *MOE):
         assert isinstance(hf_config_from_gguf(open_gguf(files[name])), GGUFConfig), name
 
 

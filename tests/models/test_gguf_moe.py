@@ -1,11 +1,14 @@
-"""GGUF files of mixture-of-experts models (Qwen2-MoE, Qwen3-MoE): llama.cpp's stacked expert
-tensors, its router and shared-expert names, and quantised experts kept quantised on the CPU.
+"""GGUF files of mixture-of-experts models (Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE): llama.cpp's
+stacked expert tensors, its router and shared-expert names, and quantised experts kept quantised
+on the CPU.
 
 Files are written in the test from tiny random MoE models (``gguf_files.write_gguf`` stacks the
-experts as llama.cpp's converter does). References: the Hugging Face model a float32 file was
-written from, and transformers loading the same quantised file (dequantised by ggml's ``gguf``
-package) with the source's config, since transformers' GGUF reader leaves the expert sizes out
-(it would build 1,408-wide experts for any Qwen2-MoE file).
+experts as llama.cpp's converter does, Mixtral as a "llama" file). References: the Hugging Face
+model a float32 file was written from; for a quantised file, transformers loading the same file
+(dequantised by ggml's ``gguf`` package) with the source's config, since transformers' GGUF
+reader leaves the expert sizes out (it would build 1,408-wide experts for any Qwen2-MoE file),
+and for the families that reader lacks (Mixtral, OLMoE) transformers running the source model
+with every weight replaced by the file's, dequantised by the same package.
 """
 
 from __future__ import annotations
@@ -19,7 +22,12 @@ from pagedllm import Engine
 from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.models.checkpoint import CheckpointError
 from tests.hf_reference import assert_greedy_match, hf_greedy
-from tests.models.gguf_files import hf_gguf_greedy, llama_cpp_vs_source, write_gguf
+from tests.models.gguf_files import (
+    dequantised_source,
+    hf_gguf_greedy,
+    llama_cpp_vs_source,
+    write_gguf,
+)
 from tests.models.moe_models import build_moe
 from tests.models.test_gguf import GREEDY, MAX_NEW, PROMPTS, engine_greedy
 
@@ -55,8 +63,24 @@ RECIPES: dict[str, tuple[dict[str, str], str, str, tuple[str | None, str | None]
         "qwen3_moe-wide",
         ("int4", "q6_k"),
     ),
+    # Mixtral (a "llama" file: q/k rows interleaved) in the same Q4_K_M mix.
+    "mixtral-q4_k_m": (
+        {"ffn_down_exps": "Q6_K", "attn_v": "Q6_K", "token_embd": "Q6_K", "ffn_gate_inp": "F32"},
+        "Q4_K",
+        "mixtral-wide",
+        ("int4", "q6_k"),
+    ),
+    # OLMoE: 4-bit experts, 8-bit down projections.
+    "olmoe-q4_0": (
+        {"ffn_down_exps": "Q8_0", "ffn_gate_inp": "F32"},
+        "Q4_0",
+        "olmoe",
+        ("int4", "q8_0"),
+    ),
 }
 WIDE = dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256, head_dim=64)
+# The families transformers' GGUF reader lacks (a Mixtral file is read as a dense llama).
+NOT_READ_BY_TRANSFORMERS = ("mixtral", "olmoe")
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +95,12 @@ def moe_sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "qwen3_moe-wide": build_moe(
             root / "qwen3_moe-wide", "qwen3_moe", mlp_only_layers=[], **WIDE
         ),
+        "mixtral": build_moe(root / "mixtral", "mixtral"),
+        "mixtral-wide": build_moe(
+            root / "mixtral-wide", "mixtral", hidden_size=256, intermediate_size=256
+        ),
+        # clip_qkv (3.0) as the key llama.cpp's converter writes; experts 64 wide for Q8_0.
+        "olmoe": build_moe(root / "olmoe", "olmoe", intermediate_size=64),
     }
 
 
@@ -88,7 +118,7 @@ def _experts(engine: Engine) -> list[FusedMoE]:
     return [m for m in model.modules() if isinstance(m, FusedMoE)]
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe-dense0"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe-dense0", "mixtral", "olmoe"])
 def test_float_moe_file_matches_the_model_it_was_written_from(
     moe_sources: dict[str, Path], tmp_path: Path, family: str
 ) -> None:
@@ -107,7 +137,11 @@ def test_quantised_experts_match_transformers_on_the_same_file(
 ) -> None:
     path = moe_files[recipe]
     source = moe_sources[RECIPES[recipe][2]]
-    ref = hf_gguf_greedy(path, PROMPTS, MAX_NEW, config_from=source)
+    if source.name.split("-")[0] in NOT_READ_BY_TRANSFORMERS:
+        folder = dequantised_source(path, source, path.with_suffix(".dequantised"))
+        ref = hf_greedy(folder, PROMPTS, MAX_NEW)
+    else:
+        ref = hf_gguf_greedy(path, PROMPTS, MAX_NEW, config_from=source)
     for i, (ours, r) in enumerate(zip(engine_greedy(path), ref, strict=True)):
         assert_greedy_match(ours, r, f"{recipe} prompt {i}")
 
@@ -183,14 +217,25 @@ def test_prefix_caching_chunked_prefill_and_preemption_over_moe_experts(moe_file
 def test_bad_moe_files_fail_at_start_with_one_line(
     moe_sources: dict[str, Path], tmp_path: Path
 ) -> None:
-    source = moe_sources["qwen3_moe"]
+    source, mixtral = moe_sources["qwen3_moe"], moe_sources["mixtral"]
     no_count = write_gguf(source, tmp_path / "no-count.gguf", drop_keys=("qwen3moe.expert_count",))
-    experts_in_llama = write_gguf(source, tmp_path / "llama-experts.gguf", arch="llama")
+    experts_in_qwen3 = write_gguf(source, tmp_path / "qwen3-experts.gguf", arch="qwen3")
     miscounted = write_gguf(source, tmp_path / "count.gguf", metadata={"qwen3moe.expert_count": 6})
+    # A llama file with experts is Mixtral: its count, and experts as wide as its MLP.
+    mixtral_no_count = write_gguf(
+        mixtral, tmp_path / "mixtral-no-count.gguf", drop_keys=("llama.expert_count",)
+    )
+    mixtral_width = write_gguf(
+        mixtral, tmp_path / "mixtral-width.gguf", metadata={"llama.feed_forward_length": 64}
+    )
+    split = write_gguf(mixtral, tmp_path / "mixtral-split.gguf", split_experts=True)
     cases = [
         (no_count, "qwen3moe.expert_count"),
         (miscounted, "stacks 8 experts where qwen3moe.expert_count says 6"),
-        (experts_in_llama, "has no place in a llama"),
+        (experts_in_qwen3, "has no place in a qwen3"),
+        (mixtral_no_count, "llama.expert_count"),
+        (mixtral_width, "expert stacks have 96 rows where llama.feed_forward_length says 64"),
+        (split, "one expert of an early-2024 file"),
     ]
     for path, message in cases:
         with pytest.raises(CheckpointError, match=message) as info:
@@ -199,17 +244,24 @@ def test_bad_moe_files_fail_at_start_with_one_line(
         assert str(path) in text and "\n" not in text, text
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe"])  # llama.cpp: no dense layers
+# llama.cpp runs no dense layers in these files, and ignores OLMoE's clamp_kqv: its source here
+# has no clip_qkv (nor has the released OLMoE).
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "mixtral", "olmoe-unclipped"])
 def test_llama_cpp_reads_our_moe_files_as_transformers_reads_their_models(
     moe_sources: dict[str, Path], tmp_path: Path, family: str
 ) -> None:
     """The writer's MoE conventions (stacks ``[E, N, K]`` in expert order, the router, the
-    shared expert and its vector gate, the expert-size keys) are what llama.cpp itself reads:
-    its float32 logits on the written file equal transformers' on the source model. Where
-    llama-cpp-python is installed (the benchmarks' environment; CI's clean one skips it)."""
+    shared expert and its vector gate, the expert-size keys, Mixtral as a "llama" file with
+    interleaved q/k rows, OLMoE's without) are what llama.cpp itself reads: its float32 logits
+    on the written file equal transformers' on the source model. Where llama-cpp-python is
+    installed (the benchmarks' environment; CI's clean one skips it)."""
     pytest.importorskip("llama_cpp")
-    path = write_gguf(moe_sources[family], tmp_path / f"{family}.gguf")
-    diff = llama_cpp_vs_source(moe_sources[family], path)
+    if family == "olmoe-unclipped":
+        source = build_moe(tmp_path / family, "olmoe", clip_qkv=None)
+    else:
+        source = moe_sources[family]
+    path = write_gguf(source, tmp_path / f"{family}.gguf")
+    diff = llama_cpp_vs_source(source, path)
     assert diff < 1e-4, f"{family}: llama.cpp's logits differ from transformers' by {diff:.2e}"
 
 

@@ -34,6 +34,11 @@ class Family:
     # Qwen2-MoE's shared expert (``ffn_*_shexp``); llama.cpp renormalises the top-k weights.
     moe: bool = False
     renormalize_top_k: bool = False
+    # The config field of the expert count, and whether the experts' size is the file's
+    # ``feed_forward_length`` (Mixtral, OLMoE: every layer sparse, ``intermediate_size``) rather
+    # than ``expert_feed_forward_length`` (Qwen-MoE: ``moe_intermediate_size``).
+    experts_field: str = "num_experts"
+    experts_sized_by_ffn: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -54,19 +59,25 @@ FAMILIES: dict[str, Family] = {
         sandwich_norms=True,
         light=False,
     ),
-    # The MoE configs take transformers' class (their routing fields and checks live there).
-    "qwen2moe": Family(
-        "qwen2_moe", "Qwen2MoeForCausalLM", permuted_qk=False, light=False, moe=True
-    ),
+    "qwen2moe": Family("qwen2_moe", "Qwen2MoeForCausalLM", permuted_qk=False, moe=True),
     "qwen3moe": Family(
-        "qwen3_moe",
-        "Qwen3MoeForCausalLM",
-        permuted_qk=False,
-        light=False,
-        moe=True,
-        renormalize_top_k=True,
+        "qwen3_moe", "Qwen3MoeForCausalLM", permuted_qk=False, moe=True, renormalize_top_k=True
+    ),
+    "olmoe": Family(
+        "olmoe", "OlmoeForCausalLM", permuted_qk=False, moe=True, experts_sized_by_ffn=True
     ),
 }
+# llama.cpp's converter writes Mixtral as "llama" with expert stacks (as it writes Mistral):
+# the family is told by its tensors. Routing always renormalises the top-k (top-2) weights.
+MIXTRAL = Family(
+    "mixtral",
+    "MixtralForCausalLM",
+    permuted_qk=True,
+    moe=True,
+    renormalize_top_k=True,
+    experts_field="num_local_experts",
+    experts_sized_by_ffn=True,
+)
 
 # ``<arch>.<key>`` -> config attribute; every family writes these the same way.
 _HYPER_PARAMETERS = {
@@ -90,6 +101,8 @@ _SPECIAL_IDS = {
 
 def family_of(gguf: GGUFFile) -> Family:
     arch = gguf.architecture
+    if arch == "llama" and _has_experts(gguf):
+        return MIXTRAL
     family = FAMILIES.get(arch)
     if family is None:
         raise CheckpointError(
@@ -97,6 +110,14 @@ def family_of(gguf: GGUFFile) -> Family:
             f"files of {', '.join(sorted(FAMILIES))}"
         )
     return family
+
+
+def _has_experts(gguf: GGUFFile) -> bool:
+    """Whether a file has a router or expert stacks in some layer (a llama file: Mixtral)."""
+    return any(
+        name.startswith("blk.") and (".ffn_gate_inp." in name or "_exps." in name)
+        for name in gguf.tensors
+    )
 
 
 def _hyper_parameters(gguf: GGUFFile, arch: str) -> dict[str, Any]:
@@ -253,46 +274,65 @@ def _expert_rows(gguf: GGUFFile, kind: str) -> int | None:
 def _experts(gguf: GGUFFile, family: Family, values: dict[str, Any]) -> None:
     """Expert count, top-k, sizes and routing of a MoE file.
 
-    Sizes come from ``expert_feed_forward_length`` / ``expert_shared_feed_forward_length``
-    (what llama.cpp's converter writes), else from the stacks' shapes; layers without a router
-    are dense (``mlp_only_layers``). llama.cpp renormalises Qwen3-MoE's top-k weights and not
-    Qwen2-MoE's unless ``expert_weights_norm`` says so.
+    Qwen-MoE sizes come from ``expert_feed_forward_length`` /
+    ``expert_shared_feed_forward_length`` (what llama.cpp's converter writes), else from the
+    stacks' shapes, and layers without a router are dense (``mlp_only_layers``); Mixtral's and
+    OLMoE's experts are ``feed_forward_length`` wide and every layer routes. llama.cpp
+    renormalises the top-k weights of Qwen3-MoE and Mixtral, not Qwen2-MoE's or OLMoE's unless
+    ``expert_weights_norm`` says so.
     """
     arch = gguf.architecture
-    values["num_experts"] = int(gguf.metadata(f"{arch}.expert_count"))
+    experts = int(gguf.metadata(f"{arch}.expert_count"))
+    values[family.experts_field] = experts
     values["num_experts_per_tok"] = int(gguf.metadata(f"{arch}.expert_used_count"))
-    size = gguf.metadata(f"{arch}.expert_feed_forward_length", None) or _expert_rows(
-        gguf, "ffn_gate_exps"
-    )
-    if size is None:
-        raise CheckpointError(
-            f"{gguf.path}: {arch}.expert_feed_forward_length is missing and no ffn_gate_exps "
-            "tensor gives it"
-        )
-    values["moe_intermediate_size"] = int(size)
+    rows = _expert_rows(gguf, "ffn_gate_exps")
+    if family.experts_sized_by_ffn:
+        size = values["intermediate_size"]
+        if rows is not None and rows != size:
+            raise CheckpointError(
+                f"{gguf.path}: expert stacks have {rows} rows where {arch}.feed_forward_length "
+                f"says {size}"
+            )
+    else:
+        size = gguf.metadata(f"{arch}.expert_feed_forward_length", None) or rows
+        if size is None:
+            raise CheckpointError(
+                f"{gguf.path}: {arch}.expert_feed_forward_length is missing and no "
+                "ffn_gate_exps tensor gives it"
+            )
+        values["moe_intermediate_size"] = int(size)
     for name, tensor in gguf.tensors.items():  # every stack holds every expert
-        if (
-            name.startswith("blk.")
-            and "_exps." in name
-            and tensor.shape[0] != values["num_experts"]
-        ):
+        if name.startswith("blk.") and "_exps." in name and tensor.shape[0] != experts:
             raise CheckpointError(
                 f"{gguf.path}: tensor {name!r} stacks {tensor.shape[0]} experts where "
-                f"{arch}.expert_count says {values['num_experts']}"
+                f"{arch}.expert_count says {experts}"
             )
+    dense = [
+        i
+        for i in range(values["num_hidden_layers"])
+        if f"blk.{i}.ffn_gate_inp.weight" not in gguf.tensors
+    ]
+    norm = gguf.metadata(f"{arch}.expert_weights_norm", None)
+    if family.experts_sized_by_ffn:  # every layer routes (llama.cpp's rule for these files)
+        if dense:
+            raise CheckpointError(
+                f"{gguf.path}: tensor 'blk.{dense[0]}.ffn_gate_inp.weight' is missing: every "
+                f"layer of a {family.model_type} file routes to experts"
+            )
+        if family.model_type == "olmoe":
+            values["norm_topk_prob"] = bool(norm)
+            clamp = gguf.metadata(f"{arch}.attention.clamp_kqv", None)
+            if clamp is not None:
+                values["clip_qkv"] = float(clamp)
+        return
     shared = gguf.metadata(f"{arch}.expert_shared_feed_forward_length", None) or _expert_rows(
         gguf, "ffn_gate_shexp"
     )
     if shared is not None:
         values["shared_expert_intermediate_size"] = int(shared)
-    norm = gguf.metadata(f"{arch}.expert_weights_norm", None)
     values["norm_topk_prob"] = family.renormalize_top_k if norm is None else bool(norm)
     values["decoder_sparse_step"] = 1
-    values["mlp_only_layers"] = [
-        i
-        for i in range(values["num_hidden_layers"])
-        if f"blk.{i}.ffn_gate_inp.weight" not in gguf.tensors
-    ]
+    values["mlp_only_layers"] = dense
 
 
 # Gemma 2 27B: the one size whose query scale is not head_dim's (llama.cpp tells it by its

@@ -6,7 +6,8 @@ the weights. The model classes only read attributes, so :func:`light_config` giv
 attributes with the values transformers' class for the family would give for the same keyword
 arguments: its defaults where the metadata is silent, its ``__post_init__`` rules (Qwen's
 sliding window only with ``use_sliding_window``, ``layer_types`` per layer, a derived
-``head_dim``), and the rotary settings in transformers 5's ``rope_parameters`` shape.
+``head_dim``, the MoE classes' expert-count aliases), and the rotary settings in transformers
+5's ``rope_parameters`` shape.
 ``tests/models/test_gguf_config.py`` builds both from the same files and compares them
 attribute by attribute, including every attribute the engine's code reads from a config.
 """
@@ -20,7 +21,7 @@ from pagedllm.models.safetensors_reader import CheckpointError
 
 # Per family: the class defaults of the attributes the metadata may leave out, and the fields
 # the class declares that the model code reads (transformers 5's LlamaConfig, MistralConfig,
-# Qwen2Config, Qwen3Config, Phi3Config, GemmaConfig, Gemma2Config).
+# Qwen2Config, Qwen3Config, Phi3Config, GemmaConfig, Gemma2Config, and the MoE classes below).
 _SILU = {"hidden_act": "silu"}
 _SPECIAL_1_2 = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None}
 _QWEN = {
@@ -81,6 +82,55 @@ _DEFAULTS["gemma2"] = {
     "final_logit_softcapping": 30.0,
     "attn_logit_softcapping": 50.0,
 }
+# The mixture-of-experts classes (Qwen2MoeConfig, Qwen3MoeConfig, MixtralConfig, OlmoeConfig).
+_QWEN_MOE = {
+    **{k: v for k, v in _QWEN.items() if k != "max_window_layers"},
+    "decoder_sparse_step": 1,
+    "norm_topk_prob": False,
+    "mlp_only_layers": [],
+    "moe_intermediate_size": 1408,
+}
+_DEFAULTS["qwen2_moe"] = {
+    **_QWEN_MOE,
+    "max_window_layers": 28,
+    "qkv_bias": True,
+    "shared_expert_intermediate_size": 5632,
+    "num_experts": 60,
+}
+_DEFAULTS["qwen3_moe"] = {
+    **_QWEN_MOE,
+    "sliding_window": None,
+    "attention_bias": False,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+}
+_DEFAULTS["mixtral"] = {
+    **_SILU,
+    **_SPECIAL_1_2,
+    "max_position_embeddings": 4096 * 32,
+    "rms_norm_eps": 1e-5,
+    "head_dim": None,
+    "sliding_window": None,
+    "num_local_experts": 8,
+}
+_DEFAULTS["olmoe"] = {
+    **_SILU,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "pad_token_id": 1,
+    "bos_token_id": None,
+    "eos_token_id": 50279,
+    "attention_bias": False,
+    "clip_qkv": None,
+    "norm_topk_prob": False,
+    "num_experts": 64,
+}
+# The classes' ``attribute_map``: one value under two names (the stored one first).
+_ALIASES = {
+    "qwen3_moe": ("num_experts", "num_local_experts"),
+    "mixtral": ("num_local_experts", "num_experts"),
+    "olmoe": ("num_experts", "num_local_experts"),
+}
 _DERIVED_HEAD_DIM = ("llama", "mistral")  # head_dim None -> hidden_size // num_attention_heads
 _DTYPES = ("float32", "float16", "bfloat16")
 
@@ -122,6 +172,20 @@ def light_config(gguf: GGUFFile, model_type: str, values: dict[str, Any]) -> GGU
     out = {**_DEFAULTS[model_type], **values, "model_type": model_type, "rope_parameters": rope}
     if out.get("head_dim") is None and model_type in _DERIVED_HEAD_DIM:
         out["head_dim"] = out["hidden_size"] // out["num_attention_heads"]
+    if model_type in _ALIASES:
+        stored, alias = _ALIASES[model_type]
+        out[alias] = out[stored] = out.pop(alias, out[stored])
+    if model_type == "qwen2_moe":  # its own window rules: 0 when off, odd layers when on
+        if not out["use_sliding_window"]:
+            out["sliding_window"] = 0
+        out["layer_types"] = [
+            "sliding_attention"
+            if (i + 1) % 2 and i < out["max_window_layers"] and out["use_sliding_window"]
+            else "full_attention"
+            for i in range(out["num_hidden_layers"])
+        ]
+    if model_type == "qwen3_moe" and not out["use_sliding_window"]:
+        out["sliding_window"] = None
     if model_type in ("qwen2", "qwen3"):
         if not out["use_sliding_window"]:
             out["sliding_window"] = None

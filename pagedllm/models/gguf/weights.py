@@ -85,6 +85,8 @@ _FUSED_PARTS = {
 # Tensors that configure rather than weigh (read by the config, or unused by the reference).
 NOT_WEIGHTS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 _BLOCK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+# One expert's tensor, as llama.cpp's converter wrote Mixtral before it stacked them (2024).
+_SPLIT_EXPERT = re.compile(r"^blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight$")
 
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 # Kept as int8 q times a float32 scale per 32 weights, exactly (each weight the float32 that
@@ -127,6 +129,12 @@ def hf_name(gguf_name: str, family: Family) -> tuple[str, str | None]:
     stem, _, suffix = gguf_name.rpartition(".")
     if stem in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[stem]}.{suffix}", _TABLE_MODULES.get(stem)
+    if _SPLIT_EXPERT.match(gguf_name):
+        raise CheckpointError(
+            f"tensor {gguf_name!r} is one expert of an early-2024 file (one tensor per expert, "
+            "which llama.cpp no longer reads either): convert the model again for stacked "
+            "ffn_*_exps tensors"
+        )
     raise CheckpointError(f"tensor {gguf_name!r} has no place in a {family.model_type}")
 
 
