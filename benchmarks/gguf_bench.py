@@ -9,7 +9,9 @@ random-weight Llama-3.2-1B-shaped model (``model_builder.LLAMA_1B``) written as 
 quantiser (``llama_model_quantize``), and on request a random-weight Gemma-2-2B-shaped model
 (``gemma2-2b-q4_k_m``: soft caps, alternating windows, a 256,000-token tied table) and a
 random-weight model of Qwen3-30B-A3B's layers (``qwen3moe-q4_k_m``: 128 experts, top-8, 4 of its
-48 layers); files are cached under ``build/bench/gguf``.
+48 layers) and one of Mixtral-8x7B's (``mixtral-q4_k_m``: 8 experts of 14,336, top-2, 2 of its
+32 layers, written as llama.cpp writes Mixtral: a llama file with expert stacks); files are
+cached under ``build/bench/gguf``.
 
 Each engine runs in its own subprocess per file, so start-up (imports included, from the
 process's first line to the engine ready) and peak RSS are its own. Per file and engine:
@@ -31,6 +33,7 @@ Prints one JSON object with the processor, the ISA path, the linear-layer paths 
     python benchmarks/gguf_bench.py --models 1b-q4_k_m --single-rounds 5
     python benchmarks/gguf_bench.py --models gemma2-2b-q4_k_m --single-rounds 3  # ~10 GB RAM
     python benchmarks/gguf_bench.py --models qwen3moe-q4_k_m --single-rounds 3   # ~12 GB RAM
+    python benchmarks/gguf_bench.py --models mixtral-q4_k_m --single-rounds 3    # ~16 GB RAM
     python benchmarks/gguf_bench.py --smoke              # a tiny Q4_0 file, seconds (CI)
 """
 
@@ -99,6 +102,8 @@ def model_files(names: list[str], smoke: bool) -> dict[str, Path]:
             files[name] = _gemma2_2b(name.removeprefix("gemma2-2b-"))
         if name.startswith("qwen3moe-"):
             files[name] = _qwen3_moe(name.removeprefix("qwen3moe-"))
+        if name.startswith("mixtral-"):
+            files[name] = _mixtral(name.removeprefix("mixtral-"))
     return files
 
 
@@ -216,17 +221,42 @@ QWEN3_MOE_A3B_4L = dict(
 
 
 def _qwen3_moe(quant: str) -> Path:
-    """The Qwen3-MoE model above, random weights (normal 0.02; routers 0.3 for decisive
-    choices; norms around 1); see :func:`_random_model_file`. ~12 GB of RAM while the F16
-    file is written."""
+    """The Qwen3-MoE model above, random weights (:func:`_moe_init`); see
+    :func:`_random_model_file`. ~12 GB of RAM while the F16 file is written."""
+    return _random_model_file("qwen3moe-a3b-4l", "Qwen3Moe", QWEN3_MOE_A3B_4L, _moe_init, quant)
 
-    def init(name: str, p: Any) -> None:
-        if p.dim() > 1:
-            p.normal_(0.0, 0.3 if name.endswith("mlp.gate.weight") else 0.02)
-        else:
-            p.uniform_(0.8, 1.2)
 
-    return _random_model_file("qwen3moe-a3b-4l", "Qwen3Moe", QWEN3_MOE_A3B_4L, init, quant)
+# Mixtral-8x7B's layer (mistralai/Mixtral-8x7B-v0.1's config: 8 experts of 14,336, top-2, 32
+# query heads and 8 KV heads of 128, rope base 1e6: the class default), 2 of its 32 layers, its
+# 32,000-token vocabulary: its expert GEMMs at their real shapes in a file of ~1.8 GB (Q4_K_M).
+MIXTRAL_8X7B_2L = dict(
+    vocab_size=32000,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=2,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def _mixtral(quant: str) -> Path:
+    """The Mixtral model above, random weights initialised as :func:`_qwen3_moe`'s."""
+    return _random_model_file("mixtral-8x7b-2l", "Mixtral", MIXTRAL_8X7B_2L, _moe_init, quant)
+
+
+def _moe_init(name: str, p: Any) -> None:
+    """Normal 0.02; routers 0.3 (decisive choices); norms around 1."""
+    if p.dim() > 1:
+        p.normal_(0.0, 0.3 if name.endswith("mlp.gate.weight") else 0.02)
+    else:
+        p.uniform_(0.8, 1.2)
 
 
 # --- one engine on one file, in its own process -----------------------------------------------

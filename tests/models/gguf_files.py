@@ -242,11 +242,11 @@ def write_gguf(
     }.get(config.model_type, config.model_type)
     writer = gguf.GGUFWriter(str(out), arch)
     _write_metadata(writer, config, arch)
+    if with_tokenizer:
+        _write_tokenizer(writer, hf_folder)
     for key, value in (metadata or {}).items():  # added, or in place of the converter's
         writer.kv_data[0].pop(key, None)
         _add_value(writer, key, value)
-    if with_tokenizer:
-        _write_tokenizer(writer, hf_folder)
     for key in drop_keys:  # a file that lacks a key the converter writes
         del writer.kv_data[0][key]
     tensors = {}

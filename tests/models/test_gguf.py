@@ -547,6 +547,23 @@ def test_tokenizer_and_chat_template_come_from_the_file(
         assert list((tmp_path / "cache" / "gguf-tokenizers").iterdir()), attempt
 
 
+def test_add_bos_token_from_the_file_survives_the_tokenizer_cache(
+    sources: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``tokenizer.ggml.add_bos_token`` decides whether a prompt string starts with BOS (as in
+    llama.cpp; Llama 3 files say true), converted and from the cached ``tokenizer.json``."""
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    for flag in (True, False):
+        meta = {"tokenizer.ggml.add_bos_token": flag}
+        path = write_gguf(sources["llama"], tmp_path / f"bos-{flag}.gguf", metadata=meta)
+        for attempt in ("converted", "cached"):
+            engine = Engine(str(path), device="cpu", block_size=8, num_kv_blocks=16)
+            out = engine.generate(["hello world"], GREEDY, use_tqdm=False)[0]
+            bos = engine.get_tokenizer().bos_token_id
+            assert (out.prompt_token_ids[0] == bos) is flag, (flag, attempt)
+            assert out.prompt_token_ids.count(bos) == int(flag), (flag, attempt)
+
+
 def test_folder_with_one_gguf_loads(gguf_files: dict, tmp_path: Path) -> None:
     folder = tmp_path / "model"
     folder.mkdir()

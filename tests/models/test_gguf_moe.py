@@ -168,6 +168,50 @@ def test_expert_stacks_stay_quantised_on_the_cpu(moe_files: dict, recipe: str) -
     assert manager.get_num_free_device_blocks() == manager.num_device_blocks
 
 
+@pytest.mark.parametrize("int8_activations", [False, True])
+def test_int8_activations_reach_the_expert_gemms(
+    moe_files: dict, monkeypatch: pytest.MonkeyPatch, int8_activations: bool
+) -> None:
+    """``int8_activations`` sends the experts' bf16 rows to the dot path as it does the dense
+    layers' (a step's experts each see a few rows: the float path's conversion of every weight
+    is what their time goes to); without it no call takes it. Each call of the C++ GEMM is
+    recorded with its columns, rows and path."""
+    from pagedllm.backends.cpu import groupwise_linear, packed_linear
+
+    ops = packed_linear.gemm_ops()
+    if ops is None or not groupwise_linear.dot_rows(ops, torch.bfloat16):
+        pytest.skip("no dot path on this build")
+    calls: list[tuple[int, int, bool]] = []
+    kernel = ops.groupwise_gemm
+
+    def recorded(x, packed, n, bits, half, with_offset, factored, bias, dot, levels=False):
+        calls.append((n, x.shape[0], dot))
+        return kernel(x, packed, n, bits, half, with_offset, factored, bias, dot, levels)
+
+    monkeypatch.setattr(ops, "groupwise_gemm", recorded)  # before the engine binds it
+    engine = Engine(
+        str(moe_files["qwen2_moe-q4_0"]),
+        device="cpu",
+        block_size=8,
+        num_kv_blocks=64,
+        int8_activations=int8_activations,
+    )
+    if engine.executor.worker.dtype != torch.bfloat16:  # type: ignore[attr-defined]
+        pytest.skip("this processor computes a bf16 checkpoint in float32")
+    layers = _experts(engine)
+    assert all(("+dot" in layer.path) is int8_activations for layer in layers), layers[0].path
+    calls.clear()  # the checks at load
+    outs = engine.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == MAX_NEW for o in outs)
+    # Calls of 64 columns: the experts' gate/up (2 x 32) and down, o_proj, the shared expert's
+    # down. The LM head never dots.
+    experts = [c for c in calls if c[0] == 64]
+    assert experts and all(dot is int8_activations for _, _, dot in experts), experts[:3]
+    assert not any(dot for n, _, dot in calls if n == engine.vocab_size)
+    bm = engine.block_manager
+    assert bm.get_num_free_device_blocks() == bm.num_device_blocks
+
+
 def test_quantised_experts_on_the_pytorch_path(moe_files: dict) -> None:
     """Without the C++ GEMM (a device that runs the formats in PyTorch), group-wise experts
     compute what the same experts dequantised at load compute."""

@@ -67,7 +67,7 @@ class CpuBackend(DeviceBackend):
 
         paths = pack_linear_layers(model, int8_activations=int8_activations)
         self.linear_path = ", ".join(f"{kind}={path}" for kind, path in paths.items())
-        moe = pack_moe_layers(model)
+        moe = pack_moe_layers(model, int8_activations=int8_activations)
         if moe:
             self.linear_path += ", " + moe
         model.linear_path = self.linear_path

@@ -47,21 +47,26 @@ class _GroupwiseExpert(nn.Module):
 
 
 def _expert_gemm(
-    layer: nn.Module, name: str, e: int, checked: set[tuple]
+    layer: nn.Module, name: str, e: int, checked: set[tuple], dot: bool
 ) -> tuple[pl.LinearFn | None, str]:
     if name in layer.groupwise:
         from pagedllm.backends.cpu.groupwise_linear import make_groupwise_linear
 
-        return make_groupwise_linear(_GroupwiseExpert(layer, name, e), None, checked=checked)
+        expert = _GroupwiseExpert(layer, name, e)
+        return make_groupwise_linear(expert, None, dot=dot, checked=checked)
     scale = layer.scales(name)
     return pack_weight(getattr(layer, name)[e], None if scale is None else scale[e])
 
 
-def pack_moe_layer(layer: nn.Module, checked: set[tuple] | None = None) -> str:
+def pack_moe_layer(
+    layer: nn.Module, checked: set[tuple] | None = None, *, int8_activations: bool = False
+) -> str:
     """Install packed per-expert GEMMs on one ``FusedMoE``; returns the path's name.
 
     ``checked``: group-wise shapes whose kernel paths this load has already proven (see
     ``make_groupwise_linear``): a file's experts share two or three shapes.
+    ``int8_activations``: group-wise experts take the dot path as the dense layers do (an
+    expert sees a few rows a step, where the float path's time goes to converting every weight).
     """
     from pagedllm.layers.fused_moe import fused_experts_torch
 
@@ -71,7 +76,7 @@ def pack_moe_layer(layer: nn.Module, checked: set[tuple] | None = None) -> str:
     for e in range(layer.num_local_experts):
         pair = []
         for name in ("w13_weight", "w2_weight"):
-            fn, path = _expert_gemm(layer, name, e, checked)
+            fn, path = _expert_gemm(layer, name, e, checked, int8_activations)
             paths.add(path)
             pair.append(fn)
         if None in pair:
@@ -88,7 +93,7 @@ def pack_moe_layer(layer: nn.Module, checked: set[tuple] | None = None) -> str:
     return layer.path
 
 
-def pack_moe_layers(model: nn.Module) -> str:
+def pack_moe_layers(model: nn.Module, *, int8_activations: bool = False) -> str:
     """Pack every MoE layer of ``model``; returns ``"FusedMoE=<paths>"`` or "" without any."""
     from pagedllm.layers.fused_moe import FusedMoE
 
@@ -97,7 +102,7 @@ def pack_moe_layers(model: nn.Module) -> str:
     with torch.inference_mode():
         for module in model.modules():
             if isinstance(module, FusedMoE):
-                path = pack_moe_layer(module, checked)
+                path = pack_moe_layer(module, checked, int8_activations=int8_activations)
                 paths.update(getattr(module, "paths", None) or {path})
     if not paths:
         return ""
