@@ -17,7 +17,8 @@ Each engine runs in its own subprocess per file, so start-up (imports included, 
 process's first line to the engine ready) and peak RSS are its own. Per file and engine:
 throughput at 16 and 64 parallel sequences (as many requests, prompts 32-128 tokens, outputs
 32-96, greedy, every request generating its whole length; pagedllm ``max_num_seqs`` = llama.cpp
-``n_parallel``), single-stream decode (one request, 16-token prompt, 64 tokens), start-up, peak
+``n_parallel``), single-stream decode (one request, 16-token prompt, 64 tokens), start-up and
+its part after the imports (``load_seconds``: the engine built, or the model loaded), peak
 RSS. ``--single-rounds N`` then runs the single stream alone N more times per engine, our engine
 and llama.cpp alternating (a fresh process each, one unmeasured warm-up request first), and
 reports each round's ratio and their median: on a shared host single-stream decode follows the
@@ -293,6 +294,7 @@ def run_pagedllm(
     from pagedllm import Engine, SamplingParams
     from pagedllm.backends.cpu._ops import resolve_isa
 
+    imported = time.perf_counter()
     first = Engine(
         str(path),
         device="cpu",
@@ -305,6 +307,7 @@ def run_pagedllm(
     vocab = first.vocab_size
     result: dict[str, Any] = {
         "startup_seconds": startup,
+        "load_seconds": time.perf_counter() - imported,
         "isa": resolve_isa(),
         "dtype": str(first.executor.worker.dtype).removeprefix("torch."),
         "linear_path": first.executor.collective_rpc("linear_path")[0],
@@ -355,13 +358,19 @@ def run_llama_cpp(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     import llama_cpp_bench
 
     threads = args.threads
+    imported = time.perf_counter()
     lib.llama_log_set(ctypes.cast(None, lib.llama_log_callback), ctypes.c_void_p())
     lib.llama_backend_init()
     model = lib.llama_model_load_from_file(str(path).encode(), lib.llama_model_default_params())
     startup = time.perf_counter() - PROCESS_START
+    loaded = time.perf_counter() - imported
     vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
     lib.llama_model_free(model)
-    result: dict[str, Any] = {"startup_seconds": startup, "threads": threads}
+    result: dict[str, Any] = {
+        "startup_seconds": startup,
+        "load_seconds": loaded,
+        "threads": threads,
+    }
     for name, reqs in _workloads(vocab, args).items():
         n_parallel = len(reqs) if name != "single" else 1
         run = llama_cpp_bench.run_llama_cpp(path, reqs, n_parallel=n_parallel, threads=threads)
@@ -429,6 +438,8 @@ def _ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float]:
             out[key.removesuffix("_tok_s")] = ours[key] / theirs[key]
     if "startup_seconds" in theirs:
         out["startup_vs_llama_cpp"] = ours["startup_seconds"] / theirs["startup_seconds"]
+    if "load_seconds" in theirs:  # the same without the imports (PyTorch's alone is ~1-1.4 s)
+        out["load_vs_llama_cpp"] = ours["load_seconds"] / theirs["load_seconds"]
     return out
 
 
