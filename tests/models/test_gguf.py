@@ -401,12 +401,9 @@ def test_a_part_in_no_native_format_is_dequantised_alone(gguf_files: dict) -> No
     assert paths["ColumnParallelLinear"].startswith("cpp-mixed(iq4,dense)-"), paths
 
 
-def test_int8_activations_round_prefill_rows_but_never_the_head(
-    gguf_files: dict, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """With ``int8_activations`` every bf16 batch of the group-wise layers takes the dot path,
-    a 120-row prefill step included (as llama.cpp rounds its prompts), and the LM head never
-    does: each call of the C++ GEMM is recorded with its columns, rows and path."""
+def record_groupwise_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, bool]]:
+    """(columns, rows, dot path) of every later call of the C++ group-wise GEMM (patched before
+    an engine binds it); skips where this build has no dot path."""
     from pagedllm.backends.cpu import groupwise_linear, packed_linear
 
     ops = packed_linear.gemm_ops()
@@ -419,7 +416,26 @@ def test_int8_activations_round_prefill_rows_but_never_the_head(
         calls.append((n, x.shape[0], dot))  # the layers bind the kernel with these arguments
         return kernel(x, packed, n, bits, half, with_offset, factored, bias, dot, levels)
 
-    monkeypatch.setattr(ops, "groupwise_gemm", recorded)  # before the engine binds it
+    monkeypatch.setattr(ops, "groupwise_gemm", recorded)
+    return calls
+
+
+def assert_refused_in_one_line(cases: list[tuple[Path, str]]) -> None:
+    """Each file fails at start with one line naming the file and matching its message."""
+    for path, message in cases:
+        with pytest.raises(CheckpointError, match=message) as info:
+            Engine(str(path), device="cpu", block_size=8, num_kv_blocks=16)
+        text = str(info.value)
+        assert str(path) in text and "\n" not in text, text
+
+
+def test_int8_activations_round_prefill_rows_but_never_the_head(
+    gguf_files: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``int8_activations`` every bf16 batch of the group-wise layers takes the dot path,
+    a 120-row prefill step included (as llama.cpp rounds its prompts), and the LM head never
+    does: each call of the C++ GEMM is recorded with its columns, rows and path."""
+    calls = record_groupwise_calls(monkeypatch)
     path = gguf_files["q4_0"]
     engine = Engine(str(path), device="cpu", block_size=8, num_kv_blocks=64, int8_activations=True)
     if engine.executor.worker.dtype != torch.bfloat16:  # type: ignore[attr-defined]
@@ -602,11 +618,7 @@ def test_bad_files_fail_at_start_with_one_line(
         (unknown_type, "blk.0.attn_q.weight' has type NVFP4"),
         (zero_cap, "gemma2.attn_logit_softcapping must be > 0, got 0.0"),
     ]
-    for path, message in cases:
-        with pytest.raises(CheckpointError, match=message) as info:
-            Engine(str(path), device="cpu", block_size=8, num_kv_blocks=16)
-        text = str(info.value)
-        assert str(path) in text and "\n" not in text, text
+    assert_refused_in_one_line(cases)
     # A tokenizer given separately makes the tokenizer-less file usable.
     engine = Engine(
         str(no_tokenizer), device="cpu", tokenizer=str(sources["llama"]), num_kv_blocks=16

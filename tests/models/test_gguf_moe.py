@@ -20,7 +20,6 @@ import torch
 
 from pagedllm import Engine
 from pagedllm.layers.fused_moe import FusedMoE
-from pagedllm.models.checkpoint import CheckpointError
 from tests.hf_reference import assert_greedy_match, hf_greedy
 from tests.models.gguf_files import (
     dequantised_source,
@@ -29,7 +28,14 @@ from tests.models.gguf_files import (
     write_gguf,
 )
 from tests.models.moe_models import build_moe
-from tests.models.test_gguf import GREEDY, MAX_NEW, PROMPTS, engine_greedy
+from tests.models.test_gguf import (
+    GREEDY,
+    MAX_NEW,
+    PROMPTS,
+    assert_refused_in_one_line,
+    engine_greedy,
+    record_groupwise_calls,
+)
 
 # name -> (types by GGUF tensor kind, type of every other 2-D tensor, source model, the
 # group-wise formats the expert stacks keep: (w13, w2), None where dequantised)
@@ -176,19 +182,7 @@ def test_int8_activations_reach_the_expert_gemms(
     layers' (a step's experts each see a few rows: the float path's conversion of every weight
     is what their time goes to); without it no call takes it. Each call of the C++ GEMM is
     recorded with its columns, rows and path."""
-    from pagedllm.backends.cpu import groupwise_linear, packed_linear
-
-    ops = packed_linear.gemm_ops()
-    if ops is None or not groupwise_linear.dot_rows(ops, torch.bfloat16):
-        pytest.skip("no dot path on this build")
-    calls: list[tuple[int, int, bool]] = []
-    kernel = ops.groupwise_gemm
-
-    def recorded(x, packed, n, bits, half, with_offset, factored, bias, dot, levels=False):
-        calls.append((n, x.shape[0], dot))
-        return kernel(x, packed, n, bits, half, with_offset, factored, bias, dot, levels)
-
-    monkeypatch.setattr(ops, "groupwise_gemm", recorded)  # before the engine binds it
+    calls = record_groupwise_calls(monkeypatch)
     engine = Engine(
         str(moe_files["qwen2_moe-q4_0"]),
         device="cpu",
@@ -281,11 +275,7 @@ def test_bad_moe_files_fail_at_start_with_one_line(
         (mixtral_width, "expert stacks have 96 rows where llama.feed_forward_length says 64"),
         (split, "one expert of an early-2024 file"),
     ]
-    for path, message in cases:
-        with pytest.raises(CheckpointError, match=message) as info:
-            Engine(str(path), device="cpu", block_size=8, num_kv_blocks=16)
-        text = str(info.value)
-        assert str(path) in text and "\n" not in text, text
+    assert_refused_in_one_line(cases)
 
 
 # llama.cpp runs no dense layers in these files, and ignores OLMoE's clamp_kqv: its source here
