@@ -11,6 +11,7 @@ Every ISA level this processor runs is tested.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
@@ -499,6 +500,80 @@ def test_bad_inputs_raise(ops) -> None:
             torch.zeros(4, 24, dtype=torch.uint8), scale[:4], offset[:4], 4, True, True
         )
     assert pw.gemm(ops, torch.empty(0, 64), None, True).shape == (0, 20)
+
+
+# -- grouped: an MoE layer's experts in one call ---------------------------------------------
+# Rows per group: an expert without rows, the register kernels (1, 2; 5 on processors without
+# AMX) and past them (9: AMX tiles or the scratch, each such group its own GEMM).
+GROUPED_ROWS = (1, 0, 2, 5, 9, 1)
+
+
+def _stacked(ops, kind: str, n: int, k: int, count: int):
+    """``count`` layers of one kind packed into one buffer (as an MoE stack), and their pws."""
+    pws = [_pack(ops, *_layer_data(kind, n, k)[:3]) for _ in range(count)]
+    buffer = ops.huge_page_empty(count * pws[0].packed.numel()).view(count, *pws[0].packed.shape)
+    for pw, slot in zip(pws, buffer, strict=True):
+        slot.copy_(pw.packed)
+    return [dataclasses.replace(pw, packed=slot) for pw, slot in zip(pws, buffer, strict=True)]
+
+
+@pytest.mark.parametrize("dot", (False, True), ids=("float", "dot"))
+@pytest.mark.parametrize("xdtype", ACT_DTYPES, ids=str)
+@pytest.mark.parametrize("kind", ("q4_0", "q4_k", "q8_0", "q6_k", "q6_k6", "iq4", "q4_f32"))
+def test_grouped_gemm_equals_each_groups_own_gemm_bit_for_bit(ops, kind: str, xdtype, dot):
+    if dot and kind in ("q6_k6", "iq4"):
+        pytest.skip("read by the float path only")
+    torch.manual_seed(11)
+    n, k = 37, 256  # a tail panel; one super-block
+    pws = _stacked(ops, kind, n, k, len(GROUPED_ROWS))
+    starts = [0]
+    for rows in GROUPED_ROWS:
+        starts.append(starts[-1] + rows)
+    x = torch.randn(starts[-1], k).to(xdtype)
+    pw = pws[0]
+    fmt = (n, pw.bits, pw.half_scales, pw.with_offset, pw.factored)
+    got = ops.groupwise_gemm_grouped(x, [p.packed for p in pws], starts, *fmt, dot, pw.levels)
+    assert got.shape == (starts[-1], n) and got.dtype == xdtype
+    for i, p in enumerate(pws):
+        lo, hi = starts[i], starts[i + 1]
+        want = ops.groupwise_gemm(x[lo:hi], p.packed, *fmt, None, dot, pw.levels)
+        assert torch.equal(got[lo:hi], want), f"group {i} ({hi - lo} rows)"
+
+
+def test_grouped_gemm_bad_inputs_raise(ops) -> None:
+    pws = _stacked(ops, "q4_0", 20, 64, 2)
+    packed = [p.packed for p in pws]
+    fmt = (20, 4, True, False, False)
+    x = torch.randn(3, 64)
+    assert ops.groupwise_gemm_grouped(x, packed, [0, 1, 3], *fmt).shape == (3, 20)
+    with pytest.raises(RuntimeError, match="starts must be 3 row offsets from 0 to the 3 rows"):
+        ops.groupwise_gemm_grouped(x, packed, [0, 3], *fmt)
+    with pytest.raises(RuntimeError, match="starts must be 3 row offsets"):
+        ops.groupwise_gemm_grouped(x, packed, [0, 1, 2], *fmt)  # a row left out
+    with pytest.raises(RuntimeError, match="starts must not decrease"):
+        ops.groupwise_gemm_grouped(x, packed, [0, 4, 3], *fmt)
+    with pytest.raises(RuntimeError, match="groupwise_gemm_grouped: packed must be"):
+        ops.groupwise_gemm_grouped(x, [packed[0], packed[1][:, :-1]], [0, 1, 3], *fmt)
+    with pytest.raises(RuntimeError, match="groupwise_gemm_grouped: N=40 does not fit"):
+        ops.groupwise_gemm_grouped(x, packed, [0, 1, 3], 40, *fmt[1:])
+    with pytest.raises(RuntimeError, match="x must be float32, bfloat16 or float16"):
+        ops.groupwise_gemm_grouped(x.double(), packed, [0, 1, 3], *fmt)
+    empty = ops.groupwise_gemm_grouped(torch.empty(0, 64), packed, [0, 0, 0], *fmt)
+    assert empty.shape == (0, 20)
+
+
+def test_packing_into_a_given_buffer_and_huge_page_buffers(ops) -> None:
+    weight, scale, offset, _ = _layer_data("q4_k", 40, 512)
+    own = _pack(ops, weight, scale, offset)
+    buffer = ops.huge_page_empty(3 * own.packed.numel() + 5)
+    assert buffer.data_ptr() % (2 << 20) == 0 and buffer.numel() == 3 * own.packed.numel() + 5
+    slot = buffer[own.packed.numel() : 2 * own.packed.numel()].view(own.packed.shape)
+    into = pack_groupwise(ops, weight, scale, offset, storage=lambda shape: slot)
+    assert into.packed.data_ptr() == slot.data_ptr() and torch.equal(into.packed, own.packed)
+    assert ops.groupwise_panel_bytes(512, 4, True, True, True) == own.packed.shape[1]
+    with pytest.raises(RuntimeError, match=r"into must be a contiguous uint8 \[3, "):
+        pack_groupwise(ops, weight, scale, offset, storage=lambda shape: slot[:2])
+    assert ops.huge_page_empty(0).numel() == 0
 
 
 # -- the layer: _pack_one's choice -----------------------------------------------------------

@@ -8,6 +8,7 @@ Phi-3's partial rotary), the Hugging Face model the float32 file was written fro
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -403,20 +404,26 @@ def test_a_part_in_no_native_format_is_dequantised_alone(gguf_files: dict) -> No
 
 def record_groupwise_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, bool]]:
     """(columns, rows, dot path) of every later call of the C++ group-wise GEMM (patched before
-    an engine binds it); skips where this build has no dot path."""
+    an engine binds it), a grouped call's once per group; skips where this build has no dot
+    path."""
     from pagedllm.backends.cpu import groupwise_linear, packed_linear
 
     ops = packed_linear.gemm_ops()
     if ops is None or not groupwise_linear.dot_rows(ops, torch.bfloat16):
         pytest.skip("no dot path on this build")
     calls: list[tuple[int, int, bool]] = []
-    kernel = ops.groupwise_gemm
+    kernel, grouped = ops.groupwise_gemm, ops.groupwise_gemm_grouped
 
     def recorded(x, packed, n, bits, half, with_offset, factored, bias, dot, levels=False):
         calls.append((n, x.shape[0], dot))  # the layers bind the kernel with these arguments
         return kernel(x, packed, n, bits, half, with_offset, factored, bias, dot, levels)
 
+    def recorded_grouped(x, packed, starts, n, bits, half, with_offset, factored, dot, levels):
+        calls.extend((n, hi - lo, dot) for lo, hi in itertools.pairwise(starts))
+        return grouped(x, packed, starts, n, bits, half, with_offset, factored, dot, levels)
+
     monkeypatch.setattr(ops, "groupwise_gemm", recorded)
+    monkeypatch.setattr(ops, "groupwise_gemm_grouped", recorded_grouped)
     return calls
 
 

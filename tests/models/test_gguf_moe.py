@@ -13,6 +13,7 @@ with every weight replaced by the file's, dequantised by the same package.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -155,7 +156,8 @@ def test_quantised_experts_match_transformers_on_the_same_file(
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_expert_stacks_stay_quantised_on_the_cpu(moe_files: dict, recipe: str) -> None:
     """Each stack in one native format stays in it, on the C++ group-wise GEMM, one packed GEMM
-    per expert; the stacks themselves are released once packed."""
+    per expert, the experts' panels side by side in one buffer per stack, and each such stack's
+    experts of a step in one grouped call; the stacks themselves are released once packed."""
     w13, w2 = RECIPES[recipe][3]
     engine = Engine(str(moe_files[recipe]), device="cpu", block_size=8, num_kv_blocks=16)
     layers = _experts(engine)
@@ -167,11 +169,49 @@ def test_expert_stacks_stay_quantised_on_the_cpu(moe_files: dict, recipe: str) -
             assert f"cpp-{fmt}-" in layer.path, layer.path
         if w13 is None:  # the dequantised stack: the dense float GEMM
             assert "onednn" in layer.path or "bf16" in layer.path, layer.path
+        assert "grouped" in layer.path, layer.path
+        fns = layer.fast_moe.keywords["expert_fns"]
+        for which, name in enumerate(("w13_weight", "w2_weight")):
+            if name not in want:
+                assert layer.fast_moe.keywords["grouped"][which] is None
+                continue
+            panels = [pair[which].packed_groupwise.packed for pair in fns]
+            for a, b in itertools.pairwise(panels):  # one buffer: each expert's after the last's
+                assert b.data_ptr() == a.data_ptr() + a.numel(), f"{name}: not side by side"
         assert layer.w13_weight.numel() == 0 and layer.w2_weight.numel() == 0
     outs = engine.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == MAX_NEW for o in outs)
     manager = engine.block_manager
     assert manager.get_num_free_device_blocks() == manager.num_device_blocks
+
+
+def test_a_grouped_gemm_that_disagrees_at_load_leaves_each_expert_its_own_call(
+    moe_files: dict, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The grouped call is checked at load against the experts' own GEMMs bit for bit: one
+    that differs (here float32 outputs one unit in the last place off) is not used, and the
+    experts keep one call each."""
+    from pagedllm.backends.cpu import packed_linear
+
+    ops = packed_linear.gemm_ops()
+    if ops is None:
+        pytest.skip("no C++ GEMM here")
+    grouped = ops.groupwise_gemm_grouped
+
+    def one_ulp_off(*args):
+        y = grouped(*args)
+        return torch.nextafter(y.float(), torch.tensor(float("inf"))).to(y.dtype)
+
+    monkeypatch.setattr(ops, "groupwise_gemm_grouped", one_ulp_off)
+    with caplog.at_level("WARNING"):
+        engine = Engine(
+            str(moe_files["qwen2_moe-q4_0"]), device="cpu", block_size=8, num_kv_blocks=16
+        )
+    assert "grouped expert GEMM differs" in caplog.text
+    for layer in _experts(engine):
+        assert "grouped" not in layer.path and layer.fast_moe.keywords["grouped"] == (None, None)
+    outs = engine.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == MAX_NEW for o in outs)
 
 
 @pytest.mark.parametrize("int8_activations", [False, True])

@@ -6,17 +6,23 @@ dtype gets (:mod:`.packed_linear`: oneDNN-packed float32, ``make_16bit_linear`` 
 experts, one expert's slice at a time). A step's tokens are grouped by expert with one sort;
 the loop runs over experts (not tokens), one GEMM per projection over all of an expert's
 tokens. The stacked weights are dropped afterwards: the packed copies are the only ones used.
+
+Group-wise experts (a GGUF file's stacks) run each projection of every expert that has tokens
+as one C++ call (``groupwise_gemm_grouped``): at decode an expert sees a row or two, and one
+call per expert paid Python's call, a thread fork and join and a drained read stream each time.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from pagedllm.backends.cpu import packed_linear as pl
+from pagedllm.backends.cpu.groupwise_linear import EVERY_BATCH
 
 logger = logging.getLogger(__name__)
 
@@ -46,16 +52,118 @@ class _GroupwiseExpert(nn.Module):
             self.weight_super_bits = sup.view(torch.int32)
 
 
+class StackStorage:
+    """Where a stack's group-wise experts are packed: one buffer (2 MiB-aligned, advised for
+    huge pages), a slice per expert in expert order.
+
+    Experts each in an allocation of its own (1.8 MB for a Qwen3-30B-A3B gate/up), made between
+    other temporaries, read 1.4x slower from memory than the same panels side by side (8 such
+    gate/ups at one row: 1.04 -> 0.72 ms on a Xeon VM); the engine's own load happened to
+    allocate them in sequence (~1% there), which nothing guaranteed. An expert whose panels
+    come out another size (another exact scale format) gets its own tensor; slices never handed
+    out are never touched, so cost no memory.
+    """
+
+    def __init__(self, experts: int) -> None:
+        self.experts = experts
+        self.buffer: torch.Tensor | None = None
+        self.taken = 0
+
+    def __call__(self, shape: tuple[int, int]) -> torch.Tensor | None:
+        if self.buffer is None:
+            ops = pl.gemm_ops()
+            nbytes = self.experts * shape[0] * shape[1]
+            self.buffer = ops.huge_page_empty(nbytes).view(self.experts, *shape)  # type: ignore[union-attr]
+        if tuple(self.buffer.shape[1:]) != tuple(shape) or self.taken == self.experts:
+            return None
+        self.taken += 1
+        return self.buffer[self.taken - 1]
+
+
 def _expert_gemm(
-    layer: nn.Module, name: str, e: int, checked: set[tuple], dot: bool
+    layer: nn.Module,
+    name: str,
+    e: int,
+    checked: set[tuple],
+    dot: bool,
+    storage: StackStorage | None = None,
 ) -> tuple[pl.LinearFn | None, str]:
     if name in layer.groupwise:
         from pagedllm.backends.cpu.groupwise_linear import make_groupwise_linear
 
         expert = _GroupwiseExpert(layer, name, e)
-        return make_groupwise_linear(expert, None, dot=dot, checked=checked)
+        return make_groupwise_linear(expert, None, dot=dot, checked=checked, storage=storage)
     scale = layer.scales(name)
     return pack_weight(getattr(layer, name)[e], None if scale is None else scale[e])
+
+
+GroupedGemm = Callable[[torch.Tensor, list[int], list[int]], torch.Tensor]
+
+
+def make_grouped_gemm(fns: list[pl.LinearFn], checked: set[tuple]) -> GroupedGemm | None:
+    """``grouped(x [P, K], experts, starts) -> [P, N]``: rows ``starts[i]..starts[i + 1]`` of x
+    through expert ``experts[i]``'s packed layer, in one C++ call, or None where the experts'
+    layers are not all group-wise layers of one format and shape.
+
+    Each group's rows get the arithmetic the expert's own GEMM gives them (the same kernels per
+    panel); checked once per format and shape in a load (``checked``) to equal the per-expert
+    calls bit for bit, on row counts that take the register kernels and the per-call ones.
+    """
+    pws = [getattr(fn, "packed_groupwise", None) for fn in fns]
+    if not pws or any(pw is None for pw in pws):
+        return None
+    first = pws[0]
+    layout = (first.n, first.k, first.bits, first.half_scales, first.with_offset)
+    layout += (first.factored, first.levels)
+    if any(
+        (pw.n, pw.k, pw.bits, pw.half_scales, pw.with_offset, pw.factored, pw.levels) != layout
+        for pw in pws
+    ):
+        return None
+    dot_rows = fns[0].dot_rows  # type: ignore[attr-defined]
+    if any(rows not in (0, EVERY_BATCH) for rows in dot_rows.values()):
+        return None  # a per-batch choice of path: each expert decides for its own rows
+    ops = pl.gemm_ops()
+    kernel = ops.groupwise_gemm_grouped  # type: ignore[union-attr]
+    packed = [pw.packed for pw in pws]
+    n, k, bits, half_scales, with_offset, factored, levels = layout
+
+    def grouped(x: torch.Tensor, experts: list[int], starts: list[int]) -> torch.Tensor:
+        dot = dot_rows.get(x.dtype, 0) == EVERY_BATCH
+        chosen = [packed[e] for e in experts]
+        return kernel(x, chosen, starts, n, bits, half_scales, with_offset, factored, dot, levels)
+
+    key = ("grouped", *layout, tuple(sorted(dot_rows.items(), key=str)))
+    if key not in checked:
+        if not _same_as_each(grouped, fns, k):
+            return None
+        checked.add(key)
+    return grouped
+
+
+def _same_as_each(grouped: GroupedGemm, fns: list[pl.LinearFn], k: int) -> bool:
+    """Whether ``grouped`` equals each expert's own GEMM on its rows, bit for bit: groups of
+    1, 2 and 9 rows (the register kernels; past them the per-call paths), float32 and bf16."""
+    experts = sorted({0, len(fns) // 2, len(fns) - 1})
+    sizes = [1, 2, 9][: len(experts)]
+    starts = [0]
+    for size in sizes:
+        starts.append(starts[-1] + size)
+    generator = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(starts[-1], k, generator=generator).to(dtype)
+        got = grouped(x, experts, starts)
+        for i, e in enumerate(experts):
+            want = fns[e](x[starts[i] : starts[i + 1]])
+            if not torch.equal(got[starts[i] : starts[i + 1]], want):
+                logger.warning(
+                    "grouped expert GEMM differs from expert %d's own on %s rows; the experts"
+                    " keep one call each",
+                    e,
+                    dtype,
+                )
+                return False
+    return True
 
 
 def pack_moe_layer(
@@ -73,16 +181,23 @@ def pack_moe_layer(
     checked = set() if checked is None else checked
     fns = []
     paths: set[str] = set()
+    stacks = {name: StackStorage(layer.num_local_experts) for name in ("w13_weight", "w2_weight")}
     for e in range(layer.num_local_experts):
         pair = []
         for name in ("w13_weight", "w2_weight"):
-            fn, path = _expert_gemm(layer, name, e, checked, int8_activations)
+            fn, path = _expert_gemm(layer, name, e, checked, int8_activations, stacks[name])
             paths.add(path)
             pair.append(fn)
         if None in pair:
             return "torch"  # one expert without a packed GEMM: keep the layer's own path
         fns.append(tuple(pair))
-    layer.fast_moe = functools.partial(fused_experts_torch, layer, expert_fns=fns)
+    grouped = (
+        make_grouped_gemm([pair[0] for pair in fns], checked),
+        make_grouped_gemm([pair[1] for pair in fns], checked),
+    )
+    layer.fast_moe = functools.partial(fused_experts_torch, layer, expert_fns=fns, grouped=grouped)
+    if grouped != (None, None):
+        paths.add("grouped")
     for name in ("w13_weight", "w2_weight"):  # the packed copies are the only ones used
         getattr(layer, name).data = torch.empty(0, dtype=getattr(layer, name).dtype)
         for suffix in ("_scale_bits", "_offset_bits", "_super_bits"):

@@ -186,6 +186,7 @@ def pack_groupwise(
     *,
     six: bool = False,
     levels: bool = False,
+    storage: Storage | None = None,
 ) -> PackedGroupwise:
     """Pack ``weight`` (uint8 nibbles ``[N, K/2]`` with ``offset``, or int8 ``[N, K]``) and its
     float32 ``scale``/``offset [N, K/32]`` for ``ops.groupwise_gemm``, in the smallest exact
@@ -194,16 +195,18 @@ def pack_groupwise(
     packs factored: 8.625 bits a weight, or 6.625 with ``six`` (q at 6 bits, for a layer that
     never takes the dot path); ValueError where ``scale`` is not ``d * sc``. ``levels``: an
     int8 ``weight`` of IQ4 levels (:func:`iq4_levels`) packed as 4-bit indices (4.5 bits a
-    weight with fp16 scales, 5 with float32); ValueError where some q is not a level."""
+    weight with fp16 scales, 5 with float32); ValueError where some q is not a level.
+    ``storage``: where the panels go (see :data:`Storage`); else a tensor of their own."""
     if super_scale is not None:
-        return _pack_q6_k(ops, weight, scale, super_scale, six=six)
+        return _pack_q6_k(ops, weight, scale, super_scale, six=six, storage=storage)
     if levels:
         half, _ = scale_format(scale, None)
+        n, k = weight.shape
+        into = _into(ops, storage, n, k, 4, half, False, False, True)
         try:
-            packed = ops.pack_groupwise(weight, scale, None, 4, half, False, None, None, True)
+            packed = ops.pack_groupwise(weight, scale, None, 4, half, False, None, None, True, into)
         except RuntimeError as exc:
             raise ValueError(f"weight: not IQ4 levels ({exc})") from exc
-        n, k = weight.shape
         return PackedGroupwise(packed, n, k, 4, half, False, False, levels=True)
     bits = 4 if weight.dtype == torch.uint8 else 8  # nibbles, or int8 (q5_k: with offsets)
     half, with_offset = scale_format(scale, offset, bits=bits)
@@ -211,9 +214,35 @@ def pack_groupwise(
     fac, idx = factors if factors is not None else (None, None)
     if fac is not None:
         half = _exact_in_half(fac)
-    packed = ops.pack_groupwise(weight, scale, offset, bits, half, with_offset, fac, idx)
-    k = weight.shape[1] * (2 if bits == 4 else 1)
-    return PackedGroupwise(packed, weight.shape[0], k, bits, half, with_offset, fac is not None)
+    n, k = weight.shape[0], weight.shape[1] * (2 if bits == 4 else 1)
+    into = _into(ops, storage, n, k, bits, half, with_offset, fac is not None, False)
+    packed = ops.pack_groupwise(
+        weight, scale, offset, bits, half, with_offset, fac, idx, False, into
+    )
+    return PackedGroupwise(packed, n, k, bits, half, with_offset, fac is not None)
+
+
+# ``storage((panels, panel bytes))``: a contiguous uint8 tensor of that shape for a layer's
+# panels to be packed into, or None for a tensor of their own (an MoE layer's experts share one
+# buffer: fused_moe.StackStorage).
+Storage = Callable[[tuple[int, int]], "torch.Tensor | None"]
+
+
+def _into(
+    ops: object,
+    storage: Storage | None,
+    n: int,
+    k: int,
+    bits: int,
+    half: bool,
+    with_offset: bool,
+    factored: bool,
+    levels: bool,
+) -> torch.Tensor | None:
+    if storage is None:
+        return None
+    per_panel = ops.groupwise_panel_bytes(k, bits, half, with_offset, factored, levels)  # type: ignore[attr-defined]
+    return storage(((n + 15) // 16, per_panel))
 
 
 # ggml's IQ4_NL / IQ4_XS levels (``kvalues_iq4nl``; GGUF's are held as q8_0 layers of them).
@@ -241,7 +270,13 @@ def six_bits(ops: object, name: str, *, dot: bool) -> bool:
 
 
 def _pack_q6_k(
-    ops: object, weight: torch.Tensor, scale: torch.Tensor, d: torch.Tensor, *, six: bool
+    ops: object,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    d: torch.Tensor,
+    *,
+    six: bool,
+    storage: Storage | None = None,
 ) -> PackedGroupwise:
     sc = factor_q6_k(scale, d)
     if sc is None:
@@ -250,7 +285,10 @@ def _pack_q6_k(
     half = _exact_in_half(d)
     index = sc.view(torch.uint8).reshape(n, k // GROUP_SIZE, 2)  # per group: k 0..15, 16..31
     bits = 6 if six else 8
-    packed = ops.pack_groupwise(weight, scale, None, bits, half, False, d[..., None], index)
+    into = _into(ops, storage, n, k, bits, half, False, True, False)
+    packed = ops.pack_groupwise(
+        weight, scale, None, bits, half, False, d[..., None], index, False, into
+    )
     return PackedGroupwise(packed, n, k, bits, half, False, True)
 
 
@@ -372,6 +410,7 @@ def make_groupwise_gemm(
             dot = x.shape[0] <= defaults.get(x.dtype, 0)
         return kernel(x, *weights, dot, levels)
 
+    gemm.dot_rows = defaults  # type: ignore[attr-defined]
     return gemm
 
 
@@ -381,6 +420,7 @@ def make_groupwise_linear(
     *,
     dot: bool = False,
     checked: set[tuple] | None = None,
+    storage: Storage | None = None,
 ) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, str]:
     """The C++ GEMM on a group-wise layer's packed weights, checked on sampled output rows
     against ``dequantize_layer`` (and the dot path against its definition), and its path name:
@@ -394,7 +434,8 @@ def make_groupwise_linear(
     tolerance) on fewer sampled rows: what depends on its values (the packed scales, offsets
     and q) is still compared, while the kernel paths (register and scratch rows, float32 and
     bf16, the dot path) were proven on the same layout once. A 1B model's 16 layers of each
-    shape made ~260 checking GEMMs otherwise.
+    shape made ~260 checking GEMMs otherwise. ``storage``: where the panels go (an expert's
+    slice of its stack's buffer), as :func:`pack_groupwise` takes it.
     """
     from pagedllm.backends.cpu import packed_linear as pl
 
@@ -408,12 +449,14 @@ def make_groupwise_linear(
     pw = None
     if iq4_levels(name, weight, dot=dot):
         try:
-            pw = pack_groupwise(ops, weight, scale, offset, levels=True)
+            pw = pack_groupwise(ops, weight, scale, offset, levels=True, storage=storage)
         except ValueError as e:  # some q outside the levels: the 8-bit layout
             logger.debug("q8_0 layer kept at 8 bits: %s", e)
     try:
         if pw is None:
-            pw = pack_groupwise(ops, weight, scale, offset, weight_super_scale(module), six=six)
+            pw = pack_groupwise(
+                ops, weight, scale, offset, weight_super_scale(module), six=six, storage=storage
+            )
     except ValueError as e:
         logger.warning("%s kept on PyTorch: %s", name, e)
         return None, f"torch-{name}"
@@ -475,6 +518,9 @@ def make_groupwise_linear(
     # Rows of W read back from these panels (float32 [R, K], the definition's values): what
     # an embedding tied to this head reads instead of keeping its table a second time.
     linear.weight_rows = partial(pw.rows, ops)  # type: ignore[attr-defined]
+    # What a grouped call over many such layers needs (fused_moe.make_grouped_gemm).
+    linear.packed_groupwise = pw  # type: ignore[attr-defined]
+    linear.dot_rows = gemm.dot_rows  # type: ignore[attr-defined]
     linear.packed_as = pw.name if pw.levels else name  # type: ignore[attr-defined]
     return linear, path_name(ops, linear.packed_as, dot=dot)  # type: ignore[attr-defined]
 

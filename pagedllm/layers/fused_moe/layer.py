@@ -279,9 +279,13 @@ def fused_experts_torch(
     topk_weights: torch.Tensor,  # [T, k]
     topk_ids: torch.Tensor,  # [T, k]
     expert_fns: list[tuple[Callable, Callable]] | None = None,
+    grouped: tuple[Callable | None, Callable | None] = (None, None),
 ) -> torch.Tensor:  # [T, H]
     """The grouped computation with a pluggable GEMM per expert (``expert_fns[e] = (w13, w2)``);
-    a loop over the experts that received tokens, one GEMM pair per expert."""
+    a loop over the experts that received tokens, one GEMM pair per expert. ``grouped``
+    (w13, w2): a projection's every expert with tokens in one call instead,
+    ``fn(rows [P, K], experts, starts) -> [P, N]`` with rows ``starts[i]..starts[i + 1]``
+    expert ``experts[i]``'s (None: that projection loops)."""
     groups = group_by_expert(
         topk_ids, layer.num_local_experts, layer.expert_start, layer.num_experts
     )
@@ -292,10 +296,22 @@ def fused_experts_torch(
     bounds = groups.offsets.tolist()
     # Two passes over the experts with the activation between them over all rows at once: per
     # expert only its GEMMs run (few, larger ops matter on a CPU shared with other work).
-    gate_up = _per_expert(layer, expert_fns, 0, x, 2 * layer.intermediate_shard, bounds)
+    experts: list[int] = []
+    starts: list[int] = []
+    if grouped[0] is not None or grouped[1] is not None:
+        experts = [e for e in range(layer.num_local_experts) if bounds[e + 1] > bounds[e]]
+        starts = [bounds[e] for e in experts] + [bounds[-1]]
+
+    def project(which: int, inp: torch.Tensor, width: int) -> torch.Tensor:
+        fn = grouped[which]
+        if fn is not None:
+            return fn(inp, experts, starts)
+        return _per_expert(layer, expert_fns, which, inp, width, bounds)
+
+    gate_up = project(0, x, 2 * layer.intermediate_shard)
     gate, up = gate_up.chunk(2, dim=-1)
     act = F.silu(gate) * up  # [P, I]
-    rows = _per_expert(layer, expert_fns, 1, act, hidden.shape[1], bounds)  # [P, H]
+    rows = project(1, act, hidden.shape[1])  # [P, H]
     weights = topk_weights.reshape(-1).index_select(0, groups.order)  # [P]
     # Back to (token, choice) order, then each token's top_k rows summed: a plain scatter and a
     # reduction, cheaper than index_add_ and independent of thread scheduling.

@@ -317,6 +317,23 @@ void dispatch(const torch::Tensor& x, const Problem& pb, bool dot, bool allow_am
                       [&](auto* yp) { run_f32<Bits>(xf.data_ptr<float>(), pb, yp); });
 }
 
+// packed: the panels of an [n, k] layer in format f (what pack_groupwise made), or an error
+// that starts with `op`.
+void check_panels(const char* op, const torch::Tensor& packed, int64_t n, int64_t k,
+                  const Format& f) {
+  const int64_t groups = k / kGroup;
+  TORCH_CHECK(k % kGroup == 0 && (!f.factored || groups % Format::kSuper == 0), op, ": K=", k,
+              " is not a multiple of ", f.factored ? 256 : 32);
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte &&
+                  packed.dim() == 2 && packed.is_contiguous() &&
+                  packed.size(1) == f.panel_bytes(groups),
+              op, ": packed must be a contiguous uint8 [N/16, ", f.panel_bytes(groups),
+              "] for K=", k, " in this format, got ", packed.scalar_type(), " ", packed.sizes());
+  const int64_t panels = packed.size(0);
+  TORCH_CHECK(n > (panels - 1) * kCols && n <= panels * kCols, op, ": N=", n, " does not fit ",
+              panels, " panels of 16");
+}
+
 torch::Tensor groupwise_gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
                              int64_t bits, bool half_scales, bool with_offset, bool factored,
                              const c10::optional<torch::Tensor>& bias, bool dot, bool levels,
@@ -326,16 +343,8 @@ torch::Tensor groupwise_gemm(const torch::Tensor& x, const torch::Tensor& packed
   TORCH_CHECK(!(dot && f.levels), "groupwise_gemm: IQ4 levels run the float path only");
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "groupwise_gemm: x must be a CPU [M, K], got ",
               x.sizes());
-  const int64_t m = x.size(0), k = x.size(1), groups = k / kGroup, panels = packed.size(0);
-  TORCH_CHECK(k % kGroup == 0 && (!factored || groups % Format::kSuper == 0),
-              "groupwise_gemm: K=", k, " is not a multiple of ", factored ? 256 : 32);
-  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte &&
-                  packed.dim() == 2 && packed.is_contiguous() &&
-                  packed.size(1) == f.panel_bytes(groups),
-              "groupwise_gemm: packed must be a contiguous uint8 [N/16, ", f.panel_bytes(groups),
-              "] for K=", k, " in this format, got ", packed.scalar_type(), " ", packed.sizes());
-  TORCH_CHECK(n > (panels - 1) * kCols && n <= panels * kCols, "groupwise_gemm: N=", n,
-              " does not fit ", panels, " panels of 16");
+  const int64_t m = x.size(0), k = x.size(1), groups = k / kGroup;
+  check_panels("groupwise_gemm", packed, n, k, f);
   torch::Tensor b;
   if (bias.has_value()) {
     TORCH_CHECK(bias->numel() == n, "groupwise_gemm: bias must have N=", n, " elements");
@@ -351,6 +360,146 @@ torch::Tensor groupwise_gemm(const torch::Tensor& x, const torch::Tensor& packed
     dispatch<4>(xc, pb, dot, allow_amx, y);
   else  // 8, and six (Q6_K at 6 bits): the 8-bit kernels, which read a six block by f.six()
     dispatch<8>(xc, pb, dot, allow_amx, y);
+  return y;
+}
+
+// -- grouped: rows of x by group, each group its own layer (an MoE layer's experts) ----------
+// Whether dispatch runs m rows of x's dtype on the register kernels (the float path's few-row
+// tiles; the dot path at every batch): those groups can share one parallel region.
+bool register_rows(int64_t m, at::ScalarType dtype, bool dot) {
+  if (dot) return true;
+#if defined(__AVX512BF16__)
+  if (dtype == at::kBFloat16) return m <= kBf16Rows && !(amx_rows() > 0 && m >= amx_rows());
+#endif
+  (void)dtype;
+  return m <= kF32Rows;
+}
+
+// The groups of one region: rows lo[i].. (rows[i] of them) times the panels at w[i].
+struct RowGroups {
+  std::vector<int64_t> lo, rows;
+  std::vector<const uint8_t*> w;
+  int64_t size() const { return static_cast<int64_t>(w.size()); }
+};
+
+// Every group's every panel as one task list over the threads, each task the kernels dispatch
+// would run on that panel for that group's rows (the same arithmetic, bit for bit).
+template <int Bits>
+void run_grouped(const torch::Tensor& x, const RowGroups& rg, const Problem& shape, bool dot,
+                 torch::Tensor& y) {
+  const int64_t k = shape.k, n = shape.n, groups = shape.groups, panels = shape.panels();
+  const int64_t tasks = rg.size() * panels, bytes = shape.panel_bytes();
+  const Format& f = shape.f;
+  const auto panel_of = [&](int64_t t) { return rg.w[t / panels] + (t % panels) * bytes; };
+  if (dot) {
+    with_float_elements(x, "groupwise", [&](const auto* xp) {
+      const QuantizedRows qx = quantize_rows(xp, x.size(0), k);
+      const std::vector<int32_t> corr = dot_corrections(qx, Bits, f.two_scales());
+      const int64_t corr_row = f.two_scales() ? 2 : 1;
+      with_float_elements(y, "groupwise", [&](auto* yp) {
+        at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+          float c[kDotRows * kCols];
+          for (int64_t t = t0; t < t1; ++t) {
+            const int64_t i = t / panels, p = t % panels;
+            for (int64_t m0 = rg.lo[i]; m0 < rg.lo[i] + rg.rows[i]; m0 += kDotRows) {
+              const int rows = static_cast<int>(std::min<int64_t>(kDotRows, rg.lo[i] + rg.rows[i] - m0));
+              const int64_t a = m0 * groups;
+              with_rows<kDotRows>(rows, [&](auto r) {
+                dot_rows<Bits, decltype(r)::value>(qx.q.data() + m0 * k, k, qx.dx.data() + a,
+                                                   qx.xsum.data() + a,
+                                                   corr.data() + a * corr_row, groups,
+                                                   panel_of(t), groups, f, c);
+              });
+              store(c, rows, n, p * kCols, nullptr, yp + m0 * n);
+            }
+          }
+        });
+      });
+    });
+    return;
+  }
+#if defined(__AVX512BF16__)
+  if (x.scalar_type() == at::kBFloat16) {
+    const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+    const std::vector<float> xs = group_sums(xp, x.size(0), k);
+    auto* yp = y.data_ptr<at::BFloat16>();
+    at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+      float c[kBf16Rows * kCols];
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t i = t / panels, lo = rg.lo[i];
+        with_rows<kBf16Rows>(static_cast<int>(rg.rows[i]), [&](auto r) {
+          bf16_rows<Bits, decltype(r)::value>(xp + lo * k, k, xs.data() + lo * groups, groups,
+                                              panel_of(t), groups, f, c);
+        });
+        store(c, rg.rows[i], n, (t % panels) * kCols, nullptr, yp + lo * n);
+      }
+    });
+    return;
+  }
+#endif
+  const torch::Tensor xf = x.to(at::kFloat).contiguous();
+  const float* xp = xf.data_ptr<float>();
+  with_float_elements(y, "groupwise", [&](auto* yp) {
+    at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+      float c[kF32Rows * kCols];
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t i = t / panels, lo = rg.lo[i];
+        with_rows<kF32Rows>(static_cast<int>(rg.rows[i]), [&](auto r) {
+          f32_rows<Bits, decltype(r)::value>(xp + lo * k, k, panel_of(t), groups, f, c);
+        });
+        store(c, rg.rows[i], n, (t % panels) * kCols, nullptr, yp + lo * n);
+      }
+    });
+  });
+}
+
+torch::Tensor groupwise_gemm_grouped(const torch::Tensor& x, const std::vector<torch::Tensor>& packed,
+                                     const std::vector<int64_t>& starts, int64_t n, int64_t bits,
+                                     bool half_scales, bool with_offset, bool factored, bool dot,
+                                     bool levels) {
+  const Format f = format_of(bits, half_scales, with_offset, factored, levels);
+  TORCH_CHECK(!(dot && f.six()), "groupwise_gemm_grouped: six-bit weights run the float path only");
+  TORCH_CHECK(!(dot && f.levels), "groupwise_gemm_grouped: IQ4 levels run the float path only");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2,
+              "groupwise_gemm_grouped: x must be a CPU [P, K], got ", x.sizes());
+  const int64_t rows = x.size(0), k = x.size(1), count = static_cast<int64_t>(packed.size());
+  TORCH_CHECK(static_cast<int64_t>(starts.size()) == count + 1 && starts.front() == 0 &&
+                  starts.back() == rows,
+              "groupwise_gemm_grouped: starts must be ", count + 1,
+              " row offsets from 0 to the ", rows, " rows of x");
+  for (int64_t i = 0; i < count; ++i) {
+    TORCH_CHECK(starts[i] <= starts[i + 1], "groupwise_gemm_grouped: starts must not decrease");
+    check_panels("groupwise_gemm_grouped", packed[i], n, k, f);
+  }
+  const torch::Tensor xc = x.contiguous();
+  torch::Tensor y = torch::empty({rows, n}, xc.options());
+  with_float_elements(xc, "groupwise_gemm_grouped", [](const auto*) {});
+  RowGroups shared;  // groups on the register kernels: one region
+  const Problem shape{0, k, n, k / kGroup, nullptr, f, nullptr};
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t m = starts[i + 1] - starts[i];
+    if (m == 0) continue;
+    const auto* w = packed[i].data_ptr<uint8_t>();
+    if (register_rows(m, xc.scalar_type(), dot)) {
+      shared.lo.push_back(starts[i]);
+      shared.rows.push_back(m);
+      shared.w.push_back(w);
+      continue;
+    }
+    // A batch the per-call GEMM gives tiles or the scratch: that call, on this group's rows.
+    const Problem pb{m, k, n, shape.groups, w, f, nullptr};
+    torch::Tensor yg = y.narrow(0, starts[i], m);
+    if (bits == 4)
+      dispatch<4>(xc.narrow(0, starts[i], m), pb, dot, true, yg);
+    else
+      dispatch<8>(xc.narrow(0, starts[i], m), pb, dot, true, yg);
+  }
+  if (shared.size() > 0) {
+    if (bits == 4)
+      run_grouped<4>(xc, shared, shape, dot, y);
+    else
+      run_grouped<8>(xc, shared, shape, dot, y);
+  }
   return y;
 }
 
@@ -390,10 +539,18 @@ void bind_groupwise(pybind11::module& m) {
   m.def("pack_groupwise", &q4::pack_groupwise,
         "group-wise weights (uint8 nibbles [N, K/2] or int8 [N, K], float32 scale/offset "
         "[N, K/32]; factored: d, dm [N, K/256, 2] and sc, m uint8 [N, K/32, 2]; levels: int8 "
-        "IQ4 levels [N, K], kept 4-bit as their indices) -> uint8 [N/16, panel bytes]",
+        "IQ4 levels [N, K], kept 4-bit as their indices) -> uint8 [N/16, panel bytes] (into=: "
+        "written there, and returned)",
         NoGil(), py::arg("weight"), py::arg("scale"), py::arg("offset"), py::arg("bits"),
         py::arg("half_scales"), py::arg("with_offset"), py::arg("factors") = py::none(),
-        py::arg("index") = py::none(), py::arg("levels") = false);
+        py::arg("index") = py::none(), py::arg("levels") = false, py::arg("into") = py::none());
+  m.def("groupwise_panel_bytes", &q4::panel_bytes,
+        "bytes of one panel (16 rows of W) of a K-wide layer in the format the arguments name",
+        py::arg("k"), py::arg("bits"), py::arg("half_scales"), py::arg("with_offset"),
+        py::arg("factored"), py::arg("levels") = false);
+  m.def("huge_page_empty", &q4::huge_page_empty,
+        "uint8 [nbytes], 2 MiB-aligned and advised for transparent huge pages (Linux)",
+        py::arg("nbytes"));
   m.def("groupwise_gemm", &q4::groupwise_gemm,
         "y = x @ W^T (+ bias) on pack_groupwise panels; dot=True rounds x to int8 per group of "
         "32 and uses integer dot products; allow_amx=False keeps bf16 batches off AMX tiles",
@@ -401,6 +558,13 @@ void bind_groupwise(pybind11::module& m) {
         py::arg("half_scales"), py::arg("with_offset"), py::arg("factored"),
         py::arg("bias") = py::none(), py::arg("dot") = false, py::arg("levels") = false,
         py::arg("allow_amx") = true);
+  m.def("groupwise_gemm_grouped", &q4::groupwise_gemm_grouped,
+        "y [P, N]: rows starts[i]..starts[i + 1] of x [P, K] times packed[i]'s layer (one "
+        "format and shape for all; an MoE layer's experts), as groupwise_gemm on each group's "
+        "rows computes them, in one call",
+        NoGil(), py::arg("x"), py::arg("packed"), py::arg("starts"), py::arg("n"), py::arg("bits"),
+        py::arg("half_scales"), py::arg("with_offset"), py::arg("factored"),
+        py::arg("dot") = false, py::arg("levels") = false);
   m.def("quantize_groups", &q4::quantize_groups,
         "x [M, K] -> (int8 [M, K], float32 [M, K/32]): the dot path's rounding of x per group",
         NoGil(), py::arg("x"));

@@ -28,7 +28,18 @@ torch::Tensor pack_groupwise(const torch::Tensor& weight, const torch::Tensor& s
                              const c10::optional<torch::Tensor>& offset, int64_t bits,
                              bool half_scales, bool with_offset,
                              const c10::optional<torch::Tensor>& factors,
-                             const c10::optional<torch::Tensor>& index, bool levels);
+                             const c10::optional<torch::Tensor>& index, bool levels,
+                             const c10::optional<torch::Tensor>& into);
+
+// Bytes of one panel (16 rows of W) of a K-wide layer in the format the arguments name.
+int64_t panel_bytes(int64_t k, int64_t bits, bool half_scales, bool with_offset, bool factored,
+                    bool levels);
+
+// uint8 [nbytes] in memory aligned to 2 MiB and advised for transparent huge pages (Linux): the
+// panels of a stack of small experts packed side by side into one run of memory (experts each
+// in a ~2 MB allocation of its own, made between other temporaries, read 1.4x slower from
+// memory in a micro-benchmark on a Xeon VM; fused_moe.StackStorage).
+torch::Tensor huge_page_empty(int64_t nbytes);
 
 // Rows ``rows`` of W, float32 [R, K], from pack_groupwise's panels (the inverse of the pack,
 // rounded as the definition dequantises): an embedding table tied to a packed head is read

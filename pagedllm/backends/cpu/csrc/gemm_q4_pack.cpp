@@ -3,7 +3,10 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
+#include <sys/mman.h>
+
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -178,7 +181,8 @@ torch::Tensor pack_groupwise(const torch::Tensor& weight, const torch::Tensor& s
                              const c10::optional<torch::Tensor>& offset, int64_t bits,
                              bool half_scales, bool with_offset,
                              const c10::optional<torch::Tensor>& factors,
-                             const c10::optional<torch::Tensor>& index, bool levels) {
+                             const c10::optional<torch::Tensor>& index, bool levels,
+                             const c10::optional<torch::Tensor>& into) {
   const Format f = format_of(bits, half_scales, with_offset, factors.has_value(), levels);
   TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2,
               "pack_groupwise: weight must be a CPU [N, K']");
@@ -212,7 +216,17 @@ torch::Tensor pack_groupwise(const torch::Tensor& weight, const torch::Tensor& s
     fac = check(*factors, at::kFloat, {n, groups / Format::kSuper, per}, "factors");
     idx = check(*index, at::kByte, {n, groups, 2}, "index");
   }
-  torch::Tensor out = torch::empty({panels, f.panel_bytes(groups)}, w.options().dtype(at::kByte));
+  torch::Tensor out;
+  if (into.has_value()) {
+    const std::vector<int64_t> want{panels, f.panel_bytes(groups)};
+    TORCH_CHECK(into->device().is_cpu() && into->scalar_type() == at::kByte &&
+                    into->sizes() == at::IntArrayRef(want) && into->is_contiguous(),
+                "pack_groupwise: into must be a contiguous uint8 ", at::IntArrayRef(want),
+                ", got ", into->scalar_type(), " ", into->sizes());
+    out = *into;
+  } else {
+    out = torch::empty({panels, f.panel_bytes(groups)}, w.options().dtype(at::kByte));
+  }
   const PackSource src{static_cast<const uint8_t*>(w.data_ptr()), w.size(1), groups,
                        s.data_ptr<float>(),
                        o.defined() ? o.data_ptr<float>() : nullptr,
@@ -223,6 +237,27 @@ torch::Tensor pack_groupwise(const torch::Tensor& weight, const torch::Tensor& s
     for (int64_t p = p0; p < p1; ++p) pack_panel(src, n, p, f, dst + p * out.size(1));
   });
   return out;
+}
+
+int64_t panel_bytes(int64_t k, int64_t bits, bool half_scales, bool with_offset, bool factored,
+                    bool levels) {
+  TORCH_CHECK(k % kGroup == 0 && k > 0, "groupwise_panel_bytes: K=", k,
+              " is not a multiple of 32");
+  return format_of(bits, half_scales, with_offset, factored, levels).panel_bytes(k / kGroup);
+}
+
+torch::Tensor huge_page_empty(int64_t nbytes) {
+  TORCH_CHECK(nbytes >= 0, "huge_page_empty: nbytes must be >= 0, got ", nbytes);
+  constexpr size_t kHuge = size_t{2} << 20;
+  const size_t size = std::max<size_t>(1, (static_cast<size_t>(nbytes) + kHuge - 1) / kHuge) * kHuge;
+  void* p = nullptr;
+  TORCH_CHECK(posix_memalign(&p, kHuge, size) == 0, "huge_page_empty: cannot allocate ", size,
+              " bytes");
+#if defined(MADV_HUGEPAGE)
+  madvise(p, size, MADV_HUGEPAGE);  // advice: refused (THP off) is no error
+#endif
+  return torch::from_blob(
+      p, {nbytes}, [](void* q) { std::free(q); }, torch::TensorOptions().dtype(at::kByte));
 }
 
 namespace {
