@@ -87,7 +87,11 @@ class Kind:
         # floor; kinds that accumulate in half precision (Triton's tl.dot, IPEX, the PyTorch
         # fallback's SDPA on a fresh prompt) get a wider floor.
         if dtype == torch.float32:
-            return dict(atol=1e-3 if self.name == "triton" else 1e-4, rtol=0.0)
+            # IPEX's float32 kernels vary from run to run under load (its split of the keys over
+            # threads): one output of 2.3 came 1.24e-4 off once in a full matrix run and on in
+            # ten runs alone, so a relative term of 1e-4 over the floor.
+            rtol = 1e-4 if self.name == "ipex" else 0.0
+            return dict(atol=1e-3 if self.name == "triton" else 1e-4, rtol=rtol)
         eps = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
         loose = self.name in ("triton", "ipex", "torch")
         return dict(atol=1e-2 if loose else 1e-4, rtol=2 * eps)
