@@ -11,6 +11,7 @@ Every ISA level this processor runs is tested.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import shutil
 
@@ -26,6 +27,7 @@ from pagedllm.backends.cpu.groupwise_linear import (
     factor_super_blocks,
     pack_groupwise,
     quantize_activation_groups,
+    split_activation_groups,
 )
 from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedllm.layers.quantization.groupwise import (
@@ -192,6 +194,11 @@ def test_amx_tiles_agree_with_the_vdpbf16ps_path(ops, case) -> None:
     tiles_from = ops.groupwise_amx_rows()
     if not tiles_from:
         pytest.skip(f"no AMX tiles for the {ops.built_isa()} build on this processor")
+    with _bf16_rows(ops, "dp"):  # the split kernel keeps 4-bit layers off tiles up to 4 rows
+        _tiles_against_vdpbf16ps(ops, case, tiles_from)
+
+
+def _tiles_against_vdpbf16ps(ops, case, tiles_from: int) -> None:
     kind, (n, k) = case
     torch.manual_seed(7 * n + k)
     weight, scale, offset, _ = _layer_data(kind, n, k)
@@ -502,6 +509,119 @@ def test_bad_inputs_raise(ops) -> None:
     assert pw.gemm(ops, torch.empty(0, 64), None, True).shape == (0, 20)
 
 
+# -- the two register kernels of few bf16 rows on 4-bit layers -------------------------------
+FOUR_BIT_CASES = [c for c in FLOAT_CASES if c[0] in ("q4_0", "q4_1", "q4_k", "int4", "q4_f32")]
+FOUR_BIT_CASES += [c for c in FLOAT_CASES if c[0] in ("iq4", "iq4_f32")]
+
+
+@contextlib.contextmanager
+def _bf16_rows(ops, kernel: str):
+    """``ops``' register kernel for few bf16 rows on 4-bit layers set to ``kernel`` inside."""
+    ops.set_bf16_rows_kernel(kernel)
+    try:
+        assert kernel == "auto" or ops.groupwise_bf16_rows_kernel() == kernel
+        yield
+    finally:
+        ops.set_bf16_rows_kernel("auto")
+
+
+def _bf16_row_kernels(ops) -> tuple[str, ...]:
+    """The three kernels where the build has vdpbf16ps (a build without it has none)."""
+    return ("dp", "fma", "split") if ops.groupwise_bf16_rows_kernel() != "none" else ()
+
+
+def _within_a_bf16_step(y: torch.Tensor, ref: torch.Tensor) -> bool:
+    """Every element of ``y`` within one bf16 step (2^-7 of its power of two) of the float64
+    ``ref``, plus 1e-4 of the largest (what float32 sums and the split rounding may add to
+    an output near zero): tighter than the float path's relative bound, loose enough for the
+    kernels' own roundings."""
+    step = torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(1e-30))) - 7)
+    return bool(((y.double() - ref).abs() <= step + 1e-4 * ref.abs().max()).all())
+
+
+@pytest.mark.parametrize("case", FOUR_BIT_CASES, ids=_case_id)
+def test_the_bf16_row_kernels_match_the_reference_and_each_other(ops, case) -> None:
+    """Few bf16 rows on a 4-bit layer take the split kernel (x as two int8 rows, the default),
+    vdpbf16ps on q or float32 FMAs on q (``set_bf16_rows_kernel``): each within one bf16 step
+    of the float64 reference element by element, so within the float path's bound of each
+    other, at every row count the register kernels take (past them, where none runs, equal)."""
+    kernels = _bf16_row_kernels(ops)
+    if not kernels:
+        pytest.skip(f"the {ops.built_isa()} build has no vdpbf16ps kernels")
+    kind, (n, k) = case
+    torch.manual_seed(3 * n + k)
+    weight, scale, offset, _ = _layer_data(kind, n, k)
+    pw = _pack(ops, weight, scale, offset)
+    w = _dequantized(weight, scale, offset).double()
+    for m in (1, 2, 3, 4, 5, 8, 9):
+        x = torch.randn(m, k).bfloat16()
+        bias = torch.randn(n).bfloat16()
+        ref = x.double() @ w.T + bias.double()
+        got = {}
+        for kernel in kernels:
+            with _bf16_rows(ops, kernel):
+                got[kernel] = pw.gemm(ops, x, bias, False)
+            assert _within_a_bf16_step(got[kernel], ref), f"{kernel} m={m}"
+        for kernel in kernels[1:]:
+            err = _rel_err(got[kernel], got["dp"].double())
+            assert err < FLOAT_TOL[torch.bfloat16], f"{kernel} m={m}"
+        if m > 8:  # no register kernel at this many rows: one path for every setting
+            assert all(torch.equal(got[kernel], got["dp"]) for kernel in kernels)
+
+
+@pytest.mark.parametrize("xdtype", (torch.float32, torch.bfloat16), ids=str)
+def test_the_split_rounding_is_its_definition_bit_for_bit(ops, xdtype) -> None:
+    """``quantize_groups(x, split=True)`` (the split kernel's rows) equals
+    ``split_activation_groups``, and the two rows give x back to max|x| / 64,516 per group,
+    where one int8 row is off by up to max|x| / 254."""
+    torch.manual_seed(4)
+    x = (torch.randn(5, 256) * torch.logspace(-3, 2, 256)).to(xdtype)
+    x[1, 32:64] = 0  # an all-zero group
+    q, dx = ops.quantize_groups(x, split=True)
+    want_q, want_dx = split_activation_groups(x)
+    assert torch.equal(q, want_q) and torch.equal(dx, want_dx)
+    groups = (q.double().view(10, 8, 32) * dx.double()[..., None]).view(5, 2, 8, 32).sum(1)
+    amax = x.double().view(5, 8, 32).abs().amax(-1, keepdim=True)
+    err = (groups - x.double().view(5, 8, 32)).abs()
+    assert (err <= amax / 64516 + 1e-30).all() and err.amax() > 0
+    one_row, one_dx = ops.quantize_groups(x)
+    assert torch.equal(one_row, q[0::2]) and torch.equal(one_dx, dx[0::2])
+
+
+def test_the_bf16_row_kernel_is_named_in_the_path_and_checked() -> None:
+    """``+split`` (the default) or ``+fma`` in a 4-bit layer's path where its few bf16 rows take
+    that kernel, nothing for vdpbf16ps, never either in an 8-bit layer's; an unknown kernel name
+    is refused with the names it takes."""
+    from types import SimpleNamespace
+
+    ops = packed_linear.gemm_ops()
+    if ops is None or ops.groupwise_bf16_rows_kernel() == "none":
+        pytest.skip("no vdpbf16ps build on this processor")
+    torch.manual_seed(9)
+    paths = {}
+    assert ops.groupwise_bf16_rows_kernel() == "split"  # the default
+    for kernel in ("dp", "fma", "split"):
+        with _bf16_rows(ops, kernel):
+            for kind in ("q4_0", "q8_0"):
+                weight, scale, offset, _ = _layer_data(kind, 32, 64)
+                layer = SimpleNamespace(
+                    weight=weight,
+                    weight_scale_bits=scale.float().contiguous().view(torch.int32),
+                    quant_method=SimpleNamespace(name=kind),
+                )
+                if offset is not None:
+                    layer.weight_offset_bits = offset.float().contiguous().view(torch.int32)
+                fn, paths[kernel, kind] = groupwise_linear.make_groupwise_linear(layer, None)
+                assert fn is not None, paths[kernel, kind]
+    assert paths["fma", "q4_0"].startswith("cpp-q4_0-") and "+fma" in paths["fma", "q4_0"]
+    assert "+split" in paths["split", "q4_0"], paths
+    assert not any(s in paths["dp", "q4_0"] for s in ("+fma", "+split")), paths
+    for kernel in ("dp", "fma", "split"):
+        assert not any(s in paths[kernel, "q8_0"] for s in ("+fma", "+split")), paths
+    with pytest.raises(RuntimeError, match="'dp', 'fma', 'split' or 'auto'"):
+        ops.set_bf16_rows_kernel("vnni")
+
+
 # -- grouped: an MoE layer's experts in one call ---------------------------------------------
 # Rows per group: an expert without rows, the register kernels (1, 2; 5 on processors without
 # AMX) and past them (9: AMX tiles or the scratch, each such group its own GEMM).
@@ -532,12 +652,17 @@ def test_grouped_gemm_equals_each_groups_own_gemm_bit_for_bit(ops, kind: str, xd
     x = torch.randn(starts[-1], k).to(xdtype)
     pw = pws[0]
     fmt = (n, pw.bits, pw.half_scales, pw.with_offset, pw.factored)
-    got = ops.groupwise_gemm_grouped(x, [p.packed for p in pws], starts, *fmt, dot, pw.levels)
-    assert got.shape == (starts[-1], n) and got.dtype == xdtype
-    for i, p in enumerate(pws):
-        lo, hi = starts[i], starts[i + 1]
-        want = ops.groupwise_gemm(x[lo:hi], p.packed, *fmt, None, dot, pw.levels)
-        assert torch.equal(got[lo:hi], want), f"group {i} ({hi - lo} rows)"
+    kernels = _bf16_row_kernels(ops) if xdtype == torch.bfloat16 and not dot else ()
+    for kernel in kernels or ("auto",):  # every register kernel of few bf16 rows
+        with _bf16_rows(ops, kernel):
+            got = ops.groupwise_gemm_grouped(
+                x, [p.packed for p in pws], starts, *fmt, dot, pw.levels
+            )
+            assert got.shape == (starts[-1], n) and got.dtype == xdtype
+            for i, p in enumerate(pws):
+                lo, hi = starts[i], starts[i + 1]
+                want = ops.groupwise_gemm(x[lo:hi], p.packed, *fmt, None, dot, pw.levels)
+                assert torch.equal(got[lo:hi], want), f"{kernel}: group {i} ({hi - lo} rows)"
 
 
 def test_grouped_gemm_bad_inputs_raise(ops) -> None:
@@ -611,7 +736,8 @@ def test_pack_one_installs_the_groupwise_gemm() -> None:
         name = kind if kind in ("q8_0", "q6_k") else "int4"
         fn, path = packed_linear._pack_one(layer)
         # x unrounded unless asked (+amx<rows> where bf16 batches run on AMX tiles)
-        assert path == groupwise_linear.path_name(ops, name), path
+        four_bit = name == "int4"  # + the kernel of its few bf16 rows (+split by default)
+        assert path == groupwise_linear.path_name(ops, name, four_bit=four_bit), path
         assert path.startswith(f"cpp-{name}-{ops.built_isa()}") and "+dot" not in path, path
         _, dot_path = packed_linear._pack_one(layer, int8_activations=True)
         # Every bf16 batch on the dot path; the scalar build has none.
@@ -822,7 +948,7 @@ def test_a_fused_layer_of_several_formats_runs_each_run_of_parts_packed(
         layer(x).double(), F.linear(x.double(), ref_w, bias), rtol=1e-5, atol=1e-5
     )
     fn, path = packed_linear._pack_one(layer)
-    assert path == groupwise_linear.path_name(ops, "mixed(int4,int4,q6_k)"), path
+    assert path == groupwise_linear.path_name(ops, "mixed(int4,int4,q6_k)", four_bit=True), path
     assert path.startswith(f"cpp-mixed(int4,int4,q6_k)-{ops.built_isa()}"), path
     for m, dtype in (
         (1, torch.float32),

@@ -307,6 +307,27 @@ def quantize_activation_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return xq.to(torch.int8).reshape(m, k), dx
 
 
+def split_activation_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split kernel's rounding of ``x [M, K]``: (int8 ``[2M, K]``, float32 ``dx [2M, K/32]``).
+
+    Row ``2i`` is :func:`quantize_activation_groups` of row ``i``; row ``2i + 1`` the same
+    rounding of what it left, ``x - dx * xq`` rounded once to float32 (an FMA). So
+    ``x = dx xq + dx' xq' + e`` with ``|e| <= max|x| / 64,516`` per group: what few bf16 rows
+    on a 4-bit layer run as by default (``groupwise_bf16_rows_kernel() == "split"``), the dot
+    kernel on both rows, their sums added. The C++ quantiser computes it bit for bit.
+    """
+    m, k = x.shape
+    xq, dx = quantize_activation_groups(x)
+    xf = x.float().reshape(m, k // GROUP_SIZE, GROUP_SIZE).double()
+    kept = xq.double().reshape(m, k // GROUP_SIZE, GROUP_SIZE) * dx.double()[..., None]
+    rest = (xf - kept).float().reshape(m, k)  # exact in float64, then one rounding
+    rq, rdx = quantize_activation_groups(rest)
+    return (
+        torch.stack((xq, rq), dim=1).reshape(2 * m, k),
+        torch.stack((dx, rdx), dim=1).reshape(2 * m, k // GROUP_SIZE),
+    )
+
+
 def dot_linear_reference(
     x: torch.Tensor,
     q: torch.Tensor,
@@ -522,7 +543,9 @@ def make_groupwise_linear(
     linear.packed_groupwise = pw  # type: ignore[attr-defined]
     linear.dot_rows = gemm.dot_rows  # type: ignore[attr-defined]
     linear.packed_as = pw.name if pw.levels else name  # type: ignore[attr-defined]
-    return linear, path_name(ops, linear.packed_as, dot=dot)  # type: ignore[attr-defined]
+    four_bit = pw.bits == 4
+    packed_as: str = linear.packed_as  # type: ignore[attr-defined]
+    return linear, path_name(ops, packed_as, dot=dot, four_bit=four_bit, levels=pw.levels)
 
 
 def make_parts_linear(
@@ -562,16 +585,26 @@ def make_parts_linear(
         run += fmt != previous
         previous = fmt
         names.append(packed_as[run])
-    return linear, path_name(pl.gemm_ops(), f"mixed({','.join(names)})", dot=dot)
+    fours = [pw for fn in fns if (pw := getattr(fn, "packed_groupwise", None)) and pw.bits == 4]
+    four_bit, levels = bool(fours), all(pw.levels for pw in fours)
+    mixed = f"mixed({','.join(names)})"
+    return linear, path_name(pl.gemm_ops(), mixed, dot=dot, four_bit=four_bit, levels=levels)
 
 
-def path_name(ops: object, name: str, *, dot: bool = False) -> str:
+def path_name(
+    ops: object, name: str, *, dot: bool = False, four_bit: bool = False, levels: bool = False
+) -> str:
     """``cpp-<int4|q8_0|q6_k>-<isa>``, ``+amx<rows>`` where bf16 batches of that many rows or
-    more run on AMX tiles, ``+dot`` where every bf16 batch takes the dot path,
+    more run on AMX tiles, ``+split`` / ``+fma`` where a 4-bit layer's few bf16 rows take the
+    split kernel (x as two int8 rows; not IQ4 ``levels``) / float32 FMAs instead of vdpbf16ps
+    (``ops.groupwise_bf16_rows_kernel()``), ``+dot`` where every bf16 batch takes the dot path,
     ``+dot<rows>`` where batches of up to that many rows do."""
     rows = dot_rows(ops, torch.bfloat16, enabled=dot)
     suffix = "" if not rows else "+dot" if rows == EVERY_BATCH else f"+dot{rows}"
     tiles = ops.groupwise_amx_rows() if rows != EVERY_BATCH else 0  # type: ignore[attr-defined]
+    kernel = ops.groupwise_bf16_rows_kernel()  # type: ignore[attr-defined]
+    if four_bit and rows != EVERY_BATCH and (kernel == "fma" or (kernel == "split" and not levels)):
+        suffix = f"+{kernel}{suffix}"
     if tiles:
         suffix = f"+amx{tiles}{suffix}"
     return f"cpp-{name}-{ops.built_isa()}" + suffix

@@ -19,6 +19,8 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -118,6 +120,60 @@ int64_t amx_rows() {
 #endif
 }
 
+// Which kernel few rows of bf16 x (decode) take on a 4-bit layer (IQ4 levels: the float ones;
+// the dot kernel reads no levels):
+// - kSplit (the default): x as two int8 rows per row (quantize_rows_split: ~16 bits against each
+//   group's largest value, finer than x's own bf16 rounding for every element within 2^8 of it)
+//   on the integer dot kernel, the two rows' sums added. The products cost ~1/4 of the float
+//   kernels' conversions: a Q4_K layer at 1 / 2 / 3 rows 1.5x / 1.6x / 1.6x vdpbf16ps on a Xeon.
+// - kDp: vdpbf16ps on q (bf16_rows), kFma: float32 FMAs on q (bf16_rows_fma): exact products,
+//   float32 sums, so the definition up to summation order; FMAs are the faster on Intel's cores
+//   (gemm_q4_float.h), vdpbf16ps on a Zen 4 EPYC.
+// PAGEDLLM_BF16_ROWS=split|dp|fma or set_bf16_rows_kernel chooses (tests run all three).
+enum class Bf16RowsKernel { kDp, kFma, kSplit };
+
+Bf16RowsKernel default_bf16_rows_kernel() {
+  if (const char* env = std::getenv("PAGEDLLM_BF16_ROWS")) {
+    if (std::string(env) == "dp") return Bf16RowsKernel::kDp;
+    if (std::string(env) == "fma") return Bf16RowsKernel::kFma;
+  }
+  return Bf16RowsKernel::kSplit;
+}
+
+std::atomic<Bf16RowsKernel>& bf16_rows_choice() {
+  static std::atomic<Bf16RowsKernel> choice{default_bf16_rows_kernel()};
+  return choice;
+}
+
+Bf16RowsKernel bf16_rows_kernel() { return bf16_rows_choice().load(std::memory_order_relaxed); }
+
+// The kernel's name for the module ("none": no vdpbf16ps build, float32 x takes f32_rows).
+std::string bf16_rows_kernel_name() {
+#if defined(__AVX512BF16__)
+  switch (bf16_rows_kernel()) {
+    case Bf16RowsKernel::kFma: return "fma";
+    case Bf16RowsKernel::kSplit: return "split";
+    default: return "dp";
+  }
+#else
+  return "none";
+#endif
+}
+
+void set_bf16_rows_kernel(const std::string& name) {
+  if (name == "dp")
+    bf16_rows_choice().store(Bf16RowsKernel::kDp);
+  else if (name == "fma")
+    bf16_rows_choice().store(Bf16RowsKernel::kFma);
+  else if (name == "split")
+    bf16_rows_choice().store(Bf16RowsKernel::kSplit);
+  else if (name == "auto")
+    bf16_rows_choice().store(default_bf16_rows_kernel());
+  else
+    TORCH_CHECK(false, "set_bf16_rows_kernel: kernel must be 'dp', 'fma', 'split' or 'auto', got '",
+                name, "'");
+}
+
 #if defined(__AVX512BF16__)
 // -- bf16 activations (vdpbf16ps) -------------------------------------------------------------
 // xs[r * groups + g]: the float32 sum of row r's group g (the offsets' factor).
@@ -129,6 +185,27 @@ std::vector<float> group_sums(const uint16_t* x, int64_t m, int64_t k) {
     xs[i] = _mm512_reduce_add_ps(v_add(w_load(Bf16W{}, p), w_load(Bf16W{}, p + 16)).v);
   }
   return xs;
+}
+
+// x widened to float32 (exact) for bf16_rows_fma where this process takes it for Bits' layers,
+// else empty (bf16_rows reads x itself).
+template <int Bits>
+std::vector<float> fma_rows_x(const uint16_t* x, int64_t m, int64_t k) {
+  if (Bits != 4 || bf16_rows_kernel() != Bf16RowsKernel::kFma) return {};
+  std::vector<float> xf(static_cast<size_t>(m * k));
+  for (int64_t i = 0; i < m * k; ++i) xf[i] = c10::detail::f32_from_bits(x[i]);
+  return xf;
+}
+
+// c[R][16] = R rows of x @ one panel on the register kernels: bf16_rows_fma where xf holds the
+// widened rows (fma_rows_x), else bf16_rows.
+template <int Bits, int R>
+void bf16_panel_rows(const uint16_t* x, const float* xf, int64_t ldx, const float* xs,
+                     int64_t ldxs, const uint8_t* panel, int64_t groups, const Format& f,
+                     float* c) {
+  if constexpr (Bits == 4)
+    if (xf != nullptr) return bf16_rows_fma<R>(xf, ldx, xs, ldxs, panel, groups, f, c);
+  bf16_rows<Bits, R>(x, ldx, xs, ldxs, panel, groups, f, c);
 }
 
 // Batches on AMX tiles (gemm_amx.h's panel_groups): per panel, K-blocks converted as below,
@@ -171,12 +248,14 @@ void run_bf16(const uint16_t* x, const Problem& pb, bool allow_amx, at::BFloat16
     return;
   }
   if (m <= kBf16Rows) {
+    const std::vector<float> xf = fma_rows_x<Bits>(x, m, k);
+    const float* xfp = xf.empty() ? nullptr : xf.data();
     at::parallel_for(0, pb.panels(), 1, [&](int64_t p0, int64_t p1) {
       float c[kBf16Rows * kCols];
       for (int64_t p = p0; p < p1; ++p) {
         with_rows<kBf16Rows>(static_cast<int>(m), [&](auto r) {
-          bf16_rows<Bits, decltype(r)::value>(x, k, xs.data(), groups, pb.w + p * pb.panel_bytes(),
-                                              groups, pb.f, c);
+          bf16_panel_rows<Bits, decltype(r)::value>(x, xfp, k, xs.data(), groups,
+                                                    pb.w + p * pb.panel_bytes(), groups, pb.f, c);
         });
         store(c, m, pb.n, p * kCols, pb.bias, y);
       }
@@ -256,6 +335,39 @@ QuantizedRows quantize_rows(const In* x, int64_t m, int64_t k) {
   return out;
 }
 
+// Each row of x as two int8 rows, for the split kernel of few bf16 rows: row 2i rounds x as
+// quantize_rows does, row 2i + 1 rounds the rest r = x - dx * xq (one rounding: an FMA) the same
+// way, so x = dx xq + dx' xq' + e with |e| <= dx' / 2 <= max|x| / 64,516 per group: ~16 bits
+// against max|x| where int8 keeps 7, below the bf16 rounding of x itself for every element
+// within 2^8 of its group's largest. Its definition: groupwise_linear.split_activation_groups.
+template <typename In>
+QuantizedRows quantize_rows_split(const In* x, int64_t m, int64_t k) {
+  const int64_t groups = k / kGroup;
+  const auto size = static_cast<size_t>(2 * m * groups);
+  QuantizedRows out{std::vector<int8_t>(static_cast<size_t>(2 * m * k)), std::vector<float>(size),
+                    std::vector<float>(size), std::vector<int32_t>(size)};
+  at::parallel_for(0, m * groups, 64, [&](int64_t i0, int64_t i1) {
+    float src[kGroup], rest[kGroup];
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t row = i / groups, g = i % groups;
+      for (int64_t j = 0; j < kGroup; ++j) src[j] = static_cast<float>(x[i * kGroup + j]);
+      const int64_t at[2] = {2 * row * groups + g, (2 * row + 1) * groups + g};
+      int8_t* q[2] = {out.q.data() + 2 * row * k + g * kGroup,
+                      out.q.data() + (2 * row + 1) * k + g * kGroup};
+      for (int part = 0; part < 2; ++part) {
+        const float* in = part == 0 ? src : rest;
+        const int32_t sum = quantize_group(in, q[part], &out.dx[at[part]]);
+        out.qsum[at[part]] = sum;
+        out.xsum[at[part]] = out.dx[at[part]] * static_cast<float>(sum);
+        if (part == 0)
+          for (int64_t j = 0; j < kGroup; ++j)
+            rest[j] = std::fma(-out.dx[at[0]], static_cast<float>(q[0][j]), src[j]);
+      }
+    }
+  });
+  return out;
+}
+
 // Each group sum's integer correction (dot_rows): -8 sum(xq) (4-bit), 128 sum(xq) (8-bit);
 // two-scale layers (Q6_K) sum each half group apart: 128 sum(xq) per 16 k, [M][groups][2].
 std::vector<int32_t> dot_corrections(const QuantizedRows& qx, int bits, bool two) {
@@ -296,6 +408,46 @@ void run_dot(const QuantizedRows& qx, const Problem& pb, Out* y) {
   });
 }
 
+#if defined(__AVX512BF16__)
+constexpr int64_t kSplitRows = kDotRows / 2;  // rows of x whose split rows fill one dot tile
+
+// c[rows][16] = rows (<= kBf16Rows) of x from row lo @ one panel, from their split rows in qx
+// (quantize_rows_split): the dot kernel on both int8 rows of each, their sums added.
+template <int Bits>
+void split_rows(const QuantizedRows& qx, const int32_t* corr, int64_t lo, int64_t rows,
+                int64_t k, int64_t groups, const uint8_t* panel, const Format& f, float* c) {
+  static_assert(kDotRows % 2 == 0, "a dot tile holds whole pairs of split rows");
+  float pairs[2 * kBf16Rows * kCols];
+  for (int64_t m0 = 0; m0 < 2 * rows; m0 += kDotRows) {
+    const int n = static_cast<int>(std::min<int64_t>(kDotRows, 2 * rows - m0));
+    const int64_t a = (2 * lo + m0) * groups;
+    with_rows<kDotRows>(n, [&](auto r) {
+      dot_rows<Bits, decltype(r)::value>(qx.q.data() + (2 * lo + m0) * k, k, qx.dx.data() + a,
+                                         qx.xsum.data() + a, corr + a, groups, panel, groups, f,
+                                         pairs + m0 * kCols);
+    });
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    _mm512_storeu_ps(c + r * kCols, _mm512_add_ps(_mm512_loadu_ps(pairs + 2 * r * kCols),
+                                                  _mm512_loadu_ps(pairs + (2 * r + 1) * kCols)));
+}
+
+// Few bf16 rows on a 4-bit layer, split kernel: every panel's rows at once (split_rows).
+template <int Bits>
+void run_split(const c10::BFloat16* x, const Problem& pb, at::BFloat16* y) {
+  const QuantizedRows qx = quantize_rows_split(x, pb.m, pb.k);
+  const std::vector<int32_t> corr = dot_corrections(qx, Bits, false);
+  at::parallel_for(0, pb.panels(), 1, [&](int64_t p0, int64_t p1) {
+    float c[kBf16Rows * kCols];
+    for (int64_t p = p0; p < p1; ++p) {
+      split_rows<Bits>(qx, corr.data(), 0, pb.m, pb.k, pb.groups, pb.w + p * pb.panel_bytes(),
+                       pb.f, c);
+      store(c, pb.m, pb.n, p * kCols, pb.bias, y);
+    }
+  });
+}
+#endif
+
 template <int Bits>
 void dispatch(const torch::Tensor& x, const Problem& pb, bool dot, bool allow_amx,
               torch::Tensor& y) {
@@ -308,6 +460,14 @@ void dispatch(const torch::Tensor& x, const Problem& pb, bool dot, bool allow_am
   }
 #if defined(__AVX512BF16__)
   if (x.scalar_type() == at::kBFloat16) {
+    // Split rows are twice the rows on the dot kernel: up to kSplitRows they fill one dot tile
+    // and beat AMX tiles (a 2048 x 2048 Q4_K layer at 4 rows on a Xeon: 134 against 184 us),
+    // past it the tiles win (8 rows: 265 against 176 us).
+    const bool tiles = allow_amx && amx_rows() > 0;
+    if (Bits == 4 && !pb.f.levels && pb.m <= (tiles ? kSplitRows : kBf16Rows) &&
+        bf16_rows_kernel() == Bf16RowsKernel::kSplit) {
+      return run_split<Bits>(x.data_ptr<c10::BFloat16>(), pb, y.data_ptr<at::BFloat16>());
+    }
     return run_bf16<Bits>(reinterpret_cast<const uint16_t*>(x.data_ptr()), pb, allow_amx,
                           y.data_ptr<at::BFloat16>());
   }
@@ -421,15 +581,30 @@ void run_grouped(const torch::Tensor& x, const RowGroups& rg, const Problem& sha
 #if defined(__AVX512BF16__)
   if (x.scalar_type() == at::kBFloat16) {
     const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-    const std::vector<float> xs = group_sums(xp, x.size(0), k);
     auto* yp = y.data_ptr<at::BFloat16>();
+    if (Bits == 4 && !f.levels && bf16_rows_kernel() == Bf16RowsKernel::kSplit) {
+      const QuantizedRows qx = quantize_rows_split(x.data_ptr<c10::BFloat16>(), x.size(0), k);
+      const std::vector<int32_t> corr = dot_corrections(qx, Bits, false);
+      at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+        float c[kBf16Rows * kCols];
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t i = t / panels, lo = rg.lo[i];
+          split_rows<Bits>(qx, corr.data(), lo, rg.rows[i], k, groups, panel_of(t), f, c);
+          store(c, rg.rows[i], n, (t % panels) * kCols, nullptr, yp + lo * n);
+        }
+      });
+      return;
+    }
+    const std::vector<float> xs = group_sums(xp, x.size(0), k);
+    const std::vector<float> xf = fma_rows_x<Bits>(xp, x.size(0), k);
     at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
       float c[kBf16Rows * kCols];
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t i = t / panels, lo = rg.lo[i];
         with_rows<kBf16Rows>(static_cast<int>(rg.rows[i]), [&](auto r) {
-          bf16_rows<Bits, decltype(r)::value>(xp + lo * k, k, xs.data() + lo * groups, groups,
-                                              panel_of(t), groups, f, c);
+          bf16_panel_rows<Bits, decltype(r)::value>(
+              xp + lo * k, xf.empty() ? nullptr : xf.data() + lo * k, k, xs.data() + lo * groups,
+              groups, panel_of(t), groups, f, c);
         });
         store(c, rg.rows[i], n, (t % panels) * kCols, nullptr, yp + lo * n);
       }
@@ -503,15 +678,15 @@ torch::Tensor groupwise_gemm_grouped(const torch::Tensor& x, const std::vector<t
   return y;
 }
 
-std::tuple<torch::Tensor, torch::Tensor> quantize_groups(const torch::Tensor& x) {
+std::tuple<torch::Tensor, torch::Tensor> quantize_groups(const torch::Tensor& x, bool split) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) % kGroup == 0,
               "quantize_groups: x must be a CPU [M, K] with K a multiple of 32, got ", x.sizes());
   const torch::Tensor xc = x.contiguous();
-  const int64_t m = xc.size(0), k = xc.size(1);
-  torch::Tensor q = torch::empty({m, k}, xc.options().dtype(at::kChar));
-  torch::Tensor dx = torch::empty({m, k / kGroup}, xc.options().dtype(at::kFloat));
+  const int64_t m = xc.size(0), k = xc.size(1), rows = split ? 2 * m : m;
+  torch::Tensor q = torch::empty({rows, k}, xc.options().dtype(at::kChar));
+  torch::Tensor dx = torch::empty({rows, k / kGroup}, xc.options().dtype(at::kFloat));
   with_float_elements(xc, "groupwise", [&](const auto* xp) {
-    const QuantizedRows qx = quantize_rows(xp, m, k);
+    const QuantizedRows qx = split ? quantize_rows_split(xp, m, k) : quantize_rows(xp, m, k);
     std::memcpy(q.data_ptr<int8_t>(), qx.q.data(), qx.q.size());
     std::memcpy(dx.data_ptr<float>(), qx.dx.data(), qx.dx.size() * sizeof(float));
   });
@@ -566,9 +741,18 @@ void bind_groupwise(pybind11::module& m) {
         py::arg("half_scales"), py::arg("with_offset"), py::arg("factored"),
         py::arg("dot") = false, py::arg("levels") = false);
   m.def("quantize_groups", &q4::quantize_groups,
-        "x [M, K] -> (int8 [M, K], float32 [M, K/32]): the dot path's rounding of x per group",
-        NoGil(), py::arg("x"));
+        "x [M, K] -> (int8 [M, K], float32 [M, K/32]): the dot path's rounding of x per group; "
+        "split=True: [2M, K], [2M, K/32], each row then the rounding of what it left (the split "
+        "kernel's rows)",
+        NoGil(), py::arg("x"), py::arg("split") = false);
   m.def("groupwise_dot_isa", &q4::dot_isa, "the integer dot product of the group-wise dot path");
+  m.def("groupwise_bf16_rows_kernel", &q4::bf16_rows_kernel_name,
+        "the register kernel few rows of bf16 x take on 4-bit layers: 'dp' (vdpbf16ps on q), "
+        "'fma' (float32 FMAs on q), 'split' (x as two int8 rows on the dot kernel) or 'none' (no "
+        "vdpbf16ps build)");
+  m.def("set_bf16_rows_kernel", &q4::set_bf16_rows_kernel,
+        "'dp', 'fma', 'split' or 'auto' (the processor's choice) for groupwise_bf16_rows_kernel",
+        py::arg("kernel"));
   m.def("groupwise_amx_rows", &q4::amx_rows,
         "rows of bf16 x from which the float path runs on AMX tiles (0: never here)");
   m.def(

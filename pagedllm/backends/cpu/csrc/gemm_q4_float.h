@@ -303,6 +303,58 @@ inline void bf16_rows(const uint16_t* x, int64_t ldx, const float* xs, int64_t l
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(c + r * kCols, t[r]);
 }
 
+// acc + w * x[0] (x broadcast by the instruction itself, as dot2 does for its pairs).
+inline __m512 fma_bcast(__m512 acc, __m512 w, const float* x) {
+  __asm__("vfmadd231ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
+  return acc;
+}
+
+// bf16_rows for 4-bit layers on float32 FMAs: x (bf16 rows widened to float32, exact) times q
+// itself (0..15 or an IQ4 level, exact), one float32 sum per group and row, then the same
+// y += scale * sum + offset * sum_k(x) per group. Products are exact both ways, so this differs
+// from bf16_rows only in the order of its float32 sums. Why a second kernel: on Intel's cores
+// (measured on a Xeon with AMX, 2026-12-05) vdpbf16ps takes ~2.2 cycles of the vector ports
+// (an FMA 0.5), and the one-row Q4_K kernel ran 93 cycles a group of 512 weights against 80
+// here (2 rows 125 / 105, 4 rows 200 / 147, 8 rows 378 / 295); on a Zen 4 EPYC vdpbf16ps
+// issues about once a cycle and bf16_rows was tuned there. bf16_rows_kernel() chooses.
+template <int R>
+inline void bf16_rows_fma(const float* x, int64_t ldx, const float* xs, int64_t ldxs,
+                          const uint8_t* panel, int64_t groups, const Format& f, float* c) {
+  constexpr int C = R >= 4 ? 1 : (R >= 2 ? 2 : 4);  // independent sums per row, as bf16_rows
+  const bool offsets = f.with_offset || !f.levels;   // Q4_0's offset is -8 * scale
+  __m512 t[R];
+  for (auto& v : t) v = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* block = panel + f.block_offset(g);
+    prefetch_group(panel, g, f);
+    const float* xg = x + g * kGroup;
+    __m512 a[C][R];
+    for (auto& chain : a)
+      for (auto& v : chain) v = _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int ch = 0; ch < kGroup / 8; ++ch) {
+      V16 q[8];
+      int4_rows(block + ch * kChunk, q, f.levels);
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) {
+        const int j = (ch * 8 + i) % C;
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) a[j][r] = fma_bcast(a[j][r], q[i].v, xg + r * ldx + ch * 8 + i);
+      }
+    }
+    V16 s, o;
+    group_scales(panel, g, f, &s, &o);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      __m512 sum = a[0][r];
+      for (int i = 1; i < C; ++i) sum = _mm512_add_ps(sum, a[i][r]);
+      t[r] = _mm512_fmadd_ps(sum, s.v, t[r]);
+      if (offsets) t[r] = _mm512_fmadd_ps(o.v, _mm512_set1_ps(xs[r * ldxs + g]), t[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(c + r * kCols, t[r]);
+}
+
 // Groups [g0, g0 + gc) of one panel as bf16 pair rows (pairs[g][16][32]) and float32 scales
 // and offsets (so[g] = 16 scales then 16 offsets; two-scale: the scales of k 0..15, 16..31).
 template <int Bits>
