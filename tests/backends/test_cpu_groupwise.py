@@ -11,7 +11,6 @@ Every ISA level this processor runs is tested.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import shutil
 
@@ -194,11 +193,6 @@ def test_amx_tiles_agree_with_the_vdpbf16ps_path(ops, case) -> None:
     tiles_from = ops.groupwise_amx_rows()
     if not tiles_from:
         pytest.skip(f"no AMX tiles for the {ops.built_isa()} build on this processor")
-    with _bf16_rows(ops, "dp"):  # the split kernel keeps 4-bit layers off tiles up to 4 rows
-        _tiles_against_vdpbf16ps(ops, case, tiles_from)
-
-
-def _tiles_against_vdpbf16ps(ops, case, tiles_from: int) -> None:
     kind, (n, k) = case
     torch.manual_seed(7 * n + k)
     weight, scale, offset, _ = _layer_data(kind, n, k)
@@ -208,17 +202,18 @@ def _tiles_against_vdpbf16ps(ops, case, tiles_from: int) -> None:
     for m in (tiles_from, 16, 17, 48, 49, 70):
         x = torch.randn(m, k).bfloat16()
         bias = torch.randn(n).bfloat16()
-        tiles = ops.groupwise_gemm(x, pw.packed, n, *fmt, bias, False, pw.levels, True)
-        vector = ops.groupwise_gemm(x, pw.packed, n, *fmt, bias, False, pw.levels, False)
+        # vdpbf16ps for few rows: the split kernel keeps 4-bit layers off tiles up to 4 rows
+        tiles = ops.groupwise_gemm(x, pw.packed, n, *fmt, bias, False, pw.levels, True, "dp")
+        vector = ops.groupwise_gemm(x, pw.packed, n, *fmt, bias, False, pw.levels, False, "dp")
         ref = x.double() @ w.T + bias.double()
         assert _rel_err(tiles, ref) < FLOAT_TOL[torch.bfloat16], f"m={m}"
         assert _rel_err(vector, ref) < FLOAT_TOL[torch.bfloat16], f"m={m}"
         assert _rel_err(tiles, vector.double()) < FLOAT_TOL[torch.bfloat16], f"m={m}"
         # Rows are their own: a row's output does not depend on the rows batched with it.
-        assert torch.equal(
-            ops.groupwise_gemm(x[:tiles_from], pw.packed, n, *fmt, bias, False, pw.levels),
-            tiles[:tiles_from],
+        alone = ops.groupwise_gemm(
+            x[:tiles_from], pw.packed, n, *fmt, bias, False, pw.levels, True, "dp"
         )
+        assert torch.equal(alone, tiles[:tiles_from])
 
 
 @pytest.mark.parametrize("case", FLOAT_CASES, ids=_case_id)
@@ -509,25 +504,16 @@ def test_bad_inputs_raise(ops) -> None:
     assert pw.gemm(ops, torch.empty(0, 64), None, True).shape == (0, 20)
 
 
-# -- the two register kernels of few bf16 rows on 4-bit layers -------------------------------
+# -- the three kernels of few bf16 rows on 4-bit layers -------------------------------
 FOUR_BIT_CASES = [c for c in FLOAT_CASES if c[0] in ("q4_0", "q4_1", "q4_k", "int4", "q4_f32")]
 FOUR_BIT_CASES += [c for c in FLOAT_CASES if c[0] in ("iq4", "iq4_f32")]
 
 
-@contextlib.contextmanager
-def _bf16_rows(ops, kernel: str):
-    """``ops``' register kernel for few bf16 rows on 4-bit layers set to ``kernel`` inside."""
-    ops.set_bf16_rows_kernel(kernel)
-    try:
-        assert kernel == "auto" or ops.groupwise_bf16_rows_kernel() == kernel
-        yield
-    finally:
-        ops.set_bf16_rows_kernel("auto")
-
-
 def _bf16_row_kernels(ops) -> tuple[str, ...]:
     """The three kernels where the build has vdpbf16ps (a build without it has none)."""
-    return ("dp", "fma", "split") if ops.groupwise_bf16_rows_kernel() != "none" else ()
+    built = ops.groupwise_bf16_rows_kernels()
+    assert sorted(built) in ([], ["dp", "fma", "split"]), built
+    return ("dp", "fma", "split") if built else ()
 
 
 def _within_a_bf16_step(y: torch.Tensor, ref: torch.Tensor) -> bool:
@@ -542,7 +528,7 @@ def _within_a_bf16_step(y: torch.Tensor, ref: torch.Tensor) -> bool:
 @pytest.mark.parametrize("case", FOUR_BIT_CASES, ids=_case_id)
 def test_the_bf16_row_kernels_match_the_reference_and_each_other(ops, case) -> None:
     """Few bf16 rows on a 4-bit layer take the split kernel (x as two int8 rows, the default),
-    vdpbf16ps on q or float32 FMAs on q (``set_bf16_rows_kernel``): each within one bf16 step
+    vdpbf16ps on q or float32 FMAs on q (``rows_kernel``): each within one bf16 step
     of the float64 reference element by element, so within the float path's bound of each
     other, at every row count the register kernels take (past them, where none runs, equal)."""
     kernels = _bf16_row_kernels(ops)
@@ -553,20 +539,24 @@ def test_the_bf16_row_kernels_match_the_reference_and_each_other(ops, case) -> N
     weight, scale, offset, _ = _layer_data(kind, n, k)
     pw = _pack(ops, weight, scale, offset)
     w = _dequantized(weight, scale, offset).double()
+    differs = False
     for m in (1, 2, 3, 4, 5, 8, 9):
         x = torch.randn(m, k).bfloat16()
         bias = torch.randn(n).bfloat16()
         ref = x.double() @ w.T + bias.double()
         got = {}
         for kernel in kernels:
-            with _bf16_rows(ops, kernel):
-                got[kernel] = pw.gemm(ops, x, bias, False)
+            got[kernel] = pw.gemm(ops, x, bias, False, rows_kernel=kernel)
             assert _within_a_bf16_step(got[kernel], ref), f"{kernel} m={m}"
         for kernel in kernels[1:]:
             err = _rel_err(got[kernel], got["dp"].double())
             assert err < FLOAT_TOL[torch.bfloat16], f"{kernel} m={m}"
         if m > 8:  # no register kernel at this many rows: one path for every setting
             assert all(torch.equal(got[kernel], got["dp"]) for kernel in kernels)
+        elif m <= 3:
+            differs |= not torch.equal(got["split"], got["dp"])
+    if k == 4096 and not kind.startswith("iq4"):  # split ran (not on levels): its rounding
+        assert differs, "split gave vdpbf16ps's outputs bit for bit"  # shows in 50 x 6 rows
 
 
 @pytest.mark.parametrize("xdtype", (torch.float32, torch.bfloat16), ids=str)
@@ -588,38 +578,38 @@ def test_the_split_rounding_is_its_definition_bit_for_bit(ops, xdtype) -> None:
     assert torch.equal(one_row, q[0::2]) and torch.equal(one_dx, dx[0::2])
 
 
-def test_the_bf16_row_kernel_is_named_in_the_path_and_checked() -> None:
-    """``+split`` (the default) or ``+fma`` in a 4-bit layer's path where its few bf16 rows take
-    that kernel, nothing for vdpbf16ps, never either in an 8-bit layer's; an unknown kernel name
-    is refused with the names it takes."""
+def test_the_split_kernel_is_named_in_the_path_and_the_kernel_checked() -> None:
+    """``+split`` in a 4-bit layer's path where its few bf16 rows take the split kernel (the
+    default), never in an 8-bit or IQ4 layer's; an unknown ``rows_kernel`` is refused by name,
+    by the single and the grouped GEMM."""
     from types import SimpleNamespace
 
     ops = packed_linear.gemm_ops()
-    if ops is None or ops.groupwise_bf16_rows_kernel() == "none":
+    if ops is None or not ops.groupwise_bf16_rows_kernels():
         pytest.skip("no vdpbf16ps build on this processor")
     torch.manual_seed(9)
     paths = {}
-    assert ops.groupwise_bf16_rows_kernel() == "split"  # the default
-    for kernel in ("dp", "fma", "split"):
-        with _bf16_rows(ops, kernel):
-            for kind in ("q4_0", "q8_0"):
-                weight, scale, offset, _ = _layer_data(kind, 32, 64)
-                layer = SimpleNamespace(
-                    weight=weight,
-                    weight_scale_bits=scale.float().contiguous().view(torch.int32),
-                    quant_method=SimpleNamespace(name=kind),
-                )
-                if offset is not None:
-                    layer.weight_offset_bits = offset.float().contiguous().view(torch.int32)
-                fn, paths[kernel, kind] = groupwise_linear.make_groupwise_linear(layer, None)
-                assert fn is not None, paths[kernel, kind]
-    assert paths["fma", "q4_0"].startswith("cpp-q4_0-") and "+fma" in paths["fma", "q4_0"]
-    assert "+split" in paths["split", "q4_0"], paths
-    assert not any(s in paths["dp", "q4_0"] for s in ("+fma", "+split")), paths
-    for kernel in ("dp", "fma", "split"):
-        assert not any(s in paths[kernel, "q8_0"] for s in ("+fma", "+split")), paths
-    with pytest.raises(RuntimeError, match="'dp', 'fma', 'split' or 'auto'"):
-        ops.set_bf16_rows_kernel("vnni")
+    for kind in ("q4_0", "q8_0", "iq4"):
+        weight, scale, offset, _ = _layer_data(kind, 32, 64)
+        layer = SimpleNamespace(
+            weight=weight,
+            weight_scale_bits=scale.float().contiguous().view(torch.int32),
+            quant_method=SimpleNamespace(name="q8_0" if kind == "iq4" else kind),
+        )
+        if offset is not None:
+            layer.weight_offset_bits = offset.float().contiguous().view(torch.int32)
+        fn, paths[kind] = groupwise_linear.make_groupwise_linear(layer, None)
+        assert fn is not None, paths[kind]
+    assert paths["q4_0"].startswith("cpp-q4_0-") and "+split" in paths["q4_0"], paths
+    assert "+split" not in paths["q8_0"] and "+split" not in paths["iq4"], paths
+    assert paths["iq4"].startswith("cpp-iq4-"), paths
+    pw = _pack(ops, *_layer_data("q4_0", 32, 64)[:3])
+    x = torch.randn(2, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="groupwise_gemm: rows_kernel must be 'split', 'dp'"):
+        pw.gemm(ops, x, None, False, rows_kernel="vnni")
+    fmt = (32, pw.bits, pw.half_scales, pw.with_offset, pw.factored)
+    with pytest.raises(RuntimeError, match="groupwise_gemm_grouped: rows_kernel must be"):
+        ops.groupwise_gemm_grouped(x, [pw.packed], [0, 2], *fmt, rows_kernel="auto")
 
 
 # -- grouped: an MoE layer's experts in one call ---------------------------------------------
@@ -653,16 +643,16 @@ def test_grouped_gemm_equals_each_groups_own_gemm_bit_for_bit(ops, kind: str, xd
     pw = pws[0]
     fmt = (n, pw.bits, pw.half_scales, pw.with_offset, pw.factored)
     kernels = _bf16_row_kernels(ops) if xdtype == torch.bfloat16 and not dot else ()
-    for kernel in kernels or ("auto",):  # every register kernel of few bf16 rows
-        with _bf16_rows(ops, kernel):
-            got = ops.groupwise_gemm_grouped(
-                x, [p.packed for p in pws], starts, *fmt, dot, pw.levels
+    for kernel in kernels or ("split",):  # every kernel of few bf16 rows
+        packed = [p.packed for p in pws]
+        got = ops.groupwise_gemm_grouped(x, packed, starts, *fmt, dot, pw.levels, kernel)
+        assert got.shape == (starts[-1], n) and got.dtype == xdtype
+        for i, p in enumerate(pws):
+            lo, hi = starts[i], starts[i + 1]
+            want = ops.groupwise_gemm(
+                x[lo:hi], p.packed, *fmt, None, dot, pw.levels, rows_kernel=kernel
             )
-            assert got.shape == (starts[-1], n) and got.dtype == xdtype
-            for i, p in enumerate(pws):
-                lo, hi = starts[i], starts[i + 1]
-                want = ops.groupwise_gemm(x[lo:hi], p.packed, *fmt, None, dot, pw.levels)
-                assert torch.equal(got[lo:hi], want), f"{kernel}: group {i} ({hi - lo} rows)"
+            assert torch.equal(got[lo:hi], want), f"{kernel}: group {i} ({hi - lo} rows)"
 
 
 def test_grouped_gemm_bad_inputs_raise(ops) -> None:

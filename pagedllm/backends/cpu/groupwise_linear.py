@@ -99,11 +99,21 @@ class PackedGroupwise:
             self.levels,
         )
 
-    def gemm(self, ops: object, x: torch.Tensor, bias: torch.Tensor | None, dot: bool):
-        """``ops.groupwise_gemm`` on these weights: ``x [T, K] -> [T, N]``."""
+    def gemm(
+        self,
+        ops: object,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        dot: bool,
+        rows_kernel: str = "split",
+    ):
+        """``ops.groupwise_gemm`` on these weights: ``x [T, K] -> [T, N]`` (``rows_kernel``:
+        what few bf16 rows on a 4-bit layer run, ``ops.groupwise_bf16_rows_kernels()``)."""
         check_k(x, self.k)
         fmt = (self.bits, self.half_scales, self.with_offset, self.factored)
-        return ops.groupwise_gemm(x, self.packed, self.n, *fmt, bias, dot, self.levels)
+        return ops.groupwise_gemm(  # type: ignore[attr-defined]
+            x, self.packed, self.n, *fmt, bias, dot, self.levels, rows_kernel=rows_kernel
+        )
 
 
 def check_k(x: torch.Tensor, k: int) -> None:
@@ -313,7 +323,7 @@ def split_activation_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     Row ``2i`` is :func:`quantize_activation_groups` of row ``i``; row ``2i + 1`` the same
     rounding of what it left, ``x - dx * xq`` rounded once to float32 (an FMA). So
     ``x = dx xq + dx' xq' + e`` with ``|e| <= max|x| / 64,516`` per group: what few bf16 rows
-    on a 4-bit layer run as by default (``groupwise_bf16_rows_kernel() == "split"``), the dot
+    on a 4-bit layer run as by default (``groupwise_gemm``'s ``rows_kernel="split"``), the dot
     kernel on both rows, their sums added. The C++ quantiser computes it bit for bit.
     """
     m, k = x.shape
@@ -595,16 +605,16 @@ def path_name(
     ops: object, name: str, *, dot: bool = False, four_bit: bool = False, levels: bool = False
 ) -> str:
     """``cpp-<int4|q8_0|q6_k>-<isa>``, ``+amx<rows>`` where bf16 batches of that many rows or
-    more run on AMX tiles, ``+split`` / ``+fma`` where a 4-bit layer's few bf16 rows take the
-    split kernel (x as two int8 rows; not IQ4 ``levels``) / float32 FMAs instead of vdpbf16ps
-    (``ops.groupwise_bf16_rows_kernel()``), ``+dot`` where every bf16 batch takes the dot path,
-    ``+dot<rows>`` where batches of up to that many rows do."""
+    more run on AMX tiles, ``+split`` where a 4-bit layer's few bf16 rows take the split
+    kernel (x as two int8 rows; not IQ4 ``levels``; builds with ``vdpbf16ps``), ``+dot`` where
+    every bf16 batch takes the dot path, ``+dot<rows>`` where batches of up to that many rows
+    do."""
     rows = dot_rows(ops, torch.bfloat16, enabled=dot)
     suffix = "" if not rows else "+dot" if rows == EVERY_BATCH else f"+dot{rows}"
     tiles = ops.groupwise_amx_rows() if rows != EVERY_BATCH else 0  # type: ignore[attr-defined]
-    kernel = ops.groupwise_bf16_rows_kernel()  # type: ignore[attr-defined]
-    if four_bit and rows != EVERY_BATCH and (kernel == "fma" or (kernel == "split" and not levels)):
-        suffix = f"+{kernel}{suffix}"
+    split = "split" in ops.groupwise_bf16_rows_kernels()  # type: ignore[attr-defined]
+    if four_bit and not levels and rows != EVERY_BATCH and split:
+        suffix = f"+split{suffix}"
     if tiles:
         suffix = f"+amx{tiles}{suffix}"
     return f"cpp-{name}-{ops.built_isa()}" + suffix

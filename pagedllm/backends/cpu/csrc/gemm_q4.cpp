@@ -19,8 +19,6 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
-#include <atomic>
-#include <cstdlib>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -52,11 +50,31 @@ void store(const float* c, int64_t rows, int64_t n, int64_t n0, const float* bia
     }
 }
 
+// Which kernel few rows of bf16 x (decode) take on a 4-bit layer (IQ4 levels: the float ones;
+// the dot kernel reads no levels), chosen per call (groupwise_gemm's rows_kernel):
+// - kSplit (the default): x as two int8 rows per row (quantize_rows_split: ~16 bits against each
+//   group's largest value, finer than x's own bf16 rounding for every element within 2^8 of it)
+//   on the integer dot kernel, the two rows' sums added. The products cost ~1/4 of the float
+//   kernels' conversions: a Q4_K layer at 1 / 2 / 3 rows 1.5x / 1.6x / 1.6x vdpbf16ps on a Xeon.
+// - kDp: vdpbf16ps on q (bf16_rows), kFma: float32 FMAs on q (bf16_rows_fma): exact products,
+//   float32 sums, so the definition up to summation order; FMAs are the faster on Intel's cores
+//   (gemm_q4_float.h), vdpbf16ps on a Zen 4 EPYC.
+enum class Bf16RowsKernel { kSplit, kDp, kFma };
+
+Bf16RowsKernel rows_kernel_of(const char* op, const std::string& name) {
+  if (name == "split") return Bf16RowsKernel::kSplit;
+  if (name == "dp") return Bf16RowsKernel::kDp;
+  if (name == "fma") return Bf16RowsKernel::kFma;
+  TORCH_CHECK(false, op, ": rows_kernel must be 'split', 'dp' or 'fma', got '", name, "'");
+  return Bf16RowsKernel::kSplit;  // not reached
+}
+
 struct Problem {
   int64_t m, k, n, groups;
   const uint8_t* w;  // packed panels
   Format f;
   const float* bias;
+  Bf16RowsKernel rows = Bf16RowsKernel::kSplit;  // few bf16 rows on a 4-bit layer
   int64_t panel_bytes() const { return f.panel_bytes(groups); }
   int64_t panels() const { return (n + kCols - 1) / kCols; }
 };
@@ -120,58 +138,13 @@ int64_t amx_rows() {
 #endif
 }
 
-// Which kernel few rows of bf16 x (decode) take on a 4-bit layer (IQ4 levels: the float ones;
-// the dot kernel reads no levels):
-// - kSplit (the default): x as two int8 rows per row (quantize_rows_split: ~16 bits against each
-//   group's largest value, finer than x's own bf16 rounding for every element within 2^8 of it)
-//   on the integer dot kernel, the two rows' sums added. The products cost ~1/4 of the float
-//   kernels' conversions: a Q4_K layer at 1 / 2 / 3 rows 1.5x / 1.6x / 1.6x vdpbf16ps on a Xeon.
-// - kDp: vdpbf16ps on q (bf16_rows), kFma: float32 FMAs on q (bf16_rows_fma): exact products,
-//   float32 sums, so the definition up to summation order; FMAs are the faster on Intel's cores
-//   (gemm_q4_float.h), vdpbf16ps on a Zen 4 EPYC.
-// PAGEDLLM_BF16_ROWS=split|dp|fma or set_bf16_rows_kernel chooses (tests run all three).
-enum class Bf16RowsKernel { kDp, kFma, kSplit };
-
-Bf16RowsKernel default_bf16_rows_kernel() {
-  if (const char* env = std::getenv("PAGEDLLM_BF16_ROWS")) {
-    if (std::string(env) == "dp") return Bf16RowsKernel::kDp;
-    if (std::string(env) == "fma") return Bf16RowsKernel::kFma;
-  }
-  return Bf16RowsKernel::kSplit;
-}
-
-std::atomic<Bf16RowsKernel>& bf16_rows_choice() {
-  static std::atomic<Bf16RowsKernel> choice{default_bf16_rows_kernel()};
-  return choice;
-}
-
-Bf16RowsKernel bf16_rows_kernel() { return bf16_rows_choice().load(std::memory_order_relaxed); }
-
-// The kernel's name for the module ("none": no vdpbf16ps build, float32 x takes f32_rows).
-std::string bf16_rows_kernel_name() {
+// The kernels of bf16 rows the build runs for groupwise_gemm's rows_kernel (none: no vdpbf16ps).
+std::vector<std::string> bf16_rows_kernels() {
 #if defined(__AVX512BF16__)
-  switch (bf16_rows_kernel()) {
-    case Bf16RowsKernel::kFma: return "fma";
-    case Bf16RowsKernel::kSplit: return "split";
-    default: return "dp";
-  }
+  return {"split", "dp", "fma"};
 #else
-  return "none";
+  return {};
 #endif
-}
-
-void set_bf16_rows_kernel(const std::string& name) {
-  if (name == "dp")
-    bf16_rows_choice().store(Bf16RowsKernel::kDp);
-  else if (name == "fma")
-    bf16_rows_choice().store(Bf16RowsKernel::kFma);
-  else if (name == "split")
-    bf16_rows_choice().store(Bf16RowsKernel::kSplit);
-  else if (name == "auto")
-    bf16_rows_choice().store(default_bf16_rows_kernel());
-  else
-    TORCH_CHECK(false, "set_bf16_rows_kernel: kernel must be 'dp', 'fma', 'split' or 'auto', got '",
-                name, "'");
 }
 
 #if defined(__AVX512BF16__)
@@ -187,11 +160,11 @@ std::vector<float> group_sums(const uint16_t* x, int64_t m, int64_t k) {
   return xs;
 }
 
-// x widened to float32 (exact) for bf16_rows_fma where this process takes it for Bits' layers,
+// x widened to float32 (exact) for bf16_rows_fma where the call takes it for Bits' layers,
 // else empty (bf16_rows reads x itself).
 template <int Bits>
-std::vector<float> fma_rows_x(const uint16_t* x, int64_t m, int64_t k) {
-  if (Bits != 4 || bf16_rows_kernel() != Bf16RowsKernel::kFma) return {};
+std::vector<float> fma_rows_x(const uint16_t* x, int64_t m, int64_t k, Bf16RowsKernel kernel) {
+  if (Bits != 4 || kernel != Bf16RowsKernel::kFma) return {};
   std::vector<float> xf(static_cast<size_t>(m * k));
   for (int64_t i = 0; i < m * k; ++i) xf[i] = c10::detail::f32_from_bits(x[i]);
   return xf;
@@ -248,7 +221,7 @@ void run_bf16(const uint16_t* x, const Problem& pb, bool allow_amx, at::BFloat16
     return;
   }
   if (m <= kBf16Rows) {
-    const std::vector<float> xf = fma_rows_x<Bits>(x, m, k);
+    const std::vector<float> xf = fma_rows_x<Bits>(x, m, k, pb.rows);
     const float* xfp = xf.empty() ? nullptr : xf.data();
     at::parallel_for(0, pb.panels(), 1, [&](int64_t p0, int64_t p1) {
       float c[kBf16Rows * kCols];
@@ -465,7 +438,7 @@ void dispatch(const torch::Tensor& x, const Problem& pb, bool dot, bool allow_am
     // past it the tiles win (8 rows: 265 against 176 us).
     const bool tiles = allow_amx && amx_rows() > 0;
     if (Bits == 4 && !pb.f.levels && pb.m <= (tiles ? kSplitRows : kBf16Rows) &&
-        bf16_rows_kernel() == Bf16RowsKernel::kSplit) {
+        pb.rows == Bf16RowsKernel::kSplit) {
       return run_split<Bits>(x.data_ptr<c10::BFloat16>(), pb, y.data_ptr<at::BFloat16>());
     }
     return run_bf16<Bits>(reinterpret_cast<const uint16_t*>(x.data_ptr()), pb, allow_amx,
@@ -497,8 +470,9 @@ void check_panels(const char* op, const torch::Tensor& packed, int64_t n, int64_
 torch::Tensor groupwise_gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
                              int64_t bits, bool half_scales, bool with_offset, bool factored,
                              const c10::optional<torch::Tensor>& bias, bool dot, bool levels,
-                             bool allow_amx) {
+                             bool allow_amx, const std::string& rows_kernel) {
   const Format f = format_of(bits, half_scales, with_offset, factored, levels);
+  const Bf16RowsKernel kernel = rows_kernel_of("groupwise_gemm", rows_kernel);
   TORCH_CHECK(!(dot && f.six()), "groupwise_gemm: six-bit weights run the float path only");
   TORCH_CHECK(!(dot && f.levels), "groupwise_gemm: IQ4 levels run the float path only");
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "groupwise_gemm: x must be a CPU [M, K], got ",
@@ -515,7 +489,7 @@ torch::Tensor groupwise_gemm(const torch::Tensor& x, const torch::Tensor& packed
   with_float_elements(xc, "groupwise", [](const auto*) {});  // rejects other dtypes
   if (m == 0) return y;
   const Problem pb{m, k, n, groups, packed.data_ptr<uint8_t>(), f,
-                   b.defined() ? b.data_ptr<float>() : nullptr};
+                   b.defined() ? b.data_ptr<float>() : nullptr, kernel};
   if (bits == 4)
     dispatch<4>(xc, pb, dot, allow_amx, y);
   else  // 8, and six (Q6_K at 6 bits): the 8-bit kernels, which read a six block by f.six()
@@ -582,7 +556,7 @@ void run_grouped(const torch::Tensor& x, const RowGroups& rg, const Problem& sha
   if (x.scalar_type() == at::kBFloat16) {
     const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
     auto* yp = y.data_ptr<at::BFloat16>();
-    if (Bits == 4 && !f.levels && bf16_rows_kernel() == Bf16RowsKernel::kSplit) {
+    if (Bits == 4 && !f.levels && shape.rows == Bf16RowsKernel::kSplit) {
       const QuantizedRows qx = quantize_rows_split(x.data_ptr<c10::BFloat16>(), x.size(0), k);
       const std::vector<int32_t> corr = dot_corrections(qx, Bits, false);
       at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
@@ -596,7 +570,7 @@ void run_grouped(const torch::Tensor& x, const RowGroups& rg, const Problem& sha
       return;
     }
     const std::vector<float> xs = group_sums(xp, x.size(0), k);
-    const std::vector<float> xf = fma_rows_x<Bits>(xp, x.size(0), k);
+    const std::vector<float> xf = fma_rows_x<Bits>(xp, x.size(0), k, shape.rows);
     at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
       float c[kBf16Rows * kCols];
       for (int64_t t = t0; t < t1; ++t) {
@@ -631,8 +605,9 @@ void run_grouped(const torch::Tensor& x, const RowGroups& rg, const Problem& sha
 torch::Tensor groupwise_gemm_grouped(const torch::Tensor& x, const std::vector<torch::Tensor>& packed,
                                      const std::vector<int64_t>& starts, int64_t n, int64_t bits,
                                      bool half_scales, bool with_offset, bool factored, bool dot,
-                                     bool levels) {
+                                     bool levels, const std::string& rows_kernel) {
   const Format f = format_of(bits, half_scales, with_offset, factored, levels);
+  const Bf16RowsKernel kernel = rows_kernel_of("groupwise_gemm_grouped", rows_kernel);
   TORCH_CHECK(!(dot && f.six()), "groupwise_gemm_grouped: six-bit weights run the float path only");
   TORCH_CHECK(!(dot && f.levels), "groupwise_gemm_grouped: IQ4 levels run the float path only");
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2,
@@ -650,7 +625,7 @@ torch::Tensor groupwise_gemm_grouped(const torch::Tensor& x, const std::vector<t
   torch::Tensor y = torch::empty({rows, n}, xc.options());
   with_float_elements(xc, "groupwise_gemm_grouped", [](const auto*) {});
   RowGroups shared;  // groups on the register kernels: one region
-  const Problem shape{0, k, n, k / kGroup, nullptr, f, nullptr};
+  const Problem shape{0, k, n, k / kGroup, nullptr, f, nullptr, kernel};
   for (int64_t i = 0; i < count; ++i) {
     const int64_t m = starts[i + 1] - starts[i];
     if (m == 0) continue;
@@ -662,7 +637,7 @@ torch::Tensor groupwise_gemm_grouped(const torch::Tensor& x, const std::vector<t
       continue;
     }
     // A batch the per-call GEMM gives tiles or the scratch: that call, on this group's rows.
-    const Problem pb{m, k, n, shape.groups, w, f, nullptr};
+    const Problem pb{m, k, n, shape.groups, w, f, nullptr, kernel};
     torch::Tensor yg = y.narrow(0, starts[i], m);
     if (bits == 4)
       dispatch<4>(xc.narrow(0, starts[i], m), pb, dot, true, yg);
@@ -732,27 +707,24 @@ void bind_groupwise(pybind11::module& m) {
         NoGil(), py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bits"),
         py::arg("half_scales"), py::arg("with_offset"), py::arg("factored"),
         py::arg("bias") = py::none(), py::arg("dot") = false, py::arg("levels") = false,
-        py::arg("allow_amx") = true);
+        py::arg("allow_amx") = true, py::arg("rows_kernel") = "split");
   m.def("groupwise_gemm_grouped", &q4::groupwise_gemm_grouped,
         "y [P, N]: rows starts[i]..starts[i + 1] of x [P, K] times packed[i]'s layer (one "
         "format and shape for all; an MoE layer's experts), as groupwise_gemm on each group's "
         "rows computes them, in one call",
         NoGil(), py::arg("x"), py::arg("packed"), py::arg("starts"), py::arg("n"), py::arg("bits"),
         py::arg("half_scales"), py::arg("with_offset"), py::arg("factored"),
-        py::arg("dot") = false, py::arg("levels") = false);
+        py::arg("dot") = false, py::arg("levels") = false, py::arg("rows_kernel") = "split");
   m.def("quantize_groups", &q4::quantize_groups,
         "x [M, K] -> (int8 [M, K], float32 [M, K/32]): the dot path's rounding of x per group; "
         "split=True: [2M, K], [2M, K/32], each row then the rounding of what it left (the split "
         "kernel's rows)",
         NoGil(), py::arg("x"), py::arg("split") = false);
   m.def("groupwise_dot_isa", &q4::dot_isa, "the integer dot product of the group-wise dot path");
-  m.def("groupwise_bf16_rows_kernel", &q4::bf16_rows_kernel_name,
-        "the register kernel few rows of bf16 x take on 4-bit layers: 'dp' (vdpbf16ps on q), "
-        "'fma' (float32 FMAs on q), 'split' (x as two int8 rows on the dot kernel) or 'none' (no "
-        "vdpbf16ps build)");
-  m.def("set_bf16_rows_kernel", &q4::set_bf16_rows_kernel,
-        "'dp', 'fma', 'split' or 'auto' (the processor's choice) for groupwise_bf16_rows_kernel",
-        py::arg("kernel"));
+  m.def("groupwise_bf16_rows_kernels", &q4::bf16_rows_kernels,
+        "the kernels of few bf16 rows on 4-bit layers this build runs (rows_kernel): 'split' (x "
+        "as two int8 rows on the dot kernel, the default), 'dp' (vdpbf16ps on q), 'fma' (float32 "
+        "FMAs on q); none without vdpbf16ps");
   m.def("groupwise_amx_rows", &q4::amx_rows,
         "rows of bf16 x from which the float path runs on AMX tiles (0: never here)");
   m.def(
