@@ -603,6 +603,25 @@ def test_the_split_kernel_is_named_in_the_path_and_the_kernel_checked() -> None:
     assert paths["q4_0"].startswith("cpp-q4_0-") and "+split" in paths["q4_0"], paths
     assert "+split" not in paths["q8_0"] and "+split" not in paths["iq4"], paths
     assert paths["iq4"].startswith("cpp-iq4-"), paths
+    # Where AMX tiles run, the names say from which rows: later for the split 4-bit layer.
+    tiles_from, split_tiles_from = ops.groupwise_amx_rows(), ops.groupwise_amx_rows(True)
+    assert bool(tiles_from) == bool(split_tiles_from) and split_tiles_from >= tiles_from
+    if tiles_from:
+        assert f"+amx{split_tiles_from}+split" in paths["q4_0"], paths
+        assert f"+amx{tiles_from}" in paths["q8_0"] and f"+amx{tiles_from}" in paths["iq4"]
+        # The split kernel's one dot tile of rows beats the tiles where they would start ...
+        assert split_tiles_from > tiles_from, (tiles_from, split_tiles_from)
+        # ... and the calls do what the names say: below split_tiles_from rows a 4-bit layer's
+        # rows take the split kernel whether tiles are allowed or not, from there the tiles
+        # (the same bits under any kernel of few rows).
+        big = _pack(ops, *_layer_data("q4_0", 48, 256)[:3])
+        big_fmt = (48, big.bits, big.half_scales, big.with_offset, big.factored)
+        for m, tiles in ((split_tiles_from - 1, False), (split_tiles_from, True)):
+            x = torch.randn(m, 256).bfloat16()
+            split = ops.groupwise_gemm(x, big.packed, *big_fmt, None, False, False, True, "split")
+            alone = ops.groupwise_gemm(x, big.packed, *big_fmt, None, False, False, False, "split")
+            on_tiles = ops.groupwise_gemm(x, big.packed, *big_fmt, None, False, False, True, "dp")
+            assert torch.equal(split, on_tiles if tiles else alone), f"{m} rows"
     pw = _pack(ops, *_layer_data("q4_0", 32, 64)[:3])
     x = torch.randn(2, 64).bfloat16()
     with pytest.raises(RuntimeError, match="groupwise_gemm: rows_kernel must be 'split', 'dp'"):
@@ -613,9 +632,10 @@ def test_the_split_kernel_is_named_in_the_path_and_the_kernel_checked() -> None:
 
 
 # -- grouped: an MoE layer's experts in one call ---------------------------------------------
-# Rows per group: an expert without rows, the register kernels (1, 2; 5 on processors without
-# AMX) and past them (9: AMX tiles or the scratch, each such group its own GEMM).
-GROUPED_ROWS = (1, 0, 2, 5, 9, 1)
+# Rows per group: an expert without rows, the register kernels (1, 2; 4: the split kernel's on
+# 4-bit layers, the tiles' for the others where AMX runs; 5 on processors without AMX) and past
+# them (9: AMX tiles or the scratch, each such group its own GEMM).
+GROUPED_ROWS = (1, 0, 2, 4, 5, 9, 1)
 
 
 def _stacked(ops, kind: str, n: int, k: int, count: int):

@@ -611,9 +611,11 @@ def path_name(
     do."""
     rows = dot_rows(ops, torch.bfloat16, enabled=dot)
     suffix = "" if not rows else "+dot" if rows == EVERY_BATCH else f"+dot{rows}"
-    tiles = ops.groupwise_amx_rows() if rows != EVERY_BATCH else 0  # type: ignore[attr-defined]
-    split = "split" in ops.groupwise_bf16_rows_kernels()  # type: ignore[attr-defined]
-    if four_bit and not levels and rows != EVERY_BATCH and split:
+    split = four_bit and not levels and rows != EVERY_BATCH
+    split = split and "split" in ops.groupwise_bf16_rows_kernels()  # type: ignore[attr-defined]
+    # The split kernel keeps a 4-bit layer's rows off the tiles longer (the C++ tile_rows).
+    tiles = ops.groupwise_amx_rows(split) if rows != EVERY_BATCH else 0  # type: ignore[attr-defined]
+    if split:
         suffix = f"+split{suffix}"
     if tiles:
         suffix = f"+amx{tiles}{suffix}"

@@ -138,6 +138,27 @@ int64_t amx_rows() {
 #endif
 }
 
+#if defined(__AVX512BF16__)
+// Rows of x whose split rows fill one dot tile (the split kernel's register rows).
+constexpr int64_t kSplitRows = kDotRows / 2;
+#endif
+
+// The bf16 rows from which a call on a layer of format f, under `kernel` for its few rows, runs
+// on AMX tiles (0: never here). Split rows are twice the rows on the dot kernel: up to
+// kSplitRows they fill one dot tile and beat the tiles (a 2048 x 2048 Q4_K layer at 4 rows on a
+// Xeon: 134 against 184 us), past it the tiles win (8 rows: 265 against 176 us). dispatch,
+// register_rows and the path names (groupwise_amx_rows) all ask here.
+int64_t tile_rows(const Format& f, Bf16RowsKernel kernel) {
+  const int64_t from = amx_rows();
+#if defined(__AVX512BF16__)
+  if (from > 0 && f.bits == 4 && !f.levels && kernel == Bf16RowsKernel::kSplit)
+    return std::max(from, kSplitRows + 1);
+#endif
+  (void)f;
+  (void)kernel;
+  return from;
+}
+
 // The kernels of bf16 rows the build runs for groupwise_gemm's rows_kernel (none: no vdpbf16ps).
 std::vector<std::string> bf16_rows_kernels() {
 #if defined(__AVX512BF16__)
@@ -216,7 +237,8 @@ template <int Bits>
 void run_bf16(const uint16_t* x, const Problem& pb, bool allow_amx, at::BFloat16* y) {
   const int64_t m = pb.m, k = pb.k, groups = pb.groups;
   const std::vector<float> xs = group_sums(x, m, k);
-  if (allow_amx && amx_rows() > 0 && m >= amx_rows()) {
+  const int64_t tiles_from = tile_rows(pb.f, pb.rows);
+  if (allow_amx && tiles_from > 0 && m >= tiles_from) {
     run_bf16_tiles<Bits>(x, xs, pb, y);
     return;
   }
@@ -382,8 +404,6 @@ void run_dot(const QuantizedRows& qx, const Problem& pb, Out* y) {
 }
 
 #if defined(__AVX512BF16__)
-constexpr int64_t kSplitRows = kDotRows / 2;  // rows of x whose split rows fill one dot tile
-
 // c[rows][16] = rows (<= kBf16Rows) of x from row lo @ one panel, from their split rows in qx
 // (quantize_rows_split): the dot kernel on both int8 rows of each, their sums added.
 template <int Bits>
@@ -433,11 +453,9 @@ void dispatch(const torch::Tensor& x, const Problem& pb, bool dot, bool allow_am
   }
 #if defined(__AVX512BF16__)
   if (x.scalar_type() == at::kBFloat16) {
-    // Split rows are twice the rows on the dot kernel: up to kSplitRows they fill one dot tile
-    // and beat AMX tiles (a 2048 x 2048 Q4_K layer at 4 rows on a Xeon: 134 against 184 us),
-    // past it the tiles win (8 rows: 265 against 176 us).
-    const bool tiles = allow_amx && amx_rows() > 0;
-    if (Bits == 4 && !pb.f.levels && pb.m <= (tiles ? kSplitRows : kBf16Rows) &&
+    // The split kernel up to the rows from which tiles run (tile_rows), or its whole tile.
+    const int64_t tiles_from = allow_amx ? tile_rows(pb.f, pb.rows) : 0;
+    if (Bits == 4 && !pb.f.levels && pb.m <= (tiles_from > 0 ? tiles_from - 1 : kBf16Rows) &&
         pb.rows == Bf16RowsKernel::kSplit) {
       return run_split<Bits>(x.data_ptr<c10::BFloat16>(), pb, y.data_ptr<at::BFloat16>());
     }
@@ -499,13 +517,20 @@ torch::Tensor groupwise_gemm(const torch::Tensor& x, const torch::Tensor& packed
 
 // -- grouped: rows of x by group, each group its own layer (an MoE layer's experts) ----------
 // Whether dispatch runs m rows of x's dtype on the register kernels (the float path's few-row
-// tiles; the dot path at every batch): those groups can share one parallel region.
-bool register_rows(int64_t m, at::ScalarType dtype, bool dot) {
+// tiles, the split kernel; the dot path at every batch) for a layer of format f under `kernel`:
+// those groups can share one parallel region.
+bool register_rows(int64_t m, at::ScalarType dtype, bool dot, const Format& f,
+                   Bf16RowsKernel kernel) {
   if (dot) return true;
 #if defined(__AVX512BF16__)
-  if (dtype == at::kBFloat16) return m <= kBf16Rows && !(amx_rows() > 0 && m >= amx_rows());
+  if (dtype == at::kBFloat16) {
+    const int64_t tiles_from = tile_rows(f, kernel);
+    return m <= kBf16Rows && !(tiles_from > 0 && m >= tiles_from);
+  }
 #endif
   (void)dtype;
+  (void)f;
+  (void)kernel;
   return m <= kF32Rows;
 }
 
@@ -630,7 +655,7 @@ torch::Tensor groupwise_gemm_grouped(const torch::Tensor& x, const std::vector<t
     const int64_t m = starts[i + 1] - starts[i];
     if (m == 0) continue;
     const auto* w = packed[i].data_ptr<uint8_t>();
-    if (register_rows(m, xc.scalar_type(), dot)) {
+    if (register_rows(m, xc.scalar_type(), dot, f, kernel)) {
       shared.lo.push_back(starts[i]);
       shared.rows.push_back(m);
       shared.w.push_back(w);
@@ -725,8 +750,17 @@ void bind_groupwise(pybind11::module& m) {
         "the kernels of few bf16 rows on 4-bit layers this build runs (rows_kernel): 'split' (x "
         "as two int8 rows on the dot kernel, the default), 'dp' (vdpbf16ps on q), 'fma' (float32 "
         "FMAs on q); none without vdpbf16ps");
-  m.def("groupwise_amx_rows", &q4::amx_rows,
-        "rows of bf16 x from which the float path runs on AMX tiles (0: never here)");
+  m.def(
+      "groupwise_amx_rows",
+      [](bool four_bit_split) {
+        q4::Format f;
+        f.bits = four_bit_split ? 4 : 8;
+        return q4::tile_rows(f, q4::Bf16RowsKernel::kSplit);
+      },
+      "rows of bf16 x from which the float path runs on AMX tiles (0: never here); "
+      "four_bit_split=True: on a 4-bit layer (not IQ4 levels) under the split kernel, the "
+      "default, which keeps more rows off them",
+      py::arg("four_bit_split") = false);
   m.def(
       "groupwise_six_bits",
       [] {
