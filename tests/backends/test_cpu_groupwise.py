@@ -632,9 +632,9 @@ def test_the_split_kernel_is_named_in_the_path_and_the_kernel_checked() -> None:
 
 
 # -- grouped: an MoE layer's experts in one call ---------------------------------------------
-# Rows per group: an expert without rows, the register kernels (1, 2; 4: the split kernel's on
-# 4-bit layers, the tiles' for the others where AMX runs; 5 on processors without AMX) and past
-# them (9: AMX tiles or the scratch, each such group its own GEMM).
+# Rows per group: an expert without rows, the register kernels (1, 2; 4 on 4-bit layers under
+# the split kernel, and everywhere without AMX; 5 without AMX) and past them (4 on other layers
+# where AMX runs, 9: AMX tiles or the scratch, each such group its own GEMM).
 GROUPED_ROWS = (1, 0, 2, 4, 5, 9, 1)
 
 
