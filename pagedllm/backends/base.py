@@ -21,7 +21,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -85,8 +85,8 @@ class AttentionBackend(ABC):
         ok = wanted is not None and kv_cache_dtype in self.supported_kv_cache_dtypes
         if ok and self.kv_cache_dtype_follows_compute:
             ok = wanted == compute_dtype
-        if ok:
-            return wanted  # type: ignore[return-value]
+        if ok and wanted is not None:
+            return wanted
         if self.kv_cache_dtype_follows_compute:
             names = [n for n, d in KV_CACHE_DTYPES.items() if d == compute_dtype]
             works = ["auto", *[n for n in names if n in self.supported_kv_cache_dtypes]]
@@ -139,9 +139,9 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
         """Causal attention of each query token over its sequence's cached keys and values."""
 
-    def build_metadata(self, **kwargs: object) -> AttentionMetadata:
+    def build_metadata(self, **kwargs: Any) -> AttentionMetadata:
         """Backends that need extra fields (split-K plans, workspaces) override this."""
-        return build_attention_metadata(**kwargs)  # type: ignore[arg-type]
+        return build_attention_metadata(**kwargs)
 
     def copy_blocks(self, kv_caches: list[torch.Tensor], pairs: torch.Tensor) -> None:
         """Copy-on-write: for every layer, block ``pairs[i, 0]`` is copied onto ``pairs[i, 1]``."""

@@ -215,9 +215,10 @@ class Selection:
 
 
 def _check_op(op: str) -> Op:
-    if op not in OPS:
-        raise ValueError(f"kernel op: unknown op {op!r}; choose one of {list(OPS)}")
-    return op  # type: ignore[return-value]
+    for known in OPS:
+        if known == op:
+            return known
+    raise ValueError(f"kernel op: unknown op {op!r}; choose one of {list(OPS)}")
 
 
 def entries(op: str) -> tuple[Kernel, ...]:
