@@ -456,7 +456,7 @@ def _streamed_bytes(path: Path, compute_bytes: int) -> int:
 
     gguf = open_gguf(path)
     family = family_of(gguf)
-    plan = plan_layers(gguf, family, CpuBackend().native_weight_formats())
+    plan = plan_layers(gguf, family, CpuBackend().kernel("linear").formats)
     head = "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"
     ops = gemm_ops()
     q6_k_bits = 6.625 if ops is not None and ops.groupwise_six_bits() else 8.625

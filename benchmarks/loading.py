@@ -37,7 +37,7 @@ attention = backend.attention("auto")
 config = load_hf_config(path)  # imports transformers: not part of reading the weights
 start, cpu_start = time.perf_counter(), time.process_time()
 model = load_model(path, config, attn_backend=attention, device=torch.device("cpu"), dtype=dtype,
-                   quantization=quantization, quantizer=backend.int8_quantizer())
+                   quantization=quantization, quantizer=backend.kernel("int8_quantize").value)
 load_s, load_cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
 rss_after_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -1,6 +1,6 @@
 """The package's one lazy loader: ``"module:Name"`` strings resolved on first use.
 
-Registries (devices, attention kinds, model architectures) name their classes as strings so that
+Registries (devices, kernels, model architectures) name their classes as strings so that
 ``import pagedllm`` never imports an optional dependency (triton, IPEX, the C++ toolchain) or a
 model family that is not used.
 """

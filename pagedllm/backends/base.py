@@ -21,7 +21,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -36,8 +36,7 @@ from pagedllm.backends.kv_layout import (
 )
 
 if TYPE_CHECKING:
-    from pagedllm.layers.quantization import WeightQuantizer
-    from pagedllm.layers.sampler import SampleKernel
+    from pagedllm.backends.kernels import KernelOrder, Op, Selection
 
 __all__ = [
     "FP8_DTYPES",
@@ -86,8 +85,8 @@ class AttentionBackend(ABC):
         ok = wanted is not None and kv_cache_dtype in self.supported_kv_cache_dtypes
         if ok and self.kv_cache_dtype_follows_compute:
             ok = wanted == compute_dtype
-        if ok:
-            return wanted  # type: ignore[return-value]
+        if ok and wanted is not None:
+            return wanted
         if self.kv_cache_dtype_follows_compute:
             names = [n for n, d in KV_CACHE_DTYPES.items() if d == compute_dtype]
             works = ["auto", *[n for n in names if n in self.supported_kv_cache_dtypes]]
@@ -140,9 +139,9 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
         """Causal attention of each query token over its sequence's cached keys and values."""
 
-    def build_metadata(self, **kwargs: object) -> AttentionMetadata:
+    def build_metadata(self, **kwargs: Any) -> AttentionMetadata:
         """Backends that need extra fields (split-K plans, workspaces) override this."""
-        return build_attention_metadata(**kwargs)  # type: ignore[arg-type]
+        return build_attention_metadata(**kwargs)
 
     def copy_blocks(self, kv_caches: list[torch.Tensor], pairs: torch.Tensor) -> None:
         """Copy-on-write: for every layer, block ``pairs[i, 0]`` is copied onto ``pairs[i, 1]``."""
@@ -258,39 +257,52 @@ class DeviceBackend(ABC):
     def device(self, rank: int = 0) -> torch.device:
         """The torch device for a worker of this rank."""
 
-    #: The attention kinds ``attention_backend="auto"`` tries on this device, best first; the
-    #: first that constructs (its library imports, its extension builds) is used.
-    attention_kinds: tuple[str, ...] = ()
+    #: Per op, the implementations this device prefers, best first (the rows are in
+    #: ``backends/kernels.py``); an op left out runs its layer's PyTorch definition.
+    kernel_order: ClassVar[KernelOrder] = {"lora": ("torch",)}
+    #: What ``prepare_model`` installed, for logs and benchmarks: the GEMM each kind of linear
+    #: layer got (e.g. ``"QKVParallelLinear=cpp-bf16-avx2, ..."``) and the row-wise kernels.
+    linear_path: str = ""
+    layer_kernels: str = ""
+
+    def kernel(self, op: Op, fmt: str | None = None) -> Selection:
+        """The registry's choice for ``op`` (on weights in ``fmt``) on this device, with why every
+        other implementation was refused."""
+        from pagedllm.backends.kernels import select
+
+        return select(op, self.name, self.kernel_order.get(op, ()), fmt=fmt)
 
     def attention(self, kind: str | None = None) -> AttentionBackend:
         """The attention backend: ``kind`` names one from the registry, or "auto"/None.
 
-        Any kind registered for this device may be named (see ``backends/registry.py``); "auto"
-        walks :attr:`attention_kinds` and reports every failure if none constructs.
+        Any kind registered for this device may be named; "auto" walks the device's
+        ``kernel_order["attention"]`` and reports every failure if none constructs.
         """
-        from pagedllm.backends.registry import attention_class, attention_kinds_on
+        from pagedllm.backends import kernels
 
         kind = kind or "auto"
         if kind != "auto":
-            offered = attention_kinds_on(self.name)
+            offered = kernels.impls_on("attention", self.name)
             if kind not in offered:
                 raise ValueError(
                     f"attention_backend: {kind!r} does not run on device {self.name!r}; "
                     f"choose one of {['auto', *offered]}"
                 )
-            chosen = attention_class(kind)()
+            chosen: AttentionBackend = kernels.build(kernels.entry("attention", kind))
             chosen.check_device(self.device())
             return chosen
-        failures: list[str] = []
-        for candidate in self.attention_kinds:
-            try:
-                return attention_class(candidate)()
-            except (ImportError, RuntimeError, OSError) as exc:
-                logger.warning("attention kind %r unavailable on %s: %s", candidate, self.name, exc)
-                failures.append(f"{candidate}: {exc}")
-        raise ImportError(
-            f"device={self.name!r} has no usable attention kernels ({'; '.join(failures)})"
-        )
+        selection = self.kernel("attention")
+        failures = selection.failures()
+        for failure in failures:
+            logger.warning(
+                "attention kind %r unavailable on %s: %s", failure.impl, self.name, failure.detail
+            )
+        if selection.value is None:
+            raise ImportError(
+                f"device={self.name!r} has no usable attention kernels "
+                f"({'; '.join(str(f) for f in failures)})"
+            )
+        return selection.value
 
     #: The device's KV pool lives in host memory (the CPU): the lower KV tiers skip their host
     #: tier there, since a host copy would only duplicate the pool (see pagedllm/kv_tiers/).
@@ -381,47 +393,17 @@ class DeviceBackend(ABC):
         return max(0, budget)
 
     def prepare_model(self, model: torch.nn.Module, *, int8_activations: bool = False) -> None:
-        """Device-specific tuning of a loaded model (repacked weights, say); default: none.
-        ``int8_activations``: the user allows group-wise layers to round activations to int8
-        (``ModelConfig.int8_activations``); a device without such a kernel ignores it."""
+        """Fill the layers' fast slots (linear, MoE, norm, activation, rotary) with the installers
+        the kernel registry picks for this device. ``int8_activations``: the user allows
+        group-wise layers to round activations to int8 (``ModelConfig.int8_activations``); an
+        installer without such a kernel ignores it."""
+        from pagedllm.backends.kernels import install
 
-    def int8_quantizer(self) -> WeightQuantizer | None:
-        """This device's kernel for int8 weights made at load (``quantization="int8"/"w8a8"``),
-        computing exactly ``layers.quantization.quantize_per_channel``; None: that definition,
-        in PyTorch (every device runs it; it costs a few passes over each float chunk)."""
-        return None
-
-    def gguf_block_decoder(
-        self,
-    ) -> Callable[[torch.Tensor, str], tuple[torch.Tensor, ...]] | None:
-        """This device's kernel for the blocks of every GGUF type a native format holds but
-        Q8_0 (``models.gguf.weights.KEPT_AS``; uint8 ``[N, row bytes]``, the type's name) ->
-        the arrays of ``int4_groups`` / ``int8_groups`` / ``q6_k_groups``, bit for bit; None:
-        those numpy definitions (several passes over each tensor: most of a 4-bit file's
-        load)."""
-        return None
-
-    def native_weight_formats(self) -> frozenset[str]:
-        """Group-wise weight formats (``layers/quantization/groupwise``: ``"int4"``,
-        ``"q8_0"``) this device multiplies without dequantising them first. A GGUF checkpoint's
-        layers in these formats stay quantised; the others are dequantised at load to the
-        compute dtype. Default: none (dequantise everything: the fast path for devices whose
-        GEMMs want plain 16-bit weights)."""
-        return frozenset()
-
-    def sample_kernel(self) -> SampleKernel | None:
-        """This device's one-call sampler (``pagedllm.layers.sampler.SampleKernel``), or None:
-        ``draw_reference`` in PyTorch (default; its sort and cumsum suit a GPU)."""
-        return None
-
-    def lora_kernel(self) -> Any:
-        """The batched LoRA shrink/expand (``pagedllm.layers.lora.LoRAKernel``) on this device.
-
-        Default: segmented ``torch.mm`` GEMMs, one pair per active adapter slot (CPU, XPU).
-        """
-        from pagedllm.lora.ops import TorchLoRAOps
-
-        return TorchLoRAOps()
+        self.linear_path, self.layer_kernels = install(
+            model, self.name, self.kernel_order, int8_activations=int8_activations
+        )
+        model.linear_path = self.linear_path
+        model.layer_kernels = self.layer_kernels
 
     def configure_threads(self, world_size: int = 1, total: int | None = None) -> None:
         """Set host-side thread counts for a worker once, before its first forward pass."""

@@ -1,28 +1,19 @@
-"""The two registries of the backends: devices and attention kinds, both imported lazily.
-
-Devices: a name (``cpu``, ``cuda``, ``xpu``) -> its :class:`DeviceBackend` class, and the order
-``device="auto"`` tries them in. Attention kinds: a kernel family (``cpp``, ``torch``, ``triton``,
-``ipex``, ``reference``) -> its :class:`AttentionBackend` class and the devices it runs on. A
-kernel family written for one device may run on another (Triton's interpreter and IPEX's CPU
-build take CPU tensors); it is listed here once, so no device module names another device's
-folder. Each device declares which kinds ``attention_backend="auto"`` tries, best first
-(``DeviceBackend.attention_kinds``).
+"""The device registry: a name (``cpu``, ``cuda``, ``xpu``) -> its :class:`DeviceBackend` class,
+imported lazily, and the order ``device="auto"`` tries them in.
 
 A backend whose optional dependency (triton, intel-extension-for-pytorch, the C++ toolchain) is
 missing stays importable: its ``is_available()`` answers False and ``get_backend`` explains why.
-Adding a kernel family is one entry in :data:`ATTENTION_KINDS` (plus the device's auto order if
-it should be picked without being named).
+The kernels each device runs are chosen in ``backends/kernels.py`` (the kernel registry).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pagedllm.lazy import load_object
 
 if TYPE_CHECKING:  # the registry itself imports no torch: the CLI lists devices without it
-    from pagedllm.backends.base import AttentionBackend, DeviceBackend
+    from pagedllm.backends.base import DeviceBackend
 
 _DEVICES: dict[str, str] = {
     "cpu": "pagedllm.backends.cpu.backend:CpuBackend",
@@ -33,30 +24,6 @@ _DEVICES: dict[str, str] = {
 _AUTO_ORDER = ("cuda", "xpu", "cpu")
 
 
-@dataclass(frozen=True)
-class AttentionKind:
-    """One kernel family: where its class lives and the devices whose tensors it takes."""
-
-    target: str  # "module:Class"
-    devices: tuple[str, ...]
-
-
-ATTENTION_KINDS: dict[str, AttentionKind] = {
-    "cpp": AttentionKind("pagedllm.backends.cpu.kernel_attention:CppPagedAttention", ("cpu",)),
-    "torch": AttentionKind("pagedllm.backends.cpu.attention:TorchPagedAttention", ("cpu",)),
-    # Compiled on CUDA (and on XPU with triton's Intel backend); interpreted on CPU tensors.
-    "triton": AttentionKind(
-        "pagedllm.backends.gpu.attention:TritonPagedAttention", ("cuda", "xpu", "cpu")
-    ),
-    # IPEX's ops pick their implementation from the tensors' device: XPU, or its CPU build.
-    "ipex": AttentionKind("pagedllm.backends.xpu.attention:IpexPagedAttention", ("xpu", "cpu")),
-    # The slow plain-PyTorch oracle runs anywhere (debugging inside the engine).
-    "reference": AttentionKind(
-        "pagedllm.backends.reference:ReferenceAttention", ("cpu", "cuda", "xpu")
-    ),
-}
-
-
 def device_names() -> list[str]:
     """Device names this build knows (``"auto"`` first), whether or not this machine has them."""
     return ["auto", *_DEVICES]
@@ -65,16 +32,6 @@ def device_names() -> list[str]:
 def backend_class(name: str) -> type[DeviceBackend]:
     """The backend class for a resolved device name, without checking the device is here."""
     return load_object(_DEVICES[name])
-
-
-def attention_kinds_on(device: str) -> list[str]:
-    """The attention kinds that can run on ``device``'s tensors, in registry order."""
-    return [kind for kind, entry in ATTENTION_KINDS.items() if device in entry.devices]
-
-
-def attention_class(kind: str) -> type[AttentionBackend]:
-    """The class of an attention kind; ImportError when its module cannot load."""
-    return load_object(ATTENTION_KINDS[kind].target)
 
 
 def resolve_device(name: str) -> str:

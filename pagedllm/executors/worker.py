@@ -93,6 +93,7 @@ class Worker:
         tp = self.tp
         if self.config.parallel.enable_expert_parallel:
             tp = dataclasses.replace(tp, expert_parallel=True)  # read by MoE layers only
+        kernel = self.backend.kernel
         model = load_model(
             self.config.model.model,
             self.hf_config,
@@ -102,9 +103,11 @@ class Worker:
             tp=tp,
             pp=self.pp,
             quantization=self.config.model.quantization,
-            quantizer=self.backend.int8_quantizer(),
-            gguf_block_decoder=self.backend.gguf_block_decoder(),
-            native_formats=self.backend.native_weight_formats(),
+            # The device's load-time kernels, None where it has none (the PyTorch/numpy
+            # definitions run), and the formats its linear kernel multiplies as stored.
+            quantizer=kernel("int8_quantize").value,
+            gguf_block_decoder=kernel("gguf_decode").value,
+            native_formats=kernel("linear").formats,
         )
         lora = self.config.lora
         if lora is not None:
@@ -112,7 +115,7 @@ class Worker:
 
             self.lora_manager = LoRAManager(
                 model,
-                kernel=self.backend.lora_kernel(),
+                kernel=kernel("lora").require(),
                 max_loras=lora.max_loras,
                 max_lora_rank=lora.max_lora_rank,
                 max_cpu_loras=lora.host_capacity,
@@ -128,7 +131,7 @@ class Worker:
             block_size=self.config.cache.block_size,
             seed=self.config.model.seed,
             lora=self.lora_manager,
-            sample_kernel=self.backend.sample_kernel(),
+            sample_kernel=kernel("sample").value,
             pipeline=self._stage_link(),
         )
         if self.config.speculative is not None:

@@ -136,10 +136,11 @@ def load_model(
     model plus the largest single tensor. ``quantizer``: the device backend's kernel for weights
     quantised at load (see :class:`~pagedllm.layers.quantization.Int8WeightOnly`).
     ``native_formats``: the group-wise weight formats the device runs without dequantising
-    (``DeviceBackend.native_weight_formats``): GGUF layers in them stay quantised.
+    (the formats its linear kernel claims, ``backends/kernels.py``): GGUF layers in them stay
+    quantised.
     ``pp``: the pipeline stage whose layers alone are built and loaded.
-    ``gguf_block_decoder``: the device backend's kernel for GGUF 4-bit and Q6_K blocks (see
-    ``DeviceBackend.gguf_block_decoder``); None: the numpy definition.
+    ``gguf_block_decoder``: the device's ``gguf_decode`` kernel for GGUF 4-bit and Q6_K blocks
+    (``backends/kernels.py``); None: the numpy definition.
     """
     cls = pipeline_model_class(hf_config, pp.size)
     quant = get_quant_config(quantization, hf_config, quantizer)

@@ -45,7 +45,7 @@ def build_spec_runner(worker: Worker) -> SpecDecodeRunner:
                 device=worker.device,
                 block_size=worker.config.cache.block_size,
                 seed=worker.config.model.seed,
-                sample_kernel=worker.backend.sample_kernel(),
+                sample_kernel=worker.backend.kernel("sample").value,
             )
         )
     return SpecDecodeRunner(worker.runner, draft)

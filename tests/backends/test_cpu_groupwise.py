@@ -975,7 +975,7 @@ def test_a_fused_layer_of_several_formats_runs_each_run_of_parts_packed(
 
 # -- GGUF 4-bit blocks decoded at load ---------------------------------------------------------
 def test_the_gguf_block_decoder_equals_the_numpy_definitions() -> None:
-    """``decode_gguf_blocks`` (the CPU backend's ``gguf_block_decoder``) gives ``int4_groups``'
+    """``decode_gguf_blocks`` (the CPU's ``gguf_decode`` kernel) gives ``int4_groups``'
     nibbles, scales and offsets bit for bit (offsets' signed zeros included) for Q4_0, Q4_1
     and Q4_K blocks, ``q6_k_groups``' q, scales and d for Q6_K and Q3_K, ``int8_groups``' q
     and scales for Q8_0, Q5_0, IQ4_NL and IQ4_XS, and ``q5_k_groups``' q, scales and offsets
@@ -993,7 +993,7 @@ def test_the_gguf_block_decoder_equals_the_numpy_definitions() -> None:
         q6_k_groups,
     )
 
-    decode = CpuBackend().gguf_block_decoder()
+    decode = CpuBackend().kernel("gguf_decode").value
     if decode is None:
         pytest.skip("the C++ GEMM could not be built")
     rng = np.random.default_rng(3)

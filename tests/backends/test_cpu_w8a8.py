@@ -118,7 +118,7 @@ def test_backend_quantizes_at_load_with_the_kernel() -> None:
     weights it does not take (here a float64 one)."""
     from pagedllm.backends.cpu.backend import CpuBackend
 
-    quantize = CpuBackend().int8_quantizer()
+    quantize = CpuBackend().kernel("int8_quantize").value
     assert quantize is not None
     w = torch.randn(20, 64).bfloat16()
     for weight in (w, w.double()):

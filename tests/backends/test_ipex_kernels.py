@@ -287,20 +287,20 @@ def test_missing_ipex_error_says_what_to_install(monkeypatch: pytest.MonkeyPatch
 def test_auto_falls_back_to_triton_when_it_has_the_intel_backend(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from pagedllm.backends import registry
+    from pagedllm.backends import kernels
     from pagedllm.backends.xpu import backend as xpu_backend
 
     made: list[str] = []
     monkeypatch.setitem(sys.modules, "intel_extension_for_pytorch", None)
     monkeypatch.setattr(xpu_backend, "triton_supports_xpu", lambda: True)
-    real = registry.attention_class
+    real = kernels.load
 
-    def fake(kind: str) -> type[AttentionBackend]:
-        made.append(kind)
-        return real("reference") if kind == "triton" else real(kind)
+    def fake(row: kernels.Kernel) -> type[AttentionBackend]:
+        made.append(row.impl)
+        return real(kernels.entry("attention", "reference")) if row.impl == "triton" else real(row)
 
-    monkeypatch.setattr(registry, "attention_class", fake)
-    assert XpuBackend().attention_kinds == ("ipex", "triton")
+    monkeypatch.setattr(kernels, "load", fake)
+    assert XpuBackend.kernel_order["attention"] == ("ipex", "triton")
     XpuBackend().attention("auto")
     assert made == ["ipex", "triton"]
 

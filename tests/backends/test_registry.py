@@ -1,4 +1,4 @@
-"""The backends' registries: devices and attention kinds, and the folders kept apart."""
+"""The backends' registries: devices, attention kinds (kernels.py), the folders kept apart."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedllm.backends import registry
+from pagedllm.backends import kernels, registry
 from pagedllm.backends.base import DeviceBackend
 from pagedllm.backends.cpu.backend import CpuBackend
 from pagedllm.backends.gpu.backend import CudaBackend
@@ -21,7 +21,7 @@ DEVICE_FOLDERS = ("cpu", "gpu", "xpu")
 @pytest.mark.parametrize("folder", DEVICE_FOLDERS)
 def test_no_device_folder_names_another(folder: str) -> None:
     """Neither an import nor a string (importlib target, path) reaches another device's folder:
-    a kernel that runs on several devices is found through the attention-kind registry."""
+    a kernel that runs on several devices is found through the kernel registry."""
     others = "|".join(f for f in DEVICE_FOLDERS if f != folder)
     pattern = re.compile(rf"backends[./\\](?:{others})\b|from \.\.(?:{others})\b")
     offenders = [
@@ -36,26 +36,27 @@ def test_no_device_folder_names_another(folder: str) -> None:
 
 def test_every_kind_is_registered_on_a_known_device_and_loads_lazily() -> None:
     devices = set(registry.device_names()) - {"auto"}
-    for kind, entry in registry.ATTENTION_KINDS.items():
-        assert set(entry.devices) <= devices, kind
-        module, _, name = entry.target.partition(":")
-        assert module.startswith("pagedllm.backends.") and name, entry.target
+    for row in kernels.entries("attention"):
+        assert set(row.devices) <= devices, row.impl
+        module, _, name = row.target.partition(":")
+        assert module.startswith("pagedllm.backends.") and name, row.target
     # Importing a class does not import its runtime (triton, IPEX are loaded at construction).
-    assert registry.attention_class("triton").name == "triton"
-    assert registry.attention_class("ipex").name == "ipex"
+    assert kernels.load(kernels.entry("attention", "triton")).name == "triton"
+    assert kernels.load(kernels.entry("attention", "ipex")).name == "ipex"
 
 
 @pytest.mark.parametrize("cls", [CpuBackend, CudaBackend, XpuBackend], ids=lambda c: c.name)
 def test_auto_order_is_a_subset_of_the_kinds_that_run_on_the_device(cls: type) -> None:
     backend: DeviceBackend = cls()
-    offered = registry.attention_kinds_on(backend.name)
-    assert backend.attention_kinds and set(backend.attention_kinds) <= set(offered)
+    offered = kernels.impls_on("attention", backend.name)
+    auto = backend.kernel_order["attention"]
+    assert auto and set(auto) <= set(offered)
     assert "reference" in offered
 
 
 def test_cpu_kinds_and_refusal() -> None:
-    assert registry.attention_kinds_on("cpu") == ["cpp", "torch", "triton", "ipex", "reference"]
-    assert registry.attention_kinds_on("cuda") == ["triton", "reference"]
+    assert kernels.impls_on("attention", "cpu") == ["cpp", "torch", "triton", "ipex", "reference"]
+    assert kernels.impls_on("attention", "cuda") == ["triton", "reference"]
     assert CpuBackend().attention("torch").name == "torch"
     assert CpuBackend().attention("reference").name == "reference"
     with pytest.raises(ValueError, match=r"^attention_backend: 'cpp' does not run on device"):
@@ -70,10 +71,10 @@ def test_auto_falls_back_in_declared_order(monkeypatch: pytest.MonkeyPatch) -> N
     def broken() -> None:
         raise OSError("no compiler")
 
-    real = registry.attention_class
-    monkeypatch.setattr(registry, "attention_class", lambda k: broken if k == "cpp" else real(k))
+    real = kernels.load
+    monkeypatch.setattr(kernels, "load", lambda row: broken if row.impl == "cpp" else real(row))
     assert CpuBackend().attention().name == "torch"
-    monkeypatch.setattr(registry, "attention_class", lambda k: broken)
+    monkeypatch.setattr(kernels, "load", lambda row: broken)
     with pytest.raises(ImportError, match="cpp: no compiler; torch: no compiler"):
         CpuBackend().attention("auto")
 

@@ -136,13 +136,13 @@ def test_engine_with_the_triton_moe_path_matches_transformers(
     tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The whole engine on the tiny Mixtral with its experts on the Triton kernels (on a GPU
-    through the CUDA backend, else interpreted on CPU tensors through the CPU backend given the
-    CUDA backend's model preparation), greedy tokens equal to transformers'."""
+    through the CUDA backend, else interpreted on CPU tensors through the CPU backend with the
+    registry's Triton MoE row as its only installer), greedy tokens equal to transformers'."""
     from transformers import AutoTokenizer
 
     from pagedllm import Engine, SamplingParams
+    from pagedllm.backends import kernels
     from pagedllm.backends.cpu.backend import CpuBackend
-    from pagedllm.backends.gpu.backend import CudaBackend
     from pagedllm.layers.fused_moe import FusedMoE
     from tests.conftest import PROMPTS
     from tests.hf_reference import assert_greedy_match, hf_greedy
@@ -150,7 +150,9 @@ def test_engine_with_the_triton_moe_path_matches_transformers(
 
     path = build_moe(tmp_path / "mixtral", "mixtral")
     if not ON_CUDA:
-        monkeypatch.setattr(CpuBackend, "prepare_model", CudaBackend.prepare_model)
+        # The CPU's attention and sampler, the CUDA device's installers (MoE only).
+        order = {**CpuBackend.kernel_order, **dict.fromkeys(kernels.INSTALLED_OPS, ())}
+        monkeypatch.setattr(CpuBackend, "kernel_order", {**order, "moe": ("triton",)})
     tok = AutoTokenizer.from_pretrained(str(path))
     ids = [tok.encode(p) for p in PROMPTS[:4]]
     refs = hf_greedy(path, ids, 6)

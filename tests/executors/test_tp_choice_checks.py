@@ -12,13 +12,14 @@ from pathlib import Path
 import pytest
 
 from pagedllm import Engine
-from pagedllm.backends.registry import attention_class
+from pagedllm.backends import kernels
 
 
 def test_refused_kv_cache_dtype_is_raised_before_spawning(llama_path: Path, monkeypatch) -> None:
     from pagedllm.executors import multiproc
 
-    monkeypatch.setattr(attention_class("torch"), "supported_kv_cache_dtypes", ("float32",))
+    torch_attention = kernels.load(kernels.entry("attention", "torch"))
+    monkeypatch.setattr(torch_attention, "supported_kv_cache_dtypes", ("float32",))
 
     def no_spawn(*args, **kwargs):
         raise AssertionError("a rank process was started before the choice was checked")

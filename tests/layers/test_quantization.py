@@ -265,7 +265,7 @@ def test_backend_quantizer_makes_the_same_int8_weights(llama_path: Path) -> None
     it builds), and it gives exactly the weights and scales of the PyTorch definition."""
     from pagedllm.backends.cpu.backend import CpuBackend
 
-    kernel = CpuBackend().int8_quantizer()
+    kernel = CpuBackend().kernel("int8_quantize").value
     if kernel is None:
         pytest.skip("the C++ GEMM extension did not build here")
     calls: list[tuple[int, ...]] = []

@@ -676,7 +676,7 @@ def test_lora_adapter_over_a_quantised_gguf_base_matches_peft(
 
 
 def test_devices_without_group_kernels_get_every_layer_dequantised(gguf_files: dict) -> None:
-    """GPU and XPU run no group-wise GEMM (``native_weight_formats()`` is empty): the loader
+    """GPU and XPU run no group-wise GEMM (their ``kernel("linear")`` claims no format): the loader
     dequantises every layer to the compute dtype, to the same function."""
     from tests.conftest import load_on_reference
 

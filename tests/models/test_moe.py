@@ -187,7 +187,7 @@ def test_int8_experts_quantised_by_the_backend_kernel(moe_paths: dict[str, Path]
     from pagedllm.backends.cpu.backend import CpuBackend
     from pagedllm.layers.fused_moe import FusedMoE
 
-    kernel = CpuBackend().int8_quantizer()
+    kernel = CpuBackend().kernel("int8_quantize").value
     if kernel is None:
         pytest.skip("the C++ GEMM extension did not build here")
     path = moe_paths["mixtral"]

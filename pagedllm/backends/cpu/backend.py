@@ -6,15 +6,12 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import ClassVar
 
 import torch
 
 from pagedllm.backends.base import DeviceBackend
-
-if TYPE_CHECKING:
-    from pagedllm.layers.quantization import WeightQuantizer
-    from pagedllm.layers.sampler import SampleKernel
+from pagedllm.backends.kernels import KernelOrder
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +39,29 @@ def physical_cores() -> int:
 
 class CpuBackend(DeviceBackend):
     name = "cpu"
-    # The C++ kernels, else batched PyTorch when they cannot build (no compiler, say).
-    attention_kinds = ("cpp", "torch")
+    kernel_order: ClassVar[KernelOrder] = {
+        # The C++ kernels, else batched PyTorch when they cannot build (no compiler, say).
+        "attention": ("cpp", "torch"),
+        # Per layer the fastest correct GEMM for its weight format (see packed_linear); 4-bit,
+        # Q8_0, Q6_K and Q5_K groups stay packed: decode streams a quarter (a half, 0.54, 0.63)
+        # of the bf16 bytes.
+        "linear": ("cpp",),
+        "moe": ("cpp",),
+        # One-pass row kernels (layer_kernels): the PyTorch chains cost more than their
+        # arithmetic at decode sizes.
+        "norm": ("cpp",),
+        "activation": ("cpp",),
+        "rotary": ("cpp",),
+        # csrc/sampling.cpp: no sort and one random number per row; PyTorch's sort-based
+        # top-k/top-p and per-token noise took 60-150 ms for 64 rows of 32,000 logits.
+        "sample": ("cpp",),
+        # The per-row quantiser: one threaded pass per row where PyTorch's definition made ~8
+        # (most of an int8 1B model's load).
+        "int8_quantize": ("cpp",),
+        # csrc/gguf_decode.cpp: one threaded pass per tensor (numpy's made several).
+        "gguf_decode": ("cpp",),
+        "lora": ("torch",),
+    }
     kv_pool_in_host_memory = True
 
     @classmethod
@@ -52,57 +70,6 @@ class CpuBackend(DeviceBackend):
 
     def device(self, rank: int = 0) -> torch.device:
         return torch.device("cpu")
-
-    # Which GEMM each kind of linear layer got (e.g. "QKVParallelLinear=cpp-bf16-avx2, ..."),
-    # set by prepare_model so that benchmarks can name it.
-    linear_path = ""
-    layer_kernels = ""  # what install_layer_kernels put in, for the log and benchmarks
-
-    def prepare_model(self, model: torch.nn.Module, *, int8_activations: bool = False) -> None:
-        """Per layer, the fastest correct GEMM for its weight dtype (see packed_linear), and the
-        one-pass norm, activation and rotary kernels (see layer_kernels)."""
-        from pagedllm.backends.cpu.fused_moe import pack_moe_layers
-        from pagedllm.backends.cpu.layer_kernels import install_layer_kernels
-        from pagedllm.backends.cpu.packed_linear import pack_linear_layers
-
-        paths = pack_linear_layers(model, int8_activations=int8_activations)
-        self.linear_path = ", ".join(f"{kind}={path}" for kind, path in paths.items())
-        moe = pack_moe_layers(model, int8_activations=int8_activations)
-        if moe:
-            self.linear_path += ", " + moe
-        model.linear_path = self.linear_path
-        self.layer_kernels = install_layer_kernels(model)
-        model.layer_kernels = self.layer_kernels
-
-    def sample_kernel(self) -> SampleKernel | None:
-        """The C++ sampler (csrc/sampling.cpp): no sort and one random number per row; PyTorch's
-        sort-based top-k/top-p and per-token noise took 60-150 ms for 64 rows of 32,000 logits."""
-        from pagedllm.backends.cpu.layer_kernels import sample_kernel
-
-        return sample_kernel()
-
-    def int8_quantizer(self) -> WeightQuantizer | None:
-        """The C++ per-row quantiser (one vectorised pass per row, threaded; the PyTorch
-        definition made ~8 passes and was most of an int8 1B model's load), where it builds."""
-        from pagedllm.backends.cpu.packed_linear import cpp_weight_quantizer
-
-        return cpp_weight_quantizer()
-
-    def gguf_block_decoder(
-        self,
-    ) -> Callable[[torch.Tensor, str], tuple[torch.Tensor, ...]] | None:
-        """The C++ decoder (csrc/gguf_decode.cpp: one threaded pass per tensor), where it
-        builds."""
-        from pagedllm.backends.cpu.packed_linear import gemm_ops
-
-        ops = gemm_ops()
-        return None if ops is None else ops.decode_gguf_blocks
-
-    def native_weight_formats(self) -> frozenset[str]:
-        """4-bit, Q8_0, Q6_K and Q5_K groups stay packed: decode streams a quarter (a half,
-        0.54, 0.63) of the bf16 bytes, and ``prepare_model`` gives those layers the C++
-        group-wise GEMM."""
-        return frozenset({"int4", "q8_0", "q6_k", "q5_k"})
 
     def configure_threads(self, world_size: int = 1, total: int | None = None) -> None:
         """Intra-op threads = ``total`` or the physical cores, shared evenly by co-located TP

@@ -5,7 +5,8 @@ RMSNorm (residual add fused), the gated SiLU / GELU (tanh) and the rotary embedd
 chain of small ATen ops in PyTorch; at decode sizes the chain costs more than the arithmetic
 (10.7 ms of a 90 ms decode step of a 1B int8 model at 16 sequences), so the backend's
 ``prepare_model`` puts one-pass kernels into the layers' ``fast_norm`` / ``fast_act`` /
-``fast_rotary`` slots. Each kernel rounds where the layer's ``forward_native`` rounds (results
+``fast_rotary`` slots (three installers, one row each in ``backends/kernels.py``). Each kernel
+rounds where the layer's ``forward_native`` rounds (results
 differ at most in the last bit of a float32 sum or exp), and any input it cannot take (another
 device or dtype, a view it cannot walk as rows, norm weights in another dtype than the
 activations) goes to ``forward_native``.
@@ -131,32 +132,59 @@ def rotary_kernel(ops: ModuleType, module: nn.Module):
     return rotary
 
 
-def install_layer_kernels(model: nn.Module) -> str:
-    """Fill the norm, activation and rotary slots of every layer; returns what was installed
-    (e.g. ``"rms_norm x33, silu_and_mul x16, rotary x16"``, or ``"none"``), for the log."""
+def _install(model: nn.Module, ops: ModuleType, slot: str) -> dict[str, int]:
+    """Fill one kind of slot (``fast_norm``, ``fast_act`` or ``fast_rotary``) of every layer that
+    has it; returns how many layers of each kernel got one."""
     from pagedllm.layers.norm import RMSNorm
     from pagedllm.layers.rotary import RotaryEmbedding
 
-    ops = layer_ops()
-    if ops is None:
-        return "none"
-    counts = {"rms_norm": 0, "silu_and_mul": 0, "gelu_tanh_and_mul": 0, "rotary": 0}
+    counts: dict[str, int] = {}
     for module in model.modules():
-        if isinstance(module, RMSNorm):
+        if slot == "fast_norm" and isinstance(module, RMSNorm):
             module.fast_norm = norm_kernel(ops, module)
-            counts["rms_norm"] += 1
-        elif isinstance(module, SiluAndMul):
+            name = "rms_norm"
+        elif slot == "fast_act" and isinstance(module, SiluAndMul):
             module.fast_act = act_kernel(ops, module)
-            counts["silu_and_mul"] += 1
-        elif isinstance(module, GeluAndMul) and module.approximate == "tanh":
+            name = "silu_and_mul"
+        elif slot == "fast_act" and isinstance(module, GeluAndMul) and module.approximate == "tanh":
             module.fast_act = act_kernel(ops, module)
-            counts["gelu_tanh_and_mul"] += 1
-        elif isinstance(module, RotaryEmbedding):
+            name = "gelu_tanh_and_mul"
+        elif slot == "fast_rotary" and isinstance(module, RotaryEmbedding):
             module.fast_rotary = rotary_kernel(ops, module)
-            counts["rotary"] += 1
-    summary = ", ".join(f"{name} x{n}" for name, n in counts.items() if n) or "none"
-    logger.info("C++ layer kernels: %s", summary)
-    return summary
+            name = "rotary"
+        else:
+            continue
+        counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def _installer(slot: str, names: tuple[str, ...]):
+    """The registry's installer of one slot: returns e.g. ``"rms_norm x33"`` ("" for none)."""
+
+    def install(model: nn.Module, *, int8_activations: bool = False) -> str:
+        del int8_activations  # these kernels keep the activations' dtype
+        ops = layer_ops()
+        if ops is None:
+            return ""
+        counts = _install(model, ops, slot)
+        return ", ".join(f"{name} x{counts[name]}" for name in names if counts.get(name))
+
+    return install
+
+
+install_norm_kernels = _installer("fast_norm", ("rms_norm",))
+install_act_kernels = _installer("fast_act", ("silu_and_mul", "gelu_tanh_and_mul"))
+install_rotary_kernels = _installer("fast_rotary", ("rotary",))
+
+
+def install_layer_kernels(model: nn.Module) -> str:
+    """Fill the norm, activation and rotary slots of every layer; returns what was installed
+    (e.g. ``"rms_norm x33, silu_and_mul x16, rotary x16"``, or ``"none"``)."""
+    parts = [
+        install(model)
+        for install in (install_norm_kernels, install_act_kernels, install_rotary_kernels)
+    ]
+    return ", ".join(p for p in parts if p) or "none"
 
 
 def sample_kernel() -> SampleKernel | None:

@@ -14,11 +14,12 @@ from __future__ import annotations
 import importlib.util
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import ClassVar
 
 import torch
 
 from pagedllm.backends.base import DeviceBackend
+from pagedllm.backends.kernels import KernelOrder
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +29,14 @@ class CudaBackend(DeviceBackend):
 
     name = "cuda"
     ray_resource = "GPU"
-    attention_kinds = ("triton",)
+    kernel_order: ClassVar[KernelOrder] = {
+        "attention": ("triton",),
+        # Float and 16-bit experts on the Triton fused-MoE kernels (int8 experts keep the
+        # layer's PyTorch path).
+        "moe": ("triton",),
+        # Multi-LoRA shrink/expand as Triton segmented GEMMs (one launch each per layer).
+        "lora": ("triton", "torch"),
+    }
     # Pinned host pool, swaps and copies on a side stream.
     cache_engine_class = "pagedllm.backends.gpu.cache_engine:CudaCacheEngine"
     pin_host_tier = True  # the lower KV tiers' host slab, as the swap pool is
@@ -57,25 +65,6 @@ class CudaBackend(DeviceBackend):
     def memory_reserved(self, rank: int = 0) -> int:
         return int(torch.cuda.memory_reserved(self.device(rank)))
 
-    def prepare_model(self, model: torch.nn.Module, *, int8_activations: bool = False) -> None:
-        """Mixture-of-experts layers run the Triton fused-MoE kernels (float and 16-bit experts;
-        int8 experts keep the layer's PyTorch path)."""
-        import functools
-
-        from pagedllm.backends.gpu.fused_moe import fused_moe
-        from pagedllm.layers.fused_moe import FusedMoE
-
-        for layer in model.modules():
-            if isinstance(layer, FusedMoE) and not (layer.is_int8 or layer.groupwise):
-                layer.fast_moe = functools.partial(_run_fused_moe, fused_moe, layer)
-                layer.path = "triton"
-
-    def lora_kernel(self) -> Any:
-        """Multi-LoRA shrink/expand as Triton segmented GEMMs (one launch each per layer)."""
-        from pagedllm.backends.gpu.lora import TritonLoRAOps
-
-        return TritonLoRAOps()
-
     def profile_peak_bytes(self, fn: Callable[[], object], rank: int = 0) -> int:
         dev = self.device(rank)
         torch.cuda.synchronize(dev)
@@ -102,16 +91,3 @@ class CudaBackend(DeviceBackend):
         except Exception:  # no usable device: the caller fails later with a clearer error
             bf16 = False
         return torch.bfloat16 if bf16 else torch.float16
-
-
-def _run_fused_moe(
-    kernel: Callable[..., torch.Tensor],
-    layer: torch.nn.Module,
-    x: torch.Tensor,  # [T, H]
-    topk_weights: torch.Tensor,  # [T, k]
-    topk_ids: torch.Tensor,  # [T, k]
-) -> torch.Tensor:
-    return kernel(
-        x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
-        expert_start=layer.expert_start,
-    )  # fmt: skip

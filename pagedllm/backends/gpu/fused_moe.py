@@ -203,3 +203,31 @@ def fused_moe(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PRECISION=precision,
     )  # fmt: skip
     return out_pairs.view(num_tokens, top_k, hidden).float().sum(1).to(x.dtype)
+
+
+def install_fused_moe(model: torch.nn.Module, *, int8_activations: bool = False) -> str:
+    """Put these kernels into the ``fast_moe`` slot of every float or 16-bit MoE layer (int8 and
+    group-wise experts keep the layer's PyTorch path). Returns "": the linear path stays the
+    layers' own."""
+    import functools
+
+    from pagedllm.layers.fused_moe import FusedMoE
+
+    del int8_activations  # no int8-activation kernel here
+    for layer in model.modules():
+        if isinstance(layer, FusedMoE) and not (layer.is_int8 or layer.groupwise):
+            layer.fast_moe = functools.partial(_run_fused_moe, layer)
+            layer.path = "triton"
+    return ""
+
+
+def _run_fused_moe(
+    layer: torch.nn.Module,
+    x: torch.Tensor,  # [T, H]
+    topk_weights: torch.Tensor,  # [T, k]
+    topk_ids: torch.Tensor,  # [T, k]
+) -> torch.Tensor:
+    return fused_moe(
+        x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+        expert_start=layer.expert_start,
+    )  # fmt: skip

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 
 from pagedllm.backends.base import DeviceBackend
+from pagedllm.backends.kernels import KernelOrder
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +38,10 @@ class XpuBackend(DeviceBackend):
 
     name = "xpu"
     ray_resource = "GPU"
+    # IPEX's kernels, else our Triton kernels where triton has its Intel backend (the registry's
+    # triton row requires triton_supports_xpu() here). A missing IPEX then fails with the
+    # ImportError that says what to install.
+    kernel_order: ClassVar[KernelOrder] = {"attention": ("ipex", "triton"), "lora": ("torch",)}
 
     @classmethod
     def is_available(cls) -> bool:
@@ -49,14 +55,6 @@ class XpuBackend(DeviceBackend):
 
     def device(self, rank: int = 0) -> torch.device:
         return torch.device("xpu", rank)
-
-    @property
-    def attention_kinds(self) -> tuple[str, ...]:  # type: ignore[override]
-        """IPEX's kernels, else our Triton kernels where triton has its Intel backend.
-
-        A missing IPEX then fails with the ImportError that says what to install.
-        """
-        return ("ipex", "triton") if triton_supports_xpu() else ("ipex",)
 
     def mem_get_info(self, rank: int = 0) -> tuple[int, int]:
         """The driver's free/total; total minus reserved where it cannot say what is free."""

@@ -23,9 +23,9 @@ _QMAX = 127
 _ROWS_PER_CHUNK = 1024  # quantise this many rows at a time: no float32 copy of a whole weight
 
 # (weight [N, K], row maxima [N] or None) -> (int8 [N, K], float32 scales [N]), exactly as
-# quantize_per_channel computes them. A device backend may supply a faster one (its
-# ``int8_quantizer()``): the definition below makes ~8 passes over each float chunk, which was
-# most of an int8 1B model's load.
+# quantize_per_channel computes them. A device may supply a faster one (its ``int8_quantize``
+# kernel, ``backends/kernels.py``): the definition below makes ~8 passes over each float
+# chunk, which was most of an int8 1B model's load.
 WeightQuantizer = Callable[[torch.Tensor, "torch.Tensor | None"], tuple[torch.Tensor, torch.Tensor]]
 
 
