@@ -2,9 +2,9 @@
 
 Each field is declared once, with its default, help text and choices (:func:`engine_arg`); the
 CLI generates a ``--flag`` per field and ``EngineArgs.create_config`` turns the whole into the
-validated, frozen :class:`~pagedllm.config.EngineConfig`. The choices come from
-:mod:`pagedllm.names`, the tables the config classes check against. Like ``config.py``, this
-module imports only the standard library (and those two) so that ``pagedllm --help`` is instant.
+validated, frozen :class:`~pagedllm.config.EngineConfig`. The choices come from the tables the
+config classes check against (:mod:`pagedllm.names`, ``core/policy.py``). Like ``config.py``,
+this module imports nothing heavy (no torch), so ``pagedllm --help`` answers at once.
 """
 
 from __future__ import annotations

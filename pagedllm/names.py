@@ -36,7 +36,7 @@ QUANTIZATION_METHODS = ("int8", "w8a8", "int4")
 #: ``preemption_mode`` (None: swap multi-sequence groups, recompute the rest).
 PREEMPTION_MODES = ("recompute", "swap")
 
-#: ``distributed_executor_backend`` (None: "uni" for one worker, else the machine's choice).
+#: ``distributed_executor_backend`` (None: in-process for one rank, else one process per rank).
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 #: ``router``: how requests are spread over data-parallel replicas (``engine/router.py``).
