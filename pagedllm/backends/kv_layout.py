@@ -12,14 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm import names
+
 #: ``kv_cache_dtype`` names (besides "auto", the compute dtype) and what the cache stores.
 KV_CACHE_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp8": torch.float8_e4m3fn,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
+    name: getattr(torch, attr) for name, attr in names.KV_CACHE_DTYPES.items() if attr is not None
 }
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 

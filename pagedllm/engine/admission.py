@@ -32,6 +32,17 @@ class EngineLimits:
     max_priority: int = 2**63 - 1
 
 
+# The words of the refusal of a request past the context window (``max_model_len``), by which
+# the server answers it with OpenAI's ``context_length_exceeded`` code.
+CONTEXT_LENGTH = "maximum context length"
+
+
+def default_max_tokens(prompt_len: int, max_model_len: int) -> int:
+    """``max_tokens=None``: the rest of the context window (at least one token: a prompt that
+    fills the window is admitted, and the scheduler ends it with its error)."""
+    return max(1, max_model_len - prompt_len)
+
+
 def blocks_for_group(prompt_len: int, total_len: int, num_seqs: int, block_size: int) -> int:
     """KV blocks ``num_seqs`` sequences hold together once each reaches ``total_len`` tokens.
 
@@ -83,8 +94,9 @@ def _check_length(
     assert params.max_tokens is not None
     if prompt_len + params.max_tokens > max_len:
         raise ValueError(
-            f"max_tokens: the prompt has {prompt_len} tokens and max_tokens asks for "
-            f"{params.max_tokens} more, past max_model_len ({max_len}); lower max_tokens"
+            f"max_tokens: this model's {CONTEXT_LENGTH} is {max_len} tokens; the prompt has "
+            f"{prompt_len} tokens and max_tokens asks for {params.max_tokens} more "
+            f"({prompt_len + params.max_tokens} in all); lower max_tokens or shorten the prompt"
         )
     needed = blocks_for_group(
         prompt_len, prompt_len + params.max_tokens, num_seqs, limits.block_size

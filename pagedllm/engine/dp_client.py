@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.engine.admission import default_max_tokens
 from pagedllm.engine.async_engine import EngineClient, EngineDeadError, RequestStream
 from pagedllm.engine.core_client import EngineCoreClient
 from pagedllm.engine.core_launch import ProcessLauncher
@@ -349,7 +350,8 @@ class DataParallelClient(EngineClient):
             raise EngineDeadError("the engine is shutting down")
         token_ids = self._token_ids(prompt)
         root = _lora_root(lora_request)
-        tokens = len(token_ids) + int(params.max_tokens or 0)
+        max_len = self.info["max_model_len"]
+        tokens = len(token_ids) + (params.max_tokens or default_max_tokens(len(token_ids), max_len))
         for _ in range(self.num_replicas):
             with self._lock:
                 try:

@@ -13,14 +13,19 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm.backends.registry import resolve_device
-from pagedllm.config import EngineArgs, EngineConfig
+from pagedllm.config import EngineConfig
 from pagedllm.core.block_manager import BlockSpaceManager, window_block_count
 from pagedllm.core.interfaces import SchedulerOutput
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.sequence import Sequence, SequenceGroup
 from pagedllm.core.speculation import LookaheadPlanner
-from pagedllm.engine.admission import EngineLimits, check_request, fit_max_model_len
+from pagedllm.engine.admission import (
+    EngineLimits,
+    check_request,
+    default_max_tokens,
+    fit_max_model_len,
+)
 from pagedllm.engine.containment import EngineBrokenError, execute_contained, without
 from pagedllm.engine.guided import GuidedRequests
 from pagedllm.engine.lora_registry import (
@@ -30,6 +35,7 @@ from pagedllm.engine.lora_registry import (
 )
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.virtual_engines import PipelineLoop, VirtualBlockManagers, VirtualSchedulers
+from pagedllm.engine_args import EngineArgs
 from pagedllm.executors.base import create_executor
 from pagedllm.lora.request import LoRARequest
 from pagedllm.models.gguf.reader import gguf_path_of
@@ -286,7 +292,7 @@ class LLMEngine:
         text, token_ids = self._tokenize(prompt)
         max_len = self.config.scheduler.max_model_len
         if params.max_tokens is None:
-            params = params.clone(max_tokens=max(1, max_len - len(token_ids)))
+            params = params.clone(max_tokens=default_max_tokens(len(token_ids), max_len))
         check_request(params, len(token_ids), self.limits)
         self.loras.ensure(lora_request)
         block_size = self.config.cache.block_size

@@ -21,8 +21,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from pagedllm.core.block_allocator import block_hash
+from pagedllm.names import ROUTERS
 
-POLICIES = ("round_robin", "least_loaded", "prefix")
+POLICIES = ROUTERS  # the names config.py and the CLI offer
 # Reasons a decision is counted under (the ``reason`` label of the router's metrics).
 PREFIX_HIT, BALANCED, LEAST_LOADED, ROUND_ROBIN = "prefix", "balanced", "least_loaded", "rr"
 

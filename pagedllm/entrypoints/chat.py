@@ -252,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
     import httpx
 
     from pagedllm.config import env_api_key
-    from pagedllm.entrypoints.cli import engine_kwargs
+    from pagedllm.entrypoints.cli_args import engine_kwargs
 
     sampling = {
         k: v

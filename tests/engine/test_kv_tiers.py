@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pagedllm import Engine, SamplingParams
-from pagedllm.config import EngineArgs
+from pagedllm.engine_args import EngineArgs
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 BASE: dict[str, Any] = dict(

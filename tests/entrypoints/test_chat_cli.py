@@ -135,7 +135,7 @@ def test_chat_reports_the_servers_error(server: Any) -> None:
     child = _spawn(server, "--max-tokens", "100000")
     try:
         child.sendline(PROMPT)
-        child.expect(r"\[error: This model's maximum context length is 128 tokens[^\]]*\]")
+        child.expect(r"\[error: max_tokens: this model's maximum context length is 128[^\]]*\]")
         child.expect("> ")
         child.sendline("/exit")
         child.expect(pexpect.EOF)

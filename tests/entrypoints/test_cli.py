@@ -69,7 +69,7 @@ def test_engine_flags_reach_engine_args() -> None:
         "preemption_mode": "swap",
         "kv_cache_space": 0.5,
     }
-    from pagedllm.config import EngineArgs
+    from pagedllm.engine_args import EngineArgs
 
     EngineArgs.from_kwargs("m", **cli.engine_kwargs(args))  # every name is a real engine arg
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from pagedllm.backends.registry import device_names
-from pagedllm.config import EngineArgs
+from pagedllm.engine_args import EngineArgs
 from pagedllm.entrypoints import cli
 
 
@@ -37,8 +37,8 @@ def test_a_new_field_becomes_a_flag(monkeypatch) -> None:
     class Extended(EngineArgs):
         new_knob: int | None = None
 
-    import pagedllm.config as config
+    import pagedllm.engine_args as engine_args
 
-    monkeypatch.setattr(config, "EngineArgs", Extended)
+    monkeypatch.setattr(engine_args, "EngineArgs", Extended)
     args = cli.build_parser().parse_args(["serve", "m", "--new-knob", "3", "--seed", "5"])
     assert cli.engine_kwargs(args) == {"new_knob": 3, "seed": 5}

@@ -331,3 +331,44 @@ def test_engine_step_failure_is_reported_and_the_server_recovers(server: Any, ht
     assert server.engine.is_healthy
     _still_serving(http)
     server.assert_all_blocks_free()
+
+
+def python_answer(engine: Any, prompt_ids: list[int], max_tokens: int | None) -> str | None:
+    """``add_request`` in the engine core (``server.in_core``): its refusal, None if taken."""
+    from pagedllm import SamplingParams
+
+    try:
+        engine.add_request(
+            "python-answer", {"prompt_token_ids": prompt_ids}, SamplingParams(max_tokens=max_tokens)
+        )
+    except ValueError as exc:
+        return str(exc)
+    engine.abort_request("python-answer")
+    return None
+
+
+@pytest.mark.parametrize("extra", [0, 1, 1000])
+def test_max_tokens_past_the_context_is_the_engines_answer(
+    server: Any, http: Any, extra: int
+) -> None:
+    """The engine defaults and checks ``max_tokens``; the server passes the field on and
+    answers what Python callers get, word for word, as an OpenAI-shaped 400."""
+    prompt = list(range(3, 23))
+    max_tokens = MAX_MODEL_LEN - len(prompt) + extra  # extra 0: exactly the context
+    server.wait_idle()
+    expected = server.in_core(python_answer, prompt, max_tokens)
+    body = {**OK, "prompt": prompt, "max_tokens": max_tokens}
+    r = http.post("/v1/completions", json=body)
+    if extra == 0:
+        assert expected is None and r.status_code == 200, r.text
+        return
+    assert expected is not None and expected.startswith("max_tokens: ")
+    err = _check_error(r, 400, "max_tokens", "context_length_exceeded")
+    assert err["message"] == expected
+    chat = {**CHAT_OK, "max_completion_tokens": MAX_MODEL_LEN + extra}
+    err = _check_error(
+        http.post("/v1/chat/completions", json=chat), 400, "max_tokens", "context_length_exceeded"
+    )
+    assert err["message"].startswith("max_tokens: this model's maximum context length is 128")
+    _still_serving(http)
+    server.assert_all_blocks_free()

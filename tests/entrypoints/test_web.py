@@ -311,7 +311,7 @@ def test_chat_shows_the_servers_error_text(server: Any, browser: Any) -> None:
     by_id(browser, "new-chat").click()
     send(browser, PROMPT)
     answer = wait_for(lambda: (a := last_answer(browser)) and a["state"] == "error" and a)
-    assert answer["error"].startswith("This model's maximum context length is 128 tokens")
+    assert answer["error"].startswith("max_tokens: this model's maximum context length is 128")
     assert "max_tokens asks for 100000" in answer["error"] and answer["text"] == ""
     set_field(browser, "max-tokens", "256")
 

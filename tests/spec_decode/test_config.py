@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pagedllm import Engine
-from pagedllm.config import EngineArgs
+from pagedllm.engine_args import EngineArgs
 from pagedllm.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 

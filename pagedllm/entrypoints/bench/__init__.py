@@ -109,7 +109,7 @@ def _offline_requests(args: argparse.Namespace, engine: Any, n: int) -> list[Any
 
 def _engine(args: argparse.Namespace) -> Any:
     from pagedllm import Engine
-    from pagedllm.entrypoints.cli import engine_kwargs
+    from pagedllm.entrypoints.cli_args import engine_kwargs
 
     return Engine(args.model, args.device, **engine_kwargs(args))
 

@@ -8,31 +8,30 @@ client never sees a 200 followed by an error for anything it sent.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import Request
 
 from pagedllm.core.guided_params import GuidedDecodingParams
 from pagedllm.core.sampling_params import SamplingParams
-from pagedllm.engine.async_engine import (
-    AsyncEngine,
-    EngineDeadError,
-    EngineStepError,
-    RequestStream,
-)
+from pagedllm.engine.admission import CONTEXT_LENGTH
+from pagedllm.engine.async_engine import AsyncEngine, RequestStream
 from pagedllm.entrypoints.openai.errors import APIError, from_value_error, model_not_found
 from pagedllm.entrypoints.openai.offload import Offloader, RequestLimits
 from pagedllm.entrypoints.openai.protocol import SamplingFields
+from pagedllm.entrypoints.openai.running import (
+    arrival_time,
+    engine_errors,
+    last_output,
+    until_disconnected,
+)
 from pagedllm.entrypoints.openai.serving_structured import GuidedValidator
 from pagedllm.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
 MAX_LOGIT_BIAS = 100.0
 # OpenAI fields that change nothing about the output, so ignoring them is honest; any other
 # unknown field (functions, function_call, audio, ...) is refused by name.
@@ -61,111 +60,6 @@ class ModelInfo:
 class PromptInput:
     text: str | None
     token_ids: list[int]
-
-
-class ClientDisconnected(APIError):
-    def __init__(self) -> None:
-        super().__init__("client disconnected", status=499, code="client_closed_request")
-
-
-@contextlib.contextmanager
-def engine_errors() -> Iterator[None]:
-    """Engine failures are the server's fault: 500 for a failed step, 503 when it is gone."""
-    try:
-        yield
-    except EngineStepError as exc:
-        raise APIError(str(exc), status=500, type="internal_server_error") from exc
-    except EngineDeadError as exc:
-        raise APIError(str(exc), status=503, type="service_unavailable") from exc
-
-
-def error_event(exc: BaseException) -> APIError:
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, EngineDeadError):
-        return APIError(str(exc), status=503, type="service_unavailable")
-    return APIError(f"{type(exc).__name__}: {exc}", status=500, type="internal_server_error")
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-def _retrieve(fut: asyncio.Future[Any]) -> None:
-    """Mark a cancelled gather's outcome as seen, so asyncio does not log it."""
-    if not fut.cancelled():
-        fut.exception()
-
-
-async def until_disconnected(request: Request | None, awaitable: Awaitable[T]) -> T:
-    """Await ``awaitable`` unless the client goes away first (then cancel it)."""
-    task = asyncio.ensure_future(awaitable)
-    if request is None:
-        return await task
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            task.add_done_callback(_retrieve)
-    if task in done:
-        return task.result()
-    raise ClientDisconnected()
-
-
-async def _last(stream: RequestStream, first: RequestOutput) -> RequestOutput:
-    last = first
-    async for out in stream:  # outputs are cumulative: only the final one matters
-        last = out
-    return last
-
-
-async def merge_streams(
-    pairs: list[tuple[RequestStream, RequestOutput]],
-) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave several requests' outputs as they come: ``(prompt index, output)``."""
-    if len(pairs) == 1:
-        stream, first = pairs[0]
-        yield 0, first
-        async for out in stream:
-            yield 0, out
-        return
-    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
-
-    async def pump(index: int, stream: RequestStream, first: RequestOutput) -> None:
-        await queue.put((index, first))
-        try:
-            async for out in stream:
-                await queue.put((index, out))
-        except Exception as exc:
-            await queue.put((index, exc))
-        await queue.put((index, None))
-
-    tasks = [asyncio.ensure_future(pump(i, s, f)) for i, (s, f) in enumerate(pairs)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            index, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
-def arrival_time(request: Request | None) -> float | None:
-    """When the HTTP request came in (stamped by ``sse.ServerApp`` as it enters the app): where
-    TTFT and latency metrics start."""
-    return getattr(request.state, "arrival_time", None) if request is not None else None
 
 
 class ServingBase:
@@ -221,8 +115,12 @@ class ServingBase:
                     code="invalid_token_id",
                 )
 
-    def resolve_max_tokens(self, prompt_len: int, requested: int | None) -> int:
-        """``requested`` (None: the rest of the context window), checked against the window."""
+    def check_prompt_fits(self, prompt_len: int) -> None:
+        """A prompt that leaves no room for output is refused before it reaches the engine.
+
+        ``max_tokens`` is the engine's to default and check (``add_request``); the server only
+        maps the field, so Python and HTTP callers get one answer.
+        """
         limit = self.model.max_model_len
         if prompt_len >= limit:
             raise APIError(
@@ -231,17 +129,6 @@ class ServingBase:
                 param=self.prompt_param,
                 code="context_length_exceeded",
             )
-        if requested is None:
-            return limit - prompt_len
-        if isinstance(requested, int) and requested > 0 and prompt_len + requested > limit:
-            raise APIError(
-                f"This model's maximum context length is {limit} tokens; the prompt has "
-                f"{prompt_len} tokens and max_tokens asks for {requested} more "
-                f"({prompt_len + requested} in all); lower max_tokens or shorten the prompt",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
-        return requested
 
     def check_stream_flags(self, req: SamplingFields) -> None:
         if req.stream_options is not None and not req.stream:
@@ -292,7 +179,7 @@ class ServingBase:
         self,
         req: SamplingFields,
         *,
-        max_tokens: int,
+        max_tokens: int | None,
         logprobs: int | None,
         prompt_logprobs: int | None = None,
         logprobs_param: str = "logprobs",
@@ -373,14 +260,7 @@ class ServingBase:
                             )
                         )
                 except ValueError as exc:
-                    raise from_value_error(
-                        exc,
-                        default_param=self.prompt_param,
-                        aliases={
-                            "prompt": self.prompt_param,
-                            "prompt_token_ids": self.prompt_param,
-                        },
-                    ) from exc
+                    raise self._refusal(exc) from exc
             with engine_errors():
                 firsts = await until_disconnected(
                     raw_request, asyncio.gather(*(anext(s) for s in streams))
@@ -396,6 +276,18 @@ class ServingBase:
                 stream.abort()
             raise
 
+    def _refusal(self, exc: ValueError) -> APIError:
+        """The engine's ``ValueError("field: ...")`` at ``add_request`` as a 400 naming the field
+        (the prompt under this endpoint's name)."""
+        error = from_value_error(
+            exc,
+            default_param=self.prompt_param,
+            aliases={"prompt": self.prompt_param, "prompt_token_ids": self.prompt_param},
+        )
+        if CONTEXT_LENGTH in error.message:
+            error.code = "context_length_exceeded"
+        return error
+
     async def collect(
         self, pairs: list[tuple[RequestStream, RequestOutput]], raw_request: Request | None
     ) -> list[RequestOutput]:
@@ -403,7 +295,7 @@ class ServingBase:
         try:
             with engine_errors():
                 return await until_disconnected(
-                    raw_request, asyncio.gather(*(_last(s, f) for s, f in pairs))
+                    raw_request, asyncio.gather(*(last_output(s, f) for s, f in pairs))
                 )
         finally:
             for stream, _ in pairs:

@@ -6,6 +6,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,14 +16,8 @@ from pagedllm.core.guided_params import GuidedDecodingParams
 from pagedllm.engine.async_engine import AsyncEngine, RequestStream
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
-from pagedllm.entrypoints.openai.serving_base import (
-    ModelInfo,
-    PromptInput,
-    ServingBase,
-    error_event,
-    merge_streams,
-    usage,
-)
+from pagedllm.entrypoints.openai.running import error_event, merge_streams
+from pagedllm.entrypoints.openai.serving_base import ModelInfo, PromptInput, ServingBase, usage
 from pagedllm.entrypoints.openai.serving_structured import guided_from_request
 from pagedllm.entrypoints.openai.serving_tools import (
     ToolPlan,
@@ -82,6 +77,31 @@ def _chars(content: Any) -> int:
     if isinstance(content, list):
         return sum(len(getattr(p, "text", None) or "") for p in content)
     return 0
+
+
+@dataclass
+class _Sent:
+    """What a chat stream has sent so far, per choice index."""
+
+    text: dict[int, int] = field(default_factory=dict)  # characters of content
+    tokens: dict[int, int] = field(default_factory=dict)
+    tools: dict[int, ToolStreamer] = field(default_factory=dict)  # under tools: each its own
+
+
+def _constraint(
+    req: ChatCompletionRequest, plan: ToolPlan
+) -> tuple[GuidedDecodingParams | None, str | None]:
+    """The one constraint on the reply, and the parameter that set it: the request's own
+    (``response_format``, ``guided_*``) or the one its tool choice implies."""
+    guided, guided_param = guided_from_request(req)
+    if plan.guided is None:
+        return guided, guided_param
+    if guided is not None:
+        raise APIError(
+            f"{guided_param}: cannot be combined with tool_choice {req.tool_choice!r}",
+            param=guided_param,
+        )
+    return plan.guided, "tools"
 
 
 class OpenAIServingChat(ServingBase):
@@ -145,14 +165,7 @@ class OpenAIServingChat(ServingBase):
     ) -> dict[str, Any] | EventStreamResponse:
         lora = self.check_model(req.model)
         plan = plan_tools(req, self.tool_call_parser)
-        guided, guided_param = guided_from_request(req)
-        if plan.guided is not None:
-            if guided is not None:
-                raise APIError(
-                    f"{guided_param}: cannot be combined with tool_choice {req.tool_choice!r}",
-                    param=guided_param,
-                )
-            guided, guided_param = plan.guided, "tools"
+        guided, guided_param = _constraint(req, plan)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs: requires logprobs to be true", param="top_logprobs")
         self.check_stream_flags(req)
@@ -164,15 +177,13 @@ class OpenAIServingChat(ServingBase):
             template_kwargs=req.chat_template_kwargs,
             tools=plan.tools,
         )
-        requested = (
-            req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        )
-        max_tokens = self.resolve_max_tokens(len(prompt.token_ids), requested)
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        self.check_prompt_fits(len(prompt.token_ids))
         params = self.sampling_params(
             req,
-            max_tokens=max_tokens,
-            logprobs=logprobs,
+            max_tokens=(
+                req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
+            ),
+            logprobs=(req.top_logprobs or 0) if req.logprobs else None,
             logprobs_param="top_logprobs",
             guided_decoding=guided,
         )
@@ -196,6 +207,17 @@ class OpenAIServingChat(ServingBase):
                 self._stream(req, pairs, prompt, request_id, created, include_usage, plan)
             )
         (final,) = await self.collect(pairs, raw_request)
+        return self._response(req, final, prompt, request_id, created, plan)
+
+    def _response(
+        self,
+        req: ChatCompletionRequest,
+        final: RequestOutput,
+        prompt: PromptInput,
+        request_id: str,
+        created: int,
+        plan: ToolPlan,
+    ) -> dict[str, Any]:
         choices = []
         for c in final.outputs:
             message, reason = ({"role": "assistant", "content": c.text}, c.finish_reason)
@@ -261,37 +283,14 @@ class OpenAIServingChat(ServingBase):
                 body["usage"] = None
             return sse_event(body)
 
-        sent_text: dict[int, int] = {}
-        sent_tokens: dict[int, int] = {}
+        sent = _Sent()
         completion_tokens: dict[int, int] = {}
-        tool_streams: dict[int, ToolStreamer] = {}
         try:
             async for _, out in merge_streams(pairs):
                 for c in out.outputs:
-                    if c.index not in sent_text:
-                        sent_text[c.index], sent_tokens[c.index] = 0, 0
-                        yield event(
-                            [
-                                {
-                                    "index": c.index,
-                                    "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None,
-                                    "finish_reason": None,
-                                }
-                            ]
-                        )
-                    if plan.active:
-                        choice = self._tool_delta(
-                            req,
-                            c,
-                            tool_streams.setdefault(c.index, ToolStreamer(plan)),
-                            sent_tokens,
-                        )
-                    else:
-                        choice = self._delta(req, c, sent_text, sent_tokens)
-                    completion_tokens[c.index] = len(c.token_ids)
-                    if choice is not None:
+                    for choice in self._stream_choices(req, c, plan, sent):
                         yield event([choice])
+                    completion_tokens[c.index] = len(c.token_ids)
             if include_usage:
                 total = sum(completion_tokens.values())
                 yield event([], usage=usage(len(prompt.token_ids), total))
@@ -301,6 +300,25 @@ class OpenAIServingChat(ServingBase):
             for stream, _ in pairs:
                 stream.abort()
         yield DONE
+
+    def _stream_choices(
+        self, req: ChatCompletionRequest, c: CompletionOutput, plan: ToolPlan, sent: _Sent
+    ) -> list[dict[str, Any]]:
+        """The chunks one output of choice ``c`` adds: the opening role chunk the first time,
+        then its new text or tool-call deltas (none when nothing is new)."""
+        chunks = []
+        if c.index not in sent.text:
+            sent.text[c.index], sent.tokens[c.index] = 0, 0
+            opening = {"role": "assistant", "content": ""}
+            chunks.append(
+                {"index": c.index, "delta": opening, "logprobs": None, "finish_reason": None}
+            )
+        if plan.active:
+            streamer = sent.tools.setdefault(c.index, ToolStreamer(plan))
+            choice = self._tool_delta(req, c, streamer, sent.tokens)
+        else:
+            choice = self._delta(req, c, sent.text, sent.tokens)
+        return chunks if choice is None else [*chunks, choice]
 
     def _delta(
         self,

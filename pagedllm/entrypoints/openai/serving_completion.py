@@ -12,13 +12,8 @@ from fastapi import Request
 from pagedllm.engine.async_engine import RequestStream
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
-from pagedllm.entrypoints.openai.serving_base import (
-    PromptInput,
-    ServingBase,
-    error_event,
-    merge_streams,
-    usage,
-)
+from pagedllm.entrypoints.openai.running import error_event, merge_streams
+from pagedllm.entrypoints.openai.serving_base import PromptInput, ServingBase, usage
 from pagedllm.entrypoints.openai.serving_structured import guided_from_request
 from pagedllm.entrypoints.openai.sse import DONE, EventStreamResponse, sse_event
 from pagedllm.outputs import CompletionOutput, RequestOutput
@@ -75,25 +70,22 @@ class OpenAIServingCompletion(ServingBase):
         self.offload.trim_later(sum(len(p.token_ids) for p in prompts))
         logprobs = req.logprobs
         guided, guided_param = guided_from_request(req)
-        params = []
         for p in prompts:
-            max_tokens = self.resolve_max_tokens(len(p.token_ids), req.max_tokens)
-            params.append(
-                self.sampling_params(
-                    req,
-                    max_tokens=max_tokens,
-                    logprobs=logprobs,
-                    prompt_logprobs=logprobs if req.echo and logprobs is not None else None,
-                    guided_decoding=guided,
-                )
-            )
+            self.check_prompt_fits(len(p.token_ids))
+        params = self.sampling_params(
+            req,
+            max_tokens=req.max_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=logprobs if req.echo and logprobs is not None else None,
+            guided_decoding=guided,
+        )
         await self.guided_validator.check(guided, guided_param)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         pairs = await self.start(
             request_id,
             prompts,
-            params,
+            [params] * len(prompts),
             priority=req.priority,
             raw_request=raw_request,
             lora_request=lora,

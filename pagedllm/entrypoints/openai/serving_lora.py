@@ -19,7 +19,8 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
 from pagedllm.entrypoints.openai.errors import APIError
-from pagedllm.entrypoints.openai.serving_base import ModelInfo, engine_errors
+from pagedllm.entrypoints.openai.running import engine_errors
+from pagedllm.entrypoints.openai.serving_base import ModelInfo
 from pagedllm.lora.adapter import read_adapter
 from pagedllm.lora.request import LoRARequest
 

@@ -28,6 +28,7 @@ from pagedllm.core.guided_params import GuidedDecodingParams
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.tool_parsers import (
+    TOOL_PARSERS,
     ParsedCall,
     PartialCall,
     RequiredCallsParser,
@@ -117,7 +118,7 @@ def plan_tools(req: ChatCompletionRequest, parser_name: str | None) -> ToolPlan:
         if parser_name is None:
             raise APIError(
                 "tool_choice: 'auto' needs the server started with --tool-call-parser "
-                "(hermes or llama3_json); 'required' and a named function work without it",
+                f"({' or '.join(TOOL_PARSERS)}); 'required' and a named function work without it",
                 param="tool_choice",
             )
         plan.parser = get_tool_parser(parser_name)

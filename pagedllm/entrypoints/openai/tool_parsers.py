@@ -326,9 +326,10 @@ class RequiredCallsParser(ToolParser):
         return calls
 
 
+#: The ``--tool-call-parser`` formats by the name each declares, in the order help texts list
+#: them: the CLI's choices and every message naming them come from here.
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    "hermes": HermesToolParser,
-    "llama3_json": Llama3JsonToolParser,
+    p.name: p for p in (HermesToolParser, Llama3JsonToolParser)
 }
 
 

@@ -32,9 +32,10 @@ from pagedllm.layers.quantization.int8 import (
     weight_scale,
 )
 from pagedllm.layers.quantization.w8a8 import Int8W8A8, quantize_per_token
+from pagedllm.names import QUANTIZATION_METHODS
 
-QUANTIZATION_METHODS = ("int8", "w8a8", "int4")
-_METHODS: dict[str, type[Int8WeightOnly]] = {"int8": Int8WeightOnly, "w8a8": Int8W8A8}
+# The int8 methods by the name each declares (int4 is the group-wise method, below).
+_METHODS: dict[str, type[Int8WeightOnly]] = {m.name: m for m in (Int8WeightOnly, Int8W8A8)}
 
 __all__ = [
     "QUANTIZATION_METHODS",
