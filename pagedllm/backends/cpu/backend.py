@@ -102,7 +102,9 @@ class CpuBackend(DeviceBackend):
         """4-bit, Q8_0, Q6_K and Q5_K groups stay packed: decode streams a quarter (a half,
         0.54, 0.63) of the bf16 bytes, and ``prepare_model`` gives those layers the C++
         group-wise GEMM."""
-        return frozenset({"int4", "q8_0", "q6_k", "q5_k"})
+        from pagedllm.backends.cpu.packed_linear import groupwise_formats
+
+        return groupwise_formats()
 
     def configure_threads(self, world_size: int = 1, total: int | None = None) -> None:
         """Intra-op threads = ``total`` or the physical cores, shared evenly by co-located TP

@@ -35,6 +35,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from types import MappingProxyType, ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -47,8 +49,12 @@ from pagedllm.layers.quantization.groupwise import (
     weight_super_scale,
 )
 
+if TYPE_CHECKING:
+    from pagedllm.backends.cpu.packed_linear import LinearKernel
+
 logger = logging.getLogger(__name__)
 
+_ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LinearFn = Callable[[torch.Tensor], torch.Tensor]
 _INT8_MAX = 127
 
@@ -80,14 +86,21 @@ class PackedGroupwise:
         return "q6_k" if self.factored else "q8_0"
 
     @property
+    def layout(self) -> tuple[int, int, int, bool, bool, bool, bool]:
+        """What the kernels read these panels as: (n, k, bits, half_scales, with_offset,
+        factored, levels); layers of one layout share their kernel paths."""
+        fmt = (self.bits, self.half_scales, self.with_offset, self.factored, self.levels)
+        return (self.n, self.k, *fmt)
+
+    @property
     def bits_per_weight(self) -> float:
         """Bytes streamed per call (scales included) per weight, in bits."""
         return self.packed.numel() * 8 / (self.packed.shape[0] * 16 * self.k)
 
-    def rows(self, ops: object, rows: torch.Tensor) -> torch.Tensor:
+    def rows(self, ops: ModuleType, rows: torch.Tensor) -> torch.Tensor:
         """float32 rows ``rows`` of W read back from the panels (as the definition
         dequantises them)."""
-        return ops.groupwise_weight_rows(  # type: ignore[attr-defined]
+        return ops.groupwise_weight_rows(
             self.packed,
             self.n,
             self.k,
@@ -101,7 +114,7 @@ class PackedGroupwise:
 
     def gemm(
         self,
-        ops: object,
+        ops: ModuleType,
         x: torch.Tensor,
         bias: torch.Tensor | None,
         dot: bool,
@@ -111,7 +124,7 @@ class PackedGroupwise:
         what few bf16 rows on a 4-bit layer run, ``ops.groupwise_bf16_rows_kernels()``)."""
         check_k(x, self.k)
         fmt = (self.bits, self.half_scales, self.with_offset, self.factored)
-        return ops.groupwise_gemm(  # type: ignore[attr-defined]
+        return ops.groupwise_gemm(
             x, self.packed, self.n, *fmt, bias, dot, self.levels, rows_kernel=rows_kernel
         )
 
@@ -188,7 +201,7 @@ def scale_format(
 
 
 def pack_groupwise(
-    ops: object,
+    ops: ModuleType,
     weight: torch.Tensor,
     scale: torch.Tensor,
     offset: torch.Tensor | None,
@@ -239,7 +252,7 @@ Storage = Callable[[tuple[int, int]], "torch.Tensor | None"]
 
 
 def _into(
-    ops: object,
+    ops: ModuleType,
     storage: Storage | None,
     n: int,
     k: int,
@@ -251,7 +264,7 @@ def _into(
 ) -> torch.Tensor | None:
     if storage is None:
         return None
-    per_panel = ops.groupwise_panel_bytes(k, bits, half, with_offset, factored, levels)  # type: ignore[attr-defined]
+    per_panel = ops.groupwise_panel_bytes(k, bits, half, with_offset, factored, levels)
     return storage(((n + 15) // 16, per_panel))
 
 
@@ -271,7 +284,7 @@ def iq4_levels(name: str, weight: torch.Tensor, *, dot: bool) -> bool:
     return bool(torch.isin(weight[0], levels).all())
 
 
-def six_bits(ops: object, name: str, *, dot: bool) -> bool:
+def six_bits(ops: ModuleType, name: str, *, dot: bool) -> bool:
     """Whether a ``name`` layer packs its q at 6 bits: a q6_k layer that never takes the dot
     path (the integer kernels read whole bytes), in a build whose float path reads six blocks
     (AVX-512: a lane-wise shift and a ``vpermi2w`` per 32 weights, as cheap as the int8
@@ -280,7 +293,7 @@ def six_bits(ops: object, name: str, *, dot: bool) -> bool:
 
 
 def _pack_q6_k(
-    ops: object,
+    ops: ModuleType,
     weight: torch.Tensor,
     scale: torch.Tensor,
     d: torch.Tensor,
@@ -390,7 +403,7 @@ def weight_integers(layer: nn.Module) -> torch.Tensor:
 
 
 # Rows up to which bf16/fp16 x takes the dot path where the user asked for it
-# (``int8_activations``), per integer dot product (``ops.groupwise_dot_isa()``); None: every
+# (``int8_activations``), per integer dot product (``ops.int8_dot_isa()``); None: every
 # batch. Measured by ``benchmarks/linear_cpu.py --dot-rows`` on a Zen 4 EPYC (1B shapes, fused
 # q/k/v and gate/up, Q4_0 / Q4_K / Q8_0 / Q6_K, bf16 x): VNNI ran 1.1-1.2x the float path at
 # one row, 1.3-1.9x at 2-64 and 1.2-2.8x at 128-1024 (vpdpbusd does twice the multiply-adds of
@@ -403,7 +416,7 @@ DOT_ROWS: dict[str, int | None] = {"avx512vnni": None, "avx2": None}
 EVERY_BATCH = 1 << 62
 
 
-def dot_rows(ops: object, dtype: torch.dtype, *, enabled: bool = True) -> int:
+def dot_rows(ops: ModuleType, dtype: torch.dtype, *, enabled: bool = True) -> int:
     """Up to how many rows of ``dtype`` x the dot path runs by default (0: never,
     ``EVERY_BATCH``: every batch).
 
@@ -415,23 +428,27 @@ def dot_rows(ops: object, dtype: torch.dtype, *, enabled: bool = True) -> int:
     float32 x never: float32 models are held to transformers' tokens. The scalar build never:
     it is the correctness fallback.
     """
-    isa = ops.groupwise_dot_isa()
+    isa = ops.int8_dot_isa()
     if not enabled or dtype == torch.float32 or isa not in DOT_ROWS:
         return 0
     rows = DOT_ROWS[isa]
     return EVERY_BATCH if rows is None else rows
 
 
+def default_dot_rows(ops: ModuleType, *, dot: bool) -> dict[torch.dtype, int]:
+    """Per activation dtype, up to how many rows take the dot path by default (``dot_rows``)."""
+    return {dt: dot_rows(ops, dt, enabled=dot) for dt in _ACT_DTYPES}
+
+
 def make_groupwise_gemm(
-    ops: object, pw: PackedGroupwise, bias: torch.Tensor | None, *, dot: bool = False
+    ops: ModuleType, pw: PackedGroupwise, bias: torch.Tensor | None, *, dot: bool = False
 ) -> Callable[..., torch.Tensor]:
     """``gemm(x [T, K], dot=None) -> [T, N]``: ``dot=None`` takes the default for x's rows
     (the float path for every batch unless ``dot``)."""
     bias32 = None if bias is None else bias.detach().float().contiguous()
-    dtypes = (torch.float32, torch.bfloat16, torch.float16)
-    defaults = {dt: dot_rows(ops, dt, enabled=dot) for dt in dtypes}
+    defaults = default_dot_rows(ops, dot=dot)
     # PackedGroupwise.gemm's call with its arguments bound once: this runs per layer per step.
-    kernel = ops.groupwise_gemm  # type: ignore[attr-defined]
+    kernel = ops.groupwise_gemm
     weights = (pw.packed, pw.n, pw.bits, pw.half_scales, pw.with_offset, pw.factored, bias32)
     k, levels = pw.k, pw.levels
 
@@ -441,72 +458,61 @@ def make_groupwise_gemm(
             dot = x.shape[0] <= defaults.get(x.dtype, 0)
         return kernel(x, *weights, dot, levels)
 
-    gemm.dot_rows = defaults  # type: ignore[attr-defined]
     return gemm
 
 
-def make_groupwise_linear(
-    module: nn.Module,
-    bias: torch.Tensor | None,
-    *,
-    dot: bool = False,
-    checked: set[tuple] | None = None,
-    storage: Storage | None = None,
-) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, str]:
-    """The C++ GEMM on a group-wise layer's packed weights, checked on sampled output rows
-    against ``dequantize_layer`` (and the dot path against its definition), and its path name:
-    ``cpp-<int4|q8_0|q6_k|iq4>-<isa>`` (``iq4``: a q8_0 layer of IQ4 levels at 4 bits),
-    ``+dot`` where every bf16/fp16 batch takes the dot path (``+dot<rows>``: batches of up to
-    ``rows`` rows), only where ``dot`` (the user's ``int8_activations``), and never in an LM
-    head (see packed_linear).
-
-    ``checked``: the (format, shape) keys already checked with every probe in this load (the
-    caller's set, updated here). A layer of such a key gets one float32 row (the tightest
-    tolerance) on fewer sampled rows: what depends on its values (the packed scales, offsets
-    and q) is still compared, while the kernel paths (register and scratch rows, float32 and
-    bf16, the dot path) were proven on the same layout once. A 1B model's 16 layers of each
-    shape made ~260 checking GEMMs otherwise. ``storage``: where the panels go (an expert's
-    slice of its stack's buffer), as :func:`pack_groupwise` takes it.
-    """
-    from pagedllm.backends.cpu import packed_linear as pl
-
-    name = module.quant_method.name
-    ops = pl.gemm_ops()
-    if ops is None:
-        return None, f"torch-{name}"
+def _pack_layer(
+    ops: ModuleType, module: nn.Module, *, dot: bool, storage: Storage | None
+) -> PackedGroupwise:
+    """The layer's panels in its smallest exact layout: IQ4 levels at 4 bits where
+    :func:`iq4_levels` says so, else its format's (q6_k at six bits where :func:`six_bits`
+    says so). ValueError where the layer's values fit no layout."""
+    name = module.quant_method.weight_format
     scale, offset = weight_groups(module)
     weight = module.weight.detach()
-    six = six_bits(ops, name, dot=dot)
-    pw = None
     if iq4_levels(name, weight, dot=dot):
         try:
-            pw = pack_groupwise(ops, weight, scale, offset, levels=True, storage=storage)
+            return pack_groupwise(ops, weight, scale, offset, levels=True, storage=storage)
         except ValueError as e:  # some q outside the levels: the 8-bit layout
             logger.debug("q8_0 layer kept at 8 bits: %s", e)
-    try:
-        if pw is None:
-            pw = pack_groupwise(
-                ops, weight, scale, offset, weight_super_scale(module), six=six, storage=storage
-            )
-    except ValueError as e:
-        logger.warning("%s kept on PyTorch: %s", name, e)
-        return None, f"torch-{name}"
-    gemm = make_groupwise_gemm(ops, pw, bias, dot=dot)
-    linear = pl._reshaped(gemm, pw.k, pw.n)
-    key = (
-        name,
-        pw.n,
-        pw.k,
-        pw.bits,
-        pw.half_scales,
-        pw.with_offset,
-        pw.factored,
-        pw.levels,
-        bias is None,
-        dot,
+    six = six_bits(ops, name, dot=dot)
+    sup = weight_super_scale(module)
+    return pack_groupwise(ops, weight, scale, offset, sup, six=six, storage=storage)
+
+
+def _float_probes(
+    ops: ModuleType, k: int, *, repeat: bool
+) -> tuple[tuple[torch.Tensor, float], ...]:
+    """The float path as every batch can meet it: float32 rows in registers and through the
+    scratch, bf16 rows in registers (avx512bf16) and through the scratch; one float32 row for
+    a layout already proven in this load (``repeat``: the tightest tolerance)."""
+    if repeat:
+        return ((torch.randn(1, k), 1e-4),)
+    f32_rows = ops.groupwise_rows()[0]
+    return (
+        (torch.randn(3, k), 1e-4),
+        (torch.randn(f32_rows + 4, k), 1e-4),
+        (torch.randn(3, k).bfloat16(), 2e-2),
+        (torch.randn(16, k).bfloat16(), 2e-2),
     )
-    repeat = checked is not None and key in checked
-    # A repeated shape: a panel at each end and a spread (a float32 copy of fewer rows).
+
+
+def _check_paths(
+    ops: ModuleType,
+    module: nn.Module,
+    gemm: Callable[..., torch.Tensor],
+    pw: PackedGroupwise,
+    bias: torch.Tensor | None,
+    *,
+    dot: bool,
+    repeat: bool,
+) -> bool:
+    """Whether the packed layer matches its definition on sampled output rows: the float path
+    against ``dequantize_layer``, and (first of its layout, where the dot path runs by default)
+    the dot path against :func:`dot_linear_reference`. A repeated layout: a panel at each end
+    and a spread (a float32 copy of fewer rows)."""
+    from pagedllm.backends.cpu import packed_linear as pl
+
     rows = pl._sample_rows(pw.n, edge=16, spread=32) if repeat else pl._sample_rows(pw.n)
     dequant = dequantize_rows(module, rows)  # [rows, K]
     bias_rows = None if bias is None else bias.detach().float()[rows]
@@ -517,45 +523,73 @@ def make_groupwise_linear(
     def forced(dot: bool) -> LinearFn:
         return pl._reshaped(lambda x: gemm(x, dot=dot), pw.k, pw.n)
 
-    # The float path as every batch can meet it: float32 rows in registers and through the
-    # scratch, bf16 rows in registers (avx512bf16) and through the scratch.
-    f32_rows = ops.groupwise_rows()[0]
-    probes = (
-        ((torch.randn(1, pw.k), 1e-4),)
-        if repeat
-        else (
-            (torch.randn(3, pw.k), 1e-4),
-            (torch.randn(f32_rows + 4, pw.k), 1e-4),
-            (torch.randn(3, pw.k).bfloat16(), 2e-2),
-            (torch.randn(16, pw.k).bfloat16(), 2e-2),
-        )
-    )
-    what = f"C++ {name} GEMM"
-    ok = pl._checked(forced(False), weight, reference, rows, probes, what) is not None
-    if ok and not repeat and dot_rows(ops, torch.bfloat16, enabled=dot):
-        q = weight_integers(module)[rows]
-        off = None if offset is None else offset[rows]
+    weight = module.weight
+    what = f"C++ {module.quant_method.weight_format} GEMM"
+    probes = _float_probes(ops, pw.k, repeat=repeat)
+    if pl._checked(forced(False), weight, reference, rows, probes, what) is None:
+        return False
+    if repeat or not dot_rows(ops, torch.bfloat16, enabled=dot):
+        return True
+    q = weight_integers(module)[rows]
+    scale, offset = weight_groups(module)
+    off = None if offset is None else offset[rows]
 
-        def dot_reference(probe: torch.Tensor) -> torch.Tensor:
-            return dot_linear_reference(probe, q, scale[rows], off, bias_rows).float()
+    def dot_reference(probe: torch.Tensor) -> torch.Tensor:
+        return dot_linear_reference(probe, q, scale[rows], off, bias_rows).float()
 
-        probe = ((torch.randn(3, pw.k).bfloat16(), 2e-2),)
-        what = f"{what} (dot path)"
-        ok = pl._checked(forced(True), weight, dot_reference, rows, probe, what) is not None
-    if not ok:
-        return None, f"torch-{name}"
+    probe = ((torch.randn(3, pw.k).bfloat16(), 2e-2),)
+    what = f"{what} (dot path)"
+    return pl._checked(forced(True), weight, dot_reference, rows, probe, what) is not None
+
+
+def make_groupwise_linear(
+    module: nn.Module,
+    bias: torch.Tensor | None,
+    *,
+    dot: bool = False,
+    checked: set[tuple] | None = None,
+    storage: Storage | None = None,
+) -> LinearKernel:
+    """The C++ GEMM on a group-wise layer's packed weights, checked on sampled output rows
+    (:func:`_check_paths`), with its path name: ``cpp-<int4|q8_0|q6_k|q5_k|iq4>-<isa>``
+    (``iq4``: a q8_0 layer of IQ4 levels at 4 bits), ``+dot`` where every bf16/fp16 batch
+    takes the dot path (``+dot<rows>``: batches of up to ``rows`` rows), only where ``dot``
+    (the user's ``int8_activations``), and never in an LM head (see packed_linear).
+
+    ``checked``: the layouts (format, shape) already checked with every probe in this load (the
+    caller's set, updated here). A layer of such a key gets one float32 row on fewer sampled
+    rows: what depends on its values (the packed scales, offsets and q) is still compared,
+    while the kernel paths (register and scratch rows, float32 and bf16, the dot path) were
+    proven on the same layout once. A 1B model's 16 layers of each shape made ~260 checking
+    GEMMs otherwise. ``storage``: where the panels go (an expert's slice of its stack's
+    buffer), as :func:`pack_groupwise` takes it.
+    """
+    from pagedllm.backends.cpu import packed_linear as pl
+
+    name = module.quant_method.weight_format
+    refused = pl.LinearKernel(None, f"torch-{name}")
+    ops = pl.gemm_ops()
+    if ops is None:
+        return refused
+    try:
+        pw = _pack_layer(ops, module, dot=dot, storage=storage)
+    except ValueError as e:
+        logger.warning("%s kept on PyTorch: %s", name, e)
+        return refused
+    gemm = make_groupwise_gemm(ops, pw, bias, dot=dot)
+    key = (name, *pw.layout, bias is None, dot)
+    repeat = checked is not None and key in checked
+    if not _check_paths(ops, module, gemm, pw, bias, dot=dot, repeat=repeat):
+        return refused
     if checked is not None:
         checked.add(key)
-    # Rows of W read back from these panels (float32 [R, K], the definition's values): what
-    # an embedding tied to this head reads instead of keeping its table a second time.
-    linear.weight_rows = partial(pw.rows, ops)  # type: ignore[attr-defined]
-    # What a grouped call over many such layers needs (fused_moe.make_grouped_gemm).
-    linear.packed_groupwise = pw  # type: ignore[attr-defined]
-    linear.dot_rows = gemm.dot_rows  # type: ignore[attr-defined]
-    linear.packed_as = pw.name if pw.levels else name  # type: ignore[attr-defined]
-    four_bit = pw.bits == 4
-    packed_as: str = linear.packed_as  # type: ignore[attr-defined]
-    return linear, path_name(ops, packed_as, dot=dot, four_bit=four_bit, levels=pw.levels)
+    return pl.LinearKernel(
+        pl._reshaped(gemm, pw.k, pw.n),
+        path_name(ops, pw.name, dot=dot, four_bit=pw.bits == 4, levels=pw.levels),
+        packed_rows=partial(pw.rows, ops),
+        groupwise=pw,
+        dot_rows=MappingProxyType(default_dot_rows(ops, dot=dot)),
+    )
 
 
 def make_parts_linear(
@@ -564,45 +598,56 @@ def make_parts_linear(
     *,
     dot: bool = False,
     checked: set[tuple] | None = None,
-) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, str]:
+) -> LinearKernel:
     """A fused layer whose parts keep their own formats (``mixed``, Q4_K q/k with a Q6_K v):
     one GEMM per run of parts in one format (q/k, v), packed and checked as a layer of its own
     (``checked``: as there; a ``dense`` run gets a dense layer's GEMM), the outputs side by
     side. The path: ``cpp-mixed(<format per part>)-<isa>``; a run that cannot be packed leaves
     the whole layer on PyTorch."""
     from pagedllm.backends.cpu import packed_linear as pl
-    from pagedllm.layers.quantization.groupwise_parts import DENSE
+    from pagedllm.layers.quantization.base import FLOAT
 
-    fns, start, packed_as = [], 0, []  # packed_as: each run's layout (iq4 for IQ4 levels)
+    ops = pl.gemm_ops()
+    if ops is None:
+        return pl.LinearKernel(None, "torch-mixed")
+    kernels: list[LinearKernel] = []
+    fns: list[LinearFn] = []
+    start = 0
     for part in module.parts:
         rows = part.weight.shape[0]
         part_bias = None if bias is None else bias[start : start + rows]
-        if part.quant_method.name == DENSE:
-            fn, _ = pl.make_dense_linear(part.weight, part_bias)
+        if part.quant_method.weight_format == FLOAT:
+            kernel = pl.make_dense_linear(part.weight, part_bias)
         else:
-            fn, _ = make_groupwise_linear(part, part_bias, dot=dot, checked=checked)
-        if fn is None:
-            return None, "torch-mixed"
-        fns.append(fn)
-        packed_as.append(getattr(fn, "packed_as", part.quant_method.name))
+            kernel = make_groupwise_linear(part, part_bias, dot=dot, checked=checked)
+        if kernel.fn is None:
+            return pl.LinearKernel(None, "torch-mixed")
+        kernels.append(kernel)
+        fns.append(kernel.fn)
         start += rows
 
     def linear(x: torch.Tensor) -> torch.Tensor:
         return torch.cat([fn(x) for fn in fns], dim=-1)
 
-    names, run, previous = [], -1, None  # each part under its run's layout, in part order
+    # Each part under its run's layout (iq4 for IQ4 levels), in part order.
+    layouts = [
+        k.groupwise.name if k.groupwise else p.quant_method.name
+        for k, p in zip(kernels, module.parts, strict=True)
+    ]
+    names, run, previous = [], -1, None
     for fmt in module.quant_method.formats:
         run += fmt != previous
         previous = fmt
-        names.append(packed_as[run])
-    fours = [pw for fn in fns if (pw := getattr(fn, "packed_groupwise", None)) and pw.bits == 4]
+        names.append(layouts[run])
+    fours = [k.groupwise for k in kernels if k.groupwise is not None and k.groupwise.bits == 4]
     four_bit, levels = bool(fours), all(pw.levels for pw in fours)
     mixed = f"mixed({','.join(names)})"
-    return linear, path_name(pl.gemm_ops(), mixed, dot=dot, four_bit=four_bit, levels=levels)
+    path = path_name(ops, mixed, dot=dot, four_bit=four_bit, levels=levels)
+    return pl.LinearKernel(linear, path, dot_rows=MappingProxyType(default_dot_rows(ops, dot=dot)))
 
 
 def path_name(
-    ops: object, name: str, *, dot: bool = False, four_bit: bool = False, levels: bool = False
+    ops: ModuleType, name: str, *, dot: bool = False, four_bit: bool = False, levels: bool = False
 ) -> str:
     """``cpp-<int4|q8_0|q6_k>-<isa>``, ``+amx<rows>`` where bf16 batches of that many rows or
     more run on AMX tiles, ``+split`` where a 4-bit layer's few bf16 rows take the split
@@ -612,9 +657,9 @@ def path_name(
     rows = dot_rows(ops, torch.bfloat16, enabled=dot)
     suffix = "" if not rows else "+dot" if rows == EVERY_BATCH else f"+dot{rows}"
     split = four_bit and not levels and rows != EVERY_BATCH
-    split = split and "split" in ops.groupwise_bf16_rows_kernels()  # type: ignore[attr-defined]
+    split = split and "split" in ops.groupwise_bf16_rows_kernels()
     # The split kernel keeps a 4-bit layer's rows off the tiles longer (the C++ tile_rows).
-    tiles = ops.groupwise_amx_rows(split) if rows != EVERY_BATCH else 0  # type: ignore[attr-defined]
+    tiles = ops.groupwise_amx_rows(split) if rows != EVERY_BATCH else 0
     if split:
         suffix = f"+split{suffix}"
     if tiles:

@@ -37,9 +37,9 @@ GROUP_SIZE = 32
 Q6_K_SCALE_GROUP = 16  # k per scale of a q6_k layer
 Q6_K_SUPER = 256  # k per super-block factor d of a q6_k layer
 _INT4_MAX = 15
-# Group-wise format name -> (bits, k per scale).
-# Group-wise format name -> (bits, k per scale, offsets stored).
-FORMATS = {
+# Group-wise format name -> (bits, k per scale, offsets stored): the one list of these names
+# (methods declare them as their ``weight_format``; backends claim them from here).
+FORMATS: dict[str, tuple[int, int, bool]] = {
     "int4": (4, GROUP_SIZE, True),
     "q8_0": (8, GROUP_SIZE, False),
     "q6_k": (8, Q6_K_SCALE_GROUP, False),
@@ -210,12 +210,11 @@ class GroupwiseMethod(LinearMethod):
         self.prequantized = prequantized
         self.scale_group = scale_group
         self.offsets = offsets  # weight_offset per group: int4, and q5_k's 8-bit q in 0..31
-        if bits == 4:
-            self.name = "int4"
-        elif offsets:
-            self.name = "q5_k"
-        else:
-            self.name = "q8_0" if scale_group == GROUP_SIZE else "q6_k"
+        key = (bits, scale_group, offsets)
+        self.name = next((fmt for fmt, spec in FORMATS.items() if spec == key), "")
+        if not self.name:
+            raise ValueError(f"no group-wise format of {bits} bits, scale per {scale_group} k")
+        self.weight_format = self.name
 
     @classmethod
     def for_format(cls, fmt: str) -> GroupwiseMethod:

@@ -21,16 +21,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers.quantization.base import LinearMethod
+from pagedllm.layers.quantization.base import FLOAT, LinearMethod
 from pagedllm.layers.quantization.groupwise import GroupwiseMethod
 
 DENSE = "dense"  # a run kept as a float weight in the compute dtype
+MIXED = "mixed"  # the fused layer's format: one group-wise format (or dense) per run of parts
 
 
 class DenseRows(LinearMethod):
     """A run of parts dequantised at load: ``weight [rows, K]`` in the compute dtype."""
 
     name = DENSE
+    weight_format = FLOAT  # the run's rows in the compute dtype, as an unquantised layer's
     prequantized = True
 
     def stored_tensors(self, n: int, k: int) -> dict[str, tuple[torch.Tensor, int]]:
@@ -94,7 +96,8 @@ class GroupwisePartsMethod(LinearMethod):
     (``formats``, in the order of the layer's ``output_sizes``; ``dense`` for a part kept as a
     float weight), at least one part group-wise."""
 
-    name = "mixed"
+    name = MIXED
+    weight_format = MIXED
     prequantized = True  # read as stored: finished with the model, never quantised at load
 
     def __init__(self, formats: tuple[str, ...]) -> None:

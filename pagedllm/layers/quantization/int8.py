@@ -117,6 +117,7 @@ class Int8WeightOnly(LinearMethod):
     """
 
     name = "int8"
+    weight_format = "int8"  # int8 [N, K] and a float32 scale per output row
 
     def __init__(
         self, *, prequantized: bool = False, quantizer: WeightQuantizer | None = None
