@@ -109,6 +109,8 @@ class GroupwisePartsMethod(LinearMethod):
         self.part_methods = tuple(part_method(f) for f in self.formats)
 
     def create_weights(self, layer: nn.Module) -> None:
+        from pagedllm.layers.linear import with_loader
+
         sizes = getattr(layer, "shard_sizes", None)
         if sizes is None or len(sizes) != len(self.formats):
             raise ValueError(
@@ -133,8 +135,7 @@ class GroupwisePartsMethod(LinearMethod):
         names = {n for m in self.part_methods for n in m.stored_tensors(1, layer.input_size)}
         for name in sorted(names):  # placeholders: what the checkpoint names, routed to parts
             param = nn.Parameter(torch.empty(0), requires_grad=False)
-            param.weight_loader = _PartLoader(layer, name, places)  # type: ignore[attr-defined]
-            setattr(layer, name, param)
+            setattr(layer, name, with_loader(param, _PartLoader(layer, name, places)))
 
     def finish_loading(self, layer: nn.Module) -> None:
         for part in layer.parts:
