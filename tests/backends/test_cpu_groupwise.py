@@ -401,7 +401,7 @@ def test_a_q8_0_layer_of_iq4_levels_packs_four_bits_unless_it_takes_the_dot_path
         layer = SimpleNamespace(
             weight=weight,
             weight_scale_bits=s.float().contiguous().view(torch.int32),
-            quant_method=SimpleNamespace(name="q8_0"),
+            quant_method=GroupwiseMethod.for_format("q8_0"),
         )
         kernel = groupwise_linear.make_groupwise_linear(layer, None, dot=dot)
         fn, path = kernel.fn, kernel.path
@@ -595,14 +595,17 @@ def test_the_split_kernel_is_named_in_the_path_and_the_kernel_checked() -> None:
         layer = SimpleNamespace(
             weight=weight,
             weight_scale_bits=scale.float().contiguous().view(torch.int32),
-            quant_method=SimpleNamespace(name="q8_0" if kind == "iq4" else kind),
+            # A Q4_0 layer is an int4 one; IQ4 levels are held as q8_0.
+            quant_method=GroupwiseMethod.for_format(
+                {"q4_0": "int4", "iq4": "q8_0"}.get(kind, kind)
+            ),
         )
         if offset is not None:
             layer.weight_offset_bits = offset.float().contiguous().view(torch.int32)
         kernel = groupwise_linear.make_groupwise_linear(layer, None)
         fn, paths[kind] = kernel.fn, kernel.path
         assert fn is not None, paths[kind]
-    assert paths["q4_0"].startswith("cpp-q4_0-") and "+split" in paths["q4_0"], paths
+    assert paths["q4_0"].startswith("cpp-int4-") and "+split" in paths["q4_0"], paths
     assert "+split" not in paths["q8_0"] and "+split" not in paths["iq4"], paths
     assert paths["iq4"].startswith("cpp-iq4-"), paths
     # Where AMX tiles run, the names say from which rows: later for the split 4-bit layer.
