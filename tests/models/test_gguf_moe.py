@@ -168,7 +168,7 @@ def test_expert_stacks_stay_quantised_on_the_cpu(moe_files: dict, recipe: str) -
         for fmt in want.values():
             assert f"cpp-{fmt}-" in layer.path, layer.path
         if w13 is None:  # the dequantised stack: the dense float GEMM
-            assert "onednn" in layer.path or "bf16" in layer.path, layer.path
+            assert "onednn" in layer.path or "bfloat16" in layer.path, layer.path
         assert "grouped" in layer.path, layer.path
         kernels = layer.expert_kernels
         for which, name in enumerate(("w13_weight", "w2_weight")):
