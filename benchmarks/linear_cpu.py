@@ -68,12 +68,8 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.backends.cpu._ops import cpu_model_name, resolve_isa
-from pagedllm.backends.cpu.groupwise_linear import (
-    PackedGroupwise,
-    make_groupwise_gemm,
-    pack_groupwise,
-    path_name,
-)
+from pagedllm.backends.cpu.groupwise_linear import make_groupwise_gemm, path_name
+from pagedllm.backends.cpu.groupwise_pack import PackedGroupwise, pack_groupwise
 from pagedllm.backends.cpu.packed_linear import (
     gemm_ops,
     make_16bit_linear,

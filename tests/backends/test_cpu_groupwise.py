@@ -18,16 +18,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.backends.cpu import groupwise_linear, packed_linear
+from pagedllm.backends.cpu import groupwise_linear, groupwise_pack, packed_linear
 from pagedllm.backends.cpu._ops import load_gemm_ops, supported_isas
 from pagedllm.backends.cpu.groupwise_linear import (
     dot_linear_reference,
-    factor_q6_k,
-    factor_super_blocks,
-    pack_groupwise,
     quantize_activation_groups,
     split_activation_groups,
 )
+from pagedllm.backends.cpu.groupwise_pack import factor_q6_k, factor_super_blocks, pack_groupwise
 from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedllm.layers.quantization.groupwise import (
     GroupwiseMethod,
@@ -119,9 +117,7 @@ def _layer_data(
         return q, scale, None, q
     g = k // 32
     if kind in ("iq4", "iq4_f32"):  # int8 IQ4 levels, every one of them; fp16 d or float32
-        q = torch.tensor(groupwise_linear.IQ4_LEVELS, dtype=torch.int8)[
-            torch.randint(0, 16, (n, k))
-        ]
+        q = torch.tensor(groupwise_pack.IQ4_LEVELS, dtype=torch.int8)[torch.randint(0, 16, (n, k))]
         d = (torch.rand(n, g) * 0.01 + 1e-3) * torch.randn(n, g).sign()
         scale = _fp16(d) if kind == "iq4" else d
         scale.iq4 = True
@@ -420,9 +416,9 @@ def test_a_q6_k_layer_packs_six_bits_unless_it_takes_the_dot_path() -> None:
     torch.manual_seed(6)
     q, scale, d = _q6_k_data(48, 512)
     for dot, bits in ((False, 6), (True, 8)):
-        assert groupwise_linear.six_bits(ops, "q6_k", dot=dot) == (bits == 6)
+        assert groupwise_pack.six_bits(ops, "q6_k", dot=dot) == (bits == 6)
         assert pack_groupwise(ops, q, scale, None, d, six=bits == 6).bits == bits
-    assert not groupwise_linear.six_bits(ops, "q8_0", dot=False)
+    assert not groupwise_pack.six_bits(ops, "q8_0", dot=False)
 
 
 def test_q6_k_factoring_is_exact_or_refused(ops) -> None:
@@ -789,7 +785,7 @@ def test_an_lm_head_never_rounds_x() -> None:
         f"cpp-q8_0-{isa}"
     )
     assert layer_path.startswith(f"cpp-q8_0-{isa}+dot")
-    pw = groupwise_linear.pack_groupwise(ops, layer.weight, *groupwise_linear.weight_groups(layer))
+    pw = groupwise_pack.pack_groupwise(ops, layer.weight, *groupwise_linear.weight_groups(layer))
     gemm = groupwise_linear.make_groupwise_gemm(ops, pw, None)
     assert torch.equal(head_fn(x), gemm(x, dot=False))
     assert torch.equal(layer_fn(x), gemm(x, dot=True))
@@ -806,7 +802,7 @@ def test_int8_activations_round_prefill_batches_too() -> None:
     layer = _groupwise_layer("q4_0", 40, 256)
     fn = packed_linear.make_linear_kernel(layer, int8_activations=True).fn
     plain = packed_linear.make_linear_kernel(layer).fn
-    pw = groupwise_linear.pack_groupwise(ops, layer.weight, *groupwise_linear.weight_groups(layer))
+    pw = groupwise_pack.pack_groupwise(ops, layer.weight, *groupwise_linear.weight_groups(layer))
     gemm = groupwise_linear.make_groupwise_gemm(ops, pw, None)
     for m in (1, 65, 300):
         x = torch.randn(m, 256).bfloat16()

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from pagedllm.backends.cpu.groupwise_linear import PackedGroupwise
+    from pagedllm.backends.cpu.groupwise_pack import PackedGroupwise
 
 logger = logging.getLogger(__name__)
 
