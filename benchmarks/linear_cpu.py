@@ -68,12 +68,8 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.backends.cpu._ops import cpu_model_name, resolve_isa
-from pagedllm.backends.cpu.groupwise_linear import (
-    PackedGroupwise,
-    make_groupwise_gemm,
-    pack_groupwise,
-    path_name,
-)
+from pagedllm.backends.cpu.groupwise_linear import make_groupwise_gemm, path_name
+from pagedllm.backends.cpu.groupwise_pack import PackedGroupwise, pack_groupwise
 from pagedllm.backends.cpu.packed_linear import (
     gemm_ops,
     make_16bit_linear,
@@ -209,7 +205,7 @@ def _groupwise_paths(w32: torch.Tensor) -> dict[str, tuple[object, torch.dtype, 
 
 def _int8_default() -> str:
     """The int8 column the backend's own choice for int8 weight-only layers runs."""
-    path = make_int8_linear(torch.zeros(16, 64, dtype=torch.int8), torch.ones(16), None)[1]
+    path = make_int8_linear(torch.zeros(16, 64, dtype=torch.int8), torch.ones(16), None).path
     return "int8_split_cpp" if path.startswith("cpp-int8-split") else "int8_cpp"
 
 
@@ -342,8 +338,8 @@ def decode_from_memory(
     w16 = w32.bfloat16()
     # name -> (make one copy: (linear, its packed tensor or None), bytes per weight)
     makers: dict[str, tuple[Callable[[], tuple[object, torch.Tensor | None]], float]] = {
-        "bf16": (lambda: (make_16bit_linear(w16.clone(), None)[0], None), 2.0),
-        "int8": (lambda: (make_int8_linear(q.clone(), scale, None)[0], None), 1.0),
+        "bf16": (lambda: (make_16bit_linear(w16.clone(), None).fn, None), 2.0),
+        "int8": (lambda: (make_int8_linear(q.clone(), scale, None).fn, None), 1.0),
     }
     for name, pw in groupwise_weights(w32).items():
 
@@ -530,11 +526,11 @@ def main() -> None:
         "processor": cpu_model_name(),
         "isa": resolve_isa(),
         "gemm_isa": ops.built_isa() if ops is not None else None,
-        "w8a8_isa": ops.w8a8_isa() if ops is not None else None,
-        "linear_path_bf16": make_16bit_linear(torch.randn(32, 32).bfloat16(), None)[1],
+        "w8a8_isa": ops.int8_dot_isa() if ops is not None else None,
+        "linear_path_bf16": make_16bit_linear(torch.randn(32, 32).bfloat16(), None).path,
         "linear_path_int8": make_int8_linear(
             torch.zeros(16, 64, dtype=torch.int8), torch.ones(16), None
-        )[1],
+        ).path,
         "linear_path_int4": path_name(ops, "int4") if ops is not None else "torch-int4",
         "linear_path_q8_0": path_name(ops, "q8_0") if ops is not None else "torch-q8_0",
         "threads": torch.get_num_threads(),

@@ -25,10 +25,15 @@ if TYPE_CHECKING:
 LinearFn = Callable[[torch.Tensor], torch.Tensor]
 
 
+def with_loader(param: nn.Parameter, loader: object) -> nn.Parameter:
+    """``param``, filled from a checkpoint by ``loader(param, tensor[, shard])`` (its
+    ``weight_loader``, which ``models/checkpoint.py`` reads): the one place it is attached."""
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    return param
+
+
 def _param(shape: tuple[int, ...], loader: object) -> nn.Parameter:
-    p = nn.Parameter(torch.empty(shape), requires_grad=False)
-    p.weight_loader = loader  # type: ignore[attr-defined]
-    return p
+    return with_loader(nn.Parameter(torch.empty(shape), requires_grad=False), loader)
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:

@@ -18,16 +18,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.backends.cpu import groupwise_linear, packed_linear
+from pagedllm.backends.cpu import groupwise_linear, groupwise_pack, packed_linear
 from pagedllm.backends.cpu._ops import load_gemm_ops, supported_isas
 from pagedllm.backends.cpu.groupwise_linear import (
     dot_linear_reference,
-    factor_q6_k,
-    factor_super_blocks,
-    pack_groupwise,
     quantize_activation_groups,
     split_activation_groups,
 )
+from pagedllm.backends.cpu.groupwise_pack import factor_q6_k, factor_super_blocks, pack_groupwise
 from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedllm.layers.quantization.groupwise import (
     GroupwiseMethod,
@@ -70,7 +68,7 @@ FLOAT_CASES = (
 def ops(request: pytest.FixtureRequest):
     module = load_gemm_ops(isa=request.param)
     assert module.built_isa() == request.param
-    assert module.groupwise_dot_isa() == DOT_ISA[request.param]
+    assert module.int8_dot_isa() == DOT_ISA[request.param]
     return module
 
 
@@ -119,9 +117,7 @@ def _layer_data(
         return q, scale, None, q
     g = k // 32
     if kind in ("iq4", "iq4_f32"):  # int8 IQ4 levels, every one of them; fp16 d or float32
-        q = torch.tensor(groupwise_linear.IQ4_LEVELS, dtype=torch.int8)[
-            torch.randint(0, 16, (n, k))
-        ]
+        q = torch.tensor(groupwise_pack.IQ4_LEVELS, dtype=torch.int8)[torch.randint(0, 16, (n, k))]
         d = (torch.rand(n, g) * 0.01 + 1e-3) * torch.randn(n, g).sign()
         scale = _fp16(d) if kind == "iq4" else d
         scale.iq4 = True
@@ -401,9 +397,10 @@ def test_a_q8_0_layer_of_iq4_levels_packs_four_bits_unless_it_takes_the_dot_path
         layer = SimpleNamespace(
             weight=weight,
             weight_scale_bits=s.float().contiguous().view(torch.int32),
-            quant_method=SimpleNamespace(name="q8_0"),
+            quant_method=GroupwiseMethod.for_format("q8_0"),
         )
-        fn, path = groupwise_linear.make_groupwise_linear(layer, None, dot=dot)
+        kernel = groupwise_linear.make_groupwise_linear(layer, None, dot=dot)
+        fn, path = kernel.fn, kernel.path
         assert fn is not None and path.startswith(f"cpp-{name}-"), (name, dot, path)
         x = torch.randn(2, 512)
         ref = x.double() @ dequantize_int8_groups(weight, s.float()).double().T
@@ -419,9 +416,9 @@ def test_a_q6_k_layer_packs_six_bits_unless_it_takes_the_dot_path() -> None:
     torch.manual_seed(6)
     q, scale, d = _q6_k_data(48, 512)
     for dot, bits in ((False, 6), (True, 8)):
-        assert groupwise_linear.six_bits(ops, "q6_k", dot=dot) == (bits == 6)
+        assert groupwise_pack.six_bits(ops, "q6_k", dot=dot) == (bits == 6)
         assert pack_groupwise(ops, q, scale, None, d, six=bits == 6).bits == bits
-    assert not groupwise_linear.six_bits(ops, "q8_0", dot=False)
+    assert not groupwise_pack.six_bits(ops, "q8_0", dot=False)
 
 
 def test_q6_k_factoring_is_exact_or_refused(ops) -> None:
@@ -594,13 +591,17 @@ def test_the_split_kernel_is_named_in_the_path_and_the_kernel_checked() -> None:
         layer = SimpleNamespace(
             weight=weight,
             weight_scale_bits=scale.float().contiguous().view(torch.int32),
-            quant_method=SimpleNamespace(name="q8_0" if kind == "iq4" else kind),
+            # A Q4_0 layer is an int4 one; IQ4 levels are held as q8_0.
+            quant_method=GroupwiseMethod.for_format(
+                {"q4_0": "int4", "iq4": "q8_0"}.get(kind, kind)
+            ),
         )
         if offset is not None:
             layer.weight_offset_bits = offset.float().contiguous().view(torch.int32)
-        fn, paths[kind] = groupwise_linear.make_groupwise_linear(layer, None)
+        kernel = groupwise_linear.make_groupwise_linear(layer, None)
+        fn, paths[kind] = kernel.fn, kernel.path
         assert fn is not None, paths[kind]
-    assert paths["q4_0"].startswith("cpp-q4_0-") and "+split" in paths["q4_0"], paths
+    assert paths["q4_0"].startswith("cpp-int4-") and "+split" in paths["q4_0"], paths
     assert "+split" not in paths["q8_0"] and "+split" not in paths["iq4"], paths
     assert paths["iq4"].startswith("cpp-iq4-"), paths
     # Where AMX tiles run, the names say from which rows: later for the split 4-bit layer.
@@ -711,7 +712,7 @@ def test_packing_into_a_given_buffer_and_huge_page_buffers(ops) -> None:
     assert ops.huge_page_empty(0).numel() == 0
 
 
-# -- the layer: _pack_one's choice -----------------------------------------------------------
+# -- the layer: make_linear_kernel's choice --------------------------------------------------
 def _groupwise_layer(kind: str, n: int, k: int, *, row: bool = False, bias: bool = False):
     torch.manual_seed(7)
     layer = RowParallelLinear(k, n, bias=bias) if row else ColumnParallelLinear(k, [n], bias=bias)
@@ -731,7 +732,7 @@ def _groupwise_layer(kind: str, n: int, k: int, *, row: bool = False, bias: bool
     return layer
 
 
-def test_pack_one_installs_the_groupwise_gemm() -> None:
+def test_make_linear_kernel_installs_the_groupwise_gemm() -> None:
     ops = packed_linear.gemm_ops()
     if ops is None:
         pytest.skip("the C++ GEMM could not be built")
@@ -744,15 +745,16 @@ def test_pack_one_installs_the_groupwise_gemm() -> None:
     ):
         layer = _groupwise_layer(kind, 40, k, row=row, bias=True)
         name = kind if kind in ("q8_0", "q6_k") else "int4"
-        fn, path = packed_linear._pack_one(layer)
+        kernel = packed_linear.make_linear_kernel(layer)
+        fn, path = kernel.fn, kernel.path
         # x unrounded unless asked (+amx<rows> where bf16 batches run on AMX tiles)
         four_bit = name == "int4"  # + the kernel of its few bf16 rows (+split by default)
         assert path == groupwise_linear.path_name(ops, name, four_bit=four_bit), path
         assert path.startswith(f"cpp-{name}-{ops.built_isa()}") and "+dot" not in path, path
-        _, dot_path = packed_linear._pack_one(layer, int8_activations=True)
+        dot_path = packed_linear.make_linear_kernel(layer, int8_activations=True).path
         # Every bf16 batch on the dot path; the scalar build has none.
         # (No AMX tiles then: no bf16 batch takes the float path.)
-        scalar = ops.groupwise_dot_isa() == "scalar"
+        scalar = ops.int8_dot_isa() == "scalar"
         assert dot_path == (path if scalar else f"cpp-{name}-{ops.built_isa()}+dot"), dot_path
         ref_w = dequantize_layer(layer).double()
         # A row-parallel layer adds its bias after the all-reduce, not in the GEMM.
@@ -774,14 +776,16 @@ def test_an_lm_head_never_rounds_x() -> None:
         pytest.skip("no default dot path on this build")
     layer = _groupwise_layer("q8_0", 48, 128)
     x = torch.randn(3, 128).bfloat16()
-    head_fn, head_path = packed_linear._pack_one(layer, is_head=True, int8_activations=True)
-    layer_fn, layer_path = packed_linear._pack_one(layer, int8_activations=True)
+    kernel = packed_linear.make_linear_kernel(layer, is_head=True, int8_activations=True)
+    head_fn, head_path = kernel.fn, kernel.path
+    kernel = packed_linear.make_linear_kernel(layer, int8_activations=True)
+    layer_fn, layer_path = kernel.fn, kernel.path
     isa = ops.built_isa()
     assert head_path == groupwise_linear.path_name(ops, "q8_0") and head_path.startswith(
         f"cpp-q8_0-{isa}"
     )
     assert layer_path.startswith(f"cpp-q8_0-{isa}+dot")
-    pw = groupwise_linear.pack_groupwise(ops, layer.weight, *groupwise_linear.weight_groups(layer))
+    pw = groupwise_pack.pack_groupwise(ops, layer.weight, *groupwise_linear.weight_groups(layer))
     gemm = groupwise_linear.make_groupwise_gemm(ops, pw, None)
     assert torch.equal(head_fn(x), gemm(x, dot=False))
     assert torch.equal(layer_fn(x), gemm(x, dot=True))
@@ -796,9 +800,9 @@ def test_int8_activations_round_prefill_batches_too() -> None:
     if ops is None or not groupwise_linear.dot_rows(ops, torch.bfloat16):
         pytest.skip("no default dot path on this build")
     layer = _groupwise_layer("q4_0", 40, 256)
-    fn, _ = packed_linear._pack_one(layer, int8_activations=True)
-    plain, _ = packed_linear._pack_one(layer)
-    pw = groupwise_linear.pack_groupwise(ops, layer.weight, *groupwise_linear.weight_groups(layer))
+    fn = packed_linear.make_linear_kernel(layer, int8_activations=True).fn
+    plain = packed_linear.make_linear_kernel(layer).fn
+    pw = groupwise_pack.pack_groupwise(ops, layer.weight, *groupwise_linear.weight_groups(layer))
     gemm = groupwise_linear.make_groupwise_gemm(ops, pw, None)
     for m in (1, 65, 300):
         x = torch.randn(m, 256).bfloat16()
@@ -809,7 +813,9 @@ def test_int8_activations_round_prefill_batches_too() -> None:
         assert torch.equal(fn(x32), gemm(x32, dot=False)), m
 
 
-def test_pack_one_keeps_pytorch_when_the_check_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_make_linear_kernel_keeps_pytorch_when_the_check_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     ops = packed_linear.gemm_ops()
     if ops is None:
         pytest.skip("the C++ GEMM could not be built")
@@ -822,7 +828,8 @@ def test_pack_one_keeps_pytorch_when_the_check_fails(monkeypatch: pytest.MonkeyP
             return ops.groupwise_gemm(*args) * 1.01
 
     monkeypatch.setattr(packed_linear, "gemm_ops", lambda: Wrong())
-    fn, path = packed_linear._pack_one(_groupwise_layer("q4_0", 32, 64))
+    kernel = packed_linear.make_linear_kernel(_groupwise_layer("q4_0", 32, 64))
+    fn, path = kernel.fn, kernel.path
     assert fn is None and path == "torch-int4"
 
 
@@ -851,18 +858,19 @@ def test_a_repeated_shape_is_checked_with_one_probe(monkeypatch: pytest.MonkeyPa
     counting = _Counting(ops)
     monkeypatch.setattr(packed_linear, "gemm_ops", lambda: counting)
     checked: set[tuple] = set()
-    first, _ = packed_linear._pack_one(_groupwise_layer("q4_0", 32, 64), checked=checked)
+    first = packed_linear.make_linear_kernel(_groupwise_layer("q4_0", 32, 64), checked=checked).fn
     full = counting.calls
     assert first is not None and full >= 4
-    second, _ = packed_linear._pack_one(_groupwise_layer("q4_1", 32, 64), checked=checked)
+    second = packed_linear.make_linear_kernel(_groupwise_layer("q4_1", 32, 64), checked=checked).fn
     assert second is not None and counting.calls == 2 * full  # another format: all probes
-    third, _ = packed_linear._pack_one(_groupwise_layer("q4_0", 32, 64), checked=checked)
+    third = packed_linear.make_linear_kernel(_groupwise_layer("q4_0", 32, 64), checked=checked).fn
     assert third is not None and counting.calls == 2 * full + 1
     # The one probe of a repeated shape still refuses a kernel that is wrong on its layer.
     wrong = _Counting(ops, wrong_after=counting.calls)
     monkeypatch.setattr(packed_linear, "gemm_ops", lambda: wrong)
     wrong.calls = counting.calls
-    fn, path = packed_linear._pack_one(_groupwise_layer("q4_0", 32, 64), checked=checked)
+    kernel = packed_linear.make_linear_kernel(_groupwise_layer("q4_0", 32, 64), checked=checked)
+    fn, path = kernel.fn, kernel.path
     assert fn is None and path == "torch-int4"
 
 
@@ -957,7 +965,8 @@ def test_a_fused_layer_of_several_formats_runs_each_run_of_parts_packed(
     torch.testing.assert_close(
         layer(x).double(), F.linear(x.double(), ref_w, bias), rtol=1e-5, atol=1e-5
     )
-    fn, path = packed_linear._pack_one(layer)
+    kernel = packed_linear.make_linear_kernel(layer)
+    fn, path = kernel.fn, kernel.path
     assert path == groupwise_linear.path_name(ops, "mixed(int4,int4,q6_k)", four_bit=True), path
     assert path.startswith(f"cpp-mixed(int4,int4,q6_k)-{ops.built_isa()}"), path
     for m, dtype in (

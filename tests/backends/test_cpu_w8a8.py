@@ -46,7 +46,7 @@ SHAPES = [
 def ops(request: pytest.FixtureRequest):
     module = load_gemm_ops(isa=request.param)
     assert module.built_isa() == request.param
-    assert module.w8a8_isa() == DOT_PRODUCT[request.param]
+    assert module.int8_dot_isa() == DOT_PRODUCT[request.param]
     return module
 
 

@@ -501,7 +501,7 @@ def test_int8_groups_and_int4_groups_are_ggml_exact() -> None:
     (float32)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-    from pagedllm.backends.cpu.groupwise_linear import factor_q6_k
+    from pagedllm.backends.cpu.groupwise_pack import factor_q6_k
     from pagedllm.layers.quantization.groupwise import (
         dequantize_groups,
         dequantize_int4,

@@ -168,14 +168,14 @@ def test_expert_stacks_stay_quantised_on_the_cpu(moe_files: dict, recipe: str) -
         for fmt in want.values():
             assert f"cpp-{fmt}-" in layer.path, layer.path
         if w13 is None:  # the dequantised stack: the dense float GEMM
-            assert "onednn" in layer.path or "bf16" in layer.path, layer.path
+            assert "onednn" in layer.path or "bfloat16" in layer.path, layer.path
         assert "grouped" in layer.path, layer.path
-        fns = layer.fast_moe.keywords["expert_fns"]
+        kernels = layer.expert_kernels
         for which, name in enumerate(("w13_weight", "w2_weight")):
             if name not in want:
                 assert layer.fast_moe.keywords["grouped"][which] is None
                 continue
-            panels = [pair[which].packed_groupwise.packed for pair in fns]
+            panels = [pair[which].groupwise.packed for pair in kernels]
             for a, b in itertools.pairwise(panels):  # one buffer: each expert's after the last's
                 assert b.data_ptr() == a.data_ptr() + a.numel(), f"{name}: not side by side"
         assert layer.w13_weight.numel() == 0 and layer.w2_weight.numel() == 0

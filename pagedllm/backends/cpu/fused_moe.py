@@ -27,8 +27,17 @@ from pagedllm.backends.cpu.groupwise_linear import EVERY_BATCH
 logger = logging.getLogger(__name__)
 
 
-def pack_weight(weight: torch.Tensor, scale: torch.Tensor | None) -> tuple[pl.LinearFn | None, str]:
-    """The fastest correct GEMM for one ``[N, K]`` expert weight, and its path's name."""
+def expert_formats() -> frozenset[str]:
+    """The weight formats whose expert stacks run packed here: float (by dtype), int8 and the
+    group-wise formats the dense layers run (one GEMM per expert slice)."""
+    from pagedllm.layers.quantization.base import FLOAT
+    from pagedllm.layers.quantization.int8 import Int8WeightOnly
+
+    return frozenset({FLOAT, Int8WeightOnly.weight_format}) | pl.groupwise_formats()
+
+
+def pack_weight(weight: torch.Tensor, scale: torch.Tensor | None) -> pl.LinearKernel:
+    """The fastest correct GEMM for one ``[N, K]`` expert weight."""
     if scale is not None:
         return pl.make_int8_linear(weight, scale, None)
     return pl.make_dense_linear(weight, None)
@@ -72,8 +81,10 @@ class StackStorage:
     def __call__(self, shape: tuple[int, int]) -> torch.Tensor | None:
         if self.buffer is None:
             ops = pl.gemm_ops()
+            if ops is None:  # the panels are packed by the same build: never here
+                return None
             nbytes = self.experts * shape[0] * shape[1]
-            self.buffer = ops.huge_page_empty(nbytes).view(self.experts, *shape)  # type: ignore[union-attr]
+            self.buffer = ops.huge_page_empty(nbytes).view(self.experts, *shape)
         if tuple(self.buffer.shape[1:]) != tuple(shape) or self.taken == self.experts:
             return None
         self.taken += 1
@@ -87,7 +98,7 @@ def _expert_gemm(
     checked: set[tuple],
     dot: bool,
     storage: StackStorage | None = None,
-) -> tuple[pl.LinearFn | None, str]:
+) -> pl.LinearKernel:
     if name in layer.groupwise:
         from pagedllm.backends.cpu.groupwise_linear import make_groupwise_linear
 
@@ -97,10 +108,11 @@ def _expert_gemm(
     return pack_weight(getattr(layer, name)[e], None if scale is None else scale[e])
 
 
+_STACKS = ("w13_weight", "w2_weight")
 GroupedGemm = Callable[[torch.Tensor, list[int], list[int]], torch.Tensor]
 
 
-def make_grouped_gemm(fns: list[pl.LinearFn], checked: set[tuple]) -> GroupedGemm | None:
+def make_grouped_gemm(kernels: list[pl.LinearKernel], checked: set[tuple]) -> GroupedGemm | None:
     """``grouped(x [P, K], experts, starts) -> [P, N]``: rows ``starts[i]..starts[i + 1]`` of x
     through expert ``experts[i]``'s packed layer, in one C++ call, or None where the experts'
     layers are not all group-wise layers of one format and shape.
@@ -109,22 +121,18 @@ def make_grouped_gemm(fns: list[pl.LinearFn], checked: set[tuple]) -> GroupedGem
     panel); checked once per format and shape in a load (``checked``) to equal the per-expert
     calls bit for bit, on row counts that take the register kernels and the per-call ones.
     """
-    pws = [getattr(fn, "packed_groupwise", None) for fn in fns]
-    if not pws or any(pw is None for pw in pws):
+    pws = [pw for kernel in kernels if (pw := kernel.groupwise) is not None]
+    fns = [fn for kernel in kernels if (fn := kernel.fn) is not None]
+    ops = pl.gemm_ops()
+    if ops is None or not kernels or len(pws) != len(kernels) or len(fns) != len(kernels):
         return None
-    first = pws[0]
-    layout = (first.n, first.k, first.bits, first.half_scales, first.with_offset)
-    layout += (first.factored, first.levels)
-    if any(
-        (pw.n, pw.k, pw.bits, pw.half_scales, pw.with_offset, pw.factored, pw.levels) != layout
-        for pw in pws
-    ):
+    layout = pws[0].layout
+    if any(pw.layout != layout for pw in pws):
         return None
-    dot_rows = fns[0].dot_rows  # type: ignore[attr-defined]
+    dot_rows = kernels[0].dot_rows
     if any(rows not in (0, EVERY_BATCH) for rows in dot_rows.values()):
         return None  # a per-batch choice of path: each expert decides for its own rows
-    ops = pl.gemm_ops()
-    kernel = ops.groupwise_gemm_grouped  # type: ignore[union-attr]
+    kernel = ops.groupwise_gemm_grouped
     packed = [pw.packed for pw in pws]
     n, k, bits, half_scales, with_offset, factored, levels = layout
 
@@ -179,26 +187,29 @@ def pack_moe_layer(
     from pagedllm.layers.fused_moe import fused_experts_torch
 
     checked = set() if checked is None else checked
-    fns = []
+    kernels: list[tuple[pl.LinearKernel, pl.LinearKernel]] = []
+    fns: list[tuple[pl.LinearFn, pl.LinearFn]] = []
     paths: set[str] = set()
-    stacks = {name: StackStorage(layer.num_local_experts) for name in ("w13_weight", "w2_weight")}
+    stacks = {name: StackStorage(layer.num_local_experts) for name in _STACKS}
     for e in range(layer.num_local_experts):
-        pair = []
-        for name in ("w13_weight", "w2_weight"):
-            fn, path = _expert_gemm(layer, name, e, checked, int8_activations, stacks[name])
-            paths.add(path)
-            pair.append(fn)
-        if None in pair:
+        w13, w2 = (
+            _expert_gemm(layer, name, e, checked, int8_activations, stacks[name])
+            for name in _STACKS
+        )
+        paths.update((w13.path, w2.path))
+        if w13.fn is None or w2.fn is None:
             return "torch"  # one expert without a packed GEMM: keep the layer's own path
-        fns.append(tuple(pair))
+        kernels.append((w13, w2))
+        fns.append((w13.fn, w2.fn))
     grouped = (
-        make_grouped_gemm([pair[0] for pair in fns], checked),
-        make_grouped_gemm([pair[1] for pair in fns], checked),
+        make_grouped_gemm([pair[0] for pair in kernels], checked),
+        make_grouped_gemm([pair[1] for pair in kernels], checked),
     )
     layer.fast_moe = functools.partial(fused_experts_torch, layer, expert_fns=fns, grouped=grouped)
+    layer.expert_kernels = tuple(kernels)  # what was chosen per expert (paths, panels)
     if grouped != (None, None):
         paths.add("grouped")
-    for name in ("w13_weight", "w2_weight"):  # the packed copies are the only ones used
+    for name in _STACKS:  # the packed copies are the only ones used
         getattr(layer, name).data = torch.empty(0, dtype=getattr(layer, name).dtype)
         for suffix in ("_scale_bits", "_offset_bits", "_super_bits"):
             if name in layer.groupwise and hasattr(layer, name + suffix):

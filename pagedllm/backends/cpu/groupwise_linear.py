@@ -1,19 +1,8 @@
 """Group-wise quantised layers (4-bit ``int4`` / GGUF Q4_0, Q4_1, Q4_K and 8-bit ``q8_0`` /
 ``q6_k``, groups of 32 along K) on the CPU backend's C++ GEMM (``csrc/gemm_q4.cpp``).
 
-The weights stay quantised: each layer is packed once into panels of 16 output columns, one block
-per group holding its 4- or 8-bit q and its scales and offsets in the smallest form that is exact
-for the whole layer (:func:`pack_groupwise`): 4.5 bits a weight for Q4_0 (no offsets), 4.625 for
-Q4_K (scales factored per 8 groups, kept in a header per 8 blocks so that every block of q is
-cache-line aligned), 5 for Q4_1 and int4 made at load (fp16), 8.5 for Q8_0, 8.625 for Q6_K (q -
-32 as int8, two scales per group factored as fp16 d per 8 groups times int8 sc:
-:func:`factor_q6_k`), or 6.625 for Q6_K where the build reads its q at 6 bits and the layer runs
-the float path only (:func:`six_bits`). A q8_0 layer whose every q is one of ggml's 16 IQ4
-levels (GGUF IQ4_NL / IQ4_XS) packs those q as 4-bit indices where it runs the float path only
-(:func:`iq4_levels`): 4.5 bits a weight (5 with IQ4_XS's float32 scales), read through a
-look-up table as Q4_0's nibbles are.
-
-Two paths run on the same packed weights:
+The weights stay quantised, packed once per layer (:mod:`.groupwise_pack`: the layout and the
+smallest exact form of its scales). Two paths run on the same packed weights:
 
 - **float** (``dot=False``): x is not rounded; every weight is dequantised as
   :func:`~pagedllm.layers.quantization.groupwise.dequantize_layer` does (float32 x), or q meets
@@ -33,13 +22,23 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
+from types import MappingProxyType, ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.backends.cpu.groupwise_pack import (
+    PackedGroupwise,
+    Storage,
+    check_k,
+    iq4_levels,
+    pack_groupwise,
+    scale_format,
+    six_bits,
+)
 from pagedllm.layers.quantization.groupwise import (
     GROUP_SIZE,
     dequantize_groups,
@@ -47,259 +46,14 @@ from pagedllm.layers.quantization.groupwise import (
     weight_super_scale,
 )
 
+if TYPE_CHECKING:
+    from pagedllm.backends.cpu.packed_linear import LinearKernel
+
 logger = logging.getLogger(__name__)
 
+_ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LinearFn = Callable[[torch.Tensor], torch.Tensor]
 _INT8_MAX = 127
-
-
-@dataclass(frozen=True)
-class PackedGroupwise:
-    """One layer's packed weights and the format the kernels read them in."""
-
-    packed: torch.Tensor  # uint8 [ceil(N/16), panel bytes]
-    n: int
-    k: int
-    bits: int  # 4 or 8; 6: q6_k's q at 6 bits (the float path only, AVX-512 builds)
-    half_scales: bool  # scales and offsets (factored: d and dm) stored as fp16: exact here
-    with_offset: bool  # 4-bit: offsets stored (else offset = -8 * scale for every group)
-    # 4-bit: scale = d * sc, offset = dm * m per super-block of 8 groups; 8-bit: q6_k, a scale
-    # d * sc per 16 k (sc a signed byte, d per super-block of 8 groups)
-    factored: bool
-    # 4-bit q indexing ggml's IQ4 levels (a q8_0 layer whose every q is one: IQ4_NL, IQ4_XS)
-    levels: bool = False
-
-    @property
-    def name(self) -> str:
-        if self.levels:
-            return "iq4"
-        if self.bits == 4:
-            return "int4"
-        if self.with_offset:
-            return "q5_k"
-        return "q6_k" if self.factored else "q8_0"
-
-    @property
-    def bits_per_weight(self) -> float:
-        """Bytes streamed per call (scales included) per weight, in bits."""
-        return self.packed.numel() * 8 / (self.packed.shape[0] * 16 * self.k)
-
-    def rows(self, ops: object, rows: torch.Tensor) -> torch.Tensor:
-        """float32 rows ``rows`` of W read back from the panels (as the definition
-        dequantises them)."""
-        return ops.groupwise_weight_rows(  # type: ignore[attr-defined]
-            self.packed,
-            self.n,
-            self.k,
-            self.bits,
-            self.half_scales,
-            self.with_offset,
-            self.factored,
-            rows,
-            self.levels,
-        )
-
-    def gemm(
-        self,
-        ops: object,
-        x: torch.Tensor,
-        bias: torch.Tensor | None,
-        dot: bool,
-        rows_kernel: str = "split",
-    ):
-        """``ops.groupwise_gemm`` on these weights: ``x [T, K] -> [T, N]`` (``rows_kernel``:
-        what few bf16 rows on a 4-bit layer run, ``ops.groupwise_bf16_rows_kernels()``)."""
-        check_k(x, self.k)
-        fmt = (self.bits, self.half_scales, self.with_offset, self.factored)
-        return ops.groupwise_gemm(  # type: ignore[attr-defined]
-            x, self.packed, self.n, *fmt, bias, dot, self.levels, rows_kernel=rows_kernel
-        )
-
-
-def check_k(x: torch.Tensor, k: int) -> None:
-    """The kernel can only check x's K against the panel's size, and super-blocks of 2 groups
-    make a K of 32 * (2j - 1) and one of 32 * 2j the same size: the layer checks it exactly."""
-    if x.shape[-1] != k:
-        raise ValueError(f"x: {x.shape[-1]} features for a layer of {k}")
-
-
-_SUPER = 8  # groups per factored super-block
-_UNITS = 63  # Q4_K's 6-bit sc and m: the largest group of a super-block is 63 units
-
-
-def _exact_in_half(t: torch.Tensor) -> bool:
-    return bool(torch.equal(t.half().float(), t))
-
-
-def factor_super_blocks(
-    scale: torch.Tensor, offset: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Q4_K's structure, where every super-block of 8 groups has it exactly: ``scale = d * sc``
-    and ``offset = dm * m`` with ``d``, ``dm`` per super-block and integers ``sc``, ``m`` in
-    0..255. Returns (float32 ``[N, G/8, 2]``: d, dm; uint8 ``[N, G, 2]``: sc, m) or None.
-
-    ``d`` is taken as the super-block's largest magnitude over 63 (Q4_K's quantiser gives its
-    largest group 63 units, and ``d * 63`` is exact in float32, so the division recovers ``d``);
-    every product is then checked bit for bit.
-    """
-    n, g = scale.shape
-    if g % _SUPER:
-        return None
-    factors, units = [], []
-    for values in (scale, offset):
-        blocks = values.reshape(n, g // _SUPER, _SUPER)  # [N, G/8, 8]
-        top = blocks.gather(-1, blocks.abs().argmax(dim=-1, keepdim=True))  # [N, G/8, 1]
-        d = top / _UNITS
-        u = torch.round(torch.where(d != 0, blocks / d, torch.zeros_like(blocks)))
-        if not bool(((u >= 0) & (u <= 255) & (d * u == blocks)).all()):
-            return None
-        factors.append(d.squeeze(-1))
-        units.append(u.to(torch.uint8).reshape(n, g))
-    return torch.stack(factors, dim=-1), torch.stack(units, dim=-1)
-
-
-_Q6_K_SUBS = 16  # scales (of 16 k) per super-block of 256 k
-
-
-def factor_q6_k(scale: torch.Tensor, d: torch.Tensor) -> torch.Tensor | None:
-    """Q6_K's signed byte ``sc [N, K/16]`` with ``scale == d * sc`` bit for bit (``scale`` the
-    products per 16 k, ``d [N, K/256]``), or None where some product is not so (then the layer
-    cannot be packed). ``d == 0`` takes ``sc = 0``, exact where its products are all zero."""
-    n, subs = scale.shape
-    if subs % _Q6_K_SUBS or d.shape != (n, subs // _Q6_K_SUBS):
-        return None
-    dd = d.repeat_interleave(_Q6_K_SUBS, dim=-1)  # [N, K/16]
-    sc = torch.round(torch.where(dd != 0, scale / dd, torch.zeros_like(scale)))
-    if not bool(((sc >= -128) & (sc <= 127) & (dd * sc == scale)).all()):
-        return None
-    return sc.to(torch.int8)
-
-
-def scale_format(
-    scale: torch.Tensor, offset: torch.Tensor | None, *, bits: int = 4
-) -> tuple[bool, bool]:
-    """(half_scales, with_offset) for float32 ``scale``/``offset [N, K/32]`` stored per group:
-    fp16 only where every value is exactly an fp16 (GGUF's Q4_0/Q4_1/Q8_0 d and m; not Q4_K's
-    d * sc products), 4-bit offsets dropped only where all are exactly ``-8 * scale`` (Q4_0,
-    symmetric int4); 8-bit ones (q5_k) always kept."""
-    with_offset = offset is not None and (bits == 8 or not torch.equal(offset, scale * -8))
-    half = _exact_in_half(scale) and (not with_offset or _exact_in_half(offset))
-    return half, with_offset
-
-
-def pack_groupwise(
-    ops: object,
-    weight: torch.Tensor,
-    scale: torch.Tensor,
-    offset: torch.Tensor | None,
-    super_scale: torch.Tensor | None = None,
-    *,
-    six: bool = False,
-    levels: bool = False,
-    storage: Storage | None = None,
-) -> PackedGroupwise:
-    """Pack ``weight`` (uint8 nibbles ``[N, K/2]`` with ``offset``, or int8 ``[N, K]``) and its
-    float32 ``scale``/``offset [N, K/32]`` for ``ops.groupwise_gemm``, in the smallest exact
-    format: no offsets (Q4_0: 4.5 bits a weight), factored (Q4_K: 4.625), fp16 (Q4_1: 5, Q8_0:
-    8.5), else float32 (6, 9). A q6_k layer (``scale [N, K/16]``, ``super_scale`` its ``d``)
-    packs factored: 8.625 bits a weight, or 6.625 with ``six`` (q at 6 bits, for a layer that
-    never takes the dot path); ValueError where ``scale`` is not ``d * sc``. ``levels``: an
-    int8 ``weight`` of IQ4 levels (:func:`iq4_levels`) packed as 4-bit indices (4.5 bits a
-    weight with fp16 scales, 5 with float32); ValueError where some q is not a level.
-    ``storage``: where the panels go (see :data:`Storage`); else a tensor of their own."""
-    if super_scale is not None:
-        return _pack_q6_k(ops, weight, scale, super_scale, six=six, storage=storage)
-    if levels:
-        half, _ = scale_format(scale, None)
-        n, k = weight.shape
-        into = _into(ops, storage, n, k, 4, half, False, False, True)
-        try:
-            packed = ops.pack_groupwise(weight, scale, None, 4, half, False, None, None, True, into)
-        except RuntimeError as exc:
-            raise ValueError(f"weight: not IQ4 levels ({exc})") from exc
-        return PackedGroupwise(packed, n, k, 4, half, False, False, levels=True)
-    bits = 4 if weight.dtype == torch.uint8 else 8  # nibbles, or int8 (q5_k: with offsets)
-    half, with_offset = scale_format(scale, offset, bits=bits)
-    factors = factor_super_blocks(scale, offset) if with_offset and bits == 4 else None
-    fac, idx = factors if factors is not None else (None, None)
-    if fac is not None:
-        half = _exact_in_half(fac)
-    n, k = weight.shape[0], weight.shape[1] * (2 if bits == 4 else 1)
-    into = _into(ops, storage, n, k, bits, half, with_offset, fac is not None, False)
-    packed = ops.pack_groupwise(
-        weight, scale, offset, bits, half, with_offset, fac, idx, False, into
-    )
-    return PackedGroupwise(packed, n, k, bits, half, with_offset, fac is not None)
-
-
-# ``storage((panels, panel bytes))``: a contiguous uint8 tensor of that shape for a layer's
-# panels to be packed into, or None for a tensor of their own (an MoE layer's experts share one
-# buffer: fused_moe.StackStorage).
-Storage = Callable[[tuple[int, int]], "torch.Tensor | None"]
-
-
-def _into(
-    ops: object,
-    storage: Storage | None,
-    n: int,
-    k: int,
-    bits: int,
-    half: bool,
-    with_offset: bool,
-    factored: bool,
-    levels: bool,
-) -> torch.Tensor | None:
-    if storage is None:
-        return None
-    per_panel = ops.groupwise_panel_bytes(k, bits, half, with_offset, factored, levels)  # type: ignore[attr-defined]
-    return storage(((n + 15) // 16, per_panel))
-
-
-# ggml's IQ4_NL / IQ4_XS levels (``kvalues_iq4nl``; GGUF's are held as q8_0 layers of them).
-IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
-
-
-def iq4_levels(name: str, weight: torch.Tensor, *, dot: bool) -> bool:
-    """Whether a ``name`` layer of int8 ``weight`` packs its q at 4 bits as indices into the
-    IQ4 levels: a q8_0 layer whose every q is one of them (an IQ4_NL / IQ4_XS tensor: 4.5-5 bits
-    a weight streamed instead of 8.5-9) that never takes the dot path (its integer kernels read
-    whole bytes). The first row is sampled here (a Q8_0 layer fails it at once); the pack
-    checks every value."""
-    if name != "q8_0" or dot or weight.dtype != torch.int8 or weight.numel() == 0:
-        return False
-    levels = torch.tensor(IQ4_LEVELS, dtype=torch.int8)
-    return bool(torch.isin(weight[0], levels).all())
-
-
-def six_bits(ops: object, name: str, *, dot: bool) -> bool:
-    """Whether a ``name`` layer packs its q at 6 bits: a q6_k layer that never takes the dot
-    path (the integer kernels read whole bytes), in a build whose float path reads six blocks
-    (AVX-512: a lane-wise shift and a ``vpermi2w`` per 32 weights, as cheap as the int8
-    layout's look-up, for three quarters of its bytes; the one-row decode streams them)."""
-    return name == "q6_k" and not dot and bool(ops.groupwise_six_bits())
-
-
-def _pack_q6_k(
-    ops: object,
-    weight: torch.Tensor,
-    scale: torch.Tensor,
-    d: torch.Tensor,
-    *,
-    six: bool,
-    storage: Storage | None = None,
-) -> PackedGroupwise:
-    sc = factor_q6_k(scale, d)
-    if sc is None:
-        raise ValueError("weight_scale: a q6_k layer's scales are not d * sc (sc a signed byte)")
-    n, k = weight.shape
-    half = _exact_in_half(d)
-    index = sc.view(torch.uint8).reshape(n, k // GROUP_SIZE, 2)  # per group: k 0..15, 16..31
-    bits = 6 if six else 8
-    into = _into(ops, storage, n, k, bits, half, False, True, False)
-    packed = ops.pack_groupwise(
-        weight, scale, None, bits, half, False, d[..., None], index, False, into
-    )
-    return PackedGroupwise(packed, n, k, bits, half, False, True)
 
 
 def quantize_activation_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -390,7 +144,7 @@ def weight_integers(layer: nn.Module) -> torch.Tensor:
 
 
 # Rows up to which bf16/fp16 x takes the dot path where the user asked for it
-# (``int8_activations``), per integer dot product (``ops.groupwise_dot_isa()``); None: every
+# (``int8_activations``), per integer dot product (``ops.int8_dot_isa()``); None: every
 # batch. Measured by ``benchmarks/linear_cpu.py --dot-rows`` on a Zen 4 EPYC (1B shapes, fused
 # q/k/v and gate/up, Q4_0 / Q4_K / Q8_0 / Q6_K, bf16 x): VNNI ran 1.1-1.2x the float path at
 # one row, 1.3-1.9x at 2-64 and 1.2-2.8x at 128-1024 (vpdpbusd does twice the multiply-adds of
@@ -403,7 +157,7 @@ DOT_ROWS: dict[str, int | None] = {"avx512vnni": None, "avx2": None}
 EVERY_BATCH = 1 << 62
 
 
-def dot_rows(ops: object, dtype: torch.dtype, *, enabled: bool = True) -> int:
+def dot_rows(ops: ModuleType, dtype: torch.dtype, *, enabled: bool = True) -> int:
     """Up to how many rows of ``dtype`` x the dot path runs by default (0: never,
     ``EVERY_BATCH``: every batch).
 
@@ -415,23 +169,27 @@ def dot_rows(ops: object, dtype: torch.dtype, *, enabled: bool = True) -> int:
     float32 x never: float32 models are held to transformers' tokens. The scalar build never:
     it is the correctness fallback.
     """
-    isa = ops.groupwise_dot_isa()
+    isa = ops.int8_dot_isa()
     if not enabled or dtype == torch.float32 or isa not in DOT_ROWS:
         return 0
     rows = DOT_ROWS[isa]
     return EVERY_BATCH if rows is None else rows
 
 
+def default_dot_rows(ops: ModuleType, *, dot: bool) -> dict[torch.dtype, int]:
+    """Per activation dtype, up to how many rows take the dot path by default (``dot_rows``)."""
+    return {dt: dot_rows(ops, dt, enabled=dot) for dt in _ACT_DTYPES}
+
+
 def make_groupwise_gemm(
-    ops: object, pw: PackedGroupwise, bias: torch.Tensor | None, *, dot: bool = False
+    ops: ModuleType, pw: PackedGroupwise, bias: torch.Tensor | None, *, dot: bool = False
 ) -> Callable[..., torch.Tensor]:
     """``gemm(x [T, K], dot=None) -> [T, N]``: ``dot=None`` takes the default for x's rows
     (the float path for every batch unless ``dot``)."""
     bias32 = None if bias is None else bias.detach().float().contiguous()
-    dtypes = (torch.float32, torch.bfloat16, torch.float16)
-    defaults = {dt: dot_rows(ops, dt, enabled=dot) for dt in dtypes}
+    defaults = default_dot_rows(ops, dot=dot)
     # PackedGroupwise.gemm's call with its arguments bound once: this runs per layer per step.
-    kernel = ops.groupwise_gemm  # type: ignore[attr-defined]
+    kernel = ops.groupwise_gemm
     weights = (pw.packed, pw.n, pw.bits, pw.half_scales, pw.with_offset, pw.factored, bias32)
     k, levels = pw.k, pw.levels
 
@@ -441,72 +199,61 @@ def make_groupwise_gemm(
             dot = x.shape[0] <= defaults.get(x.dtype, 0)
         return kernel(x, *weights, dot, levels)
 
-    gemm.dot_rows = defaults  # type: ignore[attr-defined]
     return gemm
 
 
-def make_groupwise_linear(
-    module: nn.Module,
-    bias: torch.Tensor | None,
-    *,
-    dot: bool = False,
-    checked: set[tuple] | None = None,
-    storage: Storage | None = None,
-) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, str]:
-    """The C++ GEMM on a group-wise layer's packed weights, checked on sampled output rows
-    against ``dequantize_layer`` (and the dot path against its definition), and its path name:
-    ``cpp-<int4|q8_0|q6_k|iq4>-<isa>`` (``iq4``: a q8_0 layer of IQ4 levels at 4 bits),
-    ``+dot`` where every bf16/fp16 batch takes the dot path (``+dot<rows>``: batches of up to
-    ``rows`` rows), only where ``dot`` (the user's ``int8_activations``), and never in an LM
-    head (see packed_linear).
-
-    ``checked``: the (format, shape) keys already checked with every probe in this load (the
-    caller's set, updated here). A layer of such a key gets one float32 row (the tightest
-    tolerance) on fewer sampled rows: what depends on its values (the packed scales, offsets
-    and q) is still compared, while the kernel paths (register and scratch rows, float32 and
-    bf16, the dot path) were proven on the same layout once. A 1B model's 16 layers of each
-    shape made ~260 checking GEMMs otherwise. ``storage``: where the panels go (an expert's
-    slice of its stack's buffer), as :func:`pack_groupwise` takes it.
-    """
-    from pagedllm.backends.cpu import packed_linear as pl
-
-    name = module.quant_method.name
-    ops = pl.gemm_ops()
-    if ops is None:
-        return None, f"torch-{name}"
+def _pack_layer(
+    ops: ModuleType, module: nn.Module, *, dot: bool, storage: Storage | None
+) -> PackedGroupwise:
+    """The layer's panels in its smallest exact layout: IQ4 levels at 4 bits where
+    :func:`iq4_levels` says so, else its format's (q6_k at six bits where :func:`six_bits`
+    says so). ValueError where the layer's values fit no layout."""
+    name = module.quant_method.weight_format
     scale, offset = weight_groups(module)
     weight = module.weight.detach()
-    six = six_bits(ops, name, dot=dot)
-    pw = None
     if iq4_levels(name, weight, dot=dot):
         try:
-            pw = pack_groupwise(ops, weight, scale, offset, levels=True, storage=storage)
+            return pack_groupwise(ops, weight, scale, offset, levels=True, storage=storage)
         except ValueError as e:  # some q outside the levels: the 8-bit layout
             logger.debug("q8_0 layer kept at 8 bits: %s", e)
-    try:
-        if pw is None:
-            pw = pack_groupwise(
-                ops, weight, scale, offset, weight_super_scale(module), six=six, storage=storage
-            )
-    except ValueError as e:
-        logger.warning("%s kept on PyTorch: %s", name, e)
-        return None, f"torch-{name}"
-    gemm = make_groupwise_gemm(ops, pw, bias, dot=dot)
-    linear = pl._reshaped(gemm, pw.k, pw.n)
-    key = (
-        name,
-        pw.n,
-        pw.k,
-        pw.bits,
-        pw.half_scales,
-        pw.with_offset,
-        pw.factored,
-        pw.levels,
-        bias is None,
-        dot,
+    six = six_bits(ops, name, dot=dot)
+    sup = weight_super_scale(module)
+    return pack_groupwise(ops, weight, scale, offset, sup, six=six, storage=storage)
+
+
+def _float_probes(
+    ops: ModuleType, k: int, *, repeat: bool
+) -> tuple[tuple[torch.Tensor, float], ...]:
+    """The float path as every batch can meet it: float32 rows in registers and through the
+    scratch, bf16 rows in registers (avx512bf16) and through the scratch; one float32 row for
+    a layout already proven in this load (``repeat``: the tightest tolerance)."""
+    if repeat:
+        return ((torch.randn(1, k), 1e-4),)
+    f32_rows = ops.groupwise_rows()[0]
+    return (
+        (torch.randn(3, k), 1e-4),
+        (torch.randn(f32_rows + 4, k), 1e-4),
+        (torch.randn(3, k).bfloat16(), 2e-2),
+        (torch.randn(16, k).bfloat16(), 2e-2),
     )
-    repeat = checked is not None and key in checked
-    # A repeated shape: a panel at each end and a spread (a float32 copy of fewer rows).
+
+
+def _check_paths(
+    ops: ModuleType,
+    module: nn.Module,
+    gemm: Callable[..., torch.Tensor],
+    pw: PackedGroupwise,
+    bias: torch.Tensor | None,
+    *,
+    dot: bool,
+    repeat: bool,
+) -> bool:
+    """Whether the packed layer matches its definition on sampled output rows: the float path
+    against ``dequantize_layer``, and (first of its layout, where the dot path runs by default)
+    the dot path against :func:`dot_linear_reference`. A repeated layout: a panel at each end
+    and a spread (a float32 copy of fewer rows)."""
+    from pagedllm.backends.cpu import packed_linear as pl
+
     rows = pl._sample_rows(pw.n, edge=16, spread=32) if repeat else pl._sample_rows(pw.n)
     dequant = dequantize_rows(module, rows)  # [rows, K]
     bias_rows = None if bias is None else bias.detach().float()[rows]
@@ -517,45 +264,73 @@ def make_groupwise_linear(
     def forced(dot: bool) -> LinearFn:
         return pl._reshaped(lambda x: gemm(x, dot=dot), pw.k, pw.n)
 
-    # The float path as every batch can meet it: float32 rows in registers and through the
-    # scratch, bf16 rows in registers (avx512bf16) and through the scratch.
-    f32_rows = ops.groupwise_rows()[0]
-    probes = (
-        ((torch.randn(1, pw.k), 1e-4),)
-        if repeat
-        else (
-            (torch.randn(3, pw.k), 1e-4),
-            (torch.randn(f32_rows + 4, pw.k), 1e-4),
-            (torch.randn(3, pw.k).bfloat16(), 2e-2),
-            (torch.randn(16, pw.k).bfloat16(), 2e-2),
-        )
-    )
-    what = f"C++ {name} GEMM"
-    ok = pl._checked(forced(False), weight, reference, rows, probes, what) is not None
-    if ok and not repeat and dot_rows(ops, torch.bfloat16, enabled=dot):
-        q = weight_integers(module)[rows]
-        off = None if offset is None else offset[rows]
+    weight = module.weight
+    what = f"C++ {module.quant_method.weight_format} GEMM"
+    probes = _float_probes(ops, pw.k, repeat=repeat)
+    if pl._checked(forced(False), weight, reference, rows, probes, what) is None:
+        return False
+    if repeat or not dot_rows(ops, torch.bfloat16, enabled=dot):
+        return True
+    q = weight_integers(module)[rows]
+    scale, offset = weight_groups(module)
+    off = None if offset is None else offset[rows]
 
-        def dot_reference(probe: torch.Tensor) -> torch.Tensor:
-            return dot_linear_reference(probe, q, scale[rows], off, bias_rows).float()
+    def dot_reference(probe: torch.Tensor) -> torch.Tensor:
+        return dot_linear_reference(probe, q, scale[rows], off, bias_rows).float()
 
-        probe = ((torch.randn(3, pw.k).bfloat16(), 2e-2),)
-        what = f"{what} (dot path)"
-        ok = pl._checked(forced(True), weight, dot_reference, rows, probe, what) is not None
-    if not ok:
-        return None, f"torch-{name}"
+    probe = ((torch.randn(3, pw.k).bfloat16(), 2e-2),)
+    what = f"{what} (dot path)"
+    return pl._checked(forced(True), weight, dot_reference, rows, probe, what) is not None
+
+
+def make_groupwise_linear(
+    module: nn.Module,
+    bias: torch.Tensor | None,
+    *,
+    dot: bool = False,
+    checked: set[tuple] | None = None,
+    storage: Storage | None = None,
+) -> LinearKernel:
+    """The C++ GEMM on a group-wise layer's packed weights, checked on sampled output rows
+    (:func:`_check_paths`), with its path name: ``cpp-<int4|q8_0|q6_k|q5_k|iq4>-<isa>``
+    (``iq4``: a q8_0 layer of IQ4 levels at 4 bits), ``+dot`` where every bf16/fp16 batch
+    takes the dot path (``+dot<rows>``: batches of up to ``rows`` rows), only where ``dot``
+    (the user's ``int8_activations``), and never in an LM head (see packed_linear).
+
+    ``checked``: the layouts (format, shape) already checked with every probe in this load (the
+    caller's set, updated here). A layer of such a key gets one float32 row on fewer sampled
+    rows: what depends on its values (the packed scales, offsets and q) is still compared,
+    while the kernel paths (register and scratch rows, float32 and bf16, the dot path) were
+    proven on the same layout once. A 1B model's 16 layers of each shape made ~260 checking
+    GEMMs otherwise. ``storage``: where the panels go (an expert's slice of its stack's
+    buffer), as :func:`pack_groupwise` takes it.
+    """
+    from pagedllm.backends.cpu import packed_linear as pl
+
+    name = module.quant_method.weight_format
+    refused = pl.LinearKernel(None, f"torch-{name}")
+    ops = pl.gemm_ops()
+    if ops is None:
+        return refused
+    try:
+        pw = _pack_layer(ops, module, dot=dot, storage=storage)
+    except ValueError as e:
+        logger.warning("%s kept on PyTorch: %s", name, e)
+        return refused
+    gemm = make_groupwise_gemm(ops, pw, bias, dot=dot)
+    key = (name, *pw.layout, bias is None, dot)
+    repeat = checked is not None and key in checked
+    if not _check_paths(ops, module, gemm, pw, bias, dot=dot, repeat=repeat):
+        return refused
     if checked is not None:
         checked.add(key)
-    # Rows of W read back from these panels (float32 [R, K], the definition's values): what
-    # an embedding tied to this head reads instead of keeping its table a second time.
-    linear.weight_rows = partial(pw.rows, ops)  # type: ignore[attr-defined]
-    # What a grouped call over many such layers needs (fused_moe.make_grouped_gemm).
-    linear.packed_groupwise = pw  # type: ignore[attr-defined]
-    linear.dot_rows = gemm.dot_rows  # type: ignore[attr-defined]
-    linear.packed_as = pw.name if pw.levels else name  # type: ignore[attr-defined]
-    four_bit = pw.bits == 4
-    packed_as: str = linear.packed_as  # type: ignore[attr-defined]
-    return linear, path_name(ops, packed_as, dot=dot, four_bit=four_bit, levels=pw.levels)
+    return pl.LinearKernel(
+        pl._reshaped(gemm, pw.k, pw.n),
+        path_name(ops, pw.name, dot=dot, four_bit=pw.bits == 4, levels=pw.levels),
+        packed_rows=partial(pw.rows, ops),
+        groupwise=pw,
+        dot_rows=MappingProxyType(default_dot_rows(ops, dot=dot)),
+    )
 
 
 def make_parts_linear(
@@ -564,45 +339,56 @@ def make_parts_linear(
     *,
     dot: bool = False,
     checked: set[tuple] | None = None,
-) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, str]:
+) -> LinearKernel:
     """A fused layer whose parts keep their own formats (``mixed``, Q4_K q/k with a Q6_K v):
     one GEMM per run of parts in one format (q/k, v), packed and checked as a layer of its own
     (``checked``: as there; a ``dense`` run gets a dense layer's GEMM), the outputs side by
     side. The path: ``cpp-mixed(<format per part>)-<isa>``; a run that cannot be packed leaves
     the whole layer on PyTorch."""
     from pagedllm.backends.cpu import packed_linear as pl
-    from pagedllm.layers.quantization.groupwise_parts import DENSE
+    from pagedllm.layers.quantization.base import FLOAT
 
-    fns, start, packed_as = [], 0, []  # packed_as: each run's layout (iq4 for IQ4 levels)
+    ops = pl.gemm_ops()
+    if ops is None:
+        return pl.LinearKernel(None, "torch-mixed")
+    kernels: list[LinearKernel] = []
+    fns: list[LinearFn] = []
+    start = 0
     for part in module.parts:
         rows = part.weight.shape[0]
         part_bias = None if bias is None else bias[start : start + rows]
-        if part.quant_method.name == DENSE:
-            fn, _ = pl.make_dense_linear(part.weight, part_bias)
+        if part.quant_method.weight_format == FLOAT:
+            kernel = pl.make_dense_linear(part.weight, part_bias)
         else:
-            fn, _ = make_groupwise_linear(part, part_bias, dot=dot, checked=checked)
-        if fn is None:
-            return None, "torch-mixed"
-        fns.append(fn)
-        packed_as.append(getattr(fn, "packed_as", part.quant_method.name))
+            kernel = make_groupwise_linear(part, part_bias, dot=dot, checked=checked)
+        if kernel.fn is None:
+            return pl.LinearKernel(None, "torch-mixed")
+        kernels.append(kernel)
+        fns.append(kernel.fn)
         start += rows
 
     def linear(x: torch.Tensor) -> torch.Tensor:
         return torch.cat([fn(x) for fn in fns], dim=-1)
 
-    names, run, previous = [], -1, None  # each part under its run's layout, in part order
+    # Each part under its run's layout (iq4 for IQ4 levels), in part order.
+    layouts = [
+        k.groupwise.name if k.groupwise else p.quant_method.name
+        for k, p in zip(kernels, module.parts, strict=True)
+    ]
+    names, run, previous = [], -1, None
     for fmt in module.quant_method.formats:
         run += fmt != previous
         previous = fmt
-        names.append(packed_as[run])
-    fours = [pw for fn in fns if (pw := getattr(fn, "packed_groupwise", None)) and pw.bits == 4]
+        names.append(layouts[run])
+    fours = [k.groupwise for k in kernels if k.groupwise is not None and k.groupwise.bits == 4]
     four_bit, levels = bool(fours), all(pw.levels for pw in fours)
     mixed = f"mixed({','.join(names)})"
-    return linear, path_name(pl.gemm_ops(), mixed, dot=dot, four_bit=four_bit, levels=levels)
+    path = path_name(ops, mixed, dot=dot, four_bit=four_bit, levels=levels)
+    return pl.LinearKernel(linear, path, dot_rows=MappingProxyType(default_dot_rows(ops, dot=dot)))
 
 
 def path_name(
-    ops: object, name: str, *, dot: bool = False, four_bit: bool = False, levels: bool = False
+    ops: ModuleType, name: str, *, dot: bool = False, four_bit: bool = False, levels: bool = False
 ) -> str:
     """``cpp-<int4|q8_0|q6_k>-<isa>``, ``+amx<rows>`` where bf16 batches of that many rows or
     more run on AMX tiles, ``+split`` where a 4-bit layer's few bf16 rows take the split
@@ -612,9 +398,9 @@ def path_name(
     rows = dot_rows(ops, torch.bfloat16, enabled=dot)
     suffix = "" if not rows else "+dot" if rows == EVERY_BATCH else f"+dot{rows}"
     split = four_bit and not levels and rows != EVERY_BATCH
-    split = split and "split" in ops.groupwise_bf16_rows_kernels()  # type: ignore[attr-defined]
+    split = split and "split" in ops.groupwise_bf16_rows_kernels()
     # The split kernel keeps a 4-bit layer's rows off the tiles longer (the C++ tile_rows).
-    tiles = ops.groupwise_amx_rows(split) if rows != EVERY_BATCH else 0  # type: ignore[attr-defined]
+    tiles = ops.groupwise_amx_rows(split) if rows != EVERY_BATCH else 0
     if split:
         suffix = f"+split{suffix}"
     if tiles:

@@ -30,16 +30,44 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
-from types import ModuleType
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType, ModuleType
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+if TYPE_CHECKING:
+    from pagedllm.backends.cpu.groupwise_pack import PackedGroupwise
+
 logger = logging.getLogger(__name__)
 
 LinearFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LinearKernel:
+    """What a linear factory chose for one layer (or one expert's weight).
+
+    A factory that cannot run the layer (no extension, a check that failed, an unpackable
+    layout) still returns one, with ``fn`` None and a ``torch-...`` path: the name is what the
+    log and benchmarks report either way.
+    """
+
+    fn: LinearFn | None  # x [..., K] -> [..., N]; None: the layer keeps its own forward
+    path: str  # e.g. "cpp-int4-avx2+split", "onednn-float32", "torch-int8"
+    # float32 rows [R, K] of W read back from the packed copy (the definition's values): what
+    # an embedding tied to this head reads instead of keeping its table a second time.
+    packed_rows: LinearFn | None = None
+    # A group-wise GEMM's panels: what a grouped call over many such layers needs
+    # (fused_moe.make_grouped_gemm).
+    groupwise: PackedGroupwise | None = None
+    # Up to how many rows of each activation dtype take the group-wise dot path.
+    dot_rows: Mapping[torch.dtype, int] = field(default_factory=lambda: MappingProxyType({}))
+
+
 _BATCH_HINT = 64  # the batch oneDNN blocks for; any batch size works
 _PANEL = 16  # output columns per panel of the C++ GEMM's layout
 # Processor flags with which oneDNN computes 16-bit GEMMs natively.
@@ -305,12 +333,12 @@ def int8_split_planes(k: int) -> bool:
         return False
     if ops.has_amx_int8():
         return k % 64 == 0
-    return ops.w8a8_isa() == "avx512vnni" and not ops.has_amx()
+    return ops.int8_dot_isa() == "avx512vnni" and not ops.has_amx()
 
 
 def make_int8_linear(
     weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
-) -> tuple[LinearFn | None, str]:
+) -> LinearKernel:
     """The fastest correct GEMM for an int8 weight-only ``weight [N, K]``, and its path's name:
     the split planes where ``int8_split_planes`` says they are faster, else the converting GEMM.
     In builds with ``vdpbf16ps`` and no AMX-INT8 the split GEMM hands bf16 batches of
@@ -328,9 +356,9 @@ def make_int8_linear(
                 suffix = f"+bf16dp{ops.int8_dp_min_rows()}"
             else:
                 suffix = ""
-            return fn, f"cpp-int8-split-{ops.w8a8_isa()}{suffix}"
+            return LinearKernel(fn, f"cpp-int8-split-{ops.int8_dot_isa()}{suffix}")
     fn = make_cpp_linear(weight, scale, bias)
-    return fn, f"cpp-int8-{_cpp_isa()}" if fn else "torch-int8"
+    return LinearKernel(fn, f"cpp-int8-{_cpp_isa()}" if fn else "torch-int8")
 
 
 def _sample_rows(n: int, *, edge: int = 48, spread: int = 128) -> torch.Tensor:
@@ -353,59 +381,119 @@ def _cpp_isa() -> str:
     return ops.built_isa() + ("+amx" if ops.has_amx() else "")
 
 
-# Group-wise methods (layers/quantization/groupwise.py).
-_GROUPWISE = ("int4", "q8_0", "q6_k", "q5_k")
-
-
 def _kind(module: nn.Module, head: nn.Module | None) -> str:
     return "lm_head" if module is head else type(module).__name__
 
 
-def _pack_one(
+class _Maker(Protocol):
+    def __call__(
+        self, module: nn.Module, bias: torch.Tensor | None, *, dot: bool, checked: set[tuple] | None
+    ) -> LinearKernel: ...
+
+
+def _float_kernel(
+    module: nn.Module, bias: torch.Tensor | None, *, dot: bool, checked: set[tuple] | None
+) -> LinearKernel:
+    return make_dense_linear(module.weight, bias)
+
+
+def _int8_kernel(
+    module: nn.Module, bias: torch.Tensor | None, *, dot: bool, checked: set[tuple] | None
+) -> LinearKernel:
+    from pagedllm.layers.quantization import weight_scale
+
+    return make_int8_linear(module.weight, weight_scale(module), bias)
+
+
+def _w8a8_kernel(
+    module: nn.Module, bias: torch.Tensor | None, *, dot: bool, checked: set[tuple] | None
+) -> LinearKernel:
+    from pagedllm.layers.quantization import weight_scale
+
+    fn = make_w8a8_linear(module.weight, weight_scale(module), bias)
+    ops = gemm_ops()
+    if fn is None or ops is None:
+        return LinearKernel(None, "torch-w8a8")
+    amx = "+amx" if ops.has_amx_int8() else ""
+    return LinearKernel(fn, f"cpp-w8a8-{ops.int8_dot_isa()}{amx}")
+
+
+def _groupwise_kernel(
+    module: nn.Module, bias: torch.Tensor | None, *, dot: bool, checked: set[tuple] | None
+) -> LinearKernel:
+    from pagedllm.backends.cpu.groupwise_linear import make_groupwise_linear
+
+    return make_groupwise_linear(module, bias, dot=dot, checked=checked)
+
+
+def _parts_kernel(
+    module: nn.Module, bias: torch.Tensor | None, *, dot: bool, checked: set[tuple] | None
+) -> LinearKernel:
+    from pagedllm.backends.cpu.groupwise_linear import make_parts_linear
+
+    return make_parts_linear(module, bias, dot=dot, checked=checked)
+
+
+@functools.cache
+def linear_makers() -> Mapping[str, _Maker]:
+    """The kernel factory of each weight format this backend runs packed, by the format a
+    quantization method declares (``LinearMethod.weight_format``); the group-wise formats are
+    ``groupwise.FORMATS``' names, one factory for all of them. A format not here keeps the
+    layer's own forward."""
+    from pagedllm.layers.quantization.base import FLOAT
+    from pagedllm.layers.quantization.groupwise import FORMATS
+    from pagedllm.layers.quantization.groupwise_parts import MIXED
+    from pagedllm.layers.quantization.int8 import Int8WeightOnly
+    from pagedllm.layers.quantization.w8a8 import Int8W8A8
+
+    makers: dict[str, _Maker] = {
+        FLOAT: _float_kernel,
+        Int8WeightOnly.weight_format: _int8_kernel,
+        Int8W8A8.weight_format: _w8a8_kernel,
+        MIXED: _parts_kernel,
+    }
+    makers.update(dict.fromkeys(FORMATS, _groupwise_kernel))
+    return MappingProxyType(makers)
+
+
+def groupwise_formats() -> frozenset[str]:
+    """The group-wise formats whose layers stay packed here (a GGUF's blocks kept, not
+    dequantised at load): all of ``groupwise.FORMATS``."""
+    from pagedllm.layers.quantization.groupwise import FORMATS
+
+    return frozenset(FORMATS) & frozenset(linear_makers())
+
+
+def make_linear_kernel(
     module: nn.Module,
     *,
     is_head: bool = False,
     int8_activations: bool = False,
     checked: set[tuple] | None = None,
-) -> tuple[LinearFn | None, str]:
-    """The fastest correct GEMM for one layer, and its path's name; ``checked``: the group-wise
-    shapes this load has already checked in full (see ``make_groupwise_linear``)."""
-    from pagedllm.layers.quantization import weight_scale
+) -> LinearKernel:
+    """The fastest correct GEMM for one layer, chosen by the format its method declares;
+    ``checked``: the group-wise shapes this load has already checked in full (see
+    ``make_groupwise_linear``)."""
+    from pagedllm.layers.quantization.base import UNQUANTIZED
 
-    weight = module.weight
     bias = getattr(module, "bias", None) if module.fast_linear_has_bias else None
-    method = getattr(module, "quant_method", None)
-    if method is not None and method.name == "mixed" and method.is_quantized(module):
-        from pagedllm.backends.cpu.groupwise_linear import make_parts_linear
-
-        return make_parts_linear(module, bias, dot=int8_activations, checked=checked)
-    if method is not None and method.name in _GROUPWISE and method.is_quantized(module):
-        from pagedllm.backends.cpu.groupwise_linear import make_groupwise_linear
-
-        # Linear layers and a quantised LM head alike (a GGUF's Q8_0 / 4-bit output table).
-        # An LM head keeps x unrounded even so: its outputs are the logits sampling reads, with
-        # no later layer to average the rounding out (SmolLM2's Q8_0 head on the dot path
-        # turned the demo's batched "capital of France" answer from Paris into a loop).
-        dot = int8_activations and not is_head
-        return make_groupwise_linear(module, bias, dot=dot, checked=checked)
-    if method is not None and method.is_quantized(module) and method.name == "w8a8":
-        fn = make_w8a8_linear(weight, weight_scale(module), bias)
-        ops = gemm_ops()
-        isa = ops.w8a8_isa() + ("+amx" if ops.has_amx_int8() else "")
-        return fn, f"cpp-w8a8-{isa}" if fn else "torch-w8a8"
-    if method is not None and method.is_quantized(module):
-        return make_int8_linear(weight, weight_scale(module), bias)
-    return make_dense_linear(weight, bias)
+    fmt = (getattr(module, "quant_method", None) or UNQUANTIZED).layer_format(module)
+    make = linear_makers().get(fmt)
+    if make is None:
+        return LinearKernel(None, f"torch-{fmt}")
+    # Linear layers and a quantised LM head alike (a GGUF's Q8_0 / 4-bit output table). An LM
+    # head keeps x unrounded even so: its outputs are the logits sampling reads, with no later
+    # layer to average the rounding out (SmolLM2's Q8_0 head on the dot path turned the demo's
+    # batched "capital of France" answer from Paris into a loop).
+    return make(module, bias, dot=int8_activations and not is_head, checked=checked)
 
 
-def make_dense_linear(
-    weight: torch.Tensor, bias: torch.Tensor | None
-) -> tuple[LinearFn | None, str]:
+def make_dense_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearKernel:
     """The fastest correct GEMM for a float32 / bf16 / fp16 ``weight [N, K]``, and its path's
     name (a dense layer, a dense run of a fused layer's parts, an expert)."""
     if weight.dtype == torch.float32:
         fn = make_packed_linear(weight, bias) if _ops_available() else None
-        return fn, "onednn-float32" if fn else "torch-float32"
+        return LinearKernel(fn, "onednn-float32" if fn else "torch-float32")
     return make_16bit_linear(weight, bias)
 
 
@@ -427,39 +515,41 @@ def cpp_gemm_first(dtype: torch.dtype) -> bool:
     )
 
 
-def make_16bit_linear(
-    weight: torch.Tensor, bias: torch.Tensor | None
-) -> tuple[LinearFn | None, str]:
+def make_16bit_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearKernel:
     """The fastest correct GEMM for a bf16/fp16 ``weight [N, K]``, and its path's name:
     oneDNN's packed weights where the processor computes the dtype natively, our GEMM elsewhere
     and where ``cpp_gemm_first`` says it is faster; either one when the other is refused."""
     dtype = str(weight.dtype).removeprefix("torch.")
 
-    def onednn() -> tuple[LinearFn | None, str]:
+    def onednn() -> LinearKernel:
         fn = make_packed_linear(weight, bias) if _ops_available() else None
-        return fn, f"onednn-{dtype}"
+        return LinearKernel(fn, f"onednn-{dtype}")
 
-    def cpp() -> tuple[LinearFn | None, str]:
+    def cpp() -> LinearKernel:
         fn = make_cpp_linear(weight, None, bias) if weight.dtype in _NATIVE_16BIT else None
-        return fn, f"cpp-{dtype}-{_cpp_isa()}" if fn is not None else ""
+        return LinearKernel(fn, f"cpp-{dtype}-{_cpp_isa()}" if fn is not None else "")
 
     for make in (cpp, onednn) if cpp_gemm_first(weight.dtype) else (onednn, cpp):
-        fn, path = make()
-        if fn is not None:
-            return fn, path
-    return None, f"torch-{dtype}"
+        kernel = make()
+        if kernel.fn is not None:
+            return kernel
+    return LinearKernel(None, f"torch-{dtype}")
 
 
 def _drop_group_scales(module: nn.Module) -> None:
     """A packed group-wise layer's scale/offset buffers: in the packed copy now (they were as
     large as half the 4-bit weights)."""
-    method = getattr(module, "quant_method", None)
-    if method is not None and method.name == "mixed":  # each part's own tensors
+    from pagedllm.layers.quantization.base import UNQUANTIZED
+    from pagedllm.layers.quantization.groupwise import FORMATS
+    from pagedllm.layers.quantization.groupwise_parts import MIXED
+
+    fmt = (getattr(module, "quant_method", None) or UNQUANTIZED).layer_format(module)
+    if fmt == MIXED:  # each part's own tensors
         for part in module.parts:
             part.weight = torch.empty(0, dtype=part.weight.dtype)
             _drop_group_scales(part)
         return
-    if method is None or method.name not in _GROUPWISE:
+    if fmt not in FORMATS:
         return
     for name in ("weight_scale_bits", "weight_offset_bits", "weight_super_bits"):
         if hasattr(module, name):
@@ -495,20 +585,19 @@ def pack_linear_layers(model: nn.Module, *, int8_activations: bool = False) -> d
             is_linear = isinstance(module, (ColumnParallelLinear, RowParallelLinear))
             if not (is_linear or module is head):
                 continue
-            fn, path = _pack_one(
+            kernel = make_linear_kernel(
                 module, is_head=module is head, int8_activations=int8_activations, checked=checked
             )
-            paths.setdefault(_kind(module, head), set()).add(path)
-            if fn is None:
+            paths.setdefault(_kind(module, head), set()).add(kernel.path)
+            if kernel.fn is None:
                 continue
-            module.fast_linear = fn
+            module.fast_linear = kernel.fn
             # A tied head is the embedding, which still needs its rows: a group-wise one
             # reads them back from the head's panels (a Gemma 2 2B table: ~0.7 GB not held
             # twice); a 16-bit or int8 one keeps both.
-            rows = getattr(fn, "weight_rows", None)
             tied = module is head and not isinstance(module, ParallelLMHead)
-            if tied and rows is not None:
-                module.fast_rows = _embedding_rows(rows, module.compute_dtype)
+            if tied and kernel.packed_rows is not None:
+                module.fast_rows = _embedding_rows(kernel.packed_rows, module.compute_dtype)
             read_back = getattr(module, "fast_rows", None) is not None
             if is_linear or isinstance(module, ParallelLMHead) or read_back:
                 # The packed copy is the only one used from now on: do not keep two.

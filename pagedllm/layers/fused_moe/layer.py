@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.fused_moe.routing import RoutingConfig, group_by_expert, select_experts
-from pagedllm.layers.linear import default_weight_loader
+from pagedllm.layers.linear import default_weight_loader, with_loader
 from pagedllm.layers.parallel import SINGLE, TPContext
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ class ReplicatedLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+        with_loader(self.weight, default_weight_loader)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
@@ -143,8 +143,8 @@ class FusedMoE(nn.Module):
         e, i = self.num_local_experts, self.intermediate_shard
         self.w13_weight = nn.Parameter(torch.empty(e, 2 * i, hidden_size), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(e, hidden_size, i), requires_grad=False)
-        self.w13_weight.weight_loader = _ExpertLoader(self, "w13_weight")  # type: ignore[attr-defined]
-        self.w2_weight.weight_loader = _ExpertLoader(self, "w2_weight")  # type: ignore[attr-defined]
+        with_loader(self.w13_weight, _ExpertLoader(self, "w13_weight"))
+        with_loader(self.w2_weight, _ExpertLoader(self, "w2_weight"))
 
     # -- group-wise experts (a GGUF file's quantised stacks, kept as they are) -----------------
     def use_groupwise(self, name: str, fmt: str) -> None:
@@ -164,8 +164,7 @@ class FusedMoE(nn.Module):
                 torch.empty(e, *tensor.shape, dtype=tensor.dtype, device=stack.device),
                 requires_grad=False,
             )
-            param.weight_loader = loader  # type: ignore[attr-defined]
-            setattr(self, full, param)
+            setattr(self, full, with_loader(param, loader))
         self.groupwise = {**self.groupwise, name: fmt}
 
     def finish_groupwise(self) -> None:

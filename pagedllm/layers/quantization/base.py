@@ -12,11 +12,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# The format of a weight held in a floating dtype (float32, bf16, fp16): its dtype, not the
+# method, tells a backend which kernel runs it.
+FLOAT = "float"
+
 
 class LinearMethod:
     """The unquantized method: the layer's weight is used as it is."""
 
     name = "unquantized"
+    # What a loaded layer's weight is stored as: the key a backend chooses its kernel by (a
+    # method's name is its configuration's; several methods may share one stored format).
+    weight_format: str = FLOAT
+
+    def layer_format(self, layer: nn.Module) -> str:
+        """``layer``'s weight format now: ``weight_format`` once quantised, float before (a
+        layer whose weight is still the checkpoint's floats runs as an unquantised one)."""
+        return self.weight_format if self.is_quantized(layer) else FLOAT
 
     def create_weights(self, layer: nn.Module) -> None:
         """Adjust ``layer``'s parameters before loading (the unquantized layer needs nothing)."""

@@ -37,9 +37,9 @@ GROUP_SIZE = 32
 Q6_K_SCALE_GROUP = 16  # k per scale of a q6_k layer
 Q6_K_SUPER = 256  # k per super-block factor d of a q6_k layer
 _INT4_MAX = 15
-# Group-wise format name -> (bits, k per scale).
-# Group-wise format name -> (bits, k per scale, offsets stored).
-FORMATS = {
+# Group-wise format name -> (bits, k per scale, offsets stored): the one list of these names
+# (methods declare them as their ``weight_format``; backends claim them from here).
+FORMATS: dict[str, tuple[int, int, bool]] = {
     "int4": (4, GROUP_SIZE, True),
     "q8_0": (8, GROUP_SIZE, False),
     "q6_k": (8, Q6_K_SCALE_GROUP, False),
@@ -155,26 +155,32 @@ def _row_loader(layer: nn.Module, columns_per_stored: int) -> object:
     layers split the input features, so each rank keeps ``input_shard / columns_per_stored``
     stored columns (2 per byte of nibbles, 32 per group scale).
     """
-    from pagedllm.layers.linear import (
-        ColumnParallelLinear,
-        VocabParallelEmbedding,
-        default_weight_loader,
-    )
+    from pagedllm.layers.linear import ColumnParallelLinear, VocabParallelEmbedding
 
     if isinstance(layer, ColumnParallelLinear):
         return layer.load_shard
     if isinstance(layer, VocabParallelEmbedding):
         return layer.load_weight  # vocabulary rows, whatever each row stores
     per_rank = layer.input_shard // columns_per_stored
-    rank = layer.tp.rank
+    return _ColumnsLoader(layer.tp.rank * per_rank, per_rank)
 
-    def load(param: nn.Parameter, loaded: torch.Tensor) -> None:
-        default_weight_loader(param, loaded.narrow(1, rank * per_rank, per_rank))
 
-    # Only a narrowing: the checkpoint loader may adopt a whole tensor it reads (one rank)
-    # as the parameter instead of copying it (a GGUF's o_proj and down_proj, say).
-    load.reads_slices = True  # type: ignore[attr-defined]
-    return load
+class _ColumnsLoader:
+    """A row-parallel rank's stored columns ``start .. start + size`` of a tensor.
+
+    Only a narrowing (``reads_slices``): the checkpoint loader may adopt a whole tensor it
+    reads (one rank) as the parameter instead of copying it (a GGUF's o_proj and down_proj).
+    """
+
+    reads_slices = True
+
+    def __init__(self, start: int, size: int) -> None:
+        self.start, self.size = start, size
+
+    def __call__(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        from pagedllm.layers.linear import default_weight_loader
+
+        default_weight_loader(param, loaded.narrow(1, self.start, self.size))
 
 
 class GroupwiseMethod(LinearMethod):
@@ -210,12 +216,11 @@ class GroupwiseMethod(LinearMethod):
         self.prequantized = prequantized
         self.scale_group = scale_group
         self.offsets = offsets  # weight_offset per group: int4, and q5_k's 8-bit q in 0..31
-        if bits == 4:
-            self.name = "int4"
-        elif offsets:
-            self.name = "q5_k"
-        else:
-            self.name = "q8_0" if scale_group == GROUP_SIZE else "q6_k"
+        key = (bits, scale_group, offsets)
+        self.name = next((fmt for fmt, spec in FORMATS.items() if spec == key), "")
+        if not self.name:
+            raise ValueError(f"no group-wise format of {bits} bits, scale per {scale_group} k")
+        self.weight_format = self.name
 
     @classmethod
     def for_format(cls, fmt: str) -> GroupwiseMethod:
@@ -294,6 +299,6 @@ class GroupwiseMethod(LinearMethod):
 
 
 def _stored(tensor: torch.Tensor, loader: object) -> nn.Parameter:
-    param = nn.Parameter(tensor, requires_grad=False)
-    param.weight_loader = loader  # type: ignore[attr-defined]
-    return param
+    from pagedllm.layers.linear import with_loader
+
+    return with_loader(nn.Parameter(tensor, requires_grad=False), loader)

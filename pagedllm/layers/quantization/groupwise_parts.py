@@ -21,16 +21,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers.quantization.base import LinearMethod
+from pagedllm.layers.quantization.base import FLOAT, LinearMethod
 from pagedllm.layers.quantization.groupwise import GroupwiseMethod
 
 DENSE = "dense"  # a run kept as a float weight in the compute dtype
+MIXED = "mixed"  # the fused layer's format: one group-wise format (or dense) per run of parts
 
 
 class DenseRows(LinearMethod):
     """A run of parts dequantised at load: ``weight [rows, K]`` in the compute dtype."""
 
     name = DENSE
+    weight_format = FLOAT  # the run's rows in the compute dtype, as an unquantised layer's
     prequantized = True
 
     def stored_tensors(self, n: int, k: int) -> dict[str, tuple[torch.Tensor, int]]:
@@ -94,7 +96,8 @@ class GroupwisePartsMethod(LinearMethod):
     (``formats``, in the order of the layer's ``output_sizes``; ``dense`` for a part kept as a
     float weight), at least one part group-wise."""
 
-    name = "mixed"
+    name = MIXED
+    weight_format = MIXED
     prequantized = True  # read as stored: finished with the model, never quantised at load
 
     def __init__(self, formats: tuple[str, ...]) -> None:
@@ -106,6 +109,8 @@ class GroupwisePartsMethod(LinearMethod):
         self.part_methods = tuple(part_method(f) for f in self.formats)
 
     def create_weights(self, layer: nn.Module) -> None:
+        from pagedllm.layers.linear import with_loader
+
         sizes = getattr(layer, "shard_sizes", None)
         if sizes is None or len(sizes) != len(self.formats):
             raise ValueError(
@@ -130,8 +135,7 @@ class GroupwisePartsMethod(LinearMethod):
         names = {n for m in self.part_methods for n in m.stored_tensors(1, layer.input_size)}
         for name in sorted(names):  # placeholders: what the checkpoint names, routed to parts
             param = nn.Parameter(torch.empty(0), requires_grad=False)
-            param.weight_loader = _PartLoader(layer, name, places)  # type: ignore[attr-defined]
-            setattr(layer, name, param)
+            setattr(layer, name, with_loader(param, _PartLoader(layer, name, places)))
 
     def finish_loading(self, layer: nn.Module) -> None:
         for part in layer.parts:

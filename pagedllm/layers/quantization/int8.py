@@ -117,6 +117,7 @@ class Int8WeightOnly(LinearMethod):
     """
 
     name = "int8"
+    weight_format = "int8"  # int8 [N, K] and a float32 scale per output row
 
     def __init__(
         self, *, prequantized: bool = False, quantizer: WeightQuantizer | None = None
@@ -129,14 +130,13 @@ class Int8WeightOnly(LinearMethod):
             return  # the float weight is loaded as usual, then quantised in finish_loading
         loader = layer.weight.weight_loader
         out_features = layer.weight.shape[0]
-        layer.weight = nn.Parameter(
-            torch.empty(layer.weight.shape, dtype=torch.int8), requires_grad=False
-        )
-        layer.weight.weight_loader = loader  # type: ignore[attr-defined]
+        from pagedllm.layers.linear import with_loader
+
+        weight = torch.empty(layer.weight.shape, dtype=torch.int8)
+        layer.weight = with_loader(nn.Parameter(weight, requires_grad=False), loader)
         # Per-output scales: sliced with the output rows (column-parallel), whole otherwise.
         scale = nn.Parameter(torch.empty(out_features, 1), requires_grad=False)
-        scale.weight_loader = _scale_loader(layer)  # type: ignore[attr-defined]
-        layer.weight_scale = scale
+        layer.weight_scale = with_loader(scale, _scale_loader(layer))
 
     def finish_loading(self, layer: nn.Module) -> None:
         if self.is_quantized(layer):

@@ -51,6 +51,7 @@ class Int8W8A8(Int8WeightOnly):
     """Int8 weights (made at load or read from a W8A8 checkpoint), int8 activations per token."""
 
     name = "w8a8"
+    weight_format = "w8a8"  # int8's tensors, multiplied by int8 activations made per token
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """PyTorch path (backends without the integer kernel): float32 sums of the products,

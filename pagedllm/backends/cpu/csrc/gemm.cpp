@@ -455,7 +455,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("dp_min_rows") = -1);
   m.def("int8_dp_min_rows", &pagedllm::gemm::int8_dp_min_rows,
         "from how many bf16 rows int8_split_gemm converts the weights (0: never, in this build)");
-  m.def("w8a8_isa", &pagedllm::gemm::w8a8_isa, "the integer dot product this build uses");
+  m.def("int8_dot_isa", &pagedllm::gemm::int8_dot_isa,
+        "the integer dot product this build uses (W8A8, split planes, group-wise dot path)");
   m.def("has_amx_int8", &pagedllm::gemm::amx::int8_available,
         "whether W8A8 sums run on AMX-INT8 tiles here (processor and OS; K in whole 64s)");
   m.def("built_isa", &pagedllm::gemm::built_isa, "the ISA level this library was compiled for");

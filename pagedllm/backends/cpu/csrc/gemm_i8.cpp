@@ -692,7 +692,7 @@ torch::Tensor int8_split_gemm(const torch::Tensor& x, const torch::Tensor& packe
   return y;
 }
 
-std::string w8a8_isa() {
+std::string int8_dot_isa() {
 #if defined(__AVX512VNNI__)
   return "avx512vnni";
 #elif defined(__AVX2__)

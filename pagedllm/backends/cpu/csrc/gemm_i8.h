@@ -53,7 +53,8 @@ torch::Tensor int8_groups_dp_gemm(const torch::Tensor& x, const torch::Tensor& p
                                   const float* w_scale, const float* bias);
 #endif
 
-// Which integer dot product this build uses ("avx512vnni", "avx2", "scalar").
-std::string w8a8_isa();
+// Which integer dot product this build uses ("avx512vnni", "avx2", "scalar"): W8A8, the int8
+// split planes and the group-wise dot path all take the same one.
+std::string int8_dot_isa();
 
 }  // namespace pagedllm::gemm

@@ -693,16 +693,6 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_groups(const torch::Tensor& x,
   return {q, dx};
 }
 
-std::string dot_isa() {
-#if defined(__AVX512VNNI__)
-  return "avx512vnni";
-#elif defined(__AVX2__)
-  return "avx2";
-#else
-  return "scalar";
-#endif
-}
-
 }  // namespace
 }  // namespace pagedllm::gemm::q4
 
@@ -745,7 +735,6 @@ void bind_groupwise(pybind11::module& m) {
         "split=True: [2M, K], [2M, K/32], each row then the rounding of what it left (the split "
         "kernel's rows)",
         NoGil(), py::arg("x"), py::arg("split") = false);
-  m.def("groupwise_dot_isa", &q4::dot_isa, "the integer dot product of the group-wise dot path");
   m.def("groupwise_bf16_rows_kernels", &q4::bf16_rows_kernels,
         "the kernels of few bf16 rows on 4-bit layers this build runs (rows_kernel): 'split' (x "
         "as two int8 rows on the dot kernel, the default), 'dp' (vdpbf16ps on q), 'fma' (float32 "
