@@ -28,8 +28,8 @@ from typing import Any
 
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.engine import core_wire as wire
-from pagedllm.engine.async_engine import (
-    EngineClient,
+from pagedllm.engine.client import (
+    EngineClientBase,
     EngineDeadError,
     EngineStepError,
     RequestStream,
@@ -45,7 +45,7 @@ _POLL_MS = 100  # the receiving thread's wake-up to notice a stop
 _ERRORS: dict[str, type[Exception]] = {"ValueError": ValueError, "TypeError": ValueError}
 
 
-class EngineCoreClient(EngineClient):
+class EngineCoreClient(EngineClientBase):
     """Start the core for ``model`` and talk to it; see the module docstring.
 
     ``on_request_finished`` callbacks get each final RequestOutput; ``on_timing`` callbacks get
@@ -126,7 +126,7 @@ class EngineCoreClient(EngineClient):
         self._stats: dict[str, float] = dict(self.info["stats"])
         self.tokenizer: Any = None
         if self.info["has_tokenizer"]:
-            from pagedllm.engine.llm_engine import load_tokenizer
+            from pagedllm.engine.prompts import load_tokenizer
 
             self.tokenizer = load_tokenizer(self.info["tokenizer"])
         self._thread = threading.Thread(target=self._receive, name="pagedllm-core-out", daemon=True)
@@ -217,7 +217,7 @@ class EngineCoreClient(EngineClient):
         self._check_alive()
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        stream = RequestStream(request_id, asyncio.get_running_loop(), self._request_abort)
+        stream = RequestStream(request_id, asyncio.get_running_loop(), self.request_abort)
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._streams[request_id] = stream
         self._accs[request_id] = wire.OutputAccumulator(request_id)
@@ -237,7 +237,7 @@ class EngineCoreClient(EngineClient):
             raise
         return stream
 
-    def _request_abort(self, request_id: str | list[str]) -> None:
+    def request_abort(self, request_id: str | list[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         if self._dead is None and not self._stopped:
             with contextlib.suppress(Exception):
@@ -307,7 +307,7 @@ class EngineCoreClient(EngineClient):
         self.num_cut += len(streams)
         if streams:
             logger.warning("cutting %d requests still in flight: %s", len(streams), reason)
-            self._request_abort([rid for rid, _ in streams])
+            self.request_abort([rid for rid, _ in streams])
         self._deliver([(s, EngineDeadError(reason)) for _, s in streams])
 
     def stop(self, join_timeout: float = 30.0) -> None:

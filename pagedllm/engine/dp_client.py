@@ -25,7 +25,13 @@ from collections.abc import Callable
 from typing import Any
 
 from pagedllm.core.sampling_params import SamplingParams
-from pagedllm.engine.async_engine import EngineClient, EngineDeadError, RequestStream
+from pagedllm.engine.client import (
+    EngineClient,
+    EngineClientBase,
+    EngineDeadError,
+    ReplicaSet,
+    RequestStream,
+)
 from pagedllm.engine.core_client import EngineCoreClient
 from pagedllm.engine.core_launch import ProcessLauncher
 from pagedllm.engine.router import Router
@@ -65,7 +71,7 @@ def replica_threads(cpu_threads: int | None, num_replicas: int, tp: int) -> int:
     return max(tp, cpu_threads // num_replicas)
 
 
-class DataParallelClient(EngineClient):
+class DataParallelClient(EngineClientBase):
     """``data_parallel_size`` replicas of ``model``; see the module docstring.
 
     ``engine_args`` are every replica's (``data_parallel_size`` and ``router`` are this
@@ -265,6 +271,9 @@ class DataParallelClient(EngineClient):
         errors = [r.dead_error for r in self.replicas if r.dead_error is not None]
         return errors[0] if errors else EngineDeadError("every replica is gone")
 
+    def replica_set(self) -> ReplicaSet:
+        return self
+
     def health(self) -> dict[str, Any]:
         """``ok``, or ``degraded`` while a replica is down (restarting or given up). A replica
         the monitor has not looked at since it died (it looks every ``_MONITOR_S``) is down
@@ -390,13 +399,13 @@ class DataParallelClient(EngineClient):
             return []
         return list(self.tokenizer.encode(prompt))
 
-    def _request_abort(self, request_id: str | list[str]) -> None:
+    def request_abort(self, request_id: str | list[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         with self._lock:
             owners = {rid: self.router.replica_of(rid) for rid in ids}
         for rid, owner in owners.items():
             if owner is not None:
-                self.replicas[owner]._request_abort(rid)
+                self.replicas[owner].request_abort(rid)
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(engine, *args)`` on every replica that is up (adapters must reach them all);

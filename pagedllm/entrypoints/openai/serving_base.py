@@ -18,8 +18,8 @@ from fastapi import Request
 
 from pagedllm.core.guided_params import GuidedDecodingParams
 from pagedllm.core.sampling_params import SamplingParams
-from pagedllm.engine.async_engine import (
-    AsyncEngine,
+from pagedllm.engine.client import (
+    EngineClient,
     EngineDeadError,
     EngineStepError,
     RequestStream,
@@ -175,7 +175,7 @@ class ServingBase:
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: EngineClient,
         model: ModelInfo,
         *,
         max_logprobs: int = 20,
