@@ -70,8 +70,6 @@ class EngineCoreClient(EngineClientBase):
         name: str | None = None,
         **engine_args: Any,
     ) -> None:
-        import zmq
-
         self.name = name  # a data-parallel replica's name, put before its errors
         self.on_request_finished: list[Callable[[RequestOutput], None]] = []
         self.on_timing: list[Callable[[str, float], None]] = []
@@ -91,32 +89,18 @@ class EngineCoreClient(EngineClientBase):
         self._core_in_flight = 0
         self._stat_logger = StatLogger(log_stats_interval) if log_stats_interval else None
         self._send_lock = threading.RLock()  # reentrant: a signal handler may send mid-send
-        self._dir = tempfile.mkdtemp(prefix="pagedllm-core-")  # mode 0700: this user only
-        self._ctx = zmq.Context()
-        self._in = self._ctx.socket(zmq.PUSH)
-        self._in.setsockopt(zmq.SNDHWM, 0)
-        self._in.setsockopt(zmq.LINGER, 0)
-        self._out = self._ctx.socket(zmq.PULL)
-        self._out.setsockopt(zmq.RCVHWM, 0)
-        launcher = launcher or ProcessLauncher()
-        try:
-            in_addr, out_addr = launcher.bind(self._in, self._out, self._dir)
-            self.proc = launcher.start(
-                CoreSpec(
-                    model,
-                    device,
-                    engine_args,
-                    in_addr,
-                    out_addr,
-                    logging.getLogger().getEffectiveLevel(),
-                    cpu_binding,
-                )
-            )
-        except BaseException:
-            # A core that could not be launched (a Ray placement group gone, say): the sockets
-            # and context go now; left to the garbage collector, term() can block forever.
-            self._close()
-            raise
+        self.proc = self._launch(
+            launcher or ProcessLauncher(),
+            lambda in_addr, out_addr: CoreSpec(
+                model,
+                device,
+                engine_args,
+                in_addr,
+                out_addr,
+                logging.getLogger().getEffectiveLevel(),
+                cpu_binding,
+            ),
+        )
         try:
             self.info = self._wait_ready(startup_timeout)
         except BaseException:
@@ -124,11 +108,7 @@ class EngineCoreClient(EngineClientBase):
             self._close()
             raise
         self._stats: dict[str, float] = dict(self.info["stats"])
-        self.tokenizer: Any = None
-        if self.info["has_tokenizer"]:
-            from pagedllm.engine.prompts import load_tokenizer
-
-            self.tokenizer = load_tokenizer(self.info["tokenizer"])
+        self.tokenizer: Any = _tokenizer_of(self.info)
         self._thread = threading.Thread(target=self._receive, name="pagedllm-core-out", daemon=True)
         self._thread.start()
 
@@ -150,6 +130,26 @@ class EngineCoreClient(EngineClientBase):
             cpu_binding=cpu_binding,
             **engine_args,
         )
+
+    def _launch(self, launcher: CoreLauncher, spec: Callable[[str, str], CoreSpec]) -> Any:
+        """Bind this side's two sockets and start the core, which connects to them;
+        ``spec`` makes the core's spec from the two addresses."""
+        import zmq
+
+        self._dir = tempfile.mkdtemp(prefix="pagedllm-core-")  # mode 0700: this user only
+        self._ctx = zmq.Context()
+        self._in = self._ctx.socket(zmq.PUSH)
+        self._in.setsockopt(zmq.SNDHWM, 0)
+        self._in.setsockopt(zmq.LINGER, 0)
+        self._out = self._ctx.socket(zmq.PULL)
+        self._out.setsockopt(zmq.RCVHWM, 0)
+        try:
+            return launcher.start(spec(*launcher.bind(self._in, self._out, self._dir)))
+        except BaseException:
+            # A core that could not be launched (a Ray placement group gone, say): the sockets
+            # and context go now; left to the garbage collector, term() can block forever.
+            self._close()
+            raise
 
     def _wait_ready(self, timeout: float) -> dict[str, Any]:
         import zmq
@@ -487,3 +487,12 @@ class EngineCoreClient(EngineClientBase):
 def _put_all(batch: list[tuple[RequestStream, Any]]) -> None:
     for stream, item in batch:
         stream.put(item)
+
+
+def _tokenizer_of(info: dict[str, Any]) -> Any:
+    """The core's tokenizer, loaded on this side too (None when the core runs without one)."""
+    if not info["has_tokenizer"]:
+        return None
+    from pagedllm.engine.prompts import load_tokenizer
+
+    return load_tokenizer(info["tokenizer"])

@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import os
@@ -21,7 +20,7 @@ from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.sequence import Sequence, SequenceGroup
 from pagedllm.core.speculation import LookaheadPlanner
-from pagedllm.engine.admission import EngineLimits, check_request, fit_max_model_len
+from pagedllm.engine.admission import EngineLimits, check_request, fit_context
 from pagedllm.engine.guided import GuidedRequests
 from pagedllm.engine.lora_registry import LoRARegistry, lora_cache_root
 from pagedllm.engine.output_processor import OutputProcessor
@@ -144,7 +143,13 @@ class LLMEngine:
         )
         block_size = self.config.cache.block_size
         window_blocks = window_block_count(window, block_size) if lazy else None
-        self._fit_context(num_device, window_blocks, window)
+        self.config = fit_context(
+            self.config,
+            num_device,
+            window=window,
+            window_blocks=window_blocks,
+            explicit=self._explicit_max_model_len,
+        )
         self.executor.initialize_cache(num_device, num_host, num_virtual)
         logger.info(
             "KV cache: %d device blocks (%d tokens), %d host blocks for swapping%s",
@@ -201,41 +206,6 @@ class LLMEngine:
             block_size=self.config.cache.block_size,
             usable_blocks=layout.num_device - self.block_manager.watermark_blocks,
             window_blocks=layout.window_blocks,
-        )
-
-    def _fit_context(self, num_device: int, window_blocks: int | None, window: int | None) -> None:
-        """Refuse to start, or lower max_model_len, when the cache cannot hold one sequence.
-
-        Under a block sliding window (``window_blocks`` given) a sequence of any length runs in
-        ``window_blocks`` blocks, so a cache that holds them keeps max_model_len as it is.
-        """
-        cache, sched = self.config.cache, self.config.scheduler
-        usable = num_device - int(cache.watermark * num_device)
-        if (
-            window is not None
-            and window_blocks is None
-            and usable * cache.block_size < sched.max_model_len
-        ):
-            logger.warning(
-                "every layer slides over %d tokens, but a prompt is computed whole (holding all "
-                "its blocks) without enable_chunked_prefill or with prefix caching; with chunked "
-                "prefill a sequence of any length runs in %d blocks",
-                window,
-                window_block_count(window, cache.block_size),
-            )
-        new_len = fit_max_model_len(
-            sched.max_model_len,
-            usable_blocks=usable,
-            block_size=cache.block_size,
-            explicit=self._explicit_max_model_len,
-            window_blocks=window_blocks,
-        )
-        if new_len == sched.max_model_len:
-            return
-        self.config = dataclasses.replace(
-            self.config,
-            model=dataclasses.replace(self.config.model, max_model_len=new_len),
-            scheduler=dataclasses.replace(sched, max_model_len=new_len),
         )
 
     # -- requests --------------------------------------------------------------------------
