@@ -90,16 +90,7 @@ class EngineCoreClient(EngineClientBase):
         self._stat_logger = StatLogger(log_stats_interval) if log_stats_interval else None
         self._send_lock = threading.RLock()  # reentrant: a signal handler may send mid-send
         self.proc = self._launch(
-            launcher or ProcessLauncher(),
-            lambda in_addr, out_addr: CoreSpec(
-                model,
-                device,
-                engine_args,
-                in_addr,
-                out_addr,
-                logging.getLogger().getEffectiveLevel(),
-                cpu_binding,
-            ),
+            launcher or ProcessLauncher(), model, device, engine_args, cpu_binding
         )
         try:
             self.info = self._wait_ready(startup_timeout)
@@ -131,9 +122,15 @@ class EngineCoreClient(EngineClientBase):
             **engine_args,
         )
 
-    def _launch(self, launcher: CoreLauncher, spec: Callable[[str, str], CoreSpec]) -> Any:
-        """Bind this side's two sockets and start the core, which connects to them;
-        ``spec`` makes the core's spec from the two addresses."""
+    def _launch(
+        self,
+        launcher: CoreLauncher,
+        model: str,
+        device: str,
+        engine_args: dict[str, Any],
+        cpu_binding: CpuBinding | None,
+    ) -> Any:
+        """Bind this side's two sockets and start the core, which connects to them."""
         import zmq
 
         self._dir = tempfile.mkdtemp(prefix="pagedllm-core-")  # mode 0700: this user only
@@ -144,7 +141,11 @@ class EngineCoreClient(EngineClientBase):
         self._out = self._ctx.socket(zmq.PULL)
         self._out.setsockopt(zmq.RCVHWM, 0)
         try:
-            return launcher.start(spec(*launcher.bind(self._in, self._out, self._dir)))
+            in_addr, out_addr = launcher.bind(self._in, self._out, self._dir)
+            log_level = logging.getLogger().getEffectiveLevel()
+            return launcher.start(
+                CoreSpec(model, device, engine_args, in_addr, out_addr, log_level, cpu_binding)
+            )
         except BaseException:
             # A core that could not be launched (a Ray placement group gone, say): the sockets
             # and context go now; left to the garbage collector, term() can block forever.

@@ -100,11 +100,10 @@ class LLMEngine:
         schedulers = self._build_schedulers(layout)
         self.spec_metrics = SpecDecodeMetrics()
         self.loras = LoRARegistry(self.config.lora, self.executor)
-        max_model_len = self.config.scheduler.max_model_len
         self.output_processor = OutputProcessor(
             tokenizer=self.tokenizer,
             eos_token_ids=self.eos_token_ids,
-            max_model_len=max_model_len,
+            max_model_len=self.config.scheduler.max_model_len,
             tables=self.scheduler,
         )
         self.vocab_size = int(self.hf_config.vocab_size)
@@ -113,17 +112,7 @@ class LLMEngine:
         self.guided = GuidedRequests(
             self.tokenizer, vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids
         )
-        parts = StepParts(
-            executor=self.executor,
-            guided=self.guided,
-            output_processor=self.output_processor,
-            counters=self.counters,
-            spec_metrics=self.spec_metrics,
-            kv_tiers=self.kv_tiers,
-            block_size=self.config.cache.block_size,
-            max_model_len=max_model_len,
-        )
-        self.loop = StepLoop(self.scheduler, schedulers, parts)
+        self.loop = StepLoop(self.scheduler, schedulers, self._step_parts())
         self._cache_salt = os.urandom(16)  # adapters' prefix-cache roots: this run's only
 
     def _size_cache(self) -> CacheLayout:
@@ -195,6 +184,19 @@ class LLMEngine:
             self.block_manager = VirtualBlockManagers(managers)
             self.scheduler = VirtualSchedulers(schedulers)
         return schedulers
+
+    def _step_parts(self) -> StepParts:
+        """What the step loop drives: the same objects this engine holds."""
+        return StepParts(
+            executor=self.executor,
+            guided=self.guided,
+            output_processor=self.output_processor,
+            counters=self.counters,
+            spec_metrics=self.spec_metrics,
+            kv_tiers=self.kv_tiers,
+            block_size=self.config.cache.block_size,
+            max_model_len=self.config.scheduler.max_model_len,
+        )
 
     def _limits(self, max_logprobs: int, layout: CacheLayout) -> EngineLimits:
         sched = self.config.scheduler
