@@ -328,24 +328,13 @@ class AsyncEngine(EngineClientBase):
                 self._timing("core_queue", max(0.0, m.first_scheduled_time - m.arrival_time))
             if out.finished:
                 # Counted before it leaves the requests in flight (see EngineCoreClient).
-                for callback in self.on_request_finished:
-                    try:
-                        callback(out)
-                    except Exception:
-                        logger.exception("on_request_finished callback failed")
+                self._report_finished(out)
                 self._streams.pop(out.request_id, None)
                 self._timed.discard(out.request_id)
             if stream is not None:
                 # A request ended by containment hears of it as a failed step (a 500).
                 failed = out.failed and out.finished
                 self._deliver(stream, EngineStepError(out.error or "") if failed else out)
-
-    def _timing(self, kind: str, seconds: float) -> None:
-        for callback in self.on_timing:
-            try:
-                callback(kind, seconds)
-            except Exception:
-                logger.exception("on_timing callback failed")
 
     def _on_step_failure(self, exc: Exception) -> None:
         """Fail every request in flight, drop them from the engine, and keep serving."""

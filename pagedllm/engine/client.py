@@ -13,11 +13,14 @@ from __future__ import annotations
 import abc
 import asyncio
 import collections
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
@@ -136,6 +139,23 @@ class EngineClientBase(abc.ABC):
 
     async def abort(self, request_id: str | list[str]) -> None:
         self.request_abort(request_id)
+
+    def _report_finished(self, out: RequestOutput) -> None:
+        """Each ``on_request_finished`` callback, on the thread that saw ``out`` finish; one
+        that fails is logged and the others still run."""
+        for callback in self.on_request_finished:
+            try:
+                callback(out)
+            except Exception:
+                logger.exception("on_request_finished callback failed")
+
+    def _timing(self, kind: str, seconds: float) -> None:
+        """Each ``on_timing`` callback with ``(kind, seconds)``; failures are logged."""
+        for callback in self.on_timing:
+            try:
+                callback(kind, seconds)
+            except Exception:
+                logger.exception("on_timing callback failed")
 
     def health(self) -> dict[str, Any]:
         """What /health answers while the client is healthy."""

@@ -427,11 +427,7 @@ class EngineCoreClient(EngineClientBase):
             if out.finished:
                 # Counted (metrics) before it leaves the requests in flight: whoever sees the
                 # engine idle sees its finish counted too.
-                for callback in self.on_request_finished:
-                    try:
-                        callback(out)
-                    except Exception:
-                        logger.exception("on_request_finished callback failed")
+                self._report_finished(out)
                 self._drop(rid)
             if stream is not None:
                 failed = out.failed and out.finished
@@ -450,13 +446,6 @@ class EngineCoreClient(EngineClientBase):
         m = out.metrics
         if received is not None and m is not None and m.first_scheduled_time is not None:
             self._timing("core_queue", max(0.0, m.first_scheduled_time - received))
-
-    def _timing(self, kind: str, seconds: float) -> None:
-        for callback in self.on_timing:
-            try:
-                callback(kind, seconds)
-            except Exception:
-                logger.exception("on_timing callback failed")
 
     def _on_dead(self, error: BaseException) -> None:
         if self.name is not None:
