@@ -1,11 +1,13 @@
-"""EngineCoreClient: ``AsyncEngine``'s surface, with the engine in a process of its own.
+"""EngineCoreClient: the ``EngineClient`` protocol (``client.py``) with the engine in a process
+of its own.
 
-The server calls the same methods as on :class:`AsyncEngine` (``add_request``, ``generate``,
-``abort``, ``call``, ``get_stats``, ``is_healthy``, ``shutdown``, ``cut_in_flight``, ...), so
-the routes do not change. Underneath: a spawned core process (``core_process.py``) and two
-ZeroMQ sockets (``core_wire.py``). Requests are sent from the caller's thread (a send is a
-non-blocking copy into ZeroMQ's queue); one thread here receives the core's per-step messages,
-folds the deltas into cumulative outputs and hands each event loop its batch in one wake-up.
+The server calls the same methods as on the in-process :class:`AsyncEngine` (``add_request``,
+``generate``, ``abort``, ``call``, ``get_stats``, ``is_healthy``, ``shutdown``,
+``cut_in_flight``, ...), so the routes do not change. Underneath: a spawned core process
+(``core_process.py``) and two ZeroMQ sockets (``core_wire.py``). Requests are sent from the
+caller's thread (a send is a non-blocking copy into ZeroMQ's queue); one thread here receives
+the core's per-step messages, folds the deltas into cumulative outputs and hands each event
+loop its batch in one wake-up.
 
 The core's death is seen at once: that thread polls the process's sentinel next to the socket,
 so every stream fails with ``EngineDeadError`` and ``is_healthy`` turns false (the server's
