@@ -30,11 +30,16 @@ __all__ = [
 
 if TYPE_CHECKING:
     from pagedllm.engine.async_engine import AsyncEngine
-    from pagedllm.engine.llm_engine import Engine, LLMEngine
+    from pagedllm.engine.factory import Engine
+    from pagedllm.engine.llm_engine import LLMEngine
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("Engine", "LLMEngine"):
+    if name == "Engine":
+        from pagedllm.engine.factory import Engine
+
+        return Engine
+    if name == "LLMEngine":
         from pagedllm.engine.llm_engine import LLMEngine
 
         return LLMEngine

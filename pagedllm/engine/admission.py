@@ -9,9 +9,12 @@ with a ``ValueError`` naming the field, before anything is queued.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
+from pagedllm.config import EngineConfig
+from pagedllm.core.block_manager import window_block_count
 from pagedllm.core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -152,3 +155,47 @@ def fit_max_model_len(
         block_size,
     )
     return capacity
+
+
+def fit_context(
+    config: EngineConfig,
+    num_device: int,
+    *,
+    window: int | None,
+    window_blocks: int | None,
+    explicit: bool,
+) -> EngineConfig:
+    """``config`` with max_model_len fitted to a cache of ``num_device`` blocks (see
+    :func:`fit_max_model_len`; ``explicit``: the user set it, so it is refused, not lowered).
+
+    Under a block sliding window (``window_blocks`` given) a sequence of any length runs in
+    ``window_blocks`` blocks, so a cache that holds them keeps max_model_len as it is.
+    """
+    cache, sched = config.cache, config.scheduler
+    usable = num_device - int(cache.watermark * num_device)
+    if (
+        window is not None
+        and window_blocks is None
+        and usable * cache.block_size < sched.max_model_len
+    ):
+        logger.warning(
+            "every layer slides over %d tokens, but a prompt is computed whole (holding all "
+            "its blocks) without enable_chunked_prefill or with prefix caching; with chunked "
+            "prefill a sequence of any length runs in %d blocks",
+            window,
+            window_block_count(window, cache.block_size),
+        )
+    new_len = fit_max_model_len(
+        sched.max_model_len,
+        usable_blocks=usable,
+        block_size=cache.block_size,
+        explicit=explicit,
+        window_blocks=window_blocks,
+    )
+    if new_len == sched.max_model_len:
+        return config
+    return dataclasses.replace(
+        config,
+        model=dataclasses.replace(config.model, max_model_len=new_len),
+        scheduler=dataclasses.replace(sched, max_model_len=new_len),
+    )

@@ -9,151 +9,36 @@ thread-safe command queue that the thread drains between steps, and outputs trav
 
 from __future__ import annotations
 
-import abc
 import asyncio
-import collections
 import concurrent.futures
 import contextlib
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.engine.client import (
+    EngineClientBase,
+    EngineDeadError,
+    EngineStepError,
+    RequestStream,
+)
 from pagedllm.engine.containment import EngineBrokenError
 from pagedllm.engine.stat_logger import StatLogger
-
-__all__ = [
-    "AsyncEngine",
-    "EngineClient",
-    "EngineDeadError",
-    "EngineStepError",
-    "RequestStream",
-    "StatLogger",
-]
 from pagedllm.outputs import RequestOutput
+
+# The errors and the stream are client.py's; named here too for callers that import them with
+# the in-process engine.
+__all__ = ["AsyncEngine", "EngineDeadError", "EngineStepError", "RequestStream", "StatLogger"]
 
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.5  # how long the idle thread sleeps on the command queue between stat checks
 _MAX_CONSECUTIVE_STEP_FAILURES = 3
-
-
-class EngineDeadError(RuntimeError):
-    """The engine is stopped or broken and takes no more requests."""
-
-
-class EngineStepError(RuntimeError):
-    """A step raised; every request in flight at that moment is failed with this error."""
-
-
-class RequestStream:
-    """The outputs of one request, newest first-come; iterate with ``async for`` (one reader).
-
-    Outputs are cumulative (the whole text so far), so when a consumer falls behind only the
-    newest output matters: ``__anext__`` skips straight to it. A deque and one waiter future
-    rather than an ``asyncio.Queue``: every streamed token passes here, and the queue's getter
-    and putter bookkeeping cost about a sixth of the server's per-token path (measured in
-    isolation, 6.1 against 5.1 us per token at 64 streams).
-    """
-
-    def __init__(
-        self, request_id: str, loop: asyncio.AbstractEventLoop, abort: Callable[[str], None]
-    ) -> None:
-        self.request_id = request_id
-        self.loop = loop
-        self._abort = abort
-        self._items: collections.deque[RequestOutput | BaseException] = collections.deque()
-        self._waiter: asyncio.Future[None] | None = None
-        self.finished = False
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        """Called on the event loop (via call_soon_threadsafe) by the engine thread."""
-        self._items.append(item)
-        waiter, self._waiter = self._waiter, None
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        items = self._items
-        while not items:
-            self._waiter = self.loop.create_future()
-            await self._waiter
-        item = items.popleft()
-        while items and isinstance(item, RequestOutput) and not item.finished:
-            item = items.popleft()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        if item.finished:
-            self.finished = True
-        return item
-
-    def abort(self) -> None:
-        """Stop the request if it is still running; its KV blocks are freed by the engine."""
-        if not self.finished:
-            self.finished = True
-            self._abort(self.request_id)
-
-
-class EngineClient(abc.ABC):
-    """What the server holds: the in-process :class:`AsyncEngine`, or the client of an engine
-    core process. Both hand out one :class:`RequestStream` per request; they differ only in how
-    a request and an abort reach the engine, so the streaming and aborting around them is here.
-    """
-
-    @abc.abstractmethod
-    async def add_request(
-        self,
-        request_id: str,
-        prompt: Any,
-        params: SamplingParams,
-        *,
-        priority: int = 0,
-        arrival_time: float | None = None,
-        lora_request: Any = None,
-    ) -> RequestStream:
-        """Hand the request to the engine; its stream once taken (ValueError if refused)."""
-
-    @abc.abstractmethod
-    def _request_abort(self, request_id: str | list[str]) -> None:
-        """Tell the engine to abort (thread-safe, never blocks; unknown ids are ignored)."""
-
-    async def generate(
-        self,
-        prompt: Any,
-        params: SamplingParams,
-        request_id: str,
-        *,
-        priority: int = 0,
-        arrival_time: float | None = None,
-        lora_request: Any = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream one request's outputs; cancelling or closing the iterator aborts it."""
-        stream = await self.add_request(
-            request_id,
-            prompt,
-            params,
-            priority=priority,
-            arrival_time=arrival_time,
-            lora_request=lora_request,
-        )
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            stream.abort()
-
-    async def abort(self, request_id: str | list[str]) -> None:
-        self._request_abort(request_id)
 
 
 @dataclass
@@ -171,7 +56,8 @@ class _Add:
 
 @dataclass
 class _Call:
-    fn: Callable[[Any], Any]
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
     done: concurrent.futures.Future[Any]
 
 
@@ -190,7 +76,7 @@ class _Cut:
     reason: str
 
 
-class AsyncEngine(EngineClient):
+class AsyncEngine(EngineClientBase):
     """Serve an :class:`LLMEngine` to coroutines; see the module docstring for the threading.
 
     ``on_request_finished`` callbacks run on the engine thread with each final RequestOutput
@@ -280,7 +166,7 @@ class AsyncEngine(EngineClient):
         """
         self._check_alive()
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        stream = RequestStream(request_id, asyncio.get_running_loop(), self._request_abort)
+        stream = RequestStream(request_id, asyncio.get_running_loop(), self.request_abort)
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._commands.put(_Add(stream, prompt, params, priority, done, arrival, lora_request))
         try:
@@ -291,15 +177,15 @@ class AsyncEngine(EngineClient):
             raise
         return stream
 
-    def _request_abort(self, request_id: str | list[str]) -> None:
+    def request_abort(self, request_id: str | list[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         self._commands.put(_Abort(ids))
 
-    async def call(self, fn: Callable[[Any], Any]) -> Any:
-        """Run ``fn(engine)`` on the engine thread between steps and return its result."""
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(engine, *args)`` on the engine thread between steps; its result."""
         self._check_alive()
         done: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._commands.put(_Call(fn, done))
+        self._commands.put(_Call(fn, args, done))
         return await asyncio.wrap_future(done)
 
     def _check_alive(self) -> None:
@@ -417,7 +303,7 @@ class AsyncEngine(EngineClient):
             cmd.done.set_result(None)
         elif cmd.done.set_running_or_notify_cancel():
             try:
-                cmd.done.set_result(cmd.fn(self.engine))
+                cmd.done.set_result(cmd.fn(self.engine, *cmd.args))
             except BaseException as exc:
                 cmd.done.set_exception(exc)
 
@@ -442,24 +328,13 @@ class AsyncEngine(EngineClient):
                 self._timing("core_queue", max(0.0, m.first_scheduled_time - m.arrival_time))
             if out.finished:
                 # Counted before it leaves the requests in flight (see EngineCoreClient).
-                for callback in self.on_request_finished:
-                    try:
-                        callback(out)
-                    except Exception:
-                        logger.exception("on_request_finished callback failed")
+                self._report_finished(out)
                 self._streams.pop(out.request_id, None)
                 self._timed.discard(out.request_id)
             if stream is not None:
                 # A request ended by containment hears of it as a failed step (a 500).
                 failed = out.failed and out.finished
                 self._deliver(stream, EngineStepError(out.error or "") if failed else out)
-
-    def _timing(self, kind: str, seconds: float) -> None:
-        for callback in self.on_timing:
-            try:
-                callback(kind, seconds)
-            except Exception:
-                logger.exception("on_timing callback failed")
 
     def _on_step_failure(self, exc: Exception) -> None:
         """Fail every request in flight, drop them from the engine, and keep serving."""

@@ -1,11 +1,13 @@
-"""EngineCoreClient: ``AsyncEngine``'s surface, with the engine in a process of its own.
+"""EngineCoreClient: the ``EngineClient`` protocol (``client.py``) with the engine in a process
+of its own.
 
-The server calls the same methods as on :class:`AsyncEngine` (``add_request``, ``generate``,
-``abort``, ``call``, ``get_stats``, ``is_healthy``, ``shutdown``, ``cut_in_flight``, ...), so
-the routes do not change. Underneath: a spawned core process (``core_process.py``) and two
-ZeroMQ sockets (``core_wire.py``). Requests are sent from the caller's thread (a send is a
-non-blocking copy into ZeroMQ's queue); one thread here receives the core's per-step messages,
-folds the deltas into cumulative outputs and hands each event loop its batch in one wake-up.
+The server calls the same methods as on the in-process :class:`AsyncEngine` (``add_request``,
+``generate``, ``abort``, ``call``, ``get_stats``, ``is_healthy``, ``shutdown``,
+``cut_in_flight``, ...), so the routes do not change. Underneath: a spawned core process
+(``core_process.py``) and two ZeroMQ sockets (``core_wire.py``). Requests are sent from the
+caller's thread (a send is a non-blocking copy into ZeroMQ's queue); one thread here receives
+the core's per-step messages, folds the deltas into cumulative outputs and hands each event
+loop its batch in one wake-up.
 
 The core's death is seen at once: that thread polls the process's sentinel next to the socket,
 so every stream fails with ``EngineDeadError`` and ``is_healthy`` turns false (the server's
@@ -28,8 +30,8 @@ from typing import Any
 
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.engine import core_wire as wire
-from pagedllm.engine.async_engine import (
-    EngineClient,
+from pagedllm.engine.client import (
+    EngineClientBase,
     EngineDeadError,
     EngineStepError,
     RequestStream,
@@ -45,7 +47,7 @@ _POLL_MS = 100  # the receiving thread's wake-up to notice a stop
 _ERRORS: dict[str, type[Exception]] = {"ValueError": ValueError, "TypeError": ValueError}
 
 
-class EngineCoreClient(EngineClient):
+class EngineCoreClient(EngineClientBase):
     """Start the core for ``model`` and talk to it; see the module docstring.
 
     ``on_request_finished`` callbacks get each final RequestOutput; ``on_timing`` callbacks get
@@ -70,8 +72,6 @@ class EngineCoreClient(EngineClient):
         name: str | None = None,
         **engine_args: Any,
     ) -> None:
-        import zmq
-
         self.name = name  # a data-parallel replica's name, put before its errors
         self.on_request_finished: list[Callable[[RequestOutput], None]] = []
         self.on_timing: list[Callable[[str, float], None]] = []
@@ -91,32 +91,9 @@ class EngineCoreClient(EngineClient):
         self._core_in_flight = 0
         self._stat_logger = StatLogger(log_stats_interval) if log_stats_interval else None
         self._send_lock = threading.RLock()  # reentrant: a signal handler may send mid-send
-        self._dir = tempfile.mkdtemp(prefix="pagedllm-core-")  # mode 0700: this user only
-        self._ctx = zmq.Context()
-        self._in = self._ctx.socket(zmq.PUSH)
-        self._in.setsockopt(zmq.SNDHWM, 0)
-        self._in.setsockopt(zmq.LINGER, 0)
-        self._out = self._ctx.socket(zmq.PULL)
-        self._out.setsockopt(zmq.RCVHWM, 0)
-        launcher = launcher or ProcessLauncher()
-        try:
-            in_addr, out_addr = launcher.bind(self._in, self._out, self._dir)
-            self.proc = launcher.start(
-                CoreSpec(
-                    model,
-                    device,
-                    engine_args,
-                    in_addr,
-                    out_addr,
-                    logging.getLogger().getEffectiveLevel(),
-                    cpu_binding,
-                )
-            )
-        except BaseException:
-            # A core that could not be launched (a Ray placement group gone, say): the sockets
-            # and context go now; left to the garbage collector, term() can block forever.
-            self._close()
-            raise
+        self.proc = self._launch(
+            launcher or ProcessLauncher(), model, device, engine_args, cpu_binding
+        )
         try:
             self.info = self._wait_ready(startup_timeout)
         except BaseException:
@@ -124,11 +101,7 @@ class EngineCoreClient(EngineClient):
             self._close()
             raise
         self._stats: dict[str, float] = dict(self.info["stats"])
-        self.tokenizer: Any = None
-        if self.info["has_tokenizer"]:
-            from pagedllm.engine.llm_engine import load_tokenizer
-
-            self.tokenizer = load_tokenizer(self.info["tokenizer"])
+        self.tokenizer: Any = _tokenizer_of(self.info)
         self._thread = threading.Thread(target=self._receive, name="pagedllm-core-out", daemon=True)
         self._thread.start()
 
@@ -150,6 +123,36 @@ class EngineCoreClient(EngineClient):
             cpu_binding=cpu_binding,
             **engine_args,
         )
+
+    def _launch(
+        self,
+        launcher: CoreLauncher,
+        model: str,
+        device: str,
+        engine_args: dict[str, Any],
+        cpu_binding: CpuBinding | None,
+    ) -> Any:
+        """Bind this side's two sockets and start the core, which connects to them."""
+        import zmq
+
+        self._dir = tempfile.mkdtemp(prefix="pagedllm-core-")  # mode 0700: this user only
+        self._ctx = zmq.Context()
+        self._in = self._ctx.socket(zmq.PUSH)
+        self._in.setsockopt(zmq.SNDHWM, 0)
+        self._in.setsockopt(zmq.LINGER, 0)
+        self._out = self._ctx.socket(zmq.PULL)
+        self._out.setsockopt(zmq.RCVHWM, 0)
+        try:
+            in_addr, out_addr = launcher.bind(self._in, self._out, self._dir)
+            log_level = logging.getLogger().getEffectiveLevel()
+            return launcher.start(
+                CoreSpec(model, device, engine_args, in_addr, out_addr, log_level, cpu_binding)
+            )
+        except BaseException:
+            # A core that could not be launched (a Ray placement group gone, say): the sockets
+            # and context go now; left to the garbage collector, term() can block forever.
+            self._close()
+            raise
 
     def _wait_ready(self, timeout: float) -> dict[str, Any]:
         import zmq
@@ -217,7 +220,7 @@ class EngineCoreClient(EngineClient):
         self._check_alive()
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        stream = RequestStream(request_id, asyncio.get_running_loop(), self._request_abort)
+        stream = RequestStream(request_id, asyncio.get_running_loop(), self.request_abort)
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._streams[request_id] = stream
         self._accs[request_id] = wire.OutputAccumulator(request_id)
@@ -237,7 +240,7 @@ class EngineCoreClient(EngineClient):
             raise
         return stream
 
-    def _request_abort(self, request_id: str | list[str]) -> None:
+    def request_abort(self, request_id: str | list[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         if self._dead is None and not self._stopped:
             with contextlib.suppress(Exception):
@@ -307,7 +310,7 @@ class EngineCoreClient(EngineClient):
         self.num_cut += len(streams)
         if streams:
             logger.warning("cutting %d requests still in flight: %s", len(streams), reason)
-            self._request_abort([rid for rid, _ in streams])
+            self.request_abort([rid for rid, _ in streams])
         self._deliver([(s, EngineDeadError(reason)) for _, s in streams])
 
     def stop(self, join_timeout: float = 30.0) -> None:
@@ -426,11 +429,7 @@ class EngineCoreClient(EngineClient):
             if out.finished:
                 # Counted (metrics) before it leaves the requests in flight: whoever sees the
                 # engine idle sees its finish counted too.
-                for callback in self.on_request_finished:
-                    try:
-                        callback(out)
-                    except Exception:
-                        logger.exception("on_request_finished callback failed")
+                self._report_finished(out)
                 self._drop(rid)
             if stream is not None:
                 failed = out.failed and out.finished
@@ -449,13 +448,6 @@ class EngineCoreClient(EngineClient):
         m = out.metrics
         if received is not None and m is not None and m.first_scheduled_time is not None:
             self._timing("core_queue", max(0.0, m.first_scheduled_time - received))
-
-    def _timing(self, kind: str, seconds: float) -> None:
-        for callback in self.on_timing:
-            try:
-                callback(kind, seconds)
-            except Exception:
-                logger.exception("on_timing callback failed")
 
     def _on_dead(self, error: BaseException) -> None:
         if self.name is not None:
@@ -487,3 +479,12 @@ class EngineCoreClient(EngineClient):
 def _put_all(batch: list[tuple[RequestStream, Any]]) -> None:
     for stream, item in batch:
         stream.put(item)
+
+
+def _tokenizer_of(info: dict[str, Any]) -> Any:
+    """The core's tokenizer, loaded on this side too (None when the core runs without one)."""
+    if not info["has_tokenizer"]:
+        return None
+    from pagedllm.engine.prompts import load_tokenizer
+
+    return load_tokenizer(info["tokenizer"])

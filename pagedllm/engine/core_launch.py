@@ -10,23 +10,11 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pagedllm.engine.cpu_binding import CpuBinding
+from pagedllm.engine.core_process import CoreSpec, core_main
 
-
-@dataclass(frozen=True)
-class CoreSpec:
-    """What a launcher needs to start a core: the engine and the addresses to connect to."""
-
-    model: str
-    device: str
-    engine_args: dict[str, Any]
-    in_addr: str
-    out_addr: str
-    log_level: int
-    cpu_binding: CpuBinding | None = None
+__all__ = ["CoreLauncher", "CoreSpec", "ProcessLauncher"]
 
 
 class CoreLauncher(Protocol):
@@ -48,22 +36,11 @@ class ProcessLauncher:
         return f"ipc://{folder}/in", f"ipc://{folder}/out"
 
     def start(self, spec: CoreSpec) -> Any:
-        from pagedllm.engine.core_process import core_main
-
         proc = mp.get_context("spawn").Process(
             target=core_main,
             name="pagedllm-core",
             daemon=False,
-            args=(
-                spec.model,
-                spec.device,
-                spec.engine_args,
-                spec.in_addr,
-                spec.out_addr,
-                os.getpid(),
-                spec.log_level,
-                spec.cpu_binding,
-            ),
+            args=(spec, os.getpid()),
         )
         proc.start()
         return proc

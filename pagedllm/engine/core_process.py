@@ -23,6 +23,7 @@ import os
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.engine import core_wire as wire
@@ -33,6 +34,20 @@ logger = logging.getLogger(__name__)
 _IDLE_POLL_MS = 200  # idle wait on the input socket between checks that the parent lives
 _STATS_INTERVAL_S = 0.02  # stats go out at most this often while busy (and always when idle)
 _MAX_CONSECUTIVE_STEP_FAILURES = 3
+
+
+@dataclass(frozen=True)
+class CoreSpec:
+    """What a launcher (``core_launch.py``) needs to start a core: the engine to build and the
+    client's addresses to connect to."""
+
+    model: str
+    device: str
+    engine_args: dict[str, Any]
+    in_addr: str
+    out_addr: str
+    log_level: int
+    cpu_binding: CpuBinding | None = None
 
 
 class EngineCore:
@@ -215,51 +230,35 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
-def core_main(
-    model: str,
-    device: str,
-    engine_args: dict[str, Any],
-    in_addr: str,
-    out_addr: str,
-    parent_pid: int | None,
-    log_level: int,
-    cpu_binding: CpuBinding | None = None,
-) -> None:
+def core_main(spec: CoreSpec, parent_pid: int) -> None:
     """The spawned process's entry point: the core's exit status is the process's."""
     from pagedllm.config import core_openmp_env
 
     os.environ.update(core_openmp_env())  # before torch loads its OpenMP runtime
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [core] %(message)s")
-    sys.exit(run_core(model, device, engine_args, in_addr, out_addr, parent_pid, cpu_binding))
+    logging.basicConfig(level=spec.log_level, format="%(asctime)s %(levelname)s [core] %(message)s")
+    sys.exit(run_core(spec, parent_pid))
 
 
-def run_core(
-    model: str,
-    device: str,
-    engine_args: dict[str, Any],
-    in_addr: str,
-    out_addr: str,
-    parent_pid: int | None,
-    cpu_binding: CpuBinding | None = None,
-) -> int:
+def run_core(spec: CoreSpec, parent_pid: int | None) -> int:
     """Build the engine, say READY, run the loop; the exit status. Also the body of a Ray
     replica's actor (``dp_ray.py``), where ``parent_pid`` is None: Ray ends an actor whose
-    owner is gone. With ``cpu_binding`` the core's threads are bound once the engine (and so
-    its OpenMP pool) exists, before READY (see ``cpu_binding.py``)."""
+    owner is gone. With ``spec.cpu_binding`` the core's threads are bound once the engine (and
+    so its OpenMP pool) exists, before READY (see ``cpu_binding.py``)."""
     import zmq
 
     ctx = zmq.Context()
     out_sock = ctx.socket(zmq.PUSH)
     out_sock.setsockopt(zmq.LINGER, 2000)
     out_sock.setsockopt(zmq.SNDHWM, 0)
-    out_sock.connect(out_addr)
+    out_sock.connect(spec.out_addr)
     in_sock = ctx.socket(zmq.PULL)
     in_sock.setsockopt(zmq.RCVHWM, 0)
-    in_sock.connect(in_addr)
+    in_sock.connect(spec.in_addr)
+    cpu_binding = spec.cpu_binding
     try:
         from pagedllm.engine.llm_engine import LLMEngine
 
-        engine = LLMEngine(model, device, **engine_args)
+        engine = LLMEngine(spec.model, spec.device, **spec.engine_args)
     except BaseException as exc:
         logger.debug("engine start failed:\n%s", traceback.format_exc())
         out_sock.send(wire.encode_out(wire.DEAD, [type(exc).__name__, str(exc)]))

@@ -19,16 +19,22 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import os
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.engine.admission import default_max_tokens
-from pagedllm.engine.async_engine import EngineClient, EngineDeadError, RequestStream
+from pagedllm.engine.client import (
+    EngineClient,
+    EngineClientBase,
+    EngineDeadError,
+    ReplicaSet,
+    RequestStream,
+)
 from pagedllm.engine.core_client import EngineCoreClient
 from pagedllm.engine.core_launch import ProcessLauncher
+from pagedllm.engine.dp_setup import choose_backend, replica_setup
 from pagedllm.engine.router import Router
 from pagedllm.outputs import RequestOutput
 
@@ -42,31 +48,7 @@ _SUMMED_AS_FRACTION = {  # usage gauges recomputed from the summed block counts
 }
 
 
-def choose_backend(backend: str | None) -> str:
-    """Ray where it is installed and not declined (``mp``/``uni``: local processes)."""
-    if backend in ("mp", "uni"):
-        return "mp"
-    if backend == "ray":
-        return "ray"
-    try:
-        import ray  # noqa: F401
-    except ImportError:
-        return "mp"
-    return "ray"
-
-
-def replica_threads(cpu_threads: int | None, num_replicas: int, tp: int) -> int:
-    """Each co-located replica's share of the CPU threads (the ranks of a tensor- or
-    pipeline-parallel replica, ``tp`` of them, split it again), so replicas never oversubscribe
-    the cores."""
-    if cpu_threads is None:
-        from pagedllm.backends.cpu.backend import physical_cores
-
-        cpu_threads = physical_cores()
-    return max(tp, cpu_threads // num_replicas)
-
-
-class DataParallelClient(EngineClient):
+class DataParallelClient(EngineClientBase):
     """``data_parallel_size`` replicas of ``model``; see the module docstring.
 
     ``engine_args`` are every replica's (``data_parallel_size`` and ``router`` are this
@@ -106,7 +88,13 @@ class DataParallelClient(EngineClient):
         self.backend = choose_backend(engine_args.get("distributed_executor_backend"))
         if router == "prefix" and not engine_args.get("enable_prefix_caching"):
             logger.warning("router 'prefix' without enable_prefix_caching: no replica caches")
-        self._engine_args, self._placement = self._replica_setup(engine_args)
+        self._engine_args, self._placement = replica_setup(
+            engine_args,
+            backend=self.backend,
+            num_replicas=data_parallel_size,
+            device=device,
+            startup_timeout=startup_timeout,
+        )
         self.replicas: list[EngineCoreClient] = self._start_all()
         self.tokenizer = self.replicas[0].tokenizer
         self.info = self.replicas[0].info
@@ -121,36 +109,6 @@ class DataParallelClient(EngineClient):
         return cls(model, device, **kwargs)
 
     # -- replicas ------------------------------------------------------------------------------
-    def _replica_setup(self, engine_args: dict[str, Any]) -> tuple[dict[str, Any], Any]:
-        args = dict(engine_args)
-        args.pop("data_parallel_size", None)
-        args.pop("router", None)
-        # Every rank of a replica (TP x PP) is a process next to its core, on its node.
-        tp = int(args.get("tensor_parallel_size") or 1) * int(
-            args.get("pipeline_parallel_size") or 1
-        )
-        args["distributed_executor_backend"] = "mp" if tp > 1 else None
-        if self.backend == "mp":
-            args["cpu_threads"] = replica_threads(args.get("cpu_threads"), self.num_replicas, tp)
-            return args, None
-        from pagedllm.backends.registry import backend_class, resolve_device
-        from pagedllm.config import replica_actor_env
-        from pagedllm.engine.dp_ray import RayPlacement
-
-        num_cpus = int(args.get("cpu_threads") or tp)
-        args["cpu_threads"] = num_cpus
-        accel = backend_class(resolve_device(self._device)).ray_resource
-        package_root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
-        placement = RayPlacement(
-            self.num_replicas,
-            num_cpus=num_cpus,
-            accelerator=accel or None,
-            num_accelerators=tp,
-            env_vars=replica_actor_env(package_root),
-            timeout_s=self._startup_timeout,
-        )
-        return args, placement
-
     def _start_all(self) -> list[EngineCoreClient]:
         """Every replica at once (each loads its model); on a failure, none is left running."""
         n = self.num_replicas
@@ -265,6 +223,9 @@ class DataParallelClient(EngineClient):
             return None
         errors = [r.dead_error for r in self.replicas if r.dead_error is not None]
         return errors[0] if errors else EngineDeadError("every replica is gone")
+
+    def replica_set(self) -> ReplicaSet:
+        return self
 
     def health(self) -> dict[str, Any]:
         """``ok``, or ``degraded`` while a replica is down (restarting or given up). A replica
@@ -392,13 +353,13 @@ class DataParallelClient(EngineClient):
             return []
         return list(self.tokenizer.encode(prompt))
 
-    def _request_abort(self, request_id: str | list[str]) -> None:
+    def request_abort(self, request_id: str | list[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         with self._lock:
             owners = {rid: self.router.replica_of(rid) for rid in ids}
         for rid, owner in owners.items():
             if owner is not None:
-                self.replicas[owner]._request_abort(rid)
+                self.replicas[owner].request_abort(rid)
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(engine, *args)`` on every replica that is up (adapters must reach them all);

@@ -14,7 +14,7 @@ from typing import Any
 
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.engine.dp_client import DataParallelClient
-from pagedllm.engine.llm_engine import batch_inputs
+from pagedllm.engine.prompts import batch_inputs
 from pagedllm.engine.router import Router
 from pagedllm.outputs import RequestOutput
 

@@ -18,6 +18,7 @@ Ray is imported only here (and in ``executors/ray_executor.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -42,9 +43,8 @@ class CoreActor:
         logging.basicConfig(
             level=spec.log_level, format="%(asctime)s %(levelname)s [replica] %(message)s"
         )
-        return run_core(
-            spec.model, spec.device, spec.engine_args, spec.in_addr, spec.out_addr, None
-        )
+        # The replica's threads are Ray's to place: no binding inside an actor.
+        return run_core(dataclasses.replace(spec, cpu_binding=None), None)
 
 
 class RayCoreHandle:

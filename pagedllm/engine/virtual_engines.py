@@ -11,28 +11,19 @@ for its own previous micro-batch, which is what its next plan depends on.
 
 The engine's request bookkeeping (abort, forks and frees of beams, stats) sees the V schedulers
 and block managers as one through :class:`VirtualSchedulers` and :class:`VirtualBlockManagers`;
-:class:`PipelineLoop` is ``LLMEngine.step`` when V > 1.
+the step itself (``step_loop.py``) drives each scheduler in turn.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pagedllm.core.block_manager import BlockSpaceManager
-from pagedllm.core.interfaces import SchedulerOutput
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.sequence import Sequence, SequenceGroup
 from pagedllm.core.step_plan import SchedulerStats
-from pagedllm.outputs import RequestOutput
-
-if TYPE_CHECKING:
-    from pagedllm.engine.llm_engine import LLMEngine
-    from pagedllm.executors.base import StepFuture
-
-logger = logging.getLogger(__name__)
 
 
 class VirtualSchedulers:
@@ -122,66 +113,3 @@ class VirtualBlockManagers:
             queries=sum(m.prefix_stats.queries for m in self.managers),
             hits=sum(m.prefix_stats.hits for m in self.managers),
         )
-
-
-class PipelineLoop:
-    """``LLMEngine.step`` with V virtual engines: each call finishes one virtual engine's
-    micro-batch (if it has one in flight) and submits its next, round robin, so up to V
-    micro-batches are in the pipeline while the engine processes one.
-    """
-
-    def __init__(self, engine: LLMEngine, schedulers: VirtualSchedulers) -> None:
-        self.engine = engine
-        self.schedulers = schedulers.schedulers
-        self.in_flight: list[tuple[SchedulerOutput, StepFuture] | None] = [None] * len(
-            self.schedulers
-        )
-        self._next = 0
-
-    def step(self) -> list[RequestOutput]:
-        engine = self.engine
-        outputs, engine._pending_outputs = engine._pending_outputs, []
-        engine._admit_compiled(outputs)
-        v = self._next
-        self._next = (v + 1) % len(self.schedulers)
-        scheduler = self.schedulers[v]
-        pending = self.in_flight[v]
-        if pending is not None:
-            self.in_flight[v] = None
-            sched_out, future = pending
-            try:
-                runner_out = future.result()
-            except Exception as exc:
-                self._fail_in_flight(sched_out, exc)
-                raise
-            engine._process_step(scheduler, sched_out, runner_out, outputs)
-        self._submit(v, scheduler, outputs)
-        return outputs
-
-    def _submit(self, v: int, scheduler: Scheduler, outputs: list[RequestOutput]) -> None:
-        engine = self.engine
-        sched_out = scheduler.schedule()
-        engine._report_ignored(scheduler, outputs)
-        if sched_out.is_empty:
-            if not any(self.in_flight):  # nothing to wait for but grammars compiling
-                engine.guided.wait(timeout=0.005)
-            return
-        sched_out = dataclasses.replace(engine.guided.with_bitmask(sched_out), virtual_engine=v)
-        self.in_flight[v] = (sched_out, engine.executor.execute_model_async(sched_out))
-
-    def _fail_in_flight(self, failed: SchedulerOutput, exc: Exception) -> None:
-        """A stage died (or failed) under a micro-batch: every micro-batch in the pipeline is
-        lost. Their requests end now with the executor's error (which names the stage), their
-        blocks freed; the error then reaches the caller of ``step``."""
-        engine = self.engine
-        steps = [failed] + [p[0] for p in self.in_flight if p is not None]
-        self.in_flight = [None] * len(self.schedulers)
-        ids = sorted({s.request_id for step in steps for s in step.seqs})
-        message = f"{type(exc).__name__}: {exc}"
-        for group in engine.scheduler.abort(ids):
-            engine._requests.pop(group.request_id, None)
-            engine.guided.release(group.request_id)
-            engine._pending_outputs.append(
-                engine.output_processor.make_output(group, error=message, failed=True)
-            )
-        logger.error("pipeline step failed; ended %d in-flight requests: %s", len(ids), exc)

@@ -11,10 +11,13 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.engine.cpu_binding import CpuBinding, bind_threads
 from pagedllm.entrypoints.cli_args import build_parser, engine_kwargs
+
+if TYPE_CHECKING:  # the CLI starts without importing the engine
+    from pagedllm.engine.client import EngineClient
 
 logger = logging.getLogger("pagedllm.cli")
 
@@ -118,7 +121,7 @@ def serve_cpu_binding(args: argparse.Namespace) -> CpuBinding | None:
     return CpuBinding.plan(args.cpu_bind)
 
 
-def serve_replicas(args: argparse.Namespace, model: str, kwargs: dict[str, Any]) -> Any:
+def serve_replicas(args: argparse.Namespace, model: str, kwargs: dict[str, Any]) -> EngineClient:
     """``--data-parallel-size N``: N engine cores behind the router (engine/dp_client.py)."""
     from pagedllm.engine.dp_client import DataParallelClient
 
@@ -170,7 +173,7 @@ def serve_settings(args: argparse.Namespace) -> Any:
 
 def start_serve_engine(
     args: argparse.Namespace, model: str, served_name: str, binding: CpuBinding | None
-) -> Any:
+) -> EngineClient:
     """What the server talks to: replicas, an engine-core process, or (``--engine-in-process``)
     an engine thread in this process."""
     from pagedllm.engine.async_engine import AsyncEngine

@@ -18,6 +18,7 @@ from datetime import timedelta
 from typing import Any
 
 from pagedllm.config import EngineConfig
+from pagedllm.executors.base import Executor
 from pagedllm.executors.pipeline import RankLayout, output_rank, rank_label
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,36 @@ def rank_error(
     if exc is not None:
         err.__cause__ = exc
     return err
+
+
+class RankedExecutor(Executor):
+    """What the executors whose ranks run outside the engine's process (one process or Ray
+    actor per rank) share: the rank layout, the step deadline, and the failure that, once
+    set, every later call raises. A subclass sets ``_finalizer`` (which stops every rank)
+    before it starts the first one."""
+
+    _finalizer: Any
+
+    def __init__(self, config: EngineConfig, *, step_timeout_s: float) -> None:
+        parallel = config.parallel
+        self.world_size = parallel.world_size
+        self.tp_size, self.pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+        self.output_rank = output_rank(self.tp_size, self.pp_size)
+        self.kind = "tensor-parallel" if self.pp_size == 1 else "pipeline-parallel"
+        self.step_timeout_s = step_timeout_s
+        self._failure: str | None = None
+
+    def _label(self, rank: int) -> str:
+        return rank_label(rank, self.tp_size, self.pp_size)
+
+    def check_health(self) -> None:
+        if self._failure is not None:
+            raise RuntimeError(self._failure)
+
+    def shutdown(self) -> None:
+        if self._failure is None:
+            self._failure = "the executor was shut down"
+        self._finalizer()
 
 
 class WorkerHost:

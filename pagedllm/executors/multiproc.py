@@ -32,15 +32,15 @@ from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.interfaces import ModelRunnerOutput, SchedulerOutput
-from pagedllm.executors.base import Executor, StepFuture
+from pagedllm.executors.base import StepFuture
 from pagedllm.executors.distributed import (
     DistInit,
+    RankedExecutor,
     WorkerHost,
     describe_error,
     get_open_port,
     rank_error,
 )
-from pagedllm.executors.pipeline import output_rank, rank_label
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def _stop_processes(procs: list[Any], conns: list[Connection], grace_s: float) -
         conn.close()
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(RankedExecutor):
     """``tensor_parallel_size`` x ``pipeline_parallel_size`` worker processes on this machine
     (``spawn`` start method); rank ``stage * tensor_parallel_size + tp_rank``.
 
@@ -134,13 +134,7 @@ class MultiprocExecutor(Executor):
         step_timeout_s: float = 600.0,
         threads_per_worker: int | None = None,
     ) -> None:
-        parallel = config.parallel
-        self.world_size = parallel.world_size
-        self.tp_size, self.pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
-        self.output_rank = output_rank(self.tp_size, self.pp_size)
-        self.kind = "tensor-parallel" if self.pp_size == 1 else "pipeline-parallel"
-        self.step_timeout_s = step_timeout_s
-        self._failure: str | None = None
+        super().__init__(config, step_timeout_s=step_timeout_s)
         self._pending: deque[list[Any]] = deque()  # steps submitted, not yet answered
         total = config.parallel.cpu_threads or os.cpu_count() or 1
         threads = threads_per_worker or max(1, total // self.world_size)
@@ -214,16 +208,10 @@ class MultiprocExecutor(Executor):
                 self._fail(self._lost(rank, method))
 
     def check_health(self) -> None:
-        if self._failure is not None:
-            raise RuntimeError(self._failure)
+        super().check_health()
         message = self._death_message("a health check")
         if message:
             self._fail(message)
-
-    def shutdown(self) -> None:
-        if self._failure is None:
-            self._failure = "the executor was shut down"
-        self._finalizer()
 
     # -- waiting on the ranks ---------------------------------------------------------------
     def _collect(self, what: str, timeout_s: float) -> list[Any]:
@@ -262,9 +250,6 @@ class MultiprocExecutor(Executor):
         the exit can be collected, so wait for that to name the cause."""
         self._procs[rank].join(_DEATH_GRACE_S)
         return self._death_message(what) or f"lost the pipe to {self.kind} {self._label(rank)}"
-
-    def _label(self, rank: int) -> str:
-        return rank_label(rank, self.tp_size, self.pp_size)
 
     def _death_message(self, what: str) -> str | None:
         dead = [

@@ -26,20 +26,26 @@ from typing import Any
 from pagedllm.backends.registry import backend_class
 from pagedllm.config import EngineConfig
 from pagedllm.core.interfaces import SchedulerOutput
-from pagedllm.executors.base import Executor, StepFuture
+from pagedllm.executors.base import StepFuture
 from pagedllm.executors.distributed import (
     DistInit,
+    RankedExecutor,
     WorkerHost,
     get_open_port,
     rank_error,
 )
-from pagedllm.executors.pipeline import output_rank, rank_label
 
 logger = logging.getLogger(__name__)
 
 # The Ray resource that reserves one accelerator of each device kind (none on the CPU).
 _POLL_S = 0.5
 _DEATH_GRACE_S = 1.0  # after a rank reports an error, how long to look for a dead peer
+
+
+def _bundle_strategy(pg: Any, rank: int) -> Any:
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=rank)
 
 
 def _import_ray() -> Any:
@@ -94,7 +100,7 @@ def _release(ray: Any, actors: list[Any], pg: list[Any], owns_ray: bool) -> None
         ray.shutdown()
 
 
-class RayExecutor(Executor):
+class RayExecutor(RankedExecutor):
     """``tensor_parallel_size`` x ``pipeline_parallel_size`` Ray actors, possibly on several
     machines.
 
@@ -114,16 +120,7 @@ class RayExecutor(Executor):
         step_timeout_s: float = 600.0,
     ) -> None:
         ray = self._ray = _import_ray()
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        parallel = config.parallel
-        self.world_size = parallel.world_size
-        self.tp_size, self.pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
-        self.output_rank = output_rank(self.tp_size, self.pp_size)
-        self.kind = "tensor-parallel" if self.pp_size == 1 else "pipeline-parallel"
-        self.step_timeout_s = step_timeout_s
-        self._failure: str | None = None
+        super().__init__(config, step_timeout_s=step_timeout_s)
         owns_ray = not ray.is_initialized()
         if owns_ray:
             ray.init()
@@ -134,24 +131,14 @@ class RayExecutor(Executor):
         self._actors: list[Any] = []
         self._pg: list[Any] = []
         self._finalizer = weakref.finalize(self, _release, ray, self._actors, self._pg, owns_ray)
-        pg = placement_group([dict(bundle)] * self.world_size, strategy=placement_strategy)
-        self._pg.append(pg)
-        ready, _ = ray.wait([pg.ready()], timeout=startup_timeout_s)
-        if not ready:
-            field = "tensor_parallel_size" if self.pp_size == 1 else "pipeline_parallel_size"
-            self._fail(
-                f"{field}: cannot reserve {self.world_size} x {bundle} on the Ray "
-                f"cluster within {startup_timeout_s:.0f} s (it has {ray.cluster_resources()})"
-            )
+        pg = self._reserve(bundle, placement_strategy, startup_timeout_s)
         actor_cls = ray.remote(RayWorkerHost)
         for rank in range(self.world_size):
             self._actors.append(
                 actor_cls.options(
                     num_cpus=num_cpus_per_worker,
                     num_gpus=1 if accel == "GPU" else 0,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        placement_group=pg, placement_group_bundle_index=rank
-                    ),
+                    scheduling_strategy=_bundle_strategy(pg, rank),
                 ).remote(
                     config,
                     hf_config,
@@ -159,17 +146,39 @@ class RayExecutor(Executor):
                     num_threads=num_cpus_per_worker,
                 )
             )
+        self.worker_pids: list[int] = self._rendezvous(startup_timeout_s)
+
+    def _reserve(self, bundle: dict[str, float], strategy: str, timeout_s: float) -> Any:
+        """A placement group of one bundle per rank, or a ValueError-style failure naming the
+        parallel size that asked for more than the cluster has."""
+        from ray.util.placement_group import placement_group
+
+        ray = self._ray
+        pg = placement_group([dict(bundle)] * self.world_size, strategy=strategy)
+        self._pg.append(pg)
+        ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+        if not ready:
+            field = "tensor_parallel_size" if self.pp_size == 1 else "pipeline_parallel_size"
+            self._fail(
+                f"{field}: cannot reserve {self.world_size} x {bundle} on the Ray "
+                f"cluster within {timeout_s:.0f} s (it has {ray.cluster_resources()})"
+            )
+        return pg
+
+    def _rendezvous(self, timeout_s: float) -> list[int]:
+        """Every rank joins the group at rank 0's node; their pids once all are up."""
         first = self._actors[0].node_address.remote()
-        addr, port = self._gather([first], "startup", startup_timeout_s)[0]
+        addr, port = self._gather([first], "startup", timeout_s)[0]
         self.master_addr, self.master_port = addr, port
         refs = [
-            actor.start.remote(DistInit(rank, self.world_size, addr, port, startup_timeout_s))
+            actor.start.remote(DistInit(rank, self.world_size, addr, port, timeout_s))
             for rank, actor in enumerate(self._actors)
         ]
-        self.worker_pids: list[int] = self._gather(refs, "startup", startup_timeout_s)
+        pids = self._gather(refs, "startup", timeout_s)
         logger.info(
             "%d Ray %s workers up (rendezvous %s:%d)", self.world_size, self.kind, addr, port
         )
+        return pids
 
     # -- the Executor surface ---------------------------------------------------------------
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
@@ -195,15 +204,6 @@ class RayExecutor(Executor):
         """The Ray node of each rank, in rank order (where the stages landed)."""
         refs = [actor.node_id.remote() for actor in self._actors]
         return self._gather(refs, "node_ids", self.step_timeout_s)
-
-    def check_health(self) -> None:
-        if self._failure is not None:
-            raise RuntimeError(self._failure)
-
-    def shutdown(self) -> None:
-        if self._failure is None:
-            self._failure = "the executor was shut down"
-        self._finalizer()
 
     # -- waiting on the ranks ---------------------------------------------------------------
     def _gather(self, refs: list[Any], what: str, timeout_s: float) -> list[Any]:
@@ -247,9 +247,6 @@ class RayExecutor(Executor):
             self._finalizer()
             raise error
         return results
-
-    def _label(self, rank: int) -> str:
-        return rank_label(rank, self.tp_size, self.pp_size)
 
     def _fail(self, message: str) -> None:
         self._failure = message

@@ -161,3 +161,15 @@ def test_shutdown_hands_the_model_and_kv_cache_back(llama_path: Path) -> None:
     engine.shutdown()
     engine.shutdown()  # idempotent
     assert cache() is None and weight() is None
+
+
+def test_engine_factory_builds_the_one_engine_and_refuses_replicas_on_it(
+    engine: Engine, llama_path: Path
+) -> None:
+    """``Engine(...)`` is a factory: one engine unless replicas are asked for, and the one-engine
+    class itself refuses replicas rather than quietly running one engine."""
+    from pagedllm import LLMEngine
+
+    assert type(engine) is LLMEngine
+    with pytest.raises(ValueError, match="^data_parallel_size: LLMEngine is one engine"):
+        LLMEngine(str(llama_path), device="cpu", data_parallel_size=2)

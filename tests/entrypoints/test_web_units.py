@@ -23,6 +23,9 @@ class FakeEngine:
     def get_stats(self) -> dict[str, float]:
         return dict(self.stats)
 
+    def replica_set(self) -> None:
+        return None  # one engine: no replicas
+
 
 def test_feed_rates_hit_rate_and_latency_window(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = [1000.0]

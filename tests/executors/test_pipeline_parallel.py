@@ -246,7 +246,7 @@ def test_pp2_matches_single_process_and_transformers(
 def test_pp2_with_one_scheduler_matches_single_process(baselines: Lazy, pp_engines: Lazy) -> None:
     """``virtual_engines=1``: the stages take turns on one scheduler's steps (the whole cache)."""
     engine = pp_engines[("llama", 1, 2, 1)]
-    assert engine.pipeline is None and engine.block_manager.num_device_blocks == 16
+    assert not engine.loop.pipelined and engine.block_manager.num_device_blocks == 16
     check_equal(engine, baselines["llama"], "llama/pp2-one-scheduler")
     engine.shutdown()
 
@@ -322,8 +322,8 @@ def kill_mid_run(engine: Engine, pid: int) -> tuple[RuntimeError, float, list[An
     thread.join(5)
     produced = engine.counters.generation_tokens - gen0
     assert 8 <= produced < 4 * max_tokens, f"the stage was not killed mid-run ({produced} tokens)"
-    ended = [o for o in engine._pending_outputs if o.failed]  # what the next step would report
-    engine.abort_request([r for r in ids if r in engine._requests])
+    ended = [o for o in engine.loop.pending if o.failed]  # what the next step would report
+    engine.abort_request([r for r in ids if r in engine.loop.requests])
     return info.value, elapsed, ended
 
 

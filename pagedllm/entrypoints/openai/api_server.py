@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP server: FastAPI routes over an :class:`AsyncEngine`.
+"""The OpenAI-compatible HTTP server: FastAPI routes over an :class:`EngineClient`.
 
 ``build_app`` makes the ASGI app (tests run it in-process); ``run_server`` serves it with uvicorn,
 whose signal handling gives the graceful shutdown: on SIGTERM/SIGINT it stops accepting, lets
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import signal
 import threading
@@ -19,35 +18,32 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any, TypeVar
+from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ValidationError
-from starlette.requests import ClientDisconnect
+from fastapi import FastAPI
 
 import pagedllm
-from pagedllm.engine.async_engine import AsyncEngine
-from pagedllm.entrypoints.openai.errors import APIError, from_validation_error, install_handlers
+from pagedllm.engine.client import EngineClient
+from pagedllm.entrypoints.openai.errors import install_handlers
 from pagedllm.entrypoints.openai.http_limits import limited_protocol
-from pagedllm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from pagedllm.entrypoints.openai.metrics import ServerMetrics
 from pagedllm.entrypoints.openai.offload import Offloader, RequestLimits
-from pagedllm.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
+from pagedllm.entrypoints.openai.request_body import auth_dependency
+from pagedllm.entrypoints.openai.routes import (
+    Routes,
+    add_docs,
+    add_status_routes,
+    api_routes,
+    token_routes,
 )
 from pagedllm.entrypoints.openai.serving_base import ModelInfo
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagedllm.entrypoints.openai.serving_lora import adapter_entries, add_lora_routes, load_adapter
+from pagedllm.entrypoints.openai.serving_lora import load_adapter
 from pagedllm.entrypoints.openai.sse import ServerApp
 from pagedllm.entrypoints.web import RequestTracker, TrackingEngine, mount_web
 
 logger = logging.getLogger(__name__)
-
-B = TypeVar("B", bound=BaseModel)
 
 
 @dataclass(frozen=True)
@@ -71,18 +67,8 @@ class ServerSettings:
     enable_lora_runtime_updates: bool = False
 
 
-def is_json_content_type(value: str | None) -> bool:
-    """``application/json`` or ``application/<x>+json``, parameters (charset) allowed."""
-    if not value:
-        return False
-    media = value.split(";", 1)[0].strip().lower()
-    return media == "application/json" or (
-        media.startswith("application/") and media.endswith("+json")
-    )
-
-
-def model_info(engine: AsyncEngine, served_names: list[str] | None = None) -> ModelInfo:
-    info = engine.describe()  # AsyncEngine in-process, or EngineCoreClient (core process)
+def model_info(engine: EngineClient, served_names: list[str] | None = None) -> ModelInfo:
+    info = engine.describe()  # EngineClient in-process, or EngineCoreClient (core process)
     root = info["model"]
     names = tuple(served_names or [info["served_model_name"] or root])
     return ModelInfo(
@@ -94,67 +80,8 @@ def model_info(engine: AsyncEngine, served_names: list[str] | None = None) -> Mo
     )
 
 
-_PARSE_IN_POOL_BYTES = 1 << 20  # bodies this large are parsed off the event loop
-
-
-async def read_body(
-    request: Request, model: type[B], limit: int, offload: Offloader | None = None
-) -> B:
-    """Parse the JSON body into ``model``; 413 past ``limit`` bytes, 400 when it is invalid.
-
-    Only a JSON content type is read (415 otherwise): a web page on another origin can send
-    text/plain, form or multipart bodies without a CORS preflight, never application/json.
-    """
-    if not is_json_content_type(request.headers.get("content-type")):
-        raise APIError(
-            "request bodies must be JSON, sent with 'Content-Type: application/json'",
-            status=415,
-            code="unsupported_media_type",
-        )
-    declared = request.headers.get("content-length")
-    too_big = APIError(
-        f"request body larger than {limit} bytes", status=413, code="request_too_large"
-    )
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_big
-    chunks, size = [], 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_big
-            chunks.append(chunk)
-    except ClientDisconnect:
-        raise APIError("client disconnected", status=499, code="client_closed_request") from None
-    body = b"".join(chunks)
-    try:
-        if offload is not None and size >= _PARSE_IN_POOL_BYTES:
-            return await offload.run(model.model_validate_json, body)
-        return model.model_validate_json(body)
-    except ValidationError as exc:
-        raise from_validation_error(exc) from None
-
-
-def _auth_dependency(api_key: str | None) -> Any:
-    async def check(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), api_key.encode()
-        ):
-            raise APIError(
-                "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                status=401,
-                type="authentication_error",
-                code="invalid_api_key",
-            )
-
-    return Depends(check)
-
-
 def build_app(
-    engine: AsyncEngine,
+    engine: EngineClient,
     model: ModelInfo,
     settings: ServerSettings | None = None,
     *,
@@ -162,6 +89,7 @@ def build_app(
 ) -> FastAPI:
     """The app; with ``owns_engine`` its shutdown also stops the engine."""
     settings = settings or ServerSettings()
+    offload = Offloader()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -185,8 +113,29 @@ def build_app(
     app.state.on_engine_dead = None
     install_handlers(app)
     tracker = RequestTracker()  # the dashboard's table of requests in flight
-    served = TrackingEngine(engine, tracker)
-    offload, limits = Offloader(), settings.limits
+    routes = _routes(engine, model, settings, offload, TrackingEngine(engine, tracker))
+    metrics = ServerMetrics(engine)
+    app.state.engine, app.state.metrics = engine, metrics
+    auth = auth_dependency(settings.api_key)
+    add_status_routes(app, engine, metrics)
+    app.include_router(api_routes(routes, auth, settings.enable_lora_runtime_updates))
+    app.include_router(token_routes(routes, auth))
+    mount_web(app, engine=engine, metrics=metrics, tracker=tracker, auth=auth)
+    if not settings.disable_docs:
+        add_docs(app, auth)
+    return app
+
+
+def _routes(
+    engine: EngineClient,
+    model: ModelInfo,
+    settings: ServerSettings,
+    offload: Offloader,
+    served: TrackingEngine,
+) -> Routes:
+    """What the handlers share; ``served`` is the engine the completion handlers use (their
+    requests are tracked for the dashboard)."""
+    limits = settings.limits
     completion = OpenAIServingCompletion(
         served, model, max_logprobs=settings.max_logprobs, offload=offload, limits=limits
     )
@@ -199,128 +148,11 @@ def build_app(
         offload=offload,
         limits=limits,
     )
-    metrics = ServerMetrics(engine)
-    app.state.engine, app.state.metrics = engine, metrics
-    auth = _auth_dependency(settings.api_key)
-    limit = settings.max_body_bytes
-
-    async def body(request: Request, model: type[B]) -> B:
-        return await read_body(request, model, limit, offload)
-
-    @app.get("/health")
-    async def health() -> Response:
-        if not engine.is_healthy:
-            raise APIError(
-                f"engine unhealthy: {engine.dead_error}", status=503, type="service_unavailable"
-            )
-        replicas = getattr(engine, "health", None)  # data-parallel: "degraded" while one is down
-        return JSONResponse(replicas() if replicas is not None else {"status": "ok"})
-
-    @app.get("/version")
-    async def version() -> dict[str, str]:
-        return {"version": pagedllm.__version__}
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
-
-    v1 = APIRouter(prefix="/v1", dependencies=[auth])
-
-    @v1.get("/models")
-    async def models() -> dict[str, Any]:
-        data = [
-            {
-                "id": name,
-                "object": "model",
-                "created": model.created,
-                "owned_by": "pagedllm",
-                "root": model.root,
-                "parent": None,
-                "max_model_len": model.max_model_len,
-            }
-            for name in model.names
-        ]
-        return {"object": "list", "data": data + adapter_entries(model)}
-
-    @v1.post("/completions")
-    async def completions(request: Request) -> Any:
-        req = await body(request, CompletionRequest)
-        return await completion.create(req, request)
-
-    @v1.post("/chat/completions")
-    async def chat_completions(request: Request) -> Any:
-        req = await body(request, ChatCompletionRequest)
-        return await chat.create(req, request)
-
-    add_lora_routes(
-        v1, engine, model, runtime_updates=settings.enable_lora_runtime_updates, body=body
-    )
-    app.include_router(v1)
-    extra = APIRouter(dependencies=[auth])
-
-    @extra.post("/tokenize")
-    async def tokenize(request: Request) -> dict[str, Any]:
-        req = await body(request, TokenizeRequest)
-        if req.model is not None:
-            completion.check_model(req.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise APIError("give exactly one of 'prompt' and 'messages'", param="prompt")
-        if req.messages is not None:
-            ids = (
-                await offload.run(
-                    chat.render, req.messages, add_generation_prompt=req.add_generation_prompt
-                )
-            ).token_ids
-        else:
-            limits.check_chars(len(req.prompt), "prompt")
-            ids = await offload.run(
-                engine.tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens
-            )
-        offload.trim_later(len(ids))
-        return {"tokens": ids, "count": len(ids), "max_model_len": model.max_model_len}
-
-    @extra.post("/detokenize")
-    async def detokenize(request: Request) -> dict[str, Any]:
-        req = await body(request, DetokenizeRequest)
-        if req.model is not None:
-            completion.check_model(req.model)
-        limits.check_detokenize(len(req.tokens))
-        if req.tokens:
-            completion.check_token_ids(req.tokens, "tokens")
-        text = await offload.run(engine.tokenizer.decode, req.tokens)
-        offload.trim_later(len(req.tokens))
-        return {"prompt": text}
-
-    app.include_router(extra)
-    mount_web(app, engine=engine, metrics=metrics, tracker=tracker, auth=auth)
-    if not settings.disable_docs:
-        _add_docs(app, auth)
-    return app
-
-
-def _add_docs(app: FastAPI, auth: Any) -> None:
-    """/docs, /redoc and /openapi.json, behind the API key like every other route."""
-    from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
-
-    docs = APIRouter(dependencies=[auth], include_in_schema=False)
-
-    @docs.get("/openapi.json")
-    async def openapi() -> dict[str, Any]:
-        return app.openapi()
-
-    @docs.get("/docs")
-    async def swagger() -> Response:
-        return get_swagger_ui_html(openapi_url="/openapi.json", title=app.title)
-
-    @docs.get("/redoc")
-    async def redoc() -> Response:
-        return get_redoc_html(openapi_url="/openapi.json", title=app.title)
-
-    app.include_router(docs)
+    return Routes(engine, model, completion, chat, offload, limits, settings.max_body_bytes)
 
 
 async def _watch_engine(
-    app: FastAPI, engine: AsyncEngine, interval: float = 0.2, grace: float = 2.0
+    app: FastAPI, engine: EngineClient, interval: float = 0.2, grace: float = 2.0
 ) -> None:
     """A broken engine (a step failing whatever it runs) ends the server: /health answers 503
     for ``grace`` seconds (for whoever watches it), then ``run_server`` exits non-zero."""
@@ -344,7 +176,7 @@ class GracefulServer:
     when anything was cut or the engine died, else 0.
     """
 
-    def __init__(self, config: Any, engine: AsyncEngine, shutdown_timeout: float) -> None:
+    def __init__(self, config: Any, engine: EngineClient, shutdown_timeout: float) -> None:
         import uvicorn
 
         outer = self
@@ -415,7 +247,7 @@ def uvicorn_config(
 
 
 def run_server(
-    engine: AsyncEngine,
+    engine: EngineClient,
     model: ModelInfo,
     settings: ServerSettings,
     *,

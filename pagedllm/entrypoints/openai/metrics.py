@@ -20,7 +20,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from pagedllm.engine.async_engine import AsyncEngine
+from pagedllm.engine.client import EngineClient
 from pagedllm.outputs import RequestOutput
 
 PREFIX = "pagedllm:"
@@ -161,7 +161,7 @@ def tier_metrics(stats: dict[str, float]) -> Iterator[Metric]:
 
 
 class EngineStatsCollector(Collector):
-    """Gauges and counters straight from ``AsyncEngine.get_stats()`` at scrape time."""
+    """Gauges and counters straight from the engine client's ``get_stats()`` at scrape time."""
 
     def __init__(self, get_stats: Callable[[], dict[str, float]]) -> None:
         self.get_stats = get_stats
@@ -177,13 +177,14 @@ class EngineStatsCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: EngineClient) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(EngineStatsCollector(engine.get_stats))
-        if hasattr(engine, "replica_stats"):  # data-parallel replicas behind the router
+        replicas = engine.replica_set()  # data-parallel replicas behind the router
+        if replicas is not None:
             from pagedllm.entrypoints.openai.replica_metrics import ReplicaCollector
 
-            self.registry.register(ReplicaCollector(engine))
+            self.registry.register(ReplicaCollector(replicas))
         self.ttft = Histogram(
             PREFIX + "time_to_first_token_seconds",
             "Time from arrival to the first token.",
@@ -233,9 +234,7 @@ class ServerMetrics:
         # the last minutes come from the same observations as the histograms.
         self.recent: deque[tuple[float, float | None, float | None]] = deque(maxlen=20000)
         engine.on_request_finished.append(self.observe)
-        timing_hooks = getattr(engine, "on_timing", None)
-        if timing_hooks is not None:
-            timing_hooks.append(self.observe_timing)
+        engine.on_timing.append(self.observe_timing)
 
     def observe_timing(self, kind: str, seconds: float) -> None:
         histogram = self.timings.get(kind)

@@ -1,6 +1,7 @@
 """The data-parallel part of /metrics: per-replica load and state, and the router's decisions.
 
-Read at scrape time from ``DataParallelClient.replica_stats()`` and ``router_stats()``; only
+Read at scrape time from the client's ``replica_set()`` (``replica_stats()`` and
+``router_stats()``); only
 registered when the server runs replicas (``--data-parallel-size`` > 1).
 """
 
@@ -11,6 +12,8 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from pagedllm.engine.client import ReplicaSet
 
 PREFIX = "pagedllm:"
 
@@ -54,11 +57,11 @@ def _value(row: dict[str, Any], key: str) -> float:
 
 
 class ReplicaCollector(Collector):
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
+    def __init__(self, replicas: ReplicaSet) -> None:
+        self.replicas = replicas
 
     def collect(self) -> Iterator[Metric]:
-        rows = self.engine.replica_stats()
+        rows = self.replicas.replica_stats()
         for name, (doc, key) in _REPLICA_GAUGES.items():
             family = GaugeMetricFamily(PREFIX + name, doc, labels=["replica"])
             for row in rows:
@@ -69,7 +72,7 @@ class ReplicaCollector(Collector):
             for row in rows:
                 family.add_metric([str(row["replica"])], _value(row, key))
             yield family
-        router = self.engine.router_stats()
+        router = self.replicas.router_stats()
         decisions = CounterMetricFamily(
             PREFIX + "router_decisions",
             f"Requests routed, by replica and reason (policy {router['policy']}): prefix (the "

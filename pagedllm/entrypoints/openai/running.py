@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from pagedllm.engine.async_engine import EngineDeadError, EngineStepError, RequestStream
+from pagedllm.engine.client import EngineDeadError, EngineStepError, RequestStream
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.outputs import RequestOutput
 

@@ -17,7 +17,10 @@ from fastapi import Request
 from pagedllm.core.guided_params import GuidedDecodingParams
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.engine.admission import CONTEXT_LENGTH
-from pagedllm.engine.async_engine import AsyncEngine, RequestStream
+from pagedllm.engine.client import (
+    EngineClient,
+    RequestStream,
+)
 from pagedllm.entrypoints.openai.errors import APIError, from_value_error, model_not_found
 from pagedllm.entrypoints.openai.offload import Offloader, RequestLimits
 from pagedllm.entrypoints.openai.protocol import SamplingFields
@@ -69,7 +72,7 @@ class ServingBase:
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: EngineClient,
         model: ModelInfo,
         *,
         max_logprobs: int = 20,

@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import Request
 
 from pagedllm.core.guided_params import GuidedDecodingParams
-from pagedllm.engine.async_engine import AsyncEngine, RequestStream
+from pagedllm.engine.client import EngineClient, RequestStream
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from pagedllm.entrypoints.openai.running import error_event, merge_streams
@@ -109,7 +109,7 @@ class OpenAIServingChat(ServingBase):
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: EngineClient,
         model: ModelInfo,
         *,
         chat_template: str | None = None,

@@ -9,7 +9,7 @@ from typing import Any
 
 from fastapi import Request
 
-from pagedllm.engine.async_engine import RequestStream
+from pagedllm.engine.client import RequestStream
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
 from pagedllm.entrypoints.openai.running import error_event, merge_streams

@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from pagedllm.engine.client import EngineClient
 from pagedllm.entrypoints.web.tracker import RequestTracker
 
 SERIES = (
@@ -159,14 +160,15 @@ class DashboardFeed:
         }
 
 
-def replica_summary(engine: Any) -> dict[str, Any] | None:
+def replica_summary(engine: EngineClient) -> dict[str, Any] | None:
     """Data-parallel replicas (None with one engine): the router's policy and predicted prefix
     matches, and per replica its state, routed load, queues, KV use and prefix-cache hits."""
-    if not hasattr(engine, "replica_stats"):
+    replicas = engine.replica_set()
+    if replicas is None:
         return None
-    router = engine.router_stats()
+    router = replicas.router_stats()
     rows = []
-    for row in engine.replica_stats():
+    for row in replicas.replica_stats():
         s = row["stats"]
         routed = sum(n for (r, _), n in router["decisions"].items() if r == row["replica"])
         queries = s.get("prefix_cache_queries", 0.0)

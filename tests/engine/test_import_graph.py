@@ -1,0 +1,145 @@
+"""The package's import graph, read from the source: ``engine/`` and ``core/`` hold no cycle,
+and ``core/`` reaches neither torch nor a backend.
+
+Which imports count:
+
+- For cycles, every import statement: at module level, inside ``if TYPE_CHECKING``, and inside
+  functions. A function-level import only defers a dependency, it does not remove it: the
+  nine-module circle this test was written against was closed by one such import
+  (``LLMEngine.__new__`` importing the replicated engine to return it).
+- For what ``core/`` loads, the imports that run when a core module is imported: module level
+  (not ``TYPE_CHECKING``), followed transitively through ``pagedllm`` modules and their parent
+  packages. A function-level import in a module ``core/`` reads (``config.py`` asks the backend
+  registry for device names when it validates a device) is that module's business when called,
+  and it cannot be followed without making every module reachable from everything. ``core/``'s
+  own imports count at every level: nothing inside ``core/`` may name torch or a backend.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pagedllm
+
+PACKAGE = Path(pagedllm.__file__).parent
+FORBIDDEN_IN_CORE = ("torch", "pagedllm.backends")
+
+
+def _forbidden_in_core(name: str) -> bool:
+    return any(name == f or name.startswith(f + ".") for f in FORBIDDEN_IN_CORE)
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _imports(path: Path, *, runtime_only: bool) -> Iterator[str]:
+    """Names imported by ``path``; ``runtime_only``: only those run when it is imported."""
+
+    def walk(node: ast.AST, deferred: bool) -> Iterator[str]:
+        for child in ast.iter_child_nodes(node):
+            here = deferred or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                here = True
+            if runtime_only and here:
+                continue
+            if isinstance(child, ast.Import):
+                yield from (alias.name for alias in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
+                for alias in child.names:  # ``from pkg import module`` names the module
+                    full = f"{child.module}.{alias.name}"
+                    yield full if full in MODULES else child.module
+            yield from walk(child, here)
+
+    yield from walk(ast.parse(path.read_text()), False)
+
+
+def _internal(name: str) -> str | None:
+    """The pagedllm module that importing ``name`` loads (its longest known prefix)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as a path that returns to its start, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt)) is not None:
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start)) is not None:
+            return found
+    return None
+
+
+def _graph(prefixes: tuple[str, ...]) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for name, path in MODULES.items():
+        if name.startswith(prefixes):
+            targets = {_internal(i) for i in _imports(path, runtime_only=False)}
+            graph[name] = {t for t in targets if t and t.startswith(prefixes) and t != name}
+    return graph
+
+
+def test_cycle_finder_finds_a_cycle() -> None:
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_engine_and_core_have_no_import_cycle() -> None:
+    graph = _graph(("pagedllm.engine", "pagedllm.core"))
+    assert len(graph) > 20, sorted(graph)  # the walk found the modules
+    cycle = _cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def _loaded_by(name: str) -> set[str]:
+    """Every pagedllm module importing ``name`` runs, and what each of them imports."""
+    seen: set[str] = set()
+    todo = [name]
+    while todo:
+        module = todo.pop()
+        if module in seen or module not in MODULES:
+            continue
+        seen.add(module)
+        parts = module.split(".")
+        todo += [".".join(parts[:n]) for n in range(1, len(parts))]  # its packages run first
+        for imported in _imports(MODULES[module], runtime_only=True):
+            internal = _internal(imported)
+            todo += [internal] if internal else []
+    return seen
+
+
+def test_core_imports_neither_torch_nor_a_backend() -> None:
+    core = [name for name in MODULES if name.startswith("pagedllm.core")]
+    assert len(core) > 10, core
+    bad = []
+    for name in core:
+        direct = set(_imports(MODULES[name], runtime_only=False))
+        bad += [f"{name} imports {i}" for i in direct if _forbidden_in_core(i)]
+        for module in _loaded_by(name):
+            names = set(_imports(MODULES[module], runtime_only=True)) | {module}
+            bad += [
+                f"{name} loads {module}, which imports {i}" for i in names if _forbidden_in_core(i)
+            ]
+    assert not bad, "\n".join(sorted(set(bad)))
