@@ -452,7 +452,8 @@ def _streamed_bytes(path: Path, compute_bytes: int) -> int:
     from pagedllm.backends.cpu.packed_linear import gemm_ops
     from pagedllm.models.gguf.config import family_of
     from pagedllm.models.gguf.loading import open_gguf
-    from pagedllm.models.gguf.weights import NOT_WEIGHTS, hf_name, plan_layers, tensor_format
+    from pagedllm.models.gguf.names import NOT_WEIGHTS, hf_name
+    from pagedllm.models.gguf.plan import plan_layers, tensor_format
 
     gguf = open_gguf(path)
     family = family_of(gguf)

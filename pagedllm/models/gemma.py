@@ -50,7 +50,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
     def make_act(self, config: Any) -> nn.Module:
         return GeluAndMul(gemma_activation(config))
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         assert self.embed_tokens is not None  # the first pipeline stage's
         hidden = self.embed_tokens(input_ids)
         return hidden * torch.tensor(self.normalizer, dtype=hidden.dtype, device=hidden.device)

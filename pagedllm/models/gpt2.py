@@ -7,7 +7,7 @@ are transposed once at load so every layer is an ordinary ``[out, in]`` linear, 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -21,13 +21,16 @@ from pagedllm.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    lm_head_for,
 )
 from pagedllm.layers.norm import LayerNorm
-from pagedllm.layers.parallel import SINGLE, TPContext
-from pagedllm.models.checkpoint import WeightMapper, load_mapped_weights
+from pagedllm.layers.parallel import SINGLE, WHOLE_MODEL, PPContext, TPContext
+from pagedllm.models.causal_lm import CausalLM
 
 _CONV1D = ("c_attn", "c_proj", "c_fc")  # modules stored as Conv1D: weight is [in, out]
+# conv1d_to_linear's parts of c_attn, fused again by the mapper (sharded part by part).
+C_ATTN_FUSED: Mapping[str, tuple[str, int]] = {
+    f"c_attn_{part}": ("c_attn", i) for i, part in enumerate("qkv")
+}
 
 
 class GPT2Attention(nn.Module):
@@ -83,59 +86,65 @@ class GPT2Block(nn.Module):
         self.mlp = GPT2MLP(config, tp=tp)
 
     def forward(
-        self, hidden: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: None,  # GPT-2 adds the residual inside the block
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, None]:
         hidden = self.attn(self.ln_1(hidden), kv_cache, meta) + hidden
-        return hidden + self.mlp(self.ln_2(hidden))
+        return hidden + self.mlp(self.ln_2(hidden)), None
 
 
-class GPT2LMHeadModel(nn.Module):
+class GPT2LMHeadModel(CausalLM):
+    layers_name = "h"
+    embedding_name = "wte"
+    tied_default = True
+    carries_residual = False
+    checkpoint_prefixes = ("transformer.",)
+    fused_weights = C_ATTN_FUSED
+    # Old checkpoints carry the causal-mask buffers ("attn.bias", "attn.masked_bias").
+    ignored_weights = (".attn.bias", ".attn.masked_bias")
+
     def __init__(
         self,
         config: Any,
         *,
         attn_backend: AttentionBackend,
         tp: TPContext = SINGLE,
+        pp: PPContext = WHOLE_MODEL,
         max_position: int | None = None,  # unused: a learned table cannot grow
     ) -> None:
-        super().__init__()
         if getattr(config, "add_cross_attention", False):
             raise ValueError("add_cross_attention: GPT-2 with cross-attention is not a decoder LM")
-        self.config = config
-        self.tp = tp
+        super().__init__(config, tp=tp, pp=pp)
         hidden = config.hidden_size
-        self.wte = VocabParallelEmbedding(config.vocab_size, hidden, tp=tp)
-        self.wpe = VocabParallelEmbedding(config.max_position_embeddings, hidden, tp=SINGLE)
-        self.h = nn.ModuleList(
-            GPT2Block(config, i, attn_backend, tp=tp) for i in range(config.num_hidden_layers)
-        )
-        self.ln_f = LayerNorm(hidden, config.layer_norm_epsilon)
-        self.lm_head = lm_head_for(config, self.wte, hidden, tied_default=True)
+        self.wte: VocabParallelEmbedding | None = None
+        self.wpe: VocabParallelEmbedding | None = None
+        if self.holds_embedding:
+            self.wte = VocabParallelEmbedding(config.vocab_size, hidden, tp=tp)
+        if pp.is_first:
+            self.wpe = VocabParallelEmbedding(config.max_position_embeddings, hidden, tp=SINGLE)
+        self.h = self.stage_layers(lambda i: GPT2Block(config, i, attn_backend, tp=tp))
+        self.ln_f: LayerNorm | None = None
+        self.lm_head: VocabParallelEmbedding | None = None
+        if pp.is_last:
+            self.ln_f = LayerNorm(hidden, config.layer_norm_epsilon)
+            self.lm_head = self.make_lm_head(self.wte, hidden)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [num_tokens]
-        positions: torch.Tensor,  # [num_tokens]
-        kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_tokens, hidden]
-        hidden = self.wte(input_ids) + self.wpe(positions)
-        for block, cache in zip(self.h, kv_caches, strict=True):
-            hidden = block(hidden, cache, meta)
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        assert self.wte is not None and self.wpe is not None  # the first pipeline stage's
+        return self.wte(input_ids) + self.wpe(positions)
+
+    def finish(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        assert self.ln_f is not None
         return self.ln_f(hidden)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab]
-        return self.lm_head.logits(hidden)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        mapper = WeightMapper(
-            strip_prefixes=("transformer.",),
-            fused={"c_attn_q": ("c_attn", 0), "c_attn_k": ("c_attn", 1), "c_attn_v": ("c_attn", 2)},
-            # Old checkpoints carry the causal-mask buffers ("attn.bias", "attn.masked_bias").
-            ignore=(".attn.bias", ".attn.masked_bias"),
-        )
-        tied = self.lm_head is self.wte
-        return load_mapped_weights(self, conv1d_to_linear(weights), mapper, skip_lm_head=tied)
+    def checkpoint_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterable[tuple[str, torch.Tensor]]:
+        return conv1d_to_linear(weights)
 
 
 def conv1d_to_linear(

@@ -6,9 +6,6 @@ bias), ``head_dim``, rope scaling, ``sliding_window`` and ``tie_word_embeddings`
 
 from __future__ import annotations
 
-import itertools
-import re
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -19,26 +16,14 @@ from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.linear import (
     ColumnParallelLinear,
-    ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    lm_head_for,
 )
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.parallel import SINGLE, WHOLE_MODEL, PPContext, TPContext
 from pagedllm.layers.rotary import RotaryEmbedding
-from pagedllm.models.checkpoint import WeightMapper, load_mapped_weights
-
-# What one pipeline stage hands the next: the decoder's (hidden, residual), [num_tokens, hidden].
-Intermediate = tuple[torch.Tensor, torch.Tensor]
-
-_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-class AbsentLayer(nn.Module):
-    """A decoder layer another pipeline stage holds: no parameters here, never called. Keeps the
-    layer list indexed as the checkpoint numbers it."""
+from pagedllm.models.causal_lm import QKV_GATE_UP_FUSED, CausalLM
 
 
 def head_size_of(config: Any) -> int:
@@ -179,7 +164,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     """Also serves ``MistralForCausalLM`` and ``Qwen2ForCausalLM`` checkpoints.
 
     Close relatives (Qwen3, Gemma) subclass it and change only the hooks below.
@@ -188,6 +173,8 @@ class LlamaForCausalLM(nn.Module):
     attention_cls: type[LlamaAttention] = LlamaAttention
     decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
     norm_offset = 0.0  # Gemma's RMSNorm scales by (1 + weight)
+    fused_weights = QKV_GATE_UP_FUSED
+    ignored_weights = ("rotary_emb.inv_freq",)
 
     def make_act(self, config: Any) -> nn.Module:
         return SiluAndMul()
@@ -202,16 +189,17 @@ class LlamaForCausalLM(nn.Module):
             act=self.make_act(config),
         )
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         assert self.embed_tokens is not None  # the first pipeline stage's
         return self.embed_tokens(input_ids)
 
+    def finish(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        assert self.norm is not None
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
     # Gemma 3 keys rope_parameters by layer type: one table per type, each layer takes its own.
     rope_per_layer_type = False
-
-    # Builds only a pipeline stage's layers when given one (PPContext); families without this
-    # refuse pipeline_parallel_size > 1 at engine construction.
-    supports_pipeline_parallel = True
 
     def __init__(
         self,
@@ -222,10 +210,7 @@ class LlamaForCausalLM(nn.Module):
         pp: PPContext = WHOLE_MODEL,
         max_position: int | None = None,
     ) -> None:
-        super().__init__()
-        self.config = config
-        self.tp = tp
-        self.pp = pp
+        super().__init__(config, tp=tp, pp=pp)
         head = head_size_of(config)
         rotary_dim = int(head * rope_partial_factor(config))
         max_pos = max_position or config.max_position_embeddings
@@ -238,94 +223,22 @@ class LlamaForCausalLM(nn.Module):
             )
         else:
             self.rotary = RotaryEmbedding(config, head, rotary_dim, max_pos)
-        self.start_layer, self.end_layer = pp.layer_range(config.num_hidden_layers)
-        tied = getattr(config, "tie_word_embeddings", False)
-        # The first stage embeds; a tied head on the last stage reads the same table.
         self.embed_tokens: VocabParallelEmbedding | None = None
-        if pp.is_first or (pp.is_last and tied):
+        if self.holds_embedding:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
-        self.layers = nn.ModuleList(
-            self.decoder_layer_cls(config, i, attn_backend, self._rotary_of(i), tp, self)
-            if self.start_layer <= i < self.end_layer
-            else AbsentLayer()
-            for i in range(config.num_hidden_layers)
+        self.layers = self.stage_layers(
+            lambda i: self.decoder_layer_cls(config, i, attn_backend, self._rotary_of(i), tp, self)
         )
         self.norm: RMSNorm | None = None
         self.lm_head: VocabParallelEmbedding | None = None
         if pp.is_last:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=self.norm_offset)
-            if self.embed_tokens is None:  # untied, on a stage that does not embed
-                self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp=tp)
-            else:
-                self.lm_head = lm_head_for(
-                    config, self.embed_tokens, config.hidden_size, tied_default=False
-                )
+            self.lm_head = self.make_lm_head(self.embed_tokens, config.hidden_size)
 
     def _rotary_of(self, layer_idx: int) -> RotaryEmbedding:
         if self.rope_per_layer_type:
             return self.rotaries[self.config.layer_types[layer_idx]]  # type: ignore[return-value]
         return self.rotary
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [num_tokens]
-        positions: torch.Tensor,  # [num_tokens]
-        kv_caches: list[torch.Tensor],  # this stage's layers only
-        meta: AttentionMetadata,
-        intermediate: Intermediate | None = None,  # from the stage before (not on the first)
-    ) -> torch.Tensor | Intermediate:  # [num_tokens, hidden], or what the next stage needs
-        if self.pp.is_first:
-            hidden, residual = self.embed(input_ids), None
-        else:
-            assert intermediate is not None, "a later pipeline stage needs the activations"
-            hidden, residual = intermediate
-        # (islice: slicing a ModuleList would build a new module on every step)
-        layers = itertools.islice(self.layers, self.start_layer, self.end_layer)
-        for layer, cache in zip(layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, cache, meta)
-        if not self.pp.is_last:
-            assert residual is not None  # every stage has at least one layer
-            return hidden, residual
-        assert self.norm is not None
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab]
-        assert self.lm_head is not None, "logits are the last pipeline stage's"
-        return self.lm_head.logits(hidden)
-
-    def stage_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]]
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """The checkpoint tensors this pipeline stage holds; the others are dropped unread (under
-        pipeline parallelism the loader hands out lazy tensors, read on use)."""
-        for name, tensor in weights:
-            if self.pp.size == 1 or self._holds(name):
-                yield name, tensor
-
-    def _holds(self, name: str) -> bool:
-        match = _LAYER_INDEX.search(name)
-        if match is not None:
-            return self.start_layer <= int(match.group(1)) < self.end_layer
-        top = name.removeprefix("model.").split(".")[0]
-        if top in ("embed_tokens", "norm", "lm_head"):
-            return getattr(self, top) is not None
-        return True
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        mapper = WeightMapper(
-            strip_prefixes=("model.",),
-            fused={
-                "q_proj": ("qkv_proj", 0),
-                "k_proj": ("qkv_proj", 1),
-                "v_proj": ("qkv_proj", 2),
-                "gate_proj": ("gate_up_proj", 0),
-                "up_proj": ("gate_up_proj", 1),
-            },
-            ignore=("rotary_emb.inv_freq",),
-        )
-        tied = self.lm_head is self.embed_tokens
-        return load_mapped_weights(self, self.stage_weights(weights), mapper, skip_lm_head=tied)
 
 
 def rope_partial_factor(config: Any) -> float:

@@ -7,6 +7,7 @@ block ``block_sparse_moe`` and the expert projections ``w1`` (gate), ``w3`` (up)
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import ClassVar
 
 from pagedllm.models.moe_base import MoeForCausalLM
@@ -17,4 +18,4 @@ class MixtralForCausalLM(MoeForCausalLM):
     moe_intermediate_field = "intermediate_size"
     always_renormalize = True
     round_weights = False
-    renames: ClassVar[dict[str, str]] = {".block_sparse_moe.": ".mlp."}
+    weight_renames: ClassVar[Mapping[str, str]] = {".block_sparse_moe.": ".mlp."}

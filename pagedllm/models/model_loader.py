@@ -144,9 +144,8 @@ def load_model(
     """
     cls = pipeline_model_class(hf_config, pp.size)
     quant = get_quant_config(quantization, hf_config, quantizer)
-    stage = {} if pp.size == 1 else {"pp": pp}  # families without stages never see the argument
     with torch.device("meta"):
-        module = cls(hf_config, attn_backend=attn_backend, tp=tp, **stage)
+        module = cls(hf_config, attn_backend=attn_backend, tp=tp, pp=pp)
     materialize(module, device=device, dtype=dtype)
     gguf_path = gguf_path_of(model)
     if gguf_path is not None:
@@ -174,16 +173,11 @@ def load_model(
 
 def pipeline_model_class(hf_config: Any, pipeline_parallel_size: int) -> type[nn.Module]:
     """The model class, refused by name when it cannot be split into ``pipeline_parallel_size``
-    stages (a family that builds every layer, or fewer layers than stages)."""
+    stages (fewer layers than stages). Every family splits: they all run as a
+    :class:`~pagedllm.models.causal_lm.CausalLM`."""
     cls = resolve_model_class(getattr(hf_config, "architectures", None))
     if pipeline_parallel_size == 1:
         return cls
-    if not getattr(cls, "supports_pipeline_parallel", False):
-        raise ValueError(
-            f"pipeline_parallel_size: {cls.__name__} ({hf_config.architectures[0]}) has no "
-            "pipeline-parallel support; the Llama family and its relatives (Mistral, Qwen2, "
-            "Qwen3, Gemma, Phi-3, the mixture-of-experts families) have"
-        )
     layers = int(getattr(hf_config, "num_hidden_layers", 0) or 0)
     stage_layers(layers, pipeline_parallel_size, 0)  # raises when there are too few layers
     return cls

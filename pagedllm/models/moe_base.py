@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
 
 from pagedllm.layers.fused_moe import FusedMoE, RoutingConfig, SparseMoeBlock
 from pagedllm.layers.parallel import TPContext
-from pagedllm.models.checkpoint import WeightMapper, load_mapped_weights
+from pagedllm.models.checkpoint import WeightMapper
 from pagedllm.models.llama import LlamaForCausalLM, LlamaMLP
 
 # Routing variants of other MoE families (DeepSeek, GLM, ...) that these families never set;
@@ -134,7 +134,7 @@ class MoeForCausalLM(LlamaForCausalLM):
     moe_intermediate_field = "moe_intermediate_size"
     always_renormalize = False
     round_weights = True
-    renames: ClassVar[dict[str, str]] = {}
+    mapper_cls = ExpertWeightMapper
 
     def __init__(self, config: Any, **kwargs: Any) -> None:
         check_moe_config(
@@ -170,20 +170,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        mapper = ExpertWeightMapper(
-            strip_prefixes=("model.",),
-            fused={
-                "q_proj": ("qkv_proj", 0),
-                "k_proj": ("qkv_proj", 1),
-                "v_proj": ("qkv_proj", 2),
-                "gate_proj": ("gate_up_proj", 0),
-                "up_proj": ("gate_up_proj", 1),
-            },
-            renames=dict(self.renames),
-            ignore=("rotary_emb.inv_freq",),
-        )
-        tied = self.lm_head is self.embed_tokens
-        loaded = load_mapped_weights(self, self.stage_weights(weights), mapper, skip_lm_head=tied)
+        loaded = super().load_weights(weights)
         for layer in self.modules():
             if isinstance(layer, FusedMoE) and layer.groupwise:
                 layer.finish_groupwise()

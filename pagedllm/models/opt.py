@@ -8,7 +8,6 @@ The learned position table has two extra leading rows: position ``p`` reads row 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -22,11 +21,10 @@ from pagedllm.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    lm_head_for,
 )
 from pagedllm.layers.norm import LayerNorm
-from pagedllm.layers.parallel import SINGLE, TPContext
-from pagedllm.models.checkpoint import WeightMapper, load_mapped_weights
+from pagedllm.layers.parallel import SINGLE, WHOLE_MODEL, PPContext, TPContext
+from pagedllm.models.causal_lm import CausalLM
 
 POSITION_OFFSET = 2  # OPT's position table starts two rows in (a fairseq padding legacy)
 
@@ -79,8 +77,13 @@ class OPTDecoderLayer(nn.Module):
         self.final_layer_norm = make_layer_norm(hidden, 1e-5, affine)
 
     def forward(
-        self, hidden: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: None,  # OPT adds the residual inside the layer
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, None]:
         residual = hidden
         if self.pre_norm:
             hidden = self.self_attn_layer_norm(hidden)
@@ -93,69 +96,62 @@ class OPTDecoderLayer(nn.Module):
         hidden = residual + self.fc2(self.act(self.fc1(hidden)))
         if not self.pre_norm:
             hidden = self.final_layer_norm(hidden)
-        return hidden
+        return hidden, None
 
 
-class OPTForCausalLM(nn.Module):
+class OPTForCausalLM(CausalLM):
+    tied_default = True
+    carries_residual = False
+    # Hub checkpoints name the decoder "decoder." or "model.decoder."; the head stays.
+    checkpoint_prefixes = ("model.decoder.", "decoder.")
+
     def __init__(
         self,
         config: Any,
         *,
         attn_backend: AttentionBackend,
         tp: TPContext = SINGLE,
+        pp: PPContext = WHOLE_MODEL,
         max_position: int | None = None,  # unused: a learned table cannot grow
     ) -> None:
-        super().__init__()
-        self.config = config
-        self.tp = tp
+        super().__init__(config, tp=tp, pp=pp)
         hidden = config.hidden_size
         embed_dim = config.word_embed_proj_dim or hidden
         affine = bool(getattr(config, "layer_norm_elementwise_affine", True))
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, embed_dim, tp=tp)
+        self.embed_tokens: VocabParallelEmbedding | None = None
+        if self.holds_embedding:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, embed_dim, tp=tp)
         # Position table, input and output projections are small: every rank keeps all of them.
-        self.embed_positions = VocabParallelEmbedding(
-            config.max_position_embeddings + POSITION_OFFSET, hidden, tp=SINGLE
-        )
+        self.embed_positions: VocabParallelEmbedding | None = None
         self.project_in: nn.Module | None = None
         self.project_out: nn.Module | None = None
-        if embed_dim != hidden:
-            self.project_in = ColumnParallelLinear(embed_dim, [hidden], tp=SINGLE)
-            self.project_out = ColumnParallelLinear(hidden, [embed_dim], tp=SINGLE)
-        self.layers = nn.ModuleList(
-            OPTDecoderLayer(config, attn_backend, tp=tp) for _ in range(config.num_hidden_layers)
-        )
+        if pp.is_first:
+            self.embed_positions = VocabParallelEmbedding(
+                config.max_position_embeddings + POSITION_OFFSET, hidden, tp=SINGLE
+            )
+            if embed_dim != hidden:
+                self.project_in = ColumnParallelLinear(embed_dim, [hidden], tp=SINGLE)
+        self.layers = self.stage_layers(lambda i: OPTDecoderLayer(config, attn_backend, tp=tp))
         self.final_layer_norm: nn.Module | None = None
-        if config.do_layer_norm_before and not getattr(config, "_remove_final_layer_norm", False):
-            self.final_layer_norm = make_layer_norm(hidden, 1e-5, affine)
-        self.lm_head = lm_head_for(config, self.embed_tokens, embed_dim, tied_default=True)
+        self.lm_head: VocabParallelEmbedding | None = None
+        if pp.is_last:
+            if embed_dim != hidden:
+                self.project_out = ColumnParallelLinear(hidden, [embed_dim], tp=SINGLE)
+            final_norm = not getattr(config, "_remove_final_layer_norm", False)
+            if config.do_layer_norm_before and final_norm:
+                self.final_layer_norm = make_layer_norm(hidden, 1e-5, affine)
+            self.lm_head = self.make_lm_head(self.embed_tokens, embed_dim)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [num_tokens]
-        positions: torch.Tensor,  # [num_tokens]
-        kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_tokens, word_embed_proj_dim]
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        assert self.embed_tokens is not None and self.embed_positions is not None
         hidden = self.embed_tokens(input_ids)
         if self.project_in is not None:
             hidden = self.project_in(hidden)
-        hidden = hidden + self.embed_positions(positions + POSITION_OFFSET)
-        for layer, cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cache, meta)
+        return hidden + self.embed_positions(positions + POSITION_OFFSET)
+
+    def finish(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         if self.final_layer_norm is not None:
             hidden = self.final_layer_norm(hidden)
         if self.project_out is not None:
             hidden = self.project_out(hidden)
-        return hidden
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab]
-        return self.lm_head.logits(hidden)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        mapper = WeightMapper(
-            # Hub checkpoints name the decoder "decoder." or "model.decoder."; the head stays.
-            strip_prefixes=("model.decoder.", "decoder."),
-            fused={"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)},
-        )
-        tied = self.lm_head is self.embed_tokens
-        return load_mapped_weights(self, weights, mapper, skip_lm_head=tied)
+        return hidden  # [num_tokens, word_embed_proj_dim]

@@ -26,9 +26,10 @@ from pagedllm.layers.linear import (
     VocabParallelEmbedding,
 )
 from pagedllm.layers.norm import LayerNorm
-from pagedllm.layers.parallel import SINGLE, TPContext
+from pagedllm.layers.parallel import SINGLE, WHOLE_MODEL, PPContext, TPContext
 from pagedllm.layers.rotary import RotaryEmbedding
-from pagedllm.models.checkpoint import CheckpointError, WeightMapper, load_mapped_weights
+from pagedllm.models.causal_lm import CausalLM
+from pagedllm.models.checkpoint import CheckpointError
 from pagedllm.models.llama import LlamaForCausalLM, head_size_of, rope_partial_factor
 
 
@@ -129,68 +130,62 @@ class PhiDecoderLayer(nn.Module):
         self,
         positions: torch.Tensor,
         hidden: torch.Tensor,
+        residual: None,  # Phi adds the residual inside the layer
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, None]:
         normed = self.input_layernorm(hidden)
         attn = self.self_attn(positions, normed, kv_cache, meta)
-        return attn + self.mlp(normed) + hidden  # the same summation order as transformers
+        return attn + self.mlp(normed) + hidden, None  # transformers' summation order
 
 
-class PhiForCausalLM(nn.Module):
+class PhiForCausalLM(CausalLM):
+    carries_residual = False
+    ignored_weights = ("rotary_emb.inv_freq",)
+
     def __init__(
         self,
         config: Any,
         *,
         attn_backend: AttentionBackend,
         tp: TPContext = SINGLE,
+        pp: PPContext = WHOLE_MODEL,
         max_position: int | None = None,
     ) -> None:
-        super().__init__()
         if getattr(config, "tie_word_embeddings", False):
             raise ValueError("tie_word_embeddings: Phi with a tied LM head is not supported")
-        self.config = config
-        self.tp = tp
+        super().__init__(config, tp=tp, pp=pp)
         head = head_size_of(config)
         rotary_dim = int(head * rope_partial_factor(config))
         max_pos = max_position or config.max_position_embeddings
         self.rotary = RotaryEmbedding(config, head, rotary_dim, max_pos)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
-        self.layers = nn.ModuleList(
-            PhiDecoderLayer(config, attn_backend, self.rotary, tp=tp)
-            for _ in range(config.num_hidden_layers)
+        self.embed_tokens: VocabParallelEmbedding | None = None
+        if pp.is_first:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp=tp)
+        self.layers = self.stage_layers(
+            lambda i: PhiDecoderLayer(config, attn_backend, self.rotary, tp=tp)
         )
-        self.final_layernorm = LayerNorm(config.hidden_size, config.layer_norm_eps)
-        self.lm_head = BiasedLMHead(config.vocab_size, config.hidden_size, tp=tp)
+        self.final_layernorm: LayerNorm | None = None
+        self.lm_head: BiasedLMHead | None = None
+        if pp.is_last:
+            self.final_layernorm = LayerNorm(config.hidden_size, config.layer_norm_eps)
+            self.lm_head = BiasedLMHead(config.vocab_size, config.hidden_size, tp=tp)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [num_tokens]
-        positions: torch.Tensor,  # [num_tokens]
-        kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_tokens, hidden]
-        hidden = self.embed_tokens(input_ids)
-        for layer, cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(positions, hidden, cache, meta)
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        assert self.embed_tokens is not None  # the first pipeline stage's
+        return self.embed_tokens(input_ids)
+
+    def finish(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        assert self.final_layernorm is not None
         return self.final_layernorm(hidden)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab]
-        return self.lm_head.logits(hidden)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        mapper = WeightMapper(
-            strip_prefixes=("model.",),
-            fused={"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)},
-            ignore=("rotary_emb.inv_freq",),
-        )
-        return load_mapped_weights(self, weights, mapper)
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
     """Phi-3: Llama's layers (partial rotary included); only the checkpoint layout differs."""
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def checkpoint_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterable[tuple[str, torch.Tensor]]:
         config = self.config
         head = head_size_of(config)
         num_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -199,7 +194,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
             "qkv_proj": (("q_proj", "k_proj", "v_proj"), [q_size, kv_size, kv_size]),
             "gate_up_proj": (("gate_proj", "up_proj"), [config.intermediate_size] * 2),
         }
-        return super().load_weights(split_fused(weights, splits))
+        return split_fused(weights, splits)
 
 
 def split_fused(

@@ -507,8 +507,8 @@ def test_int8_groups_and_int4_groups_are_ggml_exact() -> None:
         dequantize_int4,
         dequantize_int8_groups,
     )
+    from pagedllm.models.gguf.blocks import int4_groups, int8_groups, q5_k_groups, q6_k_groups
     from pagedllm.models.gguf.reader import GGUFTensor
-    from pagedllm.models.gguf.weights import int4_groups, int8_groups, q5_k_groups, q6_k_groups
     from tests.models.gguf_files import (
         READ_ONLY_TYPES,
         _random_k_blocks,

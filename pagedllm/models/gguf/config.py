@@ -271,20 +271,10 @@ def _expert_rows(gguf: GGUFFile, kind: str) -> int | None:
     return None
 
 
-def _experts(gguf: GGUFFile, family: Family, values: dict[str, Any]) -> None:
-    """Expert count, top-k, sizes and routing of a MoE file.
-
-    Qwen-MoE sizes come from ``expert_feed_forward_length`` /
-    ``expert_shared_feed_forward_length`` (what llama.cpp's converter writes), else from the
-    stacks' shapes, and layers without a router are dense (``mlp_only_layers``); Mixtral's and
-    OLMoE's experts are ``feed_forward_length`` wide and every layer routes. llama.cpp
-    renormalises the top-k weights of Qwen3-MoE and Mixtral, not Qwen2-MoE's or OLMoE's unless
-    ``expert_weights_norm`` says so.
-    """
+def _expert_sizes(gguf: GGUFFile, family: Family, values: dict[str, Any], experts: int) -> None:
+    """The experts' width, from the metadata or the stacks' shapes, checked against every
+    stack (each holds all ``experts``)."""
     arch = gguf.architecture
-    experts = int(gguf.metadata(f"{arch}.expert_count"))
-    values[family.experts_field] = experts
-    values["num_experts_per_tok"] = int(gguf.metadata(f"{arch}.expert_used_count"))
     rows = _expert_rows(gguf, "ffn_gate_exps")
     if family.experts_sized_by_ffn:
         size = values["intermediate_size"]
@@ -307,6 +297,23 @@ def _experts(gguf: GGUFFile, family: Family, values: dict[str, Any]) -> None:
                 f"{gguf.path}: tensor {name!r} stacks {tensor.shape[0]} experts where "
                 f"{arch}.expert_count says {experts}"
             )
+
+
+def _experts(gguf: GGUFFile, family: Family, values: dict[str, Any]) -> None:
+    """Expert count, top-k, sizes and routing of a MoE file.
+
+    Qwen-MoE sizes come from ``expert_feed_forward_length`` /
+    ``expert_shared_feed_forward_length`` (what llama.cpp's converter writes), else from the
+    stacks' shapes, and layers without a router are dense (``mlp_only_layers``); Mixtral's and
+    OLMoE's experts are ``feed_forward_length`` wide and every layer routes. llama.cpp
+    renormalises the top-k weights of Qwen3-MoE and Mixtral, not Qwen2-MoE's or OLMoE's unless
+    ``expert_weights_norm`` says so.
+    """
+    arch = gguf.architecture
+    experts = int(gguf.metadata(f"{arch}.expert_count"))
+    values[family.experts_field] = experts
+    values["num_experts_per_tok"] = int(gguf.metadata(f"{arch}.expert_used_count"))
+    _expert_sizes(gguf, family, values, experts)
     dense = [
         i
         for i in range(values["num_hidden_layers"])

@@ -11,20 +11,18 @@ from typing import Any
 from torch import nn
 
 from pagedllm.models.gguf.config import family_of, hf_config_from_gguf
-from pagedllm.models.gguf.reader import GGUFFile
-from pagedllm.models.gguf.tokenizer import load_gguf_tokenizer
-from pagedllm.models.gguf.weights import (
-    NOT_WEIGHTS,
+from pagedllm.models.gguf.names import NOT_WEIGHTS, hf_name
+from pagedllm.models.gguf.plan import (
     STACK_OF,
-    BlockDecoder,
-    GGUFWeights,
     LayerFormat,
     check_types,
-    hf_name,
     plan_experts,
     plan_layers,
     tensor_format,
 )
+from pagedllm.models.gguf.reader import GGUFFile
+from pagedllm.models.gguf.tokenizer import load_gguf_tokenizer
+from pagedllm.models.gguf.weights import BlockDecoder, GGUFWeights
 
 logger = logging.getLogger(__name__)
 

@@ -64,24 +64,34 @@ def _reader_class() -> type:
                 return 12 + int(values.nbytes), [raw_itype, alen, values], [2], types
             if itype != GGUFValueType.STRING:
                 return super()._get_field_parts(orig_offs, raw_type)
-            data, mem = self._plain, memoryview(self._plain)
-            swapped = {"little": "big", "big": "little"}[sys.byteorder]
-            order = sys.byteorder if self.byte_order == "I" else swapped
-            parts: list = [raw_itype, alen]
-            idxs: list[int] = []
-            for _ in range(count):
-                end = offs + 8 + int.from_bytes(mem[offs : offs + 8], order)
-                if end > len(mem):
-                    raise ValueError(f"string array at offset {orig_offs} runs past the end")
-                # Plain ndarray slices (uint8; the length too): unlike memoryviews they are not
-                # tracked by the garbage collector, and the parsed file stays cached
-                # (loading.open_gguf): 200k tracked objects slowed every full collection.
-                parts += (data[offs : offs + 8], data[offs + 8 : end])
-                idxs.append(len(parts) - 1)
-                offs = end
-            return offs - orig_offs, parts, idxs, types
+            end, strings, idxs = _string_parts(self._plain, self.byte_order, orig_offs, count)
+            return end - orig_offs, [raw_itype, alen, *strings], [2 + i for i in idxs], types
 
     return FastArrayReader
+
+
+def _string_parts(
+    data: np.ndarray, byte_order: str, orig_offs: int, count: int
+) -> tuple[int, list[np.ndarray], list[int]]:
+    """The ``count`` strings of the array whose header is at ``orig_offs``: (the offset after
+    them, each string's length and bytes as parts, the index of each string's bytes part)."""
+    mem = memoryview(data)
+    swapped = {"little": "big", "big": "little"}[sys.byteorder]
+    order = sys.byteorder if byte_order == "I" else swapped
+    parts: list[np.ndarray] = []
+    idxs: list[int] = []
+    offs = orig_offs + 12
+    for _ in range(count):
+        end = offs + 8 + int.from_bytes(mem[offs : offs + 8], order)
+        if end > len(mem):
+            raise ValueError(f"string array at offset {orig_offs} runs past the end")
+        # Plain ndarray slices (uint8; the length too): unlike memoryviews they are not tracked
+        # by the garbage collector, and the parsed file stays cached (loading.open_gguf): 200k
+        # tracked objects slowed every full collection.
+        parts += (data[offs : offs + 8], data[offs + 8 : end])
+        idxs.append(len(parts) - 1)
+        offs = end
+    return offs, parts, idxs
 
 
 @dataclass(frozen=True)
