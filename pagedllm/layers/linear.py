@@ -227,11 +227,3 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """An untied vocabulary-split output projection (``logits`` comes from the base class)."""
 
-
-def lm_head_for(
-    config: object, embedding: VocabParallelEmbedding, hidden_size: int, *, tied_default: bool
-) -> VocabParallelEmbedding:
-    """The embedding itself when the checkpoint ties them, else a separate head."""
-    if getattr(config, "tie_word_embeddings", tied_default):
-        return embedding
-    return ParallelLMHead(embedding.vocab_size, hidden_size, tp=embedding.tp)

@@ -1,7 +1,7 @@
 """The C++ GGUF block decoder (``csrc/gguf_decode.cpp``), the CPU's ``gguf_decode`` kernel.
 
 It turns the blocks of every GGUF type a group-wise format holds but Q8_0
-(``models.gguf.weights.KEPT_AS``; uint8 ``[N, row bytes]`` and the type's name) into the arrays
+(``models.gguf.plan.KEPT_AS``; uint8 ``[N, row bytes]`` and the type's name) into the arrays
 of ``int4_groups`` / ``int8_groups`` / ``q6_k_groups``, bit for bit, in one threaded pass per
 tensor: the numpy definitions make several, which was most of a 4-bit file's load.
 """
