@@ -226,4 +226,3 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """An untied vocabulary-split output projection (``logits`` comes from the base class)."""
-
