@@ -449,7 +449,7 @@ def _streamed_bytes(path: Path, compute_bytes: int) -> int:
     where the build reads its q at 6 bits, else 8.625 as int8; the compute dtype for what is
     dequantised). The embedding's rows are gathered, not streamed."""
     from pagedllm.backends.cpu.backend import CpuBackend
-    from pagedllm.backends.cpu.packed_linear import gemm_ops
+    from pagedllm.backends.cpu.dense_gemm import gemm_ops
     from pagedllm.models.gguf.config import family_of
     from pagedllm.models.gguf.loading import open_gguf
     from pagedllm.models.gguf.names import NOT_WEIGHTS, hf_name

@@ -68,9 +68,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.backends.cpu._ops import cpu_model_name, resolve_isa
-from pagedllm.backends.cpu.groupwise_linear import make_groupwise_gemm, path_name
-from pagedllm.backends.cpu.groupwise_pack import PackedGroupwise, pack_groupwise
-from pagedllm.backends.cpu.packed_linear import (
+from pagedllm.backends.cpu.dense_gemm import (
     gemm_ops,
     make_16bit_linear,
     make_cpp_linear,
@@ -79,6 +77,8 @@ from pagedllm.backends.cpu.packed_linear import (
     make_packed_linear,
     make_w8a8_linear,
 )
+from pagedllm.backends.cpu.groupwise_linear import make_groupwise_gemm, path_name
+from pagedllm.backends.cpu.groupwise_pack import PackedGroupwise, pack_groupwise
 from pagedllm.layers.quantization import quantize_per_channel
 from pagedllm.layers.quantization.groupwise import pack_nibbles, quantize_int4
 

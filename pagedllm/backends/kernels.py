@@ -150,7 +150,7 @@ KERNELS: tuple[Kernel, ...] = (
     # -- the sampler and the load-time kernels (factories: the kernel, or None) -----------------
     Kernel("sample", "cpp", "pagedllm.backends.cpu.layer_kernels:sample_kernel", ("cpu",)),
     Kernel(
-        "int8_quantize", "cpp", "pagedllm.backends.cpu.packed_linear:cpp_weight_quantizer", ("cpu",)
+        "int8_quantize", "cpp", "pagedllm.backends.cpu.dense_gemm:cpp_weight_quantizer", ("cpu",)
     ),
     Kernel("gguf_decode", "cpp", "pagedllm.backends.cpu.gguf_decode:gguf_block_decoder", ("cpu",)),
 )

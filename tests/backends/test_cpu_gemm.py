@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pagedllm.backends.cpu._ops import load_gemm_ops, supported_isas
-from pagedllm.backends.cpu.packed_linear import pack_panels
+from pagedllm.backends.cpu.dense_gemm import pack_panels
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
 
@@ -93,7 +93,7 @@ def test_bad_inputs_raise(ops) -> None:
 @pytest.mark.parametrize(("n", "k"), [(16, 128), (37, 300), (5, 1), (64, 257)])
 def test_pack_panels_matches_the_pytorch_layout(ops, dtype: torch.dtype, n: int, k: int) -> None:
     """The C++ copy gives exactly the PyTorch layout: whole and partial panels, K past a block."""
-    from pagedllm.backends.cpu.packed_linear import pack_panels_reference
+    from pagedllm.backends.cpu.dense_gemm import pack_panels_reference
 
     w = (torch.randn(n, k) * 50).to(dtype)
     got = ops.pack_panels(w)

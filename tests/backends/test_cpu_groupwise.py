@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.backends.cpu import groupwise_linear, groupwise_pack, packed_linear
+from pagedllm.backends.cpu import dense_gemm, groupwise_linear, groupwise_pack, packed_linear
 from pagedllm.backends.cpu._ops import load_gemm_ops, supported_isas
 from pagedllm.backends.cpu.groupwise_linear import (
     dot_linear_reference,
@@ -384,7 +384,7 @@ def test_a_q8_0_layer_of_iq4_levels_packs_four_bits_unless_it_takes_the_dot_path
     but not the rest falls back to 8 bits, still correct."""
     from types import SimpleNamespace
 
-    ops = packed_linear.gemm_ops()
+    ops = dense_gemm.gemm_ops()
     if ops is None:
         pytest.skip("the C++ GEMM could not be built")
     torch.manual_seed(8)
@@ -410,7 +410,7 @@ def test_a_q8_0_layer_of_iq4_levels_packs_four_bits_unless_it_takes_the_dot_path
 def test_a_q6_k_layer_packs_six_bits_unless_it_takes_the_dot_path() -> None:
     """make_groupwise_linear: six bits where the layer only runs the float path (the default,
     and every LM head); the int8 layout where int8_activations sends it to the dot path."""
-    ops = packed_linear.gemm_ops()
+    ops = dense_gemm.gemm_ops()
     if ops is None or not ops.groupwise_six_bits():
         pytest.skip("this machine's build reads no six-bit weights")
     torch.manual_seed(6)
@@ -581,7 +581,7 @@ def test_the_split_kernel_is_named_in_the_path_and_the_kernel_checked() -> None:
     by the single and the grouped GEMM."""
     from types import SimpleNamespace
 
-    ops = packed_linear.gemm_ops()
+    ops = dense_gemm.gemm_ops()
     if ops is None or not ops.groupwise_bf16_rows_kernels():
         pytest.skip("no vdpbf16ps build on this processor")
     torch.manual_seed(9)
@@ -733,7 +733,7 @@ def _groupwise_layer(kind: str, n: int, k: int, *, row: bool = False, bias: bool
 
 
 def test_make_linear_kernel_installs_the_groupwise_gemm() -> None:
-    ops = packed_linear.gemm_ops()
+    ops = dense_gemm.gemm_ops()
     if ops is None:
         pytest.skip("the C++ GEMM could not be built")
     for kind, row, k in (
@@ -771,7 +771,7 @@ def test_an_lm_head_never_rounds_x() -> None:
     """With ``int8_activations`` the dot path runs in the layers of bf16 decode batches, never in
     the LM head: the head's bf16 rows equal the float path's, bit for bit, where a layer's take
     the dot path."""
-    ops = packed_linear.gemm_ops()
+    ops = dense_gemm.gemm_ops()
     if ops is None or not groupwise_linear.dot_rows(ops, torch.bfloat16):
         pytest.skip("no default dot path on this build")
     layer = _groupwise_layer("q8_0", 48, 128)
@@ -796,7 +796,7 @@ def test_int8_activations_round_prefill_batches_too() -> None:
     """Under ``int8_activations`` bf16 batches of every size take the dot path (prefill
     included, as llama.cpp rounds them): the layer's rows equal the dot path's bit for bit, at
     one row and at a prefill's 300; float32 x never rounds; without the flag nothing does."""
-    ops = packed_linear.gemm_ops()
+    ops = dense_gemm.gemm_ops()
     if ops is None or not groupwise_linear.dot_rows(ops, torch.bfloat16):
         pytest.skip("no default dot path on this build")
     layer = _groupwise_layer("q4_0", 40, 256)
@@ -816,7 +816,7 @@ def test_int8_activations_round_prefill_batches_too() -> None:
 def test_make_linear_kernel_keeps_pytorch_when_the_check_fails(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    ops = packed_linear.gemm_ops()
+    ops = dense_gemm.gemm_ops()
     if ops is None:
         pytest.skip("the C++ GEMM could not be built")
 
@@ -827,7 +827,7 @@ def test_make_linear_kernel_keeps_pytorch_when_the_check_fails(
         def groupwise_gemm(self, *args):
             return ops.groupwise_gemm(*args) * 1.01
 
-    monkeypatch.setattr(packed_linear, "gemm_ops", lambda: Wrong())
+    monkeypatch.setattr(dense_gemm, "gemm_ops", lambda: Wrong())
     kernel = packed_linear.make_linear_kernel(_groupwise_layer("q4_0", 32, 64))
     fn, path = kernel.fn, kernel.path
     assert fn is None and path == "torch-int4"
@@ -852,11 +852,11 @@ class _Counting:
 def test_a_repeated_shape_is_checked_with_one_probe(monkeypatch: pytest.MonkeyPatch) -> None:
     """In one load the first layer of a (format, shape) gets every probe; the next ones one
     float32 row, which still compares their own packed values with their dequantised rows."""
-    ops = packed_linear.gemm_ops()
+    ops = dense_gemm.gemm_ops()
     if ops is None:
         pytest.skip("the C++ GEMM could not be built")
     counting = _Counting(ops)
-    monkeypatch.setattr(packed_linear, "gemm_ops", lambda: counting)
+    monkeypatch.setattr(dense_gemm, "gemm_ops", lambda: counting)
     checked: set[tuple] = set()
     first = packed_linear.make_linear_kernel(_groupwise_layer("q4_0", 32, 64), checked=checked).fn
     full = counting.calls
@@ -867,7 +867,7 @@ def test_a_repeated_shape_is_checked_with_one_probe(monkeypatch: pytest.MonkeyPa
     assert third is not None and counting.calls == 2 * full + 1
     # The one probe of a repeated shape still refuses a kernel that is wrong on its layer.
     wrong = _Counting(ops, wrong_after=counting.calls)
-    monkeypatch.setattr(packed_linear, "gemm_ops", lambda: wrong)
+    monkeypatch.setattr(dense_gemm, "gemm_ops", lambda: wrong)
     wrong.calls = counting.calls
     kernel = packed_linear.make_linear_kernel(_groupwise_layer("q4_0", 32, 64), checked=checked)
     fn, path = kernel.fn, kernel.path
@@ -875,7 +875,7 @@ def test_a_repeated_shape_is_checked_with_one_probe(monkeypatch: pytest.MonkeyPa
 
 
 def test_pack_linear_layers_drops_the_unpacked_tensors() -> None:
-    if packed_linear.gemm_ops() is None:
+    if dense_gemm.gemm_ops() is None:
         pytest.skip("the C++ GEMM could not be built")
     model = torch.nn.Module()
     model.proj = _groupwise_layer("q4_1", 48, 64)
@@ -897,7 +897,7 @@ def test_a_tied_table_is_held_once_and_looked_up_from_the_head(kind: str, dtype)
     unchanged."""
     from pagedllm.layers.linear import VocabParallelEmbedding
 
-    if packed_linear.gemm_ops() is None:
+    if dense_gemm.gemm_ops() is None:
         pytest.skip("the C++ GEMM could not be built")
     n, k = 45, 256  # rows off the 16-row panels; whole Q4_K / Q6_K super-blocks
     torch.manual_seed(3)
@@ -936,7 +936,7 @@ def test_a_fused_layer_of_several_formats_runs_each_run_of_parts_packed(
     to ``F.linear`` on the parts' dequantised weights side by side (and so is the PyTorch path)."""
     from pagedllm.layers.quantization.groupwise_parts import GroupwisePartsMethod
 
-    monkeypatch.setattr(packed_linear, "gemm_ops", lambda: ops)  # this ISA level's build
+    monkeypatch.setattr(dense_gemm, "gemm_ops", lambda: ops)  # this ISA level's build
     k, sizes, kinds = 256, [40, 24, 24], ("q4_k", "q4_k", "q6_k")
     layer = ColumnParallelLinear(k, sizes, bias=True)
     method = GroupwisePartsMethod(("int4", "int4", "q6_k"))
@@ -1052,14 +1052,14 @@ def test_the_load_time_check_bounds_like_assert_close() -> None:
     import sys
 
     ref = torch.tensor([[1.0, -2.0], [0.0, 3.0]])
-    ident = packed_linear._check
+    ident = dense_gemm._check
     ident(lambda x: x + 1e-6, ref, ref, 1e-5)  # within rtol x (max|ref| + 1 + |ref|)
     for got in (ref * 1.01, ref.masked_fill(ref == 0, float("nan")), ref[:1]):
         with pytest.raises(AssertionError):
             ident(lambda x, got=got: got, ref, ref, 1e-5)
     code = (
         "import sys, torch\n"
-        "from pagedllm.backends.cpu import packed_linear as p\n"
+        "from pagedllm.backends.cpu import dense_gemm as p\n"
         "p._check(lambda x: x, torch.ones(2, 2), torch.ones(2, 2), 1e-5)\n"
         "print('torch.distributed.tensor' in sys.modules)\n"
     )

@@ -29,7 +29,7 @@ import pytest
 import torch
 from torch import nn
 
-from pagedllm.backends.cpu import groupwise_linear, packed_linear
+from pagedllm.backends.cpu import dense_gemm, groupwise_linear, packed_linear
 from pagedllm.backends.cpu._ops import load_gemm_ops, supported_isas
 from pagedllm.layers.linear import ColumnParallelLinear
 from pagedllm.layers.quantization.base import FLOAT, UNQUANTIZED, LinearMethod
@@ -155,7 +155,7 @@ def isa_ops(request: pytest.FixtureRequest):
 
 @pytest.fixture
 def at_isa(isa_ops, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(packed_linear, "gemm_ops", lambda: isa_ops)
+    monkeypatch.setattr(dense_gemm, "gemm_ops", lambda: isa_ops)
     return isa_ops
 
 
@@ -226,8 +226,8 @@ def test_chosen_linear_kernel_matches_the_method(
 
 
 INT8_GEMMS = {
-    "split": packed_linear.make_int8_split_linear,
-    "converting": packed_linear.make_cpp_linear,
+    "split": dense_gemm.make_int8_split_linear,
+    "converting": dense_gemm.make_cpp_linear,
 }
 
 

@@ -106,7 +106,7 @@ def int8_run(llama_path: Path):
 
 
 def test_int8_engine_close_to_float(float_run, int8_run) -> None:
-    from pagedllm.backends.cpu.packed_linear import int8_split_planes
+    from pagedllm.backends.cpu.dense_gemm import int8_split_planes
 
     (ref_lp, ref_tokens), ((lp, tokens), paths) = float_run, int8_run
     assert "int8" in paths and "lm_head=onednn-float32" in paths  # the head stays unquantised
@@ -225,16 +225,17 @@ def test_bf16_gemm_paths_match_f_linear(llama_path: Path, monkeypatch, path: str
     C++ one by refusing oneDNN for 16-bit weights) so it is tested on every machine, and the
     oneDNN path runs where the processor offers it.
     """
+    import pagedllm.backends.cpu.dense_gemm as dense_gemm
     import pagedllm.backends.cpu.packed_linear as packed_linear
     from pagedllm.backends.cpu._ops import cpu_flags
 
     if path == "onednn" and not {"avx512_bf16", "amx_bf16", "avx_ne_convert"} & cpu_flags():
         pytest.skip("oneDNN bf16 packing needs avx512_bf16, amx_bf16 or avx_ne_convert")
-    monkeypatch.setattr(packed_linear, "cpp_gemm_first", lambda dtype: path == "cpp")
+    monkeypatch.setattr(dense_gemm, "cpp_gemm_first", lambda dtype: path == "cpp")
     if path == "cpp":
-        onednn = packed_linear.make_packed_linear
+        onednn = dense_gemm.make_packed_linear
         monkeypatch.setattr(
-            packed_linear,
+            dense_gemm,
             "make_packed_linear",
             lambda w, b: onednn(w, b) if w.dtype == torch.float32 else None,
         )

@@ -406,9 +406,9 @@ def record_groupwise_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, i
     """(columns, rows, dot path) of every later call of the C++ group-wise GEMM (patched before
     an engine binds it), a grouped call's once per group; skips where this build has no dot
     path."""
-    from pagedllm.backends.cpu import groupwise_linear, packed_linear
+    from pagedllm.backends.cpu import dense_gemm, groupwise_linear
 
-    ops = packed_linear.gemm_ops()
+    ops = dense_gemm.gemm_ops()
     if ops is None or not groupwise_linear.dot_rows(ops, torch.bfloat16):
         pytest.skip("no dot path on this build")
     calls: list[tuple[int, int, bool]] = []

@@ -191,9 +191,9 @@ def test_a_grouped_gemm_that_disagrees_at_load_leaves_each_expert_its_own_call(
     """The grouped call is checked at load against the experts' own GEMMs bit for bit: one
     that differs (here float32 outputs one unit in the last place off) is not used, and the
     experts keep one call each."""
-    from pagedllm.backends.cpu import packed_linear
+    from pagedllm.backends.cpu import dense_gemm
 
-    ops = packed_linear.gemm_ops()
+    ops = dense_gemm.gemm_ops()
     if ops is None:
         pytest.skip("no C++ GEMM here")
     grouped = ops.groupwise_gemm_grouped

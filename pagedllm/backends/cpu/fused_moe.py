@@ -1,7 +1,7 @@
 """The CPU's fused-MoE path: every expert's two GEMMs on packed weights.
 
 Each local expert's ``w13 [2I, H]`` and ``w2 [H, I]`` get the GEMM a dense layer of the same
-dtype gets (:mod:`.packed_linear`: oneDNN-packed float32, ``make_16bit_linear`` for bf16/fp16,
+dtype gets (:mod:`.dense_gemm`: oneDNN-packed float32, ``make_16bit_linear`` for bf16/fp16,
 ``make_int8_linear`` for int8 experts, the group-wise GEMM for a GGUF file's quantised
 experts, one expert's slice at a time). A step's tokens are grouped by expert with one sort;
 the loop runs over experts (not tokens), one GEMM per projection over all of an expert's
@@ -21,8 +21,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from pagedllm.backends.cpu import packed_linear as pl
+from pagedllm.backends.cpu import dense_gemm as dg
 from pagedllm.backends.cpu.groupwise_linear import EVERY_BATCH
+from pagedllm.backends.cpu.linear_kernel import LinearFn, LinearKernel
+from pagedllm.backends.cpu.packed_linear import groupwise_formats
 
 logger = logging.getLogger(__name__)
 
@@ -33,14 +35,14 @@ def expert_formats() -> frozenset[str]:
     from pagedllm.layers.quantization.base import FLOAT
     from pagedllm.layers.quantization.int8 import Int8WeightOnly
 
-    return frozenset({FLOAT, Int8WeightOnly.weight_format}) | pl.groupwise_formats()
+    return frozenset({FLOAT, Int8WeightOnly.weight_format}) | groupwise_formats()
 
 
-def pack_weight(weight: torch.Tensor, scale: torch.Tensor | None) -> pl.LinearKernel:
+def pack_weight(weight: torch.Tensor, scale: torch.Tensor | None) -> LinearKernel:
     """The fastest correct GEMM for one ``[N, K]`` expert weight."""
     if scale is not None:
-        return pl.make_int8_linear(weight, scale, None)
-    return pl.make_dense_linear(weight, None)
+        return dg.make_int8_linear(weight, scale, None)
+    return dg.make_dense_linear(weight, None)
 
 
 class _GroupwiseExpert(nn.Module):
@@ -80,7 +82,7 @@ class StackStorage:
 
     def __call__(self, shape: tuple[int, int]) -> torch.Tensor | None:
         if self.buffer is None:
-            ops = pl.gemm_ops()
+            ops = dg.gemm_ops()
             if ops is None:  # the panels are packed by the same build: never here
                 return None
             nbytes = self.experts * shape[0] * shape[1]
@@ -98,7 +100,7 @@ def _expert_gemm(
     checked: set[tuple],
     dot: bool,
     storage: StackStorage | None = None,
-) -> pl.LinearKernel:
+) -> LinearKernel:
     if name in layer.groupwise:
         from pagedllm.backends.cpu.groupwise_linear import make_groupwise_linear
 
@@ -112,7 +114,7 @@ _STACKS = ("w13_weight", "w2_weight")
 GroupedGemm = Callable[[torch.Tensor, list[int], list[int]], torch.Tensor]
 
 
-def make_grouped_gemm(kernels: list[pl.LinearKernel], checked: set[tuple]) -> GroupedGemm | None:
+def make_grouped_gemm(kernels: list[LinearKernel], checked: set[tuple]) -> GroupedGemm | None:
     """``grouped(x [P, K], experts, starts) -> [P, N]``: rows ``starts[i]..starts[i + 1]`` of x
     through expert ``experts[i]``'s packed layer, in one C++ call, or None where the experts'
     layers are not all group-wise layers of one format and shape.
@@ -123,7 +125,7 @@ def make_grouped_gemm(kernels: list[pl.LinearKernel], checked: set[tuple]) -> Gr
     """
     pws = [pw for kernel in kernels if (pw := kernel.groupwise) is not None]
     fns = [fn for kernel in kernels if (fn := kernel.fn) is not None]
-    ops = pl.gemm_ops()
+    ops = dg.gemm_ops()
     if ops is None or not kernels or len(pws) != len(kernels) or len(fns) != len(kernels):
         return None
     layout = pws[0].layout
@@ -149,7 +151,7 @@ def make_grouped_gemm(kernels: list[pl.LinearKernel], checked: set[tuple]) -> Gr
     return grouped
 
 
-def _same_as_each(grouped: GroupedGemm, fns: list[pl.LinearFn], k: int) -> bool:
+def _same_as_each(grouped: GroupedGemm, fns: list[LinearFn], k: int) -> bool:
     """Whether ``grouped`` equals each expert's own GEMM on its rows, bit for bit: groups of
     1, 2 and 9 rows (the register kernels; past them the per-call paths), float32 and bf16."""
     experts = sorted({0, len(fns) // 2, len(fns) - 1})
@@ -187,8 +189,8 @@ def pack_moe_layer(
     from pagedllm.layers.fused_moe import fused_experts_torch
 
     checked = set() if checked is None else checked
-    kernels: list[tuple[pl.LinearKernel, pl.LinearKernel]] = []
-    fns: list[tuple[pl.LinearFn, pl.LinearFn]] = []
+    kernels: list[tuple[LinearKernel, LinearKernel]] = []
+    fns: list[tuple[LinearFn, LinearFn]] = []
     paths: set[str] = set()
     stacks = {name: StackStorage(layer.num_local_experts) for name in _STACKS}
     for e in range(layer.num_local_experts):

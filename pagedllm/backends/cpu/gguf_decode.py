@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from pagedllm.backends.cpu.packed_linear import gemm_ops
+from pagedllm.backends.cpu.dense_gemm import gemm_ops
 
 BlockDecoder = Callable[[torch.Tensor, str], tuple[torch.Tensor, ...]]
 

@@ -24,12 +24,12 @@ import logging
 from collections.abc import Callable
 from functools import partial
 from types import MappingProxyType, ModuleType
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.backends.cpu import dense_gemm as dg
 from pagedllm.backends.cpu.groupwise_pack import (
     PackedGroupwise,
     Storage,
@@ -39,15 +39,13 @@ from pagedllm.backends.cpu.groupwise_pack import (
     scale_format,
     six_bits,
 )
+from pagedllm.backends.cpu.linear_kernel import LinearKernel
 from pagedllm.layers.quantization.groupwise import (
     GROUP_SIZE,
     dequantize_groups,
     weight_groups,
     weight_super_scale,
 )
-
-if TYPE_CHECKING:
-    from pagedllm.backends.cpu.packed_linear import LinearKernel
 
 logger = logging.getLogger(__name__)
 
@@ -252,9 +250,7 @@ def _check_paths(
     against ``dequantize_layer``, and (first of its layout, where the dot path runs by default)
     the dot path against :func:`dot_linear_reference`. A repeated layout: a panel at each end
     and a spread (a float32 copy of fewer rows)."""
-    from pagedllm.backends.cpu import packed_linear as pl
-
-    rows = pl._sample_rows(pw.n, edge=16, spread=32) if repeat else pl._sample_rows(pw.n)
+    rows = dg._sample_rows(pw.n, edge=16, spread=32) if repeat else dg._sample_rows(pw.n)
     dequant = dequantize_rows(module, rows)  # [rows, K]
     bias_rows = None if bias is None else bias.detach().float()[rows]
 
@@ -262,12 +258,12 @@ def _check_paths(
         return F.linear(probe.float(), dequant, bias_rows)
 
     def forced(dot: bool) -> LinearFn:
-        return pl._reshaped(lambda x: gemm(x, dot=dot), pw.k, pw.n)
+        return dg._reshaped(lambda x: gemm(x, dot=dot), pw.k, pw.n)
 
     weight = module.weight
     what = f"C++ {module.quant_method.weight_format} GEMM"
     probes = _float_probes(ops, pw.k, repeat=repeat)
-    if pl._checked(forced(False), weight, reference, rows, probes, what) is None:
+    if dg._checked(forced(False), weight, reference, rows, probes, what) is None:
         return False
     if repeat or not dot_rows(ops, torch.bfloat16, enabled=dot):
         return True
@@ -280,7 +276,7 @@ def _check_paths(
 
     probe = ((torch.randn(3, pw.k).bfloat16(), 2e-2),)
     what = f"{what} (dot path)"
-    return pl._checked(forced(True), weight, dot_reference, rows, probe, what) is not None
+    return dg._checked(forced(True), weight, dot_reference, rows, probe, what) is not None
 
 
 def make_groupwise_linear(
@@ -305,11 +301,9 @@ def make_groupwise_linear(
     GEMMs otherwise. ``storage``: where the panels go (an expert's slice of its stack's
     buffer), as :func:`pack_groupwise` takes it.
     """
-    from pagedllm.backends.cpu import packed_linear as pl
-
     name = module.quant_method.weight_format
-    refused = pl.LinearKernel(None, f"torch-{name}")
-    ops = pl.gemm_ops()
+    refused = LinearKernel(None, f"torch-{name}")
+    ops = dg.gemm_ops()
     if ops is None:
         return refused
     try:
@@ -324,8 +318,8 @@ def make_groupwise_linear(
         return refused
     if checked is not None:
         checked.add(key)
-    return pl.LinearKernel(
-        pl._reshaped(gemm, pw.k, pw.n),
+    return LinearKernel(
+        dg._reshaped(gemm, pw.k, pw.n),
         path_name(ops, pw.name, dot=dot, four_bit=pw.bits == 4, levels=pw.levels),
         packed_rows=partial(pw.rows, ops),
         groupwise=pw,
@@ -345,12 +339,11 @@ def make_parts_linear(
     (``checked``: as there; a ``dense`` run gets a dense layer's GEMM), the outputs side by
     side. The path: ``cpp-mixed(<format per part>)-<isa>``; a run that cannot be packed leaves
     the whole layer on PyTorch."""
-    from pagedllm.backends.cpu import packed_linear as pl
     from pagedllm.layers.quantization.base import FLOAT
 
-    ops = pl.gemm_ops()
+    ops = dg.gemm_ops()
     if ops is None:
-        return pl.LinearKernel(None, "torch-mixed")
+        return LinearKernel(None, "torch-mixed")
     kernels: list[LinearKernel] = []
     fns: list[LinearFn] = []
     start = 0
@@ -358,11 +351,11 @@ def make_parts_linear(
         rows = part.weight.shape[0]
         part_bias = None if bias is None else bias[start : start + rows]
         if part.quant_method.weight_format == FLOAT:
-            kernel = pl.make_dense_linear(part.weight, part_bias)
+            kernel = dg.make_dense_linear(part.weight, part_bias)
         else:
             kernel = make_groupwise_linear(part, part_bias, dot=dot, checked=checked)
         if kernel.fn is None:
-            return pl.LinearKernel(None, "torch-mixed")
+            return LinearKernel(None, "torch-mixed")
         kernels.append(kernel)
         fns.append(kernel.fn)
         start += rows
@@ -384,7 +377,7 @@ def make_parts_linear(
     four_bit, levels = bool(fours), all(pw.levels for pw in fours)
     mixed = f"mixed({','.join(names)})"
     path = path_name(ops, mixed, dot=dot, four_bit=four_bit, levels=levels)
-    return pl.LinearKernel(linear, path, dot_rows=MappingProxyType(default_dot_rows(ops, dot=dot)))
+    return LinearKernel(linear, path, dot_rows=MappingProxyType(default_dot_rows(ops, dot=dot)))
 
 
 def path_name(
