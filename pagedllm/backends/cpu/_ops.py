@@ -28,6 +28,7 @@ import functools
 import hashlib
 import importlib.util
 import logging
+import os
 import platform
 import shutil
 import subprocess
@@ -229,7 +230,12 @@ def _load(
                 logger.warning("rebuilding the CPU extension in %s: %s", build_dir, exc)
         from torch.utils.cpp_extension import load
 
-        logger.info("building %s in %s (first use only)", module_name, build_dir)
+        logger.warning(
+            "building CPU kernels for this processor (first run only, ~%d min): %s in %s",
+            build_minutes(len(sources)),
+            module_name,
+            build_dir,
+        )
         module = load(
             name=module_name,
             sources=[str(_CSRC / s) for s in sources],
@@ -240,6 +246,13 @@ def _load(
         )
         (build_dir / _BUILT_MARKER).write_text(" ".join(flags) + "\n")
     return module
+
+
+def build_minutes(num_sources: int, cpus: int | None = None) -> int:
+    """A rough build time to announce, so the first run's silent minutes are expected: about
+    half a minute of compiler time per source file, run in parallel by ninja, plus linking."""
+    cpus = max(1, min(cpus or os.cpu_count() or 1, num_sources))
+    return max(1, round((30 * num_sources / cpus + 20) / 60))
 
 
 @contextlib.contextmanager
