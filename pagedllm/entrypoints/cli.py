@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import pagedllm
 from pagedllm.engine.cpu_binding import CpuBinding, bind_threads
-from pagedllm.entrypoints.cli_args import build_parser, engine_kwargs
+from pagedllm.entrypoints.cli_args import UsageError, build_parser, engine_kwargs, model_from_args
 
 if TYPE_CHECKING:  # the CLI starts without importing the engine
     from pagedllm.engine.client import EngineClient
@@ -49,10 +49,6 @@ def listen_socket(host: str, port: int) -> socket.socket:
             "(is another server running there? choose another with --port)"
         ) from None
     return sock
-
-
-class UsageError(Exception):
-    """A command-line setting that can never work (exit status 2)."""
 
 
 def check_serve_settings(args: argparse.Namespace, template: str | None) -> None:
@@ -282,7 +278,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(f"pagedllm generate: {exc}") from None
     try:
-        engine = Engine(args.model, args.device, **kwargs)
+        engine = Engine(model_from_args(args, "generate"), args.device, **kwargs)
         params = SamplingParams(
             max_tokens=args.max_tokens,
             temperature=args.temperature,
