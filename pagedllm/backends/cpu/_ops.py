@@ -265,7 +265,11 @@ def _build_lock(build_dir: Path) -> Iterator[None]:
     so while we hold ours, any ``lock`` file is such a leftover and is removed.
     """
     with open(build_dir / _FLOCK, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # say why nothing happens for minutes
+            logger.warning("waiting for another process building the CPU kernels in %s", build_dir)
+            fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             stale = build_dir / _TORCH_BATON
             if stale.exists():
