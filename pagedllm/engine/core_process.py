@@ -28,6 +28,7 @@ from typing import Any
 
 from pagedllm.engine import core_wire as wire
 from pagedllm.engine.cpu_binding import CoreThreadBinder, CpuBinding
+from pagedllm.log_setup import setup_logging
 
 logger = logging.getLogger(__name__)
 
@@ -235,7 +236,7 @@ def core_main(spec: CoreSpec, parent_pid: int) -> None:
     from pagedllm.config import core_openmp_env
 
     os.environ.update(core_openmp_env())  # before torch loads its OpenMP runtime
-    logging.basicConfig(level=spec.log_level, format="%(asctime)s %(levelname)s [core] %(message)s")
+    setup_logging(spec.log_level)
     sys.exit(run_core(spec, parent_pid))
 
 

@@ -39,10 +39,9 @@ class CoreActor:
 
     def run(self, spec: CoreSpec) -> int:
         from pagedllm.engine.core_process import run_core
+        from pagedllm.log_setup import setup_logging
 
-        logging.basicConfig(
-            level=spec.log_level, format="%(asctime)s %(levelname)s [replica] %(message)s"
-        )
+        setup_logging(spec.log_level)
         # The replica's threads are Ray's to place: no binding inside an actor.
         return run_core(dataclasses.replace(spec, cpu_binding=None), None)
 

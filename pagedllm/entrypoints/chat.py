@@ -174,9 +174,14 @@ def repl(session: Session, client: Any, read: Callable[[str], str], out: TextIO)
 
 @contextlib.contextmanager
 def local_server(
-    model: str, device: str, engine_kwargs: dict[str, Any], chat_template: str | None = None
+    model: str,
+    device: str,
+    engine_kwargs: dict[str, Any],
+    chat_template: str | None = None,
+    port: int | None = None,
 ) -> Iterator[str]:
-    """Load MODEL and serve it on a free loopback port from a thread; yields the base URL."""
+    """Load MODEL and serve it on ``port`` (a free one by default) of the loopback address from
+    a thread; yields the base URL."""
     import socket
 
     import uvicorn
@@ -186,9 +191,10 @@ def local_server(
 
     engine = AsyncEngine.from_engine_args(model, device, log_stats_interval=None, **engine_kwargs)
     app = build_app(engine, model_info(engine), ServerSettings(chat_template=chat_template))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+    if port is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", log_config=None)
     )
@@ -229,6 +235,12 @@ def add_parser(sub: Any, add_engine_args: Callable[[argparse.ArgumentParser], No
     target.add_argument(
         "--url",
         help="a running server, e.g. http://127.0.0.1:8000 (default when no MODEL is given)",
+    )
+    p.add_argument(
+        "--port",
+        type=int,
+        help="MODEL/--demo: serve it on this loopback port too, for the browser and other "
+        "clients (default: a free port)",
     )
     p.add_argument("--api-key", help="bearer key (default: $PAGEDLLM_API_KEY)")
     p.add_argument("--model-name", help="the served model to ask (default: the server's first)")
@@ -274,7 +286,7 @@ def run(args: argparse.Namespace) -> int:
 
             template = load_chat_template(args.chat_template)
             url = stack.enter_context(
-                local_server(args.model, args.device, engine_kwargs(args), template)
+                local_server(args.model, args.device, engine_kwargs(args), template, args.port)
             )
             key = None
         else:

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import pagedllm
 from pagedllm.engine.cpu_binding import CpuBinding, bind_threads
-from pagedllm.entrypoints.cli_args import build_parser, engine_kwargs
+from pagedllm.entrypoints.cli_args import UsageError, build_parser, engine_kwargs, model_from_args
 
 if TYPE_CHECKING:  # the CLI starts without importing the engine
     from pagedllm.engine.client import EngineClient
@@ -25,15 +27,28 @@ DEMO_SERVED_NAME = "pagedllm-demo"
 
 
 def _setup_logging(level: str = "info") -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        format="%(levelname)s %(asctime)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-    )
+    from pagedllm.log_setup import setup_logging
+
+    setup_logging(level)
 
 
-class UsageError(Exception):
-    """A command-line setting that can never work (exit status 2)."""
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads so that a busy port fails in a second
+    instead of after minutes of loading; uvicorn starts listening on it once the app is ready
+    (until then a connection is refused, as with no server)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        reason = exc.strerror or str(exc)
+        raise SystemExit(
+            f"pagedllm serve: cannot listen on {host}:{port}: {reason.lower()} "
+            "(is another server running there? choose another with --port)"
+        ) from None
+    return sock
 
 
 def check_serve_settings(args: argparse.Namespace, template: str | None) -> None:
@@ -203,19 +218,33 @@ def start_serve_engine(
         raise SystemExit(f"pagedllm serve: {exc}") from None
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def cmd_serve(args: argparse.Namespace, started: float) -> int:
+    _setup_logging(args.log_level)  # the first line comes before any heavy import
+    logger.info(
+        "pagedllm %s serve: starting (%s)",
+        pagedllm.__version__,
+        "--demo" if args.demo else args.model or "the bundled demo model",
+    )
+    sock = listen_socket(args.host, args.port) if 1 <= args.port <= 65535 else None
+    try:
+        return _serve_on(args, sock, started)
+    finally:
+        if sock is not None:
+            sock.close()
+
+
+def _serve_on(args: argparse.Namespace, sock: socket.socket | None, started: float) -> int:
     from pagedllm.engine.core_process import freeze_startup_objects
     from pagedllm.entrypoints.openai.api_server import model_info, run_server
 
-    _setup_logging(args.log_level)
     model, demo_name = resolve_model(args.model, demo_chat=args.demo)
-    settings = serve_settings(args)
+    settings = serve_settings(args)  # a bad --port is reported here
     names = args.served_model_name or ([demo_name] if demo_name else [args.model])
     binding = serve_cpu_binding(args)
+    logger.info("loading %s", model)
     engine = start_serve_engine(args, model, names[0], binding)
-    if binding is not None:
+    if binding is not None:  # the engine core logs the plan once
         bind_threads(binding.rest)  # this process: every thread, and those it starts later
-        logging.getLogger(__name__).info("CPU binding: %s", binding.describe())
     try:
         freeze_startup_objects()  # this process serves until it exits
         return run_server(
@@ -225,6 +254,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             log_level=args.log_level,
+            sock=sock,
+            started=started,
         )
     finally:
         engine.stop()  # idempotent; also when the server could not be built
@@ -247,7 +278,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(f"pagedllm generate: {exc}") from None
     try:
-        engine = Engine(args.model, args.device, **kwargs)
+        engine = Engine(model_from_args(args, "generate"), args.device, **kwargs)
         params = SamplingParams(
             max_tokens=args.max_tokens,
             temperature=args.temperature,
@@ -290,6 +321,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.perf_counter()
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command not in ("serve", "generate") and not hasattr(args, "handler"):
@@ -298,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if hasattr(args, "handler"):  # chat, bench: their modules run them
             return int(args.handler(args))
-        return cmd_serve(args) if args.command == "serve" else cmd_generate(args)
+        return cmd_serve(args, started) if args.command == "serve" else cmd_generate(args)
     except UsageError as exc:  # a setting that can never work: one line, before any loading
         print(exc, file=sys.stderr)
         return 2

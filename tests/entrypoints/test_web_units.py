@@ -56,11 +56,38 @@ def test_feed_rates_hit_rate_and_latency_window(monkeypatch: pytest.MonkeyPatch)
     # The last minute holds two finished requests (the one at t=850 is older): nearest rank.
     assert d["series"]["ttft_p50"][-1] == pytest.approx(100.0)
     assert d["series"]["ttft_p90"][-1] == pytest.approx(300.0)
-    assert d["latency"]["ttft_ms"]["count"] == 3  # the 5-minute summary includes t=850
+    # the cards cover the charts' minute too (t=850 is older), and say so
+    assert d["latency"]["ttft_ms"]["count"] == 2 and d["latency"]["ttft_ms"]["window_s"] == 60
     clock[0] += 0.1  # within min_interval: no new sample
     assert len(feed.snapshot()["t"]) == 2
     clock[0] += 400  # older samples fall out of the window
     assert len(feed.snapshot()["t"]) == 1
+
+
+def test_latency_cards_and_charts_include_requests_in_flight(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under load the finished requests' latencies look idle while those in flight stall: the
+    waits so far of the live requests count too (for a first token, or since the last one)."""
+    clock = [1000.0]
+    monkeypatch.setattr("pagedllm.entrypoints.web.feed.time.time", lambda: clock[0])
+    tracker = RequestTracker()
+    metrics = SimpleNamespace(recent=deque([(999.0, 0.05, 0.024)]))  # one fast, finished
+    feed = DashboardFeed(FakeEngine(), metrics, tracker, window_s=300, latency_window_s=60)
+    queued = tracker.add("a", "prompt", None)
+    streaming = tracker.add("b", "prompt", None)
+    out = SimpleNamespace(outputs=[SimpleNamespace(token_ids=[1, 2])], finished=False)
+    tracker.update(streaming, out)  # its last token at t=1000
+    assert queued.last_token is None
+    clock[0] += 0.5
+    d = feed.snapshot()
+    itl, ttft = d["latency"]["itl_ms"], d["latency"]["ttft_ms"]
+    assert itl["count"] == 2 and itl["p99"] == pytest.approx(500.0)  # 0.5 s since its token
+    assert ttft["count"] == 2 and ttft["p99"] == pytest.approx(500.0)  # 0.5 s without one
+    assert d["series"]["itl_p90"][-1] == pytest.approx(500.0)
+    tracker.update(streaming, SimpleNamespace(outputs=out.outputs, finished=False))
+    clock[0] += 1.0  # no new token: the wait since the last one keeps growing
+    assert feed.snapshot()["latency"]["itl_ms"]["p99"] == pytest.approx(1500.0)
 
 
 def test_percentile_nearest_rank() -> None:

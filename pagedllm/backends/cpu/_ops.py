@@ -28,6 +28,7 @@ import functools
 import hashlib
 import importlib.util
 import logging
+import os
 import platform
 import shutil
 import subprocess
@@ -229,7 +230,12 @@ def _load(
                 logger.warning("rebuilding the CPU extension in %s: %s", build_dir, exc)
         from torch.utils.cpp_extension import load
 
-        logger.info("building %s in %s (first use only)", module_name, build_dir)
+        logger.warning(
+            "building CPU kernels for this processor (first run only, ~%d min): %s in %s",
+            build_minutes(len(sources)),
+            module_name,
+            build_dir,
+        )
         module = load(
             name=module_name,
             sources=[str(_CSRC / s) for s in sources],
@@ -242,6 +248,13 @@ def _load(
     return module
 
 
+def build_minutes(num_sources: int, cpus: int | None = None) -> int:
+    """A rough build time to announce, so the first run's silent minutes are expected: about
+    half a minute of compiler time per source file, run in parallel by ninja, plus linking."""
+    cpus = max(1, min(cpus or os.cpu_count() or 1, num_sources))
+    return max(1, round((30 * num_sources / cpus + 20) / 60))
+
+
 @contextlib.contextmanager
 def _build_lock(build_dir: Path) -> Iterator[None]:
     """One builder per directory across processes, and no lock outlives its process.
@@ -252,7 +265,11 @@ def _build_lock(build_dir: Path) -> Iterator[None]:
     so while we hold ours, any ``lock`` file is such a leftover and is removed.
     """
     with open(build_dir / _FLOCK, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # say why nothing happens for minutes
+            logger.warning("waiting for another process building the CPU kernels in %s", build_dir)
+            fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             stale = build_dir / _TORCH_BATON
             if stale.exists():

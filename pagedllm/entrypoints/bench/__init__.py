@@ -13,13 +13,16 @@ from collections.abc import Callable
 from typing import Any
 
 from pagedllm.entrypoints.bench.stats import print_table
+from pagedllm.entrypoints.cli_args import add_model_arg
 
 
 def _common(p: argparse.ArgumentParser, *, seed: bool = True) -> None:
     """Dataset and output flags; offline modes share the engine's --seed instead."""
-    p.add_argument("--dataset", choices=["random", "sharegpt"], default="random")
+    p.add_argument(
+        "--dataset", choices=["random", "sharegpt"], default="random", help="prompt source"
+    )
     p.add_argument("--dataset-path", help="ShareGPT-format JSON file (for --dataset sharegpt)")
-    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--num-prompts", type=int, default=100, help="requests to send")
     p.add_argument(
         "--input-len",
         type=int,
@@ -49,23 +52,25 @@ def add_parser(sub: Any, add_engine_args: Callable[[argparse.ArgumentParser], No
         dest="bench_mode", metavar="{throughput,latency,serve}", required=True
     )
     thr = modes.add_parser("throughput", help="offline: all requests at once, requests/s")
-    thr.add_argument("model", metavar="MODEL")
+    add_model_arg(thr, "Hugging Face model folder or GGUF file")
     _common(thr, seed=False)
     add_engine_args(thr)
     thr.set_defaults(handler=run_throughput)
     lat = modes.add_parser("latency", help="offline: one batch end to end, latency percentiles")
-    lat.add_argument("model", metavar="MODEL")
+    add_model_arg(lat, "Hugging Face model folder or GGUF file")
     _common(lat, seed=False)
-    lat.add_argument("--batch-size", type=int, default=8)
-    lat.add_argument("--num-iters", type=int, default=10)
-    lat.add_argument("--num-iters-warmup", type=int, default=2)
+    lat.add_argument("--batch-size", type=int, default=8, help="requests in the one batch")
+    lat.add_argument("--num-iters", type=int, default=10, help="timed runs of the batch")
+    lat.add_argument("--num-iters-warmup", type=int, default=2, help="untimed runs first")
     add_engine_args(lat)
     lat.set_defaults(handler=run_latency, num_prompts=None)
     srv = modes.add_parser("serve", help="load generator against a running server")
     srv.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
     srv.add_argument("--api-key", help="bearer key (default: $PAGEDLLM_API_KEY)")
     srv.add_argument("--model", help="served model name (default: the server's first)")
-    srv.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    srv.add_argument(
+        "--endpoint", choices=["completions", "chat"], default="completions", help="API route"
+    )
     srv.add_argument(
         "--request-rate",
         type=float,
@@ -109,9 +114,10 @@ def _offline_requests(args: argparse.Namespace, engine: Any, n: int) -> list[Any
 
 def _engine(args: argparse.Namespace) -> Any:
     from pagedllm import Engine
-    from pagedllm.entrypoints.cli_args import engine_kwargs
+    from pagedllm.entrypoints.cli_args import engine_kwargs, model_from_args
 
-    return Engine(args.model, args.device, **engine_kwargs(args))
+    model = model_from_args(args, f"bench {args.bench_mode}")
+    return Engine(model, args.device, **engine_kwargs(args))
 
 
 def run_throughput(args: argparse.Namespace) -> int:

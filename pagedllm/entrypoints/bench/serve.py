@@ -65,8 +65,39 @@ def request_body(req: BenchRequest, model: str, chat: bool, ignore_eos: bool) ->
     return body
 
 
+class Progress:
+    """The progress bar: a step per finished request, and beside it how many were sent and how
+    many are streaming, redrawn on every change. Under load the first requests can take a
+    minute to finish; a bar that counted only finished requests (and left tqdm to pace its
+    redraws) sat at 0 and then jumped."""
+
+    def __init__(self, bar: Any) -> None:
+        self.bar = bar
+        self.sent = self.streaming = 0
+
+    def on_sent(self) -> None:
+        self.sent += 1
+        self._show()
+
+    def on_first_token(self) -> None:
+        self.streaming += 1
+        self._show()
+
+    def on_done(self, streamed: bool) -> None:
+        self.streaming -= int(streamed)
+        self.bar.update(1)
+        self._show()
+
+    def _show(self) -> None:
+        self.bar.set_postfix_str(f"sent {self.sent}, streaming {self.streaming}", refresh=True)
+
+
 async def one_request(
-    client: StreamClient, body: dict[str, Any], chat: bool, timeout: float = 600
+    client: StreamClient,
+    body: dict[str, Any],
+    chat: bool,
+    timeout: float = 600,
+    progress: Progress | None = None,
 ) -> Outcome:
     path = "/v1/chat/completions" if chat else "/v1/completions"
     res = Outcome()
@@ -77,6 +108,8 @@ async def one_request(
         nonlocal last
         last = time.perf_counter()
         res.ttft = last - start
+        if progress is not None:
+            progress.on_first_token()
 
     def on_event(event: dict[str, Any]) -> None:
         nonlocal last
@@ -132,11 +165,12 @@ async def run(
     """Send ``requests`` and return the report (also the server's view from /metrics)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limit = max_concurrency or len(requests)
-    bar = None
+    bar = shown = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(requests), desc="requests", unit="req")
+        bar = tqdm(total=len(requests), desc="requests", unit="req", miniters=1)
+        shown = Progress(bar)
     streams = StreamClient(base_url, headers)
     async with httpx.AsyncClient(
         base_url=base_url, timeout=httpx.Timeout(600, connect=10)
@@ -151,9 +185,12 @@ async def run(
 
         async def limited(req: BenchRequest) -> Outcome:
             async with gate:
-                out = await one_request(streams, request_body(req, model, chat, ignore_eos), chat)
-            if bar is not None:
-                bar.update(1)
+                if shown is not None:
+                    shown.on_sent()
+                body = request_body(req, model, chat, ignore_eos)
+                out = await one_request(streams, body, chat, progress=shown)
+            if shown is not None:
+                shown.on_done(streamed=out.ttft > 0)
             return out
 
         metrics_before = (await client.get("/metrics")).text

@@ -12,9 +12,10 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from types import FrameType
@@ -185,7 +186,13 @@ class GracefulServer:
             def handle_exit(self, sig: int, frame: FrameType | None) -> None:
                 outer.on_signal(sig)
 
+            async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+                await super().startup(sockets=sockets)
+                if not self.should_exit and outer.on_ready is not None:
+                    outer.on_ready()
+
         self.server = _Server(config)
+        self.on_ready: Callable[[], None] | None = None
         self.engine = engine
         self.shutdown_timeout = shutdown_timeout
         self.forced = False
@@ -215,8 +222,13 @@ class GracefulServer:
     def request_exit(self) -> None:
         self.server.should_exit = True
 
-    def run(self) -> int:
-        self.server.run()
+    def run(self, sockets: list[socket.socket] | None = None) -> int:
+        try:
+            self.server.run(sockets=sockets)
+        except SystemExit as exc:  # uvicorn's start-up failure (its status 3): ours is 1
+            logger.error("the server did not start (status %s from uvicorn)", exc.code)
+            self.engine.stop()
+            return 1
         if self._timer is not None:
             self._timer.cancel()
         cut = self.engine.num_cut
@@ -246,6 +258,16 @@ def uvicorn_config(
     )
 
 
+def ready_line(name: str, host: str, port: int, started: float) -> str:
+    """The one line that says the server answers, and where: the API, chat page, dashboard."""
+    shown = "localhost" if host in ("", "0.0.0.0", "::") else host
+    base = f"http://[{shown}]:{port}" if ":" in shown else f"http://{shown}:{port}"
+    return (
+        f"ready in {time.perf_counter() - started:.1f} s: {name} | API {base}/v1 | "
+        f"chat {base}/ | dashboard {base}/dashboard"
+    )
+
+
 def run_server(
     engine: EngineClient,
     model: ModelInfo,
@@ -254,8 +276,13 @@ def run_server(
     host: str = "127.0.0.1",
     port: int = 8000,
     log_level: str = "info",
+    sock: socket.socket | None = None,
+    started: float | None = None,
 ) -> int:
-    """Serve until SIGTERM/SIGINT (see :class:`GracefulServer`); returns the exit status."""
+    """Serve until SIGTERM/SIGINT (see :class:`GracefulServer`); returns the exit status.
+
+    ``sock`` is the listening socket bound before the model loaded (``pagedllm serve``);
+    ``started`` the ``perf_counter`` of the command's start, for the "ready in" line."""
 
     # Whatever fails from here on, the engine is stopped: a core process left running would
     # hold its memory and keep this process from exiting.
@@ -264,8 +291,9 @@ def run_server(
         config = uvicorn_config(app, settings, host=host, port=port, log_level=log_level)
         server = GracefulServer(config, engine, settings.shutdown_timeout)
         app.state.on_engine_dead = server.request_exit
-        logger.info("serving %s on http://%s:%d (OpenAI API under /v1)", model.name, host, port)
-        status = server.run()
+        begun = time.perf_counter() if started is None else started
+        server.on_ready = lambda: logger.info(ready_line(model.name, host, port, begun))
+        status = server.run([sock] if sock is not None else None)
     finally:
         engine.stop()
         logger.info("server stopped")

@@ -2,9 +2,12 @@
 
 Everything comes from what /metrics reads: the engine client's ``get_stats()`` snapshot (queue
 lengths, KV usage, token, prefix-cache and lower-tier counters) and the request latencies that
-``ServerMetrics`` observes. Rates need two points in time, so each call records a sample (at most
-one every ``min_interval`` seconds) into a ring of the last ``window_s`` seconds; the page polls
-once a second, so the series fill while someone watches. Nothing runs in the background.
+``ServerMetrics`` observes, plus the waits of the requests in flight (the tracker's), so latency
+under load shows while the requests are still running. The latency cards and each point of the
+latency charts cover the last ``latency_window_s`` seconds. Rates need two points in time, so
+each call records a sample (at most one every ``min_interval`` seconds) into a ring of the last
+``window_s`` seconds; the page polls once a second, so the series fill while someone watches.
+Nothing runs in the background.
 """
 
 from __future__ import annotations
@@ -71,11 +74,13 @@ class DashboardFeed:
         self.samples: deque[_Sample] = deque()
 
     def _latencies(self, now: float, window: float) -> tuple[list[float], list[float]]:
-        """TTFTs and per-request inter-token latencies of requests finished in the window."""
+        """TTFTs and inter-token latencies: of the requests finished in the window, and of
+        those in flight so far (their wait for a first token, or since their last one)."""
         recent = [r for r in list(self.metrics.recent) if now - r[0] <= window]
+        waiting, since_last = self.tracker.waits(now)
         return (
-            [r[1] for r in recent if r[1] is not None],
-            [r[2] for r in recent if r[2] is not None],
+            [r[1] for r in recent if r[1] is not None] + waiting,
+            [r[2] for r in recent if r[2] is not None] + since_last,
         )
 
     def _sample(self, now: float) -> None:
@@ -123,11 +128,13 @@ class DashboardFeed:
             self._sample(now)
         samples = list(self.samples)
         stats = samples[-1].stats
-        ttft, itl = self._latencies(now, self.window_s)
+        # the cards cover what each point of the charts covers: the last latency_window_s
+        ttft, itl = self._latencies(now, self.latency_window_s)
         summary = {}
         for name, data in (("ttft_ms", ttft), ("itl_ms", itl)):
             summary[name] = {
                 "count": len(data),
+                "window_s": self.latency_window_s,
                 **{
                     f"p{p}": (None if (v := percentile(data, p)) is None else 1e3 * v)
                     for p in (50, 90, 99)

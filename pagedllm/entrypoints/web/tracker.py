@@ -33,6 +33,7 @@ class TrackedRequest:
     tokens: int = 0  # generated so far, over all choices
     finish_reason: str | None = None
     ended: float | None = None
+    last_token: float | None = None  # time.time() of the latest output that added tokens
 
     def as_dict(self, now: float) -> dict[str, Any]:
         end = self.ended if self.ended is not None else now
@@ -70,7 +71,10 @@ class RequestTracker:
         return entry
 
     def update(self, entry: TrackedRequest, out: Any) -> None:
-        entry.tokens = sum(len(c.token_ids) for c in out.outputs)
+        tokens = sum(len(c.token_ids) for c in out.outputs)
+        if tokens > entry.tokens:
+            entry.last_token = time.time()
+        entry.tokens = tokens
         if entry.tokens and entry.state == QUEUED:
             entry.state = STREAMING
         if out.finished:
@@ -83,6 +87,18 @@ class RequestTracker:
         entry.state, entry.finish_reason, entry.ended = FINISHED, reason, time.time()
         self.live.pop(entry.request_id, None)
         self.ended.append(entry)
+
+    def waits(self, now: float) -> tuple[list[float], list[float]]:
+        """How long each live request has waited so far: for its first token (those with none
+        yet), and since its last token (those streaming). A stalled server shows here at once,
+        long before its requests finish and are counted in the latency histograms."""
+        first, since_last = [], []
+        for e in list(self.live.values()):
+            if e.last_token is None:
+                first.append(max(0.0, now - e.arrival))
+            else:
+                since_last.append(max(0.0, now - e.last_token))
+        return first, since_last
 
     def get(self, request_id: str) -> TrackedRequest | None:
         return self.live.get(request_id)
