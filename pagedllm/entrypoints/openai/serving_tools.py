@@ -184,11 +184,12 @@ def _calls_of(plan: ToolPlan, text: str) -> tuple[str | None, list[ParsedCall]]:
 
 def _content(parser: ToolParser, text: str, finished: bool, calls_begun: bool) -> str:
     """The content of ``text`` as a stream sends it: the parser's, or the text up to its
-    ``content_prefix`` (all of it once finished with no call begun)."""
+    ``content_prefix`` (all of it once finished with no call begun, unless the reply is
+    constrained JSON: "required" cut before a call's name is complete says nothing)."""
     content = parser.streamed_content(text, finished)
     if content is not None:
         return content
-    if finished and not calls_begun:
+    if finished and not calls_begun and parser.TEXT_IS_CONTENT:
         return text
     return text[: parser.content_prefix(text)]
 

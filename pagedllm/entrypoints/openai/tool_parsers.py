@@ -175,6 +175,8 @@ def _finished(text: str, pos: int, args_keys: tuple[str, ...]) -> tuple[ParsedCa
 
 class ToolParser:
     name = ""
+    #: Whether a reply with no call is content (False where the reply is constrained JSON).
+    TEXT_IS_CONTENT = True
     ARGS_KEYS: tuple[str, ...] = ("arguments", "parameters")
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
@@ -297,6 +299,7 @@ class RequiredCallsParser(ToolParser):
 
     name = "required"
     ARGS_KEYS = ("arguments",)
+    TEXT_IS_CONTENT = False
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         pos = _skip_ws(text, 0)
@@ -343,6 +346,7 @@ class MistralToolParser(RequiredCallsParser):
 
     name = "mistral"
     MARKER = "[TOOL_CALLS]"
+    TEXT_IS_CONTENT = True
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         start = text.find(self.MARKER)
