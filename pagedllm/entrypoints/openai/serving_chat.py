@@ -98,8 +98,12 @@ def _constraint(
     if plan.guided is None:
         return guided, guided_param
     if guided is not None:
+        why = ""
+        if plan.mode == "auto":
+            why = " here: the chat template cannot render tools, so 'auto' constrains the reply"
+        choice = "auto" if req.tool_choice is None else req.tool_choice
         raise APIError(
-            f"{guided_param}: cannot be combined with tool_choice {req.tool_choice!r}",
+            f"{guided_param}: cannot be combined with tool_choice {choice!r}{why}",
             param=guided_param,
         )
     return plan.guided, "tools"

@@ -26,7 +26,6 @@ from pagedllm.entrypoints.openai.tool_parsers import (
     ParsedCall,
     PartialCall,
     ToolParser,
-    _CallScan,
     _partial,
     _scan_call,
     _skip_ws,
@@ -225,5 +224,4 @@ class FallbackToolParser(ToolParser):
         key, pos = self._branch(text)
         if key != "tool_call" or pos < 0 or not text.startswith("{", pos):
             return []
-        scan: _CallScan = _scan_call(text, pos, self.ARGS_KEYS)
-        return [_partial(text, scan)]
+        return [_partial(text, _scan_call(text, pos, self.ARGS_KEYS))]
