@@ -207,7 +207,9 @@ def _cut_message(plan: ToolPlan, c: CompletionOutput) -> dict[str, Any]:
             if call.name is None:
                 break
             calls.append(call)
-        content = _content(plan.parser, c.text, True, bool(calls)) or None
+        content = _content(plan.parser, c.text, True, bool(calls))
+        if not content and (calls or not plan.parser.TEXT_IS_CONTENT):
+            content = None
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
         message["tool_calls"] = [_call_dict(call.name or "", call.arguments) for call in calls]
