@@ -220,8 +220,9 @@ def _add_server_flags(s: argparse._ArgumentGroup) -> None:
     s.add_argument(
         "--tool-call-parser",
         choices=list(TOOL_PARSERS),
-        help="parse tool calls from replies when tool_choice is 'auto' (Hermes/Qwen "
-        "<tool_call> JSON, or Llama 3 JSON); without it 'auto' is refused",
+        help="the format of tool_choice 'auto' replies (Hermes/Qwen <tool_call>, Llama 3 "
+        "JSON, Mistral [TOOL_CALLS]); without it, read from the chat template, or a "
+        "JSON-constrained fallback where the template cannot render tools",
     )
     s.add_argument(
         "--shutdown-timeout",

@@ -99,10 +99,13 @@ CHAT_CASES: list[tuple[str, dict[str, Any], int, str | None, str | None]] = [
     ("top_logprobs without logprobs", {"top_logprobs": 2}, 400, "top_logprobs", None),
     ("too many top_logprobs", {"logprobs": True, "top_logprobs": 50}, 400, "top_logprobs", None),
     (
-        "auto tool choice without a parser",
-        {"tools": [{"type": "function", "function": {"name": "f"}}]},
+        "auto tool choice (the fallback's constraint) with response_format",
+        {
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "response_format": {"type": "json_object"},
+        },
         400,
-        "tool_choice",
+        "response_format",
         None,
     ),
     (

@@ -8,9 +8,11 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pagedllm.entrypoints.openai.serving_tools import ToolPlan, ToolStreamer, tool_message
+from pagedllm.entrypoints.openai.tool_auto import FallbackToolParser
 from pagedllm.entrypoints.openai.tool_parsers import (
     HermesToolParser,
     Llama3JsonToolParser,
+    MistralToolParser,
     ParsedCall,
     RequiredCallsParser,
     get_tool_parser,
@@ -51,7 +53,7 @@ def test_llama3_json() -> None:
     assert p.parse('{"no_name": 1}') == ('{"no_name": 1}', [])
     assert p.content_prefix("  {") == 0 and p.content_prefix("The") == 3
     with pytest.raises(ValueError, match="^tool_call_parser"):
-        get_tool_parser("mistral")
+        get_tool_parser("nonsense")
 
 
 def out(text: str, reason: str | None) -> CompletionOutput:
@@ -156,13 +158,19 @@ def test_named_stream_sends_arguments_as_they_come() -> None:
     second, reason = streamer.delta(out('{"a": 1}', "stop"))
     assert second == {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}
     assert reason == "tool_calls"
-    # Cut short by max_tokens: no tool_calls finish reason.
+    # Cut short by max_tokens: the call as far as it went, the finish reason "length".
     message, final = tool_message(ToolPlan("named", named="add"), out('{"a": 1', "length"))
-    assert final == "length" and "tool_calls" not in message
+    assert final == "length" and message["content"] is None
+    assert [c["function"] for c in message["tool_calls"]] == [
+        {"name": "add", "arguments": '{"a": 1'}
+    ]
 
 
 FRAGMENTS = ["{", "}", "[", "]", '"', ":", ",", ";", " ", "\\", "a", "1", "<tool_call>"]
 FRAGMENTS += [
+    '"tool_call"',
+    '"response"',
+    "[TOOL_CALLS]",
     '"f"',
     "</tool_call>",
     '"name"',
@@ -173,6 +181,15 @@ FRAGMENTS += [
 ]
 
 
+PARSERS = [
+    HermesToolParser(),
+    Llama3JsonToolParser(),
+    RequiredCallsParser(),
+    MistralToolParser(),
+    FallbackToolParser(),
+]
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.sampled_from(FRAGMENTS), max_size=40))
 @example(["{", '"name"', ":", '"add"', ",", '"name"', ":", '"f"', "}"])  # the first name stays
@@ -180,7 +197,7 @@ def test_any_text_parses_and_partial_arguments_only_grow(fragments: list[str]) -
     """On any text no parser raises, and as the text grows each begun call keeps its name and
     its arguments only grow (what streamed is never taken back)."""
     text = "".join(fragments)
-    for parser in (HermesToolParser(), Llama3JsonToolParser(), RequiredCallsParser()):
+    for parser in PARSERS:
         parser.parse(text)
         assert 0 <= parser.content_prefix(text) <= len(text)
         whole = parser.partial_calls(text)
@@ -189,3 +206,98 @@ def test_any_text_parses_and_partial_arguments_only_grow(fragments: list[str]) -
                 if call.name is not None:
                     assert whole[i].name == call.name, (parser.name, text[:end])
                     assert whole[i].arguments.startswith(call.arguments), (parser.name, text[:end])
+
+
+MISTRAL = 'Sure. [TOOL_CALLS] [{"name": "add", "arguments": {"a": 1, "b": 2}}]'
+FALLBACK_CALL = '{"tool_call": {"name": "get_weather", "arguments": {"city": "Oslo"}}}'
+FALLBACK_TEXT = '{"response": "It is \\"sunny\\" \\u00e9t\\u00e9"}'
+
+
+def test_mistral_and_the_fallback_parse() -> None:
+    assert MistralToolParser().parse(MISTRAL) == ("Sure.", [ParsedCall("add", '{"a": 1, "b": 2}')])
+    assert MistralToolParser().content_prefix("Hi [TOOL") == 3
+    p = FallbackToolParser()
+    assert p.parse(FALLBACK_CALL) == (None, [ParsedCall("get_weather", '{"city": "Oslo"}')])
+    assert p.parse(FALLBACK_TEXT) == ('It is "sunny" été', [])
+    assert p.parse("not json") == ("not json", [])
+
+
+@pytest.mark.parametrize(
+    ("plan", "text", "content", "reason"),
+    [
+        (ToolPlan("auto", parser=MistralToolParser()), MISTRAL, "Sure. ", "tool_calls"),
+        (ToolPlan("auto", parser=FallbackToolParser()), FALLBACK_CALL, "", "tool_calls"),
+        (ToolPlan("auto", parser=FallbackToolParser()), FALLBACK_TEXT, 'It is "sunny" été', "stop"),
+    ],
+    ids=["mistral", "fallback-call", "fallback-text"],
+)
+def test_streamed_equals_unstreamed(plan: ToolPlan, text: str, content: str, reason: str) -> None:
+    sent, calls, final = stream(plan, text)
+    assert (sent, final) == (content, reason)
+    message, unstreamed_reason = tool_message(plan, out(text, "stop"))
+    assert unstreamed_reason == reason
+    got = [
+        (c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])
+    ]
+    assert [(c["name"], c["arguments"]) for c in calls] == got
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        ToolPlan("auto", parser=HermesToolParser()),
+        ToolPlan("auto", parser=Llama3JsonToolParser()),
+        ToolPlan("auto", parser=MistralToolParser()),
+        ToolPlan("auto", parser=FallbackToolParser()),
+        ToolPlan("required", parser=RequiredCallsParser()),
+        ToolPlan("named", named="add"),
+    ],
+    ids=["hermes", "llama3_json", "mistral", "fallback", "required", "named"],
+)
+@pytest.mark.parametrize("text", [HERMES, LLAMA3, REQUIRED, MISTRAL, FALLBACK_CALL, FALLBACK_TEXT])
+def test_a_reply_cut_anywhere_has_the_same_shape_streamed_and_not(
+    plan: ToolPlan, text: str
+) -> None:
+    """Cut by max_tokens at every length: the stream's content and calls are the unstreamed
+    message's, and both finish with "length"."""
+    for end in range(1, len(text) + 1):
+        cut = text[:end]
+        sent, calls, reason = stream(plan, cut, reason="length")
+        message, final = tool_message(plan, out(cut, "length"))
+        assert reason == final == "length"
+        assert (message["content"] or "") == sent, (cut, message)
+        got = [
+            (c["function"]["name"], c["function"]["arguments"])
+            for c in message.get("tool_calls", [])
+        ]
+        assert [(c["name"], c["arguments"]) for c in calls] == got, cut
+
+
+def _jinja(template: str):  # type: ignore[no-untyped-def]
+    import jinja2
+
+    compiled = jinja2.Environment().from_string(template)
+    return lambda messages, tools=None, **kw: compiled.render(messages=messages, tools=tools)
+
+
+@pytest.mark.parametrize(
+    ("template", "parser"),
+    [
+        ("{% for m in messages %}{{ m.content }}{% endfor %}", "fallback"),
+        ("{% if tools %}<tool_call>{% endif %}{{ messages[0].content }}", "hermes"),
+        ("{% if tools %}[TOOL_CALLS]{% endif %}{{ messages[0].content }}", "mistral"),
+        ("{% if tools %}<|python_tag|>{% endif %}{{ messages[0].content }}", "llama3_json"),
+        ("{% if tools %}{{ tools | tojson }}{% endif %}{{ messages[0].content }}", "fallback"),
+        # Names a format but never renders the tools: the model would not see them.
+        ("<tool_call>{{ messages[0].content }}", "fallback"),
+    ],
+)
+def test_the_format_is_read_from_the_template(
+    template: str, parser: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    from pagedllm.entrypoints.openai.tool_auto import detect_auto_tools
+
+    with caplog.at_level("INFO"):
+        assert detect_auto_tools(template, _jinja(template), None).parser == parser
+    assert len(caplog.records) == 1 and parser in caplog.records[0].getMessage()
+    assert detect_auto_tools(template, _jinja(template), "llama3_json").parser == "llama3_json"

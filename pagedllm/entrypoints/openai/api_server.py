@@ -53,7 +53,7 @@ class ServerSettings:
     chat_template: str | None = None  # the template text (already loaded from a file)
     max_body_bytes: int = 32 << 20
     max_logprobs: int = 20
-    tool_call_parser: str | None = None  # "hermes" | "llama3_json": tool_choice "auto" on
+    tool_call_parser: str | None = None  # tool_choice "auto"'s format; None: from the template
     shutdown_timeout: float = 30.0
     disable_docs: bool = False
     # Connection limits: idle keep-alive connections, and clients that stall while sending a

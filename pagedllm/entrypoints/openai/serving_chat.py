@@ -27,6 +27,7 @@ from pagedllm.entrypoints.openai.serving_tools import (
     tool_message,
 )
 from pagedllm.entrypoints.openai.sse import DONE, EventStreamResponse, sse_event
+from pagedllm.entrypoints.openai.tool_auto import detect_auto_tools, with_system_text
 from pagedllm.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -97,8 +98,12 @@ def _constraint(
     if plan.guided is None:
         return guided, guided_param
     if guided is not None:
+        why = ""
+        if plan.mode == "auto":
+            why = " here: the chat template cannot render tools, so 'auto' constrains the reply"
+        choice = "auto" if req.tool_choice is None else req.tool_choice
         raise APIError(
-            f"{guided_param}: cannot be combined with tool_choice {req.tool_choice!r}",
+            f"{guided_param}: cannot be combined with tool_choice {choice!r}{why}",
             param=guided_param,
         )
     return plan.guided, "tools"
@@ -119,7 +124,25 @@ class OpenAIServingChat(ServingBase):
     ) -> None:
         super().__init__(engine, model, max_logprobs=max_logprobs, **kwargs)
         self.chat_template = chat_template
-        self.tool_call_parser = tool_call_parser
+        self.auto_tools = detect_auto_tools(self._template(), self._render_text, tool_call_parser)
+
+    def _template(self) -> str | None:
+        return self.chat_template or getattr(self.tokenizer, "chat_template", None)
+
+    def _render_text(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> str:
+        """The chat template applied to message dicts (``tools`` passed only when given)."""
+        return self.tokenizer.apply_chat_template(
+            messages,
+            chat_template=self._template(),
+            tokenize=False,
+            **({"tools": tools} if tools else {}),
+            **kwargs,
+        )
 
     def render(
         self,
@@ -129,13 +152,14 @@ class OpenAIServingChat(ServingBase):
         continue_final_message: bool = False,
         template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        system_text: str | None = None,
     ) -> PromptInput:
-        """The conversation as prompt text and token ids, via the chat template."""
+        """The conversation as prompt text and token ids, via the chat template;
+        ``system_text`` goes first in the system message (the tool fallback's description)."""
         if not messages:
             raise APIError("messages: must not be empty", param="messages")
         self.limits.check_chars(sum(_chars(m.content) for m in messages), "messages")
-        template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
-        if not template:
+        if not self._template():
             raise APIError(
                 "this model has no chat template; start the server with --chat-template "
                 "(a file or a Jinja string) or use /v1/completions",
@@ -143,13 +167,14 @@ class OpenAIServingChat(ServingBase):
                 code="chat_template_missing",
             )
         try:
-            text = self.tokenizer.apply_chat_template(
-                message_dicts(messages),
-                chat_template=template,
-                tokenize=False,
+            dicts = message_dicts(messages)
+            if system_text:
+                dicts = with_system_text(dicts, system_text)
+            text = self._render_text(
+                dicts,
+                tools,
                 add_generation_prompt=add_generation_prompt and not continue_final_message,
                 continue_final_message=continue_final_message,
-                **({"tools": tools} if tools else {}),
                 **(template_kwargs or {}),
             )
         except APIError:
@@ -164,7 +189,7 @@ class OpenAIServingChat(ServingBase):
         self, req: ChatCompletionRequest, raw_request: Request | None
     ) -> dict[str, Any] | EventStreamResponse:
         lora = self.check_model(req.model)
-        plan = plan_tools(req, self.tool_call_parser)
+        plan = plan_tools(req, self.auto_tools)
         guided, guided_param = _constraint(req, plan)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs: requires logprobs to be true", param="top_logprobs")
@@ -176,6 +201,7 @@ class OpenAIServingChat(ServingBase):
             continue_final_message=req.continue_final_message,
             template_kwargs=req.chat_template_kwargs,
             tools=plan.tools,
+            system_text=plan.system_text,
         )
         self.check_prompt_fits(len(prompt.token_ids))
         params = self.sampling_params(

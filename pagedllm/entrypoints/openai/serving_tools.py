@@ -2,8 +2,10 @@
 
 ``tool_choice`` decides how calls are produced:
 - ``"none"``: tools are not shown to the model; a plain reply.
-- ``"auto"``: tools are rendered by the chat template; the reply is parsed by the server's
-  ``--tool-call-parser`` and carries ``tool_calls`` if it made any.
+- ``"auto"`` (the default with tools): tools are rendered by the chat template and the reply is
+  parsed in the format the template names (or ``--tool-call-parser``); a template that cannot
+  render tools gets the JSON-constrained fallback of ``tool_auto`` (the tools described in a
+  system message, the reply a call or an answer).
 - ``"required"``: constrained decoding to a JSON array of ``{"name", "arguments"}`` objects, one
   schema per tool (``parallel_tool_calls: false`` allows one call).
 - a named function: constrained decoding to that function's ``parameters`` schema; the whole reply
@@ -12,6 +14,8 @@
 Streamed, every call's arguments go out as they are generated, in OpenAI's (and vLLM's) shape: the
 first delta of a call carries its ``index``, ``id``, ``type`` and ``function.name`` (with the
 arguments so far, possibly ``""``), later ones only ``index`` and ``function.arguments``.
+A reply cut short (``max_tokens``) keeps that shape unstreamed too: the calls begun, with their
+arguments so far, and the finish reason ``length``.
 """
 
 from __future__ import annotations
@@ -27,8 +31,13 @@ from typing import Any
 from pagedllm.core.guided_params import GuidedDecodingParams
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+from pagedllm.entrypoints.openai.tool_auto import (
+    AutoTools,
+    FallbackToolParser,
+    fallback_prompt,
+    fallback_schema,
+)
 from pagedllm.entrypoints.openai.tool_parsers import (
-    TOOL_PARSERS,
     ParsedCall,
     PartialCall,
     RequiredCallsParser,
@@ -55,6 +64,7 @@ class ToolPlan:
     named: str | None = None
     guided: GuidedDecodingParams | None = None
     parser: ToolParser | None = None  # "auto": the server's format; "required": the JSON array
+    system_text: str | None = None  # the fallback: the tools described for the model
 
     @property
     def active(self) -> bool:
@@ -101,8 +111,9 @@ def _required_schema(schemas: dict[str, dict[str, Any]], parallel: bool) -> dict
     return schema
 
 
-def plan_tools(req: ChatCompletionRequest, parser_name: str | None) -> ToolPlan:
-    """What the request's tools and tool_choice ask for, checked (400 naming the parameter)."""
+def plan_tools(req: ChatCompletionRequest, auto: AutoTools) -> ToolPlan:
+    """What the request's tools and tool_choice ask for, checked (400 naming the parameter);
+    ``auto`` is the server's format for "auto" calls (a parser, or the fallback)."""
     choice = req.tool_choice
     if not req.tools:
         if choice not in (None, "none"):
@@ -114,14 +125,14 @@ def plan_tools(req: ChatCompletionRequest, parser_name: str | None) -> ToolPlan:
     if choice == "none":
         return ToolPlan("none")
     plan = ToolPlan("auto", tools=list(req.tools), schemas=schemas)
+    if auto.fallback:  # the template cannot show the tools: a system message does
+        plan.tools, plan.system_text = None, fallback_prompt(req.tools, choice == "auto")
     if choice == "auto":
-        if parser_name is None:
-            raise APIError(
-                "tool_choice: 'auto' needs the server started with --tool-call-parser "
-                f"({' or '.join(TOOL_PARSERS)}); 'required' and a named function work without it",
-                param="tool_choice",
-            )
-        plan.parser = get_tool_parser(parser_name)
+        if auto.fallback:
+            plan.parser = FallbackToolParser()
+            plan.guided = GuidedDecodingParams(json=fallback_schema(schemas))
+        else:
+            plan.parser = get_tool_parser(auto.parser)
         return plan
     if choice == "required":
         plan.mode, plan.parser = "required", RequiredCallsParser()
@@ -171,21 +182,52 @@ def _calls_of(plan: ToolPlan, text: str) -> tuple[str | None, list[ParsedCall]]:
     return plan.parser.parse(text)
 
 
+def _content(parser: ToolParser, text: str, finished: bool, calls_begun: bool) -> str:
+    """The content of ``text`` as a stream sends it: the parser's, or the text up to its
+    ``content_prefix`` (all of it once finished with no call begun, unless the reply is
+    constrained JSON: "required" cut before a call's name is complete says nothing)."""
+    content = parser.streamed_content(text, finished)
+    if content is not None:
+        return content
+    if finished and not calls_begun and parser.TEXT_IS_CONTENT:
+        return text
+    return text[: parser.content_prefix(text)]
+
+
+def _cut_message(plan: ToolPlan, c: CompletionOutput) -> dict[str, Any]:
+    """A reply cut short, as its stream ends: the calls begun with their arguments so far."""
+    if plan.mode == "named":
+        assert plan.named is not None
+        calls = [PartialCall(plan.named, c.text, False)]
+        content = None
+    else:
+        assert plan.parser is not None
+        calls = []
+        for call in plan.parser.partial_calls(c.text):
+            if call.name is None:
+                break
+            calls.append(call)
+        content = _content(plan.parser, c.text, True, bool(calls))
+        if not content and (calls or not plan.parser.TEXT_IS_CONTENT):
+            content = None
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [_call_dict(call.name or "", call.arguments) for call in calls]
+    return message
+
+
+def _call_dict(name: str, arguments: str) -> dict[str, Any]:
+    return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
 def tool_message(plan: ToolPlan, c: CompletionOutput) -> tuple[dict[str, Any], str | None]:
     """The assistant message of a finished choice, and its finish_reason."""
-    if c.finish_reason != "stop":  # cut short: arguments would not parse; report the text
-        return {"role": "assistant", "content": c.text}, c.finish_reason
+    if c.finish_reason != "stop":  # cut short: what was begun, as the stream would end it
+        return _cut_message(plan, c), c.finish_reason
     content, calls = _calls_of(plan, c.text)
     if not calls:
         return {"role": "assistant", "content": content}, c.finish_reason
-    tool_calls = [
-        {
-            "id": call_id(),
-            "type": "function",
-            "function": {"name": call.name, "arguments": call.arguments},
-        }
-        for call in calls
-    ]
+    tool_calls = [_call_dict(call.name, call.arguments) for call in calls]
     return {"role": "assistant", "content": content, "tool_calls": tool_calls}, "tool_calls"
 
 
@@ -217,20 +259,13 @@ class ToolStreamer:
             reason = None
         else:
             calls, reason = self._finish(c)
-        end = self._content_end(c)
-        if end > self._sent:
-            delta["content"], self._sent = text[self._sent : end], end
+        finished = c.finish_reason is not None
+        content = _content(parser, text, finished, bool(self._args_sent))
+        if len(content) > self._sent:
+            delta["content"], self._sent = content[self._sent :], len(content)
         if calls:
             delta["tool_calls"] = calls
         return (delta or None), reason
-
-    def _content_end(self, c: CompletionOutput) -> int:
-        """How far the text is content: what the parser calls certain; at the end, all of it
-        when no call was found or begun (``_finish`` has run)."""
-        assert self.plan.parser is not None
-        if c.finish_reason is not None and not self._args_sent:
-            return len(c.text)
-        return max(self._sent, self.plan.parser.content_prefix(c.text))
 
     def _advance(self, calls: list[PartialCall]) -> list[dict[str, Any]]:
         """Deltas for the calls begun so far: a new call's head, new argument text."""

@@ -4,6 +4,7 @@
   blocks, possibly several, possibly after some prose.
 - ``llama3_json`` (Llama 3.1+): the whole reply is ``{"name": ..., "parameters": {...}}`` (or
   ``"arguments"``), several separated by ``;``, optionally after ``<|python_tag|>``.
+- ``mistral``: ``[TOOL_CALLS]`` and a JSON array of ``{"name", "arguments"}`` objects.
 - ``RequiredCallsParser`` (not a ``--tool-call-parser``): the JSON array of
   ``{"name", "arguments"}`` objects that ``tool_choice: "required"`` constrains the reply to.
 
@@ -174,6 +175,8 @@ def _finished(text: str, pos: int, args_keys: tuple[str, ...]) -> tuple[ParsedCa
 
 class ToolParser:
     name = ""
+    #: Whether a reply with no call is content (False where the reply is constrained JSON).
+    TEXT_IS_CONTENT = True
     ARGS_KEYS: tuple[str, ...] = ("arguments", "parameters")
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
@@ -184,6 +187,23 @@ class ToolParser:
 
     def partial_calls(self, text: str) -> list[PartialCall]:
         raise NotImplementedError
+
+    def streamed_content(self, text: str, finished: bool) -> str | None:
+        """Content that is not a prefix of the text (a JSON-wrapped answer); None: the text up
+        to ``content_prefix`` is the content."""
+        return None
+
+
+def _before_marker(text: str, marker: str) -> int:
+    """How far the text is certainly content: up to ``marker``, holding back a tail that could
+    be its beginning."""
+    start = text.find(marker)
+    if start >= 0:
+        return start
+    for keep in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-keep:]):
+            return len(text) - keep
+    return len(text)
 
 
 class HermesToolParser(ToolParser):
@@ -206,14 +226,7 @@ class HermesToolParser(ToolParser):
         return (content or None), calls
 
     def content_prefix(self, text: str) -> int:
-        start = text.find(self.START)
-        if start >= 0:
-            return start
-        # Hold back a tail that could be the beginning of the marker.
-        for keep in range(min(len(self.START) - 1, len(text)), 0, -1):
-            if self.START.startswith(text[-keep:]):
-                return len(text) - keep
-        return len(text)
+        return _before_marker(text, self.START)
 
     def partial_calls(self, text: str) -> list[PartialCall]:
         calls: list[PartialCall] = []
@@ -286,6 +299,7 @@ class RequiredCallsParser(ToolParser):
 
     name = "required"
     ARGS_KEYS = ("arguments",)
+    TEXT_IS_CONTENT = False
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         pos = _skip_ws(text, 0)
@@ -326,10 +340,37 @@ class RequiredCallsParser(ToolParser):
         return calls
 
 
+class MistralToolParser(RequiredCallsParser):
+    """Mistral: ``[TOOL_CALLS]`` then a JSON array of ``{"name", "arguments"}`` objects, possibly
+    after some prose."""
+
+    name = "mistral"
+    MARKER = "[TOOL_CALLS]"
+    TEXT_IS_CONTENT = True
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        start = text.find(self.MARKER)
+        if start < 0:
+            return text, []
+        _, calls = super().parse(text[start + len(self.MARKER) :])
+        if not calls:
+            return text, []
+        return (text[:start].strip() or None), calls
+
+    def content_prefix(self, text: str) -> int:
+        return _before_marker(text, self.MARKER)
+
+    def partial_calls(self, text: str) -> list[PartialCall]:
+        start = text.find(self.MARKER)
+        if start < 0:
+            return []
+        return super().partial_calls(text[start + len(self.MARKER) :])
+
+
 #: The ``--tool-call-parser`` formats by the name each declares, in the order help texts list
 #: them: the CLI's choices and every message naming them come from here.
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesToolParser, Llama3JsonToolParser)
+    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)
 }
 
 
