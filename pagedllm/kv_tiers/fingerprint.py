@@ -3,7 +3,7 @@
 A block file holds keys and values as one model computed them, so it may only be read by the
 same model under the same settings. The fingerprint hashes everything the contents depend on:
 
-* the weights, by content: a BLAKE2b of every byte of each checkpoint file (a GGUF file, or a
+* the weights, by content: a SHA-256 of every byte of each checkpoint file (a GGUF file, or a
   folder's ``*.safetensors``/``*.bin``/``*.pt`` files). Sampling a few windows was cheaper but
   let a same-sized file with changed weights (a re-quantised or fine-tuned file of the same
   shapes, copied over the old one) keep its fingerprint, and the tier served the old model's
@@ -76,10 +76,10 @@ def _digest_of(path: Path, hashes: HashCache, stop: threading.Event | None) -> s
 def weights_identity(
     model: str, hashes: HashCache, stop: threading.Event | None = None
 ) -> list[dict[str, Any]]:
-    """Size and full BLAKE2b of each checkpoint file, plus the folder's config files."""
+    """Size and SHA-256 of every byte of each checkpoint file, plus the folder's config files."""
     path = Path(model)
     out: list[dict[str, Any]] = [
-        {"name": p.name, "size": p.stat().st_size, "blake2b": _digest_of(p, hashes, stop)}
+        {"name": p.name, "size": p.stat().st_size, "sha256": _digest_of(p, hashes, stop)}
         for p in weight_files(model)
     ]
     if path.is_dir():
@@ -94,7 +94,7 @@ def tokenizer_identity(
 ) -> list[dict[str, str]]:
     path = Path(tokenizer)
     if path.is_file():  # a GGUF file carries its tokenizer (hashed once, as weights)
-        return [{"name": path.name, "blake2b": _digest_of(path, hashes, stop)}]
+        return [{"name": path.name, "sha256": _digest_of(path, hashes, stop)}]
     return [
         {"name": name, "content": _content_hash(path / name)}
         for name in _TOKENIZER_FILES

@@ -1,8 +1,9 @@
 """Full-content digests of checkpoint files, remembered by the file's identity.
 
 Hashing every byte of a checkpoint costs about a second per GB (see docs/serving.md), too much
-for every start, so a digest is kept in a small JSON file under the KV cache folder keyed by
-the file's identity: device, inode, size, modification time and change time (nanoseconds).
+for every start, so a digest is kept in a small JSON file (``weights-sha256.json``) under the
+KV cache folder, keyed by the file's identity: device, inode, size, modification time and
+change time (nanoseconds).
 
 Why these: a file replaced by a copy or a rename gets a new inode; one rewritten in place gets
 a new size or modification time, and even when both are put back (``os.utime``) the change
@@ -26,7 +27,7 @@ from pathlib import Path
 
 from pagedllm.kv_tiers.files import NotARegularFile, read_regular
 
-CACHE_NAME = "weights-blake2b.json"
+CACHE_NAME = "weights-sha256.json"
 CHUNK = 8 << 20  # hashlib releases the GIL while hashing a buffer this size
 MAX_ENTRIES = 256
 _MAX_CACHE_BYTES = 1 << 20
@@ -46,8 +47,9 @@ def identity(path: Path) -> str:
 
 
 def file_digest(path: Path, stop: threading.Event | None = None) -> str:
-    """BLAKE2b (16 bytes) of every byte of ``path``, streamed in chunks."""
-    h = hashlib.blake2b(digest_size=16)
+    """SHA-256 of every byte of ``path``, streamed in chunks (SHA-256 over BLAKE2b: with the
+    SHA extensions of current x86 and Arm processors it hashes about twice as fast)."""
+    h = hashlib.sha256()
     buf = bytearray(CHUNK)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
@@ -61,7 +63,7 @@ def file_digest(path: Path, stop: threading.Event | None = None) -> str:
 
 
 class HashCache:
-    """Digests by identity in ``folder/weights-blake2b.json`` (in memory only when ``folder`` is
+    """Digests by identity in ``folder/weights-sha256.json`` (in memory only when ``folder`` is
     None or cannot be written: then every start hashes again)."""
 
     def __init__(self, folder: str | Path | None) -> None:
