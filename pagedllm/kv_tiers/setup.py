@@ -120,7 +120,7 @@ def _attach_when_hashed(
         disk = make_disk(store.closing)
     except HashingStopped:
         return
-    except OSError as exc:
+    except Exception as exc:  # a background thread: say why, once; serving goes on
         logger.warning("disk KV tier: hashing the weights failed (%s); off", exc)
         return
     if disk is not None and store.attach_disk(disk):
