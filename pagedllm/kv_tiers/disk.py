@@ -34,6 +34,13 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+from pagedllm.kv_tiers.files import (
+    FileTooLarge,
+    NotARegularFile,
+    check_regular,
+    open_regular,
+    read_regular,
+)
 from pagedllm.kv_tiers.fingerprint import FORMAT_VERSION, Fingerprint
 
 logger = logging.getLogger(__name__)
@@ -43,6 +50,8 @@ _PREAMBLE = struct.Struct("<8sII")
 SUFFIX = ".kvb"
 META = "meta.json"
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+_MAX_META_BYTES = 1 << 20
+_MAX_HEADER_BYTES = 1 << 16
 
 
 def key_name(key: int) -> str:
@@ -97,6 +106,15 @@ class DiskTier:
             self._warned.add(what)
             logger.warning(message, *args)
 
+    def _disable(self, exc: OSError) -> None:
+        """Turn the tier off for good: a file in the folder is not what this engine writes (a
+        FIFO, a device, a symlink), so nothing there is trusted. One log line."""
+        self._warn_once("irregular", "kv_cache_dir: %s; disk tier off", exc)
+        with self._lock:
+            self.readable = self.writable = False
+            self._index.clear()
+            self.used_bytes = 0
+
     def _open(self) -> None:
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -104,6 +122,9 @@ class DiskTier:
                 return
             self.readable = True
             self._scan()
+        except (NotARegularFile, FileTooLarge) as exc:
+            self._disable(exc)
+            return
         except OSError as exc:
             self._warn_once(
                 "open", "kv_cache_dir: cannot use %s (%s); disk tier off", self.root, exc
@@ -133,12 +154,14 @@ class DiskTier:
     def _meta_matches(self) -> bool:
         """The folder's meta.json is this fingerprint's (written when new)."""
         meta = self.folder / META
-        if not meta.exists():
+        if not os.path.lexists(meta):
             with contextlib.suppress(OSError):  # a read-only folder keeps no meta; still fine
                 self._atomic_write(meta, json.dumps(self.fingerprint.fields, indent=1).encode())
             return True
         try:
-            fields = json.loads(meta.read_text())
+            fields = json.loads(read_regular(meta, _MAX_META_BYTES))
+        except (NotARegularFile, FileTooLarge):
+            raise  # the tier goes off, saying what the file is
         except (OSError, ValueError):
             fields = None
         mine = {k: v for k, v in self.fingerprint.fields.items() if k != "model_path"}
@@ -177,8 +200,15 @@ class DiskTier:
                 continue
             try:
                 key = int(path.name[: -len(SUFFIX)], 16)
-                st = path.stat()
-            except (ValueError, OSError):
+            except ValueError:
+                continue
+            try:
+                st = check_regular(path, self._max_file_bytes)
+            except FileTooLarge:
+                st = os.lstat(path)  # a damaged block: deleted when read
+            except NotARegularFile:
+                raise  # a FIFO, device or symlink among the blocks: the tier goes off
+            except OSError:
                 continue
             found.append((st.st_mtime, key, st.st_size))
         for _, key, size in sorted(found):
@@ -191,6 +221,10 @@ class DiskTier:
             return [p for p in self.root.iterdir() if p != self.folder and (p / META).is_file()]
         except OSError:
             return []
+
+    @property
+    def _max_file_bytes(self) -> int:
+        return _PREAMBLE.size + _MAX_HEADER_BYTES + self.payload_nbytes
 
     # -- index -------------------------------------------------------------------------------------
     def path_of(self, key: int) -> Path:
@@ -270,12 +304,20 @@ class DiskTier:
 
     def read_into(self, key: int, out: memoryview) -> bool:
         """Fill ``out`` with the block's payload; False (and the file deleted) unless intact."""
+        if not self.readable:
+            return False
         path = self.path_of(key)
         try:
-            with open(path, "rb") as f:
+            fd, _ = open_regular(path, self._max_file_bytes)
+            with open(fd, "rb", closefd=True) as f:
                 ok = self._read_checked(f, key, out)
         except FileNotFoundError:
             ok = None
+        except NotARegularFile as exc:
+            self._disable(exc)
+            return False
+        except FileTooLarge:
+            ok = False
         except OSError as exc:
             self._warn_once(f"read{exc.errno}", "kv_cache_dir: reading a block failed: %s", exc)
             ok = False
@@ -303,7 +345,7 @@ class DiskTier:
         if len(pre) != _PREAMBLE.size:
             return False
         magic, hlen, hcrc = _PREAMBLE.unpack(pre)
-        if magic != MAGIC or hlen > 1 << 16:
+        if magic != MAGIC or hlen > _MAX_HEADER_BYTES:
             return False
         raw = f.read(hlen)
         if len(raw) != hlen or zlib.crc32(raw) != hcrc:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm.kv_tiers.disk import META, SUFFIX
+from pagedllm.kv_tiers.files import read_regular
 
 _NAME = re.compile(r"^[0-9a-f]{32}$")
 
@@ -42,8 +43,8 @@ def cache_folders(root: str | Path) -> list[CacheFolder]:
         if not (_NAME.match(path.name) and (path / META).is_file()):
             continue
         try:
-            meta = json.loads((path / META).read_text())
-        except (OSError, ValueError):
+            meta = json.loads(read_regular(path / META, 1 << 20))
+        except (OSError, ValueError):  # a FIFO or device as meta.json too: listed, never read
             meta = {}
         blocks = size = 0
         newest = None

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import math
+import os
+import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
 from pagedllm.kv_tiers.disk import DiskTier
-from pagedllm.kv_tiers.fingerprint import compute_fingerprint
+from pagedllm.kv_tiers.fingerprint import compute_fingerprint, unhashed_bytes
+from pagedllm.kv_tiers.hashes import HashCache, HashingStopped
 from pagedllm.kv_tiers.host import HostSlab
 from pagedllm.kv_tiers.store import TieredBlockStore
 
@@ -23,6 +29,9 @@ logger = logging.getLogger(__name__)
 # max_model_len, at most this many bytes (pages are touched only when used).
 STAGING_MAX_BYTES = 512 << 20
 STAGING_MIN_SLOTS = 16
+# Weights not hashed before, up to this many bytes, are hashed before the tier opens (about a
+# second per GB); more are hashed in the background, the disk tier off until they are.
+SYNC_HASH_BYTES = 2 << 30
 
 
 def block_layout(spec: CacheSpec, attention: AttentionBackend) -> dict[str, object]:
@@ -66,34 +75,25 @@ def open_store(
         )
     offload = cache.kv_offload_bytes(host_tier=host_tier)
     nbytes = payload_nbytes(spec, attention)
-    disk = None
+    disk, pending = None, None
     if cache.kv_cache_dir is not None:
-        fingerprint = compute_fingerprint(
-            model=config.model.model,
-            tokenizer=config.model.tokenizer,
-            settings={
-                "dtype": str(compute_dtype).removeprefix("torch."),
-                "kv_cache_dtype": str(spec.dtype).removeprefix("torch."),
-                "quantization": config.model.quantization,
-                "block_size": spec.block_size,
-                "num_layers": spec.num_layers,
-                "num_kv_heads": spec.num_kv_heads,
-                "head_size": spec.head_size,
-                "device": backend.name,
-                "tp_rank": rank,
-                "tp_size": config.parallel.tensor_parallel_size,
-            },
+        make_disk = functools.partial(
+            _disk_tier, config, spec, attention, backend, compute_dtype, rank, nbytes
         )
-        disk = DiskTier(
-            cache.kv_cache_dir,
-            fingerprint,
-            capacity_bytes=cache.kv_disk_bytes,
-            payload_nbytes=nbytes,
-            layout=block_layout(spec, attention),
-        )
-        if not disk.readable:
-            disk = None
-    if disk is None and offload == 0:
+        with contextlib.suppress(OSError):  # else DiskTier says why, once
+            os.makedirs(cache.kv_cache_dir, exist_ok=True)
+        hashes = HashCache(cache.kv_cache_dir)
+        unknown = unhashed_bytes(config.model.model, hashes)
+        if unknown <= SYNC_HASH_BYTES:
+            disk = make_disk(hashes, None)
+        else:
+            logger.warning(
+                "disk KV tier: off until the weights are hashed (%.1f GB not seen before, hashed "
+                "in the background once; the fingerprint covers every byte)",
+                unknown / 1e9,
+            )
+            pending = functools.partial(make_disk, hashes)
+    if disk is None and offload == 0 and pending is None:
         logger.warning("lower KV tiers: neither a usable disk folder nor host memory; off")
         return None
     slots = slab_slots(config, nbytes, offload)
@@ -103,6 +103,67 @@ def open_store(
         "tier" if offload else "staging",
         slots,
         nbytes >> 10,
-        disk.folder if disk is not None else "off",
+        disk.folder if disk is not None else "hashing" if pending is not None else "off",
     )
-    return TieredBlockStore(slab, disk, keep_saved=offload > 0)
+    store = TieredBlockStore(slab, disk, keep_saved=offload > 0)
+    if pending is not None:
+        threading.Thread(
+            target=_attach_when_hashed, args=(store, pending), name="kv-tier-hash", daemon=True
+        ).start()
+    return store
+
+
+def _attach_when_hashed(
+    store: TieredBlockStore, make_disk: Callable[[threading.Event], DiskTier | None]
+) -> None:
+    try:
+        disk = make_disk(store.closing)
+    except HashingStopped:
+        return
+    except Exception as exc:  # a background thread: say why, once; serving goes on
+        logger.warning("disk KV tier: hashing the weights failed (%s); off", exc)
+        return
+    if disk is not None and store.attach_disk(disk):
+        logger.info("disk KV tier: weights hashed; on (%s)", disk.folder)
+
+
+def _disk_tier(
+    config: EngineConfig,
+    spec: CacheSpec,
+    attention: AttentionBackend,
+    backend: DeviceBackend,
+    compute_dtype: torch.dtype,
+    rank: int,
+    nbytes: int,
+    hashes: HashCache,
+    stop: threading.Event | None,
+) -> DiskTier | None:
+    """The disk tier of this model's fingerprint (hashing what ``hashes`` does not know), or
+    None when its folder cannot be read."""
+    cache = config.cache
+    fingerprint = compute_fingerprint(
+        model=config.model.model,
+        tokenizer=config.model.tokenizer,
+        settings={
+            "dtype": str(compute_dtype).removeprefix("torch."),
+            "kv_cache_dtype": str(spec.dtype).removeprefix("torch."),
+            "quantization": config.model.quantization,
+            "block_size": spec.block_size,
+            "num_layers": spec.num_layers,
+            "num_kv_heads": spec.num_kv_heads,
+            "head_size": spec.head_size,
+            "device": backend.name,
+            "tp_rank": rank,
+            "tp_size": config.parallel.tensor_parallel_size,
+        },
+        hashes=hashes,
+        stop=stop,
+    )
+    disk = DiskTier(
+        cache.kv_cache_dir,  # type: ignore[arg-type]
+        fingerprint,
+        capacity_bytes=cache.kv_disk_bytes,
+        payload_nbytes=nbytes,
+        layout=block_layout(spec, attention),
+    )
+    return disk if disk.readable else None

@@ -64,6 +64,7 @@ class TieredBlockStore:
         self.keep_saved = keep_saved  # the slab is a host tier (GPU/XPU), not only staging
         self.clock = clock
         self.counters = TierCounters()
+        self.closing = threading.Event()  # stops a background hash of the weights, too
         self._lock = threading.Lock()
         self._writing: set[int] = set()
         self._applied = (0, 0)  # last transfer step whose saves / loads ran
@@ -77,6 +78,16 @@ class TieredBlockStore:
         ]
         for t in self._threads:
             t.start()
+
+    def attach_disk(self, disk: DiskTier) -> bool:
+        """Switch the disk tier on once its fingerprint is known (a background hash of the
+        weights); False when the store is closing. ``self.disk`` only ever goes from None to a
+        tier, so the threads that read it without the lock see one or the other, both sound."""
+        with self._lock:
+            if self.closing.is_set() or not disk.readable:
+                return False
+            self.disk = disk
+        return True
 
     # -- the block manager's side (core.prefix_tier.PrefixTier) -----------------------------------
     def probe(self, keys: list[int]) -> TierProbe:
@@ -339,6 +350,8 @@ class TieredBlockStore:
 
     def close(self, timeout: float = 60.0) -> None:
         """Finish queued writes (so the disk keeps them), then stop the threads."""
+        with self._lock:
+            self.closing.set()
         if not self.drain(timeout):
             logger.warning("kv tiers: writes still queued after %.0f s; dropped", timeout)
         for q in (self._writes, self._reads):

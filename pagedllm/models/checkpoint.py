@@ -16,7 +16,11 @@ from torch import nn
 
 from pagedllm.layers.linear import default_weight_loader
 from pagedllm.models.checkpoint_kv_scales import load_kv_scale
-from pagedllm.models.safetensors_reader import CheckpointError, read_safetensors
+from pagedllm.models.safetensors_reader import (
+    CheckpointError,
+    check_safetensors,
+    read_safetensors,
+)
 
 __all__ = ["CheckpointError", "WeightMapper", "iterate_weights", "load_mapped_weights"]
 
@@ -93,6 +97,7 @@ def _iterate_lazy(path: Path) -> Iterator[tuple[str, LazyTensor]]:
     from safetensors import SafetensorError
     from safetensors.torch import safe_open
 
+    check_safetensors(path)
     try:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
@@ -127,6 +132,17 @@ class WeightMapper:
                 parts[i] = new
                 return ".".join(parts), shard
         return name, None
+
+    def checkpoint_name(self, name: str, seen: list[str]) -> str:
+        """The checkpoint's spelling of parameter ``name`` (for messages): renames undone and
+        the prefix the checkpoint's other tensors carry put back."""
+        for old, new in self.renames.items():
+            name = name.replace(new, old)
+        counts = {p: sum(n.startswith(p) for n in seen) for p in self.strip_prefixes}
+        prefix = max(counts, key=counts.__getitem__, default="")
+        if prefix and counts[prefix] and not name.startswith("lm_head."):
+            name = prefix + name
+        return name
 
 
 def _reads_slices(loader: Any) -> bool:
@@ -189,6 +205,8 @@ def load_mapped_weights(
     """Copy checkpoint tensors into the model's parameters; every parameter must be covered."""
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
+    shards: dict[str, set[Any]] = {}  # the parts of each parameter the checkpoint filled
+    seen: list[str] = []
     for ckpt_name, tensor in weights:
         if load_kv_scale(model, mapper, ckpt_name, tensor):
             continue  # an fp8 KV-cache scale: an attribute of the attention layer
@@ -198,6 +216,8 @@ def load_mapped_weights(
         name, shard = mapped
         if skip_lm_head and name.startswith("lm_head."):
             continue
+        seen.append(ckpt_name)
+        shards.setdefault(name, set()).add(shard)
         param = params.get(name)
         if param is None:
             raise CheckpointError(f"checkpoint tensor {ckpt_name!r} has no place in the model")
@@ -230,6 +250,30 @@ def load_mapped_weights(
     missing = {n for n in params if n not in loaded}
     if skip_lm_head:
         missing = {n for n in missing if not n.startswith("lm_head.")}
-    if missing:
-        raise CheckpointError(f"checkpoint lacks weights for: {sorted(missing)[:8]}")
+    lacking = [mapper.checkpoint_name(n, seen) for n in sorted(missing)]
+    lacking += _unfilled_parts(shards, mapper, seen)
+    if lacking:
+        more = f" and {len(lacking) - 8} more" if len(lacking) > 8 else ""
+        raise CheckpointError(f"checkpoint lacks weights for: {lacking[:8]}{more}")
     return loaded
+
+
+def _unfilled_parts(
+    shards: dict[str, set[Any]], mapper: WeightMapper, seen: list[str]
+) -> list[str]:
+    """The checkpoint tensors a fused parameter lacks (``k_proj`` of a ``qkv_proj`` whose
+    ``q_proj`` and ``v_proj`` were read): the part left unfilled would hold garbage."""
+    parts_of: dict[str, dict[int, str]] = {}
+    for old, (new, shard) in mapper.fused.items():
+        parts_of.setdefault(new, {})[shard] = old
+    out = []
+    for name, got in sorted(shards.items()):
+        if None in got or not all(isinstance(s, int) for s in got):
+            continue  # a whole tensor, or expert stacks (their own loader checks them)
+        fused = next((p for p in name.split(".") if p in parts_of), None)
+        if fused is None:
+            continue
+        for shard, old in sorted(parts_of[fused].items()):
+            if shard not in got:
+                out.append(mapper.checkpoint_name(name.replace(fused, old), seen))
+    return out

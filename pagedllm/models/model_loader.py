@@ -22,6 +22,7 @@ from pagedllm.layers.quantization import (
 from pagedllm.models.checkpoint import CheckpointError, iterate_weights
 from pagedllm.models.gguf.reader import gguf_path_of
 from pagedllm.models.gguf.weights import BlockDecoder
+from pagedllm.models.hf_config_checks import check_config_json, read_config_json
 from pagedllm.models.registry import resolve_model_class
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ def load_hf_config(model: str) -> Any:
         raise ValueError(f"model: {model!r} is not a local model folder")
     if not config_file.exists():
         raise CheckpointError(f"{config_file}: missing (every model folder needs config.json)")
+    check_config_json(config_file, read_config_json(config_file))
     from transformers import AutoConfig
 
     try:
@@ -162,7 +164,13 @@ def load_model(
     if quant is not None:  # quantised linear layers: see layers/quantization
         attach_quantization(module, quant)
         weights = quant.transform(weights)
-    loaded = module.load_weights(weights)
+    try:
+        loaded = module.load_weights(weights)
+    except CheckpointError as exc:
+        source = str(gguf_path if gguf_path is not None else model)
+        if source in str(exc):
+            raise
+        raise CheckpointError(f"{source}: {exc}") from exc  # which model lacks the tensor
     if quant is not None:
         logger.info(
             "%d linear layers quantised (%s)", finish_quantization(module), quant.describe()

@@ -52,8 +52,9 @@ def read_header(path: Path, f: Any, file_size: int) -> tuple[dict[str, Any], int
     (length,) = struct.unpack("<Q", raw)
     if length > min(_MAX_HEADER, file_size - 8):
         raise CheckpointError(
-            f"{path}: cannot read safetensors file (header length {length} does not fit in "
-            f"a {file_size}-byte file; truncated or not safetensors)"
+            f"{path}: header length {length} does not fit (expected at most "
+            f"{min(_MAX_HEADER, file_size - 8)} in a {file_size}-byte file; truncated or not "
+            "safetensors)"
         )
     try:
         header = json.loads(f.read(length))
@@ -68,22 +69,73 @@ def read_header(path: Path, f: Any, file_size: int) -> tuple[dict[str, Any], int
 def _entry(
     path: Path, name: str, info: Any, data_size: int
 ) -> tuple[torch.dtype, list[int], int, int]:
-    """Checked (dtype, shape, start, end) of one header entry."""
-    try:
-        dtype = SAFETENSORS_DTYPES[info["dtype"]]
-        shape = [int(d) for d in info["shape"]]
-        start, end = (int(o) for o in info["data_offsets"])
-    except (KeyError, TypeError, ValueError) as exc:
+    """Checked (dtype, shape, start, end) of one header entry; CheckpointError naming the
+    file, the tensor, what was expected and what was found."""
+    where = f"{path}: tensor {name!r}"
+    if not isinstance(info, dict):
+        raise CheckpointError(f"{where}: header entry is {info!r} (expected an object)")
+    dtype = SAFETENSORS_DTYPES.get(info.get("dtype"))  # type: ignore[arg-type]
+    if dtype is None:
         raise CheckpointError(
-            f"{path}: tensor {name!r} has an unusable header entry {info!r}"
-        ) from exc
+            f"{where}: dtype {info.get('dtype')!r} is unknown "
+            f"(expected one of {', '.join(SAFETENSORS_DTYPES)})"
+        )
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise CheckpointError(f"{where}: shape {shape!r} (expected a list of integers >= 0)")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))):
+        raise CheckpointError(
+            f"{where}: data_offsets {offsets!r} (expected [start, end], integers >= 0)"
+        )
+    start, end = offsets
+    if not start <= end <= data_size:
+        raise CheckpointError(
+            f"{where}: bytes [{start}, {end}) run past the {data_size} data bytes of the file "
+            "(expected start <= end <= data size; truncated file?)"
+        )
     expected = math.prod(shape) * dtype.itemsize
-    if not 0 <= start <= end <= data_size or end - start != expected:
+    if end - start != expected:
         raise CheckpointError(
-            f"{path}: tensor {name!r} bytes [{start}, {end}) do not hold shape {shape} of "
-            f"{info['dtype']} within {data_size} data bytes (truncated file?)"
+            f"{where}: shape {shape} of {info['dtype']} needs {expected} bytes, "
+            f"found [{start}, {end}) = {end - start}"
         )
     return dtype, shape, start, end
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def checked_entries(
+    path: Path, header: dict[str, Any], data_size: int
+) -> list[tuple[tuple[torch.dtype, list[int], int, int], str]]:
+    """Every header entry checked (:func:`_entry`), in file order, none overlapping another:
+    the whole header is judged before any tensor is allocated."""
+    entries = [(_entry(path, n, i, data_size), n) for n, i in header.items()]
+    entries.sort(key=lambda e: (e[0][2], e[0][3]))  # sequential reads
+    last: tuple[int, int, str] = (0, 0, "")  # the entry reaching furthest so far
+    for (_, _, start, end), name in entries:
+        if start < last[1] and end > start:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} bytes [{start}, {end}) overlap tensor {last[2]!r} "
+                f"bytes [{last[0]}, {last[1]}) (expected disjoint ranges)"
+            )
+        if end > last[1]:
+            last = (start, end, name)
+    return entries
+
+
+def check_safetensors(path: Path) -> None:
+    """Read and check one file's header alone (the lazy reader's files, before the library
+    opens them)."""
+    try:
+        with open(path, "rb", buffering=0) as f:
+            size = f.seek(0, 2)
+            f.seek(0)
+            header, base = read_header(path, f, size)
+            checked_entries(path, header, size - base)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read safetensors file ({exc})") from exc
 
 
 def read_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -93,8 +145,7 @@ def read_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
             size = f.seek(0, 2)
             f.seek(0)
             header, base = read_header(path, f, size)
-            entries = [(_entry(path, n, i, size - base), n) for n, i in header.items()]
-            entries.sort(key=lambda e: e[0][2])  # sequential reads
+            entries = checked_entries(path, header, size - base)
             for (dtype, shape, start, end), name in entries:
                 buf = torch.empty(end - start, dtype=torch.uint8)
                 f.seek(base + start)

@@ -17,7 +17,7 @@ SETTINGS = {"dtype": "float32", "kv_cache_dtype": "float32", "block_size": 16, "
 def model(tmp_path: Path) -> Path:
     folder = tmp_path / "model"
     folder.mkdir()
-    (folder / "model.safetensors").write_bytes(os.urandom(5 << 20))  # past the sampled parts
+    (folder / "model.safetensors").write_bytes(os.urandom(5 << 20))
     (folder / "config.json").write_text('{"rope_theta": 10000}')
     (folder / "tokenizer.json").write_text('{"vocab": {"a": 0}}')
     return folder
@@ -37,7 +37,16 @@ def test_same_model_same_digest_even_copied(model: Path, tmp_path: Path) -> None
 
 @pytest.mark.parametrize(
     "change",
-    ["dtype", "kv_cache_dtype", "block_size", "weights", "weights_middle", "config", "tokenizer"],
+    [
+        "dtype",
+        "kv_cache_dtype",
+        "block_size",
+        "weights",
+        "weights_middle",
+        "weights_between_windows",
+        "config",
+        "tokenizer",
+    ],
 )
 def test_anything_the_kv_depends_on_changes_it(model: Path, change: str) -> None:
     before = digest(model)
@@ -47,8 +56,10 @@ def test_anything_the_kv_depends_on_changes_it(model: Path, change: str) -> None
         if change.startswith("weights"):
             path = model / "model.safetensors"
             data = bytearray(path.read_bytes())
-            # The first window of the 16 spread over the file (past the first MiB).
-            at = 0 if change == "weights" else len(data) // 17 + 5
+            # The first byte, one in the middle, and one no sampled window would have held.
+            at = {"weights": 0, "weights_middle": len(data) // 2, "weights_between_windows": 0}[
+                change
+            ] or 8 * len(data) // 17 + (100 << 10)
             data[at] ^= 1
             path.write_bytes(bytes(data))
         elif change == "config":
