@@ -100,8 +100,15 @@ def _from_gguf(path: Path) -> dict[str, Any]:
     from pagedllm.models.gguf.loading import open_gguf
 
     gguf = open_gguf(path)
-    found = {name: gguf.metadata(key) for key, name in GGUF_KEYS.items() if gguf.has(key)}
+    found = {
+        name: _shortest(gguf.metadata(key)) for key, name in GGUF_KEYS.items() if gguf.has(key)
+    }
     return found or dict(LLAMA_CPP_DEFAULTS)
+
+
+def _shortest(value: Any) -> Any:
+    """GGUF stores float32: 0.95 reads back as 0.949999988; /v1/models should say 0.95."""
+    return float(f"{value:.7g}") if isinstance(value, float) else value
 
 
 def _from_generation_config(path: Path) -> dict[str, Any]:

@@ -83,9 +83,9 @@ def test_a_gguf_file_gives_its_own_keys_else_llama_cpps(tmp_path: Path) -> None:
     own = write_gguf(
         folder,
         tmp_path / "own.gguf",
-        metadata={"general.sampling.temp": 0.5, "general.sampling.top_k": 7},
+        metadata={"general.sampling.top_p": 0.95, "general.sampling.top_k": 7},
     )
-    assert model_defaults(str(own)) == {"temperature": 0.5, "top_k": 7}
+    assert model_defaults(str(own)) == {"top_p": 0.95, "top_k": 7}  # stored as float32
 
 
 def test_generate_without_params_uses_the_defaults(greedy_path: Path) -> None:
