@@ -66,8 +66,18 @@ class ModelConfig:
     # Group-wise (4-bit / Q8_0) layers round bf16/fp16 rows (decode and prefill) to int8 per
     # group of 32 (llama.cpp's arithmetic), where the device has that kernel.
     int8_activations: bool = False
+    # Defaults of the sampling fields a request leaves out: "auto" (the model's, with
+    # ``sampling_overrides`` on top) or "none" (SamplingParams' own); see
+    # engine/sampling_defaults.py.
+    generation_config: str = "auto"
+    sampling_overrides: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
+        require(
+            self.generation_config in ("auto", "none"),
+            "generation_config",
+            f"must be auto or none, got {self.generation_config!r}",
+        )
         require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         require(
             self.quantization in _QUANTIZATIONS,

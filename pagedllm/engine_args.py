@@ -24,6 +24,7 @@ from pagedllm.config import (
     require,
 )
 from pagedllm.core.policy import POLICIES
+from pagedllm.engine.sampling_defaults import parse_generation_config
 from pagedllm.names import (
     DTYPES,
     EXECUTOR_BACKENDS,
@@ -147,6 +148,13 @@ class EngineArgs:
         '"num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m, '
         '"model": DRAFT_FOLDER}',
     )
+    # A dict from Python, a JSON object string from the command line.
+    generation_config: str = engine_arg(
+        "auto",
+        "defaults of the sampling fields a request leaves out: auto (the model's "
+        "generation_config.json, a GGUF file's own or else llama.cpp's), none (temperature 1, "
+        'no top-k/top-p), or a JSON object over the model\'s, e.g. {"temperature": 0.6}',
+    )
     enable_lora: bool = engine_arg(False, "serve LoRA adapters over the base model")
     max_loras: int = engine_arg(1, "LoRA adapters one batch may mix (device slots, default 1)")
     max_lora_rank: int = engine_arg(16, "largest LoRA rank served (default 16)")
@@ -202,8 +210,9 @@ class EngineArgs:
         )
         speculative = parse_speculative_config(self.speculative_config)
         self._check_combinations(speculative)
+        mode, overrides = parse_generation_config(self.generation_config)
         return EngineConfig(
-            model=self._model_config(max_len),
+            model=self._model_config(max_len, mode, tuple(overrides.items())),
             cache=self._cache_config(),
             scheduler=self._scheduler_config(max_len),
             parallel=self._parallel_config(),
@@ -212,7 +221,9 @@ class EngineArgs:
             lora=self._lora_config(),
         )
 
-    def _model_config(self, max_len: int) -> ModelConfig:
+    def _model_config(
+        self, max_len: int, generation: str, overrides: tuple[tuple[str, Any], ...]
+    ) -> ModelConfig:
         return ModelConfig(
             model=self.model,
             tokenizer=self.tokenizer or self.model,
@@ -224,6 +235,8 @@ class EngineArgs:
             trust_remote_code=self.trust_remote_code,
             quantization=self.quantization,
             int8_activations=self.int8_activations,
+            generation_config=generation,
+            sampling_overrides=overrides,
         )
 
     def _cache_config(self) -> CacheConfig:

@@ -139,13 +139,15 @@ class AsyncEngine(EngineClientBase):
         return dict(self._stats)
 
     def describe(self) -> dict[str, Any]:
-        """The served model: ``model``, ``served_model_name``, ``max_model_len``, ``vocab_size``."""
+        """The served model: ``model``, ``served_model_name``, ``max_model_len``, ``vocab_size``,
+        ``sampling_defaults``."""
         cfg = self.engine.config
         return {
             "model": cfg.model.model,
             "served_model_name": cfg.model.served_model_name,
             "max_model_len": cfg.scheduler.max_model_len,
             "vocab_size": int(self.engine.vocab_size),
+            "sampling_defaults": dict(self.engine.sampling_defaults),
         }
 
     # -- requests --------------------------------------------------------------------------------

@@ -196,10 +196,10 @@ class EngineCoreClient(EngineClientBase):
         return dict(self._stats)
 
     def describe(self) -> dict[str, Any]:
-        """The served model: ``model``, ``served_model_name``, ``max_model_len``, ``vocab_size``."""
-        return {
-            k: self.info[k] for k in ("model", "served_model_name", "max_model_len", "vocab_size")
-        }
+        """The served model: ``model``, ``served_model_name``, ``max_model_len``, ``vocab_size``,
+        ``sampling_defaults``."""
+        keys = ("model", "served_model_name", "max_model_len", "vocab_size", "sampling_defaults")
+        return {k: self.info[k] for k in keys}
 
     # -- requests ----------------------------------------------------------------------------
     async def add_request(

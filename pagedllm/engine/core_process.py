@@ -300,5 +300,6 @@ def ready_info(engine: Any) -> dict[str, Any]:
         "has_tokenizer": engine.tokenizer is not None,
         "max_model_len": cfg.scheduler.max_model_len,
         "vocab_size": int(engine.vocab_size),
+        "sampling_defaults": dict(engine.sampling_defaults),
         "stats": engine.get_stats(),
     }

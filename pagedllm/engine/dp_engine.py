@@ -16,6 +16,7 @@ from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.engine.dp_client import DataParallelClient
 from pagedllm.engine.prompts import batch_inputs
 from pagedllm.engine.router import Router
+from pagedllm.engine.sampling_defaults import default_sampling_params
 from pagedllm.outputs import RequestOutput
 
 
@@ -62,6 +63,8 @@ class DataParallelEngine:
         are aborted (their blocks return).
         """
         prompts, params_list, loras = batch_inputs(prompts, sampling_params, lora_request)
+        default = self.get_default_sampling_params()
+        params_list = [default if sp is None else sp for sp in params_list]
         rids = [f"generate-{next(self._ids)}" for _ in prompts]
         handed = await asyncio.gather(
             *(
@@ -79,6 +82,10 @@ class DataParallelEngine:
         finally:
             for stream in streams:
                 stream.abort()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` uses when given no ``SamplingParams``: the model's defaults."""
+        return default_sampling_params(self.client.describe().get("sampling_defaults", {}))
 
     def get_stats(self) -> dict[str, float]:
         return self.client.get_stats()

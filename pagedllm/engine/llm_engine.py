@@ -31,6 +31,7 @@ from pagedllm.engine.prompts import (
     load_tokenizer,
     tokenize_prompt,
 )
+from pagedllm.engine.sampling_defaults import default_sampling_params, sampling_defaults
 from pagedllm.engine.step_loop import EngineCounters, StepLoop, StepParts
 from pagedllm.engine.virtual_engines import VirtualBlockManagers, VirtualSchedulers
 from pagedllm.engine_args import EngineArgs
@@ -89,6 +90,12 @@ class LLMEngine:
             None if args.skip_tokenizer_init else load_tokenizer(self.config.model.tokenizer)
         )
         self.eos_token_ids = frozenset(eos_ids_of(model, self.hf_config, self.tokenizer))
+        model_cfg = self.config.model
+        self.sampling_defaults = sampling_defaults(
+            model, model_cfg.generation_config, dict(model_cfg.sampling_overrides)
+        )
+        if self.sampling_defaults:
+            logger.info("sampling defaults (generation_config): %s", self.sampling_defaults)
         self.executor = create_executor(self.config, self.hf_config)
         layout = self._size_cache()
         # Lower KV tiers: the one in-process worker's store (config.py refuses other executors).
@@ -225,20 +232,24 @@ class LLMEngine:
         """Queue a request; a ValueError naming the field if anything about it is invalid.
 
         ``lora_request`` runs it under an adapter, read and checked here on first use.
+        ``sampling_params`` None: the model's defaults (``get_default_sampling_params``).
         """
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id: must be a non-empty string")
         if request_id in self.loop.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        params = sampling_params if sampling_params is not None else SamplingParams()
+        given = sampling_params is not None
+        params = sampling_params if given else self.get_default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params: must be a SamplingParams")
         if not isinstance(priority, int) or abs(priority) > self.limits.max_priority:
             raise ValueError("priority: must be an integer that fits in 64 bits")
         text, token_ids = tokenize_prompt(prompt, self.tokenizer, self.vocab_size)
         max_len = self.config.scheduler.max_model_len
-        if params.max_tokens is None:
-            params = params.clone(max_tokens=default_max_tokens(len(token_ids), max_len))
+        if params.max_tokens is None:  # the room left (at most the model's default length)
+            room = default_max_tokens(len(token_ids), max_len)
+            cap = None if given else self.sampling_defaults.get("max_tokens")
+            params = params.clone(max_tokens=room if cap is None else min(room, cap))
         check_request(params, len(token_ids), self.limits)
         self.loras.ensure(lora_request)
         block_size = self.config.cache.block_size
@@ -269,6 +280,11 @@ class LLMEngine:
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` / ``add_request`` use when given no ``SamplingParams``: the model's
+        defaults (``generation_config``); an explicit ``SamplingParams`` is never changed."""
+        return default_sampling_params(self.sampling_defaults)
 
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -49,9 +49,10 @@ def eos_ids_of(model: str, hf_config: Any, tokenizer: Any) -> set[int]:
 
 def batch_inputs(
     prompts: Any, sampling_params: Any, lora_request: Any
-) -> tuple[list[Any], list[SamplingParams], list[Any]]:
+) -> tuple[list[Any], list[SamplingParams | None], list[Any]]:
     """``generate``'s arguments as one list each: a single prompt (text, a dict, or token ids)
-    becomes a batch of one; one ``SamplingParams`` (or None) and one adapter apply to all."""
+    becomes a batch of one; one ``SamplingParams`` (or None: the model's defaults, which
+    ``add_request`` fills in) and one adapter apply to all."""
     if isinstance(prompts, (str, dict)) or (
         isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
     ):
@@ -62,7 +63,7 @@ def batch_inputs(
             raise ValueError("sampling_params: the list must be as long as prompts")
         params_list = sampling_params
     else:
-        params_list = [sampling_params or SamplingParams()] * len(prompts)
+        params_list = [sampling_params] * len(prompts)
     return prompts, params_list, per_prompt_loras(lora_request, len(prompts))
 
 

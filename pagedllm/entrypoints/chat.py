@@ -245,8 +245,10 @@ def add_parser(sub: Any, add_engine_args: Callable[[argparse.ArgumentParser], No
     p.add_argument("--api-key", help="bearer key (default: $PAGEDLLM_API_KEY)")
     p.add_argument("--model-name", help="the served model to ask (default: the server's first)")
     p.add_argument("--system", help="system prompt")
-    p.add_argument("--temperature", type=float)
-    p.add_argument("--top-p", type=float)
+    p.add_argument(
+        "--temperature", type=float, help="default: the model's (the server's sampling_defaults)"
+    )
+    p.add_argument("--top-p", type=float, help="default: the model's")
     p.add_argument("--max-tokens", type=int)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--chat-template", help="Jinja chat template for MODEL (file or text)")

@@ -78,6 +78,7 @@ def model_info(engine: EngineClient, served_names: list[str] | None = None) -> M
         max_model_len=info["max_model_len"],
         vocab_size=int(info["vocab_size"]),
         created=int(time.time()),
+        sampling_defaults=dict(info.get("sampling_defaults") or {}),
     )
 
 

@@ -81,6 +81,8 @@ def api_routes(routes: Routes, auth: Any, runtime_updates: bool) -> APIRouter:
                 "root": model.root,
                 "parent": None,
                 "max_model_len": model.max_model_len,
+                # pagedllm's extra: what a request's unset sampling fields become.
+                "sampling_defaults": dict(model.sampling_defaults),
             }
             for name in model.names
         ]

@@ -53,6 +53,9 @@ class ModelInfo:
     # LoRA adapters served over the base: name -> pagedllm.lora.LoRARequest (changes at run
     # time through /v1/load_lora_adapter and /v1/unload_lora_adapter).
     adapters: dict[str, Any] = field(default_factory=dict)
+    # The model's defaults of the sampling fields a request leaves out (SamplingParams names;
+    # engine/sampling_defaults.py), shown by /v1/models.
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -188,7 +191,12 @@ class ServingBase:
         logprobs_param: str = "logprobs",
         guided_decoding: GuidedDecodingParams | None = None,
     ) -> SamplingParams:
-        """The request's sampling fields as validated SamplingParams (400 naming the field)."""
+        """The request's sampling fields as validated SamplingParams (400 naming the field).
+
+        A field the request leaves out takes the model's default (``ModelInfo.sampling_defaults``),
+        else SamplingParams' own; ``max_tokens`` None is filled in ``start`` (the model's
+        default, at most the room left).
+        """
         if logprobs is not None and logprobs > self.max_logprobs:
             raise APIError(
                 f"{logprobs_param}: at most {self.max_logprobs} are supported, got {logprobs}",
@@ -203,21 +211,23 @@ class ServingBase:
             )
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
 
-        def pick(value: Any, default: Any) -> Any:
-            return default if value is None else value
+        defaults = self.model.sampling_defaults
+
+        def pick(value: Any, default: Any, name: str = "") -> Any:
+            return defaults.get(name, default) if value is None else value
 
         try:
             return SamplingParams(
                 n=req.n,
                 best_of=req.best_of,
-                temperature=pick(req.temperature, 1.0),
-                top_p=pick(req.top_p, 1.0),
-                top_k=pick(req.top_k, -1),
-                min_p=pick(req.min_p, 0.0),
+                temperature=pick(req.temperature, 1.0, "temperature"),
+                top_p=pick(req.top_p, 1.0, "top_p"),
+                top_k=pick(req.top_k, -1, "top_k"),
+                min_p=pick(req.min_p, 0.0, "min_p"),
                 seed=req.seed,
                 presence_penalty=pick(req.presence_penalty, 0.0),
                 frequency_penalty=pick(req.frequency_penalty, 0.0),
-                repetition_penalty=pick(req.repetition_penalty, 1.0),
+                repetition_penalty=pick(req.repetition_penalty, 1.0, "repetition_penalty"),
                 logit_bias=self._logit_bias(req.logit_bias),
                 stop=stop,
                 stop_token_ids=stop_ids,
@@ -249,6 +259,7 @@ class ServingBase:
         streams: list[RequestStream] = []
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+                sp = self._default_length(sp, len(prompt.token_ids))
                 engine_prompt = {"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}
                 try:
                     with engine_errors():
@@ -278,6 +289,14 @@ class ServingBase:
             for stream in streams:
                 stream.abort()
             raise
+
+    def _default_length(self, sp: SamplingParams, prompt_len: int) -> SamplingParams:
+        """No ``max_tokens``: the model's default length where it has one, at most the room the
+        prompt leaves (the engine gives the whole room otherwise)."""
+        cap = self.model.sampling_defaults.get("max_tokens")
+        if sp.max_tokens is not None or cap is None:
+            return sp
+        return sp.clone(max_tokens=max(1, min(cap, self.model.max_model_len - prompt_len)))
 
     def _refusal(self, exc: ValueError) -> APIError:
         """The engine's ``ValueError("field: ...")`` at ``add_request`` as a 400 naming the field

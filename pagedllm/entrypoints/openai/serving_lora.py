@@ -56,6 +56,7 @@ def adapter_entries(model: ModelInfo) -> list[dict[str, Any]]:
             "root": req.lora_path,
             "parent": model.name,
             "max_model_len": model.max_model_len,
+            "sampling_defaults": dict(model.sampling_defaults),
         }
         for name, req in model.adapters.items()
     ]

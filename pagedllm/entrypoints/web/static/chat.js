@@ -144,6 +144,15 @@
   }
 
   // -- the API -------------------------------------------------------------------------------
+  // An empty field is left out of the request, so the server applies the model's default;
+  // the placeholder says what that is (/v1/models' sampling_defaults).
+  function showDefaults(model) {
+    const defaults = (model && model.sampling_defaults) || {};
+    for (const [id, key] of [["temperature", "temperature"], ["top-p", "top_p"]]) {
+      $(id).placeholder = key in defaults ? "model: " + defaults[key] : "model default";
+    }
+  }
+
   async function loadModels() {
     for (;;) {
       try {
@@ -157,6 +166,7 @@
           select.appendChild(opt);
         }
         if (keep) select.value = keep;
+        showDefaults(models.data[0]);
         $("status").textContent = "";
         return;
       } catch (e) {
