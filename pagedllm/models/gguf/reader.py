@@ -82,8 +82,9 @@ def _reader_class() -> type:
         ) -> np.ndarray:
             need = int(count) * np.dtype(dtype).itemsize
             if offset < 0 or need > self._left(offset):
+                where = "the GGUF header (magic, version, counts): " if offset < 24 else ""
                 raise _Malformed(
-                    f"{need} bytes at byte {offset} run past the end of the file "
+                    f"{where}{need} bytes at byte {offset} run past the end of the file "
                     f"({self._plain.nbytes} bytes): truncated or corrupt"
                 )
             return super()._get(offset, dtype, count, override_order)
