@@ -37,11 +37,11 @@ class _Malformed(ValueError):
 # refused rather than walked (a 20,000-deep nesting overflowed Python's stack).
 MAX_ARRAY_DEPTH = 8
 MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
-# The fewest bytes a metadata entry (key length, a 1-byte key, type, 1-byte value) and a
-# tensor entry (name length, 1-byte name, dimension count, one dimension, type, offset) take:
-# a count that more than the rest of the file could hold is refused before any loop.
-_MIN_KV_BYTES = 8 + 1 + 4 + 1
-_MIN_TENSOR_INFO_BYTES = 8 + 1 + 4 + 8 + 4 + 8
+# The fewest bytes a metadata entry (key length, an empty key, type, a 1-byte value) and a
+# tensor entry (name length, an empty name, dimension count, one dimension, type, offset) take:
+# a count more than the rest of the file could hold is refused before any loop.
+_MIN_KV_BYTES = 8 + 4 + 1
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8
 
 
 def _reader_class() -> type:
@@ -308,7 +308,7 @@ class GGUFTensor:
         while view.nbytes:
             got = f.readinto(view)
             if not got:
-                raise CheckpointError(f"{self.path}: tensor {self.name!r} is cut short")
+                raise GGUFFileError(f"{self.path}: tensor {self.name!r} is cut short")
             view = view[got:]
 
 
@@ -351,7 +351,7 @@ class GGUFFile:
     def metadata(self, key: str, default: Any = _MISSING) -> Any:
         """A metadata value as Python (str, int, float, bool or list); ``default`` if absent.
 
-        Without a default a missing key is a ``CheckpointError`` naming the file and the key.
+        Without a default a missing key is a ``GGUFFileError`` naming the file and the key.
         """
         field = self._reader.fields.get(key)
         if field is None:
