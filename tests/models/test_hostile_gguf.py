@@ -322,6 +322,11 @@ def _cases() -> list[Case]:
         ("no-embedding.gguf", _written(tensors={"token_embd.weight": None}), "token_embd.weight"),
         ("no-output-norm.gguf", _written(tensors={"output_norm.weight": None}), "output_norm"),
         ("arch.gguf", _written(arch="bloom"), "general.architecture 'bloom'"),
+        (
+            "no-place.gguf",
+            _written(tensors={"blk.0.attn_zz.weight": np.ones(HIDDEN, "f4")}),
+            "'blk.0.attn_zz.weight' has no place in a llama",
+        ),
         # Hyper-parameters.
         ("heads-0.gguf", _written(meta={"llama.attention.head_count": 0}), "head_count is 0"),
         (

@@ -18,7 +18,9 @@ import os
 from typing import Any
 
 from pagedllm.models.gguf.config import Family, family_of
+from pagedllm.models.gguf.names import NOT_WEIGHTS, hf_name, is_expert_stack
 from pagedllm.models.gguf.reader import GGUFFile, GGUFFileError
+from pagedllm.models.safetensors_reader import CheckpointError
 
 logger = logging.getLogger(__name__)
 
@@ -53,11 +55,23 @@ def check_model(gguf: GGUFFile) -> None:
     the family's model cannot run; see the module docstring."""
     family = family_of(gguf)
     arch = gguf.architecture
+    _check_names(gguf, family)
     sizes = _sizes(gguf, arch)
     _check_blocks(gguf, family, arch, sizes["block_count"])
     _check_floats(gguf, arch)
     _check_widths(gguf, family, arch, sizes)
     _check_vocabulary(gguf, arch)
+
+
+def _check_names(gguf: GGUFFile, family: Family) -> None:
+    """Every tensor has a place in the family's model (what loading maps it to)."""
+    for name in gguf.tensors:
+        if name in NOT_WEIGHTS or (family.moe and is_expert_stack(name)):
+            continue
+        try:
+            hf_name(name, family)
+        except CheckpointError as exc:
+            raise _fail(gguf, str(exc)) from None
 
 
 def _fail(gguf: GGUFFile, what: str) -> GGUFFileError:
@@ -197,8 +211,11 @@ def _check_widths(gguf: GGUFFile, family: Family, arch: str, sizes: dict[str, in
         b = f"blk.{i}"
         for norm in ("attn_norm", "ffn_norm", "post_attention_norm", "post_ffw_norm"):
             _expect(gguf, f"{b}.{norm}.weight", (hidden,), h)
-        for norm in ("attn_q_norm", "attn_k_norm"):
-            _expect(gguf, f"{b}.{norm}.weight", (head,), f"head size {head}")
+        # Per head (Qwen3, Gemma 3), or over the whole projection (OLMoE).
+        whole = arch == "olmoe"
+        q_norm, k_norm = (heads * head, kv * head) if whole else (head, head)
+        _expect(gguf, f"{b}.attn_q_norm.weight", (q_norm,), q_why if whole else f"head {head}")
+        _expect(gguf, f"{b}.attn_k_norm.weight", (k_norm,), kv_why if whole else f"head {head}")
         _expect(gguf, f"{b}.attn_q.weight", (heads * head, hidden), q_why)
         _expect(gguf, f"{b}.attn_k.weight", (kv * head, hidden), kv_why)
         _expect(gguf, f"{b}.attn_v.weight", (kv * value, hidden), kv_why)
