@@ -524,3 +524,19 @@ def test_fuzzed_bytes_are_refused_or_pass_never_another_error(
         assert "\n" not in str(exc) and str(path) in str(exc)
     assert time.process_time() - cpu < _MAX_CPU_S
     assert math.isfinite(cpu)
+
+
+def test_an_engine_start_runs_the_same_checks(tmp_path: Path) -> None:
+    """What an engine asks of a GGUF file first (its config, its tokenizer) refuses as
+    ``inspect`` does, before any weight is read."""
+    from pagedllm.models.gguf.loading import gguf_config, gguf_tokenizer
+
+    nan_rope = write_tiny(tmp_path / "rope.gguf", meta={"llama.rope.freq_base": float("nan")})
+    with pytest.raises(GGUFFileError, match="llama.rope.freq_base is nan"):
+        gguf_config(nan_rope)
+    no_k = write_tiny(tmp_path / "no-k.gguf", tensors={"blk.0.attn_k.weight": None})
+    with pytest.raises(GGUFFileError, match="blk.0.attn_k.weight is missing"):
+        gguf_config(no_k)
+    merges = write_tiny(tmp_path / "merges.gguf", tokens=[*TOKENS[:-1], "zz"])
+    with pytest.raises(GGUFFileError, match="tokenizer.ggml.merges entry 3"):
+        gguf_tokenizer(merges)
