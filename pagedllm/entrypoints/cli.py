@@ -320,6 +320,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_inspect(args: argparse.Namespace) -> int:
+    """``pagedllm inspect FILE``: 0 and what the file holds, or 1 and its first problem."""
+    from pagedllm.models.gguf.summary import describe
+
+    try:
+        lines = describe(Path(args.file), verify_sha256=args.verify_sha256)
+    except ValueError as exc:  # GGUFFileError, and CheckpointError from the name checks
+        print(" ".join(str(exc).split()), file=sys.stderr)
+        return 1
+    print("\n".join(lines))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     parser = build_parser()

@@ -27,6 +27,7 @@ _EPILOG = """examples:
   pagedllm chat --url http://127.0.0.1:8000   chat in the terminal (the browser: open the URL)
   pagedllm bench serve --url http://127.0.0.1:8000 --num-prompts 100 --request-rate 4
   pagedllm kv-cache ls --kv-cache-dir ~/.cache/kv   what the disk KV tier holds
+  pagedllm inspect ./model.Q4_K_M.gguf        check a GGUF file and say what it holds
 """
 
 
@@ -41,6 +42,7 @@ _EXAMPLES = {
     "bench serve": "pagedllm bench serve --url http://127.0.0.1:8000 --num-prompts 100 "
     "--request-rate 4",
     "kv-cache": "pagedllm kv-cache ls --kv-cache-dir ~/.cache/kv",
+    "inspect": "pagedllm inspect model.gguf --verify-sha256 <sha256 of the file>",
 }
 
 _SIMPLE_TYPES = {"int": int, "float": float, "str": str}
@@ -163,7 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"pagedllm {pagedllm.__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{serve,generate,chat,bench,kv-cache}")
+    sub = parser.add_subparsers(
+        dest="command", metavar="{serve,generate,chat,bench,kv-cache,inspect}"
+    )
     _add_serve_parser(sub)
     _add_generate_parser(sub)
     from pagedllm.entrypoints import bench, chat, kv_cache
@@ -171,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_parser(sub, add_engine_args)
     bench.add_parser(sub, add_engine_args)
     kv_cache.add_parser(sub, add_engine_args)
+    _add_inspect_parser(sub)
     _finish_help(parser)
     return parser
 
@@ -322,3 +327,27 @@ def _add_generate_parser(sub: Any) -> None:
         help="debug also shows tracebacks of errors",
     )
     add_engine_args(gen)
+
+
+def _add_inspect_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "inspect",
+        help="check a GGUF file and say what it holds",
+        description="Run the checks an engine start makes of a GGUF file (structure, "
+        "hyper-parameters, tensors, tokenizer) without loading it, then print the architecture, "
+        "tensors by type, hyper-parameters, tokenizer and chat template; or the first problem "
+        "(exit status 1).",
+    )
+    p.add_argument("file", metavar="FILE", help="a .gguf file")
+    p.add_argument(
+        "--verify-sha256",
+        metavar="HEX",
+        help="also hash the whole file and compare (GGUF has no checksum of its tensor data)",
+    )
+    p.set_defaults(handler=_run_inspect)
+
+
+def _run_inspect(args: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.cli import cmd_inspect
+
+    return cmd_inspect(args)

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.models.gguf.light_config import light_config
-from pagedllm.models.gguf.reader import GGUFFile
-from pagedllm.models.safetensors_reader import CheckpointError
+from pagedllm.models.gguf.reader import GGUFFile, GGUFFileError
 
 
 @dataclass(frozen=True)
@@ -105,7 +104,7 @@ def family_of(gguf: GGUFFile) -> Family:
         return MIXTRAL
     family = FAMILIES.get(arch)
     if family is None:
-        raise CheckpointError(
+        raise GGUFFileError(
             f"{gguf.path}: general.architecture {arch!r} is not supported; pagedllm runs GGUF "
             f"files of {', '.join(sorted(FAMILIES))}"
         )
@@ -130,7 +129,7 @@ def _hyper_parameters(gguf: GGUFFile, arch: str) -> dict[str, Any]:
             continue
         if isinstance(value, list):  # per-layer values (some files): one model-wide value
             if len(set(value)) != 1:
-                raise CheckpointError(
+                raise GGUFFileError(
                     f"{gguf.path}: {arch}.{key} differs between layers ({value[:8]}...), "
                     "which the model classes cannot express"
                 )
@@ -162,7 +161,7 @@ def _rope(gguf: GGUFFile, arch: str, values: dict[str, Any]) -> dict[str, Any]:
             scaling["original_max_position_embeddings"] = int(original)
         params["rope_scaling"] = scaling
     else:
-        raise CheckpointError(
+        raise GGUFFileError(
             f"{gguf.path}: {arch}.rope.scaling.type {kind!r} is not supported (none, linear, yarn)"
         )
     head_dim = values.get("head_dim") or values["hidden_size"] // values["num_attention_heads"]
@@ -207,7 +206,7 @@ def stored_dtype(gguf: GGUFFile) -> str:
 
 
 def hf_config_from_gguf(gguf: GGUFFile) -> Any:
-    """The config of the model in ``gguf``; ``CheckpointError`` names what's off.
+    """The config of the model in ``gguf``; ``GGUFFileError`` names what's off.
 
     A file whose rotary embedding is plain (every file llama.cpp writes without rope scaling,
     Llama 3's frequency factors included) gets a :class:`GGUFConfig`: the same attributes with
@@ -239,7 +238,7 @@ def config_values(gguf: GGUFFile) -> tuple[Family, dict[str, Any]]:
     if vocab is None and "token_embd.weight" in gguf.tensors:
         vocab = gguf.tensors["token_embd.weight"].shape[0]
     if vocab is None:
-        raise CheckpointError(f"{gguf.path}: neither {arch}.vocab_size nor token_embd.weight")
+        raise GGUFFileError(f"{gguf.path}: neither {arch}.vocab_size nor token_embd.weight")
     values["vocab_size"] = int(vocab)
     for attr, key in _SPECIAL_IDS.items():
         value = gguf.metadata(key, None)
@@ -279,21 +278,21 @@ def _expert_sizes(gguf: GGUFFile, family: Family, values: dict[str, Any], expert
     if family.experts_sized_by_ffn:
         size = values["intermediate_size"]
         if rows is not None and rows != size:
-            raise CheckpointError(
+            raise GGUFFileError(
                 f"{gguf.path}: expert stacks have {rows} rows where {arch}.feed_forward_length "
                 f"says {size}"
             )
     else:
         size = gguf.metadata(f"{arch}.expert_feed_forward_length", None) or rows
         if size is None:
-            raise CheckpointError(
+            raise GGUFFileError(
                 f"{gguf.path}: {arch}.expert_feed_forward_length is missing and no "
                 "ffn_gate_exps tensor gives it"
             )
         values["moe_intermediate_size"] = int(size)
     for name, tensor in gguf.tensors.items():  # every stack holds every expert
         if name.startswith("blk.") and "_exps." in name and tensor.shape[0] != experts:
-            raise CheckpointError(
+            raise GGUFFileError(
                 f"{gguf.path}: tensor {name!r} stacks {tensor.shape[0]} experts where "
                 f"{arch}.expert_count says {experts}"
             )
@@ -322,7 +321,7 @@ def _experts(gguf: GGUFFile, family: Family, values: dict[str, Any]) -> None:
     norm = gguf.metadata(f"{arch}.expert_weights_norm", None)
     if family.experts_sized_by_ffn:  # every layer routes (llama.cpp's rule for these files)
         if dense:
-            raise CheckpointError(
+            raise GGUFFileError(
                 f"{gguf.path}: tensor 'blk.{dense[0]}.ffn_gate_inp.weight' is missing: every "
                 f"layer of a {family.model_type} file routes to experts"
             )
@@ -354,7 +353,7 @@ def _gemma2(gguf: GGUFFile, values: dict[str, Any]) -> None:
         value = gguf.metadata(f"gemma2.{key}", None)
         if value is not None:
             if not isinstance(value, int | float) or not 0 < value < float("inf"):
-                raise CheckpointError(f"{gguf.path}: gemma2.{key} must be > 0, got {value!r}")
+                raise GGUFFileError(f"{gguf.path}: gemma2.{key} must be > 0, got {value!r}")
             values[key] = float(value)
     values["query_pre_attn_scalar"] = _gemma_query_scalar(values, _GEMMA2_27B_LAYERS)
 
@@ -387,7 +386,7 @@ def transformers_config(gguf: GGUFFile, family: Family, values: dict[str, Any]) 
     try:
         return AutoConfig.for_model(family.model_type, **values)
     except (ValueError, TypeError) as exc:
-        raise CheckpointError(
+        raise GGUFFileError(
             f"{gguf.path}: metadata does not make a valid {family.model_type} config "
             f"({' '.join(str(exc).split())})"
         ) from exc

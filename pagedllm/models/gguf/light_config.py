@@ -16,8 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.models.gguf.reader import GGUFFile
-from pagedllm.models.safetensors_reader import CheckpointError
+from pagedllm.models.gguf.reader import GGUFFile, GGUFFileError
 
 # Per family: the class defaults of the attributes the metadata may leave out, and the fields
 # the class declares that the model code reads (transformers 5's LlamaConfig, MistralConfig,
@@ -221,7 +220,7 @@ def _check(gguf: GGUFFile, model_type: str, values: dict[str, Any]) -> None:
     if values["dtype"] not in _DTYPES:
         problems.append(f"dtype {values['dtype']!r}")
     if problems:
-        raise CheckpointError(
+        raise GGUFFileError(
             f"{gguf.path}: metadata does not make a valid {model_type} config "
             f"({'; '.join(problems)})"
         )

@@ -10,6 +10,7 @@ from typing import Any
 
 from torch import nn
 
+from pagedllm.models.gguf.checks import cap_context, check_model
 from pagedllm.models.gguf.config import family_of, hf_config_from_gguf
 from pagedllm.models.gguf.names import NOT_WEIGHTS, hf_name
 from pagedllm.models.gguf.plan import (
@@ -40,9 +41,14 @@ def open_gguf(path: Path) -> GGUFFile:
 
 
 def gguf_config(path: Path) -> Any:
+    """The file's config, after its types, hyper-parameters and tensors are checked
+    (``checks.check_model``): the first thing an engine start asks of a GGUF file."""
     gguf = open_gguf(path)
     check_types(gguf)
-    return hf_config_from_gguf(gguf)
+    check_model(gguf)
+    config = hf_config_from_gguf(gguf)
+    cap_context(gguf, config)
+    return config
 
 
 def gguf_tokenizer(path: Path) -> Any:

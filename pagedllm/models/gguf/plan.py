@@ -15,7 +15,7 @@ from collections import Counter
 from pagedllm.layers.quantization.groupwise_parts import DENSE
 from pagedllm.models.gguf.config import Family
 from pagedllm.models.gguf.names import BLOCK_NAME, NOT_WEIGHTS, hf_name
-from pagedllm.models.gguf.reader import GGUFFile
+from pagedllm.models.gguf.reader import GGUFFile, GGUFFileError
 from pagedllm.models.safetensors_reader import CheckpointError
 
 # The part each tensor of a fused layer fills (its shard id in the model's weight mapper).
@@ -84,7 +84,7 @@ def plan_layers(gguf: GGUFFile, family: Family, native: frozenset[str]) -> dict[
         try:
             _, module = hf_name(name, family)
         except CheckpointError as exc:  # the first look at every name: say which file
-            raise CheckpointError(f"{gguf.path}: {exc}") from None
+            raise GGUFFileError(f"{gguf.path}: {exc}") from None
         if module is not None:
             parts = types.setdefault(module, {})
             parts.setdefault(_part_of(name), set()).add(tensor.type_name)
@@ -147,7 +147,7 @@ def check_types(gguf: GGUFFile) -> Counter[str]:
     counts: Counter[str] = Counter()
     for name, tensor in gguf.tensors.items():
         if tensor.type_name not in SUPPORTED_TYPES:
-            raise CheckpointError(
+            raise GGUFFileError(
                 f"{gguf.path}: tensor {name!r} has type {tensor.type_name}, which pagedllm does "
                 f"not read (supported: {', '.join(SUPPORTED_TYPES)})"
             )

@@ -17,8 +17,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pagedllm.models.gguf.reader import GGUFFile
-from pagedllm.models.safetensors_reader import CheckpointError
+from pagedllm.models.gguf.checks import check_tokenizer
+from pagedllm.models.gguf.reader import GGUFFile, GGUFFileError
 
 logger = logging.getLogger(__name__)
 
@@ -34,11 +34,11 @@ def _cache_folder(gguf: GGUFFile) -> Path:
 
 
 def load_gguf_tokenizer(gguf: GGUFFile) -> Any:
-    """The file's tokenizer; ``CheckpointError`` naming the file when it has none."""
+    """The file's tokenizer; ``GGUFFileError`` naming the file when it has none."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     if not gguf.has("tokenizer.ggml.tokens") or not gguf.has("tokenizer.ggml.model"):
-        raise CheckpointError(
+        raise GGUFFileError(
             f"{gguf.path}: tokenizer.ggml.tokens is missing: the file carries no tokenizer "
             "(pass tokenizer=<a tokenizer folder>)"
         )
@@ -48,6 +48,7 @@ def load_gguf_tokenizer(gguf: GGUFFile) -> Any:
             return AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
         except (OSError, ValueError) as exc:
             logger.warning("cached GGUF tokenizer in %s unreadable (%s); converting", cached, exc)
+    check_tokenizer(gguf)  # a merge of unknown tokens: our line, not the library's exception
     try:
         # The fast-tokenizer class itself, not AutoTokenizer: that one first reads the model
         # config from the file and refuses architectures transformers cannot load (Gemma), while
@@ -56,7 +57,7 @@ def load_gguf_tokenizer(gguf: GGUFFile) -> Any:
             str(gguf.path.parent), gguf_file=gguf.path.name, local_files_only=True
         )
     except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
-        raise CheckpointError(
+        raise GGUFFileError(
             f"{gguf.path}: tokenizer.ggml.* cannot be made into a tokenizer "
             f"({' '.join(str(exc).split())})"
         ) from exc
