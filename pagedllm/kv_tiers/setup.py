@@ -78,7 +78,15 @@ def open_store(
     disk, pending = None, None
     if cache.kv_cache_dir is not None:
         make_disk = functools.partial(
-            _disk_tier, config, spec, attention, backend, compute_dtype, rank, nbytes
+            _disk_tier,
+            config,
+            spec,
+            attention,
+            backend,
+            compute_dtype,
+            rank,
+            nbytes,
+            cache.kv_cache_dir,
         )
         with contextlib.suppress(OSError):  # else DiskTier says why, once
             os.makedirs(cache.kv_cache_dir, exist_ok=True)
@@ -135,6 +143,7 @@ def _disk_tier(
     compute_dtype: torch.dtype,
     rank: int,
     nbytes: int,
+    folder: str,
     hashes: HashCache,
     stop: threading.Event | None,
 ) -> DiskTier | None:
@@ -160,7 +169,7 @@ def _disk_tier(
         stop=stop,
     )
     disk = DiskTier(
-        cache.kv_cache_dir,  # type: ignore[arg-type]
+        folder,
         fingerprint,
         capacity_bytes=cache.kv_disk_bytes,
         payload_nbytes=nbytes,

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from pagedllm.backends.base import AttentionMetadata
+from pagedllm.layers.linear import with_loader
 from pagedllm.layers.parallel import TPContext
 from pagedllm.models.llama import LlamaAttention
 from pagedllm.models.moe_base import MoeForCausalLM
@@ -25,8 +26,9 @@ class ShardedRMSNorm(nn.Module):
     def __init__(self, full: int, shard: int, eps: float, tp: TPContext) -> None:
         super().__init__()
         self.full, self.shard, self.eps, self.tp = full, shard, eps, tp
-        self.weight = nn.Parameter(torch.ones(shard), requires_grad=False)
-        self.weight.weight_loader = self.load_weight  # type: ignore[attr-defined]
+        self.weight = with_loader(
+            nn.Parameter(torch.ones(shard), requires_grad=False), self.load_weight
+        )
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if loaded.shape[0] != self.full:

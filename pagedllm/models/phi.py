@@ -24,6 +24,7 @@ from pagedllm.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    with_loader,
 )
 from pagedllm.layers.norm import LayerNorm
 from pagedllm.layers.parallel import SINGLE, WHOLE_MODEL, PPContext, TPContext
@@ -38,8 +39,9 @@ class BiasedLMHead(ParallelLMHead):
 
     def __init__(self, vocab_size: int, hidden_size: int, *, tp: TPContext = SINGLE) -> None:
         super().__init__(vocab_size, hidden_size, tp=tp)
-        self.bias = nn.Parameter(torch.empty(self.shard), requires_grad=False)
-        self.bias.weight_loader = self.load_weight  # type: ignore[attr-defined]
+        self.bias = with_loader(
+            nn.Parameter(torch.empty(self.shard), requires_grad=False), self.load_weight
+        )
 
     fast_linear_has_bias = True
 

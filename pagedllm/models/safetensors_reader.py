@@ -74,7 +74,7 @@ def _entry(
     where = f"{path}: tensor {name!r}"
     if not isinstance(info, dict):
         raise CheckpointError(f"{where}: header entry is {info!r} (expected an object)")
-    dtype = SAFETENSORS_DTYPES.get(info.get("dtype"))  # type: ignore[arg-type]
+    dtype = SAFETENSORS_DTYPES.get(str(info.get("dtype")))
     if dtype is None:
         raise CheckpointError(
             f"{where}: dtype {info.get('dtype')!r} is unknown "

@@ -98,21 +98,29 @@ def _positive_int(gguf: GGUFFile, key: str, default: Any = None) -> int | None:
     return _first(gguf, key, default)
 
 
+def _size(gguf: GGUFFile, key: str, default: int | None = None) -> int:
+    """A positive whole number the file must hold (or ``default`` where it may leave it out)."""
+    value = _positive_int(gguf, key, default)
+    if value is None:
+        raise _fail(gguf, f"{key} is missing (a positive whole number is needed)")
+    return int(value)
+
+
 def _sizes(gguf: GGUFFile, arch: str) -> dict[str, int]:
     required = ("embedding_length", "block_count", "feed_forward_length", "attention.head_count")
     sizes: dict[str, int] = {}
     for key in required:
         gguf.metadata(f"{arch}.{key}")  # a missing key: named
-        sizes[key] = int(_positive_int(gguf, f"{arch}.{key}"))  # type: ignore[arg-type]
+        sizes[key] = _size(gguf, f"{arch}.{key}")
     heads, hidden = sizes["attention.head_count"], sizes["embedding_length"]
-    kv = _positive_int(gguf, f"{arch}.attention.head_count_kv", heads)
-    if heads % int(kv):  # type: ignore[operator]
+    kv = _size(gguf, f"{arch}.attention.head_count_kv", heads)
+    if heads % kv:
         raise _fail(
             gguf,
             f"{arch}.attention.head_count is {heads}, not a multiple of "
             f"{arch}.attention.head_count_kv {kv}",
         )
-    sizes["attention.head_count_kv"] = int(kv)  # type: ignore[arg-type]
+    sizes["attention.head_count_kv"] = kv
     head = _positive_int(gguf, f"{arch}.attention.key_length")
     if head is None:
         if hidden % heads:
