@@ -270,6 +270,8 @@ def _unfilled_parts(
     for name, got in sorted(shards.items()):
         if None in got or not all(isinstance(s, int) for s in got):
             continue  # a whole tensor, or expert stacks (their own loader checks them)
+        if name.rsplit(".", 1)[-1] not in ("weight", "bias"):
+            continue  # a format's side tensor (group offsets): parts in other formats lack it
         fused = next((p for p in name.split(".") if p in parts_of), None)
         if fused is None:
             continue

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from pagedllm import Engine
+from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.kv_tiers import hashes
 from tests.engine.test_kv_tiers import BASE, generate
 
@@ -90,6 +91,15 @@ def test_a_remembered_digest_is_not_hashed_again(
     engine.shutdown()
 
 
+def _wait_for_disk(engine: LLMEngine) -> None:
+    store = engine.kv_tiers
+    assert store is not None
+    deadline = time.monotonic() + 30
+    while store.disk is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert store.disk is not None
+
+
 def test_weights_past_the_bound_are_hashed_in_the_background(
     llama_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -98,15 +108,13 @@ def test_weights_past_the_bound_are_hashed_in_the_background(
 
     monkeypatch.setattr(setup, "SYNC_HASH_BYTES", -1)
     engine = Engine(str(llama_path), **BASE, num_kv_blocks=64, kv_cache_dir=str(tmp_path))
-    store = engine.kv_tiers
-    assert store is not None
-    deadline = time.monotonic() + 30
-    while store.disk is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert store.disk is not None
+    _wait_for_disk(engine)
     generate(engine)
     engine.shutdown()
+    # The second start knows the digest, but with the bound at -1 it still attaches the disk
+    # tier from the background thread: wait for it, or the step may run before it is on.
     engine = Engine(str(llama_path), **BASE, num_kv_blocks=64, kv_cache_dir=str(tmp_path))
+    _wait_for_disk(engine)
     generate(engine)
     assert engine.get_stats()["kv_tier_disk_hits"] > 0
     engine.shutdown()
