@@ -8,10 +8,13 @@ closed an import cycle through the replicas' clients back to itself).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pagedllm.engine.dp_engine import DataParallelEngine
 from pagedllm.engine.llm_engine import LLMEngine
+
+if TYPE_CHECKING:  # imported when asked for: replicas need the engine-core channel (zmq,
+    # msgspec), which an in-process engine does not (the xpu leg's environment lacks them)
+    from pagedllm.engine.dp_engine import DataParallelEngine
 
 
 # Named as the class it stood for, so that callers need not change.
@@ -23,5 +26,7 @@ def Engine(model: str, device: str = "auto", **engine_args: Any) -> LLMEngine | 
     """
     replicas = engine_args.get("data_parallel_size")
     if isinstance(replicas, int) and replicas > 1:
+        from pagedllm.engine.dp_engine import DataParallelEngine
+
         return DataParallelEngine(model, device, **engine_args)
     return LLMEngine(model, device, **engine_args)
