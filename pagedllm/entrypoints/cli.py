@@ -59,6 +59,8 @@ def check_serve_settings(args: argparse.Namespace, template: str | None) -> None
         raise ValueError(f"--max-logprobs: must be >= 0, got {args.max_logprobs}")
     if not args.shutdown_timeout >= 0:
         raise ValueError(f"--shutdown-timeout: must be >= 0, got {args.shutdown_timeout}")
+    if not args.chat_template_timeout > 0:
+        raise ValueError(f"--chat-template-timeout: must be > 0, got {args.chat_template_timeout}")
     if template is not None:
         from jinja2 import TemplateSyntaxError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -157,6 +159,7 @@ def serve_settings(args: argparse.Namespace) -> Any:
     from pagedllm.entrypoints.openai.api_server import ServerSettings
     from pagedllm.entrypoints.openai.offload import RequestLimits
     from pagedllm.entrypoints.openai.serving_chat import load_chat_template
+    from pagedllm.entrypoints.openai.template_render import TemplateLimits
     from pagedllm.lora import parse_lora_module
 
     try:
@@ -167,6 +170,7 @@ def serve_settings(args: argparse.Namespace) -> Any:
             max_detokenize_tokens=args.max_detokenize_tokens,
         )
         check_serve_settings(args, template)
+        template_limits = TemplateLimits(seconds=args.chat_template_timeout)
         check_engine_settings(args)
         lora_modules = tuple(parse_lora_module(m) for m in args.lora_modules)
         if (lora_modules or args.enable_lora_runtime_updates) and not args.enable_lora:
@@ -176,6 +180,8 @@ def serve_settings(args: argparse.Namespace) -> Any:
     return ServerSettings(
         api_key=args.api_key or env_api_key(),
         chat_template=template,
+        chat_template_name=args.chat_template if template != args.chat_template else None,
+        template_limits=template_limits,
         max_logprobs=args.max_logprobs,
         shutdown_timeout=args.shutdown_timeout,
         disable_docs=args.disable_docs,
@@ -236,6 +242,7 @@ def cmd_serve(args: argparse.Namespace, started: float) -> int:
 def _serve_on(args: argparse.Namespace, sock: socket.socket | None, started: float) -> int:
     from pagedllm.engine.core_process import freeze_startup_objects
     from pagedllm.entrypoints.openai.api_server import model_info, run_server
+    from pagedllm.entrypoints.openai.template_render import ChatTemplateError
 
     model, demo_name = resolve_model(args.model, demo_chat=args.demo)
     settings = serve_settings(args)  # a bad --port is reported here
@@ -257,6 +264,8 @@ def _serve_on(args: argparse.Namespace, sock: socket.socket | None, started: flo
             sock=sock,
             started=started,
         )
+    except ChatTemplateError as exc:  # refused at start-up: one line naming the template
+        raise SystemExit(f"pagedllm serve: {exc}") from None
     finally:
         engine.stop()  # idempotent; also when the server could not be built
 

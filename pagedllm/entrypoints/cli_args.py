@@ -221,6 +221,12 @@ def _add_server_flags(s: argparse._ArgumentGroup) -> None:
         help="model name(s) clients use; the first is reported (default: MODEL)",
     )
     s.add_argument("--chat-template", help="Jinja chat template: a file or the template itself")
+    s.add_argument(
+        "--chat-template-timeout",
+        type=float,
+        default=5.0,
+        help="seconds one chat template render may take; past it the render is stopped (a 400)",
+    )
     s.add_argument("--max-logprobs", type=int, default=20, help="most logprobs per token")
     s.add_argument(
         "--tool-call-parser",

@@ -42,6 +42,7 @@ from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_lora import load_adapter
 from pagedllm.entrypoints.openai.sse import ServerApp
+from pagedllm.entrypoints.openai.template_render import TemplateLimits
 from pagedllm.entrypoints.web import RequestTracker, TrackingEngine, mount_web
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,8 @@ logger = logging.getLogger(__name__)
 class ServerSettings:
     api_key: str | None = None
     chat_template: str | None = None  # the template text (already loaded from a file)
+    chat_template_name: str | None = None  # how errors name it (its file); None: the flag/model
+    template_limits: TemplateLimits = field(default_factory=TemplateLimits)  # per render
     max_body_bytes: int = 32 << 20
     max_logprobs: int = 20
     tool_call_parser: str | None = None  # tool_choice "auto"'s format; None: from the template
@@ -103,6 +106,7 @@ def build_app(
         if owns_engine:
             await engine.shutdown(timeout=min(settings.shutdown_timeout, 5.0))
         offload.shutdown()
+        routes.chat.renderer.close()
 
     app = ServerApp(
         title="pagedllm OpenAI-compatible server",
@@ -145,6 +149,8 @@ def _routes(
         served,
         model,
         chat_template=settings.chat_template,
+        chat_template_name=settings.chat_template_name,
+        template_limits=settings.template_limits,
         max_logprobs=settings.max_logprobs,
         tool_call_parser=settings.tool_call_parser,
         offload=offload,

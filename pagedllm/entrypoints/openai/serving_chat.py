@@ -27,6 +27,11 @@ from pagedllm.entrypoints.openai.serving_tools import (
     tool_message,
 )
 from pagedllm.entrypoints.openai.sse import DONE, EventStreamResponse, sse_event
+from pagedllm.entrypoints.openai.template_render import (
+    ChatTemplateError,
+    TemplateLimits,
+    TemplateRenderer,
+)
 from pagedllm.entrypoints.openai.tool_auto import detect_auto_tools, with_system_text
 from pagedllm.outputs import CompletionOutput, RequestOutput
 
@@ -118,12 +123,28 @@ class OpenAIServingChat(ServingBase):
         model: ModelInfo,
         *,
         chat_template: str | None = None,
+        chat_template_name: str | None = None,
+        template_limits: TemplateLimits | None = None,
         max_logprobs: int = 20,
         tool_call_parser: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(engine, model, max_logprobs=max_logprobs, **kwargs)
         self.chat_template = chat_template
+        name = chat_template_name or (
+            "--chat-template" if chat_template else f"{Path(model.root).name}'s chat template"
+        )
+        # Renders run in killable workers (template_render.py); the first one is the start-up
+        # check: a template that cannot render one message within the bounds is refused here.
+        self.renderer = TemplateRenderer(
+            self.tokenizer, f"the chat template ({name})", template_limits
+        )
+        if self._template():
+            try:
+                self.renderer.check_startup(self.chat_template)
+            except Exception:
+                self.renderer.close()
+                raise
         self.auto_tools = detect_auto_tools(self._template(), self._render_text, tool_call_parser)
 
     def _template(self) -> str | None:
@@ -135,14 +156,9 @@ class OpenAIServingChat(ServingBase):
         tools: list[dict[str, Any]] | None = None,
         **kwargs: Any,
     ) -> str:
-        """The chat template applied to message dicts (``tools`` passed only when given)."""
-        return self.tokenizer.apply_chat_template(
-            messages,
-            chat_template=self._template(),
-            tokenize=False,
-            **({"tools": tools} if tools else {}),
-            **kwargs,
-        )
+        """The chat template applied to message dicts (``tools`` passed only when given), in a
+        worker within the render bounds."""
+        return self.renderer.render(messages, self._template(), tools, **kwargs)
 
     def render(
         self,
@@ -179,6 +195,9 @@ class OpenAIServingChat(ServingBase):
             )
         except APIError:
             raise
+        except ChatTemplateError as exc:  # failed, or stopped at a bound: the text names it
+            code = "chat_template_error" if exc.kind == "error" else "chat_template_limit"
+            raise APIError(f"messages: {exc}", param="messages", code=code) from None
         except Exception as exc:  # jinja errors, raise_exception() in templates
             raise APIError(f"messages: the chat template failed: {exc}", param="messages") from exc
         ids = self.tokenizer.encode(text, add_special_tokens=False)

@@ -60,6 +60,8 @@ def check_model(gguf: GGUFFile) -> None:
     _check_blocks(gguf, family, arch, sizes["block_count"])
     _check_floats(gguf, arch)
     _check_widths(gguf, family, arch, sizes)
+    if family.moe:
+        _check_experts(gguf, family, arch, sizes)
     _check_vocabulary(gguf, arch)
 
 
@@ -236,6 +238,73 @@ def _check_widths(gguf: GGUFFile, family: Family, arch: str, sizes: dict[str, in
         _expect(gguf, f"{b}.ffn_gate.weight", (ffn, hidden), f_why)
         _expect(gguf, f"{b}.ffn_up.weight", (up_rows, hidden), f_why)
         _expect(gguf, f"{b}.ffn_down.weight", (hidden, ffn), f_why)
+
+
+def _check_experts(gguf: GGUFFile, family: Family, arch: str, sizes: dict[str, int]) -> None:
+    """The expert counts, and every router and expert stack as the hyper-parameters shape it
+    (``[experts, rows, columns]``): a routed block with a stack short of an expert or of the
+    wrong width is one line here, not an index error in the middle of a forward pass."""
+    experts = _size(gguf, f"{arch}.expert_count")
+    used = _size(gguf, f"{arch}.expert_used_count")
+    if used > experts:
+        raise _fail(
+            gguf, f"{arch}.expert_used_count is {used}, more than {arch}.expert_count {experts}"
+        )
+    hidden, h = sizes["embedding_length"], f"{arch}.embedding_length"
+    key = f"{arch}.feed_forward_length"
+    width: int | None = sizes["feed_forward_length"]
+    if not family.experts_sized_by_ffn:
+        key = f"{arch}.expert_feed_forward_length"
+        width = _positive_int(gguf, key)
+        first = next(
+            (t for n, t in gguf.tensors.items() if n.endswith(".ffn_gate_exps.weight")), None
+        )
+        if width is None and first is not None and len(first.shape) == 3:
+            key, width = "the first ffn_gate_exps stack's rows", int(first.shape[1])
+    why = f"{arch}.expert_count {experts}, {key} {width} and {h} {hidden}"
+    r_why = f"{arch}.expert_count {experts} and {h} {hidden}"
+    for i in range(sizes["block_count"]):
+        b = f"blk.{i}"
+        if f"{b}.ffn_gate_inp.weight" not in gguf.tensors:
+            continue  # a dense block (Qwen-MoE's mlp_only_layers; config.py refuses the rest)
+        _check_routed_block(gguf, b, arch, (experts, width, hidden), why)
+        _expect(gguf, f"{b}.ffn_gate_inp.weight", (experts, hidden), r_why)
+    shared = _positive_int(gguf, f"{arch}.expert_shared_feed_forward_length")
+    if shared is not None:
+        s_why = f"{arch}.expert_shared_feed_forward_length {shared} and {h} {hidden}"
+        for i in range(sizes["block_count"]):
+            for kind, shape in (("gate", (shared, hidden)), ("up", (shared, hidden))):
+                _expect(gguf, f"blk.{i}.ffn_{kind}_shexp.weight", shape, s_why)
+            _expect(gguf, f"blk.{i}.ffn_down_shexp.weight", (hidden, shared), s_why)
+
+
+def _check_routed_block(
+    gguf: GGUFFile, b: str, arch: str, dims: tuple[int, int | None, int], why: str
+) -> None:
+    """A routed block's three stacks: present, each holding every expert, each as wide as the
+    experts are. (One tensor per expert, llama.cpp's early-2024 layout, is refused by name.)"""
+    experts, width, hidden = dims
+    for proj in ("gate", "up", "down"):
+        name = f"{b}.ffn_{proj}_exps.weight"
+        stack = gguf.tensors.get(name)
+        if stack is None:
+            raise _fail(
+                gguf,
+                f"{name} is missing ({b}.ffn_gate_inp.weight routes to experts; {arch} needs "
+                "ffn_gate_exps/ffn_up_exps/ffn_down_exps there)",
+            )
+        if len(stack.shape) != 3:
+            raise _fail(
+                gguf, f"{name} has shape {list(stack.shape)} (a stack is [experts, rows, columns])"
+            )
+        if stack.shape[0] != experts:
+            raise _fail(
+                gguf,
+                f"{name} stacks {stack.shape[0]} experts where {arch}.expert_count says {experts}",
+            )
+        if width is not None:
+            rows, cols = (hidden, width) if proj == "down" else (width, hidden)
+            _expect(gguf, name, (experts, rows, cols), why)
 
 
 def _check_vocabulary(gguf: GGUFFile, arch: str) -> None:
