@@ -118,3 +118,68 @@ def test_weights_past_the_bound_are_hashed_in_the_background(
     generate(engine)
     assert engine.get_stats()["kv_tier_disk_hits"] > 0
     engine.shutdown()
+
+
+def rewrite_gguf_in_place(path: Path) -> None:
+    """Scale every ``attn_v`` weight of a float32 GGUF file by -2 in its own bytes (same name,
+    size, inode), then put the times back."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    st = os.stat(path)
+    reader = GGUFReader(str(path))
+    spans = []
+    for t in reader.tensors:
+        if t.name.endswith("attn_v.weight"):
+            assert t.tensor_type == GGMLQuantizationType.F32
+            spans.append((int(t.data_offset), int(t.n_bytes)))
+    del reader  # its memory map
+    assert spans
+    with open(path, "r+b") as f:
+        for offset, size in spans:
+            f.seek(offset)
+            data = np.frombuffer(f.read(size), dtype=np.float32) * -2.0
+            f.seek(offset)
+            f.write(data.astype(np.float32).tobytes())
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    after = os.stat(path)
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (
+        st.st_ino,
+        st.st_size,
+        st.st_mtime_ns,
+    )
+
+
+def test_a_gguf_file_replaced_in_place_gets_a_new_fingerprint(
+    llama_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The issue's case: a GGUF served with the disk tier on, replaced by a file of the same name
+    and size whose ``attn_v`` weights differ; the next start fingerprints it anew and its
+    greedy outputs equal a tier-off run of the new file."""
+    from tests.models.gguf_files import write_gguf
+
+    monkeypatch.setattr(hashes, "SETTLE_SECONDS", 0.0)
+    model, kv_dir = write_gguf(llama_path, tmp_path / "model.gguf"), tmp_path / "kv"
+    kwargs = dict(BASE, num_kv_blocks=64, dtype="float32")
+
+    def start(**more: object) -> Engine:
+        return Engine(str(model), **kwargs, **more)
+
+    engine = start(kv_cache_dir=str(kv_dir))
+    old = generate(engine)
+    fingerprint = engine.kv_tiers.disk.folder.name  # type: ignore[union-attr]
+    engine.shutdown()
+    assert list(kv_dir.glob("*/*/*.kvb"))
+
+    rewrite_gguf_in_place(model)
+    engine = start()
+    off = generate(engine)
+    engine.shutdown()
+    assert off != old  # the new file's weights change what it says
+
+    engine = start(kv_cache_dir=str(kv_dir))
+    on = generate(engine)
+    stats = engine.get_stats()
+    assert engine.kv_tiers.disk.folder.name != fingerprint  # type: ignore[union-attr]
+    engine.shutdown()
+    assert on == off
+    assert stats["kv_tier_disk_hits"] == 0 and stats["kv_tier_reads"] == 0
