@@ -312,7 +312,7 @@ def test_bad_moe_files_fail_at_start_with_one_line(
         (miscounted, "stacks 8 experts where qwen3moe.expert_count says 6"),
         (experts_in_qwen3, "has no place in a qwen3"),
         (mixtral_no_count, "llama.expert_count"),
-        (mixtral_width, "ffn_gate_exps.weight has shape [8, 96, 64] where llama.expert_count 8"),
+        (mixtral_width, "ffn_gate_exps.weight has shape .* llama.feed_forward_length 64 and"),
         (split, "one expert of an early-2024 file"),
     ]
     assert_refused_in_one_line(cases)
