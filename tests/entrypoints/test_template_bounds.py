@@ -99,6 +99,35 @@ def test_startup_check_refuses_with_jinjas_message(renderer: Any) -> None:
     r.check_startup(HOSTILE)
 
 
+def test_a_worker_killed_from_outside_is_replaced(renderer: Any) -> None:
+    _, r = renderer
+    assert r.render(MESSAGES, HOSTILE) == "user: Hello there\n"
+    for worker in list(r._all):
+        worker.proc.kill()
+        worker.proc.wait()
+    assert r.render(MESSAGES, HOSTILE) == "user: Hello there\n"
+
+
+class _Unpicklable:
+    """A tokenizer the worker cannot be given (a lambda inside): rendered in the thread."""
+
+    def __init__(self) -> None:
+        self.hook = lambda: None
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], **kw: Any) -> str:
+        return "".join(m["content"] for m in messages) + kw["chat_template"]
+
+
+def test_a_tokenizer_that_does_not_pickle_renders_in_the_thread(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level("WARNING"):
+        r = TemplateRenderer(_Unpicklable(), "the chat template (x)")
+    assert "cannot be copied to a worker process" in caplog.text
+    assert r.render(MESSAGES, "!") == "Hello there!"
+    assert not r._all
+
+
 def _serve(model: Path, template: Path, tmp_path: Path, port: int) -> tuple[Any, Path]:
     cmd = [
         sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", str(model),

@@ -17,6 +17,7 @@ template that cannot is refused before the server answers anything.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -130,7 +131,8 @@ class _Worker:
         self.proc.wait()
         for pipe in (self.proc.stdin, self.proc.stdout):
             if pipe is not None:
-                pipe.close()
+                with contextlib.suppress(OSError):  # a request left in the buffer: dropped
+                    pipe.close()
 
 
 class TemplateRenderer:
@@ -140,13 +142,25 @@ class TemplateRenderer:
     def __init__(self, tokenizer: Any, name: str, limits: TemplateLimits | None = None) -> None:
         self.name = name
         self.limits = limits or TemplateLimits()
-        self._setup = pickle.dumps((tokenizer, self.limits.max_chars, self.limits.memory_bytes))
+        self._tokenizer = tokenizer
+        try:
+            setup = (tokenizer, self.limits.max_chars, self.limits.memory_bytes)
+            self._setup: bytes | None = pickle.dumps(setup)
+        except Exception as exc:  # a tokenizer class that does not pickle: unbounded, said once
+            logger.warning(
+                "%s: the tokenizer cannot be copied to a worker process (%s); templates render "
+                "in the server's threads, without the time and memory bounds",
+                name,
+                exc,
+            )
+            self._setup = None
         self._idle: queue.SimpleQueue[_Worker] = queue.SimpleQueue()
         self._all: set[_Worker] = set()
         self._lock = threading.Lock()
         self._closed = False
 
     def _acquire(self) -> _Worker:
+        assert self._setup is not None
         with self._lock:
             if self._closed:
                 raise RuntimeError("the chat template renderer is closed")
@@ -175,6 +189,7 @@ class TemplateRenderer:
             if self._closed:
                 return
             try:
+                assert self._setup is not None
                 fresh = _Worker(self._setup)
             except (OSError, _WorkerDied) as exc:
                 logger.warning("%s: cannot start a template worker (%s)", self.name, exc)
@@ -191,18 +206,8 @@ class TemplateRenderer:
     ) -> str:
         """The rendered prompt; a ``ChatTemplateError`` naming the template when it fails or
         runs past a bound (the render is then stopped: its worker killed)."""
-        request = json.dumps(
-            {"messages": messages, "template": template, "tools": tools, "kwargs": kwargs}
-        ).encode()
-        worker = self._acquire()
-        broken = True
-        try:
-            reply = worker.call(request, self.limits)
-            broken = reply is None
-        except _WorkerDied as exc:
-            raise RuntimeError(f"{self.name}: {exc}") from None
-        finally:
-            self._release(worker, broken=broken)
+        request = {"messages": messages, "template": template, "tools": tools, "kwargs": kwargs}
+        reply = self._in_thread(request) if self._setup is None else self._exchange(request)
         if reply is None:
             logger.warning(
                 "%s: a render ran past %s s and was stopped", self.name, self.limits.seconds
@@ -219,6 +224,29 @@ class TemplateRenderer:
             why = f"{reply['error']}, more than the {self.limits.max_chars} a render may produce"
             raise ChatTemplateError(f"{self.name}: {why}", kind)
         raise ChatTemplateError(f"{self.name} failed: {reply.get('error')}", kind)
+
+    def _exchange(self, request: dict[str, Any]) -> dict[str, Any] | None:
+        """The worker's reply; None when the render ran past its time (its worker killed). A
+        worker found dead (killed from outside) is replaced and the render tried once more."""
+        payload = json.dumps(request).encode()
+        for attempt in (1, 2):
+            worker = self._acquire()
+            broken = True
+            try:
+                reply = worker.call(payload, self.limits)
+                broken = reply is None
+                return reply
+            except _WorkerDied as exc:
+                if attempt == 2:
+                    raise RuntimeError(f"{self.name}: {exc}") from None
+            finally:
+                self._release(worker, broken=broken)
+        return None  # not reached
+
+    def _in_thread(self, request: dict[str, Any]) -> dict[str, Any]:
+        from pagedllm.entrypoints.openai.template_worker import render
+
+        return render(self._tokenizer, request, self.limits.max_chars)
 
     def check_startup(self, template: str | None) -> None:
         """Refuse (``ChatTemplateError``, one line) a template that cannot render a one-message

@@ -46,7 +46,8 @@ def write_frame(stream: IO[bytes], payload: bytes) -> None:
 
 def _die_with_parent() -> None:
     """A server killed outright (SIGKILL) takes its workers with it (Linux; elsewhere the
-    closed stdin ends an idle worker)."""
+    closed stdin ends an idle worker). Linux sends it when the *thread* that started the worker
+    ends: the server starts them from its main and offload threads, which live as long as it."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
