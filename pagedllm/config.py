@@ -173,11 +173,9 @@ class CacheConfig:
         return int(self.swap_space * _GiB)
 
 
-# Tokens per step under chunked prefill when max_num_batched_tokens is not given, and the prompt
-# tokens a step may carry when few decode (measured in docs/performance.md, "Chunked prefill by
-# default"; the reasons in docs/design.md, "The step plan").
+# Tokens per step under chunked prefill when max_num_batched_tokens is not given (measured in
+# docs/performance.md, "Chunked prefill by default").
 DEFAULT_CHUNKED_TOKEN_BUDGET = 256
-MIN_PROMPT_CHUNK = 32
 
 
 @dataclass(frozen=True)
@@ -190,18 +188,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     delay_factor: float = 0.0
     policy: str = "fcfs"
-    # Chunked prefill: a step's prompt chunks hold at most this many tokens per decode in it
-    # (at least MIN_PROMPT_CHUNK), so prompts arriving cost running decodes at most about
-    # (1 + this) times their own step; 0: prompts fill the whole budget (vLLM V1).
-    prompt_tokens_per_decode: int = 1
 
     def __post_init__(self) -> None:
         _positive_int(self.max_num_seqs, "max_num_seqs")
-        require(
-            isinstance(self.prompt_tokens_per_decode, int) and self.prompt_tokens_per_decode >= 0,
-            "prompt_tokens_per_decode",
-            f"must be an integer >= 0, got {self.prompt_tokens_per_decode!r}",
-        )
         _positive_int(self.max_num_batched_tokens, "max_num_batched_tokens", allow_none=True)
         _positive_int(self.max_model_len, "max_model_len")
         require(
@@ -218,12 +207,6 @@ class SchedulerConfig:
                 f"({self.max_num_batched_tokens}) must be >= max_model_len "
                 f"({self.max_model_len}) unless chunked prefill is on, or long prompts never run",
             )
-
-    def prompt_cap(self, num_decode_tokens: int) -> int | None:
-        """Prompt tokens a chunked step may add to its decodes (None: the budget decides)."""
-        if not num_decode_tokens or not self.prompt_tokens_per_decode:
-            return None
-        return max(MIN_PROMPT_CHUNK, self.prompt_tokens_per_decode * num_decode_tokens)
 
     @property
     def token_budget(self) -> int:

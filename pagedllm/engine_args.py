@@ -101,11 +101,6 @@ class EngineArgs:
         "decodes first in each step's token budget, prompt chunks fill the rest "
         "(--no-enable-chunked-prefill: a step is all prompts or all decodes)",
     )
-    prompt_tokens_per_decode: int = engine_arg(
-        1,
-        "chunked prefill: prompt tokens a step may carry per decode in it (at least 32), so "
-        "decodes keep their pace while prompts arrive; 0: prompts fill the whole budget",
-    )
     scheduler_delay_factor: float = engine_arg(
         0.0, "hold prompts back this many last-prompt latencies to batch more of them"
     )
@@ -272,7 +267,6 @@ class EngineArgs:
             max_model_len=max_len,
             preemption_mode=self.preemption_mode,
             enable_chunked_prefill=self.enable_chunked_prefill,
-            prompt_tokens_per_decode=self.prompt_tokens_per_decode,
             delay_factor=self.scheduler_delay_factor,
             policy=self.scheduling_policy,
         )

@@ -6,11 +6,8 @@ the group at the back of ``running`` is preempted (recompute: back to the front 
 swap: its blocks to host memory, the group to ``swapped``). Swapped groups come back, in order,
 once a step has preempted nobody and blocks allow.
 
-Chunked prefill (the default): one token budget per step; running decodes first, then swapped
-groups, then prompt chunks, so decodes never starve behind a long prompt. While sequences
-decode, the prompt chunks of a step are also capped in proportion to them
-(``SchedulerConfig.prompt_cap``): on a compute-bound device a step's time follows its tokens, and
-every decode waits for the whole step.
+Chunked prefill: one token budget per step; running decodes first, then swapped groups, then
+prompt chunks, so decodes never starve behind a long prompt.
 """
 
 from __future__ import annotations
@@ -199,7 +196,7 @@ class Scheduler:
                 num_tokens = sum(s.get_len() for s in seqs)
             num_new_seqs = group.get_max_num_running_seqs()
             if chunked:
-                num_tokens = min(num_tokens, budget.prompt_tokens_left)
+                num_tokens = min(num_tokens, budget.tokens_left)
                 if num_tokens <= 0 or not budget.fits(num_tokens, num_new_seqs):
                     bm.release_tier_hits(group)
                     break
@@ -245,7 +242,7 @@ class Scheduler:
         seqs = group.get_seqs(SequenceStatus.RUNNING)
         if chunked and len(seqs) == 1:
             bm, seq = self.block_manager, seqs[0]
-            chunk = min(seq.get_num_uncomputed_tokens(), budget.prompt_tokens_left)
+            chunk = min(seq.get_num_uncomputed_tokens(), budget.tokens_left)
             chunk = min(chunk, bm.placeable_tokens(seq))  # block sliding window: blocks free now
             if chunk > 0:
                 self._copies_into(step, seq, seq.num_computed_tokens + chunk)
@@ -256,7 +253,6 @@ class Scheduler:
                 chunk += seq.get_num_uncomputed_tokens()
                 self._copies_into(step, seq, seq.get_len())
         budget.num_tokens += chunk
-        budget.prompt_tokens += chunk
         if new:
             budget.num_seqs += group.get_max_num_running_seqs()
         return chunk
@@ -293,10 +289,8 @@ class Scheduler:
                 step.decodes.append(group)
                 kept.append(group)
         self.running = kept
-        if chunked:
-            budget.prompt_cap = self.config.prompt_cap(budget.num_tokens)
         for group in partial_prompts:
-            if chunked and budget.prompt_tokens_left > 0:
+            if chunked and budget.tokens_left > 0:
                 chunk = self._prefill_chunk(group, budget, step, True, new=False)
                 if chunk > 0:
                     step.prefills.append((group, chunk))

@@ -26,8 +26,6 @@ class Budget:
     max_num_seqs: int
     num_tokens: int = 0
     num_seqs: int = 0
-    prompt_cap: int | None = None  # chunked prefill: prompt tokens at most, beside decodes
-    prompt_tokens: int = 0
 
     def fits(self, num_tokens: int, num_seqs: int) -> bool:
         return (
@@ -38,12 +36,6 @@ class Budget:
     @property
     def tokens_left(self) -> int:
         return self.token_budget - self.num_tokens
-
-    @property
-    def prompt_tokens_left(self) -> int:
-        if self.prompt_cap is None:
-            return self.tokens_left
-        return min(self.tokens_left, self.prompt_cap - self.prompt_tokens)
 
 
 @dataclass

@@ -163,35 +163,6 @@ def test_chunked_prefill_budget_and_decodes_first() -> None:
     assert s.stats.chunked_prefill_steps >= 4
 
 
-def _prompt_tokens_beside_decodes(num_decodes: int, **config: object) -> list[int]:
-    """Prompt tokens per step while ``num_decodes`` sequences decode and a 300-token prompt
-    arrives (default budget: 256 tokens)."""
-    s = make_scheduler(num_blocks=512, max_model_len=512, enable_chunked_prefill=True, **config)
-    for i in range(num_decodes):
-        s.add(make_group(f"d{i}", 4, max_tokens=100))
-    fake_step(s)
-    s.add(make_group("long", 300, max_tokens=2))
-    per_step = []
-    for _ in range(3):
-        out = fake_step(s)
-        per_step.append(sum(len(x.token_ids) for x in out.seqs if x.is_prompt))
-        decodes = [x for x in out.seqs if x.request_id.startswith("d")]
-        assert len(decodes) == num_decodes  # every decode, every step
-    return per_step
-
-
-def test_chunked_prompt_tokens_capped_by_the_decodes_in_the_step() -> None:
-    """A step carries at most one prompt token per decode (at least 32), so its time stays
-    within about twice the decodes' own; with no cap the prompt fills the budget (vLLM V1)."""
-    assert _prompt_tokens_beside_decodes(40) == [40, 40, 40]
-    assert _prompt_tokens_beside_decodes(5) == [32, 32, 32]
-    assert _prompt_tokens_beside_decodes(40, prompt_tokens_per_decode=2) == [80, 80, 80]
-    assert _prompt_tokens_beside_decodes(40, prompt_tokens_per_decode=0) == [216, 84, 0]
-    s = make_scheduler(num_blocks=512, max_model_len=512, enable_chunked_prefill=True)
-    s.add(make_group("alone", 300, max_tokens=2))
-    assert fake_step(s).num_batched_tokens == 256  # nothing decodes: the whole budget
-
-
 def test_chunked_prefill_lists_prompt_chunks_before_decodes() -> None:
     s = make_scheduler(num_blocks=64, enable_chunked_prefill=True, max_num_batched_tokens=16)
     s.add(make_group("a", 3, max_tokens=10))
