@@ -30,7 +30,7 @@ def run(model: Path, args: argparse.Namespace, vocab: int, chunked: bool) -> dic
     extra = (
         {"enable_chunked_prefill": True, "max_num_batched_tokens": args.chunk}
         if chunked
-        else {"max_num_batched_tokens": args.long_len + 64}
+        else {"enable_chunked_prefill": False, "max_num_batched_tokens": args.long_len + 64}
     )
     engine = Engine(
         str(model),

@@ -173,13 +173,19 @@ class CacheConfig:
         return int(self.swap_space * _GiB)
 
 
+# Tokens per step under chunked prefill when max_num_batched_tokens is not given (measured in
+# docs/performance.md, "Chunked prefill by default").
+DEFAULT_CHUNKED_TOKEN_BUDGET = 256
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     max_model_len: int = 2048
     preemption_mode: str | None = None  # None: swap multi-sequence groups, recompute the rest
-    enable_chunked_prefill: bool = False
+    # On (as vLLM V1): decodes first in each step's token budget, prompt chunks fill the rest.
+    enable_chunked_prefill: bool = True
     delay_factor: float = 0.0
     policy: str = "fcfs"
 
@@ -207,7 +213,10 @@ class SchedulerConfig:
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         if self.enable_chunked_prefill:
-            return max(512, self.max_num_seqs)
+            # A step's time grows with its tokens on a compute-bound CPU, and every running
+            # decode waits for the whole step: the smallest budget that still holds one decode
+            # per sequence (docs/design.md, "The step plan").
+            return max(DEFAULT_CHUNKED_TOKEN_BUDGET, self.max_num_seqs)
         return max(self.max_model_len, 2048)
 
 

@@ -76,7 +76,11 @@ class EngineArgs:
     )
     max_model_len: int | None = engine_arg(None, "context window (default: the model's)")
     max_num_seqs: int = engine_arg(256, "max sequences per batch (default 256)")
-    max_num_batched_tokens: int | None = engine_arg(None, "max tokens per step")
+    max_num_batched_tokens: int | None = engine_arg(
+        None,
+        "max tokens per step (default: max(256, max_num_seqs) with chunked prefill, else "
+        "max(max_model_len, 2048))",
+    )
     kv_cache_space: float | None = engine_arg(
         None, "GiB of KV cache on the CPU (default: $PAGEDLLM_CPU_KVCACHE_SPACE or 4)"
     )
@@ -93,7 +97,9 @@ class EngineArgs:
     num_kv_blocks: int | None = engine_arg(None, "fix the number of KV blocks (testing)")
     enable_prefix_caching: bool = engine_arg(False, "reuse KV blocks of shared prompt prefixes")
     enable_chunked_prefill: bool = engine_arg(
-        False, "split long prefills and batch them with decodes"
+        True,
+        "decodes first in each step's token budget, prompt chunks fill the rest "
+        "(--no-enable-chunked-prefill: a step is all prompts or all decodes)",
     )
     scheduler_delay_factor: float = engine_arg(
         0.0, "hold prompts back this many last-prompt latencies to batch more of them"

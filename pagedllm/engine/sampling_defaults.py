@@ -3,8 +3,11 @@
 
 ``SamplingParams``' neutral defaults (temperature 1, no top-k/top-p) make small models ramble;
 the people who publish a model say how to sample it, in ``generation_config.json`` (a Hugging
-Face folder) or in ``general.sampling.*`` metadata (a GGUF file). A GGUF file that says nothing
-gets llama.cpp's defaults, since that is what its users have been getting from it. The setting
+Face folder) or in ``general.sampling.*`` metadata (a GGUF file). Most GGUF files say nothing,
+while their publisher's model card does: a ``generation_config.json``-shaped file beside the
+GGUF file, named after it (``model.Q4_1.gguf`` -> ``model.Q4_1.generation_config.json``), carries
+those values (the demo's fetch writes one). A GGUF file with neither gets llama.cpp's defaults,
+since that is what its users have been getting from it. The setting
 ``generation_config`` picks: ``auto`` (the model's), ``none`` (``SamplingParams``' own), or a
 JSON object of fields that override the model's. Parsing is torch-free (``engine_args`` checks
 the setting before anything loads); only reading a GGUF file touches the model code.
@@ -103,7 +106,20 @@ def _from_gguf(path: Path) -> dict[str, Any]:
     found = {
         name: _shortest(gguf.metadata(key)) for key, name in GGUF_KEYS.items() if gguf.has(key)
     }
-    return found or dict(LLAMA_CPP_DEFAULTS)
+    if found:
+        return found
+    beside = _from_generation_config(sidecar_path(path))
+    if beside:
+        logger.info(
+            "sampling defaults from %s (the publisher's, beside the file)", sidecar_path(path)
+        )
+        return beside
+    return dict(LLAMA_CPP_DEFAULTS)
+
+
+def sidecar_path(gguf_path: Path) -> Path:
+    """Where a GGUF file's publisher defaults sit: beside it, under its own name."""
+    return gguf_path.with_suffix(".generation_config.json")
 
 
 def _shortest(value: Any) -> Any:

@@ -140,7 +140,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             # the flag's own default is None (EngineArgs decides), so say EngineArgs' here
             help_text += f" (default: {str(f.default).replace('%', '%%')})"
         if base == "bool":
-            g.add_argument(flag, action="store_true", default=None, help=help_text)
+            # a flag on by default needs its --no- form to be turned off
+            action = argparse.BooleanOptionalAction if f.default is True else "store_true"
+            g.add_argument(flag, action=action, default=None, help=help_text)
             continue
         choices = f.metadata.get("choices")
         kwargs: dict[str, Any] = {"type": _SIMPLE_TYPES[base], "help": help_text}

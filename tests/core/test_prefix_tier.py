@@ -76,6 +76,7 @@ def chain(tokens: list[int], n: int) -> list[int]:
 
 def make(tier: FakeTier, *, num_blocks: int = 8, **config: object) -> Scheduler:
     config.setdefault("max_model_len", 64)
+    config.setdefault("enable_chunked_prefill", False)  # written for whole-prompt steps
     bm = BlockSpaceManager(BS, num_blocks, 4, watermark=0.0, enable_caching=True, tier=tier)
     return Scheduler(SchedulerConfig(**config), bm)  # type: ignore[arg-type]
 

@@ -36,7 +36,7 @@ def make(num_blocks: int, k: int = 3, block_size: int = 4) -> Scheduler:
     bm = BlockSpaceManager(block_size, num_blocks, 8, watermark=0.0)
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_max=2)
     return Scheduler(
-        SchedulerConfig(max_model_len=64),
+        SchedulerConfig(max_model_len=64, enable_chunked_prefill=False),  # whole-prompt steps
         bm,
         lookahead=LookaheadPlanner(spec, max_model_len=64),
     )

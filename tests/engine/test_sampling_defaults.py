@@ -88,6 +88,34 @@ def test_a_gguf_file_gives_its_own_keys_else_llama_cpps(tmp_path: Path) -> None:
     assert model_defaults(str(own)) == {"top_p": 0.95, "top_k": 7}  # stored as float32
 
 
+def test_a_gguf_file_without_keys_takes_its_publishers_file_beside_it(tmp_path: Path) -> None:
+    folder = build_model(tmp_path / "llama", "llama")
+    plain = write_gguf(folder, tmp_path / "model.Q4_1.gguf")
+    beside = tmp_path / "model.Q4_1.generation_config.json"
+    beside.write_text(json.dumps({"temperature": 0.2, "top_p": 0.9, "source": "a model card"}))
+    assert model_defaults(str(plain)) == {"temperature": 0.2, "top_p": 0.9}
+    own = write_gguf(folder, tmp_path / "own.gguf", metadata={"general.sampling.top_k": 7})
+    (tmp_path / "own.generation_config.json").write_text(json.dumps({"temperature": 0.2}))
+    assert model_defaults(str(own)) == {"top_k": 7}  # the file's own keys first
+
+
+def test_the_demo_fetch_records_its_publishers_sampling(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pagedllm.entrypoints import demo_model
+
+    cached = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    cached.write_bytes(b"\0" * 16)
+    monkeypatch.setattr(demo_model, "model_path", lambda: cached)
+    monkeypatch.setattr(demo_model, "SIZE", 16)
+    assert demo_model.fetch_demo_model(download=False).path == cached
+    beside = json.loads(
+        (tmp_path / "SmolLM2-135M-Instruct.Q4_1.generation_config.json").read_text()
+    )
+    assert {k: beside[k] for k in ("temperature", "top_p")} == demo_model.PUBLISHER_SAMPLING
+    assert demo_model.PUBLISHER_SAMPLING == {"temperature": 0.2, "top_p": 0.9}
+
+
 def test_generate_without_params_uses_the_defaults(greedy_path: Path) -> None:
     engine = Engine(str(greedy_path), device="cpu", dtype="float32", attention_backend="torch")
     assert engine.sampling_defaults == {"temperature": 0.0, "top_k": 5, "max_tokens": 6}

@@ -173,6 +173,24 @@ def test_bench_serve_sharegpt_chat_at_a_rate(
     assert "invalid or missing API key" in capsys.readouterr().err
 
 
+def test_bench_serve_compares_arrivals_with_all_at_once(
+    server: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "compare.json"
+    args = ["bench", "serve", "--url", server.base_url, "--api-key", API_KEY]
+    args += ["--num-prompts", "4", "--input-len", "8", "--output-len", "6", "--no-progress"]
+    args += ["--request-rate", "50", "--compare-all-at-once", "--output-json", str(out)]
+    assert cli.main(args) == 0
+    report = json.loads(out.read_text())
+    arrivals, burst = report["arrivals"], report["all_at_once"]
+    assert arrivals["request_rate"] == 50 and burst["request_rate"] is None
+    assert arrivals["completed"] == burst["completed"] == 4
+    assert arrivals["prompt_tokens"] == burst["prompt_tokens"]  # the same requests twice
+    ratio = arrivals["tpot_ms"]["median"] / burst["tpot_ms"]["median"]
+    assert math.isclose(report["ratios"]["tpot_median"], ratio)
+    assert "Ratio tpot p50:" in capsys.readouterr().out
+
+
 def test_bench_throughput_and_latency_offline(
     llama_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -79,6 +79,12 @@ def add_parser(sub: Any, add_engine_args: Callable[[argparse.ArgumentParser], No
     )
     srv.add_argument("--max-concurrency", type=int, help="requests in flight at most")
     srv.add_argument(
+        "--compare-all-at-once",
+        action="store_true",
+        help="then send the same requests all at once and print TTFT/TPOT of both runs and the "
+        "ratio (whether decodes keep their pace while prompts arrive)",
+    )
+    srv.add_argument(
         "--no-ignore-eos",
         action="store_true",
         help="let answers end at EOS (default: exactly the output length)",
@@ -202,20 +208,32 @@ def run_serve(args: argparse.Namespace) -> int:
         requests = datasets.random_requests(
             args.num_prompts, args.input_len, args.output_len, args.seed
         )
-    report = run_async(
-        serve.run(
-            url,
-            requests,
-            model=args.model,
-            api_key=key,
-            chat=args.endpoint == "chat",
-            request_rate=args.request_rate,
-            max_concurrency=args.max_concurrency,
-            ignore_eos=not args.no_ignore_eos,
-            seed=args.seed,
-            progress=not args.no_progress,
+
+    def one_run(rate: float) -> dict[str, Any]:
+        report = run_async(
+            serve.run(
+                url,
+                requests,
+                model=args.model,
+                api_key=key,
+                chat=args.endpoint == "chat",
+                request_rate=rate,
+                max_concurrency=args.max_concurrency,
+                ignore_eos=not args.no_ignore_eos,
+                seed=args.seed,
+                progress=not args.no_progress,
+            )
         )
-    )
-    serve.print_report(report, sys.stdout)
+        serve.print_report(report, sys.stdout)
+        return report
+
+    report = one_run(args.request_rate)
+    if args.compare_all_at_once:
+        burst = one_run(float("inf"))
+        report = serve.compare(report, burst)
+        serve.print_comparison(report, sys.stdout)
+        failed = report["arrivals"]["failed"] + report["all_at_once"]["failed"]
+    else:
+        failed = report["failed"]
     _write_json(args.output_json, report)
-    return 0 if report["failed"] == 0 else 1
+    return 0 if failed == 0 else 1

@@ -277,3 +277,32 @@ def print_report(report: dict[str, Any], out: TextIO) -> None:
     print_table("Serving Benchmark Result", rows, out)
     for error in report["errors"]:
         out.write(f"error: {error}\n")
+
+
+def compare(arrivals: dict[str, Any], all_at_once: dict[str, Any]) -> dict[str, Any]:
+    """Both runs of the same requests and the ratios of their latencies (arrivals over burst).
+
+    A burst admits every prompt before decoding settles, so its TPOT is what decoding costs at
+    that batch; under arrivals each step also computes the prompts that keep coming, and the
+    TPOT ratio says how much a scheduler lets those prompts slow the decodes.
+    """
+    ratios = {}
+    for key in ("tpot_ms", "ttft_ms"):
+        a, b = arrivals[key], all_at_once[key]
+        for p in ("median", "p99"):
+            if a.get(p) and b.get(p):
+                ratios[f"{key[:-3]}_{p}"] = a[p] / b[p]
+    return {"arrivals": arrivals, "all_at_once": all_at_once, "ratios": ratios}
+
+
+def print_comparison(report: dict[str, Any], out: TextIO) -> None:
+    a, b = report["arrivals"], report["all_at_once"]
+    rows: list[tuple[str, Any]] = [(f"arrivals at {a['request_rate']} req/s / all at once", None)]
+    for key, name in (("tpot_ms", "TPOT"), ("ttft_ms", "TTFT")):
+        for p, label in (("median", "p50"), ("p99", "p99")):
+            rows.append(
+                (f"{name} {label} (ms)", f"{a[key].get(p, 0):.1f} / {b[key].get(p, 0):.1f}")
+            )
+    for key, value in report["ratios"].items():
+        rows.append((f"Ratio {key.replace('_', ' ').replace('median', 'p50')}", value))
+    print_table("Arrivals vs All at Once", rows, out)
