@@ -6,15 +6,17 @@ machine tilts them alike), the median of ``--rounds`` reported:
 - ``first``: an empty packed-weight cache (the file's panels packed, checked and written);
 - ``second``: the cache the first start wrote (the panels mapped, not packed);
 - ``uncached``: ``PAGEDLLM_PACKED_CACHE=0`` (packed and checked, nothing written: the start
-  before the cache existed).
+  before the cache existed);
+- ``baseline`` (``--baseline <checkout>``): another checkout's start, for a before/after.
 
 Per start: ``import_s`` (interpreter start to ``import torch`` and ``from pagedllm import
 Engine`` done), ``engine_s`` (the ``Engine(...)`` call), of which ``engine_imports_s`` were
 modules it imported on first use (transformers' tokenizer, the backends) and ``load_s`` the
 rest (reading, decoding, packing or mapping the weights, the KV cache), ``ready_s`` (process
-start to ready) and ``cpu_s`` (the process's CPU seconds: on a busy machine wall time overstates
-the work). llama.cpp's start on the same file (``llama_cpp.Llama``, import apart) where
-llama-cpp-python is installed; else the JSON says it is not.
+start to exit) and the process's CPU seconds (``import_cpu_s``, ``engine_cpu_s``, ``cpu_s``: on
+a busy machine wall time overstates the work). llama.cpp's start on the same file
+(``llama_cpp.Llama``, import apart) where llama-cpp-python is installed; else the JSON says it
+is not.
 
     python benchmarks/startup.py                       # the demo model (SmolLM2-135M Q4_1)
     python benchmarks/startup.py --model some.gguf --rounds 5
@@ -42,7 +44,7 @@ t0 = time.perf_counter()
 import builtins, importlib, json, sys
 import torch
 from pagedllm import Engine
-t1 = time.perf_counter()
+t1, c1 = time.perf_counter(), time.process_time()
 spent, depth = [0.0], [0]
 
 def timed(fn):
@@ -63,6 +65,7 @@ importlib.import_module = timed(importlib.import_module)
 engine = Engine(sys.argv[1], device="cpu")
 t2 = time.perf_counter()
 print(json.dumps({"import_s": t1 - t0, "engine_s": t2 - t1, "engine_imports_s": spent[0],
+                  "import_cpu_s": c1, "engine_cpu_s": time.process_time() - c1,
                   "cpu_s": time.process_time(), "since_start_s": t2 - t0}))
 """
 
@@ -71,10 +74,11 @@ import time
 t0 = time.perf_counter()
 import json, os, sys
 import llama_cpp
-t1 = time.perf_counter()
+t1, c1 = time.perf_counter(), time.process_time()
 llm = llama_cpp.Llama(model_path=sys.argv[1], n_threads=os.cpu_count(), verbose=False)
 t2 = time.perf_counter()
 print(json.dumps({"import_s": t1 - t0, "engine_s": t2 - t1, "engine_imports_s": 0.0,
+                  "import_cpu_s": c1, "engine_cpu_s": time.process_time() - c1,
                   "cpu_s": time.process_time(), "since_start_s": t2 - t0}))
 """
 
@@ -132,16 +136,16 @@ def _demo_file() -> Path:
     return fetched.path
 
 
-def _env(cache: Path, *, packed: bool) -> dict[str, str]:
+def _env(cache: Path, *, packed: bool, root: Path = ROOT) -> dict[str, str]:
     return {
         **os.environ,
-        "PYTHONPATH": str(ROOT),
+        "PYTHONPATH": str(root),
         "PAGEDLLM_CACHE_DIR": str(cache),
         "PAGEDLLM_PACKED_CACHE": "1" if packed else "0",
     }
 
 
-def run(model: Path, rounds: int, tmp: Path) -> dict[str, object]:
+def run(model: Path, rounds: int, tmp: Path, baseline: Path | None = None) -> dict[str, object]:
     """The three kinds of start, alternating, ``rounds`` times each (see the module's doc)."""
     from pagedllm.config import user_cache_dir
 
@@ -151,6 +155,8 @@ def run(model: Path, rounds: int, tmp: Path) -> dict[str, object]:
     if tokenizers.is_dir():
         (cache / "gguf-tokenizers").symlink_to(tokenizers)
     runs: dict[str, list[dict[str, float]]] = {"first": [], "second": [], "uncached": []}
+    if baseline is not None:
+        runs["baseline"] = []
     _start(_CHILD, model, _env(cache, packed=False))  # warm: the tokenizer, the page cache
     for _ in range(rounds):
         for packed in (cache / "packed").glob("*.packed.pt"):
@@ -158,6 +164,9 @@ def run(model: Path, rounds: int, tmp: Path) -> dict[str, object]:
         runs["first"].append(_start(_CHILD, model, _env(cache, packed=True)))
         runs["second"].append(_start(_CHILD, model, _env(cache, packed=True)))
         runs["uncached"].append(_start(_CHILD, model, _env(cache, packed=False)))
+        if baseline is not None:
+            env = _env(cache, packed=False, root=baseline)
+            runs["baseline"].append(_start(_CHILD, model, env))
     result: dict[str, object] = {kind: _median(r) for kind, r in runs.items()}
     if importlib.util.find_spec("llama_cpp") is None:
         result["llama_cpp"] = "llama-cpp-python is not installed: no comparison"
@@ -172,6 +181,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", type=Path, default=None, help="a GGUF file (default: the demo)")
     ap.add_argument("--rounds", type=int, default=3, help="starts of each kind (median)")
     ap.add_argument("--smoke", action="store_true", help="a tiny Q4_0 file, one round (CI)")
+    ap.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="another checkout of pagedllm whose start runs alongside (as 'baseline')",
+    )
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))  # this checkout's pagedllm
     with tempfile.TemporaryDirectory() as tmp:
@@ -183,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
             "cpus": os.cpu_count(),
             "model": str(model.name),
             "rounds": rounds,
-            **run(model, rounds, Path(tmp)),
+            **run(model, rounds, Path(tmp), args.baseline),
         }
     print(json.dumps(result, indent=2))
 
