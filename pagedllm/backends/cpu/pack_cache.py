@@ -4,9 +4,8 @@ Packing a GGUF file's layers (and checking every packed layer against its defini
 rows) was most of the demo model's start after its imports. The panels depend only on the
 file's bytes, the C++ build that packed them (its layout and ISA) and the choices made at
 packing (``int8_activations``, the tensor-parallel shard), so they are saved once, in one file
-per such key, and later starts load that file with ``torch.load(mmap=True)``: the panels are
-the file's pages, read as the kernels first touch them, and shared by every process on the
-machine that serves the same file.
+per such key, and later starts map that file (``torch.load(mmap=True)``: no unpickling copies)
+and copy each layer's panels into the process's memory (see :meth:`PackCache._validated`).
 
 The key: the file's SHA-256 (remembered by the file's identity: :class:`HashCache`, the KV
 tiers' fingerprint, so the file is hashed once per machine, not per start), the extension's
@@ -20,6 +19,7 @@ written to a temporary name and renamed, so a reader never sees half of one.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -122,7 +122,10 @@ class PackCache:
                 raise ValueError(f"{name}: panels of shape {tuple(packed.shape)}")
             if packed.data_ptr() % _ALIGN:
                 raise ValueError(f"{name}: panels not aligned to {_ALIGN} bytes")
-            layers[name] = pw
+            # Into the process's own memory (huge pages where PyTorch takes them): the decode
+            # streams these panels every step, and whether 4 KB page-cache pages stream as
+            # fast is not measured yet. The copy is a memcpy per layer, not a packing.
+            layers[name] = dataclasses.replace(pw, packed=packed.clone())
         return layers
 
     def save(self, layers: dict[str, PackedGroupwise]) -> None:
