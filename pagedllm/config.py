@@ -71,6 +71,8 @@ class ModelConfig:
     # engine/sampling_defaults.py.
     generation_config: str = "auto"
     sampling_overrides: tuple[tuple[str, Any], ...] = ()
+    # Where a backend keeps a GGUF's packed weights for the next start (None: packed each time).
+    packed_cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         require(
@@ -379,6 +381,14 @@ def env_fuzz_examples(default: int = 300) -> int:
     """``PAGEDLLM_FUZZ_EXAMPLES``: request bodies the server fuzz test sends (its long mode)."""
     value = os.environ.get("PAGEDLLM_FUZZ_EXAMPLES")
     return int(value) if value else default
+
+
+def env_packed_cache_dir() -> str | None:
+    """The packed-weight cache's folder (``user_cache_dir()/packed``), or None where
+    ``PAGEDLLM_PACKED_CACHE`` is ``0`` (every start packs the weights itself)."""
+    if os.environ.get("PAGEDLLM_PACKED_CACHE", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    return os.path.join(user_cache_dir(), "packed")
 
 
 def user_cache_dir() -> str:

@@ -21,6 +21,7 @@ from pagedllm.config import (
     ParallelConfig,
     SchedulerConfig,
     env_cpu_kv_cache_space,
+    env_packed_cache_dir,
     require,
 )
 from pagedllm.core.policy import POLICIES
@@ -138,6 +139,11 @@ class EngineArgs:
         "to int8 per group of 32 and use integer dot products, as llama.cpp does: faster, logits "
         "further from the unquantised activations' (CPU; never the LM head)",
     )
+    disable_packed_cache: bool = engine_arg(
+        False,
+        "pack a GGUF's weights at every start instead of mapping the packed form an earlier "
+        "start kept (CPU; also PAGEDLLM_PACKED_CACHE=0)",
+    )
     enable_expert_parallel: bool = engine_arg(
         False, "place whole experts of mixture-of-experts layers on the tensor-parallel ranks"
     )
@@ -241,6 +247,7 @@ class EngineArgs:
             trust_remote_code=self.trust_remote_code,
             quantization=self.quantization,
             int8_activations=self.int8_activations,
+            packed_cache_dir=None if self.disable_packed_cache else env_packed_cache_dir(),
             generation_config=generation,
             sampling_overrides=overrides,
         )

@@ -16,6 +16,10 @@ import torch
 # tools/gpu_check.sh reruns the model equality tests on a device in half precision.
 TEST_DEVICE = os.environ.get("PAGEDLLM_TEST_DEVICE", "cpu")
 TEST_DTYPE = os.environ.get("PAGEDLLM_TEST_DTYPE", "float32")
+# Engines in tests pack their weights at every start (as before the packed-weight cache), so a
+# test that swaps a kernel or counts checks sees them run; tests/backends/test_pack_cache.py
+# turns the cache on in a folder of its own. Subprocesses inherit it.
+os.environ.setdefault("PAGEDLLM_PACKED_CACHE", "0")
 
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -18,13 +18,13 @@ PromptType = str | dict[str, Any] | list[int]
 
 def load_tokenizer(path: str) -> Any:
     """The tokenizer of a model folder, or the one a GGUF file carries."""
-    from transformers import AutoTokenizer
-
     gguf_path = gguf_path_of(path)
     if gguf_path is not None:
         from pagedllm.models.gguf.loading import gguf_tokenizer
 
         return gguf_tokenizer(gguf_path)
+    from transformers import AutoTokenizer  # not for a GGUF: its auto mappings cost ~0.6 s
+
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as exc:

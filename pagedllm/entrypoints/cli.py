@@ -249,6 +249,7 @@ def _serve_on(args: argparse.Namespace, sock: socket.socket | None, started: flo
     names = args.served_model_name or ([demo_name] if demo_name else [args.model])
     binding = serve_cpu_binding(args)
     logger.info("loading %s", model)
+    loading = time.perf_counter()  # this process's imports are done: the rest is the load
     engine = start_serve_engine(args, model, names[0], binding)
     if binding is not None:  # the engine core logs the plan once
         bind_threads(binding.rest)  # this process: every thread, and those it starts later
@@ -263,6 +264,7 @@ def _serve_on(args: argparse.Namespace, sock: socket.socket | None, started: flo
             log_level=args.log_level,
             sock=sock,
             started=started,
+            loading=loading,
         )
     except ChatTemplateError as exc:  # refused at start-up: one line naming the template
         raise SystemExit(f"pagedllm serve: {exc}") from None

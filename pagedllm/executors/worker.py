@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -94,6 +95,7 @@ class Worker:
         if self.config.parallel.enable_expert_parallel:
             tp = dataclasses.replace(tp, expert_parallel=True)  # read by MoE layers only
         kernel = self.backend.kernel
+        packed_dir = self.config.model.packed_cache_dir
         model = load_model(
             self.config.model.model,
             self.hf_config,
@@ -108,6 +110,7 @@ class Worker:
             quantizer=kernel("int8_quantize").value,
             gguf_block_decoder=kernel("gguf_decode").value,
             native_formats=kernel("linear").formats,
+            packed_cache=None if packed_dir is None else Path(packed_dir),
         )
         lora = self.config.lora
         if lora is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +117,16 @@ def max_model_len_of(hf_config: Any) -> int:
     return 2048
 
 
+@dataclass(frozen=True)
+class PackedSource:
+    """A model's single checkpoint file and the folder its packed weights may be kept in (the
+    CPU backend's ``pack_cache``): set on the model as ``packed_source`` where that is on."""
+
+    file: Path
+    folder: Path
+    shard: tuple[int, int] = (0, 1)  # (tensor-parallel rank, size)
+
+
 def load_model(
     model: str,
     hf_config: Any,
@@ -130,6 +141,7 @@ def load_model(
     native_formats: frozenset[str] = frozenset(),
     gguf_block_decoder: BlockDecoder | None = None,
     task: str | None = None,
+    packed_cache: Path | None = None,
 ) -> nn.Module:
     """Build the model with its parameters already in ``dtype`` and fill them from the checkpoint.
 
@@ -146,6 +158,8 @@ def load_model(
     (``backends/kernels.py``); None: the numpy definition.
     ``task``: "generate", "embed" or "classify" (``registry.TASKS``); None: the checkpoint's
     (``registry.model_task``: a sentence-transformers folder over a decoder embeds).
+    ``packed_cache``: the folder a backend may keep a GGUF's packed weights in (a whole model,
+    or a tensor-parallel shard; not a pipeline stage), set on the model as ``packed_source``.
     """
     if task is None:
         task = model_task(getattr(hf_config, "architectures", None), _folder_of(model))
@@ -163,6 +177,8 @@ def load_model(
         )
         keep_experts_quantised(module, weights.expert_plan)
         quant = with_checkpoint_layers(quant, plan)
+        if packed_cache is not None and pp.size == 1:
+            module.packed_source = PackedSource(gguf_path, packed_cache, (tp.rank, tp.size))
     else:
         # Under tensor (pipeline) parallelism each rank reads only the slices (layers) it keeps.
         weights = iterate_weights(Path(model), lazy=tp.size > 1 or pp.size > 1)

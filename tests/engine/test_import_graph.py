@@ -143,3 +143,62 @@ def test_core_imports_neither_torch_nor_a_backend() -> None:
                 f"{name} loads {module}, which imports {i}" for i in names if _forbidden_in_core(i)
             ]
     assert not bad, "\n".join(sorted(set(bad)))
+
+
+# What the offline engine never needs: the server's stack, the replicated engines' transport,
+# and transformers beyond the tokenizer class (its auto mappings and model code cost ~1 s).
+NOT_FOR_THE_OFFLINE_ENGINE = (
+    "fastapi",
+    "uvicorn",
+    "starlette",
+    "prometheus_client",
+    "zmq",
+    "msgspec",
+    "ray",
+    "sentence_transformers",
+    "transformers.models.auto",
+    "transformers.modeling_utils",
+)
+
+_BUILD_ENGINE = """
+import json, sys
+from pagedllm import Engine
+engine = Engine(sys.argv[1], device="cpu", num_kv_blocks=16)
+out = engine.generate("hello", use_tqdm=False)
+print(json.dumps(sorted(sys.modules)))
+"""
+
+
+def test_the_offline_engine_on_a_gguf_imports_nothing_it_does_not_serve_with(
+    tmp_path: Path,
+) -> None:
+    """In a fresh interpreter, ``Engine(<gguf>)`` and a request load none of
+    :data:`NOT_FOR_THE_OFFLINE_ENGINE`, once the file's tokenizer was converted (the first
+    start converts it with transformers and caches it)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import build_model
+    from tests.models.gguf_files import write_gguf
+
+    path = write_gguf(build_model(tmp_path / "llama", "llama"), tmp_path / "m.gguf", default="Q8_0")
+    env = {**os.environ, "PAGEDLLM_CACHE_DIR": str(tmp_path / "cache")}
+    for start in ("first", "second"):
+        done = subprocess.run(
+            [sys.executable, "-c", _BUILD_ENGINE, str(path)],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=PACKAGE.parent,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        loaded = set(json.loads(done.stdout.strip().splitlines()[-1]))
+        heavy = [
+            m for m in loaded for h in NOT_FOR_THE_OFFLINE_ENGINE if m == h or m.startswith(h + ".")
+        ]
+        if start == "second":
+            assert not heavy, f"the offline engine loaded {sorted(heavy)}"
+    assert (tmp_path / "cache" / "gguf-tokenizers").is_dir()

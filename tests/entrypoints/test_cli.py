@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -166,6 +167,7 @@ def test_serve_subprocess_env_key_and_graceful_sigterm(llama_path: Path, tmp_pat
         _wait_healthy(base, proc, log)
         ready = [line for line in log.read_text().splitlines() if "ready in " in line]
         assert len(ready) == 1, log.read_text()[-3000:]  # one line, with where to go
+        assert re.search(r"ready in [\d.]+ s \(imports [\d.]+ s, load [\d.]+ s\)", ready[0])
         for url in (f"API {base}/v1", f"chat {base}/ ", f"dashboard {base}/dashboard"):
             assert url in ready[0], ready[0]
         assert httpx.get(base + "/v1/models").status_code == 401

@@ -318,6 +318,23 @@ def make_groupwise_linear(
         return refused
     if checked is not None:
         checked.add(key)
+    return _kernel_of(ops, pw, gemm, dot=dot)
+
+
+def packed_groupwise_linear(
+    pw: PackedGroupwise, bias: torch.Tensor | None, *, dot: bool = False
+) -> LinearKernel:
+    """The C++ GEMM on panels packed (and checked) by an earlier start under the same build
+    (``pack_cache``): what :func:`make_groupwise_linear` returns, without packing or checking."""
+    ops = dg.gemm_ops()
+    if ops is None:
+        return LinearKernel(None, f"torch-{pw.name}")
+    return _kernel_of(ops, pw, make_groupwise_gemm(ops, pw, bias, dot=dot), dot=dot)
+
+
+def _kernel_of(
+    ops: ModuleType, pw: PackedGroupwise, gemm: Callable[..., torch.Tensor], *, dot: bool
+) -> LinearKernel:
     return LinearKernel(
         dg._reshaped(gemm, pw.k, pw.n),
         path_name(ops, pw.name, dot=dot, four_bit=pw.bits == 4, levels=pw.levels),

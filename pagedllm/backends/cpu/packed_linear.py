@@ -31,7 +31,9 @@ from torch import nn
 # The factories through their module, not bound names: tests swap ``dense_gemm.gemm_ops`` for
 # one ISA level's build, and every path name must then come from that build.
 from pagedllm.backends.cpu import dense_gemm
+from pagedllm.backends.cpu.groupwise_pack import PackedGroupwise
 from pagedllm.backends.cpu.linear_kernel import LinearKernel
+from pagedllm.backends.cpu.pack_cache import PackCache
 
 logger = logging.getLogger(__name__)
 
@@ -176,6 +178,40 @@ def _embedding_rows(
     return rows
 
 
+def _open_cache(
+    model: nn.Module, *, dot: bool
+) -> tuple[PackCache | None, Mapping[str, PackedGroupwise]]:
+    """The packed-weight cache of the file the model was loaded from (``model.packed_source``,
+    set by the loader where the cache is on), and the panels it holds (empty on a miss)."""
+    source = getattr(model, "packed_source", None)
+    ops = dense_gemm.gemm_ops() if source is not None else None
+    if source is None or ops is None:
+        return None, {}
+    cache = PackCache.for_source(source, ops, dot=dot)
+    layers = cache.load() if cache is not None else None
+    if layers:
+        logger.info("packed weights mapped from %s", cache.path)
+    return cache, layers or {}
+
+
+def _cached_kernel(
+    module: nn.Module, pw: PackedGroupwise | None, *, is_head: bool, dot: bool
+) -> LinearKernel | None:
+    """The kernel on a layer's cached panels, or None to pack it (no panels, or panels of
+    another shape or format than the layer's: a file changed in a way its key missed)."""
+    from pagedllm.backends.cpu.groupwise_linear import packed_groupwise_linear
+    from pagedllm.layers.quantization.groupwise import FORMATS
+
+    method = getattr(module, "quant_method", None)
+    if pw is None or method is None or method.layer_format(module) not in FORMATS:
+        return None
+    if pw.n != module.weight.shape[0]:
+        return None
+    bias = getattr(module, "bias", None) if module.fast_linear_has_bias else None
+    kernel = packed_groupwise_linear(pw, bias, dot=dot and not is_head)
+    return kernel if kernel.fn is not None else None
+
+
 def pack_linear_layers(model: nn.Module, *, int8_activations: bool = False) -> dict[str, str]:
     """Install the chosen GEMM on every layer that offers the ``fast_linear`` slot.
 
@@ -187,14 +223,25 @@ def pack_linear_layers(model: nn.Module, *, int8_activations: bool = False) -> d
     head = getattr(model, "lm_head", None)
     paths: dict[str, set[str]] = {}
     checked: set[tuple] = set()
+    cache, cached = _open_cache(model, dot=int8_activations)
+    packed: dict[str, PackedGroupwise] = {}
     with torch.inference_mode():
-        for module in model.modules():
+        for name, module in model.named_modules():
             is_linear = isinstance(module, (ColumnParallelLinear, RowParallelLinear))
             if not (is_linear or module is head):
                 continue
-            kernel = make_linear_kernel(
-                module, is_head=module is head, int8_activations=int8_activations, checked=checked
+            kernel = _cached_kernel(
+                module, cached.get(name), is_head=module is head, dot=int8_activations
             )
+            if kernel is None:
+                kernel = make_linear_kernel(
+                    module,
+                    is_head=module is head,
+                    int8_activations=int8_activations,
+                    checked=checked,
+                )
+            if kernel.groupwise is not None:
+                packed[name] = kernel.groupwise
             paths.setdefault(_kind(module, head), set()).add(kernel.path)
             if kernel.fn is None:
                 continue
@@ -210,6 +257,8 @@ def pack_linear_layers(model: nn.Module, *, int8_activations: bool = False) -> d
                 # The packed copy is the only one used from now on: do not keep two.
                 module.weight.data = torch.empty(0, dtype=module.weight.dtype)
                 _drop_group_scales(module)
+    if cache is not None and packed and packed.keys() != cached.keys():
+        cache.save(packed)
     summary = {kind: "+".join(sorted(p)) for kind, p in paths.items()}
     logger.info("linear layers: %s", ", ".join(f"{k}={v}" for k, v in summary.items()))
     return summary

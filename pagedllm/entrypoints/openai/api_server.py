@@ -265,12 +265,22 @@ def uvicorn_config(
     )
 
 
-def ready_line(name: str, host: str, port: int, started: float) -> str:
-    """The one line that says the server answers, and where: the API, chat page, dashboard."""
+def ready_line(
+    name: str, host: str, port: int, started: float, loading: float | None = None
+) -> str:
+    """The one line that says the server answers, and where: the API, chat page, dashboard.
+    ``loading``: when the engine began to load, which splits the time into this process's
+    imports before it and the load after (the engine's own imports included)."""
     shown = "localhost" if host in ("", "0.0.0.0", "::") else host
     base = f"http://[{shown}]:{port}" if ":" in shown else f"http://{shown}:{port}"
+    now = time.perf_counter()
+    split = (
+        ""
+        if loading is None
+        else f" (imports {loading - started:.1f} s, load {now - loading:.1f} s)"
+    )
     return (
-        f"ready in {time.perf_counter() - started:.1f} s: {name} | API {base}/v1 | "
+        f"ready in {now - started:.1f} s{split}: {name} | API {base}/v1 | "
         f"chat {base}/ | dashboard {base}/dashboard"
     )
 
@@ -285,11 +295,13 @@ def run_server(
     log_level: str = "info",
     sock: socket.socket | None = None,
     started: float | None = None,
+    loading: float | None = None,
 ) -> int:
     """Serve until SIGTERM/SIGINT (see :class:`GracefulServer`); returns the exit status.
 
     ``sock`` is the listening socket bound before the model loaded (``pagedllm serve``);
-    ``started`` the ``perf_counter`` of the command's start, for the "ready in" line."""
+    ``started`` the ``perf_counter`` of the command's start, for the "ready in" line, and
+    ``loading`` that of the engine's start (after the imports)."""
 
     # Whatever fails from here on, the engine is stopped: a core process left running would
     # hold its memory and keep this process from exiting.
@@ -299,7 +311,7 @@ def run_server(
         server = GracefulServer(config, engine, settings.shutdown_timeout)
         app.state.on_engine_dead = server.request_exit
         begun = time.perf_counter() if started is None else started
-        server.on_ready = lambda: logger.info(ready_line(model.name, host, port, begun))
+        server.on_ready = lambda: logger.info(ready_line(model.name, host, port, begun, loading))
         status = server.run([sock] if sock is not None else None)
     finally:
         engine.stop()

@@ -1,0 +1,207 @@
+"""Start-up: seconds from a fresh interpreter to a ready ``Engine(<gguf>)``, imports apart.
+
+Each start runs in its own process, the three kinds alternating round by round (so a drifting
+machine tilts them alike), the median of ``--rounds`` reported:
+
+- ``first``: an empty packed-weight cache (the file's panels packed, checked and written);
+- ``second``: the cache the first start wrote (the panels mapped, not packed);
+- ``uncached``: ``PAGEDLLM_PACKED_CACHE=0`` (packed and checked, nothing written: the start
+  before the cache existed);
+- ``baseline`` (``--baseline <checkout>``): another checkout's start, for a before/after.
+
+Per start: ``import_s`` (interpreter start to ``import torch`` and ``from pagedllm import
+Engine`` done), ``engine_s`` (the ``Engine(...)`` call), of which ``engine_imports_s`` were
+modules it imported on first use (transformers' tokenizer, the backends) and ``load_s`` the
+rest (reading, decoding, packing or mapping the weights, the KV cache), ``ready_s`` (process
+start to exit) and the process's CPU seconds (``import_cpu_s``, ``engine_cpu_s``, ``cpu_s``: on
+a busy machine wall time overstates the work). llama.cpp's start on the same file
+(``llama_cpp.Llama``, import apart) where llama-cpp-python is installed; else the JSON says it
+is not.
+
+    python benchmarks/startup.py                       # the demo model (SmolLM2-135M Q4_1)
+    python benchmarks/startup.py --model some.gguf --rounds 5
+    python benchmarks/startup.py --smoke               # a tiny Q4_0 file, one round (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_CHILD = r"""
+import time
+t0 = time.perf_counter()
+import builtins, importlib, json, sys
+import torch
+from pagedllm import Engine
+t1, c1 = time.perf_counter(), time.process_time()
+spent, depth = [0.0], [0]
+
+def timed(fn):
+    def wrapper(*args, **kwargs):
+        if depth[0]:
+            return fn(*args, **kwargs)
+        depth[0] += 1
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - start
+            depth[0] -= 1
+    return wrapper
+
+builtins.__import__ = timed(builtins.__import__)
+importlib.import_module = timed(importlib.import_module)
+engine = Engine(sys.argv[1], device="cpu")
+t2 = time.perf_counter()
+print(json.dumps({"import_s": t1 - t0, "engine_s": t2 - t1, "engine_imports_s": spent[0],
+                  "import_cpu_s": c1, "engine_cpu_s": time.process_time() - c1,
+                  "cpu_s": time.process_time(), "since_start_s": t2 - t0}))
+"""
+
+_LLAMA_CPP = r"""
+import time
+t0 = time.perf_counter()
+import json, os, sys
+import llama_cpp
+t1, c1 = time.perf_counter(), time.process_time()
+llm = llama_cpp.Llama(model_path=sys.argv[1], n_threads=os.cpu_count(), verbose=False)
+t2 = time.perf_counter()
+print(json.dumps({"import_s": t1 - t0, "engine_s": t2 - t1, "engine_imports_s": 0.0,
+                  "import_cpu_s": c1, "engine_cpu_s": time.process_time() - c1,
+                  "cpu_s": time.process_time(), "since_start_s": t2 - t0}))
+"""
+
+
+def _start(script: str, model: Path, env: dict[str, str]) -> dict[str, float]:
+    """One start in a fresh process; ``ready_s`` from the parent's clock (interpreter start
+    included)."""
+    import time
+
+    spawned = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(model)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        check=False,
+    )
+    ready = time.perf_counter() - spawned
+    if proc.returncode != 0:
+        raise RuntimeError(f"start failed:\n{proc.stderr[-3000:]}")
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got["load_s"] = got["engine_s"] - got["engine_imports_s"]
+    got["ready_s"] = ready  # the process's whole life: interpreter start to exit
+    return got
+
+
+def _median(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {k: round(statistics.median(r[k] for r in runs), 3) for k in runs[0]}
+
+
+def _processor() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def _smoke_file(folder: Path) -> Path:
+    from tests.conftest import build_model
+    from tests.models.gguf_files import write_gguf
+
+    return write_gguf(build_model(folder / "llama", "llama"), folder / "tiny.gguf", default="Q4_0")
+
+
+def _demo_file() -> Path:
+    from pagedllm.entrypoints.demo_model import fetch_demo_model
+
+    fetched = fetch_demo_model()
+    if fetched.path is None:
+        raise SystemExit(f"the demo model is unavailable: {fetched.reason}")
+    return fetched.path
+
+
+def _env(cache: Path, *, packed: bool, root: Path = ROOT) -> dict[str, str]:
+    return {
+        **os.environ,
+        "PYTHONPATH": str(root),
+        "PAGEDLLM_CACHE_DIR": str(cache),
+        "PAGEDLLM_PACKED_CACHE": "1" if packed else "0",
+    }
+
+
+def run(model: Path, rounds: int, tmp: Path, baseline: Path | None = None) -> dict[str, object]:
+    """The three kinds of start, alternating, ``rounds`` times each (see the module's doc)."""
+    from pagedllm.config import user_cache_dir
+
+    cache = tmp / "cache"
+    cache.mkdir()
+    tokenizers = Path(user_cache_dir()) / "gguf-tokenizers"  # converted once, as in use
+    if tokenizers.is_dir():
+        (cache / "gguf-tokenizers").symlink_to(tokenizers)
+    runs: dict[str, list[dict[str, float]]] = {"first": [], "second": [], "uncached": []}
+    if baseline is not None:
+        runs["baseline"] = []
+    _start(_CHILD, model, _env(cache, packed=False))  # warm: the tokenizer, the page cache
+    for _ in range(rounds):
+        for packed in (cache / "packed").glob("*.packed.pt"):
+            packed.unlink()
+        runs["first"].append(_start(_CHILD, model, _env(cache, packed=True)))
+        runs["second"].append(_start(_CHILD, model, _env(cache, packed=True)))
+        runs["uncached"].append(_start(_CHILD, model, _env(cache, packed=False)))
+        if baseline is not None:
+            env = _env(cache, packed=False, root=baseline)
+            runs["baseline"].append(_start(_CHILD, model, env))
+    result: dict[str, object] = {kind: _median(r) for kind, r in runs.items()}
+    if importlib.util.find_spec("llama_cpp") is None:
+        result["llama_cpp"] = "llama-cpp-python is not installed: no comparison"
+    else:
+        llama = [_start(_LLAMA_CPP, model, _env(cache, packed=False)) for _ in range(rounds)]
+        result["llama_cpp"] = _median(llama)
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=None, help="a GGUF file (default: the demo)")
+    ap.add_argument("--rounds", type=int, default=3, help="starts of each kind (median)")
+    ap.add_argument("--smoke", action="store_true", help="a tiny Q4_0 file, one round (CI)")
+    ap.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="another checkout of pagedllm whose start runs alongside (as 'baseline')",
+    )
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(ROOT))  # this checkout's pagedllm
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model or (_smoke_file(Path(tmp)) if args.smoke else _demo_file())
+        rounds = 1 if args.smoke else args.rounds
+        result = {
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "processor": _processor(),
+            "cpus": os.cpu_count(),
+            "model": str(model.name),
+            "rounds": rounds,
+            **run(model, rounds, Path(tmp), args.baseline),
+        }
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

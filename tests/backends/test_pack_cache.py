@@ -1,0 +1,137 @@
+"""The packed-weight cache (``backends/cpu/pack_cache.py``): a second start of the same GGUF
+maps the panels the first one packed, without packing or checking, and answers the same
+tokens; a damaged file, a stale key and another build's ISA are not used; the flag turns it
+off."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from pagedllm import Engine, SamplingParams
+from pagedllm.backends.cpu import dense_gemm, groupwise_linear, pack_cache
+from tests.conftest import build_model
+from tests.models.gguf_files import write_gguf
+
+PROMPTS = [[5, 17, 99, 3, 44, 12, 7], list(range(20, 40))]
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("pack-cache")
+    src = build_model(root / "llama", "llama")
+    recipe = {"ffn_down": "Q8_0", "token_embd": "Q8_0"}  # a tied Q8_0 head over Q4_1 layers
+    return write_gguf(src, root / "q4_1.gguf", recipe=recipe, default="Q4_1")
+
+
+@pytest.fixture
+def folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    if dense_gemm.gemm_ops() is None:
+        pytest.skip("the C++ GEMM could not be built")
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("PAGEDLLM_PACKED_CACHE", "1")
+    return tmp_path / "packed"
+
+
+@pytest.fixture
+def packs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many layers were packed (one entry per ``pack_groupwise`` call)."""
+    calls: list[int] = []
+    real = groupwise_linear.pack_groupwise
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(groupwise_linear, "pack_groupwise", counting)
+    return calls
+
+
+def _greedy(path: Path, **kw: object) -> list[list[int]]:
+    engine = Engine(str(path), device="cpu", block_size=8, num_kv_blocks=32, **kw)
+    outs = engine.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    engine.shutdown()
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*.packed.pt"))
+
+
+def test_a_second_start_maps_the_panels_and_answers_the_same(
+    gguf_file: Path, folder: Path, packs: list[int]
+) -> None:
+    first = _greedy(gguf_file)
+    packed = len(packs)
+    assert packed > 0 and len(_files(folder)) == 1
+    assert _greedy(gguf_file) == first
+    assert len(packs) == packed  # nothing packed again
+    # The file's digest was remembered by its identity (the KV tiers' fingerprint): the second
+    # start did not hash the file again.
+    assert (folder / "weights-sha256.json").exists()
+
+
+def test_a_damaged_file_is_refused_and_rebuilt(
+    gguf_file: Path, folder: Path, packs: list[int], caplog: pytest.LogCaptureFixture
+) -> None:
+    first = _greedy(gguf_file)
+    (cached,) = _files(folder)
+    data = cached.read_bytes()
+    for damaged in (data[: len(data) // 2], b"not a zip" + data[9:]):
+        cached.write_bytes(damaged)
+        before = len(packs)
+        with caplog.at_level(logging.WARNING, logger="pagedllm.backends.cpu.pack_cache"):
+            assert _greedy(gguf_file) == first
+        assert len(packs) > before  # packed again
+        assert sum("refused" in r.message for r in caplog.records) == 1
+        caplog.clear()
+        assert _files(folder) == [cached] and cached.read_bytes() != damaged  # rewritten
+    before = len(packs)
+    assert _greedy(gguf_file) == first and len(packs) == before  # the rebuilt file serves
+
+
+def test_another_build_or_a_stale_key_is_not_reused(
+    gguf_file: Path, folder: Path, packs: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = _greedy(gguf_file)
+    packed = len(packs)
+    ops = dense_gemm.gemm_ops()
+
+    class OtherIsa:
+        def __getattr__(self, name: str):
+            return getattr(ops, name)
+
+        def built_isa(self) -> str:
+            return "other"
+
+    monkeypatch.setattr(dense_gemm, "gemm_ops", lambda: OtherIsa())
+    assert _greedy(gguf_file) == first
+    assert len(packs) == 2 * packed and len(_files(folder)) == 2  # one file per ISA
+    monkeypatch.setattr(dense_gemm, "gemm_ops", lambda: ops)
+    monkeypatch.setattr(pack_cache, "LAYOUT_VERSION", pack_cache.LAYOUT_VERSION + 1)
+    assert _greedy(gguf_file) == first
+    assert len(packs) == 3 * packed  # a new layout version: packed again, not mapped
+
+
+def test_the_flag_and_the_environment_turn_it_off(
+    gguf_file: Path, folder: Path, packs: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _greedy(gguf_file, disable_packed_cache=True)
+    assert not _files(folder)
+    monkeypatch.setenv("PAGEDLLM_PACKED_CACHE", "0")
+    _greedy(gguf_file)
+    assert not _files(folder)
+
+
+def test_the_folder_is_bounded(tmp_path: Path) -> None:
+    import os
+
+    names = [tmp_path / f"{i}.packed.pt" for i in range(4)]
+    for i, p in enumerate(names):
+        p.write_bytes(b"x" * 100)
+        os.utime(p, (i, i))  # 0 the least recently used
+    pack_cache.bound_folder(tmp_path, 250, keep=names[0])
+    assert sorted(tmp_path.glob("*.packed.pt")) == [names[0], names[3]]
