@@ -52,6 +52,9 @@ def _positive_int(value: Any, name: str, *, allow_none: bool = False) -> None:
     )
 
 
+MODEL_TASKS = ("auto", "generate", "embed", "score")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str
@@ -71,8 +74,17 @@ class ModelConfig:
     # engine/sampling_defaults.py.
     generation_config: str = "auto"
     sampling_overrides: tuple[tuple[str, Any], ...] = ()
+    # What the model serves: "auto" (the checkpoint says), "generate", "embed" or "score"; and a
+    # pooling override for an embedding model ("mean", "cls:normalize", ...; see --pooling).
+    task: str = "auto"
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
+        require(
+            self.task in MODEL_TASKS,
+            "task",
+            f"must be one of {', '.join(MODEL_TASKS)}, got {self.task!r}",
+        )
         require(
             self.generation_config in ("auto", "none"),
             "generation_config",

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.config import (
+    MODEL_TASKS,
     CacheConfig,
     EngineConfig,
     LoRAConfig,
@@ -105,6 +106,17 @@ class EngineArgs:
         None, "attention kernel family to use (default: the device's best)"
     )
     served_model_name: str | None = engine_arg(None, "name clients use", cli=False)
+    task: str = engine_arg(
+        "auto",
+        "what the model serves: generate (completions, chat), embed (/v1/embeddings) or score "
+        "(/v1/score, /v1/rerank); auto: what the checkpoint is",
+        choices=MODEL_TASKS,
+    )
+    pooling: str | None = engine_arg(
+        None,
+        "an embedding model's pooling instead of the checkpoint's: mean, cls or last, "
+        "optionally ':normalize' or ':raw' (e.g. last:normalize)",
+    )
     tensor_parallel_size: int = engine_arg(1, "number of tensor-parallel workers")
     distributed_executor_backend: str | None = engine_arg(
         None, "how tensor-parallel workers run", choices=EXECUTOR_BACKENDS
@@ -237,6 +249,8 @@ class EngineArgs:
             int8_activations=self.int8_activations,
             generation_config=generation,
             sampling_overrides=overrides,
+            task=self.task,
+            pooling=self.pooling,
         )
 
     def _cache_config(self) -> CacheConfig:

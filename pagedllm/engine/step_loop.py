@@ -235,7 +235,7 @@ class StepLoop:
         for s in sched_out.seqs:
             if s.is_prompt:
                 c.prompt_tokens += len(s.token_ids)
-            if s.do_sample:
+            if s.do_sample and s.pooling_params is None:
                 c.generation_tokens += 1
         bs = self.parts.block_size
         c.kv_slots_allocated += sum(len(s.block_table) for s in sched_out.seqs) * bs

@@ -14,6 +14,7 @@ from pagedllm.backends.registry import get_backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.interfaces import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executors.model_runner import ModelRunner
+from pagedllm.executors.pooling import pooling_facts
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.parallel import SINGLE, WHOLE_MODEL, PPContext, TPContext
 from pagedllm.models.model_loader import load_model, resolve_dtype
@@ -179,6 +180,12 @@ class Worker:
 
     def attention_name(self) -> str:
         return self.attention.name
+
+    def pooling_info(self) -> dict[str, Any]:
+        """What the loaded model is for the engine's task (``engine/pooling.py``): a pooling
+        model's ``task``, whether it keeps a KV cache, and its pooling defaults."""
+        assert self.runner is not None
+        return pooling_facts(self.runner.model)
 
     def linear_path(self) -> str:
         """Which GEMM each kind of linear layer got (the backend's choice), for logs and JSON."""
