@@ -81,6 +81,11 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         require(
+            self.pooling in (None, "mean", "cls", "last"),
+            "pooling",
+            f"must be mean, cls or last, got {self.pooling!r}",
+        )
+        require(
             self.task in MODEL_TASKS,
             "task",
             f"must be one of {', '.join(MODEL_TASKS)}, got {self.task!r}",

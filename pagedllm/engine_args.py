@@ -114,8 +114,8 @@ class EngineArgs:
     )
     pooling: str | None = engine_arg(
         None,
-        "an embedding model's pooling instead of the checkpoint's: mean, cls or last, "
-        "optionally ':normalize' or ':raw' (e.g. last:normalize)",
+        "an embedding model's pooling instead of the checkpoint's: mean, cls or last (a causal "
+        "LM served with --task embed pools its last token unless told otherwise)",
     )
     tensor_parallel_size: int = engine_arg(1, "number of tensor-parallel workers")
     distributed_executor_backend: str | None = engine_arg(

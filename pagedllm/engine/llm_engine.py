@@ -125,7 +125,9 @@ class LLMEngine(PoolingMixin):
         )
         self.loop = StepLoop(self.scheduler, schedulers, self._step_parts())
         self.pooling = resolve_task(
-            model_cfg.task, self.executor.collective_rpc("pooling_info")[-1]
+            model_cfg.task,
+            self.executor.collective_rpc("pooling_info")[-1],  # the last stage's model
+            embed_dim=getattr(self.hf_config, "hidden_size", None),
         )
         self._cache_salt = os.urandom(16)  # adapters' prefix-cache roots: this run's only
 

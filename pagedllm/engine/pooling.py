@@ -44,13 +44,16 @@ class PoolingInfo:
     normalize: bool = True
     pooling_type: str = "last"
     num_labels: int | None = None
+    embed_dim: int | None = None  # an embedding's width: the most ``dimensions`` may keep
 
     @property
     def is_pooling(self) -> bool:
         return self.task != "generate"
 
 
-def resolve_task(requested: str, facts: dict[str, Any]) -> PoolingInfo:
+def resolve_task(
+    requested: str, facts: dict[str, Any], *, embed_dim: int | None = None
+) -> PoolingInfo:
     """The task the engine serves, from ``--task`` and the worker's facts about the model."""
     model_task = str(facts.get("task", "generate"))
     allowed = _ALLOWED.get(model_task, ("generate",))
@@ -69,6 +72,7 @@ def resolve_task(requested: str, facts: dict[str, Any]) -> PoolingInfo:
         normalize=bool(facts.get("normalize", True)),
         pooling_type=pooling_type,
         num_labels=facts.get("num_labels"),
+        embed_dim=embed_dim,
     )
 
 
@@ -94,6 +98,9 @@ def admit_pooling(
     wanted = "embed" if info.task == "embed" else "classify"
     if params.task != wanted and not (params.task == "embed" and info.model_task == "embed"):
         raise ValueError(f"task: this model serves {info.task}, not {params.task}")
+    dims = params.dimensions
+    if dims is not None and info.embed_dim is not None and dims > info.embed_dim:
+        raise ValueError(f"dimensions: at most {info.embed_dim} for this model, got {dims}")
     types = params.token_type_ids
     if types is not None and len(types) != len(token_ids):
         raise ValueError("token_type_ids: must be as long as the prompt's token ids")

@@ -16,7 +16,7 @@ from pagedllm.core.interfaces import (
 )
 from pagedllm.executors.inputs import FlatBatch, flatten
 from pagedllm.executors.pipeline import StageLink
-from pagedllm.executors.pooling import pool_step
+from pagedllm.executors.pooling import Pooler
 from pagedllm.layers.sampler import SampleKernel, Sampler, SamplingRow
 
 
@@ -32,8 +32,10 @@ class ModelRunner:
         lora: Any = None,
         sample_kernel: SampleKernel | None = None,
         pipeline: StageLink | None = None,
+        pooling: str | None = None,
     ) -> None:
         self.model = model
+        self.pooler = Pooler(model, pooling)  # pooling requests; ``pooling``: --pooling
         # Pipeline parallelism: this stage's links to its neighbours (None: the whole model).
         self.pipeline = pipeline
         self.lora = lora  # a pagedllm.lora.manager.LoRAManager when LoRA is enabled
@@ -56,7 +58,7 @@ class ModelRunner:
             return ModelRunnerOutput(sampled={})
         sampled = self._sample(hidden, batch, sched_out)
         prompt_lps = self._prompt_logprobs(hidden, batch, sched_out.seqs)
-        pooled = pool_step(self.model, hidden, batch, sched_out.seqs)
+        pooled = self.pooler.step(hidden, batch, sched_out.seqs)
         return ModelRunnerOutput(sampled=sampled, prompt_logprobs=prompt_lps, pooled=pooled)
 
     def forward(

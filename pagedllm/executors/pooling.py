@@ -1,69 +1,76 @@
 """The runner's pooling side: a pooling request's hidden states become one vector.
 
 The model pools (``model.pool(hidden, query_lens)``: mean, CLS or last token, or a classifier's
-head); what a request asks of that vector (Matryoshka ``dimensions``, normalisation) is applied
-here per request, since requests with different asks share one batch. A generative decoder asked
-to embed (``--task embed`` on a causal LM) has no ``pool``: its last token's final hidden state
-is the embedding, as decoder embedders (Qwen3-Embedding, gte-Qwen) pool.
+head; see ``models/pooling.py``); what a request asks of that vector (Matryoshka
+``dimensions``, normalisation) is applied here per request, since requests with different asks
+share one batch. A generative decoder asked to embed (``--task embed`` on a causal LM) has no
+``pool``: its final hidden states are pooled as ``--pooling`` says, by default its last token's,
+as decoder embedders (Qwen3-Embedding, gte-Qwen) pool.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from pagedllm.core.interfaces import ScheduledSeq
 from pagedllm.executors.inputs import FlatBatch
+from pagedllm.models.pooling import (
+    PoolingType,
+    finish_embedding,
+    parse_pooling_override,
+    pool_hidden,
+)
 
 
-def finish_vector(vec: torch.Tensor, *, normalize: bool, dimensions: int | None) -> torch.Tensor:
-    """Truncate first, then normalise, in float32: a Matryoshka prefix is a unit vector too."""
-    vec = vec.float()
-    if dimensions is not None:
-        vec = vec[..., :dimensions]
-    return F.normalize(vec, p=2.0, dim=-1) if normalize else vec
+class Pooler:
+    """The model's pooling with the ``--pooling`` override applied (None: the checkpoint's)."""
 
+    def __init__(self, model: Any, override: str | None = None) -> None:
+        self.model = model
+        self.override = parse_pooling_override(override) if override else None
+        config = getattr(model, "pooling_config", None)
+        if config is not None and self.override is not None:
+            # The model pools through its own config, so the override goes there.
+            model.pooling_config = dataclasses.replace(config, pooling_type=self.override)
+        self.fallback = self.override or PoolingType.LAST  # a causal LM's pooling
 
-def last_token_pool(hidden: torch.Tensor, query_lens: list[int]) -> torch.Tensor:
-    """[T, H] -> [S, H]: each sequence's last row."""
-    ends = torch.tensor(query_lens, device=hidden.device).cumsum(0) - 1
-    return hidden[ends]
+    def facts(self) -> dict[str, Any]:
+        """The model's task and pooling defaults, plain values that cross any executor."""
+        model = self.model
+        config = getattr(model, "pooling_config", None)
+        kind = config.pooling_type if config is not None else self.fallback
+        return {
+            "task": str(getattr(model, "task", "generate")),
+            "uses_kv_cache": bool(getattr(model, "uses_kv_cache", True)),
+            "pooling_type": PoolingType(kind).value,
+            "normalize": bool(getattr(config, "normalize", True)),
+            "num_labels": getattr(model, "num_labels", None),
+        }
 
-
-def pool_step(
-    model: Any, hidden: torch.Tensor, batch: FlatBatch, seqs: list[ScheduledSeq]
-) -> dict[int, list[float]]:
-    """seq_id -> the finished vector of every pooling sequence whose prompt ends this step."""
-    if not batch.pool_spans:
-        return {}
-    parts = [hidden[start : start + count] for _, start, count in batch.pool_spans]
-    rows = parts[0] if len(parts) == 1 else torch.cat(parts)  # [sum(count), H]
-    query_lens = [count for _, _, count in batch.pool_spans]
-    pool = getattr(model, "pool", None)
-    pooled = pool(rows, query_lens) if pool is not None else last_token_pool(rows, query_lens)
-    out: dict[int, list[float]] = {}
-    for j, (i, _, _) in enumerate(batch.pool_spans):
-        params = seqs[i].pooling_params
-        assert params is not None
-        if params.task == "embed":
-            normalize = True if params.normalize is None else params.normalize
-            vec = finish_vector(pooled[j], normalize=normalize, dimensions=params.dimensions)
+    def step(
+        self, hidden: torch.Tensor, batch: FlatBatch, seqs: list[ScheduledSeq]
+    ) -> dict[int, list[float]]:
+        """seq_id -> the finished vector of every pooling sequence whose prompt ends now."""
+        if not batch.pool_spans:
+            return {}
+        parts = [hidden[start : start + count] for _, start, count in batch.pool_spans]
+        rows = parts[0] if len(parts) == 1 else torch.cat(parts)  # [sum(count), H]
+        query_lens = [count for _, _, count in batch.pool_spans]
+        pool = getattr(self.model, "pool", None)
+        if pool is not None:
+            pooled = pool(rows, query_lens)  # [num_seqs, D] float32
         else:
-            vec = pooled[j].float()  # a classifier's logits, as the checkpoint's head gives them
-        out[seqs[i].seq_id] = vec.tolist()
-    return out
-
-
-def pooling_facts(model: Any) -> dict[str, Any]:
-    """The model's task and pooling defaults, plain values that cross any executor."""
-    config = getattr(model, "pooling_config", None)
-    kind = getattr(config, "pooling_type", "last")
-    return {
-        "task": str(getattr(model, "task", "generate")),
-        "uses_kv_cache": bool(getattr(model, "uses_kv_cache", True)),
-        "pooling_type": str(getattr(kind, "value", kind)),
-        "normalize": bool(getattr(config, "normalize", True)),
-        "num_labels": getattr(model, "num_labels", None),
-    }
+            pooled = pool_hidden(rows, query_lens, self.fallback)
+        out: dict[int, list[float]] = {}
+        for j, (i, _, _) in enumerate(batch.pool_spans):
+            params = seqs[i].pooling_params
+            assert params is not None
+            vec = pooled[j : j + 1].float()
+            if params.task == "embed":
+                normalize = True if params.normalize is None else params.normalize
+                vec = finish_embedding(vec, normalize, params.dimensions)
+            out[seqs[i].seq_id] = vec[0].tolist()  # a classifier's logits as the head gives them
+        return out

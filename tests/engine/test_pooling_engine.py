@@ -133,3 +133,36 @@ def test_generative_engine_refuses_pooling(llama_path: Path) -> None:
         engine.embed("A")
     with pytest.raises(ValueError, match="^task:"):
         Engine(str(llama_path), device="cpu", task="score", num_kv_blocks=32)
+
+
+def test_dimensions_past_the_width_refused(embedder: Engine) -> None:
+    with pytest.raises(ValueError, match="^dimensions: at most 64"):
+        embedder.embed("A", dimensions=65)
+    assert all_free(embedder)
+
+
+def test_mean_pooling_override_runs_whole_prompts(llama_path: Path) -> None:
+    engine = Engine(
+        str(llama_path),
+        device="cpu",
+        task="embed",
+        pooling="mean",
+        num_kv_blocks=64,
+        block_size=8,
+        max_num_batched_tokens=64,
+        enable_chunked_prefill=True,
+    )
+    from transformers import AutoModel, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(llama_path))
+    model = AutoModel.from_pretrained(str(llama_path), dtype=torch.float32).eval()
+    text = TEXTS[-1]
+    with torch.no_grad():
+        want = model(input_ids=torch.tensor([tok.encode(text)])).last_hidden_state[0].mean(0)
+    got = torch.tensor(engine.embed(text)[0].embedding)
+    torch.testing.assert_close(
+        got, torch.nn.functional.normalize(want, dim=0), atol=2e-5, rtol=1e-4
+    )
+    with pytest.raises(ValueError, match="^input: 100 tokens, more than one step"):
+        engine.embed([[5] * 100])
+    assert all_free(engine)
