@@ -148,6 +148,8 @@ class AsyncEngine(EngineClientBase):
             "max_model_len": cfg.scheduler.max_model_len,
             "vocab_size": int(self.engine.vocab_size),
             "sampling_defaults": dict(self.engine.sampling_defaults),
+            "task": self.engine.pooling.task,
+            "model_task": self.engine.pooling.model_task,
         }
 
     # -- requests --------------------------------------------------------------------------------

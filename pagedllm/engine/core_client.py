@@ -199,7 +199,10 @@ class EngineCoreClient(EngineClientBase):
         """The served model: ``model``, ``served_model_name``, ``max_model_len``, ``vocab_size``,
         ``sampling_defaults``."""
         keys = ("model", "served_model_name", "max_model_len", "vocab_size", "sampling_defaults")
-        return {k: self.info[k] for k in keys}
+        return {k: self.info[k] for k in keys} | {
+            "task": self.info.get("task", "generate"),
+            "model_task": self.info.get("model_task", "generate"),
+        }
 
     # -- requests ----------------------------------------------------------------------------
     async def add_request(

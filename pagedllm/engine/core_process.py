@@ -304,5 +304,7 @@ def ready_info(engine: Any) -> dict[str, Any]:
         "max_model_len": cfg.scheduler.max_model_len,
         "vocab_size": int(engine.vocab_size),
         "sampling_defaults": dict(engine.sampling_defaults),
+        "task": engine.pooling.task,
+        "model_task": engine.pooling.model_task,
         "stats": engine.get_stats(),
     }
