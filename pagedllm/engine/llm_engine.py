@@ -424,6 +424,8 @@ class LLMEngine(PoolingMixin):
             ),
             "prompt_tokens_total": c.prompt_tokens,
             "generation_tokens_total": c.generation_tokens,
+            "pooling_requests_embed": c.embed_requests,
+            "pooling_requests_classify": c.classify_requests,
             "num_preemptions_total": s.stats.preemptions,
             "num_preemptions_recompute": s.stats.preemptions_recompute,
             "num_preemptions_swap": s.stats.preemptions_swap,

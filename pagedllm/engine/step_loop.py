@@ -41,6 +41,9 @@ class EngineCounters:
     requests_finished: int = 0
     kv_slots_allocated: int = 0  # summed over steps, for KV waste
     kv_slots_used: int = 0
+    # Pooling requests finished, by task ("embed", "classify").
+    embed_requests: int = 0
+    classify_requests: int = 0
 
 
 @dataclass
@@ -222,6 +225,10 @@ class StepLoop:
             if group.request_id in finished:
                 self._end(group)
                 counters.requests_finished += 1
+                if group.pooling_params is not None:
+                    task = group.pooling_params.task
+                    counters.embed_requests += task == "embed"
+                    counters.classify_requests += task == "classify"
 
     def _why(self, group: SequenceGroup) -> str:
         n = len(group.prompt_token_ids)

@@ -150,3 +150,18 @@ def test_pooling_routes_refused_on_a_generative_model(http: Any) -> None:
     assert "/v1/embeddings" in message and "generate" in message
     r = http.post("/v1/rerank", json={"query": "a", "documents": ["b"]})
     assert r.status_code == 400 and "/v1/rerank" in r.json()["error"]["message"]
+
+
+def test_metrics_count_pooling_requests_by_task(api: Any, embed_server: ServerHandle) -> None:
+    import httpx
+
+    api.post("/embeddings", json={"model": NAME, "input": ["a", "b"]})
+    embed_server.wait_idle()
+    text = httpx.get(embed_server.base_url + "/metrics").text
+    line = next(
+        x
+        for x in text.splitlines()
+        if x.startswith('pagedllm:pooling_requests_total{task="embed"}')
+    )
+    assert float(line.split()[-1]) >= 2
+    assert 'pagedllm:pooling_requests_total{task="classify"} 0.0' in text
