@@ -16,10 +16,11 @@ What a target is depends on the op:
   taking no arguments (an ``AttentionBackend`` class, a factory) that returns the kernel, or None
   when it cannot run on this machine (its C++ extension did not build, say); raising ImportError,
   RuntimeError or OSError means the same, with the reason;
-* installed ops (:data:`INSTALLED_OPS`: linear, moe, norm, activation, rotary): an installer
-  ``(model, *, int8_activations) -> str | Mapping[str, str]`` that fills the layers' fast slots
-  (``fast_linear``, ``fast_moe``, ``fast_norm``, ``fast_act``, ``fast_rotary``) and describes what
-  it put in; layers it cannot serve keep their PyTorch definition.
+* installed ops (:data:`INSTALLED_OPS`: linear, moe, norm, activation, rotary,
+  encoder_attention): an installer ``(model, *, int8_activations) -> str | Mapping[str, str]``
+  that fills the layers' fast slots (``fast_linear``, ``fast_moe``, ``fast_norm``, ``fast_act``,
+  ``fast_rotary``, ``fast_encoder_attn``) and describes what it put in; layers it cannot serve
+  keep their PyTorch definition.
 
 An op with no kernel on a device runs its layer's own PyTorch definition (the sampler's
 ``draw_reference``, ``quantize_per_channel``, the numpy GGUF decoders, ``F.linear``...).
@@ -49,6 +50,7 @@ Op = Literal[
     "norm",
     "activation",
     "rotary",
+    "encoder_attention",
 ]
 Impl = Literal["cpp", "torch", "triton", "ipex", "reference"]
 OPS: tuple[Op, ...] = get_args(Op)
@@ -58,7 +60,14 @@ KernelOrder = Mapping[Op, tuple[Impl, ...]]
 BUILT_OPS: frozenset[Op] = frozenset(
     {"attention", "lora", "sample", "int8_quantize", "gguf_decode"}
 )
-INSTALLED_OPS: tuple[Op, ...] = ("linear", "moe", "norm", "activation", "rotary")
+INSTALLED_OPS: tuple[Op, ...] = (
+    "linear",
+    "moe",
+    "norm",
+    "activation",
+    "rotary",
+    "encoder_attention",
+)
 # The installers whose description is the model's ``linear_path`` (the others: ``layer_kernels``).
 _LINEAR_OPS = ("linear", "moe")
 
@@ -138,6 +147,13 @@ KERNELS: tuple[Kernel, ...] = (
         "activation", "cpp", "pagedllm.backends.cpu.layer_kernels:install_act_kernels", ("cpu",)
     ),
     Kernel("rotary", "cpp", "pagedllm.backends.cpu.layer_kernels:install_rotary_kernels", ("cpu",)),
+    # -- bidirectional attention without a cache (encoders; installer) -------------------------
+    Kernel(
+        "encoder_attention",
+        "torch",
+        "pagedllm.backends.encoder_attention:install_encoder_attention",
+        ("cpu", "cuda", "xpu"),
+    ),
     # -- multi-LoRA shrink/expand (LoRAKernel classes) ------------------------------------------
     Kernel("lora", "torch", "pagedllm.lora.ops:TorchLoRAOps", ("cpu", "cuda", "xpu")),
     Kernel(

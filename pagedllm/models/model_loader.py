@@ -176,7 +176,19 @@ def load_model(
             "%d linear layers quantised (%s)", finish_quantization(module), quant.describe()
         )
     logger.info("loaded %d weight tensors for %s in %s", len(loaded), cls.__name__, dtype)
+    if getattr(module, "task", None) == "embed" and gguf_path is None:
+        _read_pooling(module, Path(model))
     return module.eval()
+
+
+def _read_pooling(module: nn.Module, folder: Path) -> None:
+    """An embedder pools as its sentence-transformers folder says, when it says anything."""
+    from pagedllm.models.pooling import PoolingConfig
+
+    declared = PoolingConfig.from_folder(folder)
+    if declared is not None:
+        module.pooling_config = declared
+        logger.info("pooling from %s: %s", folder / "modules.json", declared)
 
 
 def pipeline_model_class(hf_config: Any, pipeline_parallel_size: int) -> type[nn.Module]:

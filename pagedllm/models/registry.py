@@ -22,6 +22,15 @@ _MODELS: dict[str, str] = {
     "Qwen2MoeForCausalLM": "pagedllm.models.qwen_moe:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "pagedllm.models.qwen_moe:Qwen3MoeForCausalLM",
     "OlmoeForCausalLM": "pagedllm.models.olmoe:OlmoeForCausalLM",
+    # Pooling models (models/pooling.py): encoders as embedders and as cross-encoders.
+    "BertModel": "pagedllm.models.bert:BertModel",
+    "RobertaModel": "pagedllm.models.bert:RobertaModel",
+    "XLMRobertaModel": "pagedllm.models.bert:RobertaModel",
+    "BertForSequenceClassification": "pagedllm.models.bert:BertForSequenceClassification",
+    "RobertaForSequenceClassification": "pagedllm.models.bert:RobertaForSequenceClassification",
+    "XLMRobertaForSequenceClassification": (
+        "pagedllm.models.bert:RobertaForSequenceClassification"
+    ),
 }
 
 

@@ -52,6 +52,8 @@ class CpuBackend(DeviceBackend):
         "norm": ("cpp",),
         "activation": ("cpp",),
         "rotary": ("cpp",),
+        # Encoders' cache-free attention: SDPA over the padded batch (backends/encoder_attention).
+        "encoder_attention": ("torch",),
         # csrc/sampling.cpp: no sort and one random number per row; PyTorch's sort-based
         # top-k/top-p and per-token noise took 60-150 ms for 64 rows of 32,000 logits.
         "sample": ("cpp",),

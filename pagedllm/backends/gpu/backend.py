@@ -36,6 +36,7 @@ class CudaBackend(DeviceBackend):
         "moe": ("triton",),
         # Multi-LoRA shrink/expand as Triton segmented GEMMs (one launch each per layer).
         "lora": ("triton", "torch"),
+        "encoder_attention": ("torch",),
     }
     # Pinned host pool, swaps and copies on a side stream.
     cache_engine_class = "pagedllm.backends.gpu.cache_engine:CudaCacheEngine"

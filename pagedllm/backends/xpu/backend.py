@@ -41,7 +41,11 @@ class XpuBackend(DeviceBackend):
     # IPEX's kernels, else our Triton kernels where triton has its Intel backend (the registry's
     # triton row requires triton_supports_xpu() here). A missing IPEX then fails with the
     # ImportError that says what to install.
-    kernel_order: ClassVar[KernelOrder] = {"attention": ("ipex", "triton"), "lora": ("torch",)}
+    kernel_order: ClassVar[KernelOrder] = {
+        "attention": ("ipex", "triton"),
+        "lora": ("torch",),
+        "encoder_attention": ("torch",),
+    }
 
     @classmethod
     def is_available(cls) -> bool:
