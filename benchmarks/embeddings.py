@@ -58,7 +58,8 @@ def tiny_folder() -> Path:
     from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
 
     folder.mkdir(parents=True, exist_ok=True)
-    vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS])}
+    names = dict.fromkeys(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS])
+    vocab = {w: i for i, w in enumerate(names)}
     tok = Tokenizer(tok_models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     fast = PreTrainedTokenizerFast(
@@ -74,7 +75,7 @@ def tiny_folder() -> Path:
     BertModel(config).save_pretrained(str(bert_dir))
     fast.save_pretrained(str(bert_dir))
     word = models.Transformer(str(bert_dir), max_seq_length=256)
-    pooling = models.Pooling(word.get_word_embedding_dimension(), pooling_mode="mean")
+    pooling = models.Pooling(word.get_embedding_dimension(), pooling_mode="mean")
     SentenceTransformer(modules=[word, pooling, models.Normalize()]).save(str(folder))
     return folder
 
@@ -198,7 +199,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.run_one:
         print(json.dumps(run_one(args)))
         return
-    from pagedllm.backends.cpu._ops import cpu_model_name, physical_cores, resolve_isa
+    from pagedllm.backends.cpu._ops import cpu_model_name, resolve_isa
+    from pagedllm.backends.cpu.backend import physical_cores
 
     if args.smoke:
         args.sentences, args.single = 64, 4
