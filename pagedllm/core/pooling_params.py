@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from pagedllm.core.sampling_params import SamplingParams
+
 POOLING_TASKS = ("embed", "classify")
 MAX_DIMENSIONS = 1 << 20
 
@@ -64,3 +66,7 @@ class PoolingParams:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values.update(changes)
         return PoolingParams(**values)
+
+
+# What a request carries: sampling (generation) or pooling (embedding, score) parameters.
+RequestParams = SamplingParams | PoolingParams

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.core.pooling_params import RequestParams
 from pagedllm.engine.client import (
     EngineClientBase,
     EngineDeadError,
@@ -45,7 +45,7 @@ _MAX_CONSECUTIVE_STEP_FAILURES = 3
 class _Add:
     stream: RequestStream
     prompt: Any
-    params: SamplingParams
+    params: RequestParams
     priority: int
     done: concurrent.futures.Future[None]
     # When the caller asked (monotonic): the request's TTFT and latency start here, not when
@@ -157,7 +157,7 @@ class AsyncEngine(EngineClientBase):
         self,
         request_id: str,
         prompt: Any,
-        params: SamplingParams,
+        params: RequestParams,
         *,
         priority: int = 0,
         arrival_time: float | None = None,

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.core.pooling_params import RequestParams
 from pagedllm.engine import core_wire as wire
 from pagedllm.engine.client import (
     EngineClientBase,
@@ -209,7 +209,7 @@ class EngineCoreClient(EngineClientBase):
         self,
         request_id: str,
         prompt: Any,
-        params: SamplingParams,
+        params: RequestParams,
         *,
         priority: int = 0,
         arrival_time: float | None = None,
