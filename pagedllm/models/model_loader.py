@@ -23,7 +23,7 @@ from pagedllm.models.checkpoint import CheckpointError, iterate_weights
 from pagedllm.models.gguf.reader import gguf_path_of
 from pagedllm.models.gguf.weights import BlockDecoder
 from pagedllm.models.hf_config_checks import check_config_json, read_config_json
-from pagedllm.models.registry import resolve_model_class
+from pagedllm.models.registry import model_task, resolve_model_class
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +129,7 @@ def load_model(
     quantizer: WeightQuantizer | None = None,
     native_formats: frozenset[str] = frozenset(),
     gguf_block_decoder: BlockDecoder | None = None,
+    task: str | None = None,
 ) -> nn.Module:
     """Build the model with its parameters already in ``dtype`` and fill them from the checkpoint.
 
@@ -143,8 +144,12 @@ def load_model(
     ``pp``: the pipeline stage whose layers alone are built and loaded.
     ``gguf_block_decoder``: the device's ``gguf_decode`` kernel for GGUF 4-bit and Q6_K blocks
     (``backends/kernels.py``); None: the numpy definition.
+    ``task``: "generate", "embed" or "classify" (``registry.TASKS``); None: the checkpoint's
+    (``registry.model_task``: a sentence-transformers folder over a decoder embeds).
     """
-    cls = pipeline_model_class(hf_config, pp.size)
+    if task is None:
+        task = model_task(getattr(hf_config, "architectures", None), _folder_of(model))
+    cls = pipeline_model_class(hf_config, pp.size, task)
     quant = get_quant_config(quantization, hf_config, quantizer)
     with torch.device("meta"):
         module = cls(hf_config, attn_backend=attn_backend, tp=tp, pp=pp)
@@ -177,7 +182,7 @@ def load_model(
         )
     logger.info("loaded %d weight tensors for %s in %s", len(loaded), cls.__name__, dtype)
     if getattr(module, "task", None) == "embed" and gguf_path is None:
-        _read_pooling(module, Path(model))
+        _read_pooling(module, Path(model))  # the folder's pooling, over the class's default
     return module.eval()
 
 
@@ -191,11 +196,17 @@ def _read_pooling(module: nn.Module, folder: Path) -> None:
         logger.info("pooling from %s: %s", folder / "modules.json", declared)
 
 
-def pipeline_model_class(hf_config: Any, pipeline_parallel_size: int) -> type[nn.Module]:
+def _folder_of(model: str) -> Path | None:
+    return Path(model) if gguf_path_of(model) is None and Path(model).is_dir() else None
+
+
+def pipeline_model_class(
+    hf_config: Any, pipeline_parallel_size: int, task: str | None = None
+) -> type[nn.Module]:
     """The model class, refused by name when it cannot be split into ``pipeline_parallel_size``
-    stages (fewer layers than stages). Every family splits: they all run as a
-    :class:`~pagedllm.models.causal_lm.CausalLM`."""
-    cls = resolve_model_class(getattr(hf_config, "architectures", None))
+    stages (fewer layers than stages). Every generative family splits: they all run as a
+    :class:`~pagedllm.models.causal_lm.CausalLM` (pooling models refuse at construction)."""
+    cls = resolve_model_class(getattr(hf_config, "architectures", None), task)
     if pipeline_parallel_size == 1:
         return cls
     layers = int(getattr(hf_config, "num_hidden_layers", 0) or 0)

@@ -92,6 +92,24 @@ class PoolingConfig:
         return cls(pooling, normalize)
 
 
+def sentence_max_seq_length(path: str | Path) -> int | None:
+    """The input length a sentence-transformers folder truncates to (``max_seq_length`` of its
+    ``sentence_bert_config.json``; all-MiniLM-L6-v2 says 256 of its 512 positions); None when it
+    says nothing. An engine that truncates there embeds long texts as the folder's users do."""
+    config_file = Path(path) / "sentence_bert_config.json"
+    if not config_file.is_file():
+        return None
+    value = _read_json(config_file)
+    length = value.get("max_seq_length") if isinstance(value, dict) else None
+    if length is None:
+        return None
+    if not isinstance(length, int) or isinstance(length, bool) or length < 1:
+        raise ValueError(
+            f"{config_file}: max_seq_length must be a positive integer, got {length!r}"
+        )
+    return length
+
+
 def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))

@@ -14,6 +14,7 @@ from pagedllm.models.pooling import (
     finish_embedding,
     parse_pooling_override,
     pool_hidden,
+    sentence_max_seq_length,
 )
 
 st_modules = pytest.importorskip("sentence_transformers.sentence_transformer.modules")
@@ -141,3 +142,12 @@ def test_parse_pooling_override() -> None:
     assert parse_pooling_override("last") is PoolingType.LAST
     with pytest.raises(ValueError, match="--pooling"):
         parse_pooling_override("max")
+
+
+def test_sentence_max_seq_length(tmp_path: Path) -> None:
+    assert sentence_max_seq_length(tmp_path) is None
+    (tmp_path / "sentence_bert_config.json").write_text('{"max_seq_length": 256}')
+    assert sentence_max_seq_length(tmp_path) == 256
+    (tmp_path / "sentence_bert_config.json").write_text('{"max_seq_length": -1}')
+    with pytest.raises(ValueError, match="max_seq_length"):
+        sentence_max_seq_length(tmp_path)
