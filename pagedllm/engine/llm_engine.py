@@ -25,7 +25,7 @@ from pagedllm.engine.admission import EngineLimits, check_request, default_max_t
 from pagedllm.engine.guided import GuidedRequests
 from pagedllm.engine.lora_registry import LoRARegistry, lora_cache_root
 from pagedllm.engine.output_processor import OutputProcessor
-from pagedllm.engine.pooling import admit_pooling, prefill_only, resolve_task
+from pagedllm.engine.pooling import admit_pooling, model_context, prefill_only, resolve_task
 from pagedllm.engine.pooling_api import PoolingMixin
 from pagedllm.engine.prompts import (
     PromptType,
@@ -40,7 +40,7 @@ from pagedllm.engine.virtual_engines import VirtualBlockManagers, VirtualSchedul
 from pagedllm.engine_args import EngineArgs
 from pagedllm.executors.base import create_executor
 from pagedllm.lora.request import LoRARequest
-from pagedllm.models.model_loader import load_hf_config, max_model_len_of
+from pagedllm.models.model_loader import load_hf_config
 from pagedllm.outputs import RequestOutput
 from pagedllm.spec_decode.metrics import SpecDecodeMetrics
 
@@ -86,7 +86,7 @@ class LLMEngine(PoolingMixin):
         self._explicit_max_model_len = args.max_model_len is not None
         self.hf_config = load_hf_config(model)
         self.config: EngineConfig = args.create_config(
-            model_max_len=max_model_len_of(self.hf_config), device=resolve_device(device)
+            model_max_len=model_context(model, self.hf_config), device=resolve_device(device)
         )
         # Without a tokenizer prompts must be token ids and outputs carry no text.
         self.tokenizer = (

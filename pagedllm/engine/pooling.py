@@ -1,18 +1,35 @@
 """The engine's pooling side: which task the model serves, and what a pooling request may ask.
 
 The model says what it is (``task`` "embed" or "classify" on a pooling model; a causal LM is
-"generate"), ``--task`` may say otherwise where that makes sense: a causal LM serves
-embeddings as a decoder embedder does (its last token's final hidden state), and an embedding
+"generate"), ``--task`` may say otherwise where that makes sense: a causal LM is loaded as a
+decoder embedder with ``--task embed`` (its last token's final hidden state), and an embedding
 model scores by the cosine of two embeddings. Everything else is refused by name at start-up.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pagedllm.core.pooling_params import PoolingParams
 from pagedllm.core.sampling_params import SamplingParams
+
+
+def model_context(model: str, hf_config: Any) -> int:
+    """The model's context: its positions, or less where a sentence-transformers folder says it
+    reads less (``max_seq_length``: all-MiniLM-L6-v2 256 of its 512), as vLLM caps it; a longer
+    input is refused unless ``truncate_prompt_tokens`` asks for it to be cut."""
+    from pagedllm.models.model_loader import max_model_len_of
+    from pagedllm.models.pooling import sentence_max_seq_length
+
+    positions = max_model_len_of(hf_config)
+    if getattr(hf_config, "model_type", "") in ("roberta", "xlm-roberta"):
+        # RoBERTa counts positions from padding_idx + 1: two of its table's rows are never read.
+        positions -= int(getattr(hf_config, "pad_token_id", 1) or 1) + 1
+    folder = Path(model)
+    limit = sentence_max_seq_length(folder) if folder.is_dir() else None
+    return positions if limit is None else min(positions, limit)
 
 
 def prefill_only() -> SamplingParams:
@@ -20,9 +37,10 @@ def prefill_only() -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=1)
 
 
-# What ``--task`` may turn each kind of checkpoint into ("auto" picks the first).
+# What ``--task`` may turn each kind of checkpoint into ("auto" picks the first); a causal LM
+# asked to embed is loaded as a decoder embedder (``models/decoder_embedder.py``), an "embed" model.
 _ALLOWED = {
-    "generate": ("generate", "embed"),
+    "generate": ("generate",),
     "embed": ("embed", "score"),
     "classify": ("score",),
 }

@@ -3,9 +3,7 @@
 The model pools (``model.pool(hidden, query_lens)``: mean, CLS or last token, or a classifier's
 head; see ``models/pooling.py``); what a request asks of that vector (Matryoshka
 ``dimensions``, normalisation) is applied here per request, since requests with different asks
-share one batch. A generative decoder asked to embed (``--task embed`` on a causal LM) has no
-``pool``: its final hidden states are pooled as ``--pooling`` says, by default its last token's,
-as decoder embedders (Qwen3-Embedding, gte-Qwen) pool.
+share one batch.
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ from pagedllm.models.pooling import (
     PoolingType,
     finish_embedding,
     parse_pooling_override,
-    pool_hidden,
 )
 
 
@@ -30,18 +27,19 @@ class Pooler:
 
     def __init__(self, model: Any, override: str | None = None) -> None:
         self.model = model
-        self.override = parse_pooling_override(override) if override else None
         config = getattr(model, "pooling_config", None)
-        if config is not None and self.override is not None:
+        if override and config is None:
+            raise ValueError("pooling: this model does not pool (it generates text)")
+        if override and config is not None:
             # The model pools through its own config, so the override goes there.
-            model.pooling_config = dataclasses.replace(config, pooling_type=self.override)
-        self.fallback = self.override or PoolingType.LAST  # a causal LM's pooling
+            kind = parse_pooling_override(override)
+            model.pooling_config = dataclasses.replace(config, pooling_type=kind)
 
     def facts(self) -> dict[str, Any]:
         """The model's task and pooling defaults, plain values that cross any executor."""
         model = self.model
         config = getattr(model, "pooling_config", None)
-        kind = config.pooling_type if config is not None else self.fallback
+        kind = config.pooling_type if config is not None else PoolingType.LAST
         return {
             "task": str(getattr(model, "task", "generate")),
             "uses_kv_cache": bool(getattr(model, "uses_kv_cache", True)),
@@ -59,11 +57,7 @@ class Pooler:
         parts = [hidden[start : start + count] for _, start, count in batch.pool_spans]
         rows = parts[0] if len(parts) == 1 else torch.cat(parts)  # [sum(count), H]
         query_lens = [count for _, _, count in batch.pool_spans]
-        pool = getattr(self.model, "pool", None)
-        if pool is not None:
-            pooled = pool(rows, query_lens)  # [num_seqs, D] float32
-        else:
-            pooled = pool_hidden(rows, query_lens, self.fallback)
+        pooled = self.model.pool(rows, query_lens)  # [num_seqs, D] float32
         out: dict[int, list[float]] = {}
         for j, (i, _, _) in enumerate(batch.pool_spans):
             params = seqs[i].pooling_params

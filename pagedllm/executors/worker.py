@@ -108,6 +108,9 @@ class Worker:
             quantizer=kernel("int8_quantize").value,
             gguf_block_decoder=kernel("gguf_decode").value,
             native_formats=kernel("linear").formats,
+            # --task embed loads a causal LM's decoder as an embedder; "score" and "auto" take
+            # the checkpoint's class (the engine checks the pair: engine/pooling.py).
+            task={"generate": "generate", "embed": "embed"}.get(self.config.model.task),
         )
         lora = self.config.lora
         if lora is not None:
