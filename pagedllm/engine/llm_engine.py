@@ -129,6 +129,9 @@ class LLMEngine(PoolingMixin):
             self.executor.collective_rpc("pooling_info")[-1],  # the last stage's model
             embed_dim=getattr(self.hf_config, "hidden_size", None),
         )
+        if self.pooling.is_pooling and self.config.speculative is not None:
+            self.executor.shutdown()
+            raise ValueError("speculative_config: a pooling model generates no tokens to draft")
         self._cache_salt = os.urandom(16)  # adapters' prefix-cache roots: this run's only
 
     def _size_cache(self) -> CacheLayout:

@@ -166,3 +166,11 @@ def test_mean_pooling_override_runs_whole_prompts(llama_path: Path) -> None:
     with pytest.raises(ValueError, match="^input: 100 tokens, more than one step"):
         engine.embed([[5] * 100])
     assert all_free(engine)
+
+
+def test_speculation_refused_on_a_pooling_model(llama_path: Path) -> None:
+    spec = '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}'
+    with pytest.raises(ValueError, match="^speculative_config: a pooling model"):
+        Engine(
+            str(llama_path), device="cpu", task="embed", num_kv_blocks=32, speculative_config=spec
+        )
