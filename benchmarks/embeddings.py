@@ -85,9 +85,12 @@ def model_folder(args: argparse.Namespace) -> Path:
         return Path(args.model)
     if args.smoke:
         return tiny_folder()
-    from pagedllm.entrypoints.embedding_model import embedding_model_path
+    from pagedllm.entrypoints.embedding_model import fetch_embedding_model
 
-    return Path(embedding_model_path())
+    fetched = fetch_embedding_model()
+    if fetched.path is None:
+        raise SystemExit(f"all-MiniLM-L6-v2 cannot be fetched: {fetched.reason} (use --model)")
+    return Path(fetched.path)
 
 
 # --- one engine, in its own process ----------------------------------------------------------
