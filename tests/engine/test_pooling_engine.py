@@ -174,3 +174,26 @@ def test_speculation_refused_on_a_pooling_model(llama_path: Path) -> None:
         Engine(
             str(llama_path), device="cpu", task="embed", num_kv_blocks=32, speculative_config=spec
         )
+
+
+def test_data_parallel_replicas_embed_and_score(llama_path: Path, embedder: Engine) -> None:
+    engine = Engine(
+        str(llama_path),
+        "cpu",
+        task="embed",
+        data_parallel_size=2,
+        distributed_executor_backend="mp",
+        block_size=8,
+        num_kv_blocks=64,
+        max_model_len=128,
+    )
+    try:
+        got = torch.tensor([o.embedding for o in engine.embed(TEXTS)])
+        want = torch.tensor([o.embedding for o in embedder.embed(TEXTS)])
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        scores = [s.score for s in engine.score(TEXTS[0], TEXTS[1:3])]
+        assert scores == pytest.approx((want[1:3] @ want[0]).tolist(), abs=1e-5)
+        with pytest.raises(ValueError, match="^input:"):
+            engine.embed([])
+    finally:
+        engine.shutdown()
