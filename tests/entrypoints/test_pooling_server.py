@@ -165,3 +165,18 @@ def test_metrics_count_pooling_requests_by_task(api: Any, embed_server: ServerHa
     )
     assert float(line.split()[-1]) >= 2
     assert 'pagedllm:pooling_requests_total{task="classify"} 0.0' in text
+
+
+def test_bad_requests_leave_others_in_flight_unharmed(api: Any, embed_server: ServerHandle) -> None:
+    import concurrent.futures
+
+    good = {"model": NAME, "input": [f"{t} {i}" for i in range(48) for t in TEXTS[:1]]}
+    bad = [{"input": ""}, {"input": [[1, 10**6]]}, {"input": ["a"] * 2049}, {"input": [5] * 300}]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        running = pool.submit(api.post, "/embeddings", json=good)
+        refused = [api.post("/embeddings", json={"model": NAME, **b}) for b in bad]
+        reply = running.result()
+    assert [r.status_code for r in refused] == [400] * 4
+    assert reply.status_code == 200, reply.text
+    assert len(reply.json()["data"]) == 48
+    embed_server.assert_all_blocks_free()
