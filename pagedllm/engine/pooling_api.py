@@ -57,7 +57,13 @@ def embed(
         inputs = [inputs]
     items = list(inputs)
     check_inputs(items)
-    outputs = encode(items, [params] * len(items))
+    # Shortest first, as sentence-transformers' encode sorts: a step's prompts are then of
+    # similar lengths, and an encoder's attention pads each step's batch to its longest.
+    order = sorted(range(len(items)), key=lambda i: len(items[i]))
+    ran = encode([items[i] for i in order], [params] * len(items))
+    outputs: list[RequestOutput] = [ran[0]] * len(items)
+    for k, i in enumerate(order):
+        outputs[i] = ran[k]
     return [
         EmbeddingRequestOutput(out.request_id, vec, list(out.prompt_token_ids))
         for out, vec in zip(outputs, _vectors(outputs), strict=True)
