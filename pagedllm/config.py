@@ -52,6 +52,9 @@ def _positive_int(value: Any, name: str, *, allow_none: bool = False) -> None:
     )
 
 
+MODEL_TASKS = ("auto", "generate", "embed", "score")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str
@@ -73,8 +76,22 @@ class ModelConfig:
     sampling_overrides: tuple[tuple[str, Any], ...] = ()
     # Where a backend keeps a GGUF's packed weights for the next start (None: packed each time).
     packed_cache_dir: str | None = None
+    # What the model serves: "auto" (the checkpoint says), "generate", "embed" or "score"; and a
+    # pooling override for an embedding model ("mean", "cls:normalize", ...; see --pooling).
+    task: str = "auto"
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
+        require(
+            self.pooling in (None, "mean", "cls", "last"),
+            "pooling",
+            f"must be mean, cls or last, got {self.pooling!r}",
+        )
+        require(
+            self.task in MODEL_TASKS,
+            "task",
+            f"must be one of {', '.join(MODEL_TASKS)}, got {self.task!r}",
+        )
         require(
             self.generation_config in ("auto", "none"),
             "generation_config",

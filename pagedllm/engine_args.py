@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.config import (
+    MODEL_TASKS,
     CacheConfig,
     EngineConfig,
     LoRAConfig,
@@ -112,6 +113,17 @@ class EngineArgs:
         None, "attention kernel family to use (default: the device's best)"
     )
     served_model_name: str | None = engine_arg(None, "name clients use", cli=False)
+    task: str = engine_arg(
+        "auto",
+        "what the model serves: generate (completions, chat), embed (/v1/embeddings) or score "
+        "(/v1/score, /v1/rerank); auto: what the checkpoint is",
+        choices=MODEL_TASKS,
+    )
+    pooling: str | None = engine_arg(
+        None,
+        "an embedding model's pooling instead of the checkpoint's: mean, cls or last (a causal "
+        "LM served with --task embed pools its last token unless told otherwise)",
+    )
     tensor_parallel_size: int = engine_arg(1, "number of tensor-parallel workers")
     distributed_executor_backend: str | None = engine_arg(
         None, "how tensor-parallel workers run", choices=EXECUTOR_BACKENDS
@@ -250,6 +262,8 @@ class EngineArgs:
             packed_cache_dir=None if self.disable_packed_cache else env_packed_cache_dir(),
             generation_config=generation,
             sampling_overrides=overrides,
+            task=self.task,
+            pooling=self.pooling,
         )
 
     def _cache_config(self) -> CacheConfig:

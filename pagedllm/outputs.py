@@ -43,3 +43,23 @@ class RequestOutput:
     # the server's fault, not the client's input.
     failed: bool = False
     num_cached_tokens: int = 0
+    # A pooling request's vector (an embedding, or a classifier's logits) once it finished.
+    pooled: list[float] | None = None
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """One input's embedding (``Engine.embed``): float32 values, normalised unless asked not."""
+
+    request_id: str
+    embedding: list[float]
+    prompt_token_ids: list[int]
+
+
+@dataclass
+class ScoringRequestOutput:
+    """One document's relevance to the query (``Engine.score``); ``num_tokens`` it read."""
+
+    request_id: str
+    score: float
+    num_tokens: int

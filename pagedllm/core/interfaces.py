@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.core.pooling_params import PoolingParams
 from pagedllm.core.prefix_tier import TierTransfer
 from pagedllm.core.sampling_params import SamplingParams
 
@@ -46,6 +47,8 @@ class ScheduledSeq:
     prev_token_id: int | None = None
     # Multi-LoRA: the request's adapter (a pagedllm.lora.LoRARequest, opaque here), None: base.
     lora_request: Any = None
+    # A pooling request: its last prefill step (``do_sample``) yields a vector, not a token.
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass(frozen=True)
@@ -107,3 +110,5 @@ class ModelRunnerOutput:
     # Speculative decoding: seq_id -> the tokens accepted after ``sampled[seq_id]``, in order.
     spec_tokens: dict[int, list[SampledToken]] = field(default_factory=dict)
     spec_stats: SpecStepStats | None = None
+    # Pooling requests: seq_id -> the finished vector (embedding, or a classifier's logits).
+    pooled: dict[int, list[float]] = field(default_factory=dict)

@@ -175,8 +175,13 @@ class Scheduler:
             if seqs[0].get_prompt_len() > self._prompt_limit(chunked):
                 self._ignore(group, f"prompt of {seqs[0].get_prompt_len()} tokens is too long")
                 continue
+            whole = _whole_prompt(group)
+            if not _holds_blocks(group):
+                if not self._admit_without_blocks(group, budget, step):
+                    break
+                continue
             # Prompt log-probabilities need every position computed: no lower-tier loads.
-            tiers = group.sampling_params.prompt_logprobs is None
+            tiers = not whole
             if tiers and bm.tier_should_wait(group):
                 skipped.append(self.waiting.popleft())  # its next blocks are read from disk
                 continue
@@ -192,9 +197,12 @@ class Scheduler:
                 bm.acquire_tier_hits(group)
             # Cached prefix tokens are not computed, so they do not count against the budget.
             num_tokens = sum(s.get_len() - bm.num_cached_prefix_tokens(s) for s in seqs)
-            if group.sampling_params.prompt_logprobs is not None:
+            if whole:
                 num_tokens = sum(s.get_len() for s in seqs)
             num_new_seqs = group.get_max_num_running_seqs()
+            if chunked and _unchunked(group) and not budget.fits(num_tokens, num_new_seqs):
+                bm.release_tier_hits(group)
+                break  # a prompt pooled whole is never chunked: it waits for a roomier step
             if chunked:
                 num_tokens = min(num_tokens, budget.tokens_left)
                 if num_tokens <= 0 or not budget.fits(num_tokens, num_new_seqs):
@@ -209,14 +217,27 @@ class Scheduler:
             bm.allocate(group)
             for seq in seqs:
                 seq.status = SequenceStatus.RUNNING
-                if group.sampling_params.prompt_logprobs is not None:
-                    seq.num_computed_tokens = 0  # every prompt position needs its logits
+                if whole:
+                    seq.num_computed_tokens = 0  # every prompt position is read
             chunk = self._prefill_chunk(group, budget, step, chunked)
             self.running.append(group)
             step.prefills.append((group, chunk))
             if loras is not None and group.lora_id:
                 loras.add(group.lora_id)
         self.waiting.extendleft(reversed(skipped))
+
+    def _admit_without_blocks(self, group: SequenceGroup, budget: Budget, step: StepPlan) -> bool:
+        """A bidirectional encoder's prompt: no KV blocks, the whole prompt in this step."""
+        seq = group.seqs[0]
+        if not budget.fits(seq.get_len(), 1):
+            return False
+        self.waiting.popleft()
+        seq.status = SequenceStatus.RUNNING
+        budget.num_tokens += seq.get_len()
+        budget.num_seqs += 1
+        self.running.append(group)
+        step.prefills.append((group, seq.get_len()))
+        return True
 
     def _no_slot_for(self, group: SequenceGroup, loras: set[int]) -> bool:
         """The group's adapter would be one more than ``max_loras`` running at once."""
@@ -409,9 +430,8 @@ class Scheduler:
     def _scheduled_seq(
         self, group: SequenceGroup, seq: Sequence, num_tokens: int, is_prompt: bool
     ) -> ScheduledSeq:
-        return build_scheduled_seq(
-            group, seq, num_tokens, is_prompt, self.block_manager.get_block_table(seq)
-        )
+        table = self.block_manager.get_block_table(seq) if _holds_blocks(group) else []
+        return build_scheduled_seq(group, seq, num_tokens, is_prompt, table)
 
     # -- after the forward pass ----------------------------------------------------------------
     def update_from_output(
@@ -435,11 +455,17 @@ class Scheduler:
                 self.lookahead.record(seq, accepted)
             else:
                 seq.update_num_computed_tokens(len(item.token_ids))
-                self.block_manager.mark_computed(seq)
-                self.block_manager.reclaim_out_of_window(seq)
+                if _holds_blocks(group):
+                    self.block_manager.mark_computed(seq)
+                    self.block_manager.reclaim_out_of_window(seq)
             if seq.seq_id in runner_out.prompt_logprobs:
                 self._record_prompt_logprobs(group, runner_out.prompt_logprobs[seq.seq_id])
             if not item.do_sample:
+                continue
+            if item.pooling_params is not None:  # prefill-only: done, its blocks freed next
+                group.pooled = runner_out.pooled[seq.seq_id]
+                seq.status = SequenceStatus.FINISHED_STOPPED
+                touched[group.request_id] = group
                 continue
             sampled = runner_out.sampled[seq.seq_id]
             if group.sampling_params.use_beam_search:
@@ -478,3 +504,20 @@ class Scheduler:
                 kept.append(group)
         self.running = kept
         return finished
+
+
+def _whole_prompt(group: SequenceGroup) -> bool:
+    """Every prompt position is computed (no prefix-cache skip): prompt log-probabilities, or
+    a model that pools over every position."""
+    return group.sampling_params.prompt_logprobs is not None or _unchunked(group)
+
+
+def _unchunked(group: SequenceGroup) -> bool:
+    """A prompt pooled over every position runs in one step: no chunk holds its hidden states."""
+    pooling = group.pooling_params
+    return pooling is not None and (pooling.whole_prompt or not pooling.uses_kv_cache)
+
+
+def _holds_blocks(group: SequenceGroup) -> bool:
+    """False for a bidirectional encoder's request, which runs without a KV cache."""
+    return group.pooling_params is None or group.pooling_params.uses_kv_cache

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.core.pooling_params import PoolingParams
 from pagedllm.core.sampling_params import SamplingParams
 
 
@@ -191,6 +192,9 @@ class SequenceGroup:
     beam_state: Any = None
     # Multi-LoRA: the adapter (opaque here); ``lora_id`` 0 is the base model.
     lora_request: Any = None
+    # A pooling request (embedding, score): prefill-only; its vector lands in ``pooled``.
+    pooling_params: PoolingParams | None = None
+    pooled: list[float] | None = None
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)

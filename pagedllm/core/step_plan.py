@@ -96,4 +96,5 @@ def build_scheduled_seq(
         sample_index=seq.index,
         eos_token_ids=group.eos_token_ids,
         lora_request=group.lora_request,
+        pooling_params=group.pooling_params,
     )

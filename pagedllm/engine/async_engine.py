@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.core.pooling_params import RequestParams
 from pagedllm.engine.client import (
     EngineClientBase,
     EngineDeadError,
@@ -45,7 +45,7 @@ _MAX_CONSECUTIVE_STEP_FAILURES = 3
 class _Add:
     stream: RequestStream
     prompt: Any
-    params: SamplingParams
+    params: RequestParams
     priority: int
     done: concurrent.futures.Future[None]
     # When the caller asked (monotonic): the request's TTFT and latency start here, not when
@@ -148,6 +148,8 @@ class AsyncEngine(EngineClientBase):
             "max_model_len": cfg.scheduler.max_model_len,
             "vocab_size": int(self.engine.vocab_size),
             "sampling_defaults": dict(self.engine.sampling_defaults),
+            "task": self.engine.pooling.task,
+            "model_task": self.engine.pooling.model_task,
         }
 
     # -- requests --------------------------------------------------------------------------------
@@ -155,7 +157,7 @@ class AsyncEngine(EngineClientBase):
         self,
         request_id: str,
         prompt: Any,
-        params: SamplingParams,
+        params: RequestParams,
         *,
         priority: int = 0,
         arrival_time: float | None = None,

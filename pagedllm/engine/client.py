@@ -17,7 +17,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
-from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.core.pooling_params import RequestParams
 from pagedllm.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ class EngineClientBase(abc.ABC):
         self,
         request_id: str,
         prompt: Any,
-        params: SamplingParams,
+        params: RequestParams,
         *,
         priority: int = 0,
         arrival_time: float | None = None,
@@ -115,7 +115,7 @@ class EngineClientBase(abc.ABC):
     async def generate(
         self,
         prompt: Any,
-        params: SamplingParams,
+        params: RequestParams,
         request_id: str,
         *,
         priority: int = 0,
@@ -207,7 +207,7 @@ class EngineClient(Protocol):
         self,
         request_id: str,
         prompt: Any,
-        params: SamplingParams,
+        params: RequestParams,
         *,
         priority: int = 0,
         arrival_time: float | None = None,
@@ -216,7 +216,7 @@ class EngineClient(Protocol):
     def generate(
         self,
         prompt: Any,
-        params: SamplingParams,
+        params: RequestParams,
         request_id: str,
         *,
         priority: int = 0,

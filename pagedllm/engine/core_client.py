@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.core.pooling_params import RequestParams
 from pagedllm.engine import core_wire as wire
 from pagedllm.engine.client import (
     EngineClientBase,
@@ -199,14 +199,17 @@ class EngineCoreClient(EngineClientBase):
         """The served model: ``model``, ``served_model_name``, ``max_model_len``, ``vocab_size``,
         ``sampling_defaults``."""
         keys = ("model", "served_model_name", "max_model_len", "vocab_size", "sampling_defaults")
-        return {k: self.info[k] for k in keys}
+        return {k: self.info[k] for k in keys} | {
+            "task": self.info.get("task", "generate"),
+            "model_task": self.info.get("model_task", "generate"),
+        }
 
     # -- requests ----------------------------------------------------------------------------
     async def add_request(
         self,
         request_id: str,
         prompt: Any,
-        params: SamplingParams,
+        params: RequestParams,
         *,
         priority: int = 0,
         arrival_time: float | None = None,

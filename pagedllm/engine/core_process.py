@@ -26,6 +26,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
+from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.engine import core_wire as wire
 from pagedllm.engine.cpu_binding import CoreThreadBinder, CpuBinding
 from pagedllm.log_setup import setup_logging
@@ -134,7 +135,9 @@ class EngineCore:
                 acks.append([rid, type(exc).__name__, str(exc), received])
                 return
             self.live.add(rid)
-            self.reorders[rid] = bool(params.use_beam_search or (params.best_of or 1) > params.n)
+            self.reorders[rid] = isinstance(params, SamplingParams) and bool(
+                params.use_beam_search or (params.best_of or 1) > params.n
+            )
             acks.append([rid, None, None, received])
         elif kind == wire.ABORT:
             ids = [r for r in message[1] if r in self.live]
@@ -301,5 +304,7 @@ def ready_info(engine: Any) -> dict[str, Any]:
         "max_model_len": cfg.scheduler.max_model_len,
         "vocab_size": int(engine.vocab_size),
         "sampling_defaults": dict(engine.sampling_defaults),
+        "task": engine.pooling.task,
+        "model_task": engine.pooling.model_task,
         "stats": engine.get_stats(),
     }

@@ -118,6 +118,7 @@ class DeltaEncoder:
             out.failed,
             out.num_cached_tokens,
             seqs,
+            out.pooled,
         ]
 
     def forget(self, request_id: str) -> None:
@@ -142,7 +143,7 @@ class OutputAccumulator:
         self.seqs: dict[int, _Seq] = {}
 
     def apply(self, entry: list[Any]) -> RequestOutput:
-        _, finished, head, metrics, error, failed, num_cached, seqs = entry
+        _, finished, head, metrics, error, failed, num_cached, seqs, pooled = entry
         if head is not None:
             self.prompt, self.prompt_token_ids, self.prompt_logprobs = head
             if self.prompt_logprobs is not None:
@@ -182,6 +183,7 @@ class OutputAccumulator:
             error=error,
             failed=failed,
             num_cached_tokens=num_cached,
+            pooled=pooled,
         )
 
 

@@ -23,6 +23,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from pagedllm.core.pooling_params import RequestParams
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.engine.admission import default_max_tokens
 from pagedllm.engine.client import (
@@ -299,7 +300,7 @@ class DataParallelClient(EngineClientBase):
         self,
         request_id: str,
         prompt: Any,
-        params: SamplingParams,
+        params: RequestParams,
         *,
         priority: int = 0,
         arrival_time: float | None = None,
@@ -312,7 +313,10 @@ class DataParallelClient(EngineClientBase):
         token_ids = self._token_ids(prompt)
         root = _lora_root(lora_request)
         max_len = self.info["max_model_len"]
-        tokens = len(token_ids) + (params.max_tokens or default_max_tokens(len(token_ids), max_len))
+        out_len = 0  # a pooling request is its prompt alone
+        if isinstance(params, SamplingParams):
+            out_len = params.max_tokens or default_max_tokens(len(token_ids), max_len)
+        tokens = len(token_ids) + out_len
         for _ in range(self.num_replicas):
             with self._lock:
                 try:

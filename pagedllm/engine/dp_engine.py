@@ -12,12 +12,15 @@ import asyncio
 import itertools
 from typing import Any
 
+from pagedllm.core.pooling_params import PoolingParams, RequestParams
 from pagedllm.core.sampling_params import SamplingParams
+from pagedllm.engine import pooling_api
 from pagedllm.engine.dp_client import DataParallelClient
+from pagedllm.engine.pooling import PoolingInfo
 from pagedllm.engine.prompts import batch_inputs
 from pagedllm.engine.router import Router
 from pagedllm.engine.sampling_defaults import default_sampling_params
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
 
 
 class DataParallelEngine:
@@ -65,6 +68,11 @@ class DataParallelEngine:
         prompts, params_list, loras = batch_inputs(prompts, sampling_params, lora_request)
         default = self.get_default_sampling_params()
         params_list = [default if sp is None else sp for sp in params_list]
+        return await self._run(prompts, params_list, loras)
+
+    async def _run(
+        self, prompts: list[Any], params_list: list[RequestParams], loras: list[Any]
+    ) -> list[RequestOutput]:
         rids = [f"generate-{next(self._ids)}" for _ in prompts]
         handed = await asyncio.gather(
             *(
@@ -82,6 +90,39 @@ class DataParallelEngine:
         finally:
             for stream in streams:
                 stream.abort()
+
+    # -- pooling: embeddings and scores, spread over the replicas like generate -------------
+    def encode(
+        self, prompts: list[Any], params: PoolingParams | list[PoolingParams]
+    ) -> list[RequestOutput]:
+        """Pooling requests to completion over the replicas (``LLMEngine.encode``)."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        return asyncio.run(self._run(list(prompts), list(params_list), [None] * len(prompts)))
+
+    def embed(
+        self,
+        inputs: Any,
+        *,
+        dimensions: int | None = None,
+        normalize: bool | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        params = PoolingParams(
+            dimensions=dimensions,
+            normalize=normalize,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+        )
+        return pooling_api.embed(self.encode, inputs, params)
+
+    def score(
+        self, query: str, docs: str | list[str], *, truncate_prompt_tokens: int | None = None
+    ) -> list[ScoringRequestOutput]:
+        info = self.client.describe()
+        task = PoolingInfo(task=info["task"], model_task=info["model_task"])
+        return pooling_api.score(
+            self.encode, self.tokenizer, task, query, docs,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+        )  # fmt: skip
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` uses when given no ``SamplingParams``: the model's defaults."""

@@ -16,6 +16,7 @@ from typing import Any
 from pagedllm.backends.registry import resolve_device
 from pagedllm.config import EngineConfig
 from pagedllm.core.block_manager import BlockSpaceManager, window_block_count
+from pagedllm.core.pooling_params import PoolingParams
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.sequence import Sequence, SequenceGroup
@@ -24,6 +25,8 @@ from pagedllm.engine.admission import EngineLimits, check_request, default_max_t
 from pagedllm.engine.guided import GuidedRequests
 from pagedllm.engine.lora_registry import LoRARegistry, lora_cache_root
 from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.pooling import admit_pooling, model_context, prefill_only, resolve_task
+from pagedllm.engine.pooling_api import PoolingMixin
 from pagedllm.engine.prompts import (
     PromptType,
     batch_inputs,
@@ -37,7 +40,7 @@ from pagedllm.engine.virtual_engines import VirtualBlockManagers, VirtualSchedul
 from pagedllm.engine_args import EngineArgs
 from pagedllm.executors.base import create_executor
 from pagedllm.lora.request import LoRARequest
-from pagedllm.models.model_loader import load_hf_config, max_model_len_of
+from pagedllm.models.model_loader import load_hf_config
 from pagedllm.outputs import RequestOutput
 from pagedllm.spec_decode.metrics import SpecDecodeMetrics
 
@@ -63,7 +66,7 @@ class CacheLayout:
     window_blocks: int | None
 
 
-class LLMEngine:
+class LLMEngine(PoolingMixin):
     """The synchronous engine; ``AsyncEngine`` wraps it for the server.
 
     ``LLMEngine(model, device="auto", **engine_args)`` with vLLM's argument names: ``dtype``,
@@ -83,7 +86,7 @@ class LLMEngine:
         self._explicit_max_model_len = args.max_model_len is not None
         self.hf_config = load_hf_config(model)
         self.config: EngineConfig = args.create_config(
-            model_max_len=max_model_len_of(self.hf_config), device=resolve_device(device)
+            model_max_len=model_context(model, self.hf_config), device=resolve_device(device)
         )
         # Without a tokenizer prompts must be token ids and outputs carry no text.
         self.tokenizer = (
@@ -121,6 +124,14 @@ class LLMEngine:
             self.tokenizer, vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids
         )
         self.loop = StepLoop(self.scheduler, schedulers, self._step_parts())
+        self.pooling = resolve_task(
+            model_cfg.task,
+            self.executor.collective_rpc("pooling_info")[-1],  # the last stage's model
+            embed_dim=getattr(self.hf_config, "hidden_size", None),
+        )
+        if self.pooling.is_pooling and self.config.speculative is not None:
+            self.executor.shutdown()
+            raise ValueError("speculative_config: a pooling model generates no tokens to draft")
         self._cache_salt = os.urandom(16)  # adapters' prefix-cache roots: this run's only
 
     def _size_cache(self) -> CacheLayout:
@@ -223,13 +234,15 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        sampling_params: SamplingParams | None = None,
+        sampling_params: SamplingParams | PoolingParams | None = None,
         *,
         priority: int = 0,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request; a ValueError naming the field if anything about it is invalid.
+
+        ``PoolingParams`` make it a pooling request (embedding, score): prefill only, one vector.
 
         ``lora_request`` runs it under an adapter, read and checked here on first use.
         ``sampling_params`` None: the model's defaults (``get_default_sampling_params``).
@@ -238,6 +251,11 @@ class LLMEngine:
             raise ValueError("request_id: must be a non-empty string")
         if request_id in self.loop.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
+        if isinstance(sampling_params, PoolingParams):
+            self._add_pooling(request_id, prompt, sampling_params, priority, arrival_time)
+            return
+        if self.pooling.is_pooling:
+            raise ValueError(f"task: this model serves {self.pooling.task}, not generation")
         given = sampling_params is not None
         params = sampling_params if given else self.get_default_sampling_params()
         if not isinstance(params, SamplingParams):
@@ -267,6 +285,40 @@ class LLMEngine:
         )
         schedulable = self.guided.admit(group)  # a known-bad constraint raises here
         self.loop.admit(group, schedulable=schedulable)
+
+    def _add_pooling(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: PoolingParams,
+        priority: int,
+        arrival_time: float | None,
+    ) -> None:
+        """A prefill-only request: one vector comes back, its blocks freed as it finishes."""
+        if not isinstance(priority, int) or abs(priority) > self.limits.max_priority:
+            raise ValueError("priority: must be an integer that fits in 64 bits")
+        text, token_ids = tokenize_prompt(prompt, self.tokenizer, self.vocab_size)
+        if isinstance(prompt, dict) and prompt.get("token_type_ids") is not None:
+            params = params.clone(token_type_ids=tuple(prompt["token_type_ids"]))
+        sched = self.config.scheduler
+        params, token_ids = admit_pooling(
+            params,
+            token_ids,
+            self.pooling,
+            max_model_len=sched.max_model_len,
+            token_budget=sched.token_budget,
+        )
+        seq = Sequence(next(self._seq_ids), token_ids, self.config.cache.block_size)
+        group = SequenceGroup(
+            request_id=request_id,
+            seqs=[seq],
+            sampling_params=prefill_only(),
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            prompt=text,
+            priority=priority,
+            pooling_params=params,
+        )
+        self.loop.admit(group, schedulable=True)
 
     def abort_request(self, request_id: str | Seq[str]) -> None:
         """Stop requests wherever they are; their KV blocks are freed now, an output follows."""
@@ -375,6 +427,8 @@ class LLMEngine:
             ),
             "prompt_tokens_total": c.prompt_tokens,
             "generation_tokens_total": c.generation_tokens,
+            "pooling_requests_embed": c.embed_requests,
+            "pooling_requests_classify": c.classify_requests,
             "num_preemptions_total": s.stats.preemptions,
             "num_preemptions_recompute": s.stats.preemptions_recompute,
             "num_preemptions_swap": s.stats.preemptions_swap,

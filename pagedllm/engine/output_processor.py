@@ -129,6 +129,7 @@ class OutputProcessor:
             ),
             error=error,
             failed=failed,
+            pooled=group.pooled,
         )
 
     @staticmethod

@@ -41,6 +41,9 @@ class EngineCounters:
     requests_finished: int = 0
     kv_slots_allocated: int = 0  # summed over steps, for KV waste
     kv_slots_used: int = 0
+    # Pooling requests finished, by task ("embed", "classify").
+    embed_requests: int = 0
+    classify_requests: int = 0
 
 
 @dataclass
@@ -222,6 +225,10 @@ class StepLoop:
             if group.request_id in finished:
                 self._end(group)
                 counters.requests_finished += 1
+                if group.pooling_params is not None:
+                    task = group.pooling_params.task
+                    counters.embed_requests += task == "embed"
+                    counters.classify_requests += task == "classify"
 
     def _why(self, group: SequenceGroup) -> str:
         n = len(group.prompt_token_ids)
@@ -235,7 +242,7 @@ class StepLoop:
         for s in sched_out.seqs:
             if s.is_prompt:
                 c.prompt_tokens += len(s.token_ids)
-            if s.do_sample:
+            if s.do_sample and s.pooling_params is None:
                 c.generation_tokens += 1
         bs = self.parts.block_size
         c.kv_slots_allocated += sum(len(s.block_table) for s in sched_out.seqs) * bs

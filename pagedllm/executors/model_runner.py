@@ -16,6 +16,7 @@ from pagedllm.core.interfaces import (
 )
 from pagedllm.executors.inputs import FlatBatch, flatten
 from pagedllm.executors.pipeline import StageLink
+from pagedllm.executors.pooling import Pooler
 from pagedllm.layers.sampler import SampleKernel, Sampler, SamplingRow
 
 
@@ -31,8 +32,10 @@ class ModelRunner:
         lora: Any = None,
         sample_kernel: SampleKernel | None = None,
         pipeline: StageLink | None = None,
+        pooling: str | None = None,
     ) -> None:
         self.model = model
+        self.pooler = Pooler(model, pooling)  # pooling requests; ``pooling``: --pooling
         # Pipeline parallelism: this stage's links to its neighbours (None: the whole model).
         self.pipeline = pipeline
         self.lora = lora  # a pagedllm.lora.manager.LoRAManager when LoRA is enabled
@@ -55,7 +58,8 @@ class ModelRunner:
             return ModelRunnerOutput(sampled={})
         sampled = self._sample(hidden, batch, sched_out)
         prompt_lps = self._prompt_logprobs(hidden, batch, sched_out.seqs)
-        return ModelRunnerOutput(sampled=sampled, prompt_logprobs=prompt_lps)
+        pooled = self.pooler.step(hidden, batch, sched_out.seqs)
+        return ModelRunnerOutput(sampled=sampled, prompt_logprobs=prompt_lps, pooled=pooled)
 
     def forward(
         self, batch: FlatBatch, num_prefills: int, kv_caches: list[torch.Tensor]
@@ -73,6 +77,9 @@ class ModelRunner:
         input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=dev)
         positions = torch.tensor(batch.positions, dtype=torch.long, device=dev)
         link = self.pipeline
+        if batch.token_type_ids is not None:  # a cross-encoder's text pairs
+            types = torch.tensor(batch.token_type_ids, dtype=torch.long, device=dev)
+            return self.model(input_ids, positions, kv_caches, meta, token_type_ids=types)
         if link is None:
             return self.model(input_ids, positions, kv_caches, meta)
         intermediate = None if link.pp.is_first else link.recv(len(batch.input_ids))

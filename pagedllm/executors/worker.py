@@ -111,6 +111,9 @@ class Worker:
             gguf_block_decoder=kernel("gguf_decode").value,
             native_formats=kernel("linear").formats,
             packed_cache=None if packed_dir is None else Path(packed_dir),
+            # --task embed loads a causal LM's decoder as an embedder; "score" and "auto" take
+            # the checkpoint's class (the engine checks the pair: engine/pooling.py).
+            task={"generate": "generate", "embed": "embed"}.get(self.config.model.task),
         )
         lora = self.config.lora
         if lora is not None:
@@ -136,6 +139,7 @@ class Worker:
             lora=self.lora_manager,
             sample_kernel=kernel("sample").value,
             pipeline=self._stage_link(),
+            pooling=self.config.model.pooling,
         )
         if self.config.speculative is not None:
             from pagedllm.spec_decode.setup import build_spec_runner
@@ -183,6 +187,15 @@ class Worker:
     def attention_name(self) -> str:
         return self.attention.name
 
+    def _uses_kv_cache(self) -> bool:
+        return bool(getattr(self.runner.model if self.runner else None, "uses_kv_cache", True))
+
+    def pooling_info(self) -> dict[str, Any]:
+        """What the loaded model is for the engine's task (``engine/pooling.py``): a pooling
+        model's ``task``, whether it keeps a KV cache, and its pooling defaults."""
+        assert self.runner is not None
+        return self.runner.pooler.facts()
+
     def linear_path(self) -> str:
         """Which GEMM each kind of linear layer got (the backend's choice), for logs and JSON."""
         model = self.runner.model if self.runner is not None else None
@@ -196,6 +209,8 @@ class Worker:
     def cache_spec(self) -> CacheSpec:
         """What one token stores, read off the loaded model's attention layers (this rank's)."""
         assert self.runner is not None, "cache_spec needs the model loaded"
+        if not self._uses_kv_cache():  # a bidirectional encoder: no layer stores anything
+            return CacheSpec(0, 1, 1, self.config.cache.block_size, self.kv_cache_dtype)
         num_layers, num_kv_heads, head_size = kv_geometry(self.runner.model)
         return CacheSpec(
             num_layers=num_layers,
@@ -207,6 +222,12 @@ class Worker:
 
     def determine_num_blocks(self) -> tuple[int, int]:
         """Device blocks from the memory budget left after a profiling pass; host from swap."""
+        if not self._uses_kv_cache():
+            # Notional blocks (the scheduler never hands an encoder's request any), enough that
+            # the context is not cut to fit them.
+            cache, sched = self.config.cache, self.config.scheduler
+            need = -(-sched.max_model_len // cache.block_size) * 2 + 2
+            return cache.num_kv_blocks or need, 0
         spec = self.cache_spec()
         per_block = CacheEngine.bytes_per_block(spec)
         if self.spec is not None:  # a draft model's cache has as many blocks

@@ -41,6 +41,7 @@ from pagedllm.entrypoints.openai.serving_base import ModelInfo
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_lora import load_adapter
+from pagedllm.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from pagedllm.entrypoints.openai.sse import ServerApp
 from pagedllm.entrypoints.openai.template_render import TemplateLimits
 from pagedllm.entrypoints.web import RequestTracker, TrackingEngine, mount_web
@@ -82,6 +83,8 @@ def model_info(engine: EngineClient, served_names: list[str] | None = None) -> M
         vocab_size=int(info["vocab_size"]),
         created=int(time.time()),
         sampling_defaults=dict(info.get("sampling_defaults") or {}),
+        task=str(info.get("task", "generate")),
+        model_task=str(info.get("model_task", "generate")),
     )
 
 
@@ -156,7 +159,10 @@ def _routes(
         offload=offload,
         limits=limits,
     )
-    return Routes(engine, model, completion, chat, offload, limits, settings.max_body_bytes)
+    pooling = OpenAIServingPooling(served, model, offload=offload, limits=limits)
+    return Routes(
+        engine, model, completion, chat, offload, limits, settings.max_body_bytes, pooling
+    )
 
 
 async def _watch_engine(

@@ -128,6 +128,16 @@ _TIER_COUNTERS = {
 }
 
 
+def pooling_metric(stats: dict[str, float]) -> Metric:
+    """Pooling requests finished, by task (embeddings; scores and reranks on a classifier)."""
+    family = CounterMetricFamily(
+        PREFIX + "pooling_requests", "Pooling requests finished, by task.", labels=["task"]
+    )
+    for task in ("embed", "classify"):
+        family.add_metric([task], float(stats.get(f"pooling_requests_{task}", 0.0)))
+    return family
+
+
 def tier_metrics(stats: dict[str, float]) -> Iterator[Metric]:
     """Hits and bytes per tier, and disk read/write latency (summaries: count and sum)."""
     hits = CounterMetricFamily(
@@ -172,6 +182,7 @@ class EngineStatsCollector(Collector):
             yield GaugeMetricFamily(PREFIX + key, doc, value=float(stats.get(key, 0.0)))
         for key, (name, doc) in _COUNTERS.items():
             yield CounterMetricFamily(PREFIX + name, doc, value=float(stats.get(key, 0.0)))
+        yield pooling_metric(stats)
         if "kv_tier_disk_hits" in stats:  # lower KV tiers are on
             yield from tier_metrics(stats)
 

@@ -112,3 +112,36 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]
+
+
+class EmbeddingRequest(_Body):
+    """OpenAI's embeddings body (``truncate_prompt_tokens`` and ``normalize`` are vLLM's)."""
+
+    model: str
+    # str | list[str] | list[int] | list[list[int]]; checked by hand for a clearer message.
+    input: Any = Field(...)
+    encoding_format: str = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    truncate_prompt_tokens: int | None = None
+    normalize: bool | None = None
+
+
+class ScoreRequest(_Body):
+    """vLLM's /score: ``text_1`` (one query, or one per pair) against each of ``text_2``."""
+
+    model: str
+    text_1: str | list[str]
+    text_2: str | list[str]
+    truncate_prompt_tokens: int | None = None
+
+
+class RerankRequest(_Body):
+    """Jina's and Cohere's rerank body, as vLLM serves it."""
+
+    model: str | None = None
+    query: str
+    documents: list[str]
+    top_n: int | None = None
+    return_documents: bool = True
+    truncate_prompt_tokens: int | None = None

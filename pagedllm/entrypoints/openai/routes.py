@@ -19,6 +19,9 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
     TokenizeRequest,
 )
 from pagedllm.entrypoints.openai.request_body import B, read_body
@@ -26,6 +29,7 @@ from pagedllm.entrypoints.openai.serving_base import ModelInfo
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_lora import adapter_entries, add_lora_routes
+from pagedllm.entrypoints.openai.serving_pooling import OpenAIServingPooling, check_route
 
 
 @dataclass
@@ -40,6 +44,7 @@ class Routes:
     offload: Offloader
     limits: RequestLimits
     max_body_bytes: int
+    pooling: OpenAIServingPooling
 
     async def body(self, request: Request, model: type[B]) -> B:
         return await read_body(request, model, self.max_body_bytes, self.offload)
@@ -90,13 +95,30 @@ def api_routes(routes: Routes, auth: Any, runtime_updates: bool) -> APIRouter:
 
     @v1.post("/completions")
     async def completions(request: Request) -> Any:
+        check_route("/v1/completions", model)
         req = await routes.body(request, CompletionRequest)
         return await routes.completion.create(req, request)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Any:
+        check_route("/v1/chat/completions", model)
         req = await routes.body(request, ChatCompletionRequest)
         return await routes.chat.create(req, request)
+
+    @v1.post("/embeddings")
+    async def embeddings(request: Request) -> Any:
+        req = await routes.body(request, EmbeddingRequest)
+        return await routes.pooling.embeddings(req, request)
+
+    @v1.post("/score")
+    async def score(request: Request) -> Any:
+        req = await routes.body(request, ScoreRequest)
+        return await routes.pooling.score(req, request)
+
+    @v1.post("/rerank")
+    async def rerank(request: Request) -> Any:
+        req = await routes.body(request, RerankRequest)
+        return await routes.pooling.rerank(req, request)
 
     add_lora_routes(v1, routes.engine, model, runtime_updates=runtime_updates, body=routes.body)
     return v1

@@ -56,6 +56,10 @@ class ModelInfo:
     # The model's defaults of the sampling fields a request leaves out (SamplingParams names;
     # engine/sampling_defaults.py), shown by /v1/models.
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    # What the engine serves ("generate", "embed" or "score") and what the checkpoint is
+    # ("generate", "embed" or "classify"): which routes answer (serving_pooling.ROUTE_TASKS).
+    task: str = "generate"
+    model_task: str = "generate"
 
     @property
     def name(self) -> str:

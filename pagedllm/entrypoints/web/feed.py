@@ -159,6 +159,8 @@ class DashboardFeed:
                     "num_free_host_blocks",
                     "prefix_cache_queries",
                     "prefix_cache_hits",
+                    "pooling_requests_embed",
+                    "pooling_requests_classify",
                 )
             },
             "requests": self.tracker.rows(),

@@ -55,6 +55,8 @@
       const l = d.latency[key];
       $(id).textContent = [l.p50, l.p90, l.p99].map(ms).join(" / ");
     }
+    $("tile-pooling").textContent = d.totals.pooling_requests_embed + " / " +
+      d.totals.pooling_requests_classify;
     if (d.kv_tiers) tierTile(d.kv_tiers);
     $("updated").textContent = "updated " + new Date(d.time * 1000).toLocaleTimeString();
   }

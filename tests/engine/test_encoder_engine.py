@@ -1,0 +1,102 @@
+"""Bidirectional encoders through the engine: a BERT embedder against sentence-transformers'
+``encode`` (float32 and bfloat16, short and long texts batched together, no KV block held), and
+a BERT cross-encoder's scores against transformers' logits, offline and through /v1/rerank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pagedllm import Engine
+from tests.engine.pooling_models import WORDS, build_cross_encoder, build_st_bert
+
+pytest.importorskip("sentence_transformers")
+
+
+def texts(n: int) -> list[str]:
+    rng = np.random.default_rng(0)
+    lens = [3, 90, 1, 40, 7, 110, 15, 2][:n]
+    return [" ".join(rng.choice(WORDS, size=k)) for k in lens]
+
+
+@pytest.fixture(scope="module")
+def st_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_st_bert(tmp_path_factory.mktemp("st-bert"))
+
+
+@pytest.fixture(scope="module")
+def cross_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_cross_encoder(tmp_path_factory.mktemp("cross"))
+
+
+def st_encode(folder: Path, batch: list[str], dtype: torch.dtype) -> np.ndarray:
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(folder), device="cpu", model_kwargs={"torch_dtype": dtype})
+    return model.encode(batch, normalize_embeddings=True, convert_to_numpy=True).astype("f8")
+
+
+@pytest.mark.parametrize(("dtype", "bound"), [("float32", 0.9999), ("bfloat16", 0.999)])
+def test_bert_embeddings_match_sentence_transformers(
+    st_folder: Path, dtype: str, bound: float
+) -> None:
+    engine = Engine(str(st_folder), device="cpu", dtype=dtype, max_num_batched_tokens=1024)
+    assert engine.pooling.task == "embed" and not engine.pooling.uses_kv_cache
+    batch = texts(8)
+    got = np.asarray([o.embedding for o in engine.embed(batch)], dtype="f8")
+    want = st_encode(st_folder, batch, getattr(torch, dtype))
+    cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+    assert cos.min() >= bound, cos
+    bm = engine.block_manager
+    assert bm.get_num_free_device_blocks() == bm.num_device_blocks
+    with pytest.raises(ValueError, match="^input: 2000 tokens"):
+        engine.embed([[5] * 2000])
+
+
+def reference_scores(folder: Path, query: str, docs: list[str]) -> list[float]:
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    model = AutoModelForSequenceClassification.from_pretrained(str(folder)).eval()
+    with torch.no_grad():
+        enc = tok([query] * len(docs), docs, padding=True, return_tensors="pt")
+        return torch.sigmoid(model(**enc).logits[:, 0]).tolist()
+
+
+def test_cross_encoder_scores_match_transformers(cross_folder: Path) -> None:
+    engine = Engine(str(cross_folder), device="cpu")
+    assert engine.pooling.task == "score"
+    docs = texts(6)
+    got = [s.score for s in engine.score("quick fox cache", docs)]
+    want = reference_scores(cross_folder, "quick fox cache", docs)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    with pytest.raises(ValueError, match="^task:"):
+        engine.embed("a fox")
+
+
+def test_rerank_route_orders_like_transformers(cross_folder: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    from pagedllm.engine.async_engine import AsyncEngine
+    from pagedllm.entrypoints.openai.api_server import build_app, model_info
+
+    engine = AsyncEngine.from_engine_args(str(cross_folder), "cpu", log_stats_interval=None)
+    app = build_app(engine, model_info(engine, ["rerank"]))
+    docs = texts(6)
+    want = reference_scores(cross_folder, "lazy dog", docs)
+    with TestClient(app) as client:
+        body = {"query": "lazy dog", "documents": docs, "top_n": 4}
+        r = client.post("/v1/rerank", json=body)
+        assert r.status_code == 200, r.text
+        results = r.json()["results"]
+        assert [x["index"] for x in results] == list(np.argsort(want)[::-1][:4])
+        for x in results:
+            assert x["relevance_score"] == pytest.approx(want[x["index"]], abs=1e-5)
+        score = client.post("/v1/score", json={"model": "rerank", "text_1": "lazy dog",
+                                               "text_2": docs[:2]})  # fmt: skip
+        assert [d["score"] for d in score.json()["data"]] == pytest.approx(want[:2], abs=1e-5)
+        r = client.post("/v1/embeddings", json={"model": "rerank", "input": "a"})
+        assert r.status_code == 400 and "score" in r.json()["error"]["message"]
