@@ -10,7 +10,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pagedllm.backends.registry import resolve_device
@@ -107,6 +107,15 @@ class LLMEngine(PoolingMixin):
             if self.config.cache.kv_tiers_enabled
             else None
         )
+        self.pooling = resolve_task(
+            model_cfg.task,
+            self.executor.collective_rpc("pooling_info")[-1],  # the last stage's model
+            embed_dim=getattr(self.hf_config, "hidden_size", None),
+        )
+        if self.pooling.is_pooling and self.config.speculative is not None:
+            self.executor.shutdown()
+            raise ValueError("speculative_config: a pooling model generates no tokens to draft")
+        self._fit_budget_to_whole_prompts()
         self._seq_ids = itertools.count()
         schedulers = self._build_schedulers(layout)
         self.spec_metrics = SpecDecodeMetrics()
@@ -124,14 +133,6 @@ class LLMEngine(PoolingMixin):
             self.tokenizer, vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids
         )
         self.loop = StepLoop(self.scheduler, schedulers, self._step_parts())
-        self.pooling = resolve_task(
-            model_cfg.task,
-            self.executor.collective_rpc("pooling_info")[-1],  # the last stage's model
-            embed_dim=getattr(self.hf_config, "hidden_size", None),
-        )
-        if self.pooling.is_pooling and self.config.speculative is not None:
-            self.executor.shutdown()
-            raise ValueError("speculative_config: a pooling model generates no tokens to draft")
         self._cache_salt = os.urandom(16)  # adapters' prefix-cache roots: this run's only
 
     def _size_cache(self) -> CacheLayout:
@@ -167,6 +168,23 @@ class LLMEngine(PoolingMixin):
             f", in each of {num_virtual} virtual engines" if num_virtual > 1 else "",
         )
         return CacheLayout(num_device, num_host, num_virtual, window, lazy, window_blocks)
+
+    def _fit_budget_to_whole_prompts(self) -> None:
+        """A model that pools every position runs each prompt in one step, so the default
+        step budget (chunked prefill's 256 tokens) would refuse a BERT's 512-token inputs that
+        its positions allow; a budget the user set stays and is checked at admission."""
+        sched = self.config.scheduler
+        info = self.pooling
+        whole = info.is_pooling and (info.whole_prompt or not info.uses_kv_cache)
+        if (
+            whole
+            and sched.max_num_batched_tokens is None
+            and sched.token_budget < sched.max_model_len
+        ):
+            self.config = replace(
+                self.config,
+                scheduler=replace(sched, max_num_batched_tokens=sched.max_model_len),
+            )
 
     def _build_schedulers(self, layout: CacheLayout) -> list[Scheduler]:
         """One block manager and scheduler per virtual engine; ``self.scheduler`` and

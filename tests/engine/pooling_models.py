@@ -38,16 +38,15 @@ def bert_tokenizer(folder: Path) -> Any:
 def _bert_config(vocab_size: int, **extra: Any) -> Any:
     from transformers import BertConfig
 
-    return BertConfig(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=128,
-        max_position_embeddings=128,
-        type_vocab_size=2,
-        **extra,
-    )
+    shape: dict[str, Any] = {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 128,
+        "max_position_embeddings": 128,
+        "type_vocab_size": 2,
+    }
+    return BertConfig(vocab_size=vocab_size, **{**shape, **extra})
 
 
 def _widen(model: torch.nn.Module) -> None:
@@ -78,13 +77,13 @@ def build_st_bert(folder: Path) -> Path:
     return folder / "st"
 
 
-def build_cross_encoder(folder: Path) -> Path:
+def build_cross_encoder(folder: Path, **config: Any) -> Path:
     """A BERT sequence classifier with one label: a cross-encoder reranker."""
     from transformers import BertForSequenceClassification
 
     folder.mkdir(parents=True, exist_ok=True)
     tok = bert_tokenizer(folder)
-    model = BertForSequenceClassification(_bert_config(len(tok), num_labels=1))
+    model = BertForSequenceClassification(_bert_config(len(tok), num_labels=1, **config))
     _widen(model)
     model.save_pretrained(str(folder))
     return folder

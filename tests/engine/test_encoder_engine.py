@@ -77,6 +77,22 @@ def test_cross_encoder_scores_match_transformers(cross_folder: Path) -> None:
         engine.embed("a fox")
 
 
+def test_whole_prompts_longer_than_the_chunk_budget_run(tmp_path: Path) -> None:
+    """Chunked prefill's default step budget (256 tokens) is below a 512-position encoder's
+    longest input, which must run in one step: the engine raises the budget to the model's
+    context instead of refusing inputs the model takes."""
+    folder = build_cross_encoder(tmp_path / "long", max_position_embeddings=512)
+    engine = Engine(str(folder), device="cpu")
+    assert engine.config.scheduler.token_budget >= 512
+    words = " ".join(WORDS[i % len(WORDS)] for i in range(400))
+    got = engine.score("quick fox cache", [words])[0].score
+    want = reference_scores(folder, "quick fox cache", [words])[0]
+    assert got == pytest.approx(want, abs=1e-5)
+    explicit = Engine(str(folder), device="cpu", max_num_batched_tokens=300)
+    with pytest.raises(ValueError, match="max_num_batched_tokens=300"):
+        explicit.score("quick fox cache", [words])
+
+
 def test_rerank_route_orders_like_transformers(cross_folder: Path) -> None:
     from fastapi.testclient import TestClient
 
