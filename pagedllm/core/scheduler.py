@@ -139,10 +139,12 @@ class Scheduler:
         self._schedule_running(budget, step, chunked=True)
         if step.preempted == 0:
             self._schedule_swapped(budget, step)
-        if not self.swapped:
-            self._schedule_prefills(budget, step, chunked=True)
+        # Decodes come first, their lookahead included: reserved after the prompt chunks, a
+        # step that filled its budget with a prompt speculated for no one while prompts arrived.
         if self.lookahead is not None:
             self.lookahead.reserve(step, budget, self.block_manager)
+        if not self.swapped:
+            self._schedule_prefills(budget, step, chunked=True)
         if any(chunk < g.seqs[0].get_num_uncomputed_tokens() for g, chunk in step.prefills):
             self.stats.chunked_prefill_steps += 1
         self.prev_prompt = bool(step.prefills)

@@ -12,6 +12,7 @@ import pytest
 
 from pagedllm import Engine, SamplingParams
 from pagedllm.backends.cpu import dense_gemm, groupwise_linear, pack_cache
+from pagedllm.kv_tiers import hashes
 from tests.conftest import build_model
 from tests.models.gguf_files import write_gguf
 
@@ -33,6 +34,9 @@ def folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         pytest.skip("the C++ GEMM could not be built")
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("PAGEDLLM_PACKED_CACHE", "1")
+    # The module's file is seconds old: a digest is remembered only for a file settled longer
+    # than that, which made the remembered-digest check depend on how fast the tests ran.
+    monkeypatch.setattr(hashes, "SETTLE_SECONDS", 0.0)
     return tmp_path / "packed"
 
 

@@ -20,7 +20,10 @@ def test_every_cli_field_has_a_flag_with_help() -> None:
     for f in dataclasses.fields(EngineArgs):
         if f.metadata.get("cli", True) and f.name not in ("model",):
             action = actions[f.name]
-            assert action.option_strings == ["--" + f.name.replace("_", "-")]
+            flag = "--" + f.name.replace("_", "-")
+            # A switch that is on by default also has its off form (--no-enable-chunked-prefill).
+            off = ["--no-" + flag[2:]] if f.default is True else []
+            assert action.option_strings == [flag, *off]
             assert action.help, f.name
     assert "served_model_name" in actions  # the server's own --served-model-name (nargs=+)
     assert "trust_remote_code" not in actions and "skip_tokenizer_init" not in actions
