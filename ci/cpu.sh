@@ -22,7 +22,7 @@ bash ci/install_browser.sh
 # The whole tree stays `ruff check` clean and `ruff format`ted.
 "$VENV/bin/ruff" check --quiet .
 "$VENV/bin/ruff" format --check --quiet .
-"$PY" -m pytest -q -p no:cacheprovider -m "not gpu and not xpu" tests "$@"
+"$PY" -m pytest -q -p no:cacheprovider --durations=30 -m "not gpu and not xpu" tests "$@"
 for bench in benchmarks/throughput.py benchmarks/attention_cpu.py benchmarks/engine_overhead.py \
              benchmarks/prefix_caching.py benchmarks/chunked_prefill.py benchmarks/serving.py \
              benchmarks/linear_cpu.py benchmarks/loading.py benchmarks/structured.py \

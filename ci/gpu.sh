@@ -27,7 +27,7 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
     echo "no CUDA device: Triton kernels run under the interpreter"
 fi
 
-"$PY" -m pytest -q -rfEs -p no:cacheprovider -m gpu \
+"$PY" -m pytest -q -rfEs -p no:cacheprovider --durations=15 -m gpu \
     tests/backends/test_attention_conformance.py tests/backends/test_triton_kernels.py \
     tests/backends/test_triton_engine.py tests/backends/test_triton_fused_moe.py \
     tests/backends/test_triton_lora.py tests/backends/test_triton_fp8.py
