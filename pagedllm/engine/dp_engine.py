@@ -14,16 +14,16 @@ from typing import Any
 
 from pagedllm.core.pooling_params import PoolingParams, RequestParams
 from pagedllm.core.sampling_params import SamplingParams
-from pagedllm.engine import pooling_api
 from pagedllm.engine.dp_client import DataParallelClient
 from pagedllm.engine.pooling import PoolingInfo
+from pagedllm.engine.pooling_api import PoolingFront
 from pagedllm.engine.prompts import batch_inputs
 from pagedllm.engine.router import Router
 from pagedllm.engine.sampling_defaults import default_sampling_params
-from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput, ScoringRequestOutput
+from pagedllm.outputs import RequestOutput
 
 
-class DataParallelEngine:
+class DataParallelEngine(PoolingFront):
     """What ``Engine(..., data_parallel_size=N)`` returns for N > 1 (see the module docstring)."""
 
     def __init__(self, model: str, device: str = "auto", **engine_args: Any) -> None:
@@ -99,30 +99,11 @@ class DataParallelEngine:
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         return asyncio.run(self._run(list(prompts), list(params_list), [None] * len(prompts)))
 
-    def embed(
-        self,
-        inputs: Any,
-        *,
-        dimensions: int | None = None,
-        normalize: bool | None = None,
-        truncate_prompt_tokens: int | None = None,
-    ) -> list[EmbeddingRequestOutput]:
-        params = PoolingParams(
-            dimensions=dimensions,
-            normalize=normalize,
-            truncate_prompt_tokens=truncate_prompt_tokens,
-        )
-        return pooling_api.embed(self.encode, inputs, params)
-
-    def score(
-        self, query: str, docs: str | list[str], *, truncate_prompt_tokens: int | None = None
-    ) -> list[ScoringRequestOutput]:
+    @property
+    def pooling(self) -> PoolingInfo:
+        """The replicas' task, as ``PoolingFront.score`` reads it from ``LLMEngine``."""
         info = self.client.describe()
-        task = PoolingInfo(task=info["task"], model_task=info["model_task"])
-        return pooling_api.score(
-            self.encode, self.tokenizer, task, query, docs,
-            truncate_prompt_tokens=truncate_prompt_tokens,
-        )  # fmt: skip
+        return PoolingInfo(task=info["task"], model_task=info["model_task"])
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` uses when given no ``SamplingParams``: the model's defaults."""

@@ -129,34 +129,14 @@ def score(
     ]
 
 
-class PoolingMixin:
-    """``encode``, ``embed`` and ``score`` of ``LLMEngine``, over its ``add_request``."""
+class PoolingFront:
+    """``embed`` and ``score`` over an ``encode``: one place where the engines' Python calls
+    become pooling requests (``LLMEngine`` and the replicas' ``DataParallelEngine`` each supply
+    ``encode``, ``tokenizer`` and ``pooling``)."""
 
-    _seq_ids: Any
-    loop: Any
     tokenizer: Any
     pooling: PoolingInfo
-    add_request: Callable[..., None]
-    abort_request: Callable[..., None]
-    _run_to_completion: Callable[..., list[RequestOutput]]
-
-    def encode(
-        self, prompts: list[PromptType], params: PoolingParams | list[PoolingParams]
-    ) -> list[RequestOutput]:
-        """Pooling requests run to completion (vLLM's ``LLM.encode``): each output's
-        ``pooled`` is its vector. Nothing is queued if any request is invalid."""
-        params_list = params if isinstance(params, list) else [params] * len(prompts)
-        ids = [f"encode-{next(self._seq_ids)}" for _ in prompts]
-        try:
-            for rid, prompt, p in zip(ids, prompts, params_list, strict=True):
-                self.add_request(rid, prompt, p)
-        except ValueError:
-            self.abort_request([r for r in ids if r in self.loop.requests])
-            self.loop.pending.clear()
-            raise
-        from tqdm.auto import tqdm
-
-        return self._run_to_completion(ids, tqdm(total=len(ids), disable=True))
+    encode: Encode
 
     def embed(
         self,
@@ -187,3 +167,31 @@ class PoolingMixin:
             docs,
             truncate_prompt_tokens=truncate_prompt_tokens,
         )
+
+
+class PoolingMixin(PoolingFront):
+    """``LLMEngine``'s ``encode`` over its ``add_request``, and the front above it."""
+
+    _seq_ids: Any
+    loop: Any
+    add_request: Callable[..., None]
+    abort_request: Callable[..., None]
+    _run_to_completion: Callable[..., list[RequestOutput]]
+
+    def encode(
+        self, prompts: list[PromptType], params: PoolingParams | list[PoolingParams]
+    ) -> list[RequestOutput]:
+        """Pooling requests run to completion (vLLM's ``LLM.encode``): each output's
+        ``pooled`` is its vector. Nothing is queued if any request is invalid."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"encode-{next(self._seq_ids)}" for _ in prompts]
+        try:
+            for rid, prompt, p in zip(ids, prompts, params_list, strict=True):
+                self.add_request(rid, prompt, p)
+        except ValueError:
+            self.abort_request([r for r in ids if r in self.loop.requests])
+            self.loop.pending.clear()
+            raise
+        from tqdm.auto import tqdm
+
+        return self._run_to_completion(ids, tqdm(total=len(ids), disable=True))
