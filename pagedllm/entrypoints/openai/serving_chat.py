@@ -102,6 +102,8 @@ def _constraint(
     guided, guided_param = guided_from_request(req)
     if plan.guided is None:
         return guided, guided_param
+    if plan.answer_param is not None:  # the fallback's answer took the request's constraint
+        return plan.guided, plan.answer_param
     if guided is not None:
         why = ""
         if plan.mode == "auto":
