@@ -221,6 +221,15 @@ def test_json_object_shapes_the_fallback_answer_and_regex_is_refused(fallback: A
             model=MODEL, messages=PARIS, tools=WEATHER_TOOL, extra_body={"guided_regex": "a+"}
         )
     assert "guided_regex" in str(err.value) and "response_format" in str(err.value)
+    with pytest.raises(openai.BadRequestError) as err:  # "required": the reply is the calls
+        fallback.chat.completions.create(
+            model=MODEL,
+            messages=PARIS,
+            tools=WEATHER_TOOL,
+            tool_choice="required",
+            response_format={"type": "json_object"},
+        )
+    assert "response_format: cannot be combined with tool_choice 'required'" in str(err.value)
 
 
 @pytest.mark.parametrize(
