@@ -7,7 +7,11 @@ STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
 .PHONY: setup demo test test-cpu test-gpu test-xpu lint bench clean
 
+# The C++ CPU kernels are built here for this processor (minutes, once; a no-op when cached), not
+# silently inside the first `pagedllm serve`. A failed build is not fatal: the CPU backend then
+# runs PyTorch ops.
 setup: $(STAMP)
+	-$(BIN)/python -m pagedllm.backends.cpu.build
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

@@ -14,6 +14,7 @@ from pagedllm.entrypoints.openai.tool_parsers import (
     Llama3JsonToolParser,
     MistralToolParser,
     ParsedCall,
+    PartialCall,
     RequiredCallsParser,
     get_tool_parser,
 )
@@ -178,6 +179,8 @@ FRAGMENTS += [
     '"arguments"',
     '"parameters"',
     "<|python_tag|>",
+    '"tool_calls"',
+    '"response"',
 ]
 
 
@@ -187,6 +190,7 @@ PARSERS = [
     RequiredCallsParser(),
     MistralToolParser(),
     FallbackToolParser(),
+    FallbackToolParser(raw_answer=True),
 ]
 
 
@@ -211,6 +215,11 @@ def test_any_text_parses_and_partial_arguments_only_grow(fragments: list[str]) -
 MISTRAL = 'Sure. [TOOL_CALLS] [{"name": "add", "arguments": {"a": 1, "b": 2}}]'
 FALLBACK_CALL = '{"tool_call": {"name": "get_weather", "arguments": {"city": "Oslo"}}}'
 FALLBACK_TEXT = '{"response": "It is \\"sunny\\" \\u00e9t\\u00e9"}'
+FALLBACK_CALLS = (
+    '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
+    '{"name": "add", "arguments": {"a": 1, "b": [2, "}"]}}]}'
+)
+FALLBACK_JSON = '{"response": {"name": "ann", "tags": ["}", "]"], "age": 3}}'
 
 
 def test_mistral_and_the_fallback_parse() -> None:
@@ -222,14 +231,43 @@ def test_mistral_and_the_fallback_parse() -> None:
     assert p.parse("not json") == ("not json", [])
 
 
+def test_the_fallback_parses_several_calls_and_a_json_answer() -> None:
+    assert FallbackToolParser().parse(FALLBACK_CALLS) == (
+        None,
+        [
+            ParsedCall("get_weather", '{"city": "Oslo"}'),
+            ParsedCall("add", '{"a": 1, "b": [2, "}"]}'),
+        ],
+    )
+    cut = FALLBACK_CALLS[: FALLBACK_CALLS.index('"b"')]  # calls stream as they are written
+    assert FallbackToolParser().partial_calls(cut) == [
+        PartialCall("get_weather", '{"city": "Oslo"}', True),
+        PartialCall("add", '{"a": 1, ', False),
+    ]
+    raw = FallbackToolParser(raw_answer=True)
+    answer = '{"name": "ann", "tags": ["}", "]"], "age": 3}'
+    assert raw.parse(FALLBACK_JSON) == (answer, [])
+    assert raw.parse('{"response": "a string"}') == ('"a string"', [])  # JSON text, as written
+    # Cut before the answer's value begins: none of the wrapping JSON is content.
+    assert raw.streamed_content('{"response": ', True) == ""
+    assert FallbackToolParser().streamed_content('{"resp', True) == ""
+
+
 @pytest.mark.parametrize(
     ("plan", "text", "content", "reason"),
     [
         (ToolPlan("auto", parser=MistralToolParser()), MISTRAL, "Sure. ", "tool_calls"),
         (ToolPlan("auto", parser=FallbackToolParser()), FALLBACK_CALL, "", "tool_calls"),
         (ToolPlan("auto", parser=FallbackToolParser()), FALLBACK_TEXT, 'It is "sunny" été', "stop"),
+        (ToolPlan("auto", parser=FallbackToolParser()), FALLBACK_CALLS, "", "tool_calls"),
+        (
+            ToolPlan("auto", parser=FallbackToolParser(raw_answer=True)),
+            FALLBACK_JSON,
+            FALLBACK_JSON[len('{"response": ') : -1],
+            "stop",
+        ),
     ],
-    ids=["mistral", "fallback-call", "fallback-text"],
+    ids=["mistral", "fallback-call", "fallback-text", "fallback-calls", "fallback-json"],
 )
 def test_streamed_equals_unstreamed(plan: ToolPlan, text: str, content: str, reason: str) -> None:
     sent, calls, final = stream(plan, text)
@@ -249,12 +287,25 @@ def test_streamed_equals_unstreamed(plan: ToolPlan, text: str, content: str, rea
         ToolPlan("auto", parser=Llama3JsonToolParser()),
         ToolPlan("auto", parser=MistralToolParser()),
         ToolPlan("auto", parser=FallbackToolParser()),
+        ToolPlan("auto", parser=FallbackToolParser(raw_answer=True)),
         ToolPlan("required", parser=RequiredCallsParser()),
         ToolPlan("named", named="add"),
     ],
-    ids=["hermes", "llama3_json", "mistral", "fallback", "required", "named"],
+    ids=["hermes", "llama3_json", "mistral", "fallback", "fallback-json", "required", "named"],
 )
-@pytest.mark.parametrize("text", [HERMES, LLAMA3, REQUIRED, MISTRAL, FALLBACK_CALL, FALLBACK_TEXT])
+@pytest.mark.parametrize(
+    "text",
+    [
+        HERMES,
+        LLAMA3,
+        REQUIRED,
+        MISTRAL,
+        FALLBACK_CALL,
+        FALLBACK_TEXT,
+        FALLBACK_CALLS,
+        FALLBACK_JSON,
+    ],
+)
 def test_a_reply_cut_anywhere_has_the_same_shape_streamed_and_not(
     plan: ToolPlan, text: str
 ) -> None:

@@ -123,9 +123,10 @@ def test_the_fallback_answers_with_a_call_or_text(fallback: Any) -> None:
         choice = r.choices[0]
         shape = _shape(choice.message, choice.finish_reason)
         if choice.finish_reason == "tool_calls":
-            (call,) = choice.message.tool_calls
-            assert call.function.name == "get_weather" and choice.message.content is None
-            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS["get_weather"])
+            assert choice.message.tool_calls and choice.message.content is None
+            for call in choice.message.tool_calls:  # one or more (parallel calls by default)
+                assert call.function.name == "get_weather"
+                jsonschema.validate(json.loads(call.function.arguments), SCHEMAS["get_weather"])
             made_calls += 1
         else:
             # A text answer (random weights write long ones: cut by max_tokens).
@@ -134,6 +135,101 @@ def test_the_fallback_answers_with_a_call_or_text(fallback: Any) -> None:
             assert not choice.message.content.startswith('{"response"')
         assert _streamed_shape(fallback.chat.completions.create(stream=True, **kwargs)) == shape
     assert made_calls > 0
+
+
+def _check_calls(message: Any) -> list[str]:
+    names = []
+    for call in message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        names.append(call.function.name)
+    return names
+
+
+@pytest.mark.parametrize("parallel", [True, None, False])
+def test_the_fallback_makes_several_calls_only_if_asked(fallback: Any, parallel: bool) -> None:
+    """Several calls in one reply (each valid, the same streamed) with ``parallel_tool_calls:
+    true``; never more than one left out (small models repeat a call) or false."""
+    most = 0
+    for seed in range(8):
+        kwargs: dict[str, Any] = dict(
+            model=MODEL,
+            messages=PARIS,
+            tools=TOOLS,
+            seed=seed,
+            max_tokens=400,
+            **({} if parallel is None else {"parallel_tool_calls": parallel}),
+        )
+        r = fallback.chat.completions.create(**kwargs)
+        choice = r.choices[0]
+        if choice.finish_reason == "tool_calls":
+            most = max(most, len(_check_calls(choice.message)))
+        shape = _shape(choice.message, choice.finish_reason)
+        assert _streamed_shape(fallback.chat.completions.create(stream=True, **kwargs)) == shape
+    assert most >= 2 if parallel else most == 1
+
+
+def test_response_format_shapes_the_fallback_answer(fallback: Any) -> None:
+    """``response_format`` with auto tools: the answer is JSON of the requested schema (its text
+    is the content), or the reply is calls; the same streamed, also when cut by max_tokens."""
+    kinds = set()
+    for seed, max_tokens in enumerate([300] * 8 + [12, 20, 30, 45]):
+        kwargs: dict[str, Any] = dict(
+            model=MODEL,
+            messages=PARIS,
+            tools=WEATHER_TOOL,
+            seed=seed,
+            max_tokens=max_tokens,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "person", "schema": structured.PERSON},
+            },
+        )
+        r = fallback.chat.completions.create(**kwargs)
+        choice = r.choices[0]
+        if choice.finish_reason == "tool_calls":
+            assert _check_calls(choice.message) and choice.message.content is None
+            kinds.add("calls")
+        elif choice.finish_reason == "stop":
+            jsonschema.validate(json.loads(choice.message.content), structured.PERSON)
+            assert not choice.message.tool_calls
+            kinds.add("answer")
+        else:
+            assert not (choice.message.content or "").startswith('{"response"')
+            kinds.add("cut")
+        shape = _shape(choice.message, choice.finish_reason)
+        assert _streamed_shape(fallback.chat.completions.create(stream=True, **kwargs)) == shape
+    assert kinds == {"calls", "answer", "cut"}
+
+
+def test_json_object_shapes_the_fallback_answer_and_regex_is_refused(fallback: Any) -> None:
+    import openai
+
+    for seed in range(6):
+        r = fallback.chat.completions.create(
+            model=MODEL,
+            messages=PARIS,
+            tools=WEATHER_TOOL,
+            seed=seed,
+            max_tokens=300,
+            response_format={"type": "json_object"},
+        )
+        choice = r.choices[0]
+        if choice.finish_reason == "stop":
+            assert isinstance(json.loads(choice.message.content), dict)
+    with pytest.raises(openai.BadRequestError) as err:
+        fallback.chat.completions.create(
+            model=MODEL, messages=PARIS, tools=WEATHER_TOOL, extra_body={"guided_regex": "a+"}
+        )
+    assert "guided_regex" in str(err.value) and "response_format" in str(err.value)
+    with pytest.raises(openai.BadRequestError) as err:  # "required": the reply is the calls
+        fallback.chat.completions.create(
+            model=MODEL,
+            messages=PARIS,
+            tools=WEATHER_TOOL,
+            tool_choice="required",
+            response_format={"type": "json_object"},
+        )
+    assert "response_format: cannot be combined with tool_choice 'required'" in str(err.value)
 
 
 @pytest.mark.parametrize(

@@ -34,6 +34,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,7 @@ from types import ModuleType
 
 import torch
 
+from pagedllm.backends.cpu.build_progress import BuildProgress
 from pagedllm.config import env_cpu_isa
 
 logger = logging.getLogger(__name__)
@@ -200,9 +202,21 @@ def load_extension(
     """
     level = resolve_isa(isa)
     flags = tuple(compile_flags(level))
-    key = build_key(sources, headers, flags)
-    build_dir = (build_root or default_build_root()) / key
+    build_dir = extension_dir(sources, headers, level, build_root)
     return _load(f"{name}_{level}", build_dir, tuple(sources), flags, verbose)
+
+
+def extension_dir(
+    sources: Sequence[str], headers: Sequence[str], isa: str, build_root: Path | None = None
+) -> Path:
+    """Where the extension of ``sources`` for ISA level ``isa`` is (or will be) built."""
+    key = build_key(sources, headers, compile_flags(isa))
+    return (build_root or default_build_root()) / key
+
+
+def is_built(build_dir: Path) -> bool:
+    """Whether a build finished in ``build_dir`` (a later load only imports it)."""
+    return (build_dir / _BUILT_MARKER).exists()
 
 
 @functools.cache
@@ -215,7 +229,7 @@ def _load(
 ) -> ModuleType:
     """Memoised per process (a loaded module is immutable); across processes the marker written
     after a successful build lets later loads import the library without running ninja."""
-    if (build_dir / _BUILT_MARKER).exists():
+    if is_built(build_dir):
         try:
             return _import_built(build_dir, module_name)
         except (ImportError, OSError) as exc:
@@ -236,15 +250,18 @@ def _load(
             module_name,
             build_dir,
         )
-        module = load(
-            name=module_name,
-            sources=[str(_CSRC / s) for s in sources],
-            extra_cflags=list(flags),
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            verbose=verbose,
-        )
+        started = time.monotonic()
+        with BuildProgress(build_dir, sources, module_name, logger.warning):
+            module = load(
+                name=module_name,
+                sources=[str(_CSRC / s) for s in sources],
+                extra_cflags=list(flags),
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                verbose=verbose,
+            )
         (build_dir / _BUILT_MARKER).write_text(" ".join(flags) + "\n")
+        logger.warning("built %s in %.0f s", module_name, time.monotonic() - started)
     return module
 
 
@@ -376,3 +393,12 @@ def load_gemm_ops(build_root: Path | None = None, *, isa: str | None = None) -> 
     return load_extension(
         GEMM_EXTENSION, _GEMM_SOURCES, _GEMM_HEADERS, isa=isa, build_root=build_root
     )
+
+
+# Every extension of this backend (name, sources, headers): what `python -m
+# pagedllm.backends.cpu.build` (run by `make setup`) builds ahead of the first run. A new
+# extension goes here too (a test checks every *_EXTENSION name is listed).
+EXTENSIONS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
+    (ATTENTION_EXTENSION, _ATTENTION_SOURCES, _ATTENTION_HEADERS),
+    (GEMM_EXTENSION, _GEMM_SOURCES, _GEMM_HEADERS),
+)

@@ -95,7 +95,9 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    parallel_tool_calls: bool = True
+    # None (left out): OpenAI's default, true, except for the tool fallback's "auto" (one call:
+    # serving_tools._fallback_plan says why).
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None

@@ -102,13 +102,11 @@ def _constraint(
     guided, guided_param = guided_from_request(req)
     if plan.guided is None:
         return guided, guided_param
-    if guided is not None:
-        why = ""
-        if plan.mode == "auto":
-            why = " here: the chat template cannot render tools, so 'auto' constrains the reply"
-        choice = "auto" if req.tool_choice is None else req.tool_choice
+    if plan.answer_param is not None:  # the fallback's answer took the request's constraint
+        return plan.guided, plan.answer_param
+    if guided is not None:  # "required" or a named call: the reply is the calls' JSON
         raise APIError(
-            f"{guided_param}: cannot be combined with tool_choice {choice!r}{why}",
+            f"{guided_param}: cannot be combined with tool_choice {req.tool_choice!r}",
             param=guided_param,
         )
     return plan.guided, "tools"

@@ -5,7 +5,8 @@
 - ``"auto"`` (the default with tools): tools are rendered by the chat template and the reply is
   parsed in the format the template names (or ``--tool-call-parser``); a template that cannot
   render tools gets the JSON-constrained fallback of ``tool_auto`` (the tools described in a
-  system message, the reply a call or an answer).
+  system message, the reply calls (several only with ``parallel_tool_calls: true``) or an
+  answer, the answer shaped by ``response_format``).
 - ``"required"``: constrained decoding to a JSON array of ``{"name", "arguments"}`` objects, one
   schema per tool (``parallel_tool_calls: false`` allows one call).
 - a named function: constrained decoding to that function's ``parameters`` schema; the whole reply
@@ -31,6 +32,7 @@ from typing import Any
 from pagedllm.core.guided_params import GuidedDecodingParams
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+from pagedllm.entrypoints.openai.serving_structured import guided_from_request
 from pagedllm.entrypoints.openai.tool_auto import (
     AutoTools,
     FallbackToolParser,
@@ -65,6 +67,8 @@ class ToolPlan:
     guided: GuidedDecodingParams | None = None
     parser: ToolParser | None = None  # "auto": the server's format; "required": the JSON array
     system_text: str | None = None  # the fallback: the tools described for the model
+    # The fallback: the request's own JSON constraint (its parameter), now its answer's schema.
+    answer_param: str | None = None
 
     @property
     def active(self) -> bool:
@@ -125,18 +129,18 @@ def plan_tools(req: ChatCompletionRequest, auto: AutoTools) -> ToolPlan:
     if choice == "none":
         return ToolPlan("none")
     plan = ToolPlan("auto", tools=list(req.tools), schemas=schemas)
+    if choice == "auto" and auto.fallback:
+        return _fallback_plan(req, plan)
     if auto.fallback:  # the template cannot show the tools: a system message does
-        plan.tools, plan.system_text = None, fallback_prompt(req.tools, choice == "auto")
+        plan.tools, plan.system_text = None, fallback_prompt(req.tools, False)
     if choice == "auto":
-        if auto.fallback:
-            plan.parser = FallbackToolParser()
-            plan.guided = GuidedDecodingParams(json=fallback_schema(schemas))
-        else:
-            plan.parser = get_tool_parser(auto.parser)
+        plan.parser = get_tool_parser(auto.parser)
         return plan
     if choice == "required":
         plan.mode, plan.parser = "required", RequiredCallsParser()
-        plan.guided = GuidedDecodingParams(json=_required_schema(schemas, req.parallel_tool_calls))
+        plan.guided = GuidedDecodingParams(
+            json=_required_schema(schemas, req.parallel_tool_calls is not False)
+        )
     elif isinstance(choice, dict) and choice.get("type") == "function":
         name = (choice.get("function") or {}).get("name")
         if name not in schemas:
@@ -148,6 +152,44 @@ def plan_tools(req: ChatCompletionRequest, auto: AutoTools) -> ToolPlan:
             "tool_choice",
             "must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
         )
+    return plan
+
+
+def _answer_schema(guided: GuidedDecodingParams | None, param: str | None) -> Any:
+    """The fallback's answer under the request's own constraint: a JSON one becomes the schema
+    of the ``response`` value; others cannot be put inside the reply's JSON (400)."""
+    if guided is None:
+        return None  # a plain string
+    if guided.json_object:
+        return dict(_ANY_OBJECT)
+    if guided.json is not None:
+        return guided.json  # a schema object, or true / false
+    raise _bad(
+        str(param),
+        "cannot be combined with tool_choice 'auto' here: the chat template cannot render tools, "
+        "so the reply is JSON (a call or an answer); response_format json_object/json_schema or "
+        "guided_json can shape the answer",
+    )
+
+
+def _fallback_plan(req: ChatCompletionRequest, plan: ToolPlan) -> ToolPlan:
+    """The "auto" choice on a template without tools: the tools in a system message, the reply
+    constrained to calls or an answer (the request's ``response_format`` shaping it).
+
+    Several calls in one reply only when the request sets ``parallel_tool_calls: true``; left
+    out, one. A model whose template cannot show tools is usually a small one, and small ones
+    repeat themselves: the demo model, free to add calls, wrote the same get_weather call again
+    and again until max_tokens in 3 replies of 8 (and no JSON schema can forbid a repeat).
+    """
+    assert req.tools is not None
+    guided, param = guided_from_request(req)
+    answer = _answer_schema(guided, param)
+    parallel = req.parallel_tool_calls is True
+    plan.tools = None
+    plan.system_text = fallback_prompt(req.tools, True, parallel, answer)
+    plan.parser = FallbackToolParser(raw_answer=answer is not None)
+    plan.guided = GuidedDecodingParams(json=fallback_schema(plan.schemas, parallel, answer))
+    plan.answer_param = param
     return plan
 
 

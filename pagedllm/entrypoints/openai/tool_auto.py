@@ -9,9 +9,13 @@ The format is decided once, when the server starts, and logged in one line:
   ``"parameters"`` object Llama 3 JSON; that parser, the tools rendered by the template.
 - otherwise the fallback, as llama.cpp's server does for templates without tool support: the
   tools are described in a system message, and the reply is constrained by a JSON schema to
-  either ``{"tool_call": {"name": ..., "arguments": {...}}}`` or ``{"response": "..."}``; the
-  server turns the first into ``tool_calls``, the second into ``content``. Random or weak models
-  still produce a well-formed call or answer, because the grammar leaves them no other way.
+  either calls, ``{"tool_calls": [{"name": ..., "arguments": {...}}, ...]}`` (one or more,
+  with ``parallel_tool_calls: true``; else ``{"tool_call": {...}}``, exactly one), or an answer,
+  ``{"response": "..."}``; the server turns the first into ``tool_calls``, the second into
+  ``content``. With ``response_format`` (``json_object``/``json_schema``, or ``guided_json``)
+  the answer's value is that JSON instead of a string, and its text is the content as written.
+  Random or weak models still produce well-formed calls or an answer, because the grammar
+  leaves them no other way.
 """
 
 from __future__ import annotations
@@ -25,11 +29,13 @@ from typing import Any
 from pagedllm.entrypoints.openai.tool_parsers import (
     ParsedCall,
     PartialCall,
+    RequiredCallsParser,
     ToolParser,
     _partial,
     _scan_call,
     _skip_ws,
     _string_end,
+    _value_end,
 )
 
 logger = logging.getLogger(__name__)
@@ -104,34 +110,50 @@ def detect_auto_tools(
     return result
 
 
-def fallback_schema(schemas: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The fallback reply: one call of a given tool with its arguments, or a text answer."""
-    calls = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": name}, "arguments": params},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for name, params in schemas.items()
-    ]
+def fallback_schema(
+    schemas: dict[str, dict[str, Any]],
+    parallel: bool = True,
+    answer: dict[str, Any] | bool | None = None,
+) -> dict[str, Any]:
+    """The fallback reply: calls of the given tools with their arguments (one or more if
+    ``parallel``, else exactly one), or an answer (a string, or JSON of the ``answer`` schema)."""
+    calls: dict[str, Any] = {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "arguments": params},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for name, params in schemas.items()
+        ]
+    }
+    key = "tool_calls" if parallel else "tool_call"
+    if parallel:
+        calls = {"type": "array", "minItems": 1, "items": calls}
     call = {
         "type": "object",
-        "properties": {"tool_call": {"anyOf": calls}},
-        "required": ["tool_call"],
+        "properties": {key: calls},
+        "required": [key],
         "additionalProperties": False,
     }
-    answer = {
+    reply = {
         "type": "object",
-        "properties": {"response": {"type": "string"}},
+        "properties": {"response": answer if answer is not None else {"type": "string"}},
         "required": ["response"],
         "additionalProperties": False,
     }
-    return {"anyOf": [call, answer]}
+    return {"anyOf": [call, reply]}
 
 
-def fallback_prompt(tools: list[dict[str, Any]], auto: bool) -> str:
-    """The system text that shows the tools to a model whose template cannot."""
+def fallback_prompt(
+    tools: list[dict[str, Any]],
+    auto: bool,
+    parallel: bool = True,
+    answer: dict[str, Any] | bool | None = None,
+) -> str:
+    """The system text that shows the tools to a model whose template cannot (and, for "auto",
+    the reply's two shapes: ``fallback_schema``'s)."""
     lines = ["You can call these tools:"]
     for tool in tools:
         fn = tool["function"]
@@ -139,10 +161,19 @@ def fallback_prompt(tools: list[dict[str, Any]], auto: bool) -> str:
         params = json.dumps(fn.get("parameters", {"type": "object"}))
         lines.append(f"- {fn['name']}{desc}. Arguments (JSON schema): {params}")
     if auto:
-        lines.append(
-            'To call a tool, reply {"tool_call": {"name": <tool name>, "arguments": {...}}}. '
-            'Otherwise reply {"response": <your answer>}. Call a tool when one can help.'
-        )
+        one = '{"name": <tool name>, "arguments": {...}}'
+        if parallel:
+            lines.append(f'To call tools, reply {{"tool_calls": [{one}, ...]}} (one or more).')
+        else:
+            lines.append(f'To call a tool, reply {{"tool_call": {one}}}.')
+        if answer is None:
+            lines.append('Otherwise reply {"response": <your answer>}.')
+        else:
+            lines.append(
+                'Otherwise reply {"response": <your answer as JSON>}, the answer following this '
+                f"JSON schema: {json.dumps(answer)}"
+            )
+        lines.append("Call a tool when one can help.")
     return "\n".join(lines)
 
 
@@ -170,10 +201,15 @@ def _partial_string(text: str, pos: int) -> str:
 
 
 class FallbackToolParser(ToolParser):
-    """The fallback's reply: ``{"tool_call": {...}}`` or ``{"response": "..."}``."""
+    """The fallback's reply: ``{"tool_calls": [...]}``, ``{"tool_call": {...}}`` or
+    ``{"response": ...}``; ``raw_answer``: the response is JSON whose text is the content (a
+    ``response_format`` answer), not a string to decode."""
 
     name = FALLBACK
     ARGS_KEYS = ("arguments",)
+
+    def __init__(self, raw_answer: bool = False) -> None:
+        self.raw_answer = raw_answer
 
     @staticmethod
     def _branch(text: str) -> tuple[str | None, int]:
@@ -192,15 +228,35 @@ class FallbackToolParser(ToolParser):
         pos = _skip_ws(text, pos + 1)
         return key, (pos if pos < len(text) else -1)
 
+    def _answer(self, text: str, pos: int) -> str:
+        """The ``response`` value as content, as far as the text goes."""
+        if not self.raw_answer:
+            return _partial_string(text, pos) if text.startswith('"', pos) else ""
+        end = _value_end(text, pos)
+        return text[pos : len(text) if end is None else end]
+
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         try:
             reply = json.loads(text)
         except ValueError:
             return text, []
-        if isinstance(reply, dict) and isinstance(reply.get("response"), str):
-            return reply["response"], []
-        call = reply.get("tool_call") if isinstance(reply, dict) else None
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        key, pos = self._branch(text)
+        if not isinstance(reply, dict) or key not in reply or pos < 0:
+            return text, []
+        if key == "response":
+            if self.raw_answer or isinstance(reply[key], str):
+                return self._answer(text, pos), []
+            return text, []
+        if key == "tool_calls" and isinstance(reply[key], list):
+            end = _value_end(text, pos)
+            calls = RequiredCallsParser().parse(text[pos:end])[1] if end else []
+            return (None, calls) if calls and len(calls) == len(reply[key]) else (text, [])
+        call = reply.get("tool_call")
+        if (
+            key != "tool_call"
+            or not isinstance(call, dict)
+            or not isinstance(call.get("name"), str)
+        ):
             return text, []
         partial = self.partial_calls(text)
         if len(partial) != 1 or not partial[0].done:
@@ -211,17 +267,19 @@ class FallbackToolParser(ToolParser):
         return 0  # the reply is JSON; its content is streamed by ``streamed_content``
 
     def streamed_content(self, text: str, finished: bool) -> str:
-        """The ``response`` string as far as it goes (all of the text if it is not JSON)."""
+        """The ``response`` value as far as it goes; none of the JSON around it, also when the
+        reply is cut before the value begins (all of the text if it is not this JSON at all)."""
         key, pos = self._branch(text)
-        if key == "response" and pos >= 0 and text.startswith('"', pos):
-            return _partial_string(text, pos)
-        if finished and key != "tool_call":
-            content, _ = self.parse(text)
-            return content or ""
+        if key == "response":
+            return self._answer(text, pos) if pos >= 0 else ""
+        if finished and not text.lstrip().startswith("{"):
+            return text
         return ""
 
     def partial_calls(self, text: str) -> list[PartialCall]:
         key, pos = self._branch(text)
+        if key == "tool_calls" and pos >= 0:
+            return RequiredCallsParser().partial_calls(text[pos:])
         if key != "tool_call" or pos < 0 or not text.startswith("{", pos):
             return []
         return [_partial(text, _scan_call(text, pos, self.ARGS_KEYS))]
