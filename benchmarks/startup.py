@@ -96,7 +96,9 @@ def _start(script: str, model: Path, env: dict[str, str]) -> dict[str, float]:
         capture_output=True,
         text=True,
         env=env,
-        cwd=ROOT,
+        # In the checkout that runs: ``python -c`` puts its folder first on sys.path, ahead of
+        # PYTHONPATH, so a baseline started from here would import this checkout instead.
+        cwd=env["PYTHONPATH"],
         check=False,
     )
     ready = time.perf_counter() - spawned
