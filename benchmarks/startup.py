@@ -7,7 +7,9 @@ machine tilts them alike), the median of ``--rounds`` reported:
 - ``second``: the cache the first start wrote (the panels mapped, not packed);
 - ``uncached``: ``PAGEDLLM_PACKED_CACHE=0`` (packed and checked, nothing written: the start
   before the cache existed);
-- ``baseline`` (``--baseline <checkout>``): another checkout's start, for a before/after.
+- ``baseline`` (``--baseline <checkout>``): another checkout's start, for a before/after;
+  ``baseline_second``: its start on the cache the ``first`` start wrote (the same key where the
+  two checkouts share the C++ build and the layout version).
 
 Per start: ``import_s`` (interpreter start to ``import torch`` and ``from pagedllm import
 Engine`` done), ``engine_s`` (the ``Engine(...)`` call), of which ``engine_imports_s`` were
@@ -94,7 +96,9 @@ def _start(script: str, model: Path, env: dict[str, str]) -> dict[str, float]:
         capture_output=True,
         text=True,
         env=env,
-        cwd=ROOT,
+        # In the checkout that runs: ``python -c`` puts its folder first on sys.path, ahead of
+        # PYTHONPATH, so a baseline started from here would import this checkout instead.
+        cwd=env["PYTHONPATH"],
         check=False,
     )
     ready = time.perf_counter() - spawned
@@ -157,12 +161,16 @@ def run(model: Path, rounds: int, tmp: Path, baseline: Path | None = None) -> di
     runs: dict[str, list[dict[str, float]]] = {"first": [], "second": [], "uncached": []}
     if baseline is not None:
         runs["baseline"] = []
+        runs["baseline_second"] = []
     _start(_CHILD, model, _env(cache, packed=False))  # warm: the tokenizer, the page cache
     for _ in range(rounds):
         for packed in (cache / "packed").glob("*.packed.pt"):
             packed.unlink()
         runs["first"].append(_start(_CHILD, model, _env(cache, packed=True)))
         runs["second"].append(_start(_CHILD, model, _env(cache, packed=True)))
+        if baseline is not None:
+            env = _env(cache, packed=True, root=baseline)
+            runs["baseline_second"].append(_start(_CHILD, model, env))
         runs["uncached"].append(_start(_CHILD, model, _env(cache, packed=False)))
         if baseline is not None:
             env = _env(cache, packed=False, root=baseline)

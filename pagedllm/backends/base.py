@@ -405,6 +405,14 @@ class DeviceBackend(ABC):
         model.linear_path = self.linear_path
         model.layer_kernels = self.layer_kernels
 
+    def preload_packed_layers(
+        self, model: torch.nn.Module, *, int8_activations: bool = False
+    ) -> frozenset[str]:
+        """The linear layers whose packed weights this backend already holds for the model's
+        file (``model.packed_source``), which ``prepare_model`` will install: the loader leaves
+        their checkpoint tensors unread. None here (no backend cache)."""
+        return frozenset()
+
     def configure_threads(self, world_size: int = 1, total: int | None = None) -> None:
         """Set host-side thread counts for a worker once, before its first forward pass."""
 

@@ -7,6 +7,7 @@ per-sequence lists. Re-exported by ``backends/base.py``, the seams' module.
 
 from __future__ import annotations
 
+import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,6 +40,19 @@ def from_cache_dtype(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
 def byte_view(cache: torch.Tensor) -> torch.Tensor:
     """fp8 caches as uint8, for the indexing ops torch has no fp8 kernel for (index_copy_)."""
     return cache.view(torch.uint8) if cache.dtype in FP8_DTYPES else cache
+
+
+_ARRAY_CODES = {torch.int32: "i", torch.int64: "q"}
+
+
+def host_tensor(values: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.tensor(values, dtype=dtype, device=device)`` for a step's lists of Python ints
+    (int32 or int64), about 3x faster: the list goes into a C array in one pass, which the
+    tensor then wraps, where ``torch.tensor`` inspects each element (at 16 decodes a step's
+    block tables alone were ~40 us of it on a 2-core EPYC)."""
+    if not values:
+        return torch.empty(0, dtype=dtype, device=device)
+    return torch.frombuffer(array.array(_ARRAY_CODES[dtype], values), dtype=dtype).to(device)
 
 
 @dataclass
@@ -108,7 +122,7 @@ def build_attention_metadata(
     flat.extend(seq_lens)
     flat.extend([s - q for s, q in zip(seq_lens, query_lens, strict=True)])
     flat.extend(qsl)
-    ints = torch.tensor(flat, dtype=torch.int32, device=device)
+    ints = host_tensor(flat, torch.int32, device)
     tables, seq_t, context_t, qsl_t = ints.split_with_sizes(
         [num_seqs * width, num_seqs, num_seqs, num_seqs + 1]
     )
@@ -117,7 +131,7 @@ def build_attention_metadata(
         num_prefills=num_prefills,
         num_prefill_tokens=num_prefill_tokens,
         num_decode_tokens=qsl[-1] - num_prefill_tokens,
-        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+        slot_mapping=host_tensor(slot_mapping, torch.int64, device),
         seq_lens=seq_t,
         context_lens=context_t,
         query_start_loc=qsl_t,

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from pagedllm.backends.base import AttentionBackend
+from pagedllm.backends.kv_layout import host_tensor
 from pagedllm.core.interfaces import (
     ModelRunnerOutput,
     SampledToken,
@@ -74,8 +75,8 @@ class ModelRunner:
             block_size=self.block_size,
             device=dev,
         )
-        input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=dev)
-        positions = torch.tensor(batch.positions, dtype=torch.long, device=dev)
+        input_ids = host_tensor(batch.input_ids, torch.long, dev)
+        positions = host_tensor(batch.positions, torch.long, dev)
         link = self.pipeline
         if batch.token_type_ids is not None:  # a cross-encoder's text pairs
             types = torch.tensor(batch.token_type_ids, dtype=torch.long, device=dev)

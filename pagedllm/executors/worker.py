@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import logging
 from pathlib import Path
@@ -96,6 +97,14 @@ class Worker:
             tp = dataclasses.replace(tp, expert_parallel=True)  # read by MoE layers only
         kernel = self.backend.kernel
         packed_dir = self.config.model.packed_cache_dir
+        # Layers whose packed form the backend holds are not decoded at load; not under LoRA,
+        # whose wrappers rename the layers before the backend packs them.
+        packed_layers = None
+        if packed_dir is not None and self.config.lora is None:
+            packed_layers = functools.partial(
+                self.backend.preload_packed_layers,
+                int8_activations=self.config.model.int8_activations,
+            )
         model = load_model(
             self.config.model.model,
             self.hf_config,
@@ -111,6 +120,7 @@ class Worker:
             gguf_block_decoder=kernel("gguf_decode").value,
             native_formats=kernel("linear").formats,
             packed_cache=None if packed_dir is None else Path(packed_dir),
+            packed_layers=packed_layers,
             # --task embed loads a causal LM's decoder as an embedder; "score" and "auto" take
             # the checkpoint's class (the engine checks the pair: engine/pooling.py).
             task={"generate": "generate", "embed": "embed"}.get(self.config.model.task),

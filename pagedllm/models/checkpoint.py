@@ -247,7 +247,8 @@ def load_mapped_weights(
                 f"({str(exc).splitlines()[0]})"
             ) from exc
         loaded.add(name)
-    missing = {n for n in params if n not in loaded}
+    # A meta parameter was left unread on purpose (``model_loader.leave_unread``).
+    missing = {n for n, p in params.items() if n not in loaded and not p.is_meta}
     if skip_lm_head:
         missing = {n for n in missing if not n.startswith("lm_head.")}
     lacking = [mapper.checkpoint_name(n, seen) for n in sorted(missing)]

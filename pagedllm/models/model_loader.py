@@ -22,7 +22,7 @@ from pagedllm.layers.quantization import (
 )
 from pagedllm.models.checkpoint import CheckpointError, iterate_weights
 from pagedllm.models.gguf.reader import gguf_path_of
-from pagedllm.models.gguf.weights import BlockDecoder
+from pagedllm.models.gguf.weights import BlockDecoder, GGUFWeights
 from pagedllm.models.hf_config_checks import check_config_json, read_config_json
 from pagedllm.models.registry import model_task, resolve_model_class
 
@@ -142,6 +142,7 @@ def load_model(
     gguf_block_decoder: BlockDecoder | None = None,
     task: str | None = None,
     packed_cache: Path | None = None,
+    packed_layers: Callable[[nn.Module], frozenset[str]] | None = None,
 ) -> nn.Module:
     """Build the model with its parameters already in ``dtype`` and fill them from the checkpoint.
 
@@ -160,6 +161,9 @@ def load_model(
     (``registry.model_task``: a sentence-transformers folder over a decoder embeds).
     ``packed_cache``: the folder a backend may keep a GGUF's packed weights in (a whole model,
     or a tensor-parallel shard; not a pipeline stage), set on the model as ``packed_source``.
+    ``packed_layers``: the backend's answer, asked of the model as built with ``packed_source``
+    set, naming the linear layers whose packed form it already holds: their GGUF weights are
+    neither decoded nor copied (:func:`leave_unread`).
     """
     if task is None:
         task = model_task(getattr(hf_config, "architectures", None), _folder_of(model))
@@ -184,6 +188,9 @@ def load_model(
         weights = iterate_weights(Path(model), lazy=tp.size > 1 or pp.size > 1)
     if quant is not None:  # quantised linear layers: see layers/quantization
         attach_quantization(module, quant)
+        source = getattr(module, "packed_source", None)
+        if packed_layers is not None and source is not None and isinstance(weights, GGUFWeights):
+            leave_unread(module, packed_layers(module), weights)
         weights = quant.transform(weights)
     try:
         loaded = module.load_weights(weights)
@@ -200,6 +207,33 @@ def load_model(
     if getattr(module, "task", None) == "embed" and gguf_path is None:
         _read_pooling(module, Path(model))  # the folder's pooling, over the class's default
     return module.eval()
+
+
+def leave_unread(module: nn.Module, layers: frozenset[str], weights: GGUFWeights) -> None:
+    """Keep ``layers``' weight tensors (the group-wise q and its factors, not a bias) as meta
+    placeholders of their shapes, and have ``weights`` skip the GGUF tensors that would fill
+    them: the backend installs those layers' packed form instead. A meta parameter has no
+    storage, so whatever read one would fail loudly, and the loader's missing-weight check
+    passes it over."""
+    if not layers:
+        return
+    params: set[str] = set()
+    for name in layers:
+        layer = module.get_submodule(name)
+        for attr, param in list(layer.named_parameters(recurse=False)):
+            if attr.startswith("weight"):
+                placeholder = nn.Parameter(torch.empty_like(param, device="meta"), False)
+                placeholder.__dict__.update(param.__dict__)
+                setattr(layer, attr, placeholder)
+                params.add(f"{name}.{attr}")
+    mapper = module.weight_mapper() if hasattr(module, "weight_mapper") else None
+
+    def unread(stem: str) -> bool:  # a checkpoint layer's name, without ".weight"
+        mapped = mapper.map(f"{stem}.weight") if mapper is not None else None
+        return mapped is not None and mapped[0] in params
+
+    weights.unread = unread
+    logger.info("%d linear layers' weights left unread: packed form cached", len(layers))
 
 
 def _read_pooling(module: nn.Module, folder: Path) -> None:

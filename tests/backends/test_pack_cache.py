@@ -78,6 +78,42 @@ def test_a_second_start_maps_the_panels_and_answers_the_same(
     assert (folder / "weights-sha256.json").exists()
 
 
+def test_a_cached_start_leaves_the_cached_layers_unread(
+    gguf_file: Path, folder: Path, packs: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second start decodes no tensor of a layer whose panels are cached: those weights
+    stay meta placeholders (no storage: nothing read them) until the panels replace them, and
+    the answers equal an uncached start's."""
+    from pagedllm.backends.cpu import packed_linear
+    from pagedllm.models.gguf import weights as gguf_weights
+
+    uncached = _greedy(gguf_file, disable_packed_cache=True)
+    assert _greedy(gguf_file) == uncached  # the first start packs and writes the cache
+    decoded: list[str] = []
+    real_decode = gguf_weights.GGUFWeights._decoded
+    monkeypatch.setattr(
+        gguf_weights.GGUFWeights,
+        "_decoded",
+        lambda self, t: decoded.append(t.name) or real_decode(self, t),
+    )
+    placeholders: dict[str, bool] = {}
+    real_pack = packed_linear.pack_linear_layers
+
+    def pack(model, **kw):
+        for name, module in model.named_modules():
+            weight = getattr(module, "weight", None)
+            if name.endswith(("_proj", "qkv_proj")) and weight is not None:
+                placeholders[name] = weight.is_meta
+        return real_pack(model, **kw)
+
+    monkeypatch.setattr(packed_linear, "pack_linear_layers", pack)
+    packed = len(packs)
+    assert _greedy(gguf_file) == uncached
+    assert len(packs) == packed
+    assert placeholders and all(placeholders.values()), placeholders
+    assert not any(".attn_" in n or ".ffn_" in n for n in decoded), decoded
+
+
 def test_a_damaged_file_is_refused_and_rebuilt(
     gguf_file: Path, folder: Path, packs: list[int], caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -66,6 +66,18 @@ class CpuBackend(DeviceBackend):
     }
     kv_pool_in_host_memory = True
 
+    def preload_packed_layers(
+        self, model: torch.nn.Module, *, int8_activations: bool = False
+    ) -> frozenset[str]:
+        """The layers whose panels the packed-weight cache holds (``packed_linear``), where the
+        chosen linear installer is the one that reads that cache."""
+        from pagedllm.backends.cpu import packed_linear
+
+        chosen = self.kernel("linear").kernel
+        if chosen is None or not chosen.target.endswith(":pack_linear_layers"):
+            return frozenset()
+        return packed_linear.preload_packed_layers(model, int8_activations=int8_activations)
+
     @classmethod
     def is_available(cls) -> bool:
         return True

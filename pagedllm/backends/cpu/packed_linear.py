@@ -182,7 +182,11 @@ def _open_cache(
     model: nn.Module, *, dot: bool
 ) -> tuple[PackCache | None, Mapping[str, PackedGroupwise]]:
     """The packed-weight cache of the file the model was loaded from (``model.packed_source``,
-    set by the loader where the cache is on), and the panels it holds (empty on a miss)."""
+    set by the loader where the cache is on), and the panels it holds (empty on a miss); what
+    :func:`preload_packed_layers` already opened for this model where it ran."""
+    preloaded = model.__dict__.pop("packed_preload", None)
+    if preloaded is not None:
+        return preloaded
     source = getattr(model, "packed_source", None)
     ops = dense_gemm.gemm_ops() if source is not None else None
     if source is None or ops is None:
@@ -194,22 +198,65 @@ def _open_cache(
     return cache, layers or {}
 
 
-def _cached_kernel(
-    module: nn.Module, pw: PackedGroupwise | None, *, is_head: bool, dot: bool
-) -> LinearKernel | None:
-    """The kernel on a layer's cached panels, or None to pack it (no panels, or panels of
-    another shape or format than the layer's: a file changed in a way its key missed)."""
-    from pagedllm.backends.cpu.groupwise_linear import packed_groupwise_linear
+def preload_packed_layers(model: nn.Module, *, int8_activations: bool = False) -> frozenset[str]:
+    """The linear layers (not the LM head) whose panels the cache holds for the model's file,
+    opened before its weights load so that the loader leaves those layers' checkpoint tensors
+    undecoded (``models/model_loader.load_model``'s ``packed_layers``): on the demo model that
+    decoding and copying was most of a cached start's load. Called on the model as built, with
+    its quantization methods attached; the cache it opened is kept on the model for
+    :func:`pack_linear_layers`, which installs these panels. A layer is named only where
+    :func:`_cached_kernel` will take its panels, since its weights will not be there to pack."""
+    from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    cache, cached = _open_cache(model, dot=int8_activations)
+    model.packed_preload = (cache, cached)
+    head = getattr(model, "lm_head", None)
+    return frozenset(
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear))
+        and module is not head
+        and _fits(module, cached.get(name), loaded=False)
+    )
+
+
+def _fits(module: nn.Module, pw: PackedGroupwise | None, *, loaded: bool = True) -> bool:
+    """Whether ``pw`` are panels of this layer's shape and format (a file changed in a way the
+    cache's key missed would give others). ``loaded``: the layer's format now, else the one
+    its method gives it once loaded."""
     from pagedllm.layers.quantization.groupwise import FORMATS
 
     method = getattr(module, "quant_method", None)
-    if pw is None or method is None or method.layer_format(module) not in FORMATS:
-        return None
-    if pw.n != module.weight.shape[0]:
+    if pw is None or method is None:
+        return False
+    fmt = method.layer_format(module) if loaded else method.weight_format
+    return fmt in FORMATS and pw.n == module.weight.shape[0]
+
+
+def _cached_kernel(
+    module: nn.Module, pw: PackedGroupwise | None, *, is_head: bool, dot: bool
+) -> LinearKernel | None:
+    """The kernel on a layer's cached panels, or None to pack it (no panels, or panels that
+    do not fit the layer: :func:`_fits`)."""
+    from pagedllm.backends.cpu.groupwise_linear import packed_groupwise_linear
+
+    if pw is None or not _fits(module, pw):
         return None
     bias = getattr(module, "bias", None) if module.fast_linear_has_bias else None
     kernel = packed_groupwise_linear(pw, bias, dot=dot and not is_head)
     return kernel if kernel.fn is not None else None
+
+
+def _unread(module: nn.Module, cache: PackCache | None) -> RuntimeError:
+    """A layer the loader left unread for its cached panels got none: the cache is removed so
+    that the next start loads and packs the whole file."""
+    if cache is not None:
+        cache.path.unlink(missing_ok=True)
+    where = cache.path if cache is not None else "the packed-weight cache"
+    return RuntimeError(
+        f"{type(module).__name__}: its weights were left unread for the panels of {where}, "
+        "which no longer fit it; the cache file is removed, start again"
+    )
 
 
 def pack_linear_layers(model: nn.Module, *, int8_activations: bool = False) -> dict[str, str]:
@@ -233,6 +280,8 @@ def pack_linear_layers(model: nn.Module, *, int8_activations: bool = False) -> d
             kernel = _cached_kernel(
                 module, cached.get(name), is_head=module is head, dot=int8_activations
             )
+            if kernel is None and module.weight.is_meta:
+                raise _unread(module, cache)
             if kernel is None:
                 kernel = make_linear_kernel(
                     module,
@@ -255,7 +304,11 @@ def pack_linear_layers(model: nn.Module, *, int8_activations: bool = False) -> d
             read_back = getattr(module, "fast_rows", None) is not None
             if is_linear or isinstance(module, ParallelLMHead) or read_back:
                 # The packed copy is the only one used from now on: do not keep two.
-                module.weight.data = torch.empty(0, dtype=module.weight.dtype)
+                empty = torch.empty(0, dtype=module.weight.dtype)
+                if module.weight.is_meta:  # a placeholder the loader left unread: no storage
+                    module.weight = nn.Parameter(empty, requires_grad=False)
+                else:
+                    module.weight.data = empty
                 _drop_group_scales(module)
     if cache is not None and packed and packed.keys() != cached.keys():
         cache.save(packed)

@@ -89,6 +89,10 @@ class GGUFWeights:
         self.gguf, self.family, self.plan = gguf, family, plan
         self.expert_plan = expert_plan or {}
         self.block_decoder = block_decoder
+        # Checkpoint layers (names without ".weight") whose group-wise tensors are skipped,
+        # neither decoded nor yielded: their packed form comes from a backend's cache
+        # (``model_loader.leave_unread``).
+        self.unread: Callable[[str], bool] | None = None
         self.heads = int(hf_config.num_attention_heads)  # type: ignore[attr-defined]
         self.kv_heads = int(hf_config.num_key_value_heads)  # type: ignore[attr-defined]
 
@@ -199,7 +203,9 @@ class GGUFWeights:
             name, module = hf_name(gguf_name, self.family)
             fmt = tensor_format(self.plan, gguf_name, module)
             if fmt is not None and name.endswith(".weight"):
-                yield from self._groupwise(name.removesuffix(".weight"), fmt, tensor, gguf_name)
+                stem = name.removesuffix(".weight")
+                if self.unread is None or not self.unread(stem):
+                    yield from self._groupwise(stem, fmt, tensor, gguf_name)
                 continue
             values = torch.from_numpy(dequantized(tensor))
             if gguf_name.endswith(".ffn_gate_inp_shexp.weight"):
