@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pagedllm.models.gguf.encoder import encoder_config_values
 from pagedllm.models.gguf.light_config import light_config
 from pagedllm.models.gguf.reader import GGUFFile, GGUFFileError
 
@@ -38,6 +39,8 @@ class Family:
     # than ``expert_feed_forward_length`` (Qwen-MoE: ``moe_intermediate_size``).
     experts_field: str = "num_experts"
     experts_sized_by_ffn: bool = False
+    # A bidirectional encoder (embedding model): its names, checks and config in encoder.py.
+    encoder: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -65,6 +68,7 @@ FAMILIES: dict[str, Family] = {
     "olmoe": Family(
         "olmoe", "OlmoeForCausalLM", permuted_qk=False, moe=True, experts_sized_by_ffn=True
     ),
+    "bert": Family("bert", "BertModel", permuted_qk=False, light=False, encoder=True),
 }
 # llama.cpp's converter writes Mixtral as "llama" with expert stacks (as it writes Mistral):
 # the family is told by its tensors. Routing always renormalises the top-k (top-2) weights.
@@ -225,6 +229,11 @@ def config_values(gguf: GGUFFile) -> tuple[Family, dict[str, Any]]:
     """The family, and the keyword arguments of its transformers config class."""
     family = family_of(gguf)
     arch = gguf.architecture
+    if family.encoder:  # no rotary, no head: encoder.py
+        values = encoder_config_values(gguf)
+        values["architectures"] = [family.architecture]
+        values["dtype"] = stored_dtype(gguf)
+        return family, values
     values = _hyper_parameters(gguf, arch)
     params = _rope(gguf, arch, values)
     if arch == "phi3":
