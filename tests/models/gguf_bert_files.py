@@ -87,21 +87,58 @@ def write_bert_gguf(
     """The BERT in ``folder`` (safetensors, config.json, a WordPiece tokenizer.json) as ``out``.
     ``metadata``: keys written over the converter's; ``drop``: tensors left out; ``reshape``:
     tensors written with another shape (a damaged file)."""
-    import gguf
     from safetensors.numpy import load_file
 
     config = json.loads((folder / "config.json").read_text())
-    writer = gguf.GGUFWriter(str(out), "bert")
+    tensors = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        for hf_name, array in load_file(str(file)).items():
+            name = gguf_bert_name(hf_name)
+            if name is not None:
+                tensors[name] = array
+    return write_encoder_gguf(
+        out,
+        "bert",
+        config,
+        _vocab(folder),
+        tensors,
+        kind=kind,
+        pooling=pooling,
+        metadata=metadata,
+        drop=drop,
+        reshape=reshape,
+    )
+
+
+def write_encoder_gguf(
+    out: Path,
+    arch: str,
+    config: dict[str, Any],
+    tokens: list[str],
+    tensors: dict[str, np.ndarray],
+    *,
+    kind: str = "F32",
+    pooling: str = "mean",
+    metadata: dict[str, Any] | None = None,
+    drop: tuple[str, ...] = (),
+    reshape: dict[str, tuple[int, ...]] | None = None,
+) -> Path:
+    """An encoder file of ``arch`` ("bert", "nomic-bert"): ``config`` (Hugging Face keys) as
+    ``<arch>.*``, the WordPiece ``tokens`` in llama.cpp's form, ``tensors`` by GGUF name."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(out), arch)
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(config["num_attention_heads"])
     writer.add_layer_norm_eps(float(config["layer_norm_eps"]))
+    if "rope_theta" in config:
+        writer.add_rope_freq_base(float(config["rope_theta"]))
     writer.add_causal_attention(False)
     writer.add_pooling_type(gguf.PoolingType(POOLING[pooling]))
     writer.add_file_type(0)
-    tokens = _vocab(folder)
     writer.add_tokenizer_model("bert")
     writer.add_tokenizer_pre("default")
     writer.add_token_list([phantom(t) for t in tokens])
@@ -124,12 +161,8 @@ def write_bert_gguf(
             writer.add_uint32(key, value)
         else:
             writer.add_float32(key, value)
-    tensors = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        tensors.update(load_file(str(file)))
-    for hf_name, array in tensors.items():
-        name = gguf_bert_name(hf_name)
-        if name is None or name in drop:
+    for name, array in tensors.items():
+        if name in drop:
             continue
         w = array.astype(np.float32)
         if reshape and name in reshape:

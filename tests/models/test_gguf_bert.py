@@ -39,7 +39,7 @@ TEXTS = [
 ]
 
 
-def _vocab(cased: bool) -> list[str]:
+def tiny_vocab(cased: bool) -> list[str]:
     specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "[unused0]"]
     words = [w.capitalize() for w in _WORDS[:4]] + _WORDS if cased else _WORDS
     letters = [*_LETTERS, *(f"##{c}" for c in _LETTERS)]
@@ -48,7 +48,7 @@ def _vocab(cased: bool) -> list[str]:
 
 def _tokenizer(folder: Path, cased: bool) -> object:
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "vocab.txt").write_text("\n".join(_vocab(cased)) + "\n")
+    (folder / "vocab.txt").write_text("\n".join(tiny_vocab(cased)) + "\n")
     fast = transformers.BertTokenizerFast(str(folder / "vocab.txt"), do_lower_case=not cased)
     fast.save_pretrained(str(folder))
     return fast

@@ -39,8 +39,9 @@ class Family:
     # than ``expert_feed_forward_length`` (Qwen-MoE: ``moe_intermediate_size``).
     experts_field: str = "num_experts"
     experts_sized_by_ffn: bool = False
-    # A bidirectional encoder (embedding model): its names, checks and config in encoder.py.
-    encoder: bool = False
+    # A bidirectional encoder (embedding model): its GGUF architecture ("bert", "nomic-bert"),
+    # whose names, checks and config are in encoder.py; "" for the decoders.
+    encoder: str = ""
 
 
 FAMILIES: dict[str, Family] = {
@@ -68,7 +69,10 @@ FAMILIES: dict[str, Family] = {
     "olmoe": Family(
         "olmoe", "OlmoeForCausalLM", permuted_qk=False, moe=True, experts_sized_by_ffn=True
     ),
-    "bert": Family("bert", "BertModel", permuted_qk=False, light=False, encoder=True),
+    "bert": Family("bert", "BertModel", permuted_qk=False, light=False, encoder="bert"),
+    # nomic-embed-text: a BERT with rotary positions and SwiGLU, as transformers' BertConfig with
+    # our own fields (its Hugging Face class is remote code).
+    "nomic-bert": Family("bert", "BertModel", permuted_qk=False, light=False, encoder="nomic-bert"),
 }
 # llama.cpp's converter writes Mixtral as "llama" with expert stacks (as it writes Mistral):
 # the family is told by its tensors. Routing always renormalises the top-k (top-2) weights.

@@ -1,5 +1,5 @@
-"""llama.cpp's ``bert`` files (embedding models) as the BERT config, tensor names and pooling
-our :mod:`pagedllm.models.bert` encoder reads.
+"""llama.cpp's ``bert`` and ``nomic-bert`` files (embedding models) as the BERT config, tensor
+names and pooling our :mod:`pagedllm.models.bert` encoder reads.
 
 llama.cpp's converter writes a BERT encoder with its own names (``token_embd``,
 ``token_types``, ``position_embd``, ``token_embd_norm``; per block ``attn_q/k/v``,
@@ -7,6 +7,9 @@ llama.cpp's converter writes a BERT encoder with its own names (``token_embd``,
 hyper-parameters under ``bert.*`` (``attention.causal`` false) and the pooling the
 sentence-transformers folder declared as ``bert.pooling_type`` (llama.cpp's enum). No key says
 whether to normalise: llama.cpp's server normalises embeddings by default, and so do we.
+``nomic-bert`` (nomic-embed-text) is the same post-norm encoder with rotary positions at
+``rope.freq_base`` (no ``position_embd``), fused ``attn_qkv`` and a SwiGLU MLP (``ffn_gate``,
+``ffn_up``), biases where its tensors have them.
 """
 
 from __future__ import annotations
@@ -31,6 +34,13 @@ BLOCK_TENSORS: dict[str, tuple[str, str | None]] = {
     "ffn_down": ("output.dense", "output.dense"),
     "layer_output_norm": ("output.LayerNorm", None),
 }
+# nomic-bert's block tensors that differ from bert's: fused q/k/v, the gated MLP's halves.
+NOMIC_BLOCK_TENSORS: dict[str, tuple[str, str | None]] = {
+    **{k: v for k, v in BLOCK_TENSORS.items() if k not in ("attn_q", "attn_k", "attn_v", "ffn_up")},
+    "attn_qkv": ("attention.self_attn.qkv_proj", "attention.self_attn.qkv_proj"),
+    "ffn_gate": ("intermediate.gate", "intermediate.dense"),
+    "ffn_up": ("intermediate.up", "intermediate.dense"),
+}
 GLOBAL_TENSORS = {
     "token_embd": "embeddings.word_embeddings",
     "token_types": "embeddings.token_type_embeddings",
@@ -41,18 +51,22 @@ GLOBAL_TENSORS = {
 # 4 rank (a cross-encoder's score).
 _POOLING = {1: PoolingType.MEAN, 2: PoolingType.CLS, 3: PoolingType.LAST}
 _NO_POOLING, _RANK_POOLING = 0, 4
+_SUFFIXES = ("weight", "bias")
 
 
-def encoder_hf_name(gguf_name: str, model_type: str) -> tuple[str, str | None]:
-    """(Hugging Face tensor name, our linear module's name or None) of one ``bert`` tensor."""
+def encoder_hf_name(gguf_name: str, arch: str) -> tuple[str, str | None]:
+    """(Hugging Face tensor name, our linear module's name or None) of one tensor of a ``bert``
+    or ``nomic-bert`` (``arch``) file."""
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in BLOCK_TENSORS:
-        path, module = BLOCK_TENSORS[parts[2]]
+    blocks = NOMIC_BLOCK_TENSORS if arch == "nomic-bert" else BLOCK_TENSORS
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in blocks:
+        path, module = blocks[parts[2]]
         stem = f"encoder.layer.{parts[1]}"
         return f"{stem}.{path}.{parts[3]}", None if module is None else f"{stem}.{module}"
-    if len(parts) == 2 and parts[0] in GLOBAL_TENSORS and parts[1] in ("weight", "bias"):
+    rotary = arch == "nomic-bert" and parts[0] == "position_embd"
+    if len(parts) == 2 and parts[0] in GLOBAL_TENSORS and not rotary and parts[1] in _SUFFIXES:
         return f"{GLOBAL_TENSORS[parts[0]]}.{parts[1]}", None
-    raise CheckpointError(f"tensor {gguf_name!r} has no place in a {model_type}")
+    raise CheckpointError(f"tensor {gguf_name!r} has no place in a {arch}")
 
 
 def encoder_config_values(gguf: GGUFFile) -> dict[str, Any]:
@@ -69,6 +83,15 @@ def encoder_config_values(gguf: GGUFFile) -> dict[str, Any]:
     positions = gguf.metadata(f"{arch}.context_length", None)
     if positions is None:
         positions = tensors["position_embd.weight"].shape[0]
+    rotary = {}
+    if arch == "nomic-bert":
+        rotary = {
+            "position_embedding_type": "rotary",
+            "rope_theta": float(gguf.metadata(f"{arch}.rope.freq_base", 1e4)),
+            "gated_mlp": True,
+            "attention_bias": "blk.0.attn_qkv.bias" in tensors,
+            "mlp_bias": "blk.0.ffn_up.bias" in tensors,
+        }
     return {
         "vocab_size": int(tensors["token_embd.weight"].shape[0]),
         "hidden_size": int(gguf.metadata(f"{arch}.embedding_length")),
@@ -83,6 +106,7 @@ def encoder_config_values(gguf: GGUFFile) -> dict[str, Any]:
         "hidden_act": "gelu",
         "position_embedding_type": "absolute",
         "tie_word_embeddings": False,
+        **rotary,
     }
 
 

@@ -65,7 +65,7 @@ _SPLIT_EXPERT = re.compile(r"^blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight$")
 def hf_name(gguf_name: str, family: Family) -> tuple[str, str | None]:
     """(Hugging Face tensor name, our linear module's name or None) of one GGUF tensor."""
     if family.encoder:
-        return encoder_hf_name(gguf_name, family.model_type)
+        return encoder_hf_name(gguf_name, family.encoder)
     match = BLOCK_NAME.match(gguf_name)
     if match:
         layer, kind, suffix = match.groups()
