@@ -122,12 +122,25 @@ class BertSelfAttention(nn.Module):
         return self.attn(q, k, v, meta)
 
 
+class OneDeviceRowLinear(RowParallelLinear):
+    """A row-parallel layer that never is split (encoders refuse tensor parallelism), so its
+    bias rides in the backend's GEMM instead of a pass of its own over the output (~5% of a
+    MiniLM forward on the CPU)."""
+
+    fast_linear_has_bias = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fast_linear is not None:  # bias included
+            return self.fast_linear(x)
+        return super().forward(x)
+
+
 class DenseNorm(nn.Module):
     """``LayerNorm(dense(x) + residual)``: how BERT's blocks close (transformers' ``*Output``)."""
 
     def __init__(self, input_size: int, hidden: int, eps: float, bias: bool = True) -> None:
         super().__init__()
-        self.dense = RowParallelLinear(input_size, hidden, bias=bias)
+        self.dense = OneDeviceRowLinear(input_size, hidden, bias=bias)
         self.LayerNorm = LayerNorm(hidden, eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
