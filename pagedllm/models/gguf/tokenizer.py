@@ -21,7 +21,7 @@ from typing import Any
 
 from pagedllm.models.gguf.checks import check_tokenizer
 from pagedllm.models.gguf.reader import GGUFFile, GGUFFileError
-from pagedllm.models.gguf.wordpiece import wordpiece_tokenizer
+from pagedllm.models.gguf.wordpiece import WORDPIECE_VERSION, wordpiece_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +33,8 @@ def _cache_folder(gguf: GGUFFile) -> Path:
 
     digest = hashlib.sha256(gguf.metadata_bytes)
     digest.update(transformers.__version__.encode())
+    if gguf.metadata("tokenizer.ggml.model", None) == "bert":  # our converter: its version too
+        digest.update(WORDPIECE_VERSION.encode())
     return Path(user_cache_dir()) / "gguf-tokenizers" / digest.hexdigest()[:32]
 
 

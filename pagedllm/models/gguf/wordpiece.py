@@ -17,6 +17,9 @@ from typing import Any
 from pagedllm.models.gguf.reader import GGUFFile, GGUFFileError
 
 _PHANTOM_SPACE = "\u2581"
+# Part of the cache key of a converted tokenizer (``tokenizer._cache_folder``): raise it when the
+# conversion changes, so that no start loads an earlier conversion of the same file.
+WORDPIECE_VERSION = "1"
 # Special token -> where a llama.cpp file keeps its id: a BERT's [CLS] is written as the bos
 # token and its [SEP] as the separator (older files) or eos token.
 _SPECIAL_KEYS = {
