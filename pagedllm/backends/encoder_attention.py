@@ -45,13 +45,32 @@ def padded_sdpa(
     # Padded slots read the batch's last token: finite values the key mask then hides.
     index = (starts.unsqueeze(1) + offsets.unsqueeze(0)).clamp(max=q.shape[0] - 1)
 
-    def padded(t: torch.Tensor) -> torch.Tensor:  # [seqs, heads, longest, head]
-        return t[index].permute(0, 2, 1, 3)
-
-    out = F.scaled_dot_product_attention(
-        padded(q), padded(k), padded(v), attn_mask=valid[:, None, None, :], scale=scale
-    )
+    fused = _fused_rows(q, k, v)
+    if fused is not None:  # one gather of the QKV rows, not three
+        rows = fused[index]  # [seqs, longest, 3, heads, head]
+        pq, pk, pv = (rows[:, :, i].permute(0, 2, 1, 3) for i in range(3))
+    else:
+        pq, pk, pv = (t[index].permute(0, 2, 1, 3) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(pq, pk, pv, attn_mask=valid[:, None, None, :], scale=scale)
     return out.permute(0, 2, 1, 3)[valid]
+
+
+def _fused_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """``[n, 3, heads, head]`` over the one buffer q, k and v are slices of (a fused QKV
+    projection's output, split and reshaped), or None where they are not. Gathering the padded
+    rows once from it took 18-20 ms against 50 for three gathers (32 MiniLM sentences, 2 threads,
+    loaded 2-core host), SDPA reading the strided slices as fast."""
+    n, heads, head = q.shape
+    width = heads * head
+    if any(t.stride() != (3 * width, head, 1) for t in (q, k, v)):
+        return None
+    storage = q.untyped_storage().data_ptr()
+    if any(t.untyped_storage().data_ptr() != storage for t in (k, v)):
+        return None
+    step = width * q.element_size()
+    if k.data_ptr() != q.data_ptr() + step or v.data_ptr() != q.data_ptr() + 2 * step:
+        return None
+    return q.as_strided((n, 3, heads, head), (3 * width, width, head, 1))
 
 
 def install_encoder_attention(model: nn.Module, *, int8_activations: bool = False) -> str:

@@ -28,7 +28,9 @@ def _is_int(v: Any) -> bool:
 class PoolingParams:
     """``dimensions``: keep the first N values (Matryoshka truncation), then normalise.
     ``normalize`` None: the model's default (its ``PoolingConfig``). ``truncate_prompt_tokens``:
-    keep only the last N prompt tokens, so a text longer than the model's positions still runs.
+    keep only N prompt tokens, so a text longer than the model's positions still runs: a
+    decoder embedder the last N, an encoder the first ones with its [CLS] ... [SEP] kept
+    (``engine/pooling.truncate_prompt``).
 
     ``whole_prompt`` is the engine's, not the caller's: the model pools over every position
     (mean or CLS pooling), so the prompt is computed whole, in one step, with no prefix-cache

@@ -25,7 +25,13 @@ from pagedllm.engine.admission import EngineLimits, check_request, default_max_t
 from pagedllm.engine.guided import GuidedRequests
 from pagedllm.engine.lora_registry import LoRARegistry, lora_cache_root
 from pagedllm.engine.output_processor import OutputProcessor
-from pagedllm.engine.pooling import admit_pooling, model_context, prefill_only, resolve_task
+from pagedllm.engine.pooling import (
+    admit_pooling,
+    model_context,
+    prefill_only,
+    resolve_task,
+    special_frame,
+)
 from pagedllm.engine.pooling_api import PoolingMixin
 from pagedllm.engine.prompts import (
     PromptType,
@@ -116,6 +122,8 @@ class LLMEngine(PoolingMixin):
             self.executor.shutdown()
             raise ValueError("speculative_config: a pooling model generates no tokens to draft")
         self._fit_budget_to_whole_prompts()
+        # [CLS] ... [SEP]: what an encoder's truncated input keeps (engine/pooling.py).
+        self._special_frame = special_frame(self.tokenizer) if self.pooling.is_pooling else ((), ())
         self._seq_ids = itertools.count()
         schedulers = self._build_schedulers(layout)
         self.spec_metrics = SpecDecodeMetrics()
@@ -325,6 +333,7 @@ class LLMEngine(PoolingMixin):
             self.pooling,
             max_model_len=sched.max_model_len,
             token_budget=sched.token_budget,
+            frame=self._special_frame,
         )
         seq = Sequence(next(self._seq_ids), token_ids, self.config.cache.block_size)
         group = SequenceGroup(

@@ -94,6 +94,57 @@ def resolve_task(
     )
 
 
+# The special tokens a tokenizer puts before and after a text's own: ([CLS],), ([SEP],) for BERT.
+SpecialFrame = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def special_frame(tokenizer: Any) -> SpecialFrame:
+    """The tokens the tokenizer adds around one text, found by encoding a word with and without
+    them (BERT's [CLS] and [SEP], RoBERTa's <s> and </s>); empty where there is no tokenizer or
+    the word's own tokens cannot be found in the framed encoding."""
+    if tokenizer is None:
+        return (), ()
+    inner = list(tokenizer.encode("a", add_special_tokens=False))
+    whole = list(tokenizer.encode("a"))
+    for start in range(len(whole) - len(inner) + 1):
+        if inner and whole[start : start + len(inner)] == inner:
+            return tuple(whole[:start]), tuple(whole[start + len(inner) :])
+    return (), ()
+
+
+def truncate_prompt(
+    token_ids: list[int],
+    types: tuple[int, ...] | None,
+    keep: int,
+    *,
+    keep_head: bool,
+    frame: SpecialFrame = ((), ()),
+) -> tuple[list[int], tuple[int, ...] | None]:
+    """At most ``keep`` tokens of a pooled input (and its token types, aligned).
+
+    A decoder embedder pools its last token, so it keeps the last ``keep`` (vLLM's slice of
+    token-id inputs). An encoder reads its text from the start and pools [CLS] or the mean: it
+    keeps the head, and where the input carries the tokenizer's frame ([CLS] ... [SEP]) the
+    frame stays and the text between is cut, as a Hugging Face tokenizer's ``truncation=True``
+    does for sentence-transformers and for vLLM's text inputs to a BERT.
+    """
+    if len(token_ids) <= keep:
+        return token_ids, types
+    if not keep_head:
+        return token_ids[-keep:], None if types is None else types[-keep:]
+    head, tail = frame
+    framed = (
+        len(head) + len(tail) < keep
+        and tuple(token_ids[: len(head)]) == head
+        and tuple(token_ids[len(token_ids) - len(tail) :]) == tail
+    )
+    if not framed:
+        return token_ids[:keep], None if types is None else types[:keep]
+    cut, end = keep - len(tail), len(token_ids) - len(tail)
+    ids = token_ids[:cut] + token_ids[end:]
+    return ids, None if types is None else (*types[:cut], *types[end:])
+
+
 def admit_pooling(
     params: PoolingParams,
     token_ids: list[int],
@@ -101,12 +152,15 @@ def admit_pooling(
     *,
     max_model_len: int,
     token_budget: int,
+    frame: SpecialFrame = ((), ()),
 ) -> tuple[PoolingParams, list[int]]:
     """The request's params completed with the model's facts, and its (truncated) tokens.
 
     A ValueError naming the field where the request cannot run here: the wrong task, a prompt
     longer than the model's positions (unless ``truncate_prompt_tokens``), or, for a model
-    that runs each prompt whole, longer than one step's token budget.
+    that runs each prompt whole, longer than one step's token budget. ``frame``: the special
+    tokens the tokenizer puts around a text (:func:`special_frame`), kept when an encoder's
+    input is truncated.
     """
     if not info.is_pooling:
         raise ValueError(
@@ -123,13 +177,18 @@ def admit_pooling(
     if types is not None and len(types) != len(token_ids):
         raise ValueError("token_type_ids: must be as long as the prompt's token ids")
     if params.truncate_prompt_tokens is not None:
-        token_ids = token_ids[-params.truncate_prompt_tokens :]
-        if types is not None:
-            types = types[-params.truncate_prompt_tokens :]
+        token_ids, types = truncate_prompt(
+            token_ids,
+            types,
+            params.truncate_prompt_tokens,
+            keep_head=not info.uses_kv_cache,
+            frame=frame,
+        )
     if len(token_ids) > max_model_len:
+        kept = "the last ones" if info.uses_kv_cache else "the first ones and [SEP]"
         raise ValueError(
             f"input: {len(token_ids)} tokens, more than the model's maximum context length "
-            f"({max_model_len}); set truncate_prompt_tokens to keep the last ones"
+            f"({max_model_len}); set truncate_prompt_tokens to keep {kept}"
         )
     whole = info.whole_prompt or not info.uses_kv_cache
     if whole and len(token_ids) > token_budget:

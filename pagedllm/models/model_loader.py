@@ -206,6 +206,10 @@ def load_model(
     logger.info("loaded %d weight tensors for %s in %s", len(loaded), cls.__name__, dtype)
     if getattr(module, "task", None) == "embed" and gguf_path is None:
         _read_pooling(module, Path(model))  # the folder's pooling, over the class's default
+    elif getattr(module, "task", None) == "embed":
+        from pagedllm.models.gguf.loading import gguf_pooling_config
+
+        module.pooling_config = gguf_pooling_config(gguf_path, module.pooling_config)
     return module.eval()
 
 

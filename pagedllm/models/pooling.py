@@ -178,6 +178,10 @@ def pool_hidden(
         return hidden[ends - lens].float()
     if kind is PoolingType.LAST:
         return hidden[ends - 1].float()
+    if hidden.device.type in ("cpu", "cuda"):
+        # One segmented reduction: index_add_ over the flat batch took ~160 ms for 32 MiniLM
+        # sentences with 2 threads on a loaded 2-core host (1.6 ms with one thread), this ~3 ms.
+        return torch.segment_reduce(hidden.float(), "mean", lengths=lens)
     seq_of_token = torch.repeat_interleave(
         torch.arange(len(query_lens), device=hidden.device), lens
     )

@@ -41,6 +41,25 @@ def test_encoder_attention_matches_reference(lens: list[int], dtype: torch.dtype
     assert diff <= tol, f"{impl} {dtype} {lens}: largest difference {diff:.3g}"
 
 
+@pytest.mark.parametrize("lens", LENS[1:])
+def test_slices_of_one_qkv_buffer_gather_once_and_match(lens: list[int]) -> None:
+    """q, k and v as a fused projection's split output (one gather of its rows) give what the
+    same values as three tensors give, and the shared buffer is found."""
+    from pagedllm.backends.encoder_attention import _fused_rows
+
+    torch.manual_seed(1)
+    n, heads, head = sum(lens), 4, 16
+    qkv = torch.randn(n, 3 * heads * head)
+    q, k, v = (t.reshape(n, heads, head) for t in qkv.split(heads * head, -1))
+    assert _fused_rows(q, k, v) is not None
+    apart = [t.clone() for t in (q, k, v)]
+    assert _fused_rows(*apart) is None
+    assert _fused_rows(k, q, v) is None  # not in q, k, v order
+    torch.testing.assert_close(padded_sdpa(q, k, v, lens, 0.25), padded_sdpa(*apart, lens, 0.25))
+    want = _plain(q, k, v, lens, 0.25)
+    assert (padded_sdpa(q, k, v, lens, 0.25).double() - want).abs().max().item() < 1e-5
+
+
 def test_padded_sdpa_checks_its_inputs() -> None:
     q = torch.zeros(5, 2, 4)
     with pytest.raises(ValueError, match="query_lens"):

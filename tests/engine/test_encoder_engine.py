@@ -116,3 +116,41 @@ def test_rerank_route_orders_like_transformers(cross_folder: Path) -> None:
         assert [d["score"] for d in score.json()["data"]] == pytest.approx(want[:2], abs=1e-5)
         r = client.post("/v1/embeddings", json={"model": "rerank", "input": "a"})
         assert r.status_code == 400 and "score" in r.json()["error"]["message"]
+
+
+def test_truncation_keeps_cls_and_sep_like_sentence_transformers(st_folder: Path) -> None:
+    """An encoder's truncated text keeps [CLS] ... [SEP] and the head of the text (what
+    sentence-transformers reads at max_seq_length N), not the last N tokens."""
+    from sentence_transformers import SentenceTransformer
+
+    engine = Engine(str(st_folder), device="cpu", dtype="float32")
+    tokenizer = engine.get_tokenizer()
+    text = " ".join(WORDS[i % len(WORDS)] for i in range(60))
+    out = engine.embed(text, truncate_prompt_tokens=20)[0]
+    full = tokenizer.encode(text)
+    assert out.prompt_token_ids == [*full[:19], full[-1]]
+    assert (out.prompt_token_ids[0], out.prompt_token_ids[-1]) == (
+        tokenizer.cls_token_id,
+        tokenizer.sep_token_id,
+    )
+    st = SentenceTransformer(str(st_folder), device="cpu")
+    st.max_seq_length = 20
+    want = st.encode([text], normalize_embeddings=True, convert_to_numpy=True)[0]
+    np.testing.assert_allclose(np.asarray(out.embedding), want, rtol=0, atol=1e-5)
+    ids = engine.embed([full[1:-1]], truncate_prompt_tokens=20)[0]  # no frame: the head
+    assert ids.prompt_token_ids == full[1:21]
+
+
+def test_truncate_prompt_sides() -> None:
+    from pagedllm.engine.pooling import truncate_prompt
+
+    ids, types = [101, 1, 2, 3, 4, 5, 102], (0, 0, 0, 1, 1, 1, 1)
+    frame = ((101,), (102,))
+    assert truncate_prompt(ids, types, 4, keep_head=True, frame=frame) == (
+        [101, 1, 2, 102],
+        (0, 0, 0, 1),
+    )
+    assert truncate_prompt(ids, None, 4, keep_head=False, frame=frame) == ([3, 4, 5, 102], None)
+    assert truncate_prompt(ids, None, 2, keep_head=True, frame=frame) == ([101, 1], None)
+    assert truncate_prompt(ids, None, 9, keep_head=True, frame=frame) == (ids, None)
+    assert truncate_prompt([1, 2, 3], None, 2, keep_head=True, frame=frame) == ([1, 2], None)

@@ -62,9 +62,9 @@ _READ = re.compile(
 )
 
 
-# Modules of families no GGUF file reaches yet: the BERT-family encoders (GGUF's `bert` and
-# `nomic-bert` architectures are not loaded; docs/models.md). Their config attributes
-# (num_labels, type_vocab_size, ...) come from a Hugging Face folder only.
+# Modules whose GGUF files never get the light config: the BERT-family encoders (GGUF's
+# `bert` files get transformers' BertConfig, ``Family.light`` False). Their config attributes
+# (num_labels, type_vocab_size, ...) come from a Hugging Face folder or that class.
 NOT_FROM_GGUF = {"bert.py"}
 
 

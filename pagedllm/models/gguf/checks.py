@@ -18,6 +18,7 @@ import os
 from typing import Any
 
 from pagedllm.models.gguf.config import Family, family_of
+from pagedllm.models.gguf.encoder_checks import check_encoder
 from pagedllm.models.gguf.names import NOT_WEIGHTS, hf_name, is_expert_stack
 from pagedllm.models.gguf.reader import GGUFFile, GGUFFileError
 from pagedllm.models.safetensors_reader import CheckpointError
@@ -57,9 +58,12 @@ def check_model(gguf: GGUFFile) -> None:
     arch = gguf.architecture
     _check_names(gguf, family)
     sizes = _sizes(gguf, arch)
-    _check_blocks(gguf, family, arch, sizes["block_count"])
     _check_floats(gguf, arch)
-    _check_widths(gguf, family, arch, sizes)
+    if family.encoder:  # BERT's tensors and norms: encoder_checks.py
+        check_encoder(gguf, arch, sizes)
+    else:
+        _check_blocks(gguf, family, arch, sizes["block_count"])
+        _check_widths(gguf, family, arch, sizes)
     if family.moe:
         _check_experts(gguf, family, arch, sizes)
     _check_vocabulary(gguf, arch)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pagedllm.models.gguf.encoder import encoder_config_values
 from pagedllm.models.gguf.light_config import light_config
 from pagedllm.models.gguf.reader import GGUFFile, GGUFFileError
 
@@ -38,6 +39,9 @@ class Family:
     # than ``expert_feed_forward_length`` (Qwen-MoE: ``moe_intermediate_size``).
     experts_field: str = "num_experts"
     experts_sized_by_ffn: bool = False
+    # A bidirectional encoder (embedding model): its GGUF architecture ("bert", "nomic-bert"),
+    # whose names, checks and config are in encoder.py; "" for the decoders.
+    encoder: str = ""
 
 
 FAMILIES: dict[str, Family] = {
@@ -65,6 +69,10 @@ FAMILIES: dict[str, Family] = {
     "olmoe": Family(
         "olmoe", "OlmoeForCausalLM", permuted_qk=False, moe=True, experts_sized_by_ffn=True
     ),
+    "bert": Family("bert", "BertModel", permuted_qk=False, light=False, encoder="bert"),
+    # nomic-embed-text: a BERT with rotary positions and SwiGLU, as transformers' BertConfig with
+    # our own fields (its Hugging Face class is remote code).
+    "nomic-bert": Family("bert", "BertModel", permuted_qk=False, light=False, encoder="nomic-bert"),
 }
 # llama.cpp's converter writes Mixtral as "llama" with expert stacks (as it writes Mistral):
 # the family is told by its tensors. Routing always renormalises the top-k (top-2) weights.
@@ -225,6 +233,11 @@ def config_values(gguf: GGUFFile) -> tuple[Family, dict[str, Any]]:
     """The family, and the keyword arguments of its transformers config class."""
     family = family_of(gguf)
     arch = gguf.architecture
+    if family.encoder:  # no rotary, no head: encoder.py
+        values = encoder_config_values(gguf)
+        values["architectures"] = [family.architecture]
+        values["dtype"] = stored_dtype(gguf)
+        return family, values
     values = _hyper_parameters(gguf, arch)
     params = _rope(gguf, arch, values)
     if arch == "phi3":

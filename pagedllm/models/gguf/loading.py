@@ -12,6 +12,7 @@ from torch import nn
 
 from pagedllm.models.gguf.checks import cap_context, check_model
 from pagedllm.models.gguf.config import family_of, hf_config_from_gguf
+from pagedllm.models.gguf.encoder import gguf_pooling
 from pagedllm.models.gguf.names import NOT_WEIGHTS, hf_name
 from pagedllm.models.gguf.plan import (
     STACK_OF,
@@ -24,6 +25,7 @@ from pagedllm.models.gguf.plan import (
 from pagedllm.models.gguf.reader import GGUFFile
 from pagedllm.models.gguf.tokenizer import load_gguf_tokenizer
 from pagedllm.models.gguf.weights import BlockDecoder, GGUFWeights
+from pagedllm.models.pooling import PoolingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +55,11 @@ def gguf_config(path: Path) -> Any:
 
 def gguf_tokenizer(path: Path) -> Any:
     return load_gguf_tokenizer(open_gguf(path))
+
+
+def gguf_pooling_config(path: Path, default: PoolingConfig) -> PoolingConfig:
+    """An embedder's pooling: the file's ``<arch>.pooling_type`` over the class's default."""
+    return gguf_pooling(open_gguf(path), default)
 
 
 def gguf_weights(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 
 from pagedllm.models.gguf.config import Family
+from pagedllm.models.gguf.encoder import encoder_hf_name
 from pagedllm.models.safetensors_reader import CheckpointError
 
 # GGUF tensor kind -> (Hugging Face module path under model.layers.N, our fused module's name).
@@ -63,6 +64,8 @@ _SPLIT_EXPERT = re.compile(r"^blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight$")
 
 def hf_name(gguf_name: str, family: Family) -> tuple[str, str | None]:
     """(Hugging Face tensor name, our linear module's name or None) of one GGUF tensor."""
+    if family.encoder:
+        return encoder_hf_name(gguf_name, family.encoder)
     match = BLOCK_NAME.match(gguf_name)
     if match:
         layer, kind, suffix = match.groups()

@@ -2,9 +2,11 @@
 
 transformers builds a fast tokenizer from ``tokenizer.ggml.*`` (vocabulary, merges, token types,
 special ids, chat template): the same conversion its own GGUF loading uses, so token ids match
-the reference. The conversion reads the whole vocabulary through Python (seconds for a 49k or
-128k vocabulary); its result is saved as ``tokenizer.json`` under the user's cache folder, keyed
-by a hash of the file's metadata and the transformers version, and later starts load that.
+the reference (a ``bert`` WordPiece vocabulary, which transformers does not convert, is built
+by :mod:`.wordpiece`). The conversion reads the whole vocabulary through Python (seconds for a
+49k or 128k vocabulary); its result is saved as ``tokenizer.json`` under the user's cache
+folder, keyed by a hash of the file's metadata and the transformers version, and later starts
+load that.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 from pagedllm.models.gguf.checks import check_tokenizer
 from pagedllm.models.gguf.reader import GGUFFile, GGUFFileError
+from pagedllm.models.gguf.wordpiece import WORDPIECE_VERSION, wordpiece_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +33,8 @@ def _cache_folder(gguf: GGUFFile) -> Path:
 
     digest = hashlib.sha256(gguf.metadata_bytes)
     digest.update(transformers.__version__.encode())
+    if gguf.metadata("tokenizer.ggml.model", None) == "bert":  # our converter: its version too
+        digest.update(WORDPIECE_VERSION.encode())
     return Path(user_cache_dir()) / "gguf-tokenizers" / digest.hexdigest()[:32]
 
 
@@ -50,6 +55,10 @@ def load_gguf_tokenizer(gguf: GGUFFile) -> Any:
             return PreTrainedTokenizerFast.from_pretrained(str(cached), local_files_only=True)
         except (OSError, ValueError) as exc:
             logger.warning("cached GGUF tokenizer in %s unreadable (%s); converting", cached, exc)
+    if gguf.metadata("tokenizer.ggml.model") == "bert":  # WordPiece: transformers has none
+        tokenizer = wordpiece_tokenizer(gguf)
+        _save(tokenizer, cached)
+        return tokenizer
     check_tokenizer(gguf)  # a merge of unknown tokens: our line, not the library's exception
     try:
         # The fast-tokenizer class itself, not AutoTokenizer: that one first reads the model
