@@ -238,3 +238,24 @@ def test_q8_0_file_through_the_engine(bert: Path, tmp_path: Path) -> None:
     got = torch.as_tensor(np.asarray([o.embedding for o in engine.embed(TEXTS)])).float()
     cosine = torch.nn.functional.cosine_similarity(got, st_reference(bert, TEXTS), dim=-1)
     assert cosine.min().item() >= 0.999, cosine.tolist()
+
+
+def test_q8_0_file_second_start_from_the_packed_cache(
+    bert: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An embedding GGUF's second start takes its packed panels from the cache (leaving those
+    layers' tensors undecoded) and gives the first start's embeddings exactly."""
+    import numpy as np
+
+    from pagedllm import Engine
+
+    monkeypatch.setenv("PAGEDLLM_PACKED_CACHE", "1")
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_bert_gguf(bert, tmp_path / "bert-q8.gguf", kind="Q8_0")
+    runs = []
+    for _ in range(2):
+        engine = Engine(str(path), device="cpu", dtype="float32")
+        runs.append(np.asarray([o.embedding for o in engine.embed(TEXTS)]))
+        del engine
+    assert list((tmp_path / "cache" / "packed").iterdir()), "no packed cache written"
+    np.testing.assert_array_equal(runs[0], runs[1])
