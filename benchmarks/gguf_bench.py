@@ -23,10 +23,12 @@ RSS. ``--single-rounds N`` then runs the single stream alone N more times per en
 and llama.cpp alternating (a fresh process each, one unmeasured warm-up request first), and
 reports each round's ratio and their median: on a shared host single-stream decode follows the
 memory bandwidth of the minute, and two figures taken a minute apart once disagreed by 30%.
-With ``--decode-rows`` pagedllm also times decode steps at 1, 4 and 8 sequences, for the
-4-bit file and for the bf16 checkpoint quantised to int8 at load (our int8 path), and reports
-the share of the measured read bandwidth at one sequence (weight bytes a step reads: each linear
-layer as stored, quantised or in the compute dtype, plus the LM head in the compute dtype).
+``--decode-stack off`` runs our decode steps layer by layer (the reference path) instead of
+the whole stack in one C++ call. With ``--decode-rows`` pagedllm also times decode steps at 1,
+4 and 8 sequences, for the 4-bit file and for the bf16 checkpoint quantised to int8 at load (our
+int8 path), and reports the share of the measured read bandwidth at one sequence (weight bytes a
+step reads: each linear layer as stored, quantised or in the compute dtype, plus the LM head in
+the compute dtype).
 Prints one JSON object with the processor, the ISA path, the linear-layer paths and the ratios.
 
     python benchmarks/gguf_bench.py                      # everything (~20 minutes on 2 cores)
@@ -47,6 +49,7 @@ PROCESS_START = time.perf_counter()  # start-up is measured from here, before th
 import argparse  # noqa: E402
 import ctypes  # noqa: E402
 import json  # noqa: E402
+import os  # noqa: E402
 import resource  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -407,7 +410,9 @@ def _in_subprocess(
     cmd += ["--smoke"] if args.smoke else []
     cmd += ["--decode-rows"] if args.decode_rows and engine in OURS else []
     cmd += ["--only-single"] if only_single else []
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    # Our engines read the switch at start; llama.cpp ignores it.
+    env = {**os.environ, "PAGEDLLM_DECODE_STACK": "1" if args.decode_stack == "on" else "0"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         tail = proc.stderr.strip().splitlines()[-3:]
         return {"error": " | ".join(tail) or f"exit code {proc.returncode}"}
@@ -489,6 +494,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--single-rounds", type=int, default=0, help="single stream again, engines alternating"
     )
+    parser.add_argument(
+        "--decode-stack",
+        choices=("on", "off"),
+        default="on",
+        help="off: our decode steps run layer by layer (PAGEDLLM_DECODE_STACK=0), the reference",
+    )
     parser.add_argument("--only-single", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--run-one", help=argparse.SUPPRESS)
     parser.add_argument("--file", type=Path, help=argparse.SUPPRESS)
@@ -509,6 +520,7 @@ def main(argv: list[str] | None = None) -> None:
     report: dict[str, Any] = {
         "processor": cpu_model_name(),
         "isa": resolve_isa(),
+        "decode_stack": args.decode_stack,
         "llama_cpp": missing or "llama-cpp-python " + _version("llama_cpp"),
         "models": {},
     }

@@ -408,6 +408,13 @@ def env_packed_cache_dir() -> str | None:
     return os.path.join(user_cache_dir(), "packed")
 
 
+def env_decode_stack() -> bool:
+    """``PAGEDLLM_DECODE_STACK``: ``0`` keeps decode steps on the layer-by-layer path (the
+    reference) where a backend would run the whole stack of layers in one call; default on."""
+    value = os.environ.get("PAGEDLLM_DECODE_STACK", "1").strip().lower()
+    return value not in ("0", "false", "no", "off")
+
+
 def user_cache_dir() -> str:
     """Where pagedllm keeps what it derives once per machine (GGUF tokenizers converted to
     ``tokenizer.json``, the demo model fetched from the package registry):

@@ -17,10 +17,11 @@ What a target is depends on the op:
   when it cannot run on this machine (its C++ extension did not build, say); raising ImportError,
   RuntimeError or OSError means the same, with the reason;
 * installed ops (:data:`INSTALLED_OPS`: linear, moe, norm, activation, rotary,
-  encoder_attention): an installer ``(model, *, int8_activations) -> str | Mapping[str, str]``
-  that fills the layers' fast slots (``fast_linear``, ``fast_moe``, ``fast_norm``, ``fast_act``,
-  ``fast_rotary``, ``fast_encoder_attn``) and describes what it put in; layers it cannot serve
-  keep their PyTorch definition.
+  encoder_attention, decode_stack): an installer ``(model, *, int8_activations) -> str |
+  Mapping[str, str]`` that fills the layers' fast slots (``fast_linear``, ``fast_moe``,
+  ``fast_norm``, ``fast_act``, ``fast_rotary``, ``fast_encoder_attn``; the model's
+  ``fast_decode``) and describes what it put in; layers it cannot serve keep their PyTorch
+  definition.
 
 An op with no kernel on a device runs its layer's own PyTorch definition (the sampler's
 ``draw_reference``, ``quantize_per_channel``, the numpy GGUF decoders, ``F.linear``...).
@@ -51,6 +52,7 @@ Op = Literal[
     "activation",
     "rotary",
     "encoder_attention",
+    "decode_stack",
 ]
 Impl = Literal["cpp", "torch", "triton", "ipex", "reference"]
 OPS: tuple[Op, ...] = get_args(Op)
@@ -67,6 +69,8 @@ INSTALLED_OPS: tuple[Op, ...] = (
     "activation",
     "rotary",
     "encoder_attention",
+    # Last: it reads what the linear, norm, activation and rotary installers put in.
+    "decode_stack",
 )
 # The installers whose description is the model's ``linear_path`` (the others: ``layer_kernels``).
 _LINEAR_OPS = ("linear", "moe")
@@ -153,6 +157,10 @@ KERNELS: tuple[Kernel, ...] = (
         "torch",
         "pagedllm.backends.encoder_attention:install_encoder_attention",
         ("cpu", "cuda", "xpu"),
+    ),
+    # -- a decode step's whole layer stack in one call (installer; fills model.fast_decode) ---
+    Kernel(
+        "decode_stack", "cpp", "pagedllm.backends.cpu.decode_stack:install_decode_stack", ("cpu",)
     ),
     # -- multi-LoRA shrink/expand (LoRAKernel classes) ------------------------------------------
     Kernel("lora", "torch", "pagedllm.lora.ops:TorchLoRAOps", ("cpu", "cuda", "xpu")),

@@ -85,6 +85,9 @@ class ColumnParallelLinear(nn.Module):
 
     fast_linear: LinearFn | None = None
     fast_linear_has_bias = True  # the installed function adds the bias itself
+    # What the backend built fast_linear from (its packed weights), for a backend's
+    # whole-stack decode step that calls the same kernel; None where it keeps nothing.
+    fast_linear_packed: object | None = None
     # Set by layers/quantization before loading; None is the plain float weight.
     quant_method: LinearMethod | None = None
 
@@ -155,6 +158,7 @@ class RowParallelLinear(nn.Module):
 
     fast_linear: LinearFn | None = None
     fast_linear_has_bias = False  # the bias is added after the all-reduce
+    fast_linear_packed: object | None = None  # see ColumnParallelLinear
     quant_method: LinearMethod | None = None  # see ColumnParallelLinear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

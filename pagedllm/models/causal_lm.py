@@ -29,6 +29,9 @@ from pagedllm.models.checkpoint import WeightMapper, load_mapped_weights
 
 # What one pipeline stage hands the next: the decoder's (hidden, residual), [num_tokens, hidden].
 Intermediate = tuple[torch.Tensor, torch.Tensor]
+FastDecodeFn = Callable[
+    [torch.Tensor, torch.Tensor, list[torch.Tensor], AttentionMetadata], Intermediate | None
+]
 
 # Checkpoints store q, k, v (and gate, up) apart; the model holds each group as one projection.
 QKV_FUSED: Mapping[str, tuple[str, int]] = {
@@ -70,6 +73,10 @@ class CausalLM(nn.Module):
     weight_renames: ClassVar[Mapping[str, str]] = {}
     ignored_weights: ClassVar[tuple[str, ...]] = ()
     mapper_cls: ClassVar[type[WeightMapper]] = WeightMapper
+    #: A backend's whole-stack decode step (``prepare_model``, only for a family that offers
+    #: ``decode_stack_layers``): ``(hidden, positions, kv_caches, meta)`` -> the last layer's
+    #: ``(hidden, residual)``, or None where it cannot take the step (the layer loop runs then).
+    fast_decode: FastDecodeFn | None = None
 
     def __init__(self, config: Any, *, tp: TPContext = SINGLE, pp: PPContext = WHOLE_MODEL) -> None:
         super().__init__()
@@ -132,6 +139,13 @@ class CausalLM(nn.Module):
             hidden, residual = intermediate
             if not self.carries_residual:
                 residual = None  # the zeros the stage before sent in its place
+        fast = self.fast_decode
+        # Decode-only steps (one query token per sequence) of the whole model; every other step,
+        # and any the backend's stack declines, runs the layers one by one below.
+        if fast is not None and residual is None and meta.max_query_len == 1:
+            done = fast(hidden, positions, kv_caches, meta)
+            if done is not None:
+                return self.finish(*done)
         # (islice: slicing a ModuleList would build a new module on every step)
         layers = itertools.islice(getattr(self, self.layers_name), self.start_layer, self.end_layer)
         for layer, cache in zip(layers, kv_caches, strict=True):

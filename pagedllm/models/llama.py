@@ -235,6 +235,32 @@ class LlamaForCausalLM(CausalLM):
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=self.norm_offset)
             self.lm_head = self.make_lm_head(self.embed_tokens, config.hidden_size)
 
+    def decode_stack_layers(self) -> list[LlamaDecoderLayer] | None:
+        """The layers, where this model is the plain Llama shape a backend's decode stack runs
+        (``fast_decode``): RMSNorm without Gemma's offset, the attention without q/k norms or a
+        score cap, the SiLU-gated MLP, one rotary table, the whole model on one rank. None for
+        any relative that changes a layer (Qwen3, Gemma, mixture-of-experts), so a stack never
+        runs a layer it does not reproduce."""
+        cls = type(self)
+        plain = (
+            cls.attention_cls is LlamaAttention
+            and cls.decoder_layer_cls is LlamaDecoderLayer
+            and self.norm_offset == 0.0
+            and not self.rope_per_layer_type
+            and self.tp.size == 1
+            and self.pp.size == 1
+        )
+        if not plain:
+            return None
+        layers = list(self.layers)
+        for layer in layers:
+            mlp, attn = layer.mlp, layer.self_attn
+            if type(layer) is not LlamaDecoderLayer or type(attn) is not LlamaAttention:
+                return None
+            if type(mlp) is not LlamaMLP or type(mlp.act) is not SiluAndMul or attn.attn.extra:
+                return None
+        return layers
+
     def _rotary_of(self, layer_idx: int) -> RotaryEmbedding:
         if self.rope_per_layer_type:
             return self.rotaries[self.config.layer_types[layer_idx]]  # type: ignore[return-value]

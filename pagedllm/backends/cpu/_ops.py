@@ -372,6 +372,12 @@ _GEMM_SOURCES = (
     "gemm_q4.cpp",
     "gemm_q4_pack.cpp",
     "gguf_decode.cpp",
+    # The decode stack calls the row-wise and attention kernels directly, so their sources are
+    # built into this extension too (a third extension would compile every source once more).
+    "decode_stack.cpp",
+    "pointwise.cpp",
+    "cache_ops.cpp",
+    "attention.cpp",
 )
 _GEMM_HEADERS = (
     "convert.h",
@@ -385,6 +391,9 @@ _GEMM_HEADERS = (
     "gemm_q4_layout.h",
     "gemm_q4_float.h",
     "gemm_q4_dot.h",
+    "decode_stack.h",
+    "attention.h",
+    "pointwise.h",
 )
 
 

@@ -52,6 +52,9 @@ class CpuBackend(DeviceBackend):
         "norm": ("cpp",),
         "activation": ("cpp",),
         "rotary": ("cpp",),
+        # Decode-only steps of a Llama-shaped, group-wise packed model: every layer in one C++
+        # call (backends/cpu/decode_stack; after the installers above, whose kernels it calls).
+        "decode_stack": ("cpp",),
         # Encoders' cache-free attention: SDPA over the padded batch (backends/encoder_attention).
         "encoder_attention": ("torch",),
         # csrc/sampling.cpp: no sort and one random number per row; PyTorch's sort-based

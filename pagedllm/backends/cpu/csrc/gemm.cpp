@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "decode_stack.h"
 #include "gemm_amx.h"
 #include "gemm_dp.h"
 #include "gemm_i8.h"
@@ -474,4 +475,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether bf16 activations of 13 rows or more use AMX tiles here (processor and OS)");
   m.def("rows_per_tile", [] { return pagedllm::gemm::kRows; }, "rows of the micro-kernel");
   pagedllm::gemm::bind_groupwise(m);
+  pagedllm::decode::bind_decode_stack(m);
 }

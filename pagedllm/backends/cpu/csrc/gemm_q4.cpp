@@ -485,10 +485,23 @@ void check_panels(const char* op, const torch::Tensor& packed, int64_t n, int64_
               panels, " panels of 16");
 }
 
+}  // namespace
+
+// Declared in gemm_q4.h: the decode stack (decode_stack.cpp) calls them too.
 torch::Tensor groupwise_gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
                              int64_t bits, bool half_scales, bool with_offset, bool factored,
                              const c10::optional<torch::Tensor>& bias, bool dot, bool levels,
                              bool allow_amx, const std::string& rows_kernel) {
+  torch::Tensor y = torch::empty({x.dim() == 2 ? x.size(0) : 0, n}, x.options());
+  groupwise_gemm_into(x, packed, n, bits, half_scales, with_offset, factored, bias, dot, levels,
+                      allow_amx, rows_kernel, y);
+  return y;
+}
+
+void groupwise_gemm_into(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
+                         int64_t bits, bool half_scales, bool with_offset, bool factored,
+                         const c10::optional<torch::Tensor>& bias, bool dot, bool levels,
+                         bool allow_amx, const std::string& rows_kernel, torch::Tensor& y) {
   const Format f = format_of(bits, half_scales, with_offset, factored, levels);
   const Bf16RowsKernel kernel = rows_kernel_of("groupwise_gemm", rows_kernel);
   TORCH_CHECK(!(dot && f.six()), "groupwise_gemm: six-bit weights run the float path only");
@@ -503,17 +516,20 @@ torch::Tensor groupwise_gemm(const torch::Tensor& x, const torch::Tensor& packed
     b = bias->to(at::kFloat).contiguous();
   }
   const torch::Tensor xc = x.contiguous();
-  torch::Tensor y = torch::empty({m, n}, xc.options());
+  TORCH_CHECK(y.dim() == 2 && y.size(0) == m && y.size(1) == n && y.is_contiguous() &&
+                  y.scalar_type() == xc.scalar_type() && y.device().is_cpu(),
+              "groupwise_gemm: out must be a contiguous [", m, ", ", n, "] tensor of x's dtype");
   with_float_elements(xc, "groupwise", [](const auto*) {});  // rejects other dtypes
-  if (m == 0) return y;
+  if (m == 0) return;
   const Problem pb{m, k, n, groups, packed.data_ptr<uint8_t>(), f,
                    b.defined() ? b.data_ptr<float>() : nullptr, kernel};
   if (bits == 4)
     dispatch<4>(xc, pb, dot, allow_amx, y);
   else  // 8, and six (Q6_K at 6 bits): the 8-bit kernels, which read a six block by f.six()
     dispatch<8>(xc, pb, dot, allow_amx, y);
-  return y;
 }
+
+namespace {
 
 // -- grouped: rows of x by group, each group its own layer (an MoE layer's experts) ----------
 // Whether dispatch runs m rows of x's dtype on the register kernels (the float path's few-row

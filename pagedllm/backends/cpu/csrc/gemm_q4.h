@@ -31,6 +31,19 @@ torch::Tensor pack_groupwise(const torch::Tensor& weight, const torch::Tensor& s
                              const c10::optional<torch::Tensor>& index, bool levels,
                              const c10::optional<torch::Tensor>& into);
 
+// y [M, N] = x [M, K] @ W^T (+ bias) on pack_groupwise's panels (the binding's groupwise_gemm):
+// dot rounds x to int8 per group of 32; rows_kernel "split" or "float" picks the kernel of few
+// bf16 rows. The _into form writes a caller's contiguous y of x's dtype (the decode stack's
+// scratch, reused by every layer of a step).
+torch::Tensor groupwise_gemm(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
+                             int64_t bits, bool half_scales, bool with_offset, bool factored,
+                             const c10::optional<torch::Tensor>& bias, bool dot, bool levels,
+                             bool allow_amx, const std::string& rows_kernel);
+void groupwise_gemm_into(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
+                         int64_t bits, bool half_scales, bool with_offset, bool factored,
+                         const c10::optional<torch::Tensor>& bias, bool dot, bool levels,
+                         bool allow_amx, const std::string& rows_kernel, torch::Tensor& y);
+
 // Bytes of one panel (16 rows of W) of a K-wide layer in the format the arguments name.
 int64_t panel_bytes(int64_t k, int64_t bits, bool half_scales, bool with_offset, bool factored,
                     bool levels);

@@ -1,0 +1,195 @@
+"""The decode stack: a Llama-shaped model's decode steps through every layer in one C++ call.
+
+At one sequence a small model's decode step spent about as much time in the Python around its
+kernels as in the kernels' own memory traffic (~2.2 of 7.8 ms on the 30-layer demo model: a
+dozen calls per layer, each parsing its arguments and checking its inputs). The installer here
+binds, once at ``prepare_model``, everything each kernel call of a layer needs (the norm
+weights, the packed panels the layers' ``fast_linear`` already multiply, the rotary tables, the
+attention's scale and window) into a ``DecodeStack`` (``csrc/decode_stack.cpp``), and puts a
+step function into the model's ``fast_decode`` slot. The model calls it only for decode-only
+steps (one query token per sequence); it declines (None: the layer loop runs) for tensors the
+kernels would not take.
+
+It covers a model completely or not at all: every layer group-wise packed, the C++ norm, rotary
+and attention kernels installed (the stack calls the same functions, so its outputs equal the
+layer loop's bit for bit), no LoRA wrapper, no bias after a row-parallel layer. Anything else
+keeps the layer loop, which ``PAGEDLLM_DECODE_STACK=0`` also forces (the reference path).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.backends.base import FP8_DTYPES, AttentionMetadata
+from pagedllm.backends.cpu import dense_gemm
+from pagedllm.backends.cpu.linear_kernel import LinearKernel
+from pagedllm.config import env_decode_stack
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_CACHE_DTYPES = (*_DTYPES, *FP8_DTYPES)
+
+
+class NotCovered(ValueError):
+    """Why a model's layers cannot run as one stack (logged; the layer loop runs them)."""
+
+
+def _packed(ops: ModuleType, module: nn.Module, what: str, *, bias_ok: bool) -> Any:
+    """The ``StackLinear`` of one layer: the panels its ``fast_linear`` multiplies."""
+    kernel = getattr(module, "fast_linear_packed", None)
+    if not isinstance(kernel, LinearKernel) or kernel.groupwise is None:
+        raise NotCovered(f"{what} is not one group-wise packed GEMM ({type(module).__name__})")
+    if kernel.fn is not module.fast_linear:
+        raise NotCovered(f"{what}'s fast_linear is not its packed GEMM")
+    bias = getattr(module, "bias", None)
+    if bias is not None and not bias_ok:
+        raise NotCovered(f"{what} has a bias added after the GEMM")
+    pw = kernel.groupwise
+    bias32 = None if bias is None else bias.detach().float().contiguous()
+    return ops.StackLinear(
+        pw.packed, pw.n, pw.bits, pw.half_scales, pw.with_offset, pw.factored, pw.levels, bias32
+    )
+
+
+def _norm_weight(norm: nn.Module, dtype: torch.dtype, what: str) -> torch.Tensor:
+    weight = norm.weight.detach()
+    if norm.fast_norm is None or norm.offset != 0.0:
+        raise NotCovered(f"{what} is not the C++ RMSNorm")
+    if weight.dtype != dtype or not weight.is_cpu or not weight.is_contiguous():
+        raise NotCovered(f"{what}'s weight is not a contiguous {dtype} CPU tensor")
+    return weight
+
+
+def _stack_layer(ops: ModuleType, layer: nn.Module, dtype: torch.dtype, i: int) -> Any:
+    attn_module = layer.self_attn
+    attn = attn_module.attn
+    rotary = attn_module.rotary
+    mlp = layer.mlp
+    if rotary.fast_rotary is None:
+        raise NotCovered(f"layer {i}: the rotary embedding is not the C++ kernel")
+    cos, sin = rotary.cos, rotary.sin
+    if not all(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() for t in (cos, sin)):
+        raise NotCovered(f"layer {i}: rotary tables are not contiguous float32 CPU tensors")
+    if mlp.act.fast_act is None:
+        raise NotCovered(f"layer {i}: the activation is not the C++ kernel")
+    backend = attn.backend
+    if getattr(backend, "name", None) != "cpp" or backend.vector_path != ops.built_isa():
+        raise NotCovered(f"layer {i}: attention is not the C++ kernel of this build")
+    return ops.StackLayer(
+        _norm_weight(layer.input_layernorm, dtype, f"layer {i} input_layernorm"),
+        float(layer.input_layernorm.eps),
+        _norm_weight(layer.post_attention_layernorm, dtype, f"layer {i} post_attention_layernorm"),
+        float(layer.post_attention_layernorm.eps),
+        _packed(ops, attn_module.qkv_proj, f"layer {i} qkv_proj", bias_ok=True),
+        _packed(ops, attn_module.o_proj, f"layer {i} o_proj", bias_ok=False),
+        _packed(ops, mlp.gate_up_proj, f"layer {i} gate_up_proj", bias_ok=True),
+        _packed(ops, mlp.down_proj, f"layer {i} down_proj", bias_ok=False),
+        cos,
+        sin,
+        int(rotary.rotary_dim),
+        float(attn.scale),
+        int(attn.sliding_window or 0),
+        float(attn.k_scale),
+        float(attn.v_scale),
+    )
+
+
+def _dot_rows(layers: Sequence[nn.Module]) -> Mapping[torch.dtype, int]:
+    """Up to how many rows each dtype takes the dot path: one answer for every layer (the
+    stack passes one flag per step), as each layer's own GEMM would decide."""
+    rows = {
+        tuple(sorted((str(k), v) for k, v in lin.fast_linear_packed.dot_rows.items()))
+        for layer in layers
+        for lin in (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        )
+    }
+    if len(rows) != 1:
+        raise NotCovered("layers differ in which batches take the dot path")
+    return dict(layers[0].self_attn.qkv_proj.fast_linear_packed.dot_rows)
+
+
+def build_stack(ops: ModuleType, model: nn.Module) -> tuple[Any, torch.dtype, Mapping]:
+    """(the DecodeStack, its activations' dtype, dot rows per dtype); NotCovered says why not."""
+    layers = model.decode_stack_layers() if hasattr(model, "decode_stack_layers") else None
+    if not layers:
+        raise NotCovered(f"{type(model).__name__} offers no plain Llama-shaped layers")
+    dtype = layers[0].input_layernorm.weight.dtype
+    if dtype not in _DTYPES:
+        raise NotCovered(f"activations in {dtype}")
+    first = layers[0].self_attn
+    stack = ops.DecodeStack(first.num_heads, first.num_kv_heads, first.head_size, 0.0)
+    for i, layer in enumerate(layers):
+        stack.add_layer(_stack_layer(ops, layer, dtype, i))
+    return stack, dtype, _dot_rows(layers)
+
+
+def _index(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
+
+
+def decode_step(stack: Any, dtype: torch.dtype, dot_rows: Mapping[torch.dtype, int]):
+    """The model's ``fast_decode``: the stack on a decode step's tensors, or None for tensors
+    the layer loop would hand to another path (another device or dtype, a strided cache)."""
+
+    def step(
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        cache = kv_caches[0] if kv_caches else None
+        if (
+            cache is None
+            or hidden.dtype != dtype
+            or not hidden.is_cpu
+            or hidden.dim() != 2
+            or not hidden.is_contiguous()
+            or not positions.is_cpu
+            or not cache.is_cpu
+            or cache.dtype not in _CACHE_DTYPES
+            or not cache.is_contiguous()
+            or meta.num_seqs == 0
+        ):
+            return None
+        return stack.run(
+            hidden,
+            _index(positions, torch.long),
+            kv_caches,
+            _index(meta.block_tables, torch.int32),
+            _index(meta.seq_lens, torch.int32),
+            _index(meta.query_start_loc, torch.int32),
+            _index(meta.slot_mapping, torch.long),
+            hidden.shape[0] <= dot_rows.get(dtype, 0),
+        )
+
+    return step
+
+
+def install_decode_stack(model: nn.Module, *, int8_activations: bool = False) -> str:
+    """The registry's installer (op ``decode_stack``): fills ``model.fast_decode`` where the
+    stack covers the whole model; returns e.g. ``"decode_stack: cpp x30 layers"`` ("" for
+    none, with the reason logged)."""
+    del int8_activations  # each layer's own kernel already decided (its dot_rows)
+    if not hasattr(model, "fast_decode") or not env_decode_stack():
+        return ""
+    ops = dense_gemm.gemm_ops()
+    if ops is None or not hasattr(ops, "DecodeStack"):
+        return ""
+    try:
+        stack, dtype, dot_rows = build_stack(ops, model)
+    except NotCovered as e:
+        logger.info("decode stack not used: %s", e)
+        return ""
+    model.fast_decode = decode_step(stack, dtype, dot_rows)
+    return f"decode_stack: cpp x{stack.num_layers} layers"

@@ -1,0 +1,166 @@
+"""The decode stack (backends/cpu/decode_stack.py, csrc/decode_stack.cpp): decode steps of a
+group-wise packed Llama-shaped model through every layer in one C++ call, against the layer
+loop it replaces (``PAGEDLLM_DECODE_STACK=0``, the reference).
+
+The stack calls the kernels the layers call, in their order, so the logits of every step are
+the layer loop's bit for bit (asserted exactly), and greedy tokens equal token for token: batch
+1 and batch 4 of different lengths, float32 and bfloat16, Q4_0 / Q4_1 + Q8_0 / Q8_0 / Q4_K
+files, Qwen2's q/k/v bias. Prefill steps and models it does not cover run the layer loop.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedllm import Engine, SamplingParams
+from tests.conftest import build_model
+from tests.models.gguf_files import write_gguf
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("c++") is None or shutil.which("ninja") is None,
+    reason="no C++ toolchain (c++ and ninja) to build the CPU kernels",
+)
+
+STEPS = 6
+GREEDY = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
+ONE = [[5, 17, 99, 3, 44, 12, 7]]
+FOUR = [[5, 17, 99, 3, 44, 12, 7], [7, 8, 9], list(range(20, 45)), [300, 12, 150, 151, 152]]
+
+# name -> (types by GGUF tensor kind, type of every other 2-D tensor, source model)
+FILES: dict[str, tuple[dict[str, str], str, str]] = {
+    "q4_0": ({}, "Q4_0", "llama"),
+    "q4_1+q8_0": ({"ffn_down": "Q8_0", "token_embd": "Q8_0"}, "Q4_1", "llama"),
+    "q8_0": ({}, "Q8_0", "llama"),
+    "q4_k": ({}, "Q4_K", "wide"),
+    "qwen2-q4_0": ({"token_embd": "Q8_0"}, "Q4_0", "qwen2"),
+    # q/k Q4_K with a Q6_K v: a fused layer of two formats, which the stack does not take.
+    "mixed": ({"attn_v": "Q6_K"}, "Q4_K", "wide"),
+}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("decode-stack")
+    wide = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4)
+    sources = {
+        "llama": build_model(root / "llama", "llama"),
+        "wide": build_model(root / "wide", "llama", **wide),
+        "qwen2": build_model(root / "qwen2", "qwen2"),
+    }
+    return {
+        name: write_gguf(sources[src], root / f"{name}.gguf", recipe=recipe, default=default)
+        for name, (recipe, default, src) in FILES.items()
+    }
+
+
+def run(
+    path: Path,
+    prompts: list[list[int]],
+    dtype: str,
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    stack: bool,
+) -> tuple[list[list[int]], list[torch.Tensor], Engine]:
+    """Greedy tokens, the logits of every step, and the engine (blocks checked free)."""
+    monkeypatch.setenv("PAGEDLLM_DECODE_STACK", "1" if stack else "0")
+    engine = Engine(str(path), device="cpu", dtype=dtype, block_size=8, num_kv_blocks=64)
+    model = engine.executor.worker.runner.model
+    logits: list[torch.Tensor] = []
+    compute = model.compute_logits
+
+    def recorded(hidden: torch.Tensor) -> torch.Tensor:
+        out = compute(hidden)
+        logits.append(out.detach().clone())
+        return out
+
+    model.compute_logits = recorded
+    outs = engine.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    manager = engine.block_manager
+    assert manager.get_num_free_device_blocks() == manager.num_device_blocks
+    return [list(o.outputs[0].token_ids) for o in outs], logits, engine
+
+
+def count_stack_steps(engine: Engine) -> list[int]:
+    """Wraps the model's ``fast_decode``; the list fills with each step's query tokens."""
+    model = engine.executor.worker.runner.model
+    assert model.fast_decode is not None
+    fast, seen = model.fast_decode, []
+
+    def counted(hidden, positions, kv_caches, meta):
+        seen.append(meta.max_query_len)
+        return fast(hidden, positions, kv_caches, meta)
+
+    model.fast_decode = counted
+    return seen
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["q4_0", "q4_1+q8_0", "q8_0", "q4_k", "qwen2-q4_0"])
+@pytest.mark.parametrize("prompts", [ONE, FOUR], ids=["batch1", "batch4"])
+def test_stack_equals_the_layer_loop(
+    files: dict[str, Path],
+    name: str,
+    dtype: str,
+    prompts: list[list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ref_tokens, ref_logits, ref = run(files[name], prompts, dtype, monkeypatch, stack=False)
+    assert ref.executor.worker.runner.model.fast_decode is None
+    assert "decode_stack" not in ref.executor.worker.backend.layer_kernels
+    tokens, logits, engine = run(files[name], prompts, dtype, monkeypatch, stack=True)
+    assert "decode_stack: cpp x2 layers" in engine.executor.worker.backend.layer_kernels
+    assert tokens == ref_tokens
+    assert all(len(t) == STEPS for t in tokens)
+    # Same kernels, same order: the logits of every step are equal, not merely close.
+    assert len(logits) == len(ref_logits)
+    for ours, theirs in zip(logits, ref_logits, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+def test_only_decode_steps_take_the_stack(
+    files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PAGEDLLM_DECODE_STACK", "1")
+    engine = Engine(str(files["q4_0"]), device="cpu", dtype="float32", num_kv_blocks=64)
+    seen = count_stack_steps(engine)
+    engine.generate([{"prompt_token_ids": p} for p in FOUR], GREEDY, use_tqdm=False)
+    # Four prompts' prefill (one step, the layer loop), then STEPS - 1 decode-only steps.
+    assert seen == [1] * (STEPS - 1)
+
+
+@pytest.mark.parametrize("name", ["mixed"])
+def test_a_model_it_does_not_cover_keeps_the_layer_loop(
+    files: dict[str, Path], name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokens, _, engine = run(files[name], FOUR, "float32", monkeypatch, stack=True)
+    assert engine.executor.worker.runner.model.fast_decode is None
+    assert "decode_stack" not in engine.executor.worker.backend.layer_kernels
+    ref_tokens, _, _ = run(files[name], FOUR, "float32", monkeypatch, stack=False)
+    assert tokens == ref_tokens
+
+
+def test_other_families_are_not_covered() -> None:
+    """A relative that changes a layer (Qwen3's q/k norms, Gemma's norm offset and GELU, Gemma
+    2's caps) offers no layers; the plain shape (Phi-3, Mistral's window) does."""
+    from pagedllm.backends.reference import ReferenceAttention
+    from pagedllm.models.registry import resolve_model_class
+    from tests.models.test_more_families import make_config
+
+    attn = ReferenceAttention()
+    for name, (arch, covered) in _ARCH.items():
+        config = make_config(name, 128)
+        model = resolve_model_class([arch])(config, attn_backend=attn)
+        assert (model.decode_stack_layers() is not None) == covered, name
+
+
+_ARCH = {
+    "phi3": ("Phi3ForCausalLM", True),
+    "mistral_window": ("MistralForCausalLM", True),
+    "qwen3": ("Qwen3ForCausalLM", False),
+    "gemma": ("GemmaForCausalLM", False),
+    "gemma2": ("Gemma2ForCausalLM", False),
+}
