@@ -31,6 +31,7 @@ def test_avx512_variants_compile(isa: str, tmp_path: Path) -> None:
         "sampling.cpp",
         "gemm.cpp",
         "gemm_i8.cpp",
+        "gemm_amx.cpp",
         "gemm_q4.cpp",
         "gemm_q4_pack.cpp",
     )
