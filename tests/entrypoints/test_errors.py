@@ -99,13 +99,14 @@ CHAT_CASES: list[tuple[str, dict[str, Any], int, str | None, str | None]] = [
     ("top_logprobs without logprobs", {"top_logprobs": 2}, 400, "top_logprobs", None),
     ("too many top_logprobs", {"logprobs": True, "top_logprobs": 50}, 400, "top_logprobs", None),
     (
-        "auto tool choice (the fallback's constraint) with response_format",
+        # response_format now shapes the fallback's text answer; a regex cannot join its JSON.
+        "auto tool choice (the fallback's constraint) with guided_regex",
         {
             "tools": [{"type": "function", "function": {"name": "f"}}],
-            "response_format": {"type": "json_object"},
+            "guided_regex": "a+",
         },
         400,
-        "response_format",
+        "guided_regex",
         None,
     ),
     (
