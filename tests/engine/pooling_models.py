@@ -49,7 +49,8 @@ def _bert_config(vocab_size: int, **extra: Any) -> Any:
     return BertConfig(vocab_size=vocab_size, **{**shape, **extra})
 
 
-def _widen(model: torch.nn.Module) -> None:
+def widen(model: torch.nn.Module) -> None:
+    """Random weights wide enough that a wrong layer shows in the outputs (HF's init is tiny)."""
     torch.manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -69,7 +70,7 @@ def build_st_bert(folder: Path) -> Path:
     hf.mkdir(parents=True, exist_ok=True)
     tok = bert_tokenizer(hf)
     model = BertModel(_bert_config(len(tok)), add_pooling_layer=False)
-    _widen(model)
+    widen(model)
     model.save_pretrained(str(hf))
     word = Transformer(str(hf), max_seq_length=128)
     pooling = Pooling(64, pooling_mode="mean")
@@ -84,6 +85,6 @@ def build_cross_encoder(folder: Path, **config: Any) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     tok = bert_tokenizer(folder)
     model = BertForSequenceClassification(_bert_config(len(tok), num_labels=1, **config))
-    _widen(model)
+    widen(model)
     model.save_pretrained(str(folder))
     return folder

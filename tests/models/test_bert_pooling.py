@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pagedllm.models.pooling import PoolingConfig, PoolingType, finish_embedding
+from tests.engine.pooling_models import widen
 from tests.models.encoder_models import encoder_meta, load_packed
 
 transformers = pytest.importorskip("transformers")
@@ -38,23 +39,13 @@ def _hf_config(family: str, num_labels: int = 3) -> Any:
     return cls(**_SIZES, **spec, num_labels=num_labels, hidden_act="gelu")
 
 
-def _widen(model: torch.nn.Module) -> None:
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.1)
-            elif "LayerNorm" in name:
-                p.normal_(1.0 if name.endswith("weight") else 0.0, 0.1)
-
-
 def save_encoder(folder: Path, family: str, *, classifier: bool, dtype: torch.dtype) -> Path:
     config = _hf_config(family)
     torch.manual_seed(0)
     head = "ForSequenceClassification" if classifier else "Model"
     cls = getattr(transformers, _HEADS[family] + head)
     model = cls(config) if classifier else cls(config, add_pooling_layer=family == "bert")
-    _widen(model)
+    widen(model)
     model.to(dtype).save_pretrained(str(folder))
     return folder
 

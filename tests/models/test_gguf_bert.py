@@ -14,6 +14,7 @@ import torch
 
 from pagedllm.models.gguf.reader import GGUFFileError
 from pagedllm.models.pooling import PoolingConfig, PoolingType, finish_embedding
+from tests.engine.pooling_models import widen
 from tests.models.encoder_models import encoder_meta, load_packed
 from tests.models.gguf_bert_files import write_bert_gguf
 
@@ -82,12 +83,7 @@ def build_bert(folder: Path, *, cased: bool = False, mode: str = "mean_tokens") 
     )
     torch.manual_seed(0)
     model = transformers.BertModel(config, add_pooling_layer=False)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.1)
-            elif "LayerNorm" in name:
-                p.normal_(1.0 if name.endswith("weight") else 0.0, 0.1)
+    widen(model)
     model.save_pretrained(str(folder))
     _st_modules(folder, mode)
     return folder
