@@ -69,6 +69,8 @@ class ModelConfig:
     # Group-wise (4-bit / Q8_0) layers round bf16/fp16 rows (decode and prefill) to int8 per
     # group of 32 (llama.cpp's arithmetic), where the device has that kernel.
     int8_activations: bool = False
+    # Decode steps through the layer loop: no CUDA graphs, no C++ decode stack (the reference).
+    enforce_eager: bool = False
     # Defaults of the sampling fields a request leaves out: "auto" (the model's, with
     # ``sampling_overrides`` on top) or "none" (SamplingParams' own); see
     # engine/sampling_defaults.py.
@@ -110,6 +112,11 @@ class ModelConfig:
             isinstance(self.int8_activations, bool),
             "int8_activations",
             f"must be true or false, got {self.int8_activations!r}",
+        )
+        require(
+            isinstance(self.enforce_eager, bool),
+            "enforce_eager",
+            f"must be true or false, got {self.enforce_eager!r}",
         )
 
 

@@ -151,6 +151,11 @@ class EngineArgs:
         "to int8 per group of 32 and use integer dot products, as llama.cpp does: faster, logits "
         "further from the unquantised activations' (CPU; never the LM head)",
     )
+    enforce_eager: bool = engine_arg(
+        False,
+        "run every decode step through the model's layers one by one (the reference path): no "
+        "CUDA graphs on a GPU, no C++ decode stack on the CPU",
+    )
     disable_packed_cache: bool = engine_arg(
         False,
         "pack a GGUF's weights at every start instead of mapping the packed form an earlier "
@@ -259,6 +264,7 @@ class EngineArgs:
             trust_remote_code=self.trust_remote_code,
             quantization=self.quantization,
             int8_activations=self.int8_activations,
+            enforce_eager=self.enforce_eager,
             packed_cache_dir=None if self.disable_packed_cache else env_packed_cache_dir(),
             generation_config=generation,
             sampling_overrides=overrides,

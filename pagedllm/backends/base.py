@@ -392,15 +392,26 @@ class DeviceBackend(ABC):
         )
         return max(0, budget)
 
-    def prepare_model(self, model: torch.nn.Module, *, int8_activations: bool = False) -> None:
+    def prepare_model(
+        self,
+        model: torch.nn.Module,
+        *,
+        int8_activations: bool = False,
+        enforce_eager: bool = False,
+    ) -> None:
         """Fill the layers' fast slots (linear, MoE, norm, activation, rotary) with the installers
         the kernel registry picks for this device. ``int8_activations``: the user allows
         group-wise layers to round activations to int8 (``ModelConfig.int8_activations``); an
-        installer without such a kernel ignores it."""
+        installer without such a kernel ignores it. ``enforce_eager``: no ``decode_stack``
+        (C++ stack, CUDA graphs): decode steps run the layer loop."""
         from pagedllm.backends.kernels import install
 
         self.linear_path, self.layer_kernels = install(
-            model, self.name, self.kernel_order, int8_activations=int8_activations
+            model,
+            self.name,
+            self.kernel_order,
+            int8_activations=int8_activations,
+            enforce_eager=enforce_eager,
         )
         model.linear_path = self.linear_path
         model.layer_kernels = self.layer_kernels

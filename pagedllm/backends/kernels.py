@@ -54,7 +54,7 @@ Op = Literal[
     "encoder_attention",
     "decode_stack",
 ]
-Impl = Literal["cpp", "torch", "triton", "ipex", "reference"]
+Impl = Literal["cpp", "torch", "triton", "ipex", "reference", "cuda_graph"]
 OPS: tuple[Op, ...] = get_args(Op)
 IMPLS: tuple[Impl, ...] = get_args(Impl)
 #: A device's preference per op, best first (``DeviceBackend.kernel_order``).
@@ -161,6 +161,13 @@ KERNELS: tuple[Kernel, ...] = (
     # -- a decode step's whole layer stack in one call (installer; fills model.fast_decode) ---
     Kernel(
         "decode_stack", "cpp", "pagedllm.backends.cpu.decode_stack:install_decode_stack", ("cpu",)
+    ),
+    # The layer loop of a decode step captured as CUDA graphs, one per batch bucket.
+    Kernel(
+        "decode_stack",
+        "cuda_graph",
+        "pagedllm.backends.gpu.decode_graphs:install_cuda_graphs",
+        ("cuda",),
     ),
     # -- multi-LoRA shrink/expand (LoRAKernel classes) ------------------------------------------
     Kernel("lora", "torch", "pagedllm.lora.ops:TorchLoRAOps", ("cpu", "cuda", "xpu")),
@@ -345,14 +352,24 @@ def select(op: str, device: str, order: tuple[Impl, ...], *, fmt: str | None = N
 
 
 def install(
-    model: Any, device: str, order: KernelOrder, *, int8_activations: bool
+    model: Any,
+    device: str,
+    order: KernelOrder,
+    *,
+    int8_activations: bool,
+    enforce_eager: bool = False,
 ) -> tuple[str, str]:
     """Run the chosen installer of every installed op on ``model``; returns ``(linear_path,
     layer_kernels)``: what the linear and MoE installers put in (``"kind=path, ..."``, "" for
-    none) and what the row-wise ones did (``"rms_norm x33, ..."``, ``"none"`` for nothing)."""
+    none) and what the row-wise ones did (``"rms_norm x33, ..."``, ``"none"`` for nothing).
+    ``enforce_eager`` leaves out the ``decode_stack`` op: decode steps run the layer loop."""
     linear: list[str] = []
     layer: list[str] = []
     for op in INSTALLED_OPS:
+        if op == "decode_stack" and enforce_eager:
+            if order.get(op):
+                logger.info("decode: layer by layer (enforce_eager)")
+            continue
         chosen = select(op, device, order.get(op, ()))
         if chosen.value is None:
             continue

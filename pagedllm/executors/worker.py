@@ -139,7 +139,11 @@ class Worker:
                 device=self.device,
             )
         # After the wrappers read the layers' shapes: a backend may repack the base weights.
-        self.backend.prepare_model(model, int8_activations=self.config.model.int8_activations)
+        self.backend.prepare_model(
+            model,
+            int8_activations=self.config.model.int8_activations,
+            enforce_eager=self.config.model.enforce_eager,
+        )
         self.runner = ModelRunner(
             model,
             self.attention,

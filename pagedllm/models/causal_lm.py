@@ -146,14 +146,27 @@ class CausalLM(nn.Module):
             done = fast(hidden, positions, kv_caches, meta)
             if done is not None:
                 return self.finish(*done)
-        # (islice: slicing a ModuleList would build a new module on every step)
-        layers = itertools.islice(getattr(self, self.layers_name), self.start_layer, self.end_layer)
-        for layer, cache in zip(layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, cache, meta)
+        hidden, residual = self.run_layers(positions, hidden, residual, kv_caches, meta)
         if not self.pp.is_last:
             # The link between stages always carries two tensors of one shape.
             return hidden, residual if residual is not None else torch.zeros_like(hidden)
         return self.finish(hidden, residual)
+
+    def run_layers(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This stage's layers one by one: the reference path, and what a backend that replays
+        a captured step (CUDA graphs) records."""
+        # (islice: slicing a ModuleList would build a new module on every step)
+        layers = itertools.islice(getattr(self, self.layers_name), self.start_layer, self.end_layer)
+        for layer, cache in zip(layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, cache, meta)
+        return hidden, residual
 
     # -- loading -------------------------------------------------------------------------------
     def stage_weights(

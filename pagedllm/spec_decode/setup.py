@@ -37,7 +37,11 @@ def build_spec_runner(worker: Worker) -> SpecDecodeRunner:
             device=worker.device,
             dtype=worker.dtype,
         )
-        worker.backend.prepare_model(model, int8_activations=worker.config.model.int8_activations)
+        worker.backend.prepare_model(
+            model,
+            int8_activations=worker.config.model.int8_activations,
+            enforce_eager=worker.config.model.enforce_eager,
+        )
         draft = DraftProposer(
             ModelRunner(
                 model,

@@ -37,6 +37,8 @@ class CudaBackend(DeviceBackend):
         # Multi-LoRA shrink/expand as Triton segmented GEMMs (one launch each per layer).
         "lora": ("triton", "torch"),
         "encoder_attention": ("torch",),
+        # Decode steps' layer loop captured once per batch bucket and replayed.
+        "decode_stack": ("cuda_graph",),
     }
     # Pinned host pool, swaps and copies on a side stream.
     cache_engine_class = "pagedllm.backends.gpu.cache_engine:CudaCacheEngine"
