@@ -53,7 +53,7 @@ def test_buckets_and_capacities() -> None:
 def engine(path: Path, **kwargs: object) -> Engine:
     return Engine(
         str(path),
-        device=DEVICE,
+        device=DEVICE.type,
         attention_backend="triton",
         dtype="float32",
         block_size=BLOCK,
@@ -97,27 +97,39 @@ def greedy(
     return [list(o.outputs[0].token_ids) for o in outs], logits
 
 
-# Five sequences, at most three at a time, ending at different steps: batches of 3, 2 and 1
-# (3 pads to 4), sequences join as others finish; the last one's context passes 64 tokens.
-PROMPTS = [[5, 17, 99, 3, 44, 12, 7], [7, 8, 9], list(range(20, 45)), [300, 12, 150], [9] * 50]
-LENGTHS = [9, 4, 12, 6, 20]
+# Five sequences, at most three at a time, ending at different steps: batches of 3 (padded to
+# 4), 2 and 1, sequences joining as others finish; contexts in all three capacities, the last
+# one's passing 64 tokens (those steps run the layer loop).
+PROMPTS = [[5, 17, 99, 3, 44, 12, 7], [7, 8, 9], [300, 12, 150], list(range(20, 45)), [9] * 58]
+LENGTHS = [5, 3, 8, 6, 8]
 
 
-@pytest.mark.parametrize("partition", [None, PARTITION], ids=["one-partition", "split-k"])
 @needs_triton
 def test_padded_steps_equal_the_layer_loop(
-    llama_path: Path, partition: int | None, monkeypatch: pytest.MonkeyPatch
+    llama_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Split-K decode: each capacity's grid has partitions that shorter contexts leave empty
+    (one partition, the default off the GPU, is test_padded_rows_write_no_slot...'s)."""
     from pagedllm.backends.gpu.attention import TritonPagedAttention
 
-    monkeypatch.setattr(TritonPagedAttention, "default_partition_size", partition)
+    monkeypatch.setattr(TritonPagedAttention, "default_partition_size", PARTITION)
     ref = engine(llama_path, max_num_seqs=3, enforce_eager=True)
     assert ref.executor.worker.runner.model.fast_decode is None
     ref_tokens, ref_logits = greedy(ref, PROMPTS, LENGTHS)
     ref.shutdown()
 
     eng = engine(llama_path, max_num_seqs=3, enforce_eager=True)
-    runner = padded_runner(eng.executor.worker.runner.model)
+    model = eng.executor.worker.runner.model
+    runner = padded_runner(model)
+    declined: list[int] = []  # the longest context of each decode step left to the layer loop
+
+    def step(hidden, positions, kv_caches, meta):
+        out = runner.step(hidden, positions, kv_caches, meta)
+        if out is None:
+            declined.append(meta.max_seq_len)
+        return out
+
+    model.fast_decode = step
     tokens, logits = greedy(eng, PROMPTS, LENGTHS)
     assert tokens == ref_tokens
     assert len(logits) == len(ref_logits)
@@ -127,6 +139,7 @@ def test_padded_steps_equal_the_layer_loop(
     capacities = {c for _, c in runner.steps}
     assert 4 in buckets and {1, 2} <= buckets, runner.steps  # 3 rows padded to 4
     assert capacities == {16, 32, 64}, runner.steps
+    assert declined and min(declined) > MAX_CAP, declined  # only those past the capacity
     assert runner.broken is None
 
 
@@ -140,7 +153,7 @@ def decode_meta(seq_lens: list[int], tables: list[list[int]]) -> tuple:
         slot_mapping=slots,
         block_tables=tables,
         block_size=BLOCK,
-        device=torch.device(DEVICE),
+        device=DEVICE,
     )
     return meta, torch.tensor([s - 1 for s in seq_lens], device=DEVICE), slots
 
