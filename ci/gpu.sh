@@ -30,6 +30,7 @@ fi
 "$PY" -m pytest -q -rfEs -p no:cacheprovider --durations=15 -m gpu \
     tests/backends/test_attention_conformance.py tests/backends/test_triton_kernels.py \
     tests/backends/test_triton_engine.py tests/backends/test_triton_fused_moe.py \
-    tests/backends/test_triton_lora.py tests/backends/test_triton_fp8.py
+    tests/backends/test_triton_lora.py tests/backends/test_triton_fp8.py \
+    tests/backends/test_decode_graphs.py
 "$PY" benchmarks/attention_gpu.py --smoke > /dev/null
 echo "benchmark smoke run: ok"

@@ -2,15 +2,19 @@
 # One self-contained check on a CUDA machine (no network; torch, triton, transformers present).
 # Runs, compiled on the device (never the interpreter):
 #   1. the Triton kernel tests (fp32/fp16/bf16 and fp8 caches vs the PyTorch reference, fused
-#      MoE, LoRA, the sm_80/sm_90 compile check) and the end-to-end engine tests with
-#      attention_backend="triton";
+#      MoE, LoRA, the sm_80/sm_90 compile check), the end-to-end engine tests with
+#      attention_backend="triton", and the CUDA graphs of decode steps
+#      (tests/backends/test_decode_graphs.py: padded buckets vs the layer loop, compiled, and
+#      torch.cuda.CUDAGraph capture/replay against enforce_eager's tokens);
 #   2. the Hugging Face equality tests on device="cuda" in float16 (test_hf_equality.py is the
 #      file that reads PAGEDLLM_TEST_DEVICE / PAGEDLLM_TEST_DTYPE; the rest of tests/models runs
 #      on the CPU whatever the machine, and would only compile the CPU extension there);
 #   3. the decode benchmark (JSON written to $OUT_DIR/attention_gpu.json);
 #   4. the offline throughput benchmark, our engine vs transformers on the device (bf16, fp32;
 #      JSON written to $OUT_DIR/throughput_gpu.json);
-#   5. the demo (`make demo`'s job on the embedded model, no download) with --device cuda.
+#   5. decode steps with CUDA graphs against without, at batch 1 and 32 (JSON written to
+#      $OUT_DIR/decode_graphs.json);
+#   6. the demo (`make demo`'s job on the embedded model, no download) with --device cuda.
 # Exits non-zero if any step fails; each step has its own time limit (< 10 minutes in all).
 # Needs the `gguf` package (the model tests import it): carry its wheel where it is missing.
 #
@@ -60,16 +64,20 @@ step "triton kernel + engine tests" 200 \
     "$PY" -m pytest -q -rfEs --tb=short -p no:cacheprovider "${PAR[@]}" -m gpu \
     tests/backends/test_attention_conformance.py tests/backends/test_triton_kernels.py \
     tests/backends/test_triton_engine.py tests/backends/test_triton_fp8.py \
-    tests/backends/test_triton_fused_moe.py tests/backends/test_triton_lora.py
-step "HF equality on cuda/float16" 120 \
+    tests/backends/test_triton_fused_moe.py tests/backends/test_triton_lora.py \
+    tests/backends/test_decode_graphs.py
+step "HF equality on cuda/float16" 100 \
     env PAGEDLLM_TEST_DEVICE=cuda PAGEDLLM_TEST_DTYPE=float16 \
     "$PY" -m pytest -q -rfEs -p no:cacheprovider tests/models/test_hf_equality.py
-step "decode benchmark" 60 \
+step "decode benchmark" 50 \
     env PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$PY" benchmarks/attention_gpu.py --output "$OUT_DIR/attention_gpu.json"
 step "throughput vs transformers" 150 \
     env PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$PY" benchmarks/throughput.py \
     --device cuda --num-requests 64 --output "$OUT_DIR/throughput_gpu.json"
-step "demo on cuda" 60 \
+step "decode with CUDA graphs vs eager" 50 \
+    env PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$PY" benchmarks/decode_graphs.py \
+    --device cuda --model-size 56m --output "$OUT_DIR/decode_graphs.json"
+step "demo on cuda" 50 \
     "$PY" -m pagedllm.entrypoints.demo --no-download --device cuda --max-tokens 32
 
 if [ ${#failed[@]} -gt 0 ]; then

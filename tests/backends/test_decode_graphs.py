@@ -183,15 +183,15 @@ def test_padded_rows_write_no_slot_and_change_no_real_row(llama_path: Path) -> N
     runner = padded_runner(model)
     got = runner.step(hidden.clone(), positions, caches, meta)
     assert got is not None and runner.steps == {(4, 32): 1}
-    torch.testing.assert_close(got[0], want_hidden, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(got[1], want_res, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[0], want_hidden, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[1], want_res, atol=1e-4, rtol=1e-4)
     assert runner.inputs is not None
     assert runner.inputs.slot_mapping[3].item() == PAD_SLOT
     written = torch.zeros(caches[0].shape[1] * BLOCK, dtype=torch.bool)
     written[slots] = True
     for c, old, want in zip(caches, before, want_caches, strict=True):
         new, old, want = by_slot(c), by_slot(old), by_slot(want)
-        torch.testing.assert_close(new, want, equal_nan=True, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(new, want, equal_nan=True, atol=1e-4, rtol=1e-4)
         changed = ~((new == old) | (new.isnan() & old.isnan())).all(dim=1)
         assert changed.cpu().equal(written), "a slot other than the real rows' was written"
 
