@@ -73,9 +73,11 @@ class CausalLM(nn.Module):
     weight_renames: ClassVar[Mapping[str, str]] = {}
     ignored_weights: ClassVar[tuple[str, ...]] = ()
     mapper_cls: ClassVar[type[WeightMapper]] = WeightMapper
-    #: A backend's whole-stack decode step (``prepare_model``, only for a family that offers
-    #: ``decode_stack_layers``): ``(hidden, positions, kv_caches, meta)`` -> the last layer's
-    #: ``(hidden, residual)``, or None where it cannot take the step (the layer loop runs then).
+    #: A backend's whole-stack decode step (``prepare_model``: the CPU's C++ stack for a family
+    #: that offers ``decode_stack_layers``, CUDA graphs of :meth:`run_layers` for any family):
+    #: ``(hidden, positions, kv_caches, meta)`` -> the last layer's ``(hidden, residual)``
+    #: (residual None for families that carry none), or None where it cannot take the step
+    #: (the layer loop runs then).
     fast_decode: FastDecodeFn | None = None
 
     def __init__(self, config: Any, *, tp: TPContext = SINGLE, pp: PPContext = WHOLE_MODEL) -> None:

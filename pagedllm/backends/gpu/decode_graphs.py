@@ -113,9 +113,9 @@ class DecodeGraphs:
 
     def _buffers(self, hidden: torch.Tensor, block_size: int) -> StaticDecodeInputs:
         if self.inputs is None or not self.inputs.fits(hidden, block_size):
-            cap = capacity_of(self.max_capacity, self.min_capacity, self.max_capacity)
-            assert cap is not None
-            self.inputs = StaticDecodeInputs(self.batch_buckets[-1], cap, block_size, hidden)
+            self.inputs = StaticDecodeInputs(
+                self.batch_buckets[-1], self.max_capacity, block_size, hidden
+            )
             self.replays.clear()  # they read the buffers that were replaced
         return self.inputs
 
