@@ -230,16 +230,21 @@ def test_a_failed_capture_runs_every_later_step_eagerly(
     assert all(len(t) == 3 for t in tokens)
 
 
-def test_the_installer_names_why_not(caplog: pytest.LogCaptureFixture) -> None:
-    cpu_model = torch.nn.Linear(2, 2)
-    assert not_covered(cpu_model) == "Linear is not a decoder with a layer loop"
-    cpu_model.fast_decode = None  # type: ignore[assignment]
-    cpu_model.run_layers = None  # type: ignore[assignment]
-    assert not_covered(cpu_model) == "parameters on cpu, not a CUDA device"
+def test_the_installer_names_why_not(llama_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from tests.conftest import load_on_reference
+
+    assert not_covered(torch.nn.Linear(2, 2)) == "Linear is not a decoder with a layer loop"
+    model = load_on_reference(llama_path, torch.float32)
+    want = "attention backend ['reference'] (only the Triton kernels are capture-safe)"
+    assert not_covered(model) == want
+    for m in model.modules():
+        if hasattr(m, "backend"):
+            m.backend.name = "triton"  # (the reference's instance)
+    assert not_covered(model) == "parameters on cpu, not a CUDA device"
     with caplog.at_level(logging.INFO, logger="pagedllm.backends.gpu.decode_graphs"):
-        assert install_cuda_graphs(cpu_model) == ""
+        assert install_cuda_graphs(model) == ""
     assert "decode: CUDA graphs not used: parameters on cpu, not a CUDA device" in caplog.text
-    assert cpu_model.fast_decode is None
+    assert model.fast_decode is None
 
 
 def test_cuda_prefers_the_graph_row() -> None:

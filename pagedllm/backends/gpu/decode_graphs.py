@@ -15,7 +15,8 @@ pool: only one runs at a time, and each one's outputs stay held, so no graph reu
 
 What it takes (``not_covered`` says why not, in the log): the whole model on one CUDA device
 (no pipeline stage, no tensor parallelism: collectives are not captured here), no LoRA wrapper
-(its per-step slot mapping is not a static input), and the Triton attention kernels, whose use
+(its per-step slot mapping is not a static input), no mixture-of-experts layer (its routing
+reads counts back to the host), and the Triton attention kernels, whose use
 of the metadata (grids from ``max_seq_len``, everything else read on the device) is the one
 known to be capture-safe. An op that reads a tensor back to the host fails the capture; the
 runner then logs why and runs every later step eagerly. ``enforce_eager`` turns it off.
@@ -171,14 +172,11 @@ class DecodeGraphs:
 def not_covered(model: nn.Module) -> str | None:
     """Why the model's decode steps cannot be captured, or None."""
     from pagedllm.layers.attention import Attention
+    from pagedllm.layers.fused_moe.layer import FusedMoE
     from pagedllm.layers.lora import LoRALinear
 
     if not hasattr(model, "fast_decode") or not hasattr(model, "run_layers"):
         return f"{type(model).__name__} is not a decoder with a layer loop"
-    param = next(model.parameters(), None)
-    if param is None or param.device.type != "cuda":
-        where = "no parameters" if param is None else f"parameters on {param.device.type}"
-        return f"{where}, not a CUDA device"
     if getattr(model, "pp", None) is not None and model.pp.size > 1:
         return "pipeline parallelism (a stage hands on activations)"
     if getattr(model, "tp", None) is not None and model.tp.size > 1:
@@ -186,9 +184,17 @@ def not_covered(model: nn.Module) -> str | None:
     modules = list(model.modules())
     if any(isinstance(m, LoRALinear) for m in modules):
         return "LoRA adapters (their per-step slot mapping is not a static input)"
+    if any(isinstance(m, FusedMoE) for m in modules):
+        # torch.bincount on CUDA reads its maximum back to size its output; the PyTorch path
+        # reads the expert offsets: either would fail the capture.
+        return "mixture-of-experts layers (their routing reads expert counts back to the host)"
     names = {m.backend.name for m in modules if isinstance(m, Attention)}
     if names != {"triton"}:
         return f"attention backend {sorted(names)} (only the Triton kernels are capture-safe)"
+    param = next(model.parameters(), None)
+    if param is None or param.device.type != "cuda":
+        where = "no parameters" if param is None else f"parameters on {param.device.type}"
+        return f"{where}, not a CUDA device"
     return None
 
 
