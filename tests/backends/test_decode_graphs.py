@@ -300,3 +300,14 @@ def test_cuda_graphs_replay_the_eager_tokens(llama_path: Path) -> None:
         torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
     assert runner.broken is None
     assert runner.capture.graphs and sum(runner.steps.values()) > len(runner.capture.graphs)
+
+
+def test_enforce_eager_reaches_the_installers(
+    llama_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The engine argument travels through the config and the worker to ``prepare_model``."""
+    with caplog.at_level(logging.INFO, logger="pagedllm.backends.kernels"):
+        eng = Engine(str(llama_path), device="cpu", enforce_eager=True, num_kv_blocks=16)
+    assert "decode: layer by layer (enforce_eager)" in caplog.text
+    assert eng.executor.worker.runner.model.fast_decode is None
+    eng.shutdown()
