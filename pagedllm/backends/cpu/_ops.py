@@ -356,7 +356,14 @@ _ATTENTION_SOURCES = (
     "sampling.cpp",
     "bindings.cpp",
 )
-_ATTENTION_HEADERS = ("attention.h", "pointwise.h", "sampling.h", "convert.h", "vec.h")
+_ATTENTION_HEADERS = (
+    "tensor_api.h",
+    "attention.h",
+    "pointwise.h",
+    "sampling.h",
+    "convert.h",
+    "vec.h",
+)
 
 
 def load_ops(build_root: Path | None = None, *, isa: str | None = None) -> ModuleType:
@@ -387,6 +394,7 @@ _GEMM_SOURCES = (
     "attention.cpp",
 )
 _GEMM_HEADERS = (
+    "tensor_api.h",
     "convert.h",
     "vec.h",
     "dtype_dispatch.h",
@@ -395,6 +403,7 @@ _GEMM_HEADERS = (
     "gemm_dp.h",
     "gemm_amx.h",
     "gemm_q4.h",
+    "gemm_q4_bind.h",
     "gemm_q4_layout.h",
     "gemm_q4_float.h",
     "gemm_q4_dot.h",

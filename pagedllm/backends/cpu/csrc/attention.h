@@ -1,7 +1,7 @@
 // Entry points of the CPU paged-attention extension; bindings.cpp exposes them to Python.
 #pragma once
 
-#include <ATen/ATen.h>
+#include "tensor_api.h"
 
 #include <string>
 #include <vector>

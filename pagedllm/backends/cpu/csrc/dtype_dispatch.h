@@ -3,7 +3,7 @@
 // group-wise paths), so each reports a wrong dtype in the same words.
 #pragma once
 
-#include <torch/extension.h>
+#include "tensor_api.h"
 
 namespace pagedllm {
 

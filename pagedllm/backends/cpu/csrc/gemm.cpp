@@ -23,6 +23,7 @@
 #include "gemm_dp.h"
 #include "gemm_i8.h"
 #include "gemm_q4.h"
+#include "gemm_q4_bind.h"
 #include "gemm_vec.h"
 
 namespace pagedllm::gemm {

@@ -3,7 +3,7 @@
 // extension by gemm.cpp's module.
 #pragma once
 
-#include <torch/extension.h>
+#include "tensor_api.h"
 
 #include <tuple>
 

@@ -27,6 +27,7 @@
 #include "gemm_amx.h"
 #include "gemm_q4_dot.h"
 #include "gemm_q4_float.h"
+#include "gemm_q4_bind.h"
 
 namespace pagedllm::gemm::q4 {
 namespace {

@@ -3,7 +3,7 @@
 // weight-GEMM extension by gemm.cpp's module through bind_groupwise.
 #pragma once
 
-#include <torch/extension.h>
+#include "tensor_api.h"
 
 #include <cstdint>
 #include <string>
@@ -13,9 +13,6 @@
 #include "gemm_q4_layout.h"
 
 namespace pagedllm::gemm {
-
-// Adds pack_groupwise, groupwise_gemm, quantize_groups and the build's facts to the module.
-void bind_groupwise(pybind11::module& m);
 
 namespace q4 {
 

@@ -1,7 +1,7 @@
 // Row-wise layer kernels of the CPU backend (pointwise.cpp); bindings.cpp exposes them.
 #pragma once
 
-#include <ATen/ATen.h>
+#include "tensor_api.h"
 
 #include <optional>
 #include <tuple>

@@ -1,7 +1,7 @@
 // Token sampling of the CPU backend (sampling.cpp); bindings.cpp exposes it.
 #pragma once
 
-#include <ATen/ATen.h>
+#include "tensor_api.h"
 
 #include <optional>
 #include <tuple>
