@@ -18,7 +18,15 @@ rest (reading, decoding, packing or mapping the weights, the KV cache), ``ready_
 start to exit) and the process's CPU seconds (``import_cpu_s``, ``engine_cpu_s``, ``cpu_s``: on
 a busy machine wall time overstates the work). llama.cpp's start on the same file
 (``llama_cpp.Llama``, import apart) where llama-cpp-python is installed; else the JSON says it
-is not.
+is not. ``vs_llama_cpp``: each kind's ``engine_s`` (the time after its imports) and
+``since_start_s`` (imports included) over llama.cpp's whole start (its ``since_start_s``:
+import and load), the issue's bar being 1.5 for the first on a second start; and
+``cpu_after_imports``, the same in CPU seconds (``engine_cpu_s`` over llama.cpp's ``cpu_s``).
+
+``serve``: ``pagedllm serve`` on the file (``--demo`` where it is the demo model) from the
+command's start to the first ``/health`` answering 200, warm (the packed cache and the tokenizer
+written by the starts before it), one per round, alternating with the others; with
+``--baseline``, ``baseline_serve`` the same for the other checkout.
 
     python benchmarks/startup.py                       # the demo model (SmolLM2-135M Q4_1)
     python benchmarks/startup.py --model some.gguf --rounds 5
@@ -32,11 +40,15 @@ import datetime
 import importlib.util
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -110,6 +122,50 @@ def _start(script: str, model: Path, env: dict[str, str]) -> dict[str, float]:
     return got
 
 
+def _serve_to_health(model: Path, env: dict[str, str], demo: bool, limit: float = 600.0) -> float:
+    """Seconds from spawning ``pagedllm serve`` to its first ``/health`` 200 (then stopped)."""
+    with socket.socket() as probe:  # a free port (the server binds it right away)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    what = ["--demo"] if demo else [str(model)]
+    command = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", *what]
+    # The log to a file, not a pipe: a chatty server never blocks on it.
+    with tempfile.TemporaryFile("w+") as log:
+        spawned = time.perf_counter()
+        proc = subprocess.Popen(
+            [*command, "--port", str(port), "--log-level", "warning"],
+            env=env,
+            cwd=env["PYTHONPATH"],  # as in _start: the checkout that runs, first on sys.path
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+        )
+        try:
+            return _wait_health(proc, port, spawned, limit, log)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _wait_health(
+    proc: subprocess.Popen[bytes], port: int, spawned: float, limit: float, log: Any
+) -> float:
+    while time.perf_counter() - spawned < limit:
+        if proc.poll() is not None:
+            log.seek(0)
+            raise RuntimeError(f"serve exited ({proc.returncode}):\n{log.read()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                if r.status == 200:
+                    return time.perf_counter() - spawned
+        except OSError:
+            time.sleep(0.02)
+    raise RuntimeError(f"serve did not answer /health within {limit:.0f} s")
+
+
 def _median(runs: list[dict[str, float]]) -> dict[str, float]:
     return {k: round(statistics.median(r[k] for r in runs), 3) for k in runs[0]}
 
@@ -155,32 +211,55 @@ def run(model: Path, rounds: int, tmp: Path, baseline: Path | None = None) -> di
 
     cache = tmp / "cache"
     cache.mkdir()
-    tokenizers = Path(user_cache_dir()) / "gguf-tokenizers"  # converted once, as in use
-    if tokenizers.is_dir():
-        (cache / "gguf-tokenizers").symlink_to(tokenizers)
+    for shared in ("gguf-tokenizers", "models"):  # converted once, as in use; the demo model
+        if (Path(user_cache_dir()) / shared).is_dir():
+            (cache / shared).symlink_to(Path(user_cache_dir()) / shared)
+    demo = model.resolve().parent == (cache / "models").resolve()
     runs: dict[str, list[dict[str, float]]] = {"first": [], "second": [], "uncached": []}
     if baseline is not None:
         runs["baseline"] = []
         runs["baseline_second"] = []
+    serve: dict[str, list[float]] = {"serve": []}
+    if baseline is not None:
+        serve["baseline_serve"] = []
+    llama: list[dict[str, float]] = []
+    with_llama = importlib.util.find_spec("llama_cpp") is not None
     _start(_CHILD, model, _env(cache, packed=False))  # warm: the tokenizer, the page cache
     for _ in range(rounds):
         for packed in (cache / "packed").glob("*.packed.pt"):
             packed.unlink()
         runs["first"].append(_start(_CHILD, model, _env(cache, packed=True)))
         runs["second"].append(_start(_CHILD, model, _env(cache, packed=True)))
+        if with_llama:  # in the same rounds: a drifting machine tilts both alike
+            llama.append(_start(_LLAMA_CPP, model, _env(cache, packed=False)))
         if baseline is not None:
             env = _env(cache, packed=True, root=baseline)
             runs["baseline_second"].append(_start(_CHILD, model, env))
+        serve["serve"].append(_serve_to_health(model, _env(cache, packed=True), demo))
+        if baseline is not None:
+            env = _env(cache, packed=True, root=baseline)
+            serve["baseline_serve"].append(_serve_to_health(model, env, demo))
         runs["uncached"].append(_start(_CHILD, model, _env(cache, packed=False)))
         if baseline is not None:
             env = _env(cache, packed=False, root=baseline)
             runs["baseline"].append(_start(_CHILD, model, env))
     result: dict[str, object] = {kind: _median(r) for kind, r in runs.items()}
-    if importlib.util.find_spec("llama_cpp") is None:
+    for kind, seconds in serve.items():
+        result[f"{kind}_health_s"] = round(statistics.median(seconds), 3)
+    if not with_llama:
         result["llama_cpp"] = "llama-cpp-python is not installed: no comparison"
-    else:
-        llama = [_start(_LLAMA_CPP, model, _env(cache, packed=False)) for _ in range(rounds)]
-        result["llama_cpp"] = _median(llama)
+        return result
+    result["llama_cpp"] = whole = _median(llama)
+    result["vs_llama_cpp"] = {
+        kind: {
+            "after_imports": round(r["engine_s"] / whole["since_start_s"], 2),
+            "with_imports": round(r["since_start_s"] / whole["since_start_s"], 2),
+            # CPU seconds: what a busy machine's wall time overstates in both alike
+            "cpu_after_imports": round(r["engine_cpu_s"] / whole["cpu_s"], 2),
+        }
+        for kind, r in result.items()
+        if kind in runs
+    }
     return result
 
 

@@ -94,6 +94,7 @@ class EngineCoreClient(EngineClientBase):
         self.proc = self._launch(
             launcher or ProcessLauncher(), model, device, engine_args, cpu_binding
         )
+        early = _load_tokenizer_early(model, engine_args)
         try:
             self.info = self._wait_ready(startup_timeout)
         except BaseException:
@@ -101,7 +102,7 @@ class EngineCoreClient(EngineClientBase):
             self._close()
             raise
         self._stats: dict[str, float] = dict(self.info["stats"])
-        self.tokenizer: Any = _tokenizer_of(self.info)
+        self.tokenizer: Any = _tokenizer_of(self.info, early)
         self._thread = threading.Thread(target=self._receive, name="pagedllm-core-out", daemon=True)
         self._thread.start()
 
@@ -484,10 +485,40 @@ def _put_all(batch: list[tuple[RequestStream, Any]]) -> None:
         stream.put(item)
 
 
-def _tokenizer_of(info: dict[str, Any]) -> Any:
-    """The core's tokenizer, loaded on this side too (None when the core runs without one)."""
+def _load_tokenizer_early(
+    model: str, engine_args: dict[str, Any]
+) -> tuple[str, concurrent.futures.Future[Any]] | None:
+    """The tokenizer the core will name, loading on a thread while the core starts: the two
+    loads (this one's import of transformers, the core's imports and weights) overlap instead of
+    adding up. (path, future), or None where the core runs without a tokenizer."""
+    if engine_args.get("skip_tokenizer_init"):
+        return None
+    from pagedllm.engine.prompts import load_tokenizer
+
+    path = str(engine_args.get("tokenizer") or model)
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def load() -> None:
+        try:
+            future.set_result(load_tokenizer(path))
+        except BaseException as exc:  # handed to the caller, or loaded again there
+            future.set_exception(exc)
+
+    threading.Thread(target=load, name="pagedllm-tokenizer", daemon=True).start()
+    return path, future
+
+
+def _tokenizer_of(
+    info: dict[str, Any], early: tuple[str, concurrent.futures.Future[Any]] | None = None
+) -> Any:
+    """The core's tokenizer, loaded on this side too (None when the core runs without one):
+    the early load where it named the same one and succeeded; else loaded now (so a failure
+    reads as it did before the early load)."""
     if not info["has_tokenizer"]:
         return None
+    if early is not None and early[0] == info["tokenizer"]:
+        with contextlib.suppress(Exception):
+            return early[1].result()
     from pagedllm.engine.prompts import load_tokenizer
 
     return load_tokenizer(info["tokenizer"])

@@ -20,9 +20,12 @@ def load_tokenizer(path: str) -> Any:
     """The tokenizer of a model folder, or the one a GGUF file carries."""
     gguf_path = gguf_path_of(path)
     if gguf_path is not None:
-        from pagedllm.models.gguf.loading import gguf_tokenizer
+        # Not through models.gguf.loading, which imports torch: a server's front process
+        # loads this tokenizer too, and needs no torch.
+        from pagedllm.models.gguf.reader import open_gguf
+        from pagedllm.models.gguf.tokenizer import load_gguf_tokenizer
 
-        return gguf_tokenizer(gguf_path)
+        return load_gguf_tokenizer(open_gguf(gguf_path))
     from transformers import AutoTokenizer  # not for a GGUF: its auto mappings cost ~0.6 s
 
     try:

@@ -11,11 +11,14 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pagedllm import Engine, SamplingParams
+from pagedllm import SamplingParams
 from pagedllm.entrypoints.demo_model import NAME, fetch_demo_model
 from pagedllm.log_setup import setup_logging
+
+if TYPE_CHECKING:  # the engine (torch) only where the demo runs: `serve --demo` resolves the
+    from pagedllm import Engine  # model here in its torch-free front process
 
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "assets" / "demo-model"
 
@@ -75,6 +78,8 @@ def main(argv: list[str] | None = None) -> None:
         model, chat = resolve_demo_model(download=not args.no_download)
     print(f"loading {model} ...", flush=True)
     start = time.perf_counter()
+    from pagedllm import Engine
+
     engine = Engine(model, device=args.device, kv_cache_space=1)
     print(f"engine ready in {time.perf_counter() - start:.1f}s", flush=True)
     if chat:

@@ -15,27 +15,29 @@ import math
 import struct
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-# The safetensors dtype names torch can hold.
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "I16": torch.int16,
-    "U16": torch.uint16,
-    "I32": torch.int32,
-    "U32": torch.uint32,
-    "I64": torch.int64,
-    "U64": torch.uint64,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
+# The safetensors dtype names torch can hold (torch's attribute names: torch is imported when a
+# tensor is read, not with this module, whose CheckpointError a torch-free server imports).
+_DTYPE_NAMES: dict[str, str] = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "I16": "int16",
+    "U16": "uint16",
+    "I32": "int32",
+    "U32": "uint32",
+    "I64": "int64",
+    "U64": "uint64",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F32": "float32",
+    "F64": "float64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
 }
 _MAX_HEADER = 100 << 20  # the format's own limit on the JSON header
 
@@ -74,12 +76,15 @@ def _entry(
     where = f"{path}: tensor {name!r}"
     if not isinstance(info, dict):
         raise CheckpointError(f"{where}: header entry is {info!r} (expected an object)")
-    dtype = SAFETENSORS_DTYPES.get(str(info.get("dtype")))
-    if dtype is None:
+    import torch
+
+    dtype_name = _DTYPE_NAMES.get(str(info.get("dtype")))
+    if dtype_name is None:
         raise CheckpointError(
             f"{where}: dtype {info.get('dtype')!r} is unknown "
-            f"(expected one of {', '.join(SAFETENSORS_DTYPES)})"
+            f"(expected one of {', '.join(_DTYPE_NAMES)})"
         )
+    dtype = getattr(torch, dtype_name)
     shape, offsets = info.get("shape"), info.get("data_offsets")
     if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
         raise CheckpointError(f"{where}: shape {shape!r} (expected a list of integers >= 0)")
@@ -140,6 +145,8 @@ def check_safetensors(path: Path) -> None:
 
 def read_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of one file, in file order, each in a buffer of its own."""
+    import torch
+
     try:
         with open(path, "rb", buffering=0) as f:
             size = f.seek(0, 2)

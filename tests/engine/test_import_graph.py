@@ -202,3 +202,47 @@ def test_the_offline_engine_on_a_gguf_imports_nothing_it_does_not_serve_with(
         if start == "second":
             assert not heavy, f"the offline engine loaded {sorted(heavy)}"
     assert (tmp_path / "cache" / "gguf-tokenizers").is_dir()
+
+
+# What `pagedllm serve` imports in its front process (the HTTP side; the engine runs in a core
+# process): these, then the tokenizer the core names, loaded while the core starts.
+_FRONT = """
+import sys
+sys.modules["torch"] = None  # any import of torch now fails, naming the importer
+import pagedllm.entrypoints.cli
+from pagedllm.entrypoints import demo
+from pagedllm.entrypoints.openai.api_server import ServerSettings, model_info, run_server
+from pagedllm.entrypoints.openai.offload import RequestLimits
+from pagedllm.entrypoints.openai.serving_chat import load_chat_template
+from pagedllm.entrypoints.openai.template_render import ChatTemplateError, TemplateLimits
+from pagedllm.engine.core_client import EngineCoreClient
+from pagedllm.engine.core_process import freeze_startup_objects
+from pagedllm.engine.prompts import load_tokenizer
+print(type(load_tokenizer(sys.argv[1])).__name__)
+"""
+
+
+def test_the_server_front_imports_no_torch(tmp_path: Path) -> None:
+    """``pagedllm serve``'s front process (routes, the core's client, the GGUF's cached
+    tokenizer) never imports torch: ~1.5 s of its start, and ~300 MB, it does not use."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import build_model
+    from tests.models.gguf_files import write_gguf
+
+    path = write_gguf(build_model(tmp_path / "llama", "llama"), tmp_path / "m.gguf", default="Q8_0")
+    env = {**os.environ, "PAGEDLLM_CACHE_DIR": str(tmp_path / "cache")}
+    convert = "import sys; from pagedllm.engine.prompts import load_tokenizer as l; l(sys.argv[1])"
+    for script in (convert, _FRONT):  # the first converts and caches the tokenizer
+        done = subprocess.run(
+            [sys.executable, "-c", script, str(path)],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=PACKAGE.parent,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip(), done.stderr[-3000:]

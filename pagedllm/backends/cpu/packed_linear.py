@@ -194,7 +194,7 @@ def _open_cache(
     cache = PackCache.for_source(source, ops, dot=dot)
     layers = cache.load() if cache is not None else None
     if layers:
-        logger.info("packed weights mapped from %s", cache.path)
+        logger.info("packed weights read from %s", cache.path)
     return cache, layers or {}
 
 

@@ -21,7 +21,6 @@ from pydantic import BaseModel
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.running import engine_errors
 from pagedllm.entrypoints.openai.serving_base import ModelInfo
-from pagedllm.lora.adapter import read_adapter
 from pagedllm.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -73,6 +72,8 @@ async def load_adapter(engine: Any, model: ModelInfo, name: str, path: str) -> L
         request = LoRARequest(name, next_id, path)
         # Read off the event loop and off the engine's thread: steps go on meanwhile, and the
         # engine only packs the tensors (its max_lora_rank is checked there).
+        from pagedllm.lora.adapter import read_adapter  # torch: not among the server's imports
+
         weights = await asyncio.to_thread(read_adapter, name, path, max_rank=1 << 30)
         with engine_errors():
             await engine.call(functools.partial(_engine_add_lora, request, weights))

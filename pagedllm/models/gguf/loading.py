@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections import Counter
 from pathlib import Path
@@ -22,24 +21,12 @@ from pagedllm.models.gguf.plan import (
     plan_layers,
     tensor_format,
 )
-from pagedllm.models.gguf.reader import GGUFFile
+from pagedllm.models.gguf.reader import GGUFFile, open_gguf
 from pagedllm.models.gguf.tokenizer import load_gguf_tokenizer
 from pagedllm.models.gguf.weights import BlockDecoder, GGUFWeights
 from pagedllm.models.pooling import PoolingConfig
 
 logger = logging.getLogger(__name__)
-
-
-@functools.lru_cache(maxsize=2)
-def _open(path: str, size: int, mtime_ns: int) -> GGUFFile:
-    return GGUFFile(Path(path))
-
-
-def open_gguf(path: Path) -> GGUFFile:
-    """The parsed file, parsed once per process while it is unchanged (config, tokenizer and
-    weights are read at different moments of one engine start; parsing takes ~0.1-1 s)."""
-    stat = path.stat()
-    return _open(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
 
 
 def gguf_config(path: Path) -> Any:

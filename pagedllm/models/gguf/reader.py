@@ -7,6 +7,7 @@ a truncated or corrupt file must fail at start-up with one line, never load wron
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,6 +134,18 @@ class GGUFFile:
         if not isinstance(arch, str):
             raise GGUFFileError(f"{self.path}: general.architecture is not a string")
         return arch
+
+
+@functools.lru_cache(maxsize=2)
+def _open(path: str, size: int, mtime_ns: int) -> GGUFFile:
+    return GGUFFile(Path(path))
+
+
+def open_gguf(path: Path) -> GGUFFile:
+    """The parsed file, parsed once per process while it is unchanged (config, tokenizer and
+    weights are read at different moments of one engine start; parsing takes ~0.1-1 s)."""
+    stat = path.stat()
+    return _open(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
 
 
 def _one_line(exc: BaseException) -> str:

@@ -19,7 +19,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pagedllm.models.gguf.checks import check_tokenizer
 from pagedllm.models.gguf.reader import GGUFFile, GGUFFileError
 from pagedllm.models.gguf.wordpiece import WORDPIECE_VERSION, wordpiece_tokenizer
 
@@ -59,6 +58,10 @@ def load_gguf_tokenizer(gguf: GGUFFile) -> Any:
         tokenizer = wordpiece_tokenizer(gguf)
         _save(tokenizer, cached)
         return tokenizer
+    # Here, not at the top: the checks import the model's modules (torch), and a cached
+    # tokenizer is loaded in a server's torch-free front process too.
+    from pagedllm.models.gguf.checks import check_tokenizer
+
     check_tokenizer(gguf)  # a merge of unknown tokens: our line, not the library's exception
     try:
         # The fast-tokenizer class itself, not AutoTokenizer: that one first reads the model
