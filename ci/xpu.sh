@@ -53,4 +53,4 @@ PY
 
 # The "ipex" kind of the kernel conformance matrix (marked xpu), then IPEX's own tests.
 "$VENV/bin/python" -m pytest tests/backends/test_attention_conformance.py -m xpu -q -rfEs "$@"
-exec "$VENV/bin/python" -m pytest tests/backends/test_ipex_*.py -q -rfEs "$@"
+exec "$VENV/bin/python" -m pytest tests/backends/test_ipex_*.py -q -rfEs --durations=10 "$@"
