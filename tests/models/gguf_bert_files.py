@@ -180,7 +180,9 @@ def write_encoder_gguf(
         w = array.astype(np.float32)
         if reshape and name in reshape:
             w = np.resize(w, reshape[name])
-        data, qtype = _encode(w, kind)
+        # The token-type table stays F32, as llama.cpp's converter keeps it: llama.cpp adds its
+        # row to the float32 embeddings as it is stored, and has no f32 + f16 addition.
+        data, qtype = _encode(w, "F32" if name == "token_types.weight" else kind)
         if qtype is None:
             writer.add_tensor(name, np.ascontiguousarray(data))
         else:
