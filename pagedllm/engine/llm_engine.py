@@ -106,17 +106,17 @@ class LLMEngine(PoolingMixin):
         if self.sampling_defaults:
             logger.info("sampling defaults (generation_config): %s", self.sampling_defaults)
         self.executor = create_executor(self.config, self.hf_config)
+        self.pooling = resolve_task(
+            model_cfg.task,
+            self.executor.collective_rpc("pooling_info")[-1],  # the last stage's model
+            embed_dim=getattr(self.hf_config, "hidden_size", None),
+        )
         layout = self._size_cache()
         # Lower KV tiers: the one in-process worker's store (config.py refuses other executors).
         self.kv_tiers = (
             self.executor.collective_rpc("kv_tier_store")[0]
             if self.config.cache.kv_tiers_enabled
             else None
-        )
-        self.pooling = resolve_task(
-            model_cfg.task,
-            self.executor.collective_rpc("pooling_info")[-1],  # the last stage's model
-            embed_dim=getattr(self.hf_config, "hidden_size", None),
         )
         if self.pooling.is_pooling and self.config.speculative is not None:
             self.executor.shutdown()
@@ -148,8 +148,12 @@ class LLMEngine(PoolingMixin):
 
         Under pipeline parallelism each virtual engine gets its own share of the blocks.
         """
-        num_device, num_host = self.executor.determine_num_blocks()
         num_virtual = self.config.parallel.num_virtual_engines
+        if not self.pooling.uses_kv_cache:  # an encoder: no block to count, nothing to fit
+            self.executor.initialize_cache(0, 0, num_virtual)
+            logger.info("KV cache: none (the model keeps no KV cache)")
+            return CacheLayout(0, 0, num_virtual, None, False, None)
+        num_device, num_host = self.executor.determine_num_blocks()
         num_device, num_host = num_device // num_virtual, num_host // num_virtual
         windows = set(self.executor.collective_rpc("uniform_sliding_window"))  # every stage's
         window = windows.pop() if len(windows) == 1 else None

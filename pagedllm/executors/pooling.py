@@ -54,8 +54,7 @@ class Pooler:
         """seq_id -> the finished vector of every pooling sequence whose prompt ends now."""
         if not batch.pool_spans:
             return {}
-        parts = [hidden[start : start + count] for _, start, count in batch.pool_spans]
-        rows = parts[0] if len(parts) == 1 else torch.cat(parts)  # [sum(count), H]
+        rows = _pooled_rows(hidden, batch.pool_spans)  # [sum(count), H]
         query_lens = [count for _, _, count in batch.pool_spans]
         pooled = self.model.pool(rows, query_lens)  # [num_seqs, D] float32
         out: dict[int, list[float]] = {}
@@ -68,3 +67,15 @@ class Pooler:
                 vec = finish_embedding(vec, normalize, params.dimensions)
             out[seqs[i].seq_id] = vec[0].tolist()  # a classifier's logits as the head gives them
         return out
+
+
+def _pooled_rows(hidden: torch.Tensor, spans: list[tuple[int, int, int]]) -> torch.Tensor:
+    """The rows of the pooled sequences, back to back: a view where they already are (an
+    encoder's step pools every token; its copy was ~4% of a batch-32 MiniLM step), else
+    gathered."""
+    first, end = spans[0][1], spans[0][1]
+    for _, start, count in spans:
+        if start != end:
+            return torch.cat([hidden[s : s + n] for _, s, n in spans])
+        end = start + count
+    return hidden[first:end]

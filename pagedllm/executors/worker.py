@@ -236,12 +236,8 @@ class Worker:
 
     def determine_num_blocks(self) -> tuple[int, int]:
         """Device blocks from the memory budget left after a profiling pass; host from swap."""
-        if not self._uses_kv_cache():
-            # Notional blocks (the scheduler never hands an encoder's request any), enough that
-            # the context is not cut to fit them.
-            cache, sched = self.config.cache, self.config.scheduler
-            need = -(-sched.max_model_len // cache.block_size) * 2 + 2
-            return cache.num_kv_blocks or need, 0
+        if not self._uses_kv_cache():  # an encoder: the engine reserves no block for it
+            return 0, 0
         spec = self.cache_spec()
         per_block = CacheEngine.bytes_per_block(spec)
         if self.spec is not None:  # a draft model's cache has as many blocks

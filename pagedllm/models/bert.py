@@ -270,7 +270,9 @@ def pool_index(query_lens: list[int], device: torch.device) -> torch.Tensor:
 
 class BertForSequenceClassification(BertModel):
     """A cross-encoder: the pooler (dense + tanh on [CLS]) then a linear classifier; ``pool``
-    answers the logits ``[num_seqs, num_labels]`` in float32."""
+    answers the logits ``[num_seqs, num_labels]`` in float32. A GGUF rank file without
+    llama.cpp's ``cls`` tensor has no pooler (``classifier_pooler`` False, our own config field):
+    its classifier reads [CLS] as it is, as llama.cpp computes such a file."""
 
     task = "classify"
     ignored_weights = ("cls.", "lm_head.", "position_ids")
@@ -279,12 +281,16 @@ class BertForSequenceClassification(BertModel):
         super().__init__(config, **kwargs)
         hidden = config.hidden_size
         self.pooling_config = PoolingConfig(PoolingType.CLS, normalize=False)
-        self.pooler = nn.Module()
-        self.pooler.dense = ColumnParallelLinear(hidden, [hidden], bias=True)
+        self.pooler: nn.Module | None = None
+        if getattr(config, "classifier_pooler", True):
+            self.pooler = nn.Module()
+            self.pooler.dense = ColumnParallelLinear(hidden, [hidden], bias=True)
         self.classifier = ColumnParallelLinear(hidden, [config.num_labels], bias=True)
 
     def pool(self, hidden: torch.Tensor, query_lens: list[int]) -> torch.Tensor:
-        pooled = torch.tanh(self.pooler.dense(first_tokens(hidden, query_lens)))
+        pooled = first_tokens(hidden, query_lens)
+        if self.pooler is not None:
+            pooled = torch.tanh(self.pooler.dense(pooled))
         return self.classifier(pooled).float()
 
 

@@ -4,7 +4,10 @@ What llama.cpp's converter writes for a sentence-transformers BERT: hyper-parame
 ``bert.*`` (``attention.causal`` false, ``pooling_type`` from the folder), the WordPiece vocabulary
 in its phantom-space form (``▁word``, ``piece`` for ``##piece``, brackets kept) with [CLS] as the
 bos token and [SEP] as separator and eos, and the encoder's tensors under llama.cpp's names.
-Matrices are written in the type asked (F32, F16, Q8_0); vectors (norms, biases) as F32.
+Matrices are written in the type asked (F32, F16, Q8_0); vectors (norms, biases) as F32. A
+``BertForSequenceClassification`` written as a rank file (``pooling="rank"``) keeps its head as
+llama.cpp's ``cls`` (the pooler's dense) and ``cls.output`` (the classifier), with its labels
+under ``bert.classifier.output_labels``.
 """
 
 from __future__ import annotations
@@ -32,15 +35,20 @@ _GLOBAL = {
     "embeddings.position_embeddings": "position_embd",
     "embeddings.LayerNorm": "token_embd_norm",
 }
+# A sequence classifier's head, in a rank file only.
+_HEAD = {"pooler.dense": "cls", "classifier": "cls.output"}
 POOLING = {"none": 0, "mean": 1, "cls": 2, "last": 3, "rank": 4}
 
 
-def gguf_bert_name(hf_name: str) -> str | None:
-    """llama.cpp's name of one BertModel tensor; None for what it does not convert."""
+def gguf_bert_name(hf_name: str, *, rank: bool = False) -> str | None:
+    """llama.cpp's name of one BertModel tensor (of a classifier's head too, for a ``rank``
+    file); None for what it does not convert."""
     name = hf_name.removeprefix("bert.")
     stem, _, suffix = name.rpartition(".")
     if stem in _GLOBAL:
         return f"{_GLOBAL[stem]}.{suffix}"
+    if rank and stem in _HEAD:
+        return f"{_HEAD[stem]}.{suffix}"
     parts = stem.split(".")
     if parts[:2] == ["encoder", "layer"] and ".".join(parts[3:]) in _BLOCK:
         return f"blk.{parts[2]}.{_BLOCK['.'.join(parts[3:])]}.{suffix}"
@@ -93,9 +101,12 @@ def write_bert_gguf(
     tensors = {}
     for file in sorted(folder.glob("*.safetensors")):
         for hf_name, array in load_file(str(file)).items():
-            name = gguf_bert_name(hf_name)
+            name = gguf_bert_name(hf_name, rank=pooling == "rank")
             if name is not None:
                 tensors[name] = array
+    if pooling == "rank":
+        labels = config.get("id2label") or {"0": "LABEL_0"}
+        metadata = {"bert.classifier.output_labels": list(labels.values()), **(metadata or {})}
     return write_encoder_gguf(
         out,
         "bert",
@@ -157,6 +168,8 @@ def write_encoder_gguf(
         writer.kv_data[0].pop(key, None)
         if isinstance(value, bool):
             writer.add_bool(key, value)
+        elif isinstance(value, list):
+            writer.add_array(key, value)
         elif isinstance(value, int):
             writer.add_uint32(key, value)
         else:
@@ -167,7 +180,9 @@ def write_encoder_gguf(
         w = array.astype(np.float32)
         if reshape and name in reshape:
             w = np.resize(w, reshape[name])
-        data, qtype = _encode(w, kind)
+        # The token-type table stays F32, as llama.cpp's converter keeps it: llama.cpp adds its
+        # row to the float32 embeddings as it is stored, and has no f32 + f16 addition.
+        data, qtype = _encode(w, "F32" if name == "token_types.weight" else kind)
         if qtype is None:
             writer.add_tensor(name, np.ascontiguousarray(data))
         else:

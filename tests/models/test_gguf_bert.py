@@ -2,7 +2,8 @@
 BertModel written as F32, F16 and Q8_0 files against sentence-transformers on the source folder,
 the pooling the file names, the WordPiece tokenizer against BertTokenizerFast on the same
 vocabulary, one-line refusals of damaged files, and the real all-MiniLM-L6-v2 converted to GGUF
-against its safetensors folder."""
+against its safetensors folder. Rank files (cross-encoders): a random-weight
+BertForSequenceClassification written as llama.cpp writes one, against transformers' logits."""
 
 from __future__ import annotations
 
@@ -68,19 +69,23 @@ def _st_modules(folder: Path, mode: str) -> None:
     (folder / "modules.json").write_text(json.dumps(modules))
 
 
-def build_bert(folder: Path, *, cased: bool = False, mode: str = "mean_tokens") -> Path:
-    """A tiny random-weight BertModel with a WordPiece tokenizer and sentence-transformers'
-    pooling modules (``mode``, normalised)."""
-    tokenizer = _tokenizer(folder, cased)
-    config = transformers.BertConfig(
-        vocab_size=len(tokenizer),
+def _config(tokenizer: object, **extra: int) -> object:
+    return transformers.BertConfig(
+        vocab_size=len(tokenizer),  # type: ignore[arg-type]
         hidden_size=64,
         num_hidden_layers=2,
         num_attention_heads=4,
         intermediate_size=96,
         max_position_embeddings=64,
         type_vocab_size=2,
+        **extra,
     )
+
+
+def build_bert(folder: Path, *, cased: bool = False, mode: str = "mean_tokens") -> Path:
+    """A tiny random-weight BertModel with a WordPiece tokenizer and sentence-transformers'
+    pooling modules (``mode``, normalised)."""
+    config = _config(_tokenizer(folder, cased))
     torch.manual_seed(0)
     model = transformers.BertModel(config, add_pooling_layer=False)
     widen(model)
@@ -184,7 +189,10 @@ def test_tokenizer_matches_bert_tokenizer_fast(tmp_path: Path, cased: bool) -> N
         ({"metadata": {"bert.block_count": 1}}, r"bert\.block_count is 1, but .* blk\.1"),
         ({"metadata": {"bert.context_length": 99}}, r"context_length is 99, but position_embd"),
         ({"metadata": {"bert.attention.causal": True}}, r"bert\.attention\.causal is true"),
-        ({"metadata": {"bert.pooling_type": 4}}, r"bert\.pooling_type is 4 \(rank"),
+        (
+            {"metadata": {"bert.pooling_type": 4}},  # rank, but no classifier
+            r"cls\.output\.weight is missing \(a rank file's classifier needs it\)",
+        ),
         ({"metadata": {"bert.pooling_type": 9}}, r"bert\.pooling_type is 9"),
         ({"metadata": {"bert.attention.layer_norm_epsilon": -1.0}}, r"layer_norm_epsilon is"),
     ],
@@ -255,3 +263,112 @@ def test_q8_0_file_second_start_from_the_packed_cache(
         del engine
     assert list((tmp_path / "cache" / "packed").iterdir()), "no packed cache written"
     np.testing.assert_array_equal(runs[0], runs[1])
+
+
+# --- rank files: cross-encoders ----------------------------------------------------------------
+
+
+def build_classifier(folder: Path, num_labels: int) -> Path:
+    """A tiny random-weight BertForSequenceClassification with a WordPiece tokenizer."""
+    config = _config(_tokenizer(folder, cased=False), num_labels=num_labels)
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(config)
+    widen(model)
+    model.save_pretrained(str(folder))
+    return folder
+
+
+def hf_logits(folder: Path, pairs: list[tuple[str, str]], *, pooler: bool = True) -> torch.Tensor:
+    """transformers' logits per pair; ``pooler`` False: its classifier on [CLS] as it is (what
+    llama.cpp computes for a rank file without ``cls``)."""
+    tok = transformers.BertTokenizerFast.from_pretrained(str(folder))
+    model = transformers.BertForSequenceClassification.from_pretrained(str(folder)).eval()
+    rows = []
+    with torch.inference_mode():
+        for query, doc in pairs:
+            enc = tok(query, doc, return_tensors="pt")
+            if pooler:
+                rows.append(model(**enc).logits[0])
+            else:
+                rows.append(model.classifier(model.bert(**enc).last_hidden_state[:, 0])[0])
+    return torch.stack(rows)
+
+
+PAIRS = [(TEXTS[1], doc) for doc in TEXTS]
+
+
+@pytest.mark.parametrize(("kind", "atol"), [("F32", 1e-5), ("F16", 2e-3)])
+def test_rank_file_scores_as_transformers(tmp_path: Path, kind: str, atol: float) -> None:
+    """A one-label cross-encoder as a rank file: the engine serves it as a classifier, and
+    ``Engine.score`` answers transformers' sigmoid logits, documents in the same order."""
+    import numpy as np
+
+    from pagedllm import Engine
+
+    folder = build_classifier(tmp_path / "ce", num_labels=1)
+    path = write_bert_gguf(folder, tmp_path / f"ce-{kind}.gguf", kind=kind, pooling="rank")
+    engine = Engine(str(path), device="cpu", dtype="float32")
+    assert engine.pooling.task == "score" and not engine.pooling.uses_kv_cache
+    query, docs = PAIRS[0][0], [doc for _, doc in PAIRS]
+    got = np.asarray([o.score for o in engine.score(query, docs)])
+    want = torch.sigmoid(hf_logits(folder, PAIRS)[:, 0]).numpy()
+    np.testing.assert_allclose(got, want, rtol=0, atol=atol)
+    if kind == "F32":
+        assert list(np.argsort(-got)) == list(np.argsort(-want))
+
+
+@pytest.mark.parametrize("pooler", [True, False])
+def test_rank_file_logits_with_and_without_cls(tmp_path: Path, pooler: bool) -> None:
+    """Three labels; with llama.cpp's ``cls`` (BERT's pooler: dense + tanh) and without it (the
+    classifier on [CLS] as it is), each as transformers computes it."""
+    from pagedllm.models.gguf.loading import gguf_tokenizer
+
+    folder = build_classifier(tmp_path / "ce3", num_labels=3)
+    drop = () if pooler else ("cls.weight", "cls.bias")
+    path = write_bert_gguf(folder, tmp_path / "ce3.gguf", pooling="rank", drop=drop)
+    model = load_packed(path, torch.float32)
+    assert (model.pooler is not None) is pooler
+    tok = gguf_tokenizer(path)
+    encs = [tok(query, doc) for query, doc in PAIRS]
+    lens = [len(e["input_ids"]) for e in encs]
+    ids = torch.tensor([t for e in encs for t in e["input_ids"]])
+    types = torch.tensor([t for e in encs for t in e["token_type_ids"]])
+    positions = torch.cat([torch.arange(n) for n in lens])
+    with torch.inference_mode():
+        hidden = model(ids, positions, [], encoder_meta(lens), token_type_ids=types)
+        got = model.pool(hidden, lens)
+    want = hf_logits(folder, PAIRS, pooler=pooler)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ({"drop": ("cls.output.weight",)}, r"cls\.output\.weight is missing \(a rank file's"),
+        ({"drop": ("cls.output.bias",)}, r"cls\.output\.bias is missing"),
+        ({"drop": ("cls.bias",)}, r"cls\.bias is missing"),
+        (
+            {"reshape": {"cls.output.weight": (3, 32)}},
+            r"cls\.output\.weight has shape \[3, 32\] where bert\.embedding_length 64 make",
+        ),
+        ({"reshape": {"cls.weight": (64, 32)}}, r"cls\.weight has shape \[64, 32\]"),
+        (
+            {"metadata": {"bert.classifier.output_labels": ["a", "b"]}},
+            r"output_labels names 2 labels, but cls\.output\.weight has 3 rows",
+        ),
+        (
+            {"metadata": {"bert.pooling_type": 1}},
+            r"cls\.bias is a classifier's, but bert\.pooling_type is not 4",
+        ),
+    ],
+)
+def test_damaged_rank_files_are_refused_in_one_line(
+    tmp_path: Path, damage: dict, message: str
+) -> None:
+    from pagedllm.models.model_loader import load_hf_config
+
+    folder = build_classifier(tmp_path / "ce", num_labels=3)
+    path = write_bert_gguf(folder, tmp_path / "bad.gguf", pooling="rank", **damage)
+    with pytest.raises(GGUFFileError, match=message) as info:
+        load_hf_config(str(path))
+    assert "\n" not in str(info.value)

@@ -233,9 +233,9 @@ def config_values(gguf: GGUFFile) -> tuple[Family, dict[str, Any]]:
     """The family, and the keyword arguments of its transformers config class."""
     family = family_of(gguf)
     arch = gguf.architecture
-    if family.encoder:  # no rotary, no head: encoder.py
+    if family.encoder:  # an encoder, or a rank file's classifier: encoder.py
         values = encoder_config_values(gguf)
-        values["architectures"] = [family.architecture]
+        values.setdefault("architectures", [family.architecture])  # a rank file: its classifier
         values["dtype"] = stored_dtype(gguf)
         return family, values
     values = _hyper_parameters(gguf, arch)

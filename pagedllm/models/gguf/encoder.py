@@ -10,6 +10,13 @@ whether to normalise: llama.cpp's server normalises embeddings by default, and s
 ``nomic-bert`` (nomic-embed-text) is the same post-norm encoder with rotary positions at
 ``rope.freq_base`` (no ``position_embd``), fused ``attn_qkv`` and a SwiGLU MLP (``ffn_gate``,
 ``ffn_up``), biases where its tensors have them.
+
+A ``bert`` file whose ``pooling_type`` is 4 (rank) is a cross-encoder: llama.cpp's converter
+writes a sequence classifier's head as ``cls`` (BERT's pooler, or RoBERTa's ``classifier.dense``:
+dense + tanh on the first token; optional, as llama.cpp applies it only where present) and
+``cls.output`` (the classifier, one row per label). They load as our
+``BertForSequenceClassification``'s ``pooler.dense`` and ``classifier``, its pooler left out
+(``classifier_pooler`` False) where the file has no ``cls``.
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ GLOBAL_TENSORS = {
     "position_embd": "embeddings.position_embeddings",
     "token_embd_norm": "embeddings.LayerNorm",
 }
+# A rank file's classifier head (llama.cpp's ``cls``/``cls.output``) -> our linear module.
+HEAD_TENSORS = {"cls": "pooler.dense", "cls.output": "classifier"}
 # llama.cpp's ``LLAMA_POOLING_TYPE_*``: 0 none (a vector per token), 1 mean, 2 cls, 3 last,
 # 4 rank (a cross-encoder's score).
 _POOLING = {1: PoolingType.MEAN, 2: PoolingType.CLS, 3: PoolingType.LAST}
@@ -63,6 +72,9 @@ def encoder_hf_name(gguf_name: str, arch: str) -> tuple[str, str | None]:
         path, module = blocks[parts[2]]
         stem = f"encoder.layer.{parts[1]}"
         return f"{stem}.{path}.{parts[3]}", None if module is None else f"{stem}.{module}"
+    head = ".".join(parts[:-1])
+    if arch == "bert" and head in HEAD_TENSORS and parts[-1] in _SUFFIXES:
+        return f"{HEAD_TENSORS[head]}.{parts[-1]}", HEAD_TENSORS[head]
     rotary = arch == "nomic-bert" and parts[0] == "position_embd"
     if len(parts) == 2 and parts[0] in GLOBAL_TENSORS and not rotary and parts[1] in _SUFFIXES:
         return f"{GLOBAL_TENSORS[parts[0]]}.{parts[1]}", None
@@ -77,7 +89,7 @@ def encoder_config_values(gguf: GGUFFile) -> dict[str, Any]:
         raise GGUFFileError(
             f"{gguf.path}: {arch}.attention.causal is true; a {arch} encoder attends both ways"
         )
-    pooling_type(gguf)  # a rank (cross-encoder) file: refused by name before loading
+    pooling_type(gguf)  # an unknown pooling, or rank in a nomic-bert: refused by name
     heads = int(gguf.metadata(f"{arch}.attention.head_count"))
     tensors = gguf.tensors
     positions = gguf.metadata(f"{arch}.context_length", None)
@@ -107,6 +119,23 @@ def encoder_config_values(gguf: GGUFFile) -> dict[str, Any]:
         "position_embedding_type": "absolute",
         "tie_word_embeddings": False,
         **rotary,
+        **_classifier(gguf),
+    }
+
+
+def is_rank(gguf: GGUFFile) -> bool:
+    """Whether the file is a cross-encoder (``pooling_type`` 4, rank)."""
+    return gguf.metadata(f"{gguf.architecture}.pooling_type", None) == _RANK_POOLING
+
+
+def _classifier(gguf: GGUFFile) -> dict[str, Any]:
+    """A rank file's config as a sequence classifier's (its head checked by encoder_checks)."""
+    if not is_rank(gguf):
+        return {}
+    return {
+        "architectures": ["BertForSequenceClassification"],
+        "num_labels": int(gguf.tensors["cls.output.weight"].shape[0]),
+        "classifier_pooler": "cls.weight" in gguf.tensors,
     }
 
 
@@ -118,10 +147,12 @@ def pooling_type(gguf: GGUFFile) -> PoolingType | None:
     if value is None:
         return None
     if value == _RANK_POOLING:
-        raise GGUFFileError(
-            f"{gguf.path}: {arch}.pooling_type is 4 (rank: a cross-encoder's score), which "
-            "GGUF files do not serve here yet (use the checkpoint's safetensors folder)"
-        )
+        if arch != "bert":
+            raise GGUFFileError(
+                f"{gguf.path}: {arch}.pooling_type is 4 (rank: a cross-encoder's score), which "
+                "only bert files serve here"
+            )
+        return PoolingType.CLS  # a cross-encoder's head reads the first token
     if value == _NO_POOLING:
         logger.warning(
             "%s: %s.pooling_type is 0 (a vector per token, not served); pooling by the model's "

@@ -8,6 +8,7 @@ the keys that size it, not as a reshape error while loading.
 
 from __future__ import annotations
 
+from pagedllm.models.gguf.encoder import HEAD_TENSORS, is_rank
 from pagedllm.models.gguf.reader import GGUFFile, GGUFFileError
 
 _BLOCK_MATRICES = {
@@ -97,3 +98,31 @@ def check_encoder(gguf: GGUFFile, arch: str, sizes: dict[str, int]) -> None:
         raise _fail(
             gguf, f"{arch}.block_count is {blocks}, but the file has tensors of blk.{extra[0]}"
         )
+    _check_head(gguf, arch, hidden)
+
+
+def _check_head(gguf: GGUFFile, arch: str, hidden: int) -> None:
+    """A rank file's classifier: ``cls.output`` [labels, hidden] with its bias, as many labels
+    as ``<arch>.classifier.output_labels`` names where it names them, and ``cls`` [hidden,
+    hidden] with its bias or neither; any other file has no classifier tensors."""
+    head = sorted(n for n in gguf.tensors if n.rpartition(".")[0] in HEAD_TENSORS)
+    if not is_rank(gguf):
+        if head:
+            raise _fail(gguf, f"{head[0]} is a classifier's, but {arch}.pooling_type is not 4")
+        return
+    h, why = f"{arch}.embedding_length {hidden}", "a rank file's classifier"
+    labels = _rows(gguf, "cls.output.weight", why)
+    named = gguf.metadata(f"{arch}.classifier.output_labels", None)
+    if isinstance(named, list) and len(named) != labels:
+        raise _fail(
+            gguf,
+            f"{arch}.classifier.output_labels names {len(named)} labels, but cls.output.weight "
+            f"has {labels} rows",
+        )
+    if labels < 1:
+        raise _fail(gguf, "cls.output.weight has no rows (a classifier needs a label)")
+    _need(gguf, "cls.output.weight", (labels, hidden), h, why)
+    _need(gguf, "cls.output.bias", (labels,), "its weight's rows", why)
+    if "cls.weight" in gguf.tensors or "cls.bias" in gguf.tensors:
+        _need(gguf, "cls.weight", (hidden, hidden), h, why)
+        _need(gguf, "cls.bias", (hidden,), h, why)
