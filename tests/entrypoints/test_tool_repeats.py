@@ -174,3 +174,33 @@ def test_a_stream_never_sends_the_repeated_call() -> None:
         t["function"]["arguments"] for t in message["tool_calls"]
     ]
     assert calls[1]["arguments"] == '{"city": "Pa'
+
+
+def test_each_choice_ends_at_its_own_repeat() -> None:
+    """``n`` = 2: a choice cut at its repeat stays cut in every later output while the other
+    goes on; the request ends (and is aborted) once both have ended."""
+    texts = ["[" + ", ".join([PARIS, PARIS, OSLO, ADD]), "[" + ", ".join([OSLO, ADD, PARIS, OSLO])]
+    longest = max(map(len, texts))
+
+    def output(end: int) -> RequestOutput:
+        return RequestOutput(
+            "r",
+            None,
+            [1],
+            [
+                CompletionOutput(i, t[:end], list(range(min(end, len(t)))))
+                for i, t in enumerate(texts)
+            ],
+            finished=False,
+        )
+
+    outs = [output(end) for end in range(1, longest + 1, 3)]
+    fake = FakeStream(outs[1:])
+    stop = RepeatStop(fake, RequiredCallsParser(), lambda ids: texts[0][: len(ids)])
+    seen = asyncio.run(_read_all(stop, outs[0]))
+    assert seen[-1].finished and fake.aborted
+    first, second = seen[-1].outputs
+    assert first.text == f"[{PARIS}]" and second.text == f"[{OSLO}, {ADD}, {PARIS}]"
+    cut_at = next(i for i, o in enumerate(seen) if o.outputs[0].finish_reason == "stop")
+    assert all(o.outputs[0] == first for o in seen[cut_at:])
+    assert all(o.outputs[1].finish_reason is None for o in seen[:-1])
