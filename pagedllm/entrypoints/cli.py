@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import socket
 import sys
 import time
@@ -59,8 +60,11 @@ def check_serve_settings(args: argparse.Namespace, template: str | None) -> None
         raise ValueError(f"--max-logprobs: must be >= 0, got {args.max_logprobs}")
     if not args.shutdown_timeout >= 0:
         raise ValueError(f"--shutdown-timeout: must be >= 0, got {args.shutdown_timeout}")
-    if not args.chat_template_timeout > 0:
-        raise ValueError(f"--chat-template-timeout: must be > 0, got {args.chat_template_timeout}")
+    if not 0 < args.chat_template_timeout < math.inf:  # nan and inf too: the bound is a guard
+        raise ValueError(
+            "--chat-template-timeout: must be a number of seconds > 0 (a bound on each render; "
+            f"there is no unlimited setting, give a large one), got {args.chat_template_timeout}"
+        )
     if template is not None:
         from jinja2 import TemplateSyntaxError
         from jinja2.sandbox import ImmutableSandboxedEnvironment

@@ -19,6 +19,9 @@ NO_MODEL = "/nonexistent/model-folder"  # loading it would fail: these errors mu
         (["serve", NO_MODEL, "--port", "70000"], "--port"),
         (["serve", NO_MODEL, "--port", "0"], "--port"),
         (["serve", NO_MODEL, "--max-logprobs", "-1"], "--max-logprobs"),
+        (["serve", NO_MODEL, "--chat-template-timeout", "inf"], "--chat-template-timeout"),
+        (["serve", NO_MODEL, "--chat-template-timeout", "nan"], "--chat-template-timeout"),
+        (["serve", NO_MODEL, "--chat-template-timeout", "0"], "--chat-template-timeout"),
         (
             ["serve", NO_MODEL, "--chat-template", "{% for m in messages %}{{ m }"],
             "--chat-template",

@@ -146,9 +146,9 @@ def _check_calls(message: Any) -> list[str]:
 
 
 @pytest.mark.parametrize("parallel", [True, None, False])
-def test_the_fallback_makes_several_calls_only_if_asked(fallback: Any, parallel: bool) -> None:
-    """Several calls in one reply (each valid, the same streamed) with ``parallel_tool_calls:
-    true``; never more than one left out (small models repeat a call) or false."""
+def test_the_fallback_makes_several_calls_unless_told_not_to(fallback: Any, parallel: bool) -> None:
+    """Several calls in one reply (each valid, no two the same, the same streamed) when
+    ``parallel_tool_calls`` is true or left out (OpenAI's default); exactly one when false."""
     most = 0
     for seed in range(8):
         kwargs: dict[str, Any] = dict(
@@ -163,9 +163,63 @@ def test_the_fallback_makes_several_calls_only_if_asked(fallback: Any, parallel:
         choice = r.choices[0]
         if choice.finish_reason == "tool_calls":
             most = max(most, len(_check_calls(choice.message)))
+            calls = [
+                (c.function.name, json.loads(c.function.arguments))
+                for c in choice.message.tool_calls
+            ]
+            assert all(calls.index(c) == i for i, c in enumerate(calls)), calls  # no repeat
         shape = _shape(choice.message, choice.finish_reason)
         assert _streamed_shape(fallback.chat.completions.create(stream=True, **kwargs)) == shape
-    assert most >= 2 if parallel else most == 1
+    assert most >= 2 if parallel is not False else most == 1
+
+
+PING = [  # a tool whose only call is {"name": "ping", "arguments": {}}: any second one repeats it
+    {
+        "type": "function",
+        "function": {
+            "name": "ping",
+            "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+        },
+    }
+]
+
+
+@pytest.mark.parametrize("tool_choice", [None, "required"], ids=["auto", "required"])
+def test_a_repeated_call_ends_the_reply(
+    fallback: Any, tools_model: Path, tool_choice: str | None
+) -> None:
+    """A repeat forced: one tool with one possible call, and "," (another call follows) made
+    far likelier than "]" by logit_bias. The reply ends at the repeat: the call once,
+    finish_reason "tool_calls", the same streamed, far fewer tokens than max_tokens (without the
+    stop the model writes ping after ping until max_tokens)."""
+    from transformers import AutoTokenizer
+
+    comma = AutoTokenizer.from_pretrained(str(tools_model)).convert_tokens_to_ids(",")
+    extra = {} if tool_choice is None else {"tool_choice": tool_choice}
+    calls = 0
+    for seed in range(4):
+        kwargs: dict[str, Any] = dict(
+            model=MODEL,
+            messages=PARIS,
+            tools=PING,
+            seed=seed,
+            max_tokens=300,
+            logit_bias={str(comma): 50},
+            **extra,
+        )
+        r = fallback.chat.completions.create(**kwargs)
+        choice = r.choices[0]
+        if tool_choice is None and choice.finish_reason != "tool_calls":
+            continue  # the fallback's random model chose to answer in text
+        assert choice.finish_reason == "tool_calls", choice
+        assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [
+            ("ping", "{}")
+        ]
+        assert r.usage.completion_tokens < 100, r.usage
+        shape = _shape(choice.message, choice.finish_reason)
+        assert _streamed_shape(fallback.chat.completions.create(stream=True, **kwargs)) == shape
+        calls += 1
+    assert calls > 0
 
 
 def test_response_format_shapes_the_fallback_answer(fallback: Any) -> None:

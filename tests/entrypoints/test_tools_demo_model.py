@@ -51,24 +51,55 @@ def demo_client() -> Iterator[Any]:
     thread.join(30)
 
 
+def _shape(message: Any, reason: str | None) -> tuple[Any, ...]:
+    calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+    return message.content or "", calls, reason
+
+
+def _streamed_shape(stream: Any) -> tuple[Any, ...]:
+    content, calls, reason = "", [], None
+    for chunk in stream:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for tc in choice.delta.tool_calls or []:
+                if tc.index == len(calls):
+                    calls.append([tc.function.name, ""])
+                calls[tc.index][1] += tc.function.arguments or ""
+            reason = choice.finish_reason or reason
+    return content, [tuple(c) for c in calls], reason
+
+
 def test_the_demo_model_calls_get_weather_with_no_flags(demo_client: Any) -> None:
     """At the server's default sampling, seeded so that the test is repeatable: every reply is
-    a call or an answer, and most are a get_weather call (about 5 in 6 when this was written)."""
+    calls or an answer, most are get_weather calls, and no list of calls runs to max_tokens:
+    several calls per reply are allowed (OpenAI's default), and the reply ends at a repeated
+    call (before that stop the demo model wrote the same call until max_tokens in 3 replies of
+    8). Streamed and unstreamed replies agree."""
     calls = 0
-    for seed in range(5):
-        r = demo_client.chat.completions.create(
+    for seed in range(8):
+        kwargs: dict[str, Any] = dict(
             model="demo",
             messages=[{"role": "user", "content": "What's the weather in Paris?"}],
             tools=[WEATHER],
-            max_tokens=60,
+            max_tokens=120,
             seed=seed,
         )
+        r = demo_client.chat.completions.create(**kwargs)
         choice = r.choices[0]
+        # A text answer may run long; calls never do (the symptom of repeats: a cut list).
+        assert choice.finish_reason != "length" or not choice.message.tool_calls, (seed, choice)
+        if seed < 3:
+            streamed = _streamed_shape(demo_client.chat.completions.create(stream=True, **kwargs))
+            assert streamed == _shape(choice.message, choice.finish_reason)
         if choice.finish_reason != "tool_calls":
             assert choice.message.tool_calls is None and choice.message.content is not None
             continue
-        (call,) = choice.message.tool_calls
-        assert call.function.name == "get_weather" and choice.message.content is None
-        assert isinstance(json.loads(call.function.arguments)["city"], str)
+        made = [
+            (c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls
+        ]
+        assert all(made.index(c) == i for i, c in enumerate(made)), made  # no repeat
+        for name, args in made:
+            assert name == "get_weather" and isinstance(args["city"], str)
+        assert choice.message.content is None
         calls += 1
-    assert calls >= 3
+    assert calls >= 5

@@ -95,8 +95,8 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    # None (left out): OpenAI's default, true, except for the tool fallback's "auto" (one call:
-    # serving_tools._fallback_plan says why).
+    # None (left out): OpenAI's default, true (several calls per reply; a repeated call ends a
+    # constrained reply: tool_repeats).
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import Request
 
 from pagedllm.core.guided_params import GuidedDecodingParams
+from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.engine.client import EngineClient, RequestStream
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
@@ -33,6 +34,7 @@ from pagedllm.entrypoints.openai.template_render import (
     TemplateRenderer,
 )
 from pagedllm.entrypoints.openai.tool_auto import detect_auto_tools, with_system_text
+from pagedllm.entrypoints.openai.tool_repeats import stop_at_repeats
 from pagedllm.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -244,6 +246,8 @@ class OpenAIServingChat(ServingBase):
             raw_request=raw_request,
             lora_request=lora,
         )
+        if plan.parser is not None and params.best_of == params.n and not params.use_beam_search:
+            pairs = stop_at_repeats(pairs, plan.parser, self._decoder(params))
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return EventStreamResponse(
@@ -251,6 +255,11 @@ class OpenAIServingChat(ServingBase):
             )
         (final,) = await self.collect(pairs, raw_request)
         return self._response(req, final, prompt, request_id, created, plan)
+
+    def _decoder(self, params: SamplingParams) -> Callable[[list[int]], str]:
+        """Token ids to text as the engine's detokenizer writes a reply (for ``tool_repeats``)."""
+        skip = params.skip_special_tokens
+        return lambda ids: self.tokenizer.decode(ids, skip_special_tokens=skip)
 
     def _response(
         self,

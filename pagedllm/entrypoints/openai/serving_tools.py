@@ -5,10 +5,13 @@
 - ``"auto"`` (the default with tools): tools are rendered by the chat template and the reply is
   parsed in the format the template names (or ``--tool-call-parser``); a template that cannot
   render tools gets the JSON-constrained fallback of ``tool_auto`` (the tools described in a
-  system message, the reply calls (several only with ``parallel_tool_calls: true``) or an
-  answer, the answer shaped by ``response_format``).
+  system message, the reply calls (one or more; exactly one with ``parallel_tool_calls:
+  false``) or an answer, the answer shaped by ``response_format``).
 - ``"required"``: constrained decoding to a JSON array of ``{"name", "arguments"}`` objects, one
   schema per tool (``parallel_tool_calls: false`` allows one call).
+
+A constrained list of calls (``"required"``, the fallback's) ends at its first repeated call:
+``tool_repeats``.
 - a named function: constrained decoding to that function's ``parameters`` schema; the whole reply
   is its arguments.
 
@@ -176,15 +179,14 @@ def _fallback_plan(req: ChatCompletionRequest, plan: ToolPlan) -> ToolPlan:
     """The "auto" choice on a template without tools: the tools in a system message, the reply
     constrained to calls or an answer (the request's ``response_format`` shaping it).
 
-    Several calls in one reply only when the request sets ``parallel_tool_calls: true``; left
-    out, one. A model whose template cannot show tools is usually a small one, and small ones
-    repeat themselves: the demo model, free to add calls, wrote the same get_weather call again
-    and again until max_tokens in 3 replies of 8 (and no JSON schema can forbid a repeat).
+    One or more calls per reply, as OpenAI's ``parallel_tool_calls`` defaults to; false: exactly
+    one. Small models, free to add calls, repeat one (the demo model did until max_tokens in 3
+    replies of 8): the reply ends at the first repeat (``tool_repeats``).
     """
     assert req.tools is not None
     guided, param = guided_from_request(req)
     answer = _answer_schema(guided, param)
-    parallel = req.parallel_tool_calls is True
+    parallel = req.parallel_tool_calls is not False
     plan.tools = None
     plan.system_text = fallback_prompt(req.tools, True, parallel, answer)
     plan.parser = FallbackToolParser(raw_answer=answer is not None)
@@ -297,7 +299,9 @@ class ToolStreamer:
         parser, text = self.plan.parser, c.text
         delta: dict[str, Any] = {}
         if c.finish_reason is None:
-            calls = self._advance(parser.partial_calls(text))
+            # A constrained list of calls ends at a repeat (tool_repeats): a call to a tool
+            # already called waits until it is complete, so that no repeat is ever sent.
+            calls = self._advance(parser.partial_calls(text), parser.calls_array(text) is not None)
             reason = None
         else:
             calls, reason = self._finish(c)
@@ -309,11 +313,17 @@ class ToolStreamer:
             delta["tool_calls"] = calls
         return (delta or None), reason
 
-    def _advance(self, calls: list[PartialCall]) -> list[dict[str, Any]]:
-        """Deltas for the calls begun so far: a new call's head, new argument text."""
+    def _advance(
+        self, calls: list[PartialCall], hold_repeats: bool = False
+    ) -> list[dict[str, Any]]:
+        """Deltas for the calls begun so far: a new call's head, new argument text; with
+        ``hold_repeats``, none yet for an unfinished call to a tool already called."""
         out: list[dict[str, Any]] = []
         for i, call in enumerate(calls):
             if call.name is None:
+                break
+            held = hold_repeats and i >= len(self._args_sent) and not call.done
+            if held and any(earlier.name == call.name for earlier in calls[:i]):
                 break
             if i == len(self._args_sent):
                 self._args_sent.append(call.arguments)

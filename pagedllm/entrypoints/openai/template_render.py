@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import pickle
 import queue
@@ -56,8 +57,8 @@ class TemplateLimits:
 
     def __post_init__(self) -> None:
         for name in ("seconds", "max_chars", "memory_bytes", "workers", "start_seconds"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)!r}")
+            if not 0 < getattr(self, name) < math.inf:  # a bound, never none
+                raise ValueError(f"{name}: must be finite and > 0, got {getattr(self, name)!r}")
 
 
 class ChatTemplateError(ValueError):

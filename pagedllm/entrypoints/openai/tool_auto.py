@@ -10,7 +10,8 @@ The format is decided once, when the server starts, and logged in one line:
 - otherwise the fallback, as llama.cpp's server does for templates without tool support: the
   tools are described in a system message, and the reply is constrained by a JSON schema to
   either calls, ``{"tool_calls": [{"name": ..., "arguments": {...}}, ...]}`` (one or more,
-  with ``parallel_tool_calls: true``; else ``{"tool_call": {...}}``, exactly one), or an answer,
+  ending at a repeated call; with ``parallel_tool_calls: false``, ``{"tool_call": {...}}``,
+  exactly one), or an answer,
   ``{"response": "..."}``; the server turns the first into ``tool_calls``, the second into
   ``content``. With ``response_format`` (``json_object``/``json_schema``, or ``guided_json``)
   the answer's value is that JSON instead of a string, and its text is the content as written.
@@ -26,17 +27,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.entrypoints.openai.tool_parsers import (
+from pagedllm.entrypoints.openai.tool_json import (
     ParsedCall,
     PartialCall,
-    RequiredCallsParser,
-    ToolParser,
-    _partial,
-    _scan_call,
-    _skip_ws,
-    _string_end,
-    _value_end,
+    partial_call,
+    scan_call,
+    skip_ws,
+    string_end,
+    value_end,
 )
+from pagedllm.entrypoints.openai.tool_parsers import RequiredCallsParser, ToolParser
 
 logger = logging.getLogger(__name__)
 
@@ -188,7 +188,7 @@ def with_system_text(messages: list[dict[str, Any]], text: str) -> list[dict[str
 
 def _partial_string(text: str, pos: int) -> str:
     """The JSON string opening at ``text[pos]`` decoded as far as it certainly goes."""
-    end = _string_end(text, pos)
+    end = string_end(text, pos)
     if end is not None:
         return str(json.loads(text[pos:end]))
     cut = len(text)
@@ -214,25 +214,25 @@ class FallbackToolParser(ToolParser):
     @staticmethod
     def _branch(text: str) -> tuple[str | None, int]:
         """The reply's one key, once complete, and the start of its value (or -1)."""
-        pos = _skip_ws(text, 0)
+        pos = skip_ws(text, 0)
         if not text.startswith("{", pos):
             return None, -1
-        pos = _skip_ws(text, pos + 1)
-        end = _string_end(text, pos) if text.startswith('"', pos) else None
+        pos = skip_ws(text, pos + 1)
+        end = string_end(text, pos) if text.startswith('"', pos) else None
         if end is None:
             return None, -1
         key = text[pos + 1 : end - 1]
-        pos = _skip_ws(text, end)
+        pos = skip_ws(text, end)
         if not text.startswith(":", pos):
             return key, -1
-        pos = _skip_ws(text, pos + 1)
+        pos = skip_ws(text, pos + 1)
         return key, (pos if pos < len(text) else -1)
 
     def _answer(self, text: str, pos: int) -> str:
         """The ``response`` value as content, as far as the text goes."""
         if not self.raw_answer:
             return _partial_string(text, pos) if text.startswith('"', pos) else ""
-        end = _value_end(text, pos)
+        end = value_end(text, pos)
         return text[pos : len(text) if end is None else end]
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
@@ -248,7 +248,7 @@ class FallbackToolParser(ToolParser):
                 return self._answer(text, pos), []
             return text, []
         if key == "tool_calls" and isinstance(reply[key], list):
-            end = _value_end(text, pos)
+            end = value_end(text, pos)
             calls = RequiredCallsParser().parse(text[pos:end])[1] if end else []
             return (None, calls) if calls and len(calls) == len(reply[key]) else (text, [])
         call = reply.get("tool_call")
@@ -266,6 +266,12 @@ class FallbackToolParser(ToolParser):
     def content_prefix(self, text: str) -> int:
         return 0  # the reply is JSON; its content is streamed by ``streamed_content``
 
+    def calls_array(self, text: str) -> tuple[int, str] | None:
+        key, pos = self._branch(text)
+        if key == "tool_calls" and pos >= 0 and text.startswith("[", pos):
+            return pos, "]}"
+        return None
+
     def streamed_content(self, text: str, finished: bool) -> str:
         """The ``response`` value as far as it goes; none of the JSON around it, also when the
         reply is cut before the value begins (all of the text if it is not this JSON at all)."""
@@ -282,4 +288,4 @@ class FallbackToolParser(ToolParser):
             return RequiredCallsParser().partial_calls(text[pos:])
         if key != "tool_call" or pos < 0 or not text.startswith("{", pos):
             return []
-        return [_partial(text, _scan_call(text, pos, self.ARGS_KEYS))]
+        return [partial_call(text, scan_call(text, pos, self.ARGS_KEYS))]

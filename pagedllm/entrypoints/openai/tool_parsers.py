@@ -21,156 +21,17 @@ the argument deltas of a stream add up to the arguments of the same reply unstre
 
 from __future__ import annotations
 
-import json
 import re
-from dataclasses import dataclass
 
-_WS = " \t\r\n"
-
-
-@dataclass(frozen=True)
-class ParsedCall:
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-
-
-@dataclass(frozen=True)
-class PartialCall:
-    """A call as far as the text so far goes: ``name`` once its string is closed, ``arguments``
-    the argument text so far (complete once ``done``)."""
-
-    name: str | None
-    arguments: str
-    done: bool
-
-
-# -- an incremental look at JSON text: where values end, or that they have not ended yet ------
-def _skip_ws(text: str, pos: int) -> int:
-    while pos < len(text) and text[pos] in _WS:
-        pos += 1
-    return pos
-
-
-def _string_end(text: str, pos: int) -> int | None:
-    """Index past the string opening at ``text[pos]``; None while it is not closed."""
-    i = pos + 1
-    while i < len(text):
-        if text[i] == "\\":
-            i += 2
-        elif text[i] == '"':
-            return i + 1
-        else:
-            i += 1
-    return None
-
-
-def _value_end(text: str, pos: int) -> int | None:
-    """Index past the JSON value starting at ``text[pos]``; None while it may go on."""
-    first = text[pos]
-    if first == '"':
-        return _string_end(text, pos)
-    if first in "{[":
-        depth, i = 0, pos
-        while i < len(text):
-            ch = text[i]
-            if ch == '"':
-                end = _string_end(text, i)
-                if end is None:
-                    return None
-                i = end
-                continue
-            if ch in "{[":
-                depth += 1
-            elif ch in "}]":
-                depth -= 1
-                if depth == 0:
-                    return i + 1
-            i += 1
-        return None
-    i = pos  # a number, true, false or null: it ends at a delimiter
-    while i < len(text) and text[i] not in ",}]" + _WS:
-        i += 1
-    return i if i < len(text) else None
-
-
-@dataclass
-class _CallScan:
-    name: str | None = None
-    args_start: int | None = None  # first character of the arguments value
-    args_end: int | None = None  # past its last, once complete
-    end: int | None = None  # past the object's closing brace, once complete
-
-
-def _scan_call(text: str, pos: int, args_keys: tuple[str, ...]) -> _CallScan:
-    """The call object opening at ``text[pos]`` (``{``) as far as the text goes. The name and
-    the arguments are the first the text has (``args_keys``: any of them), so that what was
-    streamed stays true as the text grows."""
-    scan = _CallScan()
-    i = _skip_ws(text, pos + 1)
-    while i < len(text):
-        if text[i] == "}":
-            scan.end = i + 1
-            return scan
-        key_end = _string_end(text, i) if text[i] == '"' else None
-        if key_end is None:
-            return scan
-        key = text[i + 1 : key_end - 1]
-        i = _skip_ws(text, key_end)
-        if i >= len(text) or text[i] != ":":
-            return scan
-        i = _skip_ws(text, i + 1)
-        if i >= len(text):
-            return scan
-        is_args = key in args_keys and scan.args_start is None
-        if is_args:
-            scan.args_start = i
-        end = _value_end(text, i)
-        if end is None:
-            return scan
-        if is_args:
-            scan.args_end = end
-        if key == "name" and scan.name is None and text[i] == '"':  # the first, as streamed
-            try:
-                scan.name = json.loads(text[i:end])
-            except ValueError:
-                return scan
-        i = _skip_ws(text, end)
-        if i < len(text) and text[i] == ",":
-            i = _skip_ws(text, i + 1)
-    return scan
-
-
-def _arguments(text: str, scan: _CallScan) -> str:
-    """The arguments as far as they go: raw JSON text, or a string value once decoded."""
-    if scan.args_start is None:
-        return "{}" if scan.end is not None else ""
-    end = scan.args_end if scan.args_end is not None else len(text)
-    raw = text[scan.args_start : end]
-    if raw.startswith('"'):
-        if scan.args_end is None:
-            return ""
-        try:
-            return str(json.loads(raw))
-        except ValueError:
-            return ""
-    return raw
-
-
-def _partial(text: str, scan: _CallScan) -> PartialCall:
-    return PartialCall(scan.name, _arguments(text, scan), scan.end is not None)
-
-
-def _finished(text: str, pos: int, args_keys: tuple[str, ...]) -> tuple[ParsedCall, int] | None:
-    """The complete, valid call object at ``text[pos]`` and the index past it; else None."""
-    decoder = json.JSONDecoder()
-    try:
-        obj, end = decoder.raw_decode(text, pos)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    scan = _scan_call(text, pos, args_keys)
-    return ParsedCall(scan.name or obj["name"], _arguments(text, scan)), end
+from pagedllm.entrypoints.openai.tool_json import (
+    WS,
+    ParsedCall,
+    PartialCall,
+    finished_call,
+    partial_call,
+    scan_call,
+    skip_ws,
+)
 
 
 class ToolParser:
@@ -191,6 +52,12 @@ class ToolParser:
     def streamed_content(self, text: str, finished: bool) -> str | None:
         """Content that is not a prefix of the text (a JSON-wrapped answer); None: the text up
         to ``content_prefix`` is the content."""
+        return None
+
+    def calls_array(self, text: str) -> tuple[int, str] | None:
+        """Where a constrained reply's JSON array of calls opens (its ``[``) and the text that
+        closes the reply after any of its calls; None where the reply has none (the formats a
+        model writes freely: what it repeats is its own text)."""
         return None
 
 
@@ -218,7 +85,7 @@ class HermesToolParser(ToolParser):
         calls = []
         for block in self._BLOCK.finditer(text, start):
             body = block.group(1)
-            found = _finished(body, 0, self.ARGS_KEYS) if body.startswith("{") else None
+            found = finished_call(body, 0, self.ARGS_KEYS) if body.startswith("{") else None
             if found is None or found[1] != len(body):
                 return text, []  # not a well-formed call: the reply stays text
             calls.append(found[0])
@@ -232,11 +99,11 @@ class HermesToolParser(ToolParser):
         calls: list[PartialCall] = []
         marker = text.find(self.START)
         while marker >= 0:
-            pos = _skip_ws(text, marker + len(self.START))
+            pos = skip_ws(text, marker + len(self.START))
             if pos >= len(text) or text[pos] != "{":
                 break
-            scan = _scan_call(text, pos, self.ARGS_KEYS)
-            calls.append(_partial(text, scan))
+            scan = scan_call(text, pos, self.ARGS_KEYS)
+            calls.append(partial_call(text, scan))
             if scan.end is None:
                 break
             marker = text.find(self.START, scan.end)
@@ -249,14 +116,14 @@ class Llama3JsonToolParser(ToolParser):
     ARGS_KEYS = ("parameters", "arguments")
 
     def _body_start(self, text: str) -> int:
-        pos = _skip_ws(text, 0)
+        pos = skip_ws(text, 0)
         if text.startswith(self.TAG, pos):
-            pos = _skip_ws(text, pos + len(self.TAG))
+            pos = skip_ws(text, pos + len(self.TAG))
         return pos
 
     @staticmethod
     def _next(text: str, pos: int) -> int:
-        while pos < len(text) and text[pos] in _WS + ";":
+        while pos < len(text) and text[pos] in WS + ";":
             pos += 1
         return pos
 
@@ -267,7 +134,7 @@ class Llama3JsonToolParser(ToolParser):
             return text, []
         calls: list[ParsedCall] = []
         while pos < len(body):
-            found = _finished(body, pos, self.ARGS_KEYS)
+            found = finished_call(body, pos, self.ARGS_KEYS)
             if found is None:
                 return text, []
             calls.append(found[0])
@@ -286,8 +153,8 @@ class Llama3JsonToolParser(ToolParser):
         calls: list[PartialCall] = []
         pos = self._body_start(text)
         while text.startswith("{", pos):
-            scan = _scan_call(text, pos, self.ARGS_KEYS)
-            calls.append(_partial(text, scan))
+            scan = scan_call(text, pos, self.ARGS_KEYS)
+            calls.append(partial_call(text, scan))
             if scan.end is None:
                 break
             pos = self._next(text, scan.end)
@@ -302,41 +169,45 @@ class RequiredCallsParser(ToolParser):
     TEXT_IS_CONTENT = False
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
-        pos = _skip_ws(text, 0)
+        pos = skip_ws(text, 0)
         if not text.startswith("[", pos):
             return text, []
         calls: list[ParsedCall] = []
-        pos = _skip_ws(text, pos + 1)
+        pos = skip_ws(text, pos + 1)
         while text.startswith("{", pos):
-            found = _finished(text, pos, self.ARGS_KEYS)
+            found = finished_call(text, pos, self.ARGS_KEYS)
             if found is None:
                 return text, []
             calls.append(found[0])
-            pos = _skip_ws(text, found[1])
+            pos = skip_ws(text, found[1])
             if text.startswith(",", pos):
-                pos = _skip_ws(text, pos + 1)
-        if not text.startswith("]", pos) or _skip_ws(text, pos + 1) != len(text):
+                pos = skip_ws(text, pos + 1)
+        if not text.startswith("]", pos) or skip_ws(text, pos + 1) != len(text):
             return text, []
         return None, calls
 
     def content_prefix(self, text: str) -> int:
         return 0
 
+    def calls_array(self, text: str) -> tuple[int, str] | None:
+        pos = skip_ws(text, 0)
+        return (pos, "]") if text.startswith("[", pos) else None
+
     def partial_calls(self, text: str) -> list[PartialCall]:
         calls: list[PartialCall] = []
-        pos = _skip_ws(text, 0)
+        pos = skip_ws(text, 0)
         if not text.startswith("[", pos):
             return calls
-        pos = _skip_ws(text, pos + 1)
+        pos = skip_ws(text, pos + 1)
         while text.startswith("{", pos):
-            scan = _scan_call(text, pos, self.ARGS_KEYS)
-            calls.append(_partial(text, scan))
+            scan = scan_call(text, pos, self.ARGS_KEYS)
+            calls.append(partial_call(text, scan))
             if scan.end is None:
                 break
-            pos = _skip_ws(text, scan.end)
+            pos = skip_ws(text, scan.end)
             if not text.startswith(",", pos):
                 break
-            pos = _skip_ws(text, pos + 1)
+            pos = skip_ws(text, pos + 1)
         return calls
 
 
@@ -359,6 +230,9 @@ class MistralToolParser(RequiredCallsParser):
 
     def content_prefix(self, text: str) -> int:
         return _before_marker(text, self.MARKER)
+
+    def calls_array(self, text: str) -> tuple[int, str] | None:
+        return None  # written freely, not constrained
 
     def partial_calls(self, text: str) -> list[PartialCall]:
         start = text.find(self.MARKER)
