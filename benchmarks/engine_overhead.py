@@ -215,7 +215,7 @@ def host_main(args: argparse.Namespace) -> None:
         "int8_activations": args.int8_activations,
         "torch_threads": torch.get_num_threads(),
     }
-    for stack in ("on", "off"):
+    for stack in ("on", "off") if args.decode_stack == "both" else (args.decode_stack,):
         result[f"decode_stack_{stack}"] = host_step(
             model, stack=stack == "on", steps=steps, int8=args.int8_activations
         )
@@ -236,6 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--host-step", action="store_true", help="one sequence's host time")
     parser.add_argument("--int8-activations", action="store_true")
+    parser.add_argument("--decode-stack", choices=("on", "off", "both"), default="both")
     args = parser.parse_args(argv)
     if args.host_step:
         host_main(args)
