@@ -139,7 +139,9 @@ def _time_kernels(clock: list[int]) -> None:
     layer_kernels.layer_ops.cache_clear()
 
 
-def host_step(model: Path, *, stack: bool, steps: int, int8: bool) -> dict[str, Any]:
+def host_step(
+    model: Path, *, stack: bool, steps: int, int8: bool, tokenizer: bool = True
+) -> dict[str, Any]:
     """One sequence's decode steps through ``Engine.step()``: medians (ms) of the step, of its
     time in kernels, in the model runner (``execute_model``) and host = step - kernels; and host
     CPU time, the engine thread's CPU time in the step outside kernels."""
@@ -147,7 +149,12 @@ def host_step(model: Path, *, stack: bool, steps: int, int8: bool) -> dict[str, 
     _time_kernels(clock)
     os.environ["PAGEDLLM_DECODE_STACK"] = "1" if stack else "0"
     engine = Engine(
-        str(model), device="cpu", max_num_seqs=1, kv_cache_space=1, int8_activations=int8
+        str(model),
+        device="cpu",
+        max_num_seqs=1,
+        kv_cache_space=1,
+        int8_activations=int8,
+        skip_tokenizer_init=not tokenizer,  # the smoke model has none
     )
     runner_ns = [0]
     execute = engine.executor.execute_model
@@ -217,7 +224,11 @@ def host_main(args: argparse.Namespace) -> None:
     }
     for stack in ("on", "off") if args.decode_stack == "both" else (args.decode_stack,):
         result[f"decode_stack_{stack}"] = host_step(
-            model, stack=stack == "on", steps=steps, int8=args.int8_activations
+            model,
+            stack=stack == "on",
+            steps=steps,
+            int8=args.int8_activations,
+            tokenizer=not args.smoke,
         )
     result["note"] = (
         "kernels: time inside calls into the C++ extensions (the wrapper's Python frame is "
