@@ -209,7 +209,9 @@ class VocabParallelEmbedding(nn.Module):
             local = self.quant_method.apply(self, hidden, None)  # [n, shard]
         else:
             local = F.linear(hidden, self.weight)  # [n, shard]
-        return self.tp.all_gather_last_dim(local)[:, : self.vocab_size]
+        full = self.tp.all_gather_last_dim(local)
+        # (the slice only where padding made the table wider: a view per step otherwise)
+        return full if full.shape[-1] == self.vocab_size else full[:, : self.vocab_size]
 
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
         if self.fast_rows is not None:

@@ -94,6 +94,32 @@ def test_greedy_takes_the_first_maximum_and_skips_masked(ops) -> None:
     assert logprobs[1].item() == 0.0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [1, 7, 1000, 1025, 5003, 49152])
+def test_plain_greedy_rows_equal_the_general_path_bit_for_bit(ops, dtype, vocab: int) -> None:
+    """Greedy rows without separate raw logits take a fused pass (load and maximum together,
+    the maximum not recomputed); given the same tensor as ``raw`` they take the general path
+    (first_max, then logprob_of on the reloaded row). Tokens and log-probabilities must be
+    equal exactly, with ties, masked rows, NaN and the last column among them."""
+    g = torch.Generator().manual_seed(vocab)
+    n = 12
+    logits = (4 * torch.randn(n, vocab, generator=g)).to(dtype)
+    logits[0, : min(vocab, 3)] = 50.0  # a tie at the front
+    logits[1] = float("-inf")  # nothing finite
+    logits[2, vocab // 2] = float("nan")
+    logits[3, vocab - 1] = 60.0  # the last column
+    logits[4] = float("-inf")
+    logits[4, vocab - 1] = 0.0
+    logits[5, :: max(1, vocab // 5)] = 40.0  # ties spread over the blocks
+    p = params(n, vocab, g, kind="greedy")
+    fused = ops.sample_rows(logits, None, *p)
+    general = ops.sample_rows(logits, logits, *p)
+    assert fused[0].tolist() == general[0].tolist()
+    assert torch.equal(fused[1].isnan(), general[1].isnan())
+    finite = ~general[1].isnan()
+    assert torch.equal(fused[1][finite], general[1][finite])
+
+
 def test_top_k_keeps_ties_at_the_kth_value(ops) -> None:
     """bfloat16 logits tie often; every token equal to the k-th largest stays (transformers)."""
     vocab, n = 64, 4000

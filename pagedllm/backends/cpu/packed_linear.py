@@ -172,6 +172,8 @@ def _embedding_rows(
     (float32 from the same integers and scales, then the compute dtype), bit for bit."""
 
     def rows(ids: torch.Tensor) -> torch.Tensor:
+        if ids.dim() == 1:  # the flat batch's own case: no reshapes (a view each, every step)
+            return weight_rows(ids.long()).to(dtype)
         flat = weight_rows(ids.reshape(-1).long())
         return flat.to(dtype).reshape(*ids.shape, flat.shape[-1])
 

@@ -535,6 +535,17 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                            const at::Tensor& query_start_loc, double scale,
                            int64_t sliding_window, double k_scale, double v_scale,
                            double soft_cap) {
+  at::Tensor out = at::empty(query.sizes(), query.options());
+  paged_attention_into(query, kv_cache, block_tables, seq_lens, query_start_loc, scale,
+                       sliding_window, k_scale, v_scale, soft_cap, out);
+  return out;
+}
+
+void paged_attention_into(const at::Tensor& query, const at::Tensor& kv_cache,
+                          const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                          const at::Tensor& query_start_loc, double scale,
+                          int64_t sliding_window, double k_scale, double v_scale,
+                          double soft_cap, const at::Tensor& out) {
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu(),
               "paged_attention: CPU tensors only");
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1,
@@ -559,7 +570,9 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
 
   TORCH_CHECK(k_scale > 0 && v_scale > 0, "paged_attention: k_scale and v_scale must be > 0");
   TORCH_CHECK(soft_cap >= 0, "paged_attention: soft_cap must be >= 0 (0: none), got ", soft_cap);
-  at::Tensor out = at::empty(query.sizes(), query.options());
+  TORCH_CHECK(out.sizes() == query.sizes() && out.is_contiguous() &&
+                  out.scalar_type() == query.scalar_type() && out.device().is_cpu(),
+              "paged_attention: out must be a contiguous tensor of query's shape and dtype");
   const float qk_scale = static_cast<float>(scale * k_scale);
   const int window = sliding_window > 0 ? static_cast<int>(sliding_window) : 0;
   dispatch_compute(query.scalar_type(), "paged_attention", [&](auto q_tag) {
@@ -571,7 +584,6 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                             static_cast<float>(soft_cap));
     });
   });
-  return out;
 }
 
 }  // namespace pagedllm

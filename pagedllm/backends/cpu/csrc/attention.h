@@ -21,6 +21,13 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& kv_cache,
 
 // kv_cache[0/1, slot / bs, :, slot % bs] = key/value[token] converted to the cache dtype (fp8:
 // divided by k_scale / v_scale and saturated); negative slots are skipped.
+// paged_attention into a given contiguous output of query's shape (the decode stack's scratch).
+void paged_attention_into(const at::Tensor& query, const at::Tensor& kv_cache,
+                          const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                          const at::Tensor& query_start_loc, double scale,
+                          int64_t sliding_window, double k_scale, double v_scale,
+                          double soft_cap, const at::Tensor& out);
+
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value,
                        const at::Tensor& kv_cache, const at::Tensor& slot_mapping,
                        double k_scale, double v_scale);

@@ -7,8 +7,9 @@
 // and checks). Here each layer calls the very functions the Python layers reach through their
 // bindings (pointwise.cpp, cache_ops.cpp, attention.cpp, gemm_q4.cpp) with the arguments the
 // backend bound at prepare time, in the same order and rounding, so a step's outputs equal the
-// Python path's bit for bit. The GEMM outputs go into scratch allocated once per step and
-// reused by every layer (the q/k/v, gate/up, o_proj and down_proj rows).
+// Python path's bit for bit. Every kernel's output goes into scratch allocated once per step
+// and reused by every layer (GEMM rows, norms, residual, attention, activation): a layer
+// allocates nothing, where it allocated five tensors and built four views before.
 #include "decode_stack.h"
 
 #include <c10/util/Exception.h>
@@ -97,42 +98,51 @@ class DecodeStack {
     TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(),
                 "DecodeStack: positions must be contiguous int64");
     const int64_t t = hidden.size(0);
+    const int64_t width = layers_[0].o.n;
     const auto opts = hidden.options();
-    // Scratch for the GEMM outputs, shared by every layer: each is read before the next layer
-    // writes it (q/k/v by the cache write and attention, gate/up by the activation, o_proj's
-    // and down_proj's rows by the next norm, which writes fresh tensors).
+    // Scratch allocated once per step and shared by every layer: each is read before the next
+    // layer writes it (q/k/v by the cache write and attention, gate/up by the activation, the
+    // normed rows by the GEMM after the norm). The residual stream alternates two rows: each
+    // norm reads one and writes the other (its kernel takes no aliasing), and the layer's
+    // output alternates likewise (it is the next layer's input, x). The views are built once.
     at::Tensor qkv = at::empty({t, layers_[0].qkv.n}, opts);
     at::Tensor gate_up = at::empty({t, layers_[0].gate_up.n}, opts);
-    at::Tensor attn_out = at::empty({t, layers_[0].o.n}, opts);
-    at::Tensor mlp_out[2] = {at::empty({t, layers_[0].o.n}, opts),
-                             at::empty({t, layers_[0].o.n}, opts)};
+    at::Tensor act = at::empty({t, layers_[0].gate_up.n / 2}, opts);
+    at::Tensor attn = at::empty({t, heads_, head_size_}, opts);
+    const at::Tensor attn_rows = attn.view({t, heads_ * head_size_});
+    at::Tensor normed = at::empty({t, width}, opts);
+    at::Tensor attn_out = at::empty({t, width}, opts);
+    at::Tensor res_in = at::empty({t, width}, opts), res_mid = at::empty({t, width}, opts);
+    at::Tensor mlp_out[2] = {at::empty({t, width}, opts), at::empty({t, width}, opts)};
+    const auto parts = qkv.view({t, heads_ + 2 * kv_heads_, head_size_})
+                           .split_with_sizes({heads_, kv_heads_, kv_heads_}, 1);
     at::Tensor x = hidden;
-    c10::optional<at::Tensor> residual;
+    bool first = true;  // layer 0's input norm has no residual: its h is x itself
     for (size_t i = 0; i < layers_.size(); ++i) {
       const StackLayer& l = layers_[i];
       const at::Tensor& cache = kv_caches[i];
-      auto [normed, res] = rms_norm(x, l.input_norm, l.input_eps, offset_, residual);
+      const at::Tensor& h = first ? x : res_in;
+      rms_norm_into(x, l.input_norm, l.input_eps, offset_,
+                    first ? c10::optional<at::Tensor>() : c10::optional<at::Tensor>(res_mid),
+                    normed, h);
+      first = false;
       l.qkv.run(normed, dot, qkv);
-      auto parts = qkv.view({t, heads_ + 2 * kv_heads_, head_size_})
-                       .split_with_sizes({heads_, kv_heads_, kv_heads_}, 1);
       rotary_embedding(positions, parts[0], parts[1], l.cos, l.sin, l.rotary_dim);
       const bool fp8 = is_fp8(cache);
       const double ks = fp8 ? l.k_scale : 1.0, vs = fp8 ? l.v_scale : 1.0;
       reshape_and_cache(parts[1], parts[2], cache, slot_mapping, ks, vs);
-      const at::Tensor attn = paged_attention(parts[0], cache, block_tables, seq_lens,
-                                              query_start_loc, l.scale, l.sliding_window, ks, vs,
-                                              0.0);
-      l.o.run(attn.view({t, heads_ * head_size_}), dot, attn_out);
-      auto [mlp_in, res2] = rms_norm(attn_out, l.post_norm, l.post_eps, offset_, res);
-      l.gate_up.run(mlp_in, dot, gate_up);
-      const at::Tensor act = silu_and_mul(gate_up);
-      // Alternate two buffers: this layer's output is the next one's input (x).
+      paged_attention_into(parts[0], cache, block_tables, seq_lens, query_start_loc, l.scale,
+                           l.sliding_window, ks, vs, 0.0, attn);
+      l.o.run(attn_rows, dot, attn_out);
+      rms_norm_into(attn_out, l.post_norm, l.post_eps, offset_, h, normed, res_mid);
+      l.gate_up.run(normed, dot, gate_up);
+      silu_and_mul_into(gate_up, act);
       at::Tensor& out = mlp_out[i % 2];
       l.down.run(act, dot, out);
       x = out;
-      residual = std::move(res2);
     }
-    return {x, *residual};
+    // Fresh tensors per step, so handing out the residual row is safe.
+    return {x, res_mid};
   }
 
  private:

@@ -318,6 +318,16 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tenso
                                             double eps, double offset,
                                             const std::optional<at::Tensor>& residual) {
   check_rows(x, "rms_norm", "x");
+  at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
+  at::Tensor h = residual.has_value() ? at::empty({x.size(0), x.size(1)}, x.options()) : x;
+  rms_norm_into(x, weight, eps, offset, residual, out, h);
+  return {out, h};
+}
+
+void rms_norm_into(const at::Tensor& x, const at::Tensor& weight, double eps, double offset,
+                   const std::optional<at::Tensor>& residual, const at::Tensor& out,
+                   const at::Tensor& h) {
+  check_rows(x, "rms_norm", "x");
   const int64_t rows = x.size(0), n = x.size(1);
   TORCH_CHECK(n > 0, "rms_norm: rows must not be empty");
   TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 1 && weight.size(0) == n &&
@@ -328,8 +338,13 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tenso
     TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
                 "rms_norm: residual must have x's shape and dtype");
   }
-  at::Tensor out = at::empty({rows, n}, x.options());
-  at::Tensor h = residual.has_value() ? at::empty({rows, n}, x.options()) : x;
+  for (const at::Tensor* t : {&out, &h}) {
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == rows && t->size(1) == n && t->stride(1) == 1 &&
+                    t->scalar_type() == x.scalar_type() && t->device().is_cpu(),
+                "rms_norm: outputs must be [rows, n] tensors of x's dtype with unit inner stride");
+  }
+  TORCH_CHECK(residual.has_value() || h.data_ptr() == x.data_ptr(),
+              "rms_norm: without a residual h is x itself");
   dispatch_compute(x.scalar_type(), "rms_norm", [&](auto tag) {
     using T = decltype(tag);
     const Rows<T> xr = rows_of<T>(x), orow = rows_of<T>(out), hr = rows_of<T>(h);
@@ -342,18 +357,19 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tenso
       }
     });
   });
-  return {out, h};
 }
 
 namespace {
 
 // [rows, 2d] -> [rows, d] through one of the gated row kernels.
 template <template <typename> class Row>
-at::Tensor gated(const at::Tensor& x, const char* op) {
+void gated_into(const at::Tensor& x, const at::Tensor& out, const char* op) {
   check_rows(x, op, "x");
   TORCH_CHECK(x.size(1) % 2 == 0, op, ": the last dim must be even ([gate | up])");
   const int64_t rows = x.size(0), d = x.size(1) / 2;
-  at::Tensor out = at::empty({rows, d}, x.options());
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == rows && out.size(1) == d && out.stride(1) == 1 &&
+                  out.scalar_type() == x.scalar_type() && out.device().is_cpu(),
+              op, ": out must be a [rows, d] tensor of x's dtype with unit inner stride");
   dispatch_compute(x.scalar_type(), op, [&](auto tag) {
     using T = decltype(tag);
     const Rows<T> xr = rows_of<T>(x), orow = rows_of<T>(out);
@@ -361,6 +377,13 @@ at::Tensor gated(const at::Tensor& x, const char* op) {
       for (int64_t r = begin; r < end; ++r) Row<T>::run(xr.row(r), xr.row(r) + d, orow.row(r), d);
     });
   });
+}
+
+template <template <typename> class Row>
+at::Tensor gated(const at::Tensor& x, const char* op) {
+  check_rows(x, op, "x");
+  at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  gated_into<Row>(x, out, op);
   return out;
 }
 
@@ -376,6 +399,10 @@ struct GeluTanhRow {
 }  // namespace
 
 at::Tensor silu_and_mul(const at::Tensor& x) { return gated<SiluRow>(x, "silu_and_mul"); }
+
+void silu_and_mul_into(const at::Tensor& x, const at::Tensor& out) {
+  gated_into<SiluRow>(x, out, "silu_and_mul");
+}
 
 at::Tensor gelu_tanh_and_mul(const at::Tensor& x) {
   return gated<GeluTanhRow>(x, "gelu_tanh_and_mul");

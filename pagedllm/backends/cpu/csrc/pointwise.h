@@ -16,7 +16,16 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tenso
                                             const std::optional<at::Tensor>& residual);
 
 // [rows, 2d] ([gate | up]) -> [rows, d]: silu(gate) * up, rounded as F.silu(gate) * up.
+// rms_norm into given outputs (out, and h = x + residual; h is x itself without a residual):
+// the decode stack's per-step scratch. Neither may alias x or residual.
+void rms_norm_into(const at::Tensor& x, const at::Tensor& weight, double eps, double offset,
+                   const std::optional<at::Tensor>& residual, const at::Tensor& out,
+                   const at::Tensor& h);
+
 at::Tensor silu_and_mul(const at::Tensor& x);
+
+// silu_and_mul into a given [rows, d] output (not aliasing x).
+void silu_and_mul_into(const at::Tensor& x, const at::Tensor& out);
 
 // The same with gelu(gate, approximate="tanh") (Gemma).
 at::Tensor gelu_tanh_and_mul(const at::Tensor& x);

@@ -39,29 +39,33 @@ namespace {
 
 constexpr int64_t kBlock = 1024;  // inverse-CDF block: block sums first, then one block's scan
 
-// One row of t (float32/bfloat16/float16) as floats.
-void load_row(const at::Tensor& t, int64_t row, float* dst) {
-  const int64_t n = t.size(1);
+// Columns [start, start + len) of one row of t (float32/bfloat16/float16) as floats.
+void load_span(const at::Tensor& t, int64_t row, int64_t start, int64_t len, float* dst) {
+  const int64_t offset = row * t.stride(0) + start;
   switch (t.scalar_type()) {
     case at::kFloat:
-      std::memcpy(dst, t.data_ptr<float>() + row * t.stride(0), n * sizeof(float));
+      std::memcpy(dst, t.data_ptr<float>() + offset, len * sizeof(float));
       break;
     case at::kBFloat16: {
-      const uint16_t* src =
-          reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>() + row * t.stride(0));
+      const uint16_t* src = reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>() + offset);
       uint32_t* out = reinterpret_cast<uint32_t*>(dst);
 #pragma omp simd
-      for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(src[i]) << 16;
+      for (int64_t i = 0; i < len; ++i) out[i] = static_cast<uint32_t>(src[i]) << 16;
       break;
     }
     case at::kHalf: {
-      const fp16_t* src = t.data_ptr<at::Half>() + row * t.stride(0);
-      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+      const fp16_t* src = t.data_ptr<at::Half>() + offset;
+      for (int64_t i = 0; i < len; ++i) dst[i] = static_cast<float>(src[i]);
       break;
     }
     default:
       TORCH_CHECK(false, "sample_rows: logits must be float32, bfloat16 or float16");
   }
+}
+
+// One row of t as floats.
+void load_row(const at::Tensor& t, int64_t row, float* dst) {
+  load_span(t, row, 0, t.size(1), dst);
 }
 
 // Order-preserving map of floats (no NaN) to unsigned integers, and back.
@@ -91,6 +95,51 @@ int64_t first_max(const float* x, int64_t n) {
     if (x[i] == m) return i;
   }
   return 0;
+}
+
+// The first index holding v (a value of x), found block by block: a vectorised test for
+// whether a block holds it, then a scan of that block alone.
+int64_t first_index_of(const float* x, int64_t n, float v) {
+  constexpr int64_t kScan = 256;
+  for (int64_t start = 0; start < n; start += kScan) {
+    const int64_t len = std::min(kScan, n - start);
+    int hits = 0;
+#pragma omp simd reduction(+ : hits)
+    for (int64_t i = 0; i < len; ++i) hits += x[start + i] == v ? 1 : 0;
+    if (hits == 0) continue;
+    for (int64_t i = start; i < start + len; ++i) {
+      if (x[i] == v) return i;
+    }
+  }
+  return 0;
+}
+
+// A plain greedy row (temperature 0, no separate raw logits): its token (first_max) and
+// log_softmax(row)[token] (logprob_of), bit for bit, in fewer passes over the row: the
+// load and the maximum go together block by block (the block still in L1 when its maximum
+// is taken), the maximum is not recomputed for the log-probability, and the token's value
+// is the maximum itself. Returns the token; x holds exp(row - max) afterwards.
+int64_t greedy_row(const at::Tensor& t, int64_t row, float* x, float* logprob) {
+  const int64_t n = t.size(1);
+  float m = kNegInf;
+  for (int64_t start = 0; start < n; start += kBlock) {
+    const int64_t len = std::min(kBlock, n - start);
+    load_span(t, row, start, len, x + start);
+    float bm = kNegInf;
+    const float* b = x + start;
+#pragma omp simd reduction(max : bm)
+    for (int64_t i = 0; i < len; ++i) bm = b[i] > bm ? b[i] : bm;
+    m = bm > m ? bm : m;
+  }
+  const int64_t token = first_index_of(x, n, m);
+  const float value = x[token];
+  if (!std::isfinite(m)) {
+    *logprob = std::numeric_limits<float>::quiet_NaN();
+    return token;
+  }
+  const float s = exp_shift_sum(x, static_cast<int>(n), m);
+  *logprob = (value - m) - std::log(s);
+  return token;
 }
 
 int64_t count_at_least(const float* x, int64_t n, float v) {
@@ -272,8 +321,12 @@ std::tuple<at::Tensor, at::Tensor> sample_rows(const at::Tensor& logits,
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(vocab);
     for (int64_t r = begin; r < end; ++r) {
-      load_row(logits, r, buf.data());
       const RowParams p{temp[r], k[r], tp[r], mp[r], uu[r]};
+      if (!raw.has_value() && !(p.temperature > 0.f)) {
+        tok[r] = greedy_row(logits, r, buf.data(), &lp[r]);
+        continue;
+      }
+      load_row(logits, r, buf.data());
       const int64_t t = draw(buf.data(), vocab, p);
       tok[r] = t;
       // A greedy row left buf as loaded: the raw row itself when there is no separate one.
