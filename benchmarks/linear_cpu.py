@@ -41,7 +41,7 @@ cache, so its GB/s exceeds the memory's; in a whole model every layer comes from
     python benchmarks/linear_cpu.py --smoke    # small shapes, a few seconds (CI)
     python benchmarks/linear_cpu.py --head 128256  # only the decode section, one LM head
     python benchmarks/linear_cpu.py --dot-rows  # the group-wise dot path vs the float path
-    python benchmarks/linear_cpu.py --dot-rows --shapes smol_qkv,smol_head --formats q4_1,q8_0 --rows 1
+    python benchmarks/linear_cpu.py --dot-rows --shapes smol_qkv,smol_head --formats q4_1,q8_0
 
 ``--dot-rows`` times, for the 1B layer shapes as the model packs them (``DOT_SHAPES``: the
 fused q/k/v and gate/up included) and each group-wise format, the dot path (x rounded to int8
