@@ -41,6 +41,7 @@ cache, so its GB/s exceeds the memory's; in a whole model every layer comes from
     python benchmarks/linear_cpu.py --smoke    # small shapes, a few seconds (CI)
     python benchmarks/linear_cpu.py --head 128256  # only the decode section, one LM head
     python benchmarks/linear_cpu.py --dot-rows  # the group-wise dot path vs the float path
+    python benchmarks/linear_cpu.py --dot-rows --shapes smol_qkv,smol_head --formats q4_1,q8_0
 
 ``--dot-rows`` times, for the 1B layer shapes as the model packs them (``DOT_SHAPES``: the
 fused q/k/v and gate/up included) and each group-wise format, the dot path (x rounded to int8
@@ -93,6 +94,14 @@ DOT_SHAPES = {
     "qkv": (3072, 2048),
     "gate_up": (16384, 2048),
 }
+# (N, K) of the demo model's (SmolLM2-135M: Q4_1 layers, a Q8_0 tied head) as it packs them.
+DEMO_SHAPES = {
+    "smol_qkv": (960, 576),
+    "smol_o": (576, 576),
+    "smol_gate_up": (3072, 576),
+    "smol_down": (576, 1536),
+    "smol_head": (49152, 576),
+}
 DOT_ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 
 
@@ -140,6 +149,15 @@ def _q4_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return pack_nibbles(q), d, -8 * d
 
 
+def _q4_1(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """4-bit with fp16 d and fp16 offset m (the group's minimum) per group: Q4_1's format."""
+    g = _groups(w)
+    low = _fp16(g.amin(dim=-1))
+    d = _fp16(((g.amax(dim=-1) - low) / 15).clamp_min(1e-8))
+    q = torch.round((g - low[..., None]) / d[..., None]).clamp(0, 15).reshape(w.shape)
+    return pack_nibbles(q), d, low
+
+
 def _q4_k(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q4_K's format: per 8 groups fp16 d and dmin, per group 6-bit sc and m; scale = d * sc,
     offset = -dmin * m (Q4_K's own search for the scales is left out)."""
@@ -181,6 +199,7 @@ def groupwise_weights(w32: torch.Tensor) -> dict[str, PackedGroupwise]:
     """``w32 [N, K]`` packed as each group-wise source stores it."""
     ops = gemm_ops()
     made = {"int4": quantize_int4(w32), "q4_0": _q4_0(w32), "q8_0": _q8_0(w32)}
+    made["q4_1"] = _q4_1(w32)
     if w32.shape[1] % 256 == 0:  # Q4_K's and Q6_K's super-blocks
         made["q4_k"] = _q4_k(w32)
         made["q6_k"] = _q6_k(w32)
@@ -460,6 +479,9 @@ def dot_vs_float(
                     row[f"{fmt}_dot_vs_bf16"] = round(best["bf16_onednn"] / dot, 2)
                     row[f"{fmt}_float_vs_bf16"] = round(best["bf16_onednn"] / flt, 2)
                 row[f"{fmt}_dot_GMACps"] = round(m * n * k / dot / 1e9, 1)
+                nbytes = packed[fmt].packed.numel()  # weight bytes each call streams
+                row[f"{fmt}_float_GBps"] = round(nbytes / flt / 1e9, 2)
+                row[f"{fmt}_dot_GBps"] = round(nbytes / dot / 1e9, 2)
                 if f"{fmt}_vector" in best:
                     row[f"{fmt}_float_vs_vector"] = round(best[f"{fmt}_vector"] / flt, 2)
             rows.append(row)
@@ -482,10 +504,12 @@ def main() -> None:
     parser.add_argument(
         "--dot-rows", action="store_true", help="only the dot path vs the float path, 1-512 rows"
     )
-    parser.add_argument("--shapes", default=None, help="--dot-rows: comma-separated DOT_SHAPES")
+    parser.add_argument(
+        "--shapes", default=None, help="--dot-rows: comma-separated DOT_SHAPES / DEMO_SHAPES"
+    )
     parser.add_argument("--rows", default=None, help="--dot-rows: comma-separated row counts")
     parser.add_argument(
-        "--formats", default="q4_0,q4_k,q8_0,q6_k", help="--dot-rows: group-wise formats"
+        "--formats", default="q4_0,q4_k,q8_0,q6_k", help="--dot-rows: group-wise formats (q4_1 too)"
     )
     args = parser.parse_args()
     if args.threads:
@@ -493,6 +517,7 @@ def main() -> None:
     stream_mb = args.stream_mb if args.stream_mb is not None else default_stream_mb()
     if args.dot_rows:
         names = args.shapes.split(",") if args.shapes else list(DOT_SHAPES)
+        known = {**DOT_SHAPES, **DEMO_SHAPES}
         rows = [int(r) for r in args.rows.split(",")] if args.rows else DOT_ROWS
         result = {
             "benchmark": "linear_cpu_dot_rows",
@@ -502,7 +527,7 @@ def main() -> None:
             "llc_MB": round(last_level_cache_bytes() / 2**20),
             "stream_MB": round(stream_mb),
             "shapes": dot_vs_float(
-                {name: DOT_SHAPES[name] for name in names},
+                {name: known[name] for name in names},
                 rows,
                 args.budget,
                 args.formats.split(","),

@@ -522,6 +522,35 @@ def _within_a_bf16_step(y: torch.Tensor, ref: torch.Tensor) -> bool:
     return bool(((y.double() - ref).abs() <= step + 1e-4 * ref.abs().max()).all())
 
 
+def _within_a_step(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> bool:
+    """:func:`_within_a_bf16_step` for bf16 or fp16 ``y`` (one step: 2^-7 or 2^-10 of its
+    power of two)."""
+    bits = 7 if dtype == torch.bfloat16 else 10
+    step = torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(1e-30))) - bits)
+    return bool(((y.double() - ref).abs() <= step + 1e-5 * ref.abs().max()).all())
+
+
+@pytest.mark.parametrize("xdtype", (torch.bfloat16, torch.float16), ids=str)
+@pytest.mark.parametrize("case", FLOAT_CASES, ids=_case_id)
+def test_few_16bit_rows_are_the_reference_rounded_once(ops, case, xdtype) -> None:
+    """One to four rows of bf16 / fp16 x (decode) on every format: each output element within
+    one step of its dtype of the float64 reference (float32 sums add ~1e-7 of the largest):
+    AVX2 builds run them on q with the scales applied per group (gemm_q4_avx2.h), where a
+    wrong nibble, byte, scale or offset moves an element by far more than a step."""
+    kind, (n, k) = case
+    torch.manual_seed(5 * n + k)
+    weight, scale, offset, _ = _layer_data(kind, n, k)
+    pw = _pack(ops, weight, scale, offset)
+    w = _dequantized(weight, scale, offset).double()
+    for m in (1, 2, 3, 4):
+        x = torch.randn(m, k).to(xdtype)
+        bias = torch.randn(n).to(xdtype) if m % 2 else None
+        ref = x.double() @ w.T + (0 if bias is None else bias.double())
+        y = pw.gemm(ops, x, bias, False)
+        assert y.dtype == xdtype
+        assert _within_a_step(y, ref, xdtype), f"m={m}: max err {(y.double() - ref).abs().max()}"
+
+
 @pytest.mark.parametrize("case", FOUR_BIT_CASES, ids=_case_id)
 def test_the_bf16_row_kernels_match_the_reference_and_each_other(ops, case) -> None:
     """Few bf16 rows on a 4-bit layer take the split kernel (x as two int8 rows, the default),

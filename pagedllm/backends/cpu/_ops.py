@@ -406,6 +406,7 @@ _GEMM_HEADERS = (
     "gemm_q4_bind.h",
     "gemm_q4_layout.h",
     "gemm_q4_float.h",
+    "gemm_q4_avx2.h",
     "gemm_q4_dot.h",
     "decode_stack.h",
     "attention.h",

@@ -19,12 +19,14 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <functional>
 #include <string>
 #include <tuple>
 #include <vector>
 
 #include "dtype_dispatch.h"
 #include "gemm_amx.h"
+#include "gemm_q4_avx2.h"
 #include "gemm_q4_dot.h"
 #include "gemm_q4_float.h"
 #include "gemm_q4_bind.h"
@@ -442,6 +444,65 @@ void run_split(const c10::BFloat16* x, const Problem& pb, at::BFloat16* y) {
 }
 #endif
 
+#if defined(PAGEDLLM_Q4_AVX2_ROWS)
+// Few rows of bf16 / fp16 x on AVX2 (gemm_q4_avx2.h): x scaled and summed per group once,
+// then every panel on the threads.
+static_assert(kAvx2Rows == kF32Rows, "register_rows bounds the grouped calls' groups by kF32Rows");
+
+struct Avx2Rows {
+  std::vector<float> xn, gsum;  // [m, k] and [m, groups]
+};
+
+template <typename X>
+Avx2Rows avx2_x(const X* x, int64_t m, int64_t k, int bits) {
+  Avx2Rows a{std::vector<float>(static_cast<size_t>(m * k)),
+             std::vector<float>(static_cast<size_t>(m * (k / kGroup)))};
+  for (int64_t r = 0; r < m; ++r)
+    avx2_x_rows(x + r * k, k, bits, a.xn.data() + r * k, a.gsum.data() + r * (k / kGroup));
+  return a;
+}
+
+// c[rows][16] = rows lo.. of the prepared x @ one panel.
+template <int Bits>
+void avx2_panel(const Avx2Rows& a, int64_t lo, int64_t rows, int64_t k, const uint8_t* panel,
+                const Format& f, float* c) {
+  const int64_t groups = k / kGroup;
+  with_rows<kAvx2Rows>(static_cast<int>(rows), [&](auto r) {
+    avx2_rows<Bits, decltype(r)::value>(a.xn.data() + lo * k, k, a.gsum.data() + lo * groups,
+                                        groups, panel, groups, f, c);
+  });
+}
+
+template <int Bits, typename X>
+void run_avx2_rows(const X* x, const Problem& pb, X* y) {
+  const Avx2Rows a = avx2_x(x, pb.m, pb.k, Bits);
+  at::parallel_for(0, pb.panels(), 1, [&](int64_t p0, int64_t p1) {
+    float c[kAvx2Rows * kCols];
+    for (int64_t p = p0; p < p1; ++p) {
+      avx2_panel<Bits>(a, 0, pb.m, pb.k, pb.w + p * pb.panel_bytes(), pb.f, c);
+      store(c, pb.m, pb.n, p * kCols, pb.bias, y);
+    }
+  });
+}
+
+// The same for a grouped call's groups (each at most kAvx2Rows rows), every panel a task.
+template <int Bits, typename X>
+void run_avx2_grouped(const X* x, int64_t rows, const std::vector<int64_t>& lo,
+                      const std::vector<int64_t>& count, const Problem& shape,
+                      const std::function<const uint8_t*(int64_t)>& panel_of, X* y) {
+  const Avx2Rows a = avx2_x(x, rows, shape.k, Bits);
+  const int64_t panels = shape.panels();
+  at::parallel_for(0, static_cast<int64_t>(lo.size()) * panels, 1, [&](int64_t t0, int64_t t1) {
+    float c[kAvx2Rows * kCols];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t i = t / panels;
+      avx2_panel<Bits>(a, lo[i], count[i], shape.k, panel_of(t), shape.f, c);
+      store(c, count[i], shape.n, (t % panels) * kCols, nullptr, y + lo[i] * shape.n);
+    }
+  });
+}
+#endif
+
 template <int Bits>
 void dispatch(const torch::Tensor& x, const Problem& pb, bool dot, bool allow_amx,
               torch::Tensor& y) {
@@ -462,6 +523,14 @@ void dispatch(const torch::Tensor& x, const Problem& pb, bool dot, bool allow_am
     }
     return run_bf16<Bits>(reinterpret_cast<const uint16_t*>(x.data_ptr()), pb, allow_amx,
                           y.data_ptr<at::BFloat16>());
+  }
+#endif
+#if defined(PAGEDLLM_Q4_AVX2_ROWS)
+  if (pb.m <= kAvx2Rows && avx2_rows_format(pb.f)) {
+    if (x.scalar_type() == at::kBFloat16)
+      return run_avx2_rows<Bits>(x.data_ptr<at::BFloat16>(), pb, y.data_ptr<at::BFloat16>());
+    if (x.scalar_type() == at::kHalf)
+      return run_avx2_rows<Bits>(x.data_ptr<at::Half>(), pb, y.data_ptr<at::Half>());
   }
 #endif
   const torch::Tensor xf = x.to(at::kFloat).contiguous();
@@ -626,6 +695,16 @@ void run_grouped(const torch::Tensor& x, const RowGroups& rg, const Problem& sha
       }
     });
     return;
+  }
+#endif
+#if defined(PAGEDLLM_Q4_AVX2_ROWS)
+  if (avx2_rows_format(f)) {  // register_rows: every group within kAvx2Rows
+    if (x.scalar_type() == at::kBFloat16)
+      return run_avx2_grouped<Bits>(x.data_ptr<at::BFloat16>(), x.size(0), rg.lo, rg.rows, shape,
+                                    panel_of, y.data_ptr<at::BFloat16>());
+    if (x.scalar_type() == at::kHalf)
+      return run_avx2_grouped<Bits>(x.data_ptr<at::Half>(), x.size(0), rg.lo, rg.rows, shape,
+                                    panel_of, y.data_ptr<at::Half>());
   }
 #endif
   const torch::Tensor xf = x.to(at::kFloat).contiguous();
