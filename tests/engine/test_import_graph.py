@@ -18,6 +18,9 @@ Which imports count:
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -169,6 +172,21 @@ print(json.dumps(sorted(sys.modules)))
 """
 
 
+def _run_on_gguf(script: str, gguf: Path, cache: Path) -> subprocess.CompletedProcess[str]:
+    """``python -c script gguf`` in a fresh interpreter (what it imports is its own), the user
+    cache at ``cache``; fails the test with its stderr if it fails."""
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(gguf)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PAGEDLLM_CACHE_DIR": str(cache)},
+        cwd=PACKAGE.parent,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
 def test_the_offline_engine_on_a_gguf_imports_nothing_it_does_not_serve_with(
     tmp_path: Path,
 ) -> None:
@@ -176,25 +194,13 @@ def test_the_offline_engine_on_a_gguf_imports_nothing_it_does_not_serve_with(
     :data:`NOT_FOR_THE_OFFLINE_ENGINE`, once the file's tokenizer was converted (the first
     start converts it with transformers and caches it)."""
     import json
-    import os
-    import subprocess
-    import sys
 
     from tests.conftest import build_model
     from tests.models.gguf_files import write_gguf
 
     path = write_gguf(build_model(tmp_path / "llama", "llama"), tmp_path / "m.gguf", default="Q8_0")
-    env = {**os.environ, "PAGEDLLM_CACHE_DIR": str(tmp_path / "cache")}
     for start in ("first", "second"):
-        done = subprocess.run(
-            [sys.executable, "-c", _BUILD_ENGINE, str(path)],
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=PACKAGE.parent,
-            timeout=300,
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
+        done = _run_on_gguf(_BUILD_ENGINE, path, tmp_path / "cache")
         loaded = set(json.loads(done.stdout.strip().splitlines()[-1]))
         heavy = [
             m for m in loaded for h in NOT_FOR_THE_OFFLINE_ENGINE if m == h or m.startswith(h + ".")
@@ -225,24 +231,11 @@ print(type(load_tokenizer(sys.argv[1])).__name__)
 def test_the_server_front_imports_no_torch(tmp_path: Path) -> None:
     """``pagedllm serve``'s front process (routes, the core's client, the GGUF's cached
     tokenizer) never imports torch: ~1.5 s of its start, and ~300 MB, it does not use."""
-    import os
-    import subprocess
-    import sys
-
     from tests.conftest import build_model
     from tests.models.gguf_files import write_gguf
 
     path = write_gguf(build_model(tmp_path / "llama", "llama"), tmp_path / "m.gguf", default="Q8_0")
-    env = {**os.environ, "PAGEDLLM_CACHE_DIR": str(tmp_path / "cache")}
     convert = "import sys; from pagedllm.engine.prompts import load_tokenizer as l; l(sys.argv[1])"
     for script in (convert, _FRONT):  # the first converts and caches the tokenizer
-        done = subprocess.run(
-            [sys.executable, "-c", script, str(path)],
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=PACKAGE.parent,
-            timeout=300,
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
+        done = _run_on_gguf(script, path, tmp_path / "cache")
     assert done.stdout.strip(), done.stderr[-3000:]
