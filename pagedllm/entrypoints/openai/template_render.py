@@ -8,7 +8,9 @@ sandbox would also have to re-implement transformers' rendering (message normali
 ``continue_final_message``, the special-token variables) to give the same prompts. A worker runs
 the tokenizer's own ``apply_chat_template``; killing it stops any render, and its memory is
 capped (``template_worker.py``). The cost is a pipe round trip per render (docs/models.md) and
-a worker start (transformers' import, a few seconds of CPU) after each kill.
+a worker start after each kill: unpickling pagedllm's own tokenizer (``tokenization/``: the
+``tokenizers`` library and jinja2, ~0.2 s) where the model's is one, transformers' import (a
+few seconds of CPU) where it is transformers' class.
 
 ``TemplateRenderer.render`` blocks (the server calls it from its offload threads, where waiting
 on the pipe holds no lock); ``check_startup`` renders a one-message conversation so that a
@@ -53,7 +55,7 @@ class TemplateLimits:
     max_chars: int = 4 << 20  # characters of rendered prompt
     memory_bytes: int = 1 << 30  # a worker's memory beyond what it holds after loading
     workers: int = 2
-    start_seconds: float = 120.0  # a worker's start (importing transformers) on a busy host
+    start_seconds: float = 120.0  # a worker's start (maybe importing transformers), busy host
 
     def __post_init__(self) -> None:
         for name in ("seconds", "max_chars", "memory_bytes", "workers", "start_seconds"):
