@@ -245,6 +245,43 @@ def select_template(
     return own
 
 
+@dataclasses.dataclass(frozen=True)
+class ChatRenderer:
+    """A tokenizer's chat templates and named special tokens: all ``apply_chat_template(...,
+    tokenize=False)`` reads. What a template worker is sent instead of the whole tokenizer
+    (its start then loads no vocabulary)."""
+
+    chat_template: str | dict[str, str] | None
+    special_tokens_map: dict[str, str]
+
+    def get_chat_template(self, chat_template: str | None = None, tools: Any = None) -> str:
+        return select_template(self.chat_template, chat_template, tools)
+
+    def apply_chat_template(
+        self,
+        conversation: Any,
+        tools: list[Any] | None = None,
+        documents: list[Any] | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = False,
+        continue_final_message: bool | str = False,
+        tokenize: bool = False,
+        **kwargs: Any,
+    ) -> str:
+        if tokenize:
+            raise ValueError("tokenize: this renderer has no vocabulary (text only)")
+        return render_chat(
+            self.get_chat_template(chat_template, tools),
+            conversation,
+            special_tokens=self.special_tokens_map,
+            tools=tools,
+            documents=documents,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **kwargs,
+        )
+
+
 def render_chat(
     source: str,
     conversation: Any,

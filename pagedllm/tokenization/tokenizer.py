@@ -438,10 +438,15 @@ class Tokenizer:
         return text
 
     # -- chat ---------------------------------------------------------------------------------
-    def get_chat_template(self, chat_template: str | None = None, tools: Any = None) -> str:
-        from pagedllm.tokenization.chat_template import select_template
+    def chat_renderer(self) -> Any:
+        """The chat templates and special tokens alone (``ChatRenderer``): what a template
+        worker needs, without the vocabulary."""
+        from pagedllm.tokenization.chat_template import ChatRenderer
 
-        return select_template(self.chat_template, chat_template, tools)
+        return ChatRenderer(self.chat_template, self.special_tokens_map)
+
+    def get_chat_template(self, chat_template: str | None = None, tools: Any = None) -> str:
+        return self.chat_renderer().get_chat_template(chat_template, tools)
 
     def apply_chat_template(
         self,
@@ -458,15 +463,11 @@ class Tokenizer:
         """The conversation through the chat template (:mod:`.chat_template`); with
         ``tokenize``, its ids (``{"input_ids", "attention_mask"}`` with ``return_dict``, as
         transformers 5 answers), encoded without added special tokens."""
-        from pagedllm.tokenization.chat_template import render_chat
-
-        source = self.get_chat_template(chat_template, tools)
-        text = render_chat(
-            source,
+        text = self.chat_renderer().apply_chat_template(
             conversation,
-            special_tokens=self.special_tokens_map,
             tools=tools,
             documents=documents,
+            chat_template=chat_template,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             **kwargs,
