@@ -158,12 +158,17 @@ def load_plain_tokenizer(folder: str | Path) -> Tokenizer:
     if backend.truncation is not None or backend.padding is not None:
         raise NotPlain("tokenizer.json sets truncation or padding")
     _refuse_mistral_regex(folder, backend)
-    template: Any = config.get("chat_template")
-    if (folder / "chat_template.jinja").is_file():  # the file wins over the config's entry
-        template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
-    elif isinstance(template, list):  # several named templates
-        template = {t["name"]: t["template"] for t in template}
-    return Tokenizer(backend, config, template, name_or_path=str(folder))
+    try:
+        template: Any = config.get("chat_template")
+        if (folder / "chat_template.jinja").is_file():  # the file wins over the config's entry
+            template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+        elif isinstance(template, list):  # several named templates
+            template = {t["name"]: t["template"] for t in template}
+        return Tokenizer(backend, config, template, name_or_path=str(folder))
+    except NotPlain:
+        raise
+    except (OSError, ValueError, TypeError, KeyError) as exc:  # transformers says it better
+        raise NotPlain(f"not read as a plain tokenizer ({' '.join(str(exc).split())})") from None
 
 
 class Tokenizer:

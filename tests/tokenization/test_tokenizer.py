@@ -374,6 +374,7 @@ def _edit_config(folder: Path, **changes: Any) -> None:
         ({"image_token": "<image>"}, "sets image_token"),
         ({"split_special_tokens": True}, "split_special_tokens"),
         ({"extra_special_tokens": {"image_token": "<image>"}}, "model-specific"),
+        ({"model_max_length": "long"}, "not read as a plain tokenizer"),
     ],
 )
 def test_what_it_cannot_express_is_left_to_transformers(
