@@ -31,6 +31,7 @@ written by the starts before it), one per round, alternating with the others; wi
     python benchmarks/startup.py                       # the demo model (SmolLM2-135M Q4_1)
     python benchmarks/startup.py --model some.gguf --rounds 5
     python benchmarks/startup.py --smoke               # a tiny Q4_0 file, one round (CI)
+    python benchmarks/startup.py --llama-cpp-path DIR  # llama_cpp installed apart (pip --target)
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ print(json.dumps({"import_s": t1 - t0, "engine_s": t2 - t1, "engine_imports_s": 
 """
 
 
-def _start(script: str, model: Path, env: dict[str, str]) -> dict[str, float]:
+def _start(script: str, model: Path, env: dict[str, str], root: Path = ROOT) -> dict[str, float]:
     """One start in a fresh process; ``ready_s`` from the parent's clock (interpreter start
     included)."""
     import time
@@ -110,7 +111,7 @@ def _start(script: str, model: Path, env: dict[str, str]) -> dict[str, float]:
         env=env,
         # In the checkout that runs: ``python -c`` puts its folder first on sys.path, ahead of
         # PYTHONPATH, so a baseline started from here would import this checkout instead.
-        cwd=env["PYTHONPATH"],
+        cwd=root,
         check=False,
     )
     ready = time.perf_counter() - spawned
@@ -122,7 +123,9 @@ def _start(script: str, model: Path, env: dict[str, str]) -> dict[str, float]:
     return got
 
 
-def _serve_to_health(model: Path, env: dict[str, str], demo: bool, limit: float = 600.0) -> float:
+def _serve_to_health(
+    model: Path, env: dict[str, str], demo: bool, root: Path = ROOT, limit: float = 600.0
+) -> float:
     """Seconds from spawning ``pagedllm serve`` to its first ``/health`` 200 (then stopped)."""
     with socket.socket() as probe:  # a free port (the server binds it right away)
         probe.bind(("127.0.0.1", 0))
@@ -135,7 +138,7 @@ def _serve_to_health(model: Path, env: dict[str, str], demo: bool, limit: float 
         proc = subprocess.Popen(
             [*command, "--port", str(port), "--log-level", "warning"],
             env=env,
-            cwd=env["PYTHONPATH"],  # as in _start: the checkout that runs, first on sys.path
+            cwd=root,  # as in _start: the checkout that runs, first on sys.path
             stdout=subprocess.DEVNULL,
             stderr=log,
         )
@@ -196,16 +199,33 @@ def _demo_file() -> Path:
     return fetched.path
 
 
-def _env(cache: Path, *, packed: bool, root: Path = ROOT) -> dict[str, str]:
+def _env(
+    cache: Path, *, packed: bool, root: Path = ROOT, extra: Path | None = None
+) -> dict[str, str]:
+    """The child's environment: ``root``'s pagedllm first (and ``extra``'s packages after it:
+    llama_cpp installed apart)."""
+    path = str(root) if extra is None else f"{root}{os.pathsep}{extra}"
     return {
         **os.environ,
-        "PYTHONPATH": str(root),
+        "PYTHONPATH": path,
         "PAGEDLLM_CACHE_DIR": str(cache),
         "PAGEDLLM_PACKED_CACHE": "1" if packed else "0",
     }
 
 
-def run(model: Path, rounds: int, tmp: Path, baseline: Path | None = None) -> dict[str, object]:
+def _has_llama_cpp(extra: Path | None) -> bool:
+    if extra is not None:
+        return (extra / "llama_cpp" / "__init__.py").is_file()
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def run(
+    model: Path,
+    rounds: int,
+    tmp: Path,
+    baseline: Path | None = None,
+    llama_cpp_path: Path | None = None,
+) -> dict[str, object]:
     """The three kinds of start, alternating, ``rounds`` times each (see the module's doc)."""
     from pagedllm.config import user_cache_dir
 
@@ -223,7 +243,7 @@ def run(model: Path, rounds: int, tmp: Path, baseline: Path | None = None) -> di
     if baseline is not None:
         serve["baseline_serve"] = []
     llama: list[dict[str, float]] = []
-    with_llama = importlib.util.find_spec("llama_cpp") is not None
+    with_llama = _has_llama_cpp(llama_cpp_path)
     _start(_CHILD, model, _env(cache, packed=False))  # warm: the tokenizer, the page cache
     for _ in range(rounds):
         for packed in (cache / "packed").glob("*.packed.pt"):
@@ -231,18 +251,19 @@ def run(model: Path, rounds: int, tmp: Path, baseline: Path | None = None) -> di
         runs["first"].append(_start(_CHILD, model, _env(cache, packed=True)))
         runs["second"].append(_start(_CHILD, model, _env(cache, packed=True)))
         if with_llama:  # in the same rounds: a drifting machine tilts both alike
-            llama.append(_start(_LLAMA_CPP, model, _env(cache, packed=False)))
+            env = _env(cache, packed=False, extra=llama_cpp_path)
+            llama.append(_start(_LLAMA_CPP, model, env))
         if baseline is not None:
             env = _env(cache, packed=True, root=baseline)
-            runs["baseline_second"].append(_start(_CHILD, model, env))
+            runs["baseline_second"].append(_start(_CHILD, model, env, baseline))
         serve["serve"].append(_serve_to_health(model, _env(cache, packed=True), demo))
         if baseline is not None:
             env = _env(cache, packed=True, root=baseline)
-            serve["baseline_serve"].append(_serve_to_health(model, env, demo))
+            serve["baseline_serve"].append(_serve_to_health(model, env, demo, baseline))
         runs["uncached"].append(_start(_CHILD, model, _env(cache, packed=False)))
         if baseline is not None:
             env = _env(cache, packed=False, root=baseline)
-            runs["baseline"].append(_start(_CHILD, model, env))
+            runs["baseline"].append(_start(_CHILD, model, env, baseline))
     result: dict[str, object] = {kind: _median(r) for kind, r in runs.items()}
     for kind, seconds in serve.items():
         result[f"{kind}_health_s"] = round(statistics.median(seconds), 3)
@@ -274,6 +295,12 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="another checkout of pagedllm whose start runs alongside (as 'baseline')",
     )
+    ap.add_argument(
+        "--llama-cpp-path",
+        type=Path,
+        default=None,
+        help="a folder holding the llama_cpp package (pip install --target DIR llama-cpp-python)",
+    )
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))  # this checkout's pagedllm
     with tempfile.TemporaryDirectory() as tmp:
@@ -285,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
             "cpus": os.cpu_count(),
             "model": str(model.name),
             "rounds": rounds,
-            **run(model, rounds, Path(tmp), args.baseline),
+            **run(model, rounds, Path(tmp), args.baseline, args.llama_cpp_path),
         }
     print(json.dumps(result, indent=2))
 

@@ -50,6 +50,11 @@ _ERRORS: dict[str, type[Exception]] = {"ValueError": ValueError, "TypeError": Va
 class EngineCoreClient(EngineClientBase):
     """Start the core for ``model`` and talk to it; see the module docstring.
 
+    ``while_starting`` runs in this process once the core is launched, before waiting for it
+    to be ready (``pagedllm serve`` imports its HTTP stack and checks its flags there, ~1 CPU
+    second that the core's own imports and load then hide); if it raises, the core is stopped
+    and the exception passes on.
+
     ``on_request_finished`` callbacks get each final RequestOutput; ``on_timing`` callbacks get
     ``(kind, seconds)`` with kind ``server_queue`` (the request's arrival, as the server stamps
     it when the HTTP request comes in, to its arrival in the core),
@@ -70,6 +75,7 @@ class EngineCoreClient(EngineClientBase):
         cpu_binding: CpuBinding | None = None,
         launcher: CoreLauncher | None = None,
         name: str | None = None,
+        while_starting: Callable[[], None] | None = None,
         **engine_args: Any,
     ) -> None:
         self.name = name  # a data-parallel replica's name, put before its errors
@@ -94,8 +100,11 @@ class EngineCoreClient(EngineClientBase):
         self.proc = self._launch(
             launcher or ProcessLauncher(), model, device, engine_args, cpu_binding
         )
-        early = _load_tokenizer_early(model, engine_args)
+        early = None
         try:
+            if while_starting is not None:  # this process's own start, beside the core's
+                while_starting()
+            early = _load_tokenizer_early(model, engine_args)
             self.info = self._wait_ready(startup_timeout)
         except BaseException:
             self._kill()
@@ -116,7 +125,8 @@ class EngineCoreClient(EngineClientBase):
         cpu_binding: CpuBinding | None = None,
         **engine_args: Any,
     ) -> EngineCoreClient:
-        """``engine_args`` may also hold ``launcher``, ``name`` and ``startup_timeout``."""
+        """``engine_args`` may also hold ``launcher``, ``name``, ``startup_timeout`` and
+        ``while_starting``."""
         return cls(
             model,
             device,

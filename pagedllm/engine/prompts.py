@@ -6,6 +6,7 @@ core-process client, which loads the same tokenizer on the server's side.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -13,11 +14,16 @@ from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.engine.lora_registry import per_prompt_loras
 from pagedllm.models.gguf.reader import gguf_path_of
 
+logger = logging.getLogger(__name__)
+
 PromptType = str | dict[str, Any] | list[int]
 
 
 def load_tokenizer(path: str) -> Any:
-    """The tokenizer of a model folder, or the one a GGUF file carries."""
+    """The tokenizer of a model folder, or the one a GGUF file carries: pagedllm's own class
+    (``tokenization/tokenizer.py``, no transformers import) where the folder's
+    ``tokenizer.json`` and ``tokenizer_config.json`` are plain enough for it, else
+    transformers' ``AutoTokenizer``; the log says which and why."""
     gguf_path = gguf_path_of(path)
     if gguf_path is not None:
         # Not through models.gguf.loading, which imports torch: a server's front process
@@ -26,7 +32,16 @@ def load_tokenizer(path: str) -> Any:
         from pagedllm.models.gguf.tokenizer import load_gguf_tokenizer
 
         return load_gguf_tokenizer(open_gguf(gguf_path))
-    from transformers import AutoTokenizer  # not for a GGUF: its auto mappings cost ~0.6 s
+    from pagedllm.tokenization.tokenizer import NotPlain, load_plain_tokenizer
+
+    try:
+        tokenizer = load_plain_tokenizer(path)
+    except NotPlain as why:
+        logger.info("tokenizer: transformers' AutoTokenizer (%s)", why)
+    else:
+        logger.info("tokenizer: pagedllm's over the tokenizers library")
+        return tokenizer
+    from transformers import AutoTokenizer  # its auto mappings alone cost ~0.6 s
 
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -12,6 +12,7 @@ import math
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -197,16 +198,24 @@ def serve_settings(args: argparse.Namespace) -> Any:
 
 
 def start_serve_engine(
-    args: argparse.Namespace, model: str, served_name: str, binding: CpuBinding | None
+    args: argparse.Namespace,
+    model: str,
+    served_name: str,
+    binding: CpuBinding | None,
+    while_starting: Callable[[], None] | None = None,
 ) -> EngineClient:
     """What the server talks to: replicas, an engine-core process, or (``--engine-in-process``)
-    an engine thread in this process."""
+    an engine thread in this process. ``while_starting`` runs once an engine-core process is
+    launched, beside its start (before the engine otherwise)."""
     from pagedllm.engine.async_engine import AsyncEngine
     from pagedllm.engine.core_client import EngineCoreClient
 
     kwargs = engine_kwargs(args)
     kwargs["served_model_name"] = served_name
     kwargs["max_logprobs"] = args.max_logprobs
+    in_core = (args.data_parallel_size or 1) == 1 and not args.engine_in_process
+    if while_starting is not None and not in_core:
+        while_starting()
     try:
         if (args.data_parallel_size or 1) > 1:
             return serve_replicas(args, model, kwargs)
@@ -222,6 +231,7 @@ def start_serve_engine(
             args.device,
             log_stats_interval=None if args.disable_log_stats else 5.0,
             cpu_binding=binding,
+            while_starting=while_starting,
             **kwargs,
         )
     except (ValueError, RuntimeError) as exc:
@@ -245,16 +255,26 @@ def cmd_serve(args: argparse.Namespace, started: float) -> int:
 
 def _serve_on(args: argparse.Namespace, sock: socket.socket | None, started: float) -> int:
     from pagedllm.engine.core_process import freeze_startup_objects
-    from pagedllm.entrypoints.openai.api_server import model_info, run_server
     from pagedllm.entrypoints.openai.template_render import ChatTemplateError
 
     model, demo_name = resolve_model(args.model, demo_chat=args.demo)
-    settings = serve_settings(args)  # a bad --port is reported here
     names = args.served_model_name or ([demo_name] if demo_name else [args.model])
     binding = serve_cpu_binding(args)
-    logger.info("loading %s", model)
-    loading = time.perf_counter()  # this process's imports are done: the rest is the load
-    engine = start_serve_engine(args, model, names[0], binding)
+    settings_of: list[Any] = []
+
+    def server_side() -> None:
+        # The HTTP stack's imports (~1 CPU s) and every flag's check, while an engine core
+        # starts (its own imports take longer): a bad flag stops that core, in one line.
+        settings_of.append(serve_settings(args))  # a bad --port is reported here
+        import pagedllm.entrypoints.openai.api_server  # noqa: F401
+
+        logger.info("loading %s", model)
+
+    loading = time.perf_counter()  # the rest is the load (this side's imports overlap it)
+    engine = start_serve_engine(args, model, names[0], binding, server_side)
+    settings = settings_of[0]
+    from pagedllm.entrypoints.openai.api_server import model_info, run_server
+
     if binding is not None:  # the engine core logs the plan once
         bind_threads(binding.rest)  # this process: every thread, and those it starts later
     try:

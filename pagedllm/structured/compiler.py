@@ -102,14 +102,23 @@ class GrammarCompiler:
             return self._lltok
 
     def _convert_tokenizer(self) -> Any:
-        import llguidance.hf
+        import copy
 
-        if self._hf_tokenizer is None:
+        import llguidance
+
+        tok = self._hf_tokenizer
+        if tok is None:
             raise ValueError("guided_decoding: needs a tokenizer (skip_tokenizer_init is set)")
         # The mask covers the model's vocabulary (rows past the tokenizer's stay disallowed).
-        n_vocab = max(self.vocab_size, len(self._hf_tokenizer))
-        eos: Any = self._eos if self._eos else None
-        return llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=n_vocab, eos_token=eos)
+        n_vocab = max(self.vocab_size, len(tok))
+        eos: Any = self._eos if self._eos else tok.eos_token_id
+        # What llguidance.hf.from_tokenizer does, from the backend that transformers' fast
+        # tokenizer and pagedllm's own both hold (that helper accepts transformers' class only,
+        # and importing it imports transformers).
+        backend = copy.copy(tok.backend_tokenizer)
+        backend.no_padding()
+        backend.no_truncation()
+        return llguidance.LLTokenizer(backend.to_str(), n_vocab=n_vocab, eos_token=eos)
 
     def submit(self, guided: GuidedDecodingParams) -> Future[CompiledGrammar]:
         """The (possibly already finished) compilation of ``guided``; failures are ValueErrors."""

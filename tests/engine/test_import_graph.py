@@ -24,6 +24,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 import pagedllm
 
 PACKAGE = Path(pagedllm.__file__).parent
@@ -207,6 +209,10 @@ def test_the_offline_engine_on_a_gguf_imports_nothing_it_does_not_serve_with(
         ]
         if start == "second":
             assert not heavy, f"the offline engine loaded {sorted(heavy)}"
+            # The cached tokenizer is pagedllm's own over the tokenizers library: transformers
+            # (~1.3 s of a start) is not imported at all.
+            assert "transformers" not in loaded, sorted(m for m in loaded if "transformers" in m)
+            assert "pagedllm.tokenization.tokenizer" in loaded
     assert (tmp_path / "cache" / "gguf-tokenizers").is_dir()
 
 
@@ -225,12 +231,14 @@ from pagedllm.engine.core_client import EngineCoreClient
 from pagedllm.engine.core_process import freeze_startup_objects
 from pagedllm.engine.prompts import load_tokenizer
 print(type(load_tokenizer(sys.argv[1])).__name__)
+print("transformers" in sys.modules)
 """
 
 
 def test_the_server_front_imports_no_torch(tmp_path: Path) -> None:
     """``pagedllm serve``'s front process (routes, the core's client, the GGUF's cached
-    tokenizer) never imports torch: ~1.5 s of its start, and ~300 MB, it does not use."""
+    tokenizer) never imports torch: ~1.5 s of its start, and ~300 MB, it does not use; nor
+    transformers, once the tokenizer is converted and cached."""
     from tests.conftest import build_model
     from tests.models.gguf_files import write_gguf
 
@@ -238,4 +246,41 @@ def test_the_server_front_imports_no_torch(tmp_path: Path) -> None:
     convert = "import sys; from pagedllm.engine.prompts import load_tokenizer as l; l(sys.argv[1])"
     for script in (convert, _FRONT):  # the first converts and caches the tokenizer
         done = _run_on_gguf(script, path, tmp_path / "cache")
-    assert done.stdout.strip(), done.stderr[-3000:]
+    # pagedllm's tokenizer class, and no transformers either (~1.3 s of the front's start)
+    assert done.stdout.split()[-2:] == ["Tokenizer", "False"], done.stdout
+
+
+# What a chat-template worker runs (template_worker.main): the tokenizer unpickled, a render.
+_WORKER = """
+import pickle, sys
+from pagedllm.entrypoints.openai.template_worker import render
+tokenizer = pickle.loads(open(sys.argv[1], "rb").read())
+print(render(tokenizer, {"messages": [{"role": "user", "content": "hi"}]}, 1000)["text"])
+print("transformers" in sys.modules, "tokenizers" in sys.modules)
+"""
+
+
+def test_a_template_worker_on_a_cached_gguf_tokenizer_imports_no_transformers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server's chat-template workers unpickle what the renderer sends them: for
+    pagedllm's tokenizer class its templates and special tokens alone, so a worker's start (the
+    server's start-up check waits for one) imports neither transformers nor a vocabulary."""
+    import pickle
+
+    from pagedllm.engine.prompts import load_tokenizer
+    from pagedllm.entrypoints.openai.template_render import _worker_copy
+    from tests.conftest import build_model
+    from tests.models.gguf_files import write_gguf
+
+    path = write_gguf(build_model(tmp_path / "llama", "llama"), tmp_path / "m.gguf", default="Q8_0")
+    convert = "import sys; from pagedllm.engine.prompts import load_tokenizer as l; l(sys.argv[1])"
+    _run_on_gguf(convert, path, tmp_path / "cache")  # converted and cached
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    tokenizer = load_tokenizer(str(path))
+    setup = tmp_path / "tokenizer.pickle"
+    setup.write_bytes(pickle.dumps(_worker_copy(tokenizer)))
+    done = _run_on_gguf(_WORKER, setup, tmp_path / "cache")
+    lines = done.stdout.strip().splitlines()
+    assert lines[-1] == "False False", done.stdout
+    assert lines[0] == "<s>user", lines  # the file's template: "<s>user\nhi</s>..."

@@ -43,11 +43,18 @@ MESSAGES = [{"role": "user", "content": "Hello there"}]
 TIMEOUT = 1.5  # the render bound these tests run under
 
 
-@pytest.fixture(scope="module")
-def renderer(llama_path: Path) -> Any:
+@pytest.fixture(scope="module", params=["transformers", "pagedllm"])
+def renderer(llama_path: Path, request: pytest.FixtureRequest) -> Any:
+    """The renderer over transformers' tokenizer, and over pagedllm's own (what the server
+    holds for a plain tokenizer.json: its workers import no transformers)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(llama_path)
+    from pagedllm.tokenization.tokenizer import load_plain_tokenizer
+
+    if request.param == "transformers":
+        tokenizer = AutoTokenizer.from_pretrained(llama_path)
+    else:
+        tokenizer = load_plain_tokenizer(llama_path)
     r = TemplateRenderer(tokenizer, "the chat template (t.jinja)", TemplateLimits(TIMEOUT))
     yield tokenizer, r
     r.close()

@@ -48,6 +48,9 @@ def test_every_field_reads_as_the_stock_reader_reads_it(tmp_path: Path, endian) 
         assert mine.contents() == field.contents(), key
         assert (mine.offset, mine.name, mine.types[0]) == (field.offset, field.name, field.types[0])
     assert ours.fields["test.tokens"].contents() == VOCAB
+    tokens = ours.fields["test.tokens"]  # decoded when asked, one string or a slice
+    for pick in (0, 7, -1, slice(3, 9), slice(None, None, 5), slice(4, 4)):
+        assert tokens.contents(pick) == stock.fields["test.tokens"].contents(pick), pick
     assert ours.fields["test.i64s"].contents() == [-(2**40), 2**40]
     assert [(t.name, int(t.data_offset)) for t in ours.tensors] == [
         (t.name, int(t.data_offset)) for t in stock.tensors

@@ -9,9 +9,10 @@ longer than the bound it was given.
 
 Frames on stdin/stdout: an 8-byte big-endian length, then the payload. The first frame from the
 server is a pickle (trusted: it comes from the parent) of ``(tokenizer, max_chars,
-memory_bytes)``; every later frame is a JSON request, answered with ``{"text": ...}`` or
-``{"error": ..., "kind": ...}``. Replies are ASCII JSON, so any text (lone surrogates included)
-crosses the pipe.
+memory_bytes)`` (for pagedllm's own tokenizer class its ``ChatRenderer``: the templates and
+special tokens, no vocabulary and no transformers to import); every later frame is a JSON
+request, answered with ``{"text": ...}`` or ``{"error": ..., "kind": ...}``. Replies are ASCII
+JSON, so any text (lone surrogates included) crosses the pipe.
 """
 
 from __future__ import annotations
