@@ -39,7 +39,6 @@ from pagedllm.backends.base import FP8_DTYPES, AttentionMetadata
 from pagedllm.backends.cpu import dense_gemm
 from pagedllm.backends.cpu.linear_kernel import LinearKernel
 from pagedllm.config import env_decode_stack
-from pagedllm.models.causal_lm import DecodeLogits
 
 logger = logging.getLogger(__name__)
 
@@ -163,8 +162,14 @@ def bind_ends(ops: ModuleType, model: nn.Module, stack: Any, dtype: torch.dtype)
         if embedding.fast_rows is not None or embedding.quant_method is not None:
             raise NotCovered("the embedding is neither the tied head's rows nor a dense table")
         table = embedding.weight.detach()
-        if table.dtype != dtype or not table.is_cpu or not table.is_contiguous():
-            raise NotCovered(f"the embedding table is not a contiguous {dtype} CPU tensor")
+        if (
+            table.dtype != dtype
+            or not table.is_cpu
+            or not table.is_contiguous()
+            or table.dim() != 2
+            or table.shape[0] < head.vocab_size
+        ):
+            raise NotCovered(f"the embedding table is not a whole contiguous {dtype} CPU tensor")
     elif getattr(embedding, "compute_dtype", dtype) != dtype:
         raise NotCovered("the embedding's rows are not in the activations' dtype")
     stack.set_ends(
@@ -236,7 +241,7 @@ def decode_logits_step(
         block_size: int,
         kv_caches: list[torch.Tensor],
         greedy: bool,
-    ) -> DecodeLogits | None:
+    ) -> tuple[torch.Tensor, list[int], list[float]] | None:  # causal_lm.DecodeLogits
         cache = kv_caches[0] if kv_caches else None
         if (
             cache is None
