@@ -10,6 +10,8 @@ against the time spent inside our C++ kernels (every call into the extensions is
 a wrapper module installed before the engine loads), with the decode stack on and off. Host =
 step - kernels: the step loop, scheduling, input preparation, the Python between kernels,
 sampling's Python side, output processing and detokenisation. Medians over the steps.
+``layer_kernels`` in the JSON names what the stack covers (``+ embedding, norm, head``: decode
+steps go from the scheduler's lists to logits, and greedy tokens, in one call).
 
     python benchmarks/engine_overhead.py
     python benchmarks/engine_overhead.py --smoke
@@ -117,12 +119,15 @@ class _TimedOps:
 
 
 class _TimedStack:
-    def __init__(self, stack: Any, timed: Any) -> None:
-        self.stack, self.add_layer, self.run = stack, stack.add_layer, timed(stack.run)
+    """A ``DecodeStack`` whose step calls (``run``, ``run_decode``) are timed as kernels."""
 
-    @property
-    def num_layers(self) -> int:
-        return self.stack.num_layers
+    def __init__(self, stack: Any, timed: Any) -> None:
+        self._stack, self.run = stack, timed(stack.run)
+        if hasattr(stack, "run_decode"):
+            self.run_decode = timed(stack.run_decode)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stack, name)
 
 
 def _time_kernels(clock: list[int]) -> None:
@@ -187,6 +192,7 @@ def host_step(
 
     return {
         "path": engine.executor.collective_rpc("linear_path")[0],
+        "layer_kernels": engine.executor.collective_rpc("layer_kernels")[0],
         "dtype": str(engine.executor.worker.dtype).removeprefix("torch."),  # type: ignore
         "step_ms": median_ms([r[0] for r in rows]),
         "kernels_ms": median_ms([r[1] for r in rows]),

@@ -286,7 +286,9 @@ class Scheduler:
 
     def _schedule_running(self, budget: Budget, step: StepPlan, *, chunked: bool) -> None:
         """Decodes first (preempting from the back when blocks run out), then prompt chunks."""
-        queue = sort_groups(self.running, self.sort_key)
+        running = self.running
+        # (one group needs no ordering: a sort and its key calls every step of a lone stream)
+        queue = sort_groups(running, self.sort_key) if len(running) > 1 else deque(running)
         kept: deque[SequenceGroup] = deque()
         partial_prompts: list[SequenceGroup] = []
         while queue:

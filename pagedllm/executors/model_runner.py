@@ -18,7 +18,7 @@ from pagedllm.core.interfaces import (
 from pagedllm.executors.inputs import FlatBatch, flatten
 from pagedllm.executors.pipeline import StageLink
 from pagedllm.executors.pooling import Pooler
-from pagedllm.layers.sampler import SampleKernel, Sampler, SamplingRow
+from pagedllm.layers.sampler import SampleKernel, Sampler, SamplingRow, plain_greedy_params
 
 
 class ModelRunner:
@@ -45,14 +45,27 @@ class ModelRunner:
         self.block_size = block_size
         self.sampler = Sampler(seed=seed, device=device, kernel=sample_kernel)
 
-    @torch.inference_mode()
     def execute(
+        self, sched_out: SchedulerOutput, kv_caches: list[torch.Tensor]
+    ) -> ModelRunnerOutput:
+        # The worker's step already runs in inference mode: entering it again cost ~20 us of
+        # Python per step on a loaded 2-core host (a tenth of a one-sequence step's host time).
+        if torch.is_inference_mode_enabled():
+            return self._execute(sched_out, kv_caches)
+        with torch.inference_mode():
+            return self._execute(sched_out, kv_caches)
+
+    def _execute(
         self, sched_out: SchedulerOutput, kv_caches: list[torch.Tensor]
     ) -> ModelRunnerOutput:
         if not sched_out.seqs:
             return ModelRunnerOutput(sampled={})
         if self.lora is not None:  # adapters: slots, the step ordered by slot, the mapping
             sched_out = self.lora.prepare_step(sched_out)
+        elif self.pipeline is None and _plain_decode(sched_out):
+            decoded = self._decode(sched_out, kv_caches)
+            if decoded is not None:
+                return decoded
         batch = flatten(sched_out, self.block_size)
         hidden = self.forward(batch, sched_out.num_prefill_seqs, kv_caches)
         if hidden is None:  # a pipeline stage before the last: its activations went on
@@ -61,6 +74,44 @@ class ModelRunner:
         prompt_lps = self._prompt_logprobs(hidden, batch, sched_out.seqs)
         pooled = self.pooler.step(hidden, batch, sched_out.seqs)
         return ModelRunnerOutput(sampled=sampled, prompt_logprobs=prompt_lps, pooled=pooled)
+
+    def _decode(
+        self, sched_out: SchedulerOutput, kv_caches: list[torch.Tensor]
+    ) -> ModelRunnerOutput | None:
+        """A decode-only step whose every sequence samples one row (:func:`_plain_decode`),
+        from the scheduler's lists to logits in one backend call (``model.decode_logits``),
+        which also answers plain greedy rows where the sampler would take its greedy path with
+        the C++ kernel. None where the model has no such call or declines the step:
+        :meth:`execute` then runs the general path, which gives the same tokens."""
+        model = self.model
+        if getattr(model, "fast_decode_logits", None) is None:
+            return None
+        seqs = sched_out.seqs
+        greedy = (
+            self.sampler.kernel is not None
+            and sched_out.token_bitmask is None
+            and all(plain_greedy_params(s.sampling_params, s.output_len, s.history) for s in seqs)
+        )
+        done = model.decode_logits(
+            [s.token_ids[0] for s in seqs],
+            [s.start_pos for s in seqs],
+            [s.block_table for s in seqs],
+            self.block_size,
+            kv_caches,
+            greedy=greedy,
+        )
+        if done is None:
+            return None
+        logits, tokens, logprobs = done
+        if greedy:
+            return ModelRunnerOutput(
+                sampled={
+                    s.seq_id: SampledToken(s.seq_id, tokens[j], logprobs[j])
+                    for j, s in enumerate(seqs)
+                }
+            )
+        positions = list(range(len(seqs)))
+        return ModelRunnerOutput(sampled=self._sample_logits(logits, positions, sched_out))
 
     def forward(
         self, batch: FlatBatch, num_prefills: int, kv_caches: list[torch.Tensor]
@@ -93,7 +144,6 @@ class ModelRunner:
     def _sample(
         self, hidden: torch.Tensor, batch: FlatBatch, sched_out: SchedulerOutput
     ) -> dict[int, SampledToken]:
-        seqs = sched_out.seqs
         if not batch.sample_indices:
             return {}
         if len(batch.sample_indices) < hidden.shape[0]:
@@ -101,9 +151,16 @@ class ModelRunner:
             hidden = hidden[idx]
         # (else every row samples: the indices, strictly increasing, are all rows in order)
         logits = self.model.compute_logits(hidden)  # [num_sampled, vocab]
+        return self._sample_logits(logits, batch.sample_seq_positions, sched_out)
+
+    def _sample_logits(
+        self, logits: torch.Tensor, seq_positions: list[int], sched_out: SchedulerOutput
+    ) -> dict[int, SampledToken]:
+        """Samples logits row ``j``, which belongs to ``sched_out.seqs[seq_positions[j]]``."""
+        seqs = sched_out.seqs
         rows: list[SamplingRow] = []
         source: list[int] = []  # logits row of each sampling row (best_of repeats a row)
-        for j, i in enumerate(batch.sample_seq_positions):
+        for j, i in enumerate(seq_positions):
             s = seqs[i]
             for k in range(s.num_samples):
                 rows.append(
@@ -200,6 +257,25 @@ class ModelRunner:
                 )
             )
         self.execute(SchedulerOutput(seqs=seqs, num_prefill_seqs=len(seqs)), kv_caches)
+
+
+def _plain_decode(sched_out: SchedulerOutput) -> bool:
+    """Every sequence computes one token, on the KV cache, and samples it once (no prompt
+    chunk, pooling, speculative run or parallel samples): what ``decode_logits`` covers."""
+    if sched_out.num_prefill_seqs:
+        return False
+    for s in sched_out.seqs:
+        if (
+            len(s.token_ids) != 1
+            or not s.do_sample
+            or s.num_samples != 1
+            or s.num_spec_tokens
+            or s.pooling_params is not None
+            or s.next_token_ids is not None
+            or not s.block_table
+        ):
+            return False
+    return True
 
 
 def _top_entries(lps: torch.Tensor, targets: list[int], k: int) -> list[dict[int, float] | None]:

@@ -180,6 +180,7 @@ class VocabParallelEmbedding(nn.Module):
     # Used when the module also serves as the (tied) LM head.
     fast_linear: LinearFn | None = None
     fast_linear_has_bias = False
+    fast_linear_packed: object | None = None  # see ColumnParallelLinear
     # A checkpoint's group-quantised table (GGUF Q8_0 / 4-bit embeddings): rows are dequantised
     # as they are looked up, and the head multiplies by the quantised table.
     quant_method: LinearMethod | None = None

@@ -175,6 +175,22 @@ class SampleKernel(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+def plain_greedy_params(
+    params: SamplingParams, output_len: int, history: tuple[list[int], list[int]] | None
+) -> bool:
+    """Whether a row with these parameters takes :meth:`Sampler.greedy` (its first maximum of
+    the unmodified logits, nothing reported but that token's log-probability): what
+    ``_modifies`` and ``_plain_greedy`` decide for it, without building the row."""
+    return (
+        params.is_greedy
+        and params.logprobs is None
+        and not params.use_beam_search
+        and history is None
+        and not params.logit_bias
+        and output_len >= params.min_tokens
+    )
+
+
 def _modifies(row: SamplingRow) -> bool:
     """Whether the row's logits change before the draw (penalties, bias, the min-tokens mask)."""
     p = row.params
@@ -219,7 +235,7 @@ class Sampler:
         guided = token_bitmask is not None and bool(bitmask_rows)
         modified = guided or any(_modifies(r) for r in rows)
         if not modified and _plain_greedy(rows):
-            return self._greedy(raw)
+            return self.greedy(raw)
         work = raw
         if modified or self.kernel is None:
             work = raw.float()
@@ -240,9 +256,9 @@ class Sampler:
         )
         return self._outputs(tokens, chosen, raw, rows)
 
-    def _greedy(self, logits: torch.Tensor) -> SamplerOutput:
+    def greedy(self, logits: torch.Tensor) -> SamplerOutput:
         """The full path's tokens and log-probabilities for a batch of plain greedy rows
-        (:func:`_plain_greedy`, logits unmodified), without its per-row work: the kernel on
+        (:func:`plain_greedy_params`), without its per-row work: the kernel on
         row parameters built once per shape, else an argmax and one log_softmax (what
         ``sample_reference`` computes for greedy rows). One row's decode step spent more on
         building those parameters and the outputs' lists than on the kernel."""

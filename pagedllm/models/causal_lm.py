@@ -32,6 +32,14 @@ Intermediate = tuple[torch.Tensor, torch.Tensor]
 FastDecodeFn = Callable[
     [torch.Tensor, torch.Tensor, list[torch.Tensor], AttentionMetadata], Intermediate | None
 ]
+# A decode step's logits [num_seqs, vocab], and where asked each row's first maximum and its
+# log-probability (the sampler's greedy answer; empty lists otherwise).
+DecodeLogits = tuple[torch.Tensor, list[int], list[float]]
+# (token_ids, positions, block_tables, block_size, kv_caches, greedy): sequence i computes
+# token_ids[i] at positions[i] over its block table; the backend builds its own index tensors.
+DecodeLogitsFn = Callable[
+    [list[int], list[int], list[list[int]], int, list[torch.Tensor], bool], DecodeLogits | None
+]
 
 # Checkpoints store q, k, v (and gate, up) apart; the model holds each group as one projection.
 QKV_FUSED: Mapping[str, tuple[str, int]] = {
@@ -79,6 +87,12 @@ class CausalLM(nn.Module):
     #: (residual None for families that carry none), or None where it cannot take the step
     #: (the layer loop runs then).
     fast_decode: FastDecodeFn | None = None
+    #: A backend's whole decode step from the scheduler's lists to logits, the ends included
+    #: (the CPU's stack where the embedding, final norm and head are plain too), with the
+    #: greedy rows' tokens where asked (``DecodeLogitsFn``), or None where it cannot take the
+    #: step. The runner calls it (:meth:`decode_logits`) for decode-only steps whose every
+    #: token is sampled once; :meth:`forward` and :meth:`compute_logits` otherwise.
+    fast_decode_logits: DecodeLogitsFn | None = None
 
     def __init__(self, config: Any, *, tp: TPContext = SINGLE, pp: PPContext = WHOLE_MODEL) -> None:
         super().__init__()
@@ -153,6 +167,24 @@ class CausalLM(nn.Module):
             # The link between stages always carries two tensors of one shape.
             return hidden, residual if residual is not None else torch.zeros_like(hidden)
         return self.finish(hidden, residual)
+
+    def decode_logits(
+        self,
+        token_ids: list[int],  # one token per sequence
+        positions: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        kv_caches: list[torch.Tensor],
+        *,
+        greedy: bool = False,
+    ) -> DecodeLogits | None:
+        """A decode-only step's logits in one backend call (``fast_decode_logits``), with each
+        row's first maximum and its log-probability where ``greedy``; or None: the caller runs
+        :meth:`forward`, :meth:`compute_logits` and the sampler, which give the same."""
+        fast = self.fast_decode_logits
+        if fast is None or not self.pp.is_first or not self.pp.is_last:
+            return None
+        return fast(token_ids, positions, block_tables, block_size, kv_caches, greedy)
 
     def run_layers(
         self,

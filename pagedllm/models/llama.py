@@ -235,6 +235,25 @@ class LlamaForCausalLM(CausalLM):
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=self.norm_offset)
             self.lm_head = self.make_lm_head(self.embed_tokens, config.hidden_size)
 
+    def decode_stack_ends(self) -> tuple[nn.Module, nn.Module, nn.Module] | None:
+        """(embedding, final norm, LM head) where this model's ends are the plain ones a
+        backend's decode stack reproduces from token ids to logits (``fast_decode_logits``):
+        a look-up, the final RMSNorm, the head's logits. None where the layers are not plain
+        (:meth:`decode_stack_layers`) or a relative changes an end (Gemma scales the embedding,
+        Gemma 2 caps the logits)."""
+        cls = type(self)
+        plain = (
+            cls.embed is LlamaForCausalLM.embed
+            and cls.finish is LlamaForCausalLM.finish
+            and cls.compute_logits is CausalLM.compute_logits
+            and self.embed_tokens is not None
+            and self.norm is not None
+            and getattr(self, "lm_head", None) is not None
+        )
+        if not plain or self.decode_stack_layers() is None:
+            return None
+        return self.embed_tokens, self.norm, self.lm_head
+
     def decode_stack_layers(self) -> list[LlamaDecoderLayer] | None:
         """The layers, where this model is the plain Llama shape a backend's decode stack runs
         (``fast_decode``): RMSNorm without Gemma's offset, the attention without q/k norms or a

@@ -6,6 +6,9 @@ The stack calls the kernels the layers call, in their order, so the logits of ev
 the layer loop's bit for bit (asserted exactly), and greedy tokens equal token for token: batch
 1 and batch 4 of different lengths, float32 and bfloat16, Q4_0 / Q4_1 + Q8_0 / Q8_0 / Q4_K
 files, Qwen2's q/k/v bias. Prefill steps and models it does not cover run the layer loop.
+Where the ends are plain (every file here: a tied head's rows, or an F16 table beside an untied
+head) the stack runs decode steps from token ids to logits (``fast_decode_logits``), and the
+model runner's decode step samples them: sampled rows and logprobs too equal the layer loop's.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ FILES: dict[str, tuple[dict[str, str], str, str]] = {
     "q8_0": ({}, "Q8_0", "llama"),
     "q4_k": ({}, "Q4_K", "wide"),
     "qwen2-q4_0": ({"token_embd": "Q8_0"}, "Q4_0", "qwen2"),
+    # An untied Q4_0 head beside a dense (F16) embedding table: the stack's table look-up.
+    "untied-f16-embd": ({"token_embd": "F16"}, "Q4_0", "untied"),
     # q/k Q4_K with a Q6_K v: a fused layer of two formats, which the stack does not take.
     "mixed": ({"attn_v": "Q6_K"}, "Q4_K", "wide"),
 }
@@ -50,6 +55,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "llama": build_model(root / "llama", "llama"),
         "wide": build_model(root / "wide", "llama", **wide),
         "qwen2": build_model(root / "qwen2", "qwen2"),
+        "untied": build_model(root / "untied", "llama", tie_word_embeddings=False),
     }
     return {
         name: write_gguf(sources[src], root / f"{name}.gguf", recipe=recipe, default=default)
@@ -64,31 +70,55 @@ def run(
     monkeypatch: pytest.MonkeyPatch,
     *,
     stack: bool,
+    params: SamplingParams = GREEDY,
 ) -> tuple[list[list[int]], list[torch.Tensor], Engine]:
-    """Greedy tokens, the logits of every step, and the engine (blocks checked free)."""
+    """Tokens, the logits of every greedy step (as the sampler's greedy path receives them, or
+    as the stack's whole decode step returns them), and the engine (blocks checked free)."""
     monkeypatch.setenv("PAGEDLLM_DECODE_STACK", "1" if stack else "0")
     engine = Engine(str(path), device="cpu", dtype=dtype, block_size=8, num_kv_blocks=64)
-    model = engine.executor.worker.runner.model
+    runner = engine.executor.worker.runner
+    sampler, model = runner.sampler, runner.model
     logits: list[torch.Tensor] = []
-    compute = model.compute_logits
+    greedy, whole = sampler.greedy, model.fast_decode_logits
 
-    def recorded(hidden: torch.Tensor) -> torch.Tensor:
-        out = compute(hidden)
+    def recorded(out: torch.Tensor):
         logits.append(out.detach().clone())
-        return out
+        return greedy(out)
 
-    model.compute_logits = recorded
-    outs = engine.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    def recorded_whole(*args):
+        done = whole(*args)
+        if done is not None:
+            logits.append(done[0].detach().clone())
+        return done
+
+    sampler.greedy = recorded
+    if whole is not None:
+        model.fast_decode_logits = recorded_whole
+    outs = engine.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     manager = engine.block_manager
     assert manager.get_num_free_device_blocks() == manager.num_device_blocks
     return [list(o.outputs[0].token_ids) for o in outs], logits, engine
 
 
 def count_stack_steps(engine: Engine) -> list[int]:
-    """Wraps the model's ``fast_decode``; the list fills with each step's query tokens."""
+    """Wraps the model's ``fast_decode_logits``; the list fills with each step's sequences."""
     model = engine.executor.worker.runner.model
-    assert model.fast_decode is not None
+    fast, seen = model.fast_decode_logits, []
+    assert fast is not None
+
+    def counted(token_ids, *args):
+        seen.append(len(token_ids))
+        return fast(token_ids, *args)
+
+    model.fast_decode_logits = counted
+    return seen
+
+
+def count_layer_steps(engine: Engine) -> list[int]:
+    """Wraps the model's ``fast_decode`` (the layers alone); fills with each step's queries."""
+    model = engine.executor.worker.runner.model
     fast, seen = model.fast_decode, []
+    assert fast is not None
 
     def counted(hidden, positions, kv_caches, meta):
         seen.append(meta.max_query_len)
@@ -127,9 +157,50 @@ def test_only_decode_steps_take_the_stack(
     monkeypatch.setenv("PAGEDLLM_DECODE_STACK", "1")
     engine = Engine(str(files["q4_0"]), device="cpu", dtype="float32", num_kv_blocks=64)
     seen = count_stack_steps(engine)
+    layers_only = count_layer_steps(engine)
     engine.generate([{"prompt_token_ids": p} for p in FOUR], GREEDY, use_tqdm=False)
-    # Four prompts' prefill (one step, the layer loop), then STEPS - 1 decode-only steps.
-    assert seen == [1] * (STEPS - 1)
+    # Four prompts' prefill (one step, the layer loop), then STEPS - 1 decode-only steps of
+    # the four, each from the lists to logits in the stack; forward()'s layers-only call unused.
+    assert seen == [4] * (STEPS - 1)
+    assert layers_only == []
+
+
+@pytest.mark.parametrize("name", ["q4_1+q8_0", "untied-f16-embd"])
+def test_the_ends_join_the_stack(files: dict[str, Path], name: str, monkeypatch) -> None:
+    """A tied head's rows (Q8_0 panels) or a dense table, the final norm and the head run in
+    the stack's call; the logits every decode step samples equal the layer loop's."""
+    ref_tokens, ref_logits, _ = run(files[name], FOUR, "bfloat16", monkeypatch, stack=False)
+    tokens, logits, engine = run(files[name], FOUR, "bfloat16", monkeypatch, stack=True)
+    kernels = engine.executor.worker.backend.layer_kernels
+    assert "+ embedding, norm, head" in kernels, kernels
+    assert engine.executor.worker.runner.model.fast_decode_logits is not None
+    assert tokens == ref_tokens
+    for ours, theirs in zip(logits, ref_logits, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=STEPS, temperature=0.9, top_p=0.9, seed=11, logprobs=2),
+        SamplingParams(max_tokens=STEPS, temperature=0.0, repetition_penalty=1.3),
+    ],
+    ids=["sampled-logprobs", "greedy-penalty"],
+)
+def test_decode_steps_that_are_not_plain_greedy(
+    files: dict[str, Path], params: SamplingParams, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows the runner's decode step hands to the full sampler: the same tokens and logprobs."""
+
+    def generate(stack: bool) -> list[tuple[list[int], list]]:
+        monkeypatch.setenv("PAGEDLLM_DECODE_STACK", "1" if stack else "0")
+        engine = Engine(str(files["q4_0"]), device="cpu", dtype="float32", num_kv_blocks=64)
+        seen = count_stack_steps(engine) if stack else []
+        outs = engine.generate([{"prompt_token_ids": p} for p in FOUR], params, use_tqdm=False)
+        assert len(seen) == (STEPS - 1 if stack else 0)
+        return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
+
+    assert generate(True) == generate(False)
 
 
 @pytest.mark.parametrize("name", ["mixed"])

@@ -1,8 +1,9 @@
-"""The sampler's greedy short path (``Sampler._greedy``): a batch whose every row is plain
+"""The sampler's greedy short path (``Sampler.greedy``): a batch whose every row is plain
 greedy (temperature 0, no logprobs asked, no beams, logits unmodified) skips the per-row
 parameters and output lists and gives exactly the full path's tokens and log-probabilities;
 any other batch (a sampled row, logprobs asked, penalties, bias, min_tokens, a grammar) takes
-the full path."""
+the full path. ``plain_greedy_params`` (what the model runner's decode step asks before calling
+``Sampler.greedy`` itself) answers as the sampler decides."""
 
 from __future__ import annotations
 
@@ -12,7 +13,13 @@ import pytest
 import torch
 
 from pagedllm.core.sampling_params import SamplingParams
-from pagedllm.layers.sampler import SampleKernel, Sampler, SamplerOutput, SamplingRow
+from pagedllm.layers.sampler import (
+    SampleKernel,
+    Sampler,
+    SamplerOutput,
+    SamplingRow,
+    plain_greedy_params,
+)
 
 VOCAB = 1000
 
@@ -49,13 +56,13 @@ def _logits(n: int, dtype: torch.dtype) -> torch.Tensor:
 def _spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """How many batches took the short path."""
     calls: list[int] = []
-    real: Callable[..., SamplerOutput] = Sampler._greedy
+    real: Callable[..., SamplerOutput] = Sampler.greedy
 
     def greedy(self: Sampler, logits: torch.Tensor) -> SamplerOutput:
         calls.append(logits.shape[0])
         return real(self, logits)
 
-    monkeypatch.setattr(Sampler, "_greedy", greedy)
+    monkeypatch.setattr(Sampler, "greedy", greedy)
     return calls
 
 
@@ -76,6 +83,7 @@ def test_a_plain_greedy_batch_takes_the_short_path_with_the_full_paths_answer(
         assert out == full
     assert out.token_ids[0] == 7
     assert calls == [n, n]
+    assert all(plain_greedy_params(r.params, r.output_len, r.history) for r in rows)
     other = sampler(_logits(n + 1, dtype), [*rows, SamplingRow(n, params[0], 0)])
     assert other == _full_path(
         sampler, _logits(n + 1, dtype), [*rows, SamplingRow(n, params[0], 0)]
@@ -105,6 +113,7 @@ def test_any_other_row_sends_the_batch_down_the_full_path(
     ]
     out = Sampler(seed=3, kernel=kernel)(_logits(2, torch.float32), rows)
     assert calls == []
+    assert not plain_greedy_params(odd, 1, history)
     if odd.logprobs is not None:
         assert out.top_logprobs[1] is not None and len(out.top_logprobs[1]) >= 1
 

@@ -386,12 +386,14 @@ _GEMM_SOURCES = (
     "gemm_q4.cpp",
     "gemm_q4_pack.cpp",
     "gguf_decode.cpp",
-    # The decode stack calls the row-wise and attention kernels directly, so their sources are
-    # built into this extension too (a third extension would compile every source once more).
+    # The decode stack calls the row-wise, attention and sampling kernels directly, so their
+    # sources are built into this extension too (a third extension would compile every source
+    # once more).
     "decode_stack.cpp",
     "pointwise.cpp",
     "cache_ops.cpp",
     "attention.cpp",
+    "sampling.cpp",
 )
 _GEMM_HEADERS = (
     "tensor_api.h",
@@ -411,6 +413,7 @@ _GEMM_HEADERS = (
     "decode_stack.h",
     "attention.h",
     "pointwise.h",
+    "sampling.h",
 )
 
 

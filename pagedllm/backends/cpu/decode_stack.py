@@ -14,6 +14,15 @@ It covers a model completely or not at all: every layer group-wise packed, the C
 and attention kernels installed (the stack calls the same functions, so its outputs equal the
 layer loop's bit for bit), no LoRA wrapper, no bias after a row-parallel layer. Anything else
 keeps the layer loop, which ``PAGEDLLM_DECODE_STACK=0`` also forces (the reference path).
+
+Where the model's ends are plain too (``decode_stack_ends()``: the embedding read back from a
+tied group-wise head's panels or a dense table, the C++ final RMSNorm, a group-wise packed LM
+head), the stack also fills ``fast_decode_logits``: from the scheduler's lists (token ids,
+positions, block tables) to logits in the one call, the step's index tensors built in C++ and,
+for plain greedy rows, each row's first maximum and its log-probability (``sample_rows``, as
+the sampler's greedy path calls it). The Python between the stack and those calls ran on
+caches the layers' weights had just flushed: on the demo model it was two thirds of a
+one-sequence step's host time.
 """
 
 from __future__ import annotations
@@ -134,6 +143,46 @@ def build_stack(ops: ModuleType, model: nn.Module) -> tuple[Any, torch.dtype, Ma
     return stack, dtype, _dot_rows(layers)
 
 
+def bind_ends(ops: ModuleType, model: nn.Module, stack: Any, dtype: torch.dtype) -> Mapping:
+    """Binds the model's embedding, final norm and LM head to ``stack`` (``set_ends``); returns
+    the head's dot rows per dtype. NotCovered where an end is not the plain one the stack
+    reproduces (the model's ``decode_stack_ends()`` says which modules they are)."""
+    ends = model.decode_stack_ends() if hasattr(model, "decode_stack_ends") else None
+    if ends is None:
+        raise NotCovered(f"{type(model).__name__} offers no plain embedding, norm and head")
+    embedding, norm, head = ends
+    kernel = getattr(head, "fast_linear_packed", None)
+    if not isinstance(kernel, LinearKernel) or kernel.groupwise is None:
+        raise NotCovered("the LM head is not one group-wise packed GEMM")
+    if kernel.fn is not head.fast_linear or getattr(head, "bias", None) is not None:
+        raise NotCovered("the LM head's fast_linear is not its packed GEMM alone")
+    rows_from_head = embedding is head and getattr(embedding, "fast_rows", None) is not None
+    table = torch.empty(0, dtype=dtype)
+    if not rows_from_head:
+        if embedding.fast_rows is not None or embedding.quant_method is not None:
+            raise NotCovered("the embedding is neither the tied head's rows nor a dense table")
+        table = embedding.weight.detach()
+        if (
+            table.dtype != dtype
+            or not table.is_cpu
+            or not table.is_contiguous()
+            or table.dim() != 2
+            or table.shape[0] < head.vocab_size
+        ):
+            raise NotCovered(f"the embedding table is not a whole contiguous {dtype} CPU tensor")
+    elif getattr(embedding, "compute_dtype", dtype) != dtype:
+        raise NotCovered("the embedding's rows are not in the activations' dtype")
+    stack.set_ends(
+        table,
+        rows_from_head,
+        _norm_weight(norm, dtype, "the final norm"),
+        float(norm.eps),
+        _packed(ops, head, "the LM head", bias_ok=False),
+        int(head.vocab_size),
+    )
+    return dict(kernel.dot_rows)
+
+
 def _index(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
 
@@ -176,6 +225,46 @@ def decode_step(stack: Any, dtype: torch.dtype, dot_rows: Mapping[torch.dtype, i
     return step
 
 
+def decode_logits_step(
+    stack: Any, dtype: torch.dtype, dot_rows: Mapping[torch.dtype, int], head_dot_rows: Mapping
+):
+    """The model's ``fast_decode_logits``: a decode step's logits (and its greedy rows) from
+    the scheduler's lists in one call, the step's index tensors built in C++; None for a cache
+    the stack would not take (the runner then runs the model)."""
+    dot_limit = dot_rows.get(dtype, 0)
+    head_limit = head_dot_rows.get(dtype, 0)
+
+    def step(
+        token_ids: list[int],
+        positions: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        kv_caches: list[torch.Tensor],
+        greedy: bool,
+    ) -> tuple[torch.Tensor, list[int], list[float]] | None:  # causal_lm.DecodeLogits
+        cache = kv_caches[0] if kv_caches else None
+        if (
+            cache is None
+            or not cache.is_cpu
+            or cache.dtype not in _CACHE_DTYPES
+            or not cache.is_contiguous()
+        ):
+            return None
+        n = len(token_ids)
+        return stack.run_decode(
+            token_ids,
+            positions,
+            block_tables,
+            block_size,
+            kv_caches,
+            n <= dot_limit,
+            n <= head_limit,
+            greedy,
+        )
+
+    return step
+
+
 def install_decode_stack(model: nn.Module, *, int8_activations: bool = False) -> str:
     """The registry's installer (op ``decode_stack``): fills ``model.fast_decode`` where the
     stack covers the whole model; returns e.g. ``"decode_stack: cpp x30 layers"`` ("" for
@@ -192,4 +281,12 @@ def install_decode_stack(model: nn.Module, *, int8_activations: bool = False) ->
         logger.info("decode stack not used: %s", e)
         return ""
     model.fast_decode = decode_step(stack, dtype, dot_rows)
-    return f"decode_stack: cpp x{stack.num_layers} layers"
+    if not hasattr(model, "fast_decode_logits") or not hasattr(stack, "set_ends"):
+        return f"decode_stack: cpp x{stack.num_layers} layers"
+    try:
+        head_dot_rows = bind_ends(ops, model, stack, dtype)
+    except NotCovered as e:
+        logger.info("decode stack runs the layers only: %s", e)
+        return f"decode_stack: cpp x{stack.num_layers} layers"
+    model.fast_decode_logits = decode_logits_step(stack, dtype, dot_rows, head_dot_rows)
+    return f"decode_stack: cpp x{stack.num_layers} layers + embedding, norm, head"

@@ -297,7 +297,7 @@ def pack_linear_layers(model: nn.Module, *, int8_activations: bool = False) -> d
             if kernel.fn is None:
                 continue
             module.fast_linear = kernel.fn
-            if is_linear:  # what the decode stack reads (decode_stack.py)
+            if is_linear or module is head:  # what the decode stack reads (decode_stack.py)
                 module.fast_linear_packed = kernel
             # A tied head is the embedding, which still needs its rows: a group-wise one
             # reads them back from the head's panels (a Gemma 2 2B table: ~0.7 GB not held

@@ -10,10 +10,22 @@
 // Python path's bit for bit. Every kernel's output goes into scratch allocated once per step
 // and reused by every layer (GEMM rows, norms, residual, attention, activation): a layer
 // allocates nothing, where it allocated five tensors and built four views before.
+//
+// With the model's ends bound (set_ends), run_decode goes from the scheduler's lists (token
+// ids, positions, block tables) to logits in the same call: the step's index tensors (the
+// fields build_attention_metadata gives), the embedding look-up, the layers, the final RMSNorm
+// and the LM head, each the function the Python path calls (groupwise_weight_rows or
+// index_select, rms_norm, groupwise_gemm) with the same arguments, and, for plain greedy rows,
+// sample_rows as the sampler's greedy path calls it. After the layers stream the weights
+// through the caches, each Python call between kernels ran cold (~0.1 ms for the final norm's
+// few attribute reads and checks on the 30-layer demo model): the ends, the step's index
+// tensors and the greedy row were two thirds of a one-sequence step's host time.
 #include "decode_stack.h"
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <limits>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -22,9 +34,60 @@
 #include "attention.h"
 #include "gemm_q4.h"
 #include "pointwise.h"
+#include "sampling.h"
 
 namespace pagedllm::decode {
 namespace {
+
+// A decode step's index tensors, built from the scheduler's lists (sequence i computes token
+// ids[i] at positions[i]): what build_attention_metadata and the runner give for that step.
+struct DecodeIndex {
+  at::Tensor ids, positions, slots;             // [n] int64
+  at::Tensor block_tables;                      // [n, width] int32, padded with 0
+  at::Tensor seq_lens, query_start_loc;         // [n], [n + 1] int32
+};
+
+DecodeIndex decode_index(const std::vector<int64_t>& ids, const std::vector<int64_t>& positions,
+                         const std::vector<std::vector<int64_t>>& tables, int64_t block_size,
+                         int64_t num_blocks) {
+  const int64_t n = static_cast<int64_t>(ids.size());
+  TORCH_CHECK(n > 0 && positions.size() == ids.size() && tables.size() == ids.size(),
+              "DecodeStack: token_ids, positions and block_tables must be as long, not empty");
+  TORCH_CHECK(block_size > 0, "DecodeStack: block_size must be positive");
+  size_t width = 1;
+  for (const auto& t : tables) width = std::max(width, t.size());
+  const auto i64 = at::TensorOptions().dtype(at::kLong);
+  const auto i32 = at::TensorOptions().dtype(at::kInt);
+  DecodeIndex d{at::empty({n}, i64), at::empty({n}, i64), at::empty({n}, i64),
+                at::zeros({n, static_cast<int64_t>(width)}, i32), at::empty({n}, i32),
+                at::empty({n + 1}, i32)};
+  int64_t* id = d.ids.data_ptr<int64_t>();
+  int64_t* pos = d.positions.data_ptr<int64_t>();
+  int64_t* slot = d.slots.data_ptr<int64_t>();
+  int32_t* table = d.block_tables.data_ptr<int32_t>();
+  int32_t* len = d.seq_lens.data_ptr<int32_t>();
+  int32_t* qsl = d.query_start_loc.data_ptr<int32_t>();
+  qsl[0] = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t p = positions[i];
+    const auto& t = tables[i];
+    TORCH_CHECK(p >= 0 && p < std::numeric_limits<int32_t>::max() &&
+                    p / block_size < static_cast<int64_t>(t.size()),
+                "DecodeStack: position ", p, " of sequence ", i, " is outside its ", t.size(),
+                " blocks");
+    for (size_t j = 0; j < t.size(); ++j) {
+      TORCH_CHECK(t[j] >= 0 && t[j] < num_blocks, "DecodeStack: block ", t[j], " of sequence ",
+                  i, " is outside the cache's ", num_blocks, " blocks");
+      table[i * static_cast<int64_t>(width) + j] = static_cast<int32_t>(t[j]);
+    }
+    id[i] = ids[i];
+    pos[i] = p;
+    slot[i] = t[p / block_size] * block_size + p % block_size;
+    len[i] = static_cast<int32_t>(p + 1);
+    qsl[i + 1] = static_cast<int32_t>(i + 1);
+  }
+  return d;
+}
 
 // One packed layer as groupwise_gemm takes it (PackedGroupwise's fields; bias float32).
 struct StackLinear {
@@ -82,6 +145,88 @@ class DecodeStack {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
+  // The model's ends for run_logits. rows_from_head: the embedding is the tied head, whose rows
+  // are read back from its panels in float32 and rounded to the activations' dtype (the
+  // Python path's fast_rows); else embed_table is the dense [vocab, hidden] table in that dtype.
+  void set_ends(const at::Tensor& embed_table, bool rows_from_head, const at::Tensor& final_norm,
+                double final_eps, const StackLinear& head, int64_t vocab) {
+    TORCH_CHECK(!layers_.empty(), "DecodeStack: add the layers before the ends");
+    const int64_t width = layers_[0].o.n;
+    TORCH_CHECK(vocab > 0 && vocab <= head.n && !head.bias.has_value(),
+                "DecodeStack: the LM head must be a bias-free layer of at least vocab rows");
+    TORCH_CHECK(final_norm.dim() == 1 && final_norm.size(0) == width,
+                "DecodeStack: the final norm must have ", width, " weights");
+    TORCH_CHECK(rows_from_head || (embed_table.dim() == 2 && embed_table.size(1) == width &&
+                                   embed_table.size(0) >= vocab && embed_table.is_contiguous() &&
+                                   embed_table.scalar_type() == final_norm.scalar_type()),
+                "DecodeStack: the embedding table must be a contiguous [vocab, ", width,
+                "] tensor of the activations' dtype");
+    ends_ = Ends{embed_table, rows_from_head, final_norm, final_eps, head, vocab};
+  }
+
+  // A decode step from the scheduler's lists: (logits [n, vocab], and where greedy, each row's
+  // first maximum and its log-probability under the logits, as sample_rows computes them for
+  // greedy rows; empty lists otherwise). dot / head_dot: the layers' and the head's own choice
+  // of the dot path for n rows.
+  std::tuple<at::Tensor, std::vector<int64_t>, std::vector<double>> run_decode(
+      const std::vector<int64_t>& token_ids, const std::vector<int64_t>& positions,
+      const std::vector<std::vector<int64_t>>& block_tables, int64_t block_size,
+      const std::vector<at::Tensor>& kv_caches, bool dot, bool head_dot, bool greedy) const {
+    TORCH_CHECK(!kv_caches.empty() && kv_caches[0].dim() == 5 &&
+                    kv_caches[0].size(3) == block_size,
+                "DecodeStack: caches must be [2, blocks, kv_heads, ", block_size, ", head] tensors");
+    const DecodeIndex d =
+        decode_index(token_ids, positions, block_tables, block_size, kv_caches[0].size(1));
+    at::Tensor logits = run_logits(d.ids, d.positions, kv_caches, d.block_tables, d.seq_lens,
+                                   d.query_start_loc, d.slots, dot, head_dot);
+    std::vector<int64_t> tokens;
+    std::vector<double> logprobs;
+    if (greedy) {
+      const int64_t n = logits.size(0);
+      const auto f32 = at::TensorOptions().dtype(at::kFloat);
+      const at::Tensor zeros = at::zeros({n}, f32);
+      auto [tok, lp] = sample_rows(logits, std::nullopt, zeros, at::full({n}, logits.size(1),
+                                   at::TensorOptions().dtype(at::kLong)),
+                                   at::ones({n}, f32), zeros, zeros);
+      const int64_t* t = tok.data_ptr<int64_t>();
+      const float* l = lp.data_ptr<float>();
+      tokens.assign(t, t + n);
+      logprobs.assign(l, l + n);
+    }
+    return {logits, std::move(tokens), std::move(logprobs)};
+  }
+
+ private:
+  // Logits [tokens, vocab] of a decode step from its token ids: embedding, every layer, the
+  // final norm and the LM head (head_dot: the head's own choice of the dot path for this batch).
+  at::Tensor run_logits(const at::Tensor& input_ids, const at::Tensor& positions,
+                        const std::vector<at::Tensor>& kv_caches, const at::Tensor& block_tables,
+                        const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                        const at::Tensor& slot_mapping, bool dot, bool head_dot) const {
+    TORCH_CHECK(ends_.has_value(), "DecodeStack: run_logits needs set_ends");
+    TORCH_CHECK(input_ids.dim() == 1 && input_ids.scalar_type() == at::kLong,
+                "DecodeStack: input_ids must be a 1-D int64 tensor");
+    const Ends& e = *ends_;
+    const int64_t width = layers_[0].o.n;
+    at::Tensor hidden;
+    if (e.rows_from_head) {
+      const StackLinear& h = e.head;
+      hidden = gemm::q4::groupwise_weight_rows(h.packed, h.n, width, h.bits, h.half_scales,
+                                               h.with_offset, h.factored, input_ids, h.levels)
+                   .to(e.final_norm.scalar_type());
+    } else {
+      hidden = e.table.index_select(0, input_ids);
+    }
+    at::Tensor scratch_h = at::empty_like(hidden), normed = at::empty_like(hidden);
+    auto [x, residual] = layers(hidden, positions, kv_caches, block_tables, seq_lens,
+                                query_start_loc, slot_mapping, dot);
+    rms_norm_into(x, e.final_norm, e.final_eps, offset_, residual, normed, scratch_h);
+    at::Tensor logits = at::empty({hidden.size(0), e.head.n}, hidden.options());
+    e.head.run(normed, head_dot, logits);
+    return e.head.n == e.vocab ? logits : logits.narrow(1, 0, e.vocab);
+  }
+
+ public:
   // (hidden, residual) after the last layer: what the model's final norm takes.
   std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& hidden, const at::Tensor& positions,
                                          const std::vector<at::Tensor>& kv_caches,
@@ -89,6 +234,26 @@ class DecodeStack {
                                          const at::Tensor& seq_lens,
                                          const at::Tensor& query_start_loc,
                                          const at::Tensor& slot_mapping, bool dot) const {
+    return layers(hidden, positions, kv_caches, block_tables, seq_lens, query_start_loc,
+                  slot_mapping, dot);
+  }
+
+ private:
+  struct Ends {
+    at::Tensor table;
+    bool rows_from_head = false;
+    at::Tensor final_norm;
+    double final_eps = 1e-6;
+    StackLinear head;
+    int64_t vocab = 0;
+  };
+
+  std::tuple<at::Tensor, at::Tensor> layers(const at::Tensor& hidden, const at::Tensor& positions,
+                                            const std::vector<at::Tensor>& kv_caches,
+                                            const at::Tensor& block_tables,
+                                            const at::Tensor& seq_lens,
+                                            const at::Tensor& query_start_loc,
+                                            const at::Tensor& slot_mapping, bool dot) const {
     TORCH_CHECK(!layers_.empty(), "DecodeStack: no layers");
     TORCH_CHECK(kv_caches.size() == layers_.size(), "DecodeStack: ", layers_.size(),
                 " layers but ", kv_caches.size(), " caches");
@@ -145,10 +310,10 @@ class DecodeStack {
     return {x, res_mid};
   }
 
- private:
   int64_t heads_, kv_heads_, head_size_;
   double offset_;
   std::vector<StackLayer> layers_;
+  c10::optional<Ends> ends_;
 };
 
 }  // namespace
@@ -200,6 +365,13 @@ void bind_decode_stack(pybind11::module& m) {
            py::arg("num_kv_heads"), py::arg("head_size"), py::arg("norm_offset") = 0.0)
       .def("add_layer", &DecodeStack::add_layer, py::arg("layer"))
       .def_property_readonly("num_layers", &DecodeStack::num_layers)
+      .def("set_ends", &DecodeStack::set_ends, py::arg("embed_table"), py::arg("rows_from_head"),
+           py::arg("final_norm"), py::arg("final_eps"), py::arg("head"), py::arg("vocab"))
+      .def("run_decode", &DecodeStack::run_decode,
+           "(logits, greedy tokens, their logprobs) of a decode step from the scheduler's lists",
+           py::call_guard<py::gil_scoped_release>(), py::arg("token_ids"), py::arg("positions"),
+           py::arg("block_tables"), py::arg("block_size"), py::arg("kv_caches"),
+           py::arg("dot") = false, py::arg("head_dot") = false, py::arg("greedy") = false)
       .def("run", &DecodeStack::run,
            "(hidden, residual) after every layer; one token per sequence or any flat batch",
            py::call_guard<py::gil_scoped_release>(), py::arg("hidden"), py::arg("positions"),
