@@ -1,21 +1,26 @@
-"""The stock ``gguf.GGUFReader`` with every read bounded by the file's size.
+"""Our own GGUF header parser, every read bounded by the file's size; no ``gguf`` import.
 
-Imported only when a GGUF file is opened (``reader.GGUFFile``), so importing the reader module
-costs no ``gguf`` import. A fault is a :class:`Malformed` naming the key or tensor;
+Importing ggml's ``gguf`` package costs 0.2-0.3 s of every engine start (its ``quants`` module
+builds lookup tables at import), and the engine only needs the header: metadata, tensor
+entries, where the data starts. This module parses that (GGUF v2 and v3, little-endian, as
+llama.cpp writes it) with ``struct`` over one read-only memory map, and hands tensor data out
+as numpy views of the same map. A fault is a :class:`Malformed` naming the key or tensor;
 ``GGUFFile`` prefixes the file's path and raises it as a ``GGUFFileError``.
+``test_gguf_reader.py`` compares every field and tensor with the stock ``gguf.GGUFReader``'s.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import mmap
 import struct
+from dataclasses import dataclass
+from enum import IntEnum
+from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
-from gguf.gguf_reader import ReaderField
 
 
 class Malformed(ValueError):
@@ -31,70 +36,335 @@ MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
 # a count more than the rest of the file could hold is refused before any loop.
 _MIN_KV_BYTES = 8 + 4 + 1
 _MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8
+_HEADER_BYTES = 24  # magic, version, tensor count, metadata count
+_DEFAULT_ALIGNMENT = 32
+_VERSIONS = (2, 3)
 
 
-class BoundedReader(GGUFReader):
-    """``gguf.GGUFReader`` with every read bounded by the file, and two costs taken out.
+class ValueType(IntEnum):
+    """A metadata value's type, as the GGUF specification numbers it."""
 
-    Bounds: each read the parse makes (counts, string and array lengths, nesting depth,
-    dimensions, types, tensor offsets and sizes) is checked against the bytes the file has
-    before anything is sized by it, in the one pass the package's parser makes; a fault is a
-    ``Malformed`` naming the key or tensor (``GGUFFile`` adds the path). Costs:
+    UINT8 = 0
+    INT8 = 1
+    UINT16 = 2
+    INT16 = 3
+    UINT32 = 4
+    INT32 = 5
+    FLOAT32 = 6
+    BOOL = 7
+    STRING = 8
+    ARRAY = 9
+    UINT64 = 10
+    INT64 = 11
+    FLOAT64 = 12
 
-    1. Its ``np.memmap`` is held as a plain ``ndarray`` view of the same mapping (nothing
-       copied): the memmap subclass's ``__array_finalize__`` on each slice made a 49k-token
-       vocabulary take 2.4 s to parse, a plain view a third of that.
-    2. Arrays are split into the package's own ``ReaderField`` parts in one pass instead of one
-       recursive call and typed numpy view per element (a vocabulary's tokens, scores, token
-       types and merges are ~250k elements): a scalar array is one view of all its values (what
-       ``ReaderField.contents()`` flattens anyway), a string array is a
-       :class:`StringArrayField`: where each string starts and ends, found in one scan of the
-       lengths, and decoded only when its contents are asked for (a cached tokenizer never
-       asks: the vocabulary and merges of a 49k-token file were ~100k numpy slices, 0.3-0.4 s
-       of every start). ``test_gguf_reader.py`` compares every field with the stock reader's.
-    """
+
+# The fixed-size value types: how one is unpacked, and the numpy type of an array of them.
+_SCALARS: dict[ValueType, tuple[struct.Struct, np.dtype]] = {
+    t: (struct.Struct("<" + code), np.dtype("<" + code))
+    for t, code in (
+        (ValueType.UINT8, "B"),
+        (ValueType.INT8, "b"),
+        (ValueType.UINT16, "H"),
+        (ValueType.INT16, "h"),
+        (ValueType.UINT32, "I"),
+        (ValueType.INT32, "i"),
+        (ValueType.FLOAT32, "f"),
+        (ValueType.BOOL, "?"),
+        (ValueType.UINT64, "Q"),
+        (ValueType.INT64, "q"),
+        (ValueType.FLOAT64, "d"),
+    )
+}
+
+
+class GGMLType(IntEnum):
+    """A tensor's type, as ggml numbers it (``ggml_type``; 4, 5 and 31-33 were removed)."""
+
+    F32 = 0
+    F16 = 1
+    Q4_0 = 2
+    Q4_1 = 3
+    Q5_0 = 6
+    Q5_1 = 7
+    Q8_0 = 8
+    Q8_1 = 9
+    Q2_K = 10
+    Q3_K = 11
+    Q4_K = 12
+    Q5_K = 13
+    Q6_K = 14
+    Q8_K = 15
+    IQ2_XXS = 16
+    IQ2_XS = 17
+    IQ3_XXS = 18
+    IQ1_S = 19
+    IQ4_NL = 20
+    IQ3_S = 21
+    IQ2_S = 22
+    IQ4_XS = 23
+    I8 = 24
+    I16 = 25
+    I32 = 26
+    I64 = 27
+    F64 = 28
+    IQ1_M = 29
+    BF16 = 30
+    TQ1_0 = 34
+    TQ2_0 = 35
+    MXFP4 = 39
+    NVFP4 = 40
+    Q1_0 = 41
+
+
+_K = 256  # the super-block of the K and IQ types
+# (elements per block, bytes per block) of each type: the layouts of ggml-common.h's blocks.
+BLOCK_SIZES: dict[GGMLType, tuple[int, int]] = {
+    GGMLType.F32: (1, 4),
+    GGMLType.F16: (1, 2),
+    GGMLType.Q4_0: (32, 2 + 16),
+    GGMLType.Q4_1: (32, 2 + 2 + 16),
+    GGMLType.Q5_0: (32, 2 + 4 + 16),
+    GGMLType.Q5_1: (32, 2 + 2 + 4 + 16),
+    GGMLType.Q8_0: (32, 2 + 32),
+    GGMLType.Q8_1: (32, 4 + 4 + 32),
+    GGMLType.Q2_K: (_K, 2 + 2 + _K // 16 + _K // 4),
+    GGMLType.Q3_K: (_K, 2 + _K // 4 + _K // 8 + 12),
+    GGMLType.Q4_K: (_K, 2 + 2 + _K // 2 + 12),
+    GGMLType.Q5_K: (_K, 2 + 2 + _K // 2 + _K // 8 + 12),
+    GGMLType.Q6_K: (_K, 2 + _K // 2 + _K // 4 + _K // 16),
+    GGMLType.Q8_K: (_K, 4 + _K + _K // 8),
+    GGMLType.IQ2_XXS: (_K, 2 + _K // 4),
+    GGMLType.IQ2_XS: (_K, 2 + _K // 4 + _K // 32),
+    GGMLType.IQ3_XXS: (_K, 2 + _K // 4 + _K // 8),
+    GGMLType.IQ1_S: (_K, 2 + _K // 8 + _K // 16),
+    GGMLType.IQ4_NL: (32, 2 + 16),
+    GGMLType.IQ3_S: (_K, 2 + _K // 4 + _K // 8 + _K // 32 + 4),
+    GGMLType.IQ2_S: (_K, 2 + _K // 4 + _K // 16),
+    GGMLType.IQ4_XS: (_K, 2 + 2 + _K // 2 + _K // 64),
+    GGMLType.I8: (1, 1),
+    GGMLType.I16: (1, 2),
+    GGMLType.I32: (1, 4),
+    GGMLType.I64: (1, 8),
+    GGMLType.F64: (1, 8),
+    GGMLType.IQ1_M: (_K, _K // 8 + _K // 16 + _K // 32),
+    GGMLType.BF16: (1, 2),
+    GGMLType.TQ1_0: (_K, 2 + 4 * 13),
+    GGMLType.TQ2_0: (_K, 2 + 64),
+    GGMLType.MXFP4: (32, 1 + 16),
+    GGMLType.NVFP4: (64, 4 + 32),
+    GGMLType.Q1_0: (128, 2 + 16),
+}
+# The types whose data is handed out as elements (the rest as bytes, one row of blocks a row).
+_ELEMENTS = {
+    GGMLType.F32: np.dtype("<f4"),
+    GGMLType.F16: np.dtype("<f2"),
+    GGMLType.F64: np.dtype("<f8"),
+    GGMLType.I8: np.dtype("i1"),
+    GGMLType.I16: np.dtype("<i2"),
+    GGMLType.I32: np.dtype("<i4"),
+    GGMLType.I64: np.dtype("<i8"),
+}
+
+_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
+
+
+class _Text:
+    """A metadata string: where its bytes lie in the map, decoded when asked."""
+
+    __slots__ = ("end", "mapped", "start")
+
+    def __init__(self, mapped: np.ndarray, start: int, end: int) -> None:
+        self.mapped, self.start, self.end = mapped, start, end
+
+    def value(self) -> str:
+        return self.mapped[self.start : self.end].tobytes().decode("utf-8")
+
+
+class _Texts:
+    """An array of strings: where each one's bytes start and end in the map (int64), decoded
+    when asked (a cached tokenizer never asks: a 49k-token vocabulary and its merges decoded
+    string by string were 0.3-0.4 s of every start)."""
+
+    __slots__ = ("ends", "mapped", "starts")
+
+    def __init__(self, mapped: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> None:
+        self.mapped, self.starts, self.ends = mapped, starts, ends
+
+    def leaves(self, pick: int | slice = slice(None)) -> Any:
+        if isinstance(pick, int):
+            return self.mapped[int(self.starts[pick]) : int(self.ends[pick])].tobytes().decode()
+        starts, ends = self.starts[pick], self.ends[pick]
+        if not len(starts):
+            return []
+        base = int(starts.min())
+        block = self.mapped[base : int(ends.max())].tobytes()  # one copy, then slices of it
+        return [
+            block[s - base : e - base].decode("utf-8")
+            for s, e in zip(starts.tolist(), ends.tolist(), strict=True)
+        ]
+
+
+class _Numbers:
+    """An array of fixed-size values: one numpy view of the map."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, values: np.ndarray) -> None:
+        self.values = values
+
+    def leaves(self, pick: int | slice = slice(None)) -> Any:
+        return self.values[pick].tolist()
+
+
+class _Nested:
+    """An array of arrays: its values are the inner arrays' values in a row (the stock
+    reader's flattening; llama.cpp writes no nested arrays)."""
+
+    __slots__ = ("inner",)
+
+    def __init__(self, inner: list[_Numbers | _Texts | _Nested]) -> None:
+        self.inner = inner
+
+    def leaves(self, pick: int | slice = slice(None)) -> Any:
+        flat = [v for array in self.inner for v in array.leaves()]
+        return flat[pick]
+
+
+_Array = _Numbers | _Texts | _Nested
+
+
+@dataclass(frozen=True)
+class Field:
+    """One metadata entry: ``types`` as the stock reader lists them (the value's type; for an
+    array ``ARRAY``, then its first element's types), ``count`` an array's length."""
+
+    offset: int  # of the entry (its key's length) in the file
+    name: str
+    types: list[ValueType]
+    value: Any  # a Python scalar, or a _Text or array holder
+    count: int | None = None  # elements of an array; None for a scalar
+
+    def contents(self, index_or_slice: int | slice = slice(None)) -> Any:
+        """The value as Python (an array: all of it, one element or a slice of it)."""
+        if self.count is not None:
+            return self.value.leaves(index_or_slice)
+        if isinstance(self.value, _Text):
+            return self.value.value()
+        return self.value
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor's entry, checked against the file, and its data as a view of the map."""
+
+    name: str
+    qtype: GGMLType
+    dims: tuple[int, ...]  # ggml's order: the first is contiguous
+    offset: int  # in the data section, as the entry gives it
+    data_offset: int  # in the file
+    data: np.ndarray  # elements (float and int types) or bytes, shaped in numpy's order
+    entry_offset: int  # of the entry in the file
 
     @property
-    def data(self) -> np.ndarray:
-        return self._plain
+    def n_bytes(self) -> int:
+        return int(self.data.nbytes)
 
-    @data.setter
-    def data(self, value: np.ndarray) -> None:
-        self._plain = np.asarray(value).view(np.ndarray)
 
-    def _left(self, offset: int) -> int:
-        return int(self._plain.nbytes) - offset
+class GGUFHeader:
+    """A GGUF file's header parsed with every read bounded by the file's size: ``fields`` (the
+    metadata, by key, after the pseudo-fields ``GGUF.version``, ``GGUF.tensor_count`` and
+    ``GGUF.kv_count``), ``tensors`` in the file's order, ``alignment``, ``data_offset``;
+    ``mapped`` is the whole file as one read-only uint8 array.
 
-    def _get(
-        self, offset: int, dtype: Any, count: int = 1, override_order: Any = None
-    ) -> np.ndarray:
-        need = int(count) * np.dtype(dtype).itemsize
-        if offset < 0 or need > self._left(offset):
-            where = "the GGUF header (magic, version, counts): " if offset < 24 else ""
+    Each count, length, nesting depth, dimension, type, offset and size is checked against the
+    bytes the file has before anything is sized by it; a fault is a :class:`Malformed` naming
+    the key or tensor, or (a file that is no GGUF at all) a ``ValueError`` worded as the stock
+    reader words it.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        with open(path, "rb") as f:
+            size = f.seek(0, 2)
+            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+        self.mapped: np.ndarray = np.frombuffer(mapping, dtype=np.uint8)
+        self._buf = memoryview(mapping)
+        self.size = size
+        self.fields: dict[str, Field] = {}
+        self.tensors: list[TensorInfo] = []
+        self.alignment = _DEFAULT_ALIGNMENT
+        self._parse()
+
+    def _parse(self) -> None:
+        self._check(0, 4)
+        if bytes(self._buf[0:4]) != b"GGUF":
+            raise ValueError("GGUF magic invalid")
+        (version,) = self._unpack(_U32, 4)
+        if not version & 0xFFFF and int.from_bytes(version.to_bytes(4, "little"), "big") in (
+            _VERSIONS
+        ):
+            raise Malformed(
+                "is a big-endian GGUF file; pagedllm reads the little-endian files llama.cpp "
+                "writes (convert it with gguf's gguf_convert_endian.py)"
+            )
+        if version not in _VERSIONS:
+            raise ValueError(f"Sorry, file appears to be version {version} which we cannot handle")
+        (tensor_count,) = self._unpack(_U64, 8)
+        (kv_count,) = self._unpack(_U64, 16)
+        for offset, name, vtype, value in (
+            (4, "GGUF.version", ValueType.UINT32, version),
+            (8, "GGUF.tensor_count", ValueType.UINT64, tensor_count),
+            (16, "GGUF.kv_count", ValueType.UINT64, kv_count),
+        ):
+            self.fields[name] = Field(offset, name, [vtype], value)
+        offs = self._read_fields(_HEADER_BYTES, kv_count)
+        offs, entries = self._read_tensor_entries(offs, tensor_count)
+        alignment = self.fields.get("general.alignment")
+        if alignment is not None:
+            if alignment.types != [ValueType.UINT32]:
+                raise ValueError("Bad type for general.alignment field")
+            self.alignment = int(alignment.value)
+            if self.alignment == 0 or self.alignment & (self.alignment - 1):
+                raise ValueError("Invalid alignment: must be a non-zero power of two")
+        offs += -offs % self.alignment
+        self.data_offset = offs
+        self._build_tensors(entries)
+
+    # Bounded reads.
+
+    def _check(self, offset: int, need: int) -> None:
+        if offset < 0 or need > self.size - offset:
+            where = "the GGUF header (magic, version, counts): " if offset < _HEADER_BYTES else ""
             raise Malformed(
                 f"{where}{need} bytes at byte {offset} run past the end of the file "
-                f"({self._plain.nbytes} bytes): truncated or corrupt"
+                f"({self.size} bytes): truncated or corrupt"
             )
-        return super()._get(offset, dtype, count, override_order)
 
-    def _get_str(self, offset: int) -> tuple[np.ndarray, np.ndarray]:
-        slen = self._get(offset, np.uint64)
-        length, left = int(slen[0]), self._left(offset + 8)
+    def _unpack(self, fmt: struct.Struct, offset: int) -> tuple:
+        self._check(offset, fmt.size)
+        return fmt.unpack_from(self._buf, offset)
+
+    def _string(self, offset: int) -> tuple[int, int]:
+        """(start, end) of the bytes of the string whose length is at ``offset``."""
+        (length,) = self._unpack(_U64, offset)
+        left = self.size - offset - 8
         if length > left:
             raise Malformed(
                 f"a string at byte {offset} claims {length} bytes; {left} are left in the "
                 "file (truncated or corrupt)"
             )
-        return slen, self._get(offset + 8, np.uint8, length)
+        return offset + 8, offset + 8 + length
 
-    def _value_type(self, raw: Any) -> Any:
+    def _value_type(self, raw: int) -> ValueType:
         try:
-            return GGUFValueType(int(raw))
+            return ValueType(raw)
         except ValueError:
-            raise Malformed(f"has value type {int(raw)}, which GGUF does not define") from None
+            raise Malformed(f"has value type {raw}, which GGUF does not define") from None
 
-    def _build_fields(self, offs: int, count: Any) -> int:
-        count, left = int(count), self._left(offs)
+    # Metadata.
+
+    def _read_fields(self, offs: int, count: int) -> int:
+        left = self.size - offs
         if count > left // _MIN_KV_BYTES:
             raise Malformed(
                 f"GGUF.kv_count is {count}; the {left} bytes after the header hold at most "
@@ -103,226 +373,161 @@ class BoundedReader(GGUFReader):
         for i in range(count):
             start = offs
             try:
-                klen, kdata = self._get_str(offs)
-                key = bytes(kdata).decode("utf-8")
+                begin, offs = self._string(offs)
+                key = self._buf[begin:offs].tobytes().decode("utf-8")
             except (Malformed, UnicodeDecodeError) as exc:
                 raise Malformed(f"metadata entry {i} of {count}: its key: {exc}") from None
-            offs += 8 + int(kdata.nbytes)
             try:
-                raw_type = self._get(offs, np.uint32)
-                size, parts, idxs, types = self._get_field_parts(offs + 4, raw_type[0])
+                (raw_type,) = self._unpack(_U32, offs)
+                offs, field = self._read_value(start, key, offs + 4, raw_type)
             except Malformed as exc:
                 raise Malformed(f"{key}: {exc}") from None
             if key in self.fields:
                 raise Malformed(f"{key} appears twice in the metadata")
-            field = StringArrayField if _is_string_spans(types, parts) else ReaderField
-            self.fields[key] = field(
-                start, key, [klen, kdata, raw_type, *parts], [i + 3 for i in idxs], types
-            )
-            offs += 4 + size
+            self.fields[key] = field
         return offs
 
-    def _get_field_parts(self, orig_offs: int, raw_type: Any, depth: int = 0) -> tuple:
-        if self._value_type(raw_type) != GGUFValueType.ARRAY:
-            return super()._get_field_parts(orig_offs, raw_type)
-        raw_itype, alen = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
-        itype, count, offs = self._value_type(raw_itype[0]), int(alen[0]), orig_offs + 12
-        types = [GGUFValueType.ARRAY, itype]
-        nptype = self.gguf_scalar_to_np.get(itype)
-        least = np.dtype(nptype).itemsize if nptype is not None else 8
-        if count * least > self._left(offs):
+    def _read_value(self, start: int, key: str, offs: int, raw_type: int) -> tuple[int, Field]:
+        """(the offset after the value at ``offs``, its field)."""
+        vtype = self._value_type(raw_type)
+        if vtype == ValueType.STRING:
+            begin, end = self._string(offs)
+            return end, Field(start, key, [vtype], _Text(self.mapped, begin, end))
+        if vtype != ValueType.ARRAY:
+            fmt = _SCALARS[vtype][0]
+            return offs + fmt.size, Field(start, key, [vtype], self._unpack(fmt, offs)[0])
+        end, array, types, count = self._read_array(offs, 0)
+        return end, Field(start, key, types, array, count)
+
+    def _read_array(self, orig_offs: int, depth: int) -> tuple[int, _Array, list[ValueType], int]:
+        """(the offset after the array whose item type is at ``orig_offs``, its values, its
+        types, its length)."""
+        (raw_itype,) = self._unpack(_U32, orig_offs)
+        (count,) = self._unpack(_U64, orig_offs + 4)
+        itype, offs = self._value_type(raw_itype), orig_offs + 12
+        types = [ValueType.ARRAY, itype]
+        scalar = _SCALARS.get(itype)
+        least = scalar[1].itemsize if scalar is not None else 8
+        left = self.size - offs
+        if count * least > left:
             raise Malformed(
                 f"an array of {count} {itype.name.lower()} values needs at least "
-                f"{count * least} bytes; {self._left(offs)} are left in the file"
+                f"{count * least} bytes; {left} are left in the file"
             )
-        if nptype is not None:
-            values = self._get(offs, nptype, count)
-            return 12 + int(values.nbytes), [raw_itype, alen, values], [2], types
-        if itype == GGUFValueType.STRING:
-            if depth:  # inside an array of arrays: the stock layout, string by string
-                end, strings, idxs = _string_parts(self, orig_offs, count)
-                return end - orig_offs, [raw_itype, alen, *strings], [2 + i for i in idxs], types
-            starts, ends = _string_spans(self, orig_offs, count)
-            end = int(ends[-1]) if count else orig_offs + 12
-            return end - orig_offs, [raw_itype, alen, starts, ends, self._plain], [2, 3], types
+        if scalar is not None:
+            end = offs + count * least
+            return end, _Numbers(self.mapped[offs:end].view(scalar[1])), types, count
+        if itype == ValueType.STRING:
+            starts, ends = self._string_spans(offs, count)
+            end = int(ends[-1]) if count else offs
+            return end, _Texts(self.mapped, starts, ends), types, count
         if depth + 1 >= MAX_ARRAY_DEPTH:
             raise Malformed(f"arrays nest deeper than {MAX_ARRAY_DEPTH} levels")
-        types = [GGUFValueType.ARRAY]  # the stock reader's: then the first element's types
-        parts: list[np.ndarray] = [raw_itype, alen]
-        idxs: list[int] = []
+        types = [ValueType.ARRAY]  # the stock reader's: then the first element's types
+        inner: list[_Array] = []
         for i in range(count):  # arrays of arrays: each inner one checked the same way
-            size, inner, inner_idxs, inner_types = self._get_field_parts(
-                offs, GGUFValueType.ARRAY, depth + 1
-            )
+            offs, array, inner_types, _ = self._read_array(offs, depth + 1)
             if i == 0:
                 types += inner_types
-            idxs += (j + len(parts) for j in inner_idxs)
-            parts += inner
-            offs += size
-        return offs - orig_offs, parts, idxs, types
+            inner.append(array)
+        return offs, _Nested(inner), types, count
 
-    def _get_tensor_info_field(self, orig_offs: int) -> Any:
-        name_len, name_data = self._get_str(orig_offs)
-        try:
-            name = bytes(name_data).decode("utf-8")
-        except UnicodeDecodeError:
-            raise Malformed(f"a tensor name at byte {orig_offs} is not UTF-8") from None
-        offs = orig_offs + 8 + int(name_data.nbytes)
-        try:
-            n_dims = self._get(offs, np.uint32)
-            if not 1 <= int(n_dims[0]) <= MAX_DIMS:
-                raise Malformed(f"has {int(n_dims[0])} dimensions (ggml allows 1 to 4)")
-            dims = self._get(offs + 4, np.uint64, n_dims[0])
-            offs += 4 + int(dims.nbytes)
-            raw_dtype, offset = self._get(offs, np.uint32), self._get(offs + 4, np.uint64)
-        except Malformed as exc:
-            raise Malformed(f"tensor {name}: {exc}") from None
-        parts = [name_len, name_data, n_dims, dims, raw_dtype, offset]
-        return ReaderField(orig_offs, name, parts, [1, 3, 4, 5])
+    def _string_spans(self, offs: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """Where each of the ``count`` strings from ``offs`` starts and ends (byte offsets into
+        the file, int64), every length checked against the file in one scan."""
+        size, buf, length_of = self.size, self._buf, _U64.unpack_from
+        starts, ends = [0] * count, [0] * count
+        for i in range(count):
+            if offs + 8 > size or (end := offs + 8 + length_of(buf, offs)[0]) > size:
+                raise Malformed(
+                    f"string {i} of {count} runs past the end of the file ({size} bytes): "
+                    "truncated or corrupt"
+                )
+            starts[i], ends[i] = offs + 8, end
+            offs = end
+        return np.array(starts, dtype=np.int64), np.array(ends, dtype=np.int64)
 
-    def _build_tensor_info(self, offs: int, count: Any) -> tuple[int, list]:
-        count, left = int(count), self._left(offs)
+    # Tensors.
+
+    def _read_tensor_entries(self, offs: int, count: int) -> tuple[int, list[tuple]]:
+        left = self.size - offs
         if count > left // _MIN_TENSOR_INFO_BYTES:
             raise Malformed(
                 f"GGUF.tensor_count is {count}; the {left} bytes after the metadata hold at "
                 f"most {left // _MIN_TENSOR_INFO_BYTES} tensor entries"
             )
-        return super()._build_tensor_info(offs, count)
+        entries = []
+        for _ in range(count):
+            entry = offs
+            begin, offs = self._string(offs)
+            try:
+                name = self._buf[begin:offs].tobytes().decode("utf-8")
+            except UnicodeDecodeError:
+                raise Malformed(f"a tensor name at byte {entry} is not UTF-8") from None
+            try:
+                (n_dims,) = self._unpack(_U32, offs)
+                if not 1 <= n_dims <= MAX_DIMS:
+                    raise Malformed(f"has {n_dims} dimensions (ggml allows 1 to 4)")
+                dims = self._unpack(struct.Struct(f"<{n_dims}Q"), offs + 4)
+                offs += 4 + 8 * n_dims
+                (raw_type,) = self._unpack(_U32, offs)
+                (offset,) = self._unpack(_U64, offs + 4)
+            except Malformed as exc:
+                raise Malformed(f"tensor {name}: {exc}") from None
+            offs += 12
+            entries.append((name, dims, raw_type, offset, entry))
+        return offs, entries
 
-    def _build_tensors(self, start_offs: int, fields: list) -> None:
-        _check_tensor_spans(fields, start_offs, int(self._plain.nbytes), int(self.alignment))
-        super()._build_tensors(start_offs, fields)
-
-
-def _is_string_spans(types: list[Any], parts: list[np.ndarray]) -> bool:
-    """A top-level string array as :func:`_string_spans` leaves it (not the stock layout)."""
-    return (
-        len(types) == 2
-        and types[0] == GGUFValueType.ARRAY
-        and types[1] == GGUFValueType.STRING
-        and len(parts) == 5
-        and parts[2].dtype == np.int64
-    )
-
-
-class StringArrayField(ReaderField):
-    """A metadata array of strings kept as where each string's bytes start and end in the
-    mapped file (``parts``: key length, key, type, item type, count, starts, ends, the file's
-    mapping); its strings are decoded when ``contents()`` asks, never during the parse."""
-
-    def contents(self, index_or_slice: int | slice = slice(None)) -> Any:
-        starts, ends, mapped = self.parts[5], self.parts[6], self.parts[7]
-        if isinstance(index_or_slice, int):
-            i = index_or_slice
-            return mapped[int(starts[i]) : int(ends[i])].tobytes().decode("utf-8")
-        starts, ends = starts[index_or_slice], ends[index_or_slice]
-        if not len(starts):
-            return []
-        base = int(starts.min())
-        block = mapped[base : int(ends.max())].tobytes()  # one copy, then slices of it
-        return [
-            block[s - base : e - base].decode("utf-8")
-            for s, e in zip(starts.tolist(), ends.tolist(), strict=True)
-        ]
-
-
-def _string_spans(reader: Any, orig_offs: int, count: int) -> tuple[np.ndarray, np.ndarray]:
-    """Where each of the ``count`` strings of the array whose header is at ``orig_offs``
-    starts and ends (byte offsets into the file, int64), every length checked against the file
-    in one scan."""
-    data = reader._plain
-    size = int(data.nbytes)
-    length_of = struct.Struct("<Q" if _little(reader) else ">Q").unpack_from
-    starts, ends = [0] * count, [0] * count
-    offs = orig_offs + 12
-    for i in range(count):
-        if offs + 8 > size:
-            raise Malformed(
-                f"string {i} of {count} runs past the end of the file ({size} bytes): "
-                "truncated or corrupt"
-            )
-        start = offs + 8
-        offs = start + length_of(data, offs)[0]
-        if offs > size:
-            raise Malformed(
-                f"string {i} of {count} runs past the end of the file ({size} bytes): "
-                "truncated or corrupt"
-            )
-        starts[i], ends[i] = start, offs
-    return np.array(starts, dtype=np.int64), np.array(ends, dtype=np.int64)
-
-
-def _little(reader: Any) -> bool:
-    """Whether the file's integers are little-endian (``byte_order`` "I": the machine's)."""
-    import sys
-
-    native = sys.byteorder == "little"
-    return native if reader.byte_order == "I" else not native
-
-
-def _string_parts(
-    reader: Any, orig_offs: int, count: int
-) -> tuple[int, list[np.ndarray], list[int]]:
-    """The ``count`` strings of the array whose header is at ``orig_offs``: (the offset after
-    them, each string's length and bytes as parts, the index of each string's bytes part)."""
-    data = reader._plain
-    mem = memoryview(data)
-    order = "little" if _little(reader) else "big"
-    parts: list[np.ndarray] = []
-    idxs: list[int] = []
-    offs = orig_offs + 12
-    for i in range(count):
-        end = offs + 8 + int.from_bytes(mem[offs : offs + 8], order)
-        if end > len(mem) or offs + 8 > len(mem):
-            raise Malformed(
-                f"string {i} of {count} runs past the end of the file ({len(mem)} bytes): "
-                "truncated or corrupt"
-            )
-        # Plain ndarray slices (uint8; the length too): unlike memoryviews they are not tracked
-        # by the garbage collector, and the parsed file stays cached (loading.open_gguf): 200k
-        # tracked objects slowed every full collection.
-        parts += (data[offs : offs + 8], data[offs + 8 : end])
-        idxs.append(len(parts) - 1)
-        offs = end
-    return offs, parts, idxs
-
-
-def _check_tensor_spans(fields: list, start: int, file_size: int, alignment: int) -> None:
-    """Each tensor's type known, dimensions positive, data inside the data section (which
-    starts at ``start``), aligned, and overlapping no other tensor's."""
-    section = file_size - start
-    spans: list[tuple[int, int, str]] = []
-    for field in fields:
-        name = field.name
-        _, _, _, dims, raw_dtype, offset = field.parts
-        try:
-            qtype = GGMLQuantizationType(int(raw_dtype[0]))
-        except ValueError:
-            raise Malformed(
-                f"{name} has type {int(raw_dtype[0])}, which ggml does not define"
-            ) from None
-        if qtype not in GGML_QUANT_SIZES:
-            raise Malformed(f"{name} has type {qtype.name}, whose block size ggml does not give")
-        shape = [int(d) for d in dims]  # ggml's order: the first is contiguous
-        if any(d <= 0 for d in shape):
-            raise Malformed(f"{name} has shape {shape} (every dimension must be positive)")
-        block, type_size = GGML_QUANT_SIZES[qtype]
-        if shape[0] % block:
-            raise Malformed(
-                f"{name} of type {qtype.name} has {shape[0]} columns, not a multiple of its "
-                f"block of {block}"
-            )
-        nbytes = math.prod(shape) // block * type_size
-        rel = int(offset[0])
-        if rel % alignment:
-            raise Malformed(f"{name}'s data offset {rel} is not a multiple of {alignment}")
-        if rel + nbytes > section:
-            raise Malformed(
-                f"{name} needs {nbytes} bytes at offset {rel} of the data section, which holds "
-                f"{max(section, 0)} bytes: the file is truncated or the offset is wrong"
-            )
-        spans.append((rel, rel + nbytes, name))
-    spans.sort()
-    for (_, end, before), (begin, _, after) in itertools.pairwise(spans):
-        if begin < end:
-            raise Malformed(f"{after}'s data (from offset {begin}) overlaps {before}'s")
+    def _build_tensors(self, entries: list[tuple]) -> None:
+        """Each tensor's type known, dimensions positive, data inside the data section,
+        aligned, and overlapping no other tensor's; then its data as a view of the map."""
+        section = self.size - self.data_offset
+        spans: list[tuple[int, int, str]] = []
+        checked = []
+        for name, dims, raw_type, rel, entry in entries:
+            try:
+                qtype = GGMLType(raw_type)
+            except ValueError:
+                raise Malformed(f"{name} has type {raw_type}, which ggml does not define") from None
+            if qtype not in BLOCK_SIZES:
+                raise Malformed(
+                    f"{name} has type {qtype.name}, whose block size ggml does not give"
+                )
+            shape = list(dims)  # ggml's order: the first is contiguous
+            if any(d <= 0 for d in shape):
+                raise Malformed(f"{name} has shape {shape} (every dimension must be positive)")
+            block, type_size = BLOCK_SIZES[qtype]
+            if shape[0] % block:
+                raise Malformed(
+                    f"{name} of type {qtype.name} has {shape[0]} columns, not a multiple of its "
+                    f"block of {block}"
+                )
+            nbytes = math.prod(shape) // block * type_size
+            if rel % self.alignment:
+                raise Malformed(f"{name}'s data offset {rel} is not a multiple of {self.alignment}")
+            if rel + nbytes > section:
+                raise Malformed(
+                    f"{name} needs {nbytes} bytes at offset {rel} of the data section, which "
+                    f"holds {max(section, 0)} bytes: the file is truncated or the offset is wrong"
+                )
+            spans.append((rel, rel + nbytes, name))
+            checked.append((name, qtype, tuple(shape), rel, nbytes, entry))
+        spans.sort()
+        for (_, end, before), (begin, _, after) in itertools.pairwise(spans):
+            if begin < end:
+                raise Malformed(f"{after}'s data (from offset {begin}) overlaps {before}'s")
+        names: set[str] = set()
+        for name, qtype, dims, rel, nbytes, entry in checked:
+            if name in names:
+                raise ValueError(f"Found duplicated tensor with name {name}")
+            names.add(name)
+            start = self.data_offset + rel
+            raw = self.mapped[start : start + nbytes]
+            shape = dims[::-1]  # numpy's order: the last is contiguous
+            element = _ELEMENTS.get(qtype)
+            if element is not None:
+                data = raw.view(element).reshape(shape)
+            else:
+                block, type_size = BLOCK_SIZES[qtype]
+                data = raw.reshape(*shape[:-1], shape[-1] // block * type_size)
+            self.tensors.append(TensorInfo(name, qtype, dims, rel, start, data, entry))
