@@ -305,7 +305,8 @@ def compile_objects(
     *,
     module_name: str = "pagedllm_compile_check",
 ) -> list[Path]:
-    """Compile ``csrc/<sources>`` to object files for any ISA level, never linking or loading.
+    """Compile ``csrc/<sources>`` (an absolute path as it is) to object files for any ISA level,
+    never linking or loading.
 
     The check that keeps code for processors this machine lacks (AVX-512 on an AVX2 host) from
     rotting: the compiler accepts every level's flags whatever the host runs. Same ISA flags,
