@@ -14,7 +14,11 @@ if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV"
     # torch is pinned (==2.13.0, the CPU build on local disk) in pyproject.toml: a bare
     # `torch` would pull a multi-GB CUDA build.
-    "$VENV/bin/pip" install -q --disable-pip-version-check -e '.[dev]'
+    # Editable installs write pagedllm.egg-info into the checkout: one at a time (ci/xpu.sh
+    # --prepare may be installing into .venvs/xpu meanwhile).
+    mkdir -p build
+    flock build/.editable-install.lock \
+        "$VENV/bin/pip" install -q --disable-pip-version-check -e '.[dev]'
 fi
 if ! "$VENV/bin/python" -c "import triton" 2>/dev/null; then
     "$VENV/bin/pip" install -q --disable-pip-version-check -r ci/requirements-gpu.txt

@@ -8,10 +8,25 @@
 # CPU build (and on an XPU too where one is present), and exits non-zero on any failure.
 #
 # Usage, from anywhere:  bash ci/xpu.sh [extra pytest args]
+#                        bash ci/xpu.sh --prepare   # only the venv and our CPU kernels for its torch
 # PYTHON chooses the interpreter the venv is made from (default python3; IPEX 2.8: 3.9-3.13).
+#
+# --prepare is what ci/matrix.sh runs in the background during the gpu leg (whose Triton
+# interpreter keeps about one core busy): the venv, and our C++ CPU kernels built for torch 2.8
+# (the engine tests' CPU backend would otherwise build them in the leg's first engine test, ~3
+# minutes on 2 cores). The leg itself then finds both ready; it runs every test as before.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+PREPARE=0
+if [[ "${1:-}" == "--prepare" ]]; then
+    PREPARE=1
+    shift
+fi
+# Editable installs write pagedllm.egg-info into the checkout: one at a time across the legs.
+mkdir -p build
+EDITABLE_LOCK=build/.editable-install.lock
 
 PYTHON="${PYTHON:-python3}"
 VENV=.venvs/xpu
@@ -27,7 +42,7 @@ if [[ "$want" != "$have" || ! -x "$VENV/bin/python" ]]; then
     "$PYTHON" -m venv "$VENV"
     "$VENV/bin/python" -m pip install --quiet --upgrade pip
     "$VENV/bin/python" -m pip install --quiet -r "$REQUIREMENTS"
-    "$VENV/bin/python" -m pip install --quiet --no-deps -e .
+    flock "$EDITABLE_LOCK" "$VENV/bin/python" -m pip install --quiet --no-deps -e .
     printf '%s\n' "$want" > "$STAMP"
 else
     echo "ci/xpu.sh: reusing $VENV (stamp matches $REQUIREMENTS)"
@@ -40,7 +55,14 @@ import pagedllm
 sys.exit(pathlib.Path(pagedllm.__file__).resolve().parents[1] != pathlib.Path.cwd().resolve())
 PY
 then
-    "$VENV/bin/python" -m pip install --quiet --no-deps -e .
+    flock "$EDITABLE_LOCK" "$VENV/bin/python" -m pip install --quiet --no-deps -e .
+fi
+
+if (( PREPARE )); then
+    # A failed build is not fatal here either: the leg then builds (or falls back) as before.
+    "$VENV/bin/python" -m pagedllm.backends.cpu.build \
+        || echo "ci/xpu.sh --prepare: the CPU kernels did not build; the leg tries again"
+    exit 0
 fi
 
 "$VENV/bin/python" - <<'PY'

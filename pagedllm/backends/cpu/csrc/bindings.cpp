@@ -3,7 +3,7 @@
 //
 // Every kernel releases the GIL (arguments are converted before, results after), so another
 // Python thread, e.g. the server's event loop, keeps running while attention computes.
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include "attention.h"
 #include "pointwise.h"

@@ -2,7 +2,7 @@
 // per decode step, through the same kernels the Python layers call one by one.
 #pragma once
 
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 namespace pagedllm::decode {
 

@@ -12,7 +12,7 @@
 // each panel keeps a [M][16] float32 accumulator, and the epilogue applies scale and bias once
 // per output and converts to the activations' dtype.
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <string>
@@ -23,8 +23,8 @@
 #include "gemm_dp.h"
 #include "gemm_i8.h"
 #include "gemm_q4.h"
-#include "gemm_q4_bind.h"
 #include "gemm_vec.h"
+#include "tensor_api.h"
 
 namespace pagedllm::gemm {
 
@@ -419,6 +419,87 @@ std::string built_isa() {
 #endif
 }
 
+namespace {
+
+// The group-wise GEMMs (gemm_q4.cpp) in the module.
+void bind_groupwise(pybind11::module& m) {
+  namespace py = pybind11;
+  using NoGil = py::call_guard<py::gil_scoped_release>;
+  m.def("pack_groupwise", &q4::pack_groupwise,
+        "group-wise weights (uint8 nibbles [N, K/2] or int8 [N, K], float32 scale/offset "
+        "[N, K/32]; factored: d, dm [N, K/256, 2] and sc, m uint8 [N, K/32, 2]; levels: int8 "
+        "IQ4 levels [N, K], kept 4-bit as their indices) -> uint8 [N/16, panel bytes] (into=: "
+        "written there, and returned)",
+        NoGil(), py::arg("weight"), py::arg("scale"), py::arg("offset"), py::arg("bits"),
+        py::arg("half_scales"), py::arg("with_offset"), py::arg("factors") = py::none(),
+        py::arg("index") = py::none(), py::arg("levels") = false, py::arg("into") = py::none());
+  m.def("groupwise_panel_bytes", &q4::panel_bytes,
+        "bytes of one panel (16 rows of W) of a K-wide layer in the format the arguments name",
+        py::arg("k"), py::arg("bits"), py::arg("half_scales"), py::arg("with_offset"),
+        py::arg("factored"), py::arg("levels") = false);
+  m.def("huge_page_empty", &q4::huge_page_empty,
+        "uint8 [nbytes], 2 MiB-aligned and advised for transparent huge pages (Linux)",
+        py::arg("nbytes"));
+  m.def("groupwise_gemm", &q4::groupwise_gemm,
+        "y = x @ W^T (+ bias) on pack_groupwise panels; dot=True rounds x to int8 per group of "
+        "32 and uses integer dot products; allow_amx=False keeps bf16 batches off AMX tiles",
+        NoGil(), py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bits"),
+        py::arg("half_scales"), py::arg("with_offset"), py::arg("factored"),
+        py::arg("bias") = py::none(), py::arg("dot") = false, py::arg("levels") = false,
+        py::arg("allow_amx") = true, py::arg("rows_kernel") = "split");
+  m.def("groupwise_gemm_grouped", &q4::groupwise_gemm_grouped,
+        "y [P, N]: rows starts[i]..starts[i + 1] of x [P, K] times packed[i]'s layer (one "
+        "format and shape for all; an MoE layer's experts), as groupwise_gemm on each group's "
+        "rows computes them, in one call",
+        NoGil(), py::arg("x"), py::arg("packed"), py::arg("starts"), py::arg("n"), py::arg("bits"),
+        py::arg("half_scales"), py::arg("with_offset"), py::arg("factored"),
+        py::arg("dot") = false, py::arg("levels") = false, py::arg("rows_kernel") = "split");
+  m.def("quantize_groups", &q4::quantize_groups,
+        "x [M, K] -> (int8 [M, K], float32 [M, K/32]): the dot path's rounding of x per group; "
+        "split=True: [2M, K], [2M, K/32], each row then the rounding of what it left (the split "
+        "kernel's rows)",
+        NoGil(), py::arg("x"), py::arg("split") = false);
+  m.def("groupwise_bf16_rows_kernels", &q4::bf16_rows_kernels,
+        "the kernels of few bf16 rows on 4-bit layers this build runs (rows_kernel): 'split' (x "
+        "as two int8 rows on the dot kernel, the default), 'dp' (vdpbf16ps on q), 'fma' (float32 "
+        "FMAs on q); none without vdpbf16ps");
+  m.def(
+      "groupwise_amx_rows",
+      &q4::amx_rows_from,
+      "rows of bf16 x from which the float path runs on AMX tiles (0: never here); "
+      "four_bit_split=True: on a 4-bit layer (not IQ4 levels) under the split kernel, the "
+      "default, which keeps more rows off them",
+      py::arg("four_bit_split") = false);
+  m.def(
+      "groupwise_six_bits",
+      [] {
+#if defined(__AVX512BW__)
+        return true;
+#else
+        return false;
+#endif
+      },
+      "whether this build packs Q6_K's q at 6 bits (bits=6: the float path only)");
+  m.def("groupwise_weight_rows", &q4::groupwise_weight_rows,
+        "rows of W (float32 [R, K]) from pack_groupwise's panels, as the definition "
+        "dequantises them",
+        NoGil(), py::arg("packed"), py::arg("n"), py::arg("k"), py::arg("bits"),
+        py::arg("half_scales"), py::arg("with_offset"), py::arg("factored"), py::arg("rows"),
+        py::arg("levels") = false);
+  m.def("read_bytes", &q4::read_bytes,
+        "reads every byte of a tensor once on all threads (a read-bandwidth probe); a checksum",
+        NoGil(), py::arg("t"));
+  m.def("decode_gguf_blocks", &q4::decode_gguf_blocks,
+        "GGUF blocks uint8 [N, row bytes] -> Q4_0/Q4_1/Q4_K: (nibbles uint8 [N, K/2], scale, "
+        "offset float32 [N, K/32]); Q6_K/Q3_K: (int8 q [N, K], d * sc [N, K/16], d [N, K/256]);"
+        " Q5_0/IQ4_NL/IQ4_XS: (int8 q [N, K], scale [N, K/32])",
+        NoGil(), py::arg("blocks"), py::arg("kind"));
+  m.def(
+      "groupwise_rows", &q4::register_tile_rows,
+      "(rows up to which float32 x dequantises in registers, rows per dot-path tile)");
+}
+
+}  // namespace
 }  // namespace pagedllm::gemm
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -29,7 +29,6 @@
 #include "gemm_q4_avx2.h"
 #include "gemm_q4_dot.h"
 #include "gemm_q4_float.h"
-#include "gemm_q4_bind.h"
 
 namespace pagedllm::gemm::q4 {
 namespace {
@@ -162,6 +161,8 @@ int64_t tile_rows(const Format& f, Bf16RowsKernel kernel) {
   return from;
 }
 
+}  // namespace
+
 // The kernels of bf16 rows the build runs for groupwise_gemm's rows_kernel (none: no vdpbf16ps).
 std::vector<std::string> bf16_rows_kernels() {
 #if defined(__AVX512BF16__)
@@ -170,6 +171,8 @@ std::vector<std::string> bf16_rows_kernels() {
   return {};
 #endif
 }
+
+namespace {
 
 #if defined(__AVX512BF16__)
 // -- bf16 activations (vdpbf16ps) -------------------------------------------------------------
@@ -723,6 +726,8 @@ void run_grouped(const torch::Tensor& x, const RowGroups& rg, const Problem& sha
   });
 }
 
+}  // namespace
+
 torch::Tensor groupwise_gemm_grouped(const torch::Tensor& x, const std::vector<torch::Tensor>& packed,
                                      const std::vector<int64_t>& starts, int64_t n, int64_t bits,
                                      bool half_scales, bool with_offset, bool factored, bool dot,
@@ -789,90 +794,12 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_groups(const torch::Tensor& x,
   return {q, dx};
 }
 
-}  // namespace
-}  // namespace pagedllm::gemm::q4
-
-namespace pagedllm::gemm {
-
-void bind_groupwise(pybind11::module& m) {
-  namespace py = pybind11;
-  using NoGil = py::call_guard<py::gil_scoped_release>;
-  m.def("pack_groupwise", &q4::pack_groupwise,
-        "group-wise weights (uint8 nibbles [N, K/2] or int8 [N, K], float32 scale/offset "
-        "[N, K/32]; factored: d, dm [N, K/256, 2] and sc, m uint8 [N, K/32, 2]; levels: int8 "
-        "IQ4 levels [N, K], kept 4-bit as their indices) -> uint8 [N/16, panel bytes] (into=: "
-        "written there, and returned)",
-        NoGil(), py::arg("weight"), py::arg("scale"), py::arg("offset"), py::arg("bits"),
-        py::arg("half_scales"), py::arg("with_offset"), py::arg("factors") = py::none(),
-        py::arg("index") = py::none(), py::arg("levels") = false, py::arg("into") = py::none());
-  m.def("groupwise_panel_bytes", &q4::panel_bytes,
-        "bytes of one panel (16 rows of W) of a K-wide layer in the format the arguments name",
-        py::arg("k"), py::arg("bits"), py::arg("half_scales"), py::arg("with_offset"),
-        py::arg("factored"), py::arg("levels") = false);
-  m.def("huge_page_empty", &q4::huge_page_empty,
-        "uint8 [nbytes], 2 MiB-aligned and advised for transparent huge pages (Linux)",
-        py::arg("nbytes"));
-  m.def("groupwise_gemm", &q4::groupwise_gemm,
-        "y = x @ W^T (+ bias) on pack_groupwise panels; dot=True rounds x to int8 per group of "
-        "32 and uses integer dot products; allow_amx=False keeps bf16 batches off AMX tiles",
-        NoGil(), py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bits"),
-        py::arg("half_scales"), py::arg("with_offset"), py::arg("factored"),
-        py::arg("bias") = py::none(), py::arg("dot") = false, py::arg("levels") = false,
-        py::arg("allow_amx") = true, py::arg("rows_kernel") = "split");
-  m.def("groupwise_gemm_grouped", &q4::groupwise_gemm_grouped,
-        "y [P, N]: rows starts[i]..starts[i + 1] of x [P, K] times packed[i]'s layer (one "
-        "format and shape for all; an MoE layer's experts), as groupwise_gemm on each group's "
-        "rows computes them, in one call",
-        NoGil(), py::arg("x"), py::arg("packed"), py::arg("starts"), py::arg("n"), py::arg("bits"),
-        py::arg("half_scales"), py::arg("with_offset"), py::arg("factored"),
-        py::arg("dot") = false, py::arg("levels") = false, py::arg("rows_kernel") = "split");
-  m.def("quantize_groups", &q4::quantize_groups,
-        "x [M, K] -> (int8 [M, K], float32 [M, K/32]): the dot path's rounding of x per group; "
-        "split=True: [2M, K], [2M, K/32], each row then the rounding of what it left (the split "
-        "kernel's rows)",
-        NoGil(), py::arg("x"), py::arg("split") = false);
-  m.def("groupwise_bf16_rows_kernels", &q4::bf16_rows_kernels,
-        "the kernels of few bf16 rows on 4-bit layers this build runs (rows_kernel): 'split' (x "
-        "as two int8 rows on the dot kernel, the default), 'dp' (vdpbf16ps on q), 'fma' (float32 "
-        "FMAs on q); none without vdpbf16ps");
-  m.def(
-      "groupwise_amx_rows",
-      [](bool four_bit_split) {
-        q4::Format f;
-        f.bits = four_bit_split ? 4 : 8;
-        return q4::tile_rows(f, q4::Bf16RowsKernel::kSplit);
-      },
-      "rows of bf16 x from which the float path runs on AMX tiles (0: never here); "
-      "four_bit_split=True: on a 4-bit layer (not IQ4 levels) under the split kernel, the "
-      "default, which keeps more rows off them",
-      py::arg("four_bit_split") = false);
-  m.def(
-      "groupwise_six_bits",
-      [] {
-#if defined(__AVX512BW__)
-        return true;
-#else
-        return false;
-#endif
-      },
-      "whether this build packs Q6_K's q at 6 bits (bits=6: the float path only)");
-  m.def("groupwise_weight_rows", &q4::groupwise_weight_rows,
-        "rows of W (float32 [R, K]) from pack_groupwise's panels, as the definition "
-        "dequantises them",
-        NoGil(), py::arg("packed"), py::arg("n"), py::arg("k"), py::arg("bits"),
-        py::arg("half_scales"), py::arg("with_offset"), py::arg("factored"), py::arg("rows"),
-        py::arg("levels") = false);
-  m.def("read_bytes", &q4::read_bytes,
-        "reads every byte of a tensor once on all threads (a read-bandwidth probe); a checksum",
-        NoGil(), py::arg("t"));
-  m.def("decode_gguf_blocks", &q4::decode_gguf_blocks,
-        "GGUF blocks uint8 [N, row bytes] -> Q4_0/Q4_1/Q4_K: (nibbles uint8 [N, K/2], scale, "
-        "offset float32 [N, K/32]); Q6_K/Q3_K: (int8 q [N, K], d * sc [N, K/16], d [N, K/256]);"
-        " Q5_0/IQ4_NL/IQ4_XS: (int8 q [N, K], scale [N, K/32])",
-        NoGil(), py::arg("blocks"), py::arg("kind"));
-  m.def(
-      "groupwise_rows", [] { return std::make_tuple(q4::kF32Rows, q4::kDotRows); },
-      "(rows up to which float32 x dequantises in registers, rows per dot-path tile)");
+int64_t amx_rows_from(bool four_bit_split) {
+  Format f;
+  f.bits = four_bit_split ? 4 : 8;
+  return tile_rows(f, Bf16RowsKernel::kSplit);
 }
 
-}  // namespace pagedllm::gemm
+std::tuple<int64_t, int64_t> register_tile_rows() { return {kF32Rows, kDotRows}; }
+
+}  // namespace pagedllm::gemm::q4

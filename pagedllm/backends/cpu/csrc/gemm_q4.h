@@ -1,6 +1,7 @@
 // The group-wise (4-bit / 8-bit, groups of 32 along K) weight GEMM of the CPU backend
 // (gemm_q4.cpp; packing in gemm_q4_pack.cpp; layout in gemm_q4_layout.h). Bound into the
-// weight-GEMM extension by gemm.cpp's module through bind_groupwise.
+// weight-GEMM extension by gemm.cpp's module (bind_groupwise), so that only gemm.cpp pays for
+// pybind11 and torch's type casters.
 #pragma once
 
 #include "tensor_api.h"
@@ -40,6 +41,27 @@ void groupwise_gemm_into(const torch::Tensor& x, const torch::Tensor& packed, in
                          int64_t bits, bool half_scales, bool with_offset, bool factored,
                          const c10::optional<torch::Tensor>& bias, bool dot, bool levels,
                          bool allow_amx, const std::string& rows_kernel, torch::Tensor& y);
+
+// y [P, N]: rows starts[i]..starts[i + 1] of x [P, K] times packed[i]'s layer (one format and
+// shape for all: an MoE layer's experts), as groupwise_gemm on each group's rows, in one call.
+torch::Tensor groupwise_gemm_grouped(const torch::Tensor& x, const std::vector<torch::Tensor>& packed,
+                                     const std::vector<int64_t>& starts, int64_t n, int64_t bits,
+                                     bool half_scales, bool with_offset, bool factored, bool dot,
+                                     bool levels, const std::string& rows_kernel);
+
+// x [M, K] -> (int8 [M, K], float32 [M, K/32]): the dot path's rounding of x per group; split:
+// [2M, K], [2M, K/32], each row then the rounding of what it left.
+std::tuple<torch::Tensor, torch::Tensor> quantize_groups(const torch::Tensor& x, bool split);
+
+// The kernels of few bf16 rows on 4-bit layers this build runs (none without vdpbf16ps).
+std::vector<std::string> bf16_rows_kernels();
+
+// Rows of bf16 x from which the float path runs on AMX tiles (0: never here); four_bit_split:
+// on a 4-bit layer under the split kernel.
+int64_t amx_rows_from(bool four_bit_split);
+
+// (rows up to which float32 x dequantises in registers, rows per dot-path tile) of this build.
+std::tuple<int64_t, int64_t> register_tile_rows();
 
 // Bytes of one panel (16 rows of W) of a K-wide layer in the format the arguments name.
 int64_t panel_bytes(int64_t k, int64_t bits, bool half_scales, bool with_offset, bool factored,
