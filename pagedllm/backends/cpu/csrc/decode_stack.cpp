@@ -22,6 +22,11 @@
 // tensors and the greedy row were two thirds of a one-sequence step's host time.
 #include "decode_stack.h"
 
+// Factories the ends and the greedy rows call beyond tensor_api.h's (decode_stack.h brings
+// pybind11 and torch's casters, not the ATen operators).
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/ones.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
