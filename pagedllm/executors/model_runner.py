@@ -19,6 +19,7 @@ from pagedllm.executors.inputs import FlatBatch, flatten
 from pagedllm.executors.pipeline import StageLink
 from pagedllm.executors.pooling import Pooler
 from pagedllm.layers.sampler import SampleKernel, Sampler, SamplingRow, plain_greedy_params
+from pagedllm.models.causal_lm import CausalLM
 
 
 class ModelRunner:
@@ -84,7 +85,7 @@ class ModelRunner:
         the C++ kernel. None where the model has no such call or declines the step:
         :meth:`execute` then runs the general path, which gives the same tokens."""
         model = self.model
-        if getattr(model, "fast_decode_logits", None) is None:
+        if not isinstance(model, CausalLM):  # an encoder: no decode steps
             return None
         seqs = sched_out.seqs
         greedy = (

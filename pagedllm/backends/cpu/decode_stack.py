@@ -281,7 +281,7 @@ def install_decode_stack(model: nn.Module, *, int8_activations: bool = False) ->
         logger.info("decode stack not used: %s", e)
         return ""
     model.fast_decode = decode_step(stack, dtype, dot_rows)
-    if not hasattr(model, "fast_decode_logits") or not hasattr(stack, "set_ends"):
+    if not hasattr(model, "fast_decode_logits"):
         return f"decode_stack: cpp x{stack.num_layers} layers"
     try:
         head_dot_rows = bind_ends(ops, model, stack, dtype)
