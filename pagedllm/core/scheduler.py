@@ -145,7 +145,9 @@ class Scheduler:
             self.lookahead.reserve(step, budget, self.block_manager)
         if not self.swapped:
             self._schedule_prefills(budget, step, chunked=True)
-        if any(chunk < g.seqs[0].get_num_uncomputed_tokens() for g, chunk in step.prefills):
+        if step.prefills and any(
+            chunk < g.seqs[0].get_num_uncomputed_tokens() for g, chunk in step.prefills
+        ):
             self.stats.chunked_prefill_steps += 1
         self.prev_prompt = bool(step.prefills)
         return step
@@ -163,6 +165,8 @@ class Scheduler:
         )
 
     def _schedule_prefills(self, budget: Budget, step: StepPlan, *, chunked: bool) -> None:
+        if not self.waiting:
+            return
         bm = self.block_manager
         if self.config.policy != "fcfs":
             self.waiting = sort_groups(self.waiting, self.sort_key)

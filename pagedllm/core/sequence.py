@@ -20,16 +20,22 @@ class SequenceStatus(enum.IntEnum):
     FINISHED_IGNORED = 6
 
     def is_finished(self) -> bool:
-        return self >= SequenceStatus.FINISHED_STOPPED
+        return self >= _FIRST_FINISHED
 
     def finish_reason(self) -> str | None:
-        return {
-            SequenceStatus.FINISHED_STOPPED: "stop",
-            SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
-            SequenceStatus.FINISHED_ABORTED: "abort",
-            # A prompt that can never run finishes without tokens; OpenAI calls that "length".
-            SequenceStatus.FINISHED_IGNORED: "length",
-        }.get(self)
+        return _FINISH_REASONS.get(self)
+
+
+# Plain ints and one table, not enum lookups: these are asked several times a step per
+# sequence, on a path whose Python runs with caches a decode kernel has just flushed.
+_FIRST_FINISHED = int(SequenceStatus.FINISHED_STOPPED)
+_FINISH_REASONS: dict[int, str] = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+    # A prompt that can never run finishes without tokens; OpenAI calls that "length".
+    SequenceStatus.FINISHED_IGNORED: "length",
+}
 
 
 @dataclass
@@ -115,7 +121,7 @@ class Sequence:
         return not self._prefill_done
 
     def is_finished(self) -> bool:
-        return self.status.is_finished()
+        return self.status >= _FIRST_FINISHED
 
     def update_num_computed_tokens(self, num_new: int) -> None:
         self.num_computed_tokens += num_new
@@ -224,7 +230,7 @@ class SequenceGroup:
     def num_seqs(self, status: SequenceStatus | None = None) -> int:
         if status is None:
             return len(self.seqs)
-        return sum(1 for s in self.seqs if s.status == status)
+        return sum(s.status == status for s in self.seqs)
 
     def get_max_num_running_seqs(self) -> int:
         """How many sequences this group may run at once for the rest of its life.
@@ -232,15 +238,18 @@ class SequenceGroup:
         During the prompt phase a group that will fork (best_of, beams) counts all its future
         sequences, so that admitting it now cannot overrun ``max_num_seqs`` later.
         """
-        if self.is_prefill():
+        if not self.seqs[0]._prefill_done:
             return self.sampling_params.best_of or 1
-        return sum(1 for s in self.seqs if not s.is_finished())
+        return sum(s.status < _FIRST_FINISHED for s in self.seqs)
 
     def is_prefill(self) -> bool:
         return self.seqs[0].is_prefill()
 
     def is_finished(self) -> bool:
-        return all(s.is_finished() for s in self.seqs)
+        for s in self.seqs:
+            if s.status < _FIRST_FINISHED:
+                return False
+        return True
 
     def set_first_scheduled(self, now: float) -> None:
         if self.metrics.first_scheduled_time is None:

@@ -39,13 +39,14 @@ class Detokenizer:
             )
             state.prefix_offset = max(len(state.tokens) - _CONTEXT_TOKENS, 0)
             state.read_offset = len(state.tokens)
-        new_ids = seq.output_token_ids[state.decoded_outputs :]
-        state.decoded_outputs = len(seq.output_token_ids)
-        for token_id in new_ids:
-            if params.skip_special_tokens and token_id in self.all_special_ids:
-                continue
-            piece = tok.convert_ids_to_tokens([token_id])
-            state.tokens.extend(t for t in piece if t is not None)
+        outputs = seq.output_token_ids
+        new_ids = outputs[state.decoded_outputs :]
+        state.decoded_outputs = len(outputs)
+        if params.skip_special_tokens:
+            new_ids = [t for t in new_ids if t not in self.all_special_ids]
+        if new_ids:
+            pieces = tok.convert_ids_to_tokens(new_ids)
+            state.tokens.extend(t for t in pieces if t is not None)
         prefix = _convert(tok, state.tokens[state.prefix_offset : state.read_offset], params)
         full = _convert(tok, state.tokens[state.prefix_offset :], params)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):

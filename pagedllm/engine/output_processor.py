@@ -94,8 +94,10 @@ class OutputProcessor:
         self, group: SequenceGroup, *, error: str | None = None, failed: bool = False
     ) -> RequestOutput:
         params = group.sampling_params
-        seqs = self._reported_seqs(group)
-        holdback = stream_holdback(params)
+        finished = group.is_finished()
+        seqs = self._reported_seqs(group, finished)
+        holdback = stream_holdback(params) if params.stop else 0
+        want_logprobs = params.logprobs is not None
         outputs = []
         for index, seq in enumerate(seqs):
             text = seq.output_text
@@ -103,13 +105,13 @@ class OutputProcessor:
                 text = text[: max(0, len(text) - holdback)]
             outputs.append(
                 CompletionOutput(
-                    index=index,
-                    text=text,
-                    token_ids=list(seq.output_token_ids),
-                    cumulative_logprob=seq.cumulative_logprob,
-                    logprobs=list(seq.output_logprobs) if params.logprobs is not None else None,
-                    finish_reason=seq.status.finish_reason(),
-                    stop_reason=seq.stop_reason,
+                    index,
+                    text,
+                    list(seq.output_token_ids),
+                    seq.cumulative_logprob,
+                    list(seq.output_logprobs) if want_logprobs else None,
+                    seq.status.finish_reason(),
+                    seq.stop_reason,
                 )
             )
         m = group.metrics
@@ -118,14 +120,14 @@ class OutputProcessor:
             prompt=group.prompt,
             prompt_token_ids=group.prompt_token_ids,
             outputs=outputs,
-            finished=group.is_finished(),
+            finished=finished,
             prompt_logprobs=group.prompt_logprobs,
             metrics=RequestMetricsView(
-                arrival_time=m.arrival_time,
-                first_scheduled_time=m.first_scheduled_time,
-                first_token_time=m.first_token_time,
-                finished_time=m.finished_time,
-                num_preemptions=group.num_preemptions,
+                m.arrival_time,
+                m.first_scheduled_time,
+                m.first_token_time,
+                m.finished_time,
+                group.num_preemptions,
             ),
             error=error,
             failed=failed,
@@ -133,12 +135,12 @@ class OutputProcessor:
         )
 
     @staticmethod
-    def _reported_seqs(group: SequenceGroup) -> list[Sequence]:
+    def _reported_seqs(group: SequenceGroup, finished: bool) -> list[Sequence]:
         """All sequences while running; the ``n`` best by cumulative logprob once finished."""
         params = group.sampling_params
         if params.use_beam_search:
-            return best_hypotheses(group) if group.is_finished() else group.get_unfinished_seqs()
+            return best_hypotheses(group) if finished else group.get_unfinished_seqs()
         seqs = group.seqs
-        if not group.is_finished() or (params.best_of or 1) <= params.n:
-            return seqs[: max(params.n, 1)] if group.is_finished() else seqs
+        if not finished or (params.best_of or 1) <= params.n:
+            return seqs[: max(params.n, 1)] if finished else seqs
         return sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: params.n]

@@ -214,7 +214,8 @@ class StepLoop:
         parts, counters = self.parts, self.parts.counters
         self._count(ran)
         parts.spec_metrics.observe(runner_out.spec_stats)
-        counters.generation_tokens += sum(len(t) for t in runner_out.spec_tokens.values())
+        if runner_out.spec_tokens:
+            counters.generation_tokens += sum(len(t) for t in runner_out.spec_tokens.values())
         touched = scheduler.update_from_output(ran, runner_out)
         for group in touched:
             counters.generation_tokens -= parts.output_processor.process(group)
@@ -239,11 +240,13 @@ class StepLoop:
 
     def _count(self, sched_out: SchedulerOutput) -> None:
         c = self.parts.counters
+        blocks = used = 0
         for s in sched_out.seqs:
             if s.is_prompt:
                 c.prompt_tokens += len(s.token_ids)
             if s.do_sample and s.pooling_params is None:
                 c.generation_tokens += 1
-        bs = self.parts.block_size
-        c.kv_slots_allocated += sum(len(s.block_table) for s in sched_out.seqs) * bs
-        c.kv_slots_used += sum(s.start_pos + len(s.token_ids) for s in sched_out.seqs)
+            blocks += len(s.block_table)
+            used += s.start_pos + len(s.token_ids)
+        c.kv_slots_allocated += blocks * self.parts.block_size
+        c.kv_slots_used += used

@@ -323,10 +323,24 @@ class Worker:
         self.kv_tiers.close(timeout)
         self.kv_tiers = None
 
-    @torch.inference_mode()
     def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         assert self.cache_engines and self.runner is not None
         cache = self.cache_engines[sched_out.virtual_engine]
+        if (
+            self.spec is None
+            and sched_out.kv_transfer is None
+            and not sched_out.blocks_to_swap_out
+            and not sched_out.blocks_to_swap_in
+            and not sched_out.blocks_to_copy
+        ):
+            # No block moves: the runner takes inference mode where it needs it (a decode
+            # step's one backend call takes its own), which saves the step torch's Python
+            # context manager, run cold after the kernels.
+            return self.runner.execute(sched_out, cache.kv_caches)
+        with torch.inference_mode():
+            return self._execute_with_moves(sched_out, cache)
+
+    def _execute_with_moves(self, sched_out: SchedulerOutput, cache: Any) -> ModelRunnerOutput:
         tiers, transfer = self.kv_tiers, sched_out.kv_transfer
         if tiers is not None and transfer is not None:
             # Blocks evicted while this step was planned may be written by any move below.

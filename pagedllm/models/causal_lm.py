@@ -91,7 +91,8 @@ class CausalLM(nn.Module):
     #: (the CPU's stack where the embedding, final norm and head are plain too), with the
     #: greedy rows' tokens where asked (``DecodeLogitsFn``), or None where it cannot take the
     #: step. The runner calls it (:meth:`decode_logits`) for decode-only steps whose every
-    #: token is sampled once; :meth:`forward` and :meth:`compute_logits` otherwise.
+    #: token is sampled once; :meth:`forward` and :meth:`compute_logits` otherwise. It is
+    #: called outside torch's inference mode and takes it itself (the C++ stack's guard).
     fast_decode_logits: DecodeLogitsFn | None = None
 
     def __init__(self, config: Any, *, tp: TPContext = SINGLE, pp: PPContext = WHOLE_MODEL) -> None:
