@@ -246,10 +246,7 @@ class SequenceGroup:
         return self.seqs[0].is_prefill()
 
     def is_finished(self) -> bool:
-        for s in self.seqs:
-            if s.status < _FIRST_FINISHED:
-                return False
-        return True
+        return all(s.status >= _FIRST_FINISHED for s in self.seqs)
 
     def set_first_scheduled(self, now: float) -> None:
         if self.metrics.first_scheduled_time is None:
