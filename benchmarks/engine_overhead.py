@@ -137,9 +137,8 @@ def _time_kernels(clock: list[int]) -> None:
     def wrap(load: Any) -> Any:
         return lambda *a, **k: _TimedOps(load(*a, **k), clock)
 
-    _ops.load_ops = wrap(_ops.load_ops)  # type: ignore[assignment]
-    _ops.load_gemm_ops = wrap(_ops.load_gemm_ops)  # type: ignore[assignment]
-    kernel_attention.load_ops = _ops.load_ops  # type: ignore[attr-defined]
+    _ops.load_kernels = wrap(_ops.load_kernels)  # type: ignore[assignment]
+    kernel_attention.load_kernels = _ops.load_kernels  # type: ignore[attr-defined]
     dense_gemm.gemm_ops.cache_clear()
     layer_kernels.layer_ops.cache_clear()
 

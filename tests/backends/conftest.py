@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from pagedllm.backends.cpu._ops import load_ops, supported_isas
+from pagedllm.backends.cpu._ops import load_kernels, supported_isas
 
 
 @pytest.fixture(scope="module", params=supported_isas())
@@ -15,6 +15,6 @@ def ops(request: pytest.FixtureRequest):
     processor runs; modules testing another extension define their own ``ops``."""
     if shutil.which("c++") is None or shutil.which("ninja") is None:
         pytest.skip("no C++ toolchain (c++ and ninja) to build the CPU kernels")
-    module = load_ops(isa=request.param)
+    module = load_kernels(isa=request.param)
     assert module.built_isa() == request.param
     return module

@@ -103,11 +103,11 @@ def test_run_time_build_reports_progress(
 
     monkeypatch.setattr(_ops, "BuildProgress", fast_progress)
     caplog.set_level("WARNING", logger=_ops.__name__)
-    _ops.load_ops(tmp_path, isa="scalar")
+    _ops.load_kernels(tmp_path, isa="scalar")
     text = caplog.text
     assert "building CPU kernels for this processor (first run only" in text
-    assert "still building pagedllm_cpu_ops_scalar: " in text
-    assert "built pagedllm_cpu_ops_scalar in " in text
+    assert "still building pagedllm_cpu_kernels_scalar: " in text
+    assert "built pagedllm_cpu_kernels_scalar in " in text
 
 
 def test_build_failure_is_one_line_and_status_1(

@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from pagedllm.backends.cpu._ops import load_gemm_ops, supported_isas
+from pagedllm.backends.cpu._ops import load_kernels, supported_isas
 from pagedllm.backends.cpu.dense_gemm import pack_panels
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
@@ -26,7 +26,7 @@ TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 8e-3, torch.float16: 2e-3}
 
 @pytest.fixture(scope="module", params=ISAS)
 def ops(request: pytest.FixtureRequest):
-    module = load_gemm_ops(isa=request.param)
+    module = load_kernels(isa=request.param)
     assert module.built_isa() == request.param
     return module
 

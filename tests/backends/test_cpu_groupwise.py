@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.backends.cpu import dense_gemm, groupwise_linear, groupwise_pack, packed_linear
-from pagedllm.backends.cpu._ops import load_gemm_ops, supported_isas
+from pagedllm.backends.cpu._ops import load_kernels, supported_isas
 from pagedllm.backends.cpu.groupwise_linear import (
     dot_linear_reference,
     quantize_activation_groups,
@@ -66,7 +66,7 @@ FLOAT_CASES = (
 
 @pytest.fixture(scope="module", params=ISAS)
 def ops(request: pytest.FixtureRequest):
-    module = load_gemm_ops(isa=request.param)
+    module = load_kernels(isa=request.param)
     assert module.built_isa() == request.param
     assert module.int8_dot_isa() == DOT_ISA[request.param]
     return module

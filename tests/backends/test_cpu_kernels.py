@@ -111,7 +111,7 @@ def test_cache_shape_and_backend_selection(cpp) -> None:
 def test_build_is_cached_and_flags_are_portable(cpp, monkeypatch) -> None:
     from pagedllm.backends.cpu import _ops
 
-    assert _ops.load_ops(isa=cpp.isa) is cpp._ops  # memoised: no second build or import
+    assert _ops.load_kernels(isa=cpp.isa) is cpp._ops  # memoised: no second build or import
     flags = _ops.compile_flags(cpp.isa)
     assert "-march=native" not in flags and "-fopenmp" in flags
     assert ("-mavx2" in flags) == cpp.uses_avx2
@@ -148,10 +148,7 @@ def test_every_included_header_is_in_the_build_key() -> None:
     from pagedllm.backends.cpu import _ops
 
     csrc = Path(_ops.__file__).with_name("csrc")
-    for sources, headers in (
-        (_ops._ATTENTION_SOURCES, _ops._ATTENTION_HEADERS),
-        (_ops._GEMM_SOURCES, _ops._GEMM_HEADERS),
-    ):
+    for _, sources, headers in _ops.EXTENSIONS:
         assert _included(sources, csrc) <= set(headers), sorted(
             _included(sources, csrc) - set(headers)
         )

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.backends.cpu._ops import load_gemm_ops, supported_isas
+from pagedllm.backends.cpu._ops import load_kernels, supported_isas
 from pagedllm.layers.quantization.int8 import quantize_per_channel, row_absmax
 from pagedllm.layers.quantization.w8a8 import quantize_per_token
 
@@ -44,7 +44,7 @@ SHAPES = [
 
 @pytest.fixture(scope="module", params=ISAS)
 def ops(request: pytest.FixtureRequest):
-    module = load_gemm_ops(isa=request.param)
+    module = load_kernels(isa=request.param)
     assert module.built_isa() == request.param
     assert module.int8_dot_isa() == DOT_PRODUCT[request.param]
     return module

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from pagedllm.backends.cpu import dense_gemm, groupwise_linear, packed_linear
-from pagedllm.backends.cpu._ops import load_gemm_ops, supported_isas
+from pagedllm.backends.cpu._ops import load_kernels, supported_isas
 from pagedllm.layers.linear import ColumnParallelLinear
 from pagedllm.layers.quantization.base import FLOAT, UNQUANTIZED, LinearMethod
 from pagedllm.layers.quantization.groupwise import FORMATS, GroupwiseMethod
@@ -146,7 +146,7 @@ def isa_ops(request: pytest.FixtureRequest):
     """The GEMM library at each ISA level this processor runs (others are skipped: they would
     fault here)."""
     try:
-        module = load_gemm_ops(isa=request.param)
+        module = load_kernels(isa=request.param)
     except (ImportError, RuntimeError, OSError) as exc:
         pytest.skip(f"the {request.param} GEMM library could not be built: {exc}")
     assert module.built_isa() == request.param

@@ -1,6 +1,7 @@
-"""Build (once per machine and ISA) and load the C++ extensions of the CPU backend.
+"""Build (once per machine and ISA) and load the C++ extension of the CPU backend.
 
-Every extension of this backend (the paged-attention kernels, the weight GEMMs) goes through
+The extension (every kernel: paged attention, cache ops, layer kernels, weight GEMMs, the decode
+stack; one since the decode stack calls them all directly) goes through
 :func:`load_extension`: it is compiled with ``torch.utils.cpp_extension.load`` into
 ``~/.cache/pagedllm/cpu_ext/<key>``, where ``<key>`` hashes everything that changes the binary:
 the sources, the compiler flags, the torch and Python versions and the machine architecture. So a
@@ -353,54 +354,25 @@ def compile_objects(
     return objects
 
 
-ATTENTION_EXTENSION = "pagedllm_cpu_ops"
-_ATTENTION_SOURCES = (
-    "attention.cpp",
-    "cache_ops.cpp",
-    "pointwise.cpp",
-    "sampling.cpp",
-    "bindings.cpp",
-)
-_ATTENTION_HEADERS = (
-    "tensor_api.h",
-    "attention.h",
-    "pointwise.h",
-    "sampling.h",
-    "convert.h",
-    "vec.h",
-)
-
-
-def load_ops(build_root: Path | None = None, *, isa: str | None = None) -> ModuleType:
-    """The paged-attention, cache-op and row-wise layer-kernel extension for one ISA level (see
-    :func:`load_extension`)."""
-    return load_extension(
-        ATTENTION_EXTENSION,
-        _ATTENTION_SOURCES,
-        _ATTENTION_HEADERS,
-        isa=isa,
-        build_root=build_root,
-    )
-
-
-GEMM_EXTENSION = "pagedllm_cpu_gemm"
-_GEMM_SOURCES = (
+CPU_EXTENSION = "pagedllm_cpu_kernels"
+# One extension for every kernel: the decode stack calls the attention, row-wise and sampling
+# kernels directly, so with two extensions their sources were compiled into both (four of five
+# sources of the first compiled twice at every build, ISA level and CI leg).
+_SOURCES = (
     "gemm.cpp",
     "gemm_i8.cpp",
     "gemm_amx.cpp",
     "gemm_q4.cpp",
     "gemm_q4_pack.cpp",
     "gguf_decode.cpp",
-    # The decode stack calls the row-wise, attention and sampling kernels directly, so their
-    # sources are built into this extension too (a third extension would compile every source
-    # once more).
     "decode_stack.cpp",
     "pointwise.cpp",
     "cache_ops.cpp",
     "attention.cpp",
     "sampling.cpp",
+    "bindings.cpp",
 )
-_GEMM_HEADERS = (
+_HEADERS = (
     "tensor_api.h",
     "convert.h",
     "vec.h",
@@ -418,20 +390,20 @@ _GEMM_HEADERS = (
     "attention.h",
     "pointwise.h",
     "sampling.h",
+    "bindings.h",
 )
 
 
-def load_gemm_ops(build_root: Path | None = None, *, isa: str | None = None) -> ModuleType:
-    """The 16/8/4-bit weight GEMM extension for one ISA level (see :func:`load_extension`)."""
-    return load_extension(
-        GEMM_EXTENSION, _GEMM_SOURCES, _GEMM_HEADERS, isa=isa, build_root=build_root
-    )
+def load_kernels(build_root: Path | None = None, *, isa: str | None = None) -> ModuleType:
+    """The CPU kernel extension for one ISA level (see :func:`load_extension`): paged
+    attention, cache ops, row-wise layer kernels, sampling, the 16/8/4-bit weight GEMMs and
+    the decode stack."""
+    return load_extension(CPU_EXTENSION, _SOURCES, _HEADERS, isa=isa, build_root=build_root)
 
 
 # Every extension of this backend (name, sources, headers): what `python -m
 # pagedllm.backends.cpu.build` (run by `make setup`) builds ahead of the first run. A new
 # extension goes here too (a test checks every *_EXTENSION name is listed).
 EXTENSIONS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
-    (ATTENTION_EXTENSION, _ATTENTION_SOURCES, _ATTENTION_HEADERS),
-    (GEMM_EXTENSION, _GEMM_SOURCES, _GEMM_HEADERS),
+    (CPU_EXTENSION, _SOURCES, _HEADERS),
 )

@@ -58,10 +58,10 @@ def _ops_available() -> bool:
 @functools.cache
 def gemm_ops() -> ModuleType | None:
     """Our C++ weight GEMM for this processor's ISA level, or None if it cannot be built."""
-    from pagedllm.backends.cpu._ops import load_gemm_ops
+    from pagedllm.backends.cpu._ops import load_kernels
 
     try:
-        return load_gemm_ops()
+        return load_kernels()
     except (ImportError, RuntimeError, OSError) as exc:
         logger.warning("C++ weight GEMM unavailable (%s); 16-bit/int8 layers use PyTorch", exc)
         return None

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from pagedllm.backends.base import FP8_DTYPES, AttentionBackend, AttentionMetadata
-from pagedllm.backends.cpu._ops import load_ops, resolve_isa
+from pagedllm.backends.cpu._ops import load_kernels, resolve_isa
 from pagedllm.backends.cpu.attention import TorchPagedAttention
 
 _COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -73,7 +73,7 @@ class CppPagedAttention(AttentionBackend):
     def __init__(self, *, build_root: Path | None = None, isa: str | None = None) -> None:
         # isa=None: PAGEDLLM_CPU_ISA or the best level this CPU runs; tests force each level.
         self.isa = resolve_isa(isa)
-        self._ops = load_ops(build_root, isa=self.isa)
+        self._ops = load_kernels(build_root, isa=self.isa)
         self._fallback = TorchPagedAttention()
 
     @property

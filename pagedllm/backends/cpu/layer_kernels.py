@@ -32,10 +32,10 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 @functools.cache
 def layer_ops() -> ModuleType | None:
     """The extension holding the kernels for this processor's ISA level, or None without it."""
-    from pagedllm.backends.cpu._ops import load_ops
+    from pagedllm.backends.cpu._ops import load_kernels
 
     try:
-        return load_ops()
+        return load_kernels()
     except (ImportError, RuntimeError, OSError) as exc:
         logger.warning("C++ layer kernels unavailable (%s); norms and activations use PyTorch", exc)
         return None

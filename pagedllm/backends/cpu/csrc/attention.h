@@ -3,7 +3,6 @@
 
 #include "tensor_api.h"
 
-#include <string>
 #include <vector>
 
 namespace pagedllm {
@@ -40,8 +39,5 @@ void swap_blocks(const at::Tensor& src, const at::Tensor& dst, const at::Tensor&
 
 // True when this build took the AVX2/FMA code path (reported by tests and the benchmark).
 bool built_with_avx2();
-
-// The widest vector path compiled in: "avx512bf16", "avx512", "avx2" or "scalar".
-std::string built_isa();
 
 }  // namespace pagedllm

@@ -1,9 +1,10 @@
-// Python bindings of the CPU kernel extension: paged attention, cache ops, row-wise layer kernels
-// (loaded by pagedllm/backends/cpu/_ops.py).
+// Python bindings of the layer kernels: paged attention, cache ops, row-wise layer kernels and
+// sampling, part of the one CPU extension (its module is defined in gemm.cpp; loaded by
+// pagedllm/backends/cpu/_ops.py).
 //
 // Every kernel releases the GIL (arguments are converted before, results after), so another
 // Python thread, e.g. the server's event loop, keeps running while attention computes.
-#include <torch/csrc/utils/pybind.h>
+#include "bindings.h"
 
 #include "attention.h"
 #include "pointwise.h"
@@ -13,10 +14,9 @@ namespace {
 using NoGil = py::call_guard<py::gil_scoped_release>;
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() =
-      "pagedllm CPU paged-attention, cache, row-wise layer and sampling kernels (AVX-512/AVX2 "
-      "per build)";
+namespace pagedllm {
+
+void bind_layer_ops(pybind11::module& m) {
   m.def("paged_attention", &pagedllm::paged_attention, "causal paged attention, flat batch",
         NoGil(), py::arg("query"), py::arg("kv_cache"), py::arg("block_tables"),
         py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("scale"),
@@ -44,5 +44,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         NoGil(), py::arg("logits"), py::arg("raw"), py::arg("temperature"), py::arg("top_k"),
         py::arg("top_p"), py::arg("min_p"), py::arg("u"));
   m.def("built_with_avx2", &pagedllm::built_with_avx2, "whether the AVX2/FMA path was compiled");
-  m.def("built_isa", &pagedllm::built_isa, "the widest vector path compiled in");
+  // built_isa (the widest vector path compiled in) is gemm.cpp's: one answer per module.
 }
+
+}  // namespace pagedllm

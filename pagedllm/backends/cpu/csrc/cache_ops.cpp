@@ -10,7 +10,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <string>
 #include <type_traits>
 
 #include "attention.h"
@@ -81,8 +80,6 @@ void scatter(const Scatter& s, const IT* key, const IT* value, CT* cache, float 
 }  // namespace
 
 bool built_with_avx2() { return compiled_with_avx2(); }
-
-std::string built_isa() { return compiled_isa(); }
 
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value,
                        const at::Tensor& kv_cache, const at::Tensor& slot_mapping,

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "bindings.h"
 #include "decode_stack.h"
 #include "gemm_amx.h"
 #include "gemm_dp.h"
@@ -503,7 +504,10 @@ void bind_groupwise(pybind11::module& m) {
 }  // namespace pagedllm::gemm
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "pagedllm CPU weight GEMM: 16/8-bit weights in registers; W8A8 integer dot products";
+  m.doc() =
+      "pagedllm CPU kernels: paged attention, cache ops, row-wise layer kernels, sampling, "
+      "16/8/4-bit weight GEMMs and the decode stack (one ISA level per build)";
+  pagedllm::bind_layer_ops(m);
   m.def("weight_gemm", &pagedllm::gemm::weight_gemm,
         "y = x @ W^T (* scale) (+ bias), W packed as [N/16, K, 16]",
         py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("packed"), py::arg("n"),

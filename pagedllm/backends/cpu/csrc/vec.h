@@ -440,17 +440,4 @@ class PanelPrefetcher {
 
 inline bool compiled_with_avx2() { return PAGEDLLM_AVX2 != 0; }
 
-// The widest vector path of this build: "avx512bf16", "avx512", "avx2" or "scalar".
-inline const char* compiled_isa() {
-#if PAGEDLLM_AVX512BF16
-  return "avx512bf16";
-#elif PAGEDLLM_AVX512
-  return "avx512";
-#elif PAGEDLLM_AVX2
-  return "avx2";
-#else
-  return "scalar";
-#endif
-}
-
 }  // namespace pagedllm
