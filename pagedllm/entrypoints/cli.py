@@ -82,12 +82,13 @@ def check_engine_settings(args: argparse.Namespace) -> None:
     """Engine settings that fail only after minutes of loading, checked first."""
     import os
 
-    from pagedllm.backends.registry import resolve_device
+    from pagedllm.backends.registry import backend_class, resolve_device
 
-    device = resolve_device(args.device)
-    if args.device != "auto":
-        from pagedllm.backends.registry import backend_class
-
+    # "auto" is the engine's to resolve (its core process imports the backends anyway); asking
+    # here imported torch into the server's front (~1.5 CPU s of its start) to answer nothing.
+    # The CPU is always there: only an accelerator named explicitly is asked for.
+    if args.device not in ("auto", "cpu"):
+        device = resolve_device(args.device)  # an unknown name: ValueError
         try:  # is_available() never raises and starts nothing (no device context)
             available = backend_class(device).is_available()
         except ImportError:
