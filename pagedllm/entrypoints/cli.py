@@ -269,6 +269,9 @@ def _serve_on(args: argparse.Namespace, sock: socket.socket | None, started: flo
         settings_of.append(serve_settings(args))  # a bad --port is reported here
         import pagedllm.entrypoints.openai.api_server  # noqa: F401
 
+        # The imports' objects frozen now, while this side waits on the core: the freeze after
+        # the engine is up then walks only what was built since (not ~0.1-0.2 s after READY).
+        freeze_startup_objects()
         logger.info("loading %s", model)
 
     loading = time.perf_counter()  # the rest is the load (this side's imports overlap it)
