@@ -158,6 +158,22 @@ def test_a_tied_head_comes_from_the_cache_bit_for_bit(gguf_file: Path, folder: P
     assert torch.equal(first, want) and torch.equal(second, want)
 
 
+def test_a_cached_start_runs_on_the_mapped_file(gguf_file: Path, folder: Path) -> None:
+    """The second start's panels are the cache file's pages, mapped (nothing copied into
+    fresh memory): the file is among the process's mappings while the engine lives, and the
+    answers equal the start that packed it."""
+    first = _greedy(gguf_file)
+    (cached,) = _files(folder)
+    engine = Engine(str(gguf_file), device="cpu", block_size=8, num_kv_blocks=32)
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        pytest.skip("no /proc/self/maps here")
+    assert str(cached) in maps.read_text()
+    outs = engine.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == first
+    engine.shutdown()
+
+
 def test_a_damaged_file_is_refused_and_rebuilt(
     gguf_file: Path, folder: Path, packs: list[int], caplog: pytest.LogCaptureFixture
 ) -> None:
