@@ -267,7 +267,11 @@ def _serve_on(args: argparse.Namespace, sock: socket.socket | None, started: flo
         # The HTTP stack's imports (~1 CPU s) and every flag's check, while an engine core
         # starts (its own imports take longer): a bad flag stops that core, in one line.
         settings_of.append(serve_settings(args))  # a bad --port is reported here
-        import pagedllm.entrypoints.openai.api_server  # noqa: F401
+        import pagedllm.entrypoints.openai.api_server
+        import pagedllm.tokenization.chat_template  # noqa: F401  (jinja2: the workers' copy)
+        from pagedllm.entrypoints.openai.template_render import start_spare_workers
+
+        start_spare_workers(1)  # the chat template's start-up check renders on it
 
         # The imports' objects frozen now, while this side waits on the core: the freeze after
         # the engine is up then walks only what was built since (not ~0.1-0.2 s after READY).
