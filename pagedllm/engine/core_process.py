@@ -229,7 +229,8 @@ def freeze_startup_objects() -> None:
     """Move everything alive after start-up (torch, transformers, the model's modules: a few
     hundred thousand objects) out of the cyclic collector's reach. A full collection walks all
     of them, about 150 ms here, and in a serving process it lands in the middle of a step or a
-    stream; what start-up built lives until the process exits anyway."""
+    stream; what start-up built lives until the process exits anyway. The collection first
+    walks only what is not frozen yet: called again, it costs what was built since."""
     gc.collect()
     gc.freeze()
 
@@ -262,6 +263,11 @@ def run_core(spec: CoreSpec, parent_pid: int | None) -> int:
     try:
         from pagedllm.engine.llm_engine import LLMEngine
 
+        # What the imports built (torch's few hundred thousand objects) lives until the process
+        # exits: out of the collector's walks from here on (a freeze alone, no collection: the
+        # imports leave next to no garbage), so the collection after READY walks only what the
+        # engine's build added.
+        gc.freeze()
         engine = LLMEngine(spec.model, spec.device, **spec.engine_args)
     except BaseException as exc:
         logger.debug("engine start failed:\n%s", traceback.format_exc())
@@ -270,13 +276,15 @@ def run_core(spec: CoreSpec, parent_pid: int | None) -> int:
         in_sock.close(linger=0)
         ctx.term()
         return 1
-    freeze_startup_objects()
     binder = None
     if cpu_binding is not None:
         binder = CoreThreadBinder(cpu_binding)
         binder.bind()
         logger.info("CPU binding: %s", cpu_binding.describe())
     out_sock.send(wire.encode_out(wire.READY, ready_info(engine)))
+    # After READY, not before: the collection runs while the server's front builds its app,
+    # not on the way to /health.
+    freeze_startup_objects()
     status = 1
     try:
         status = EngineCore(engine, in_sock, out_sock, parent_pid, binder).run()

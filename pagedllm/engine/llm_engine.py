@@ -22,6 +22,7 @@ from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.sequence import Sequence, SequenceGroup
 from pagedllm.core.speculation import LookaheadPlanner
 from pagedllm.engine.admission import EngineLimits, check_request, default_max_tokens, fit_context
+from pagedllm.engine.collector import with_collector_paused
 from pagedllm.engine.guided import GuidedRequests
 from pagedllm.engine.lora_registry import LoRARegistry, lora_cache_root
 from pagedllm.engine.output_processor import OutputProcessor
@@ -82,6 +83,7 @@ class LLMEngine(PoolingMixin):
     ``enable_chunked_prefill``, ``attention_backend`` and others listed in ``EngineArgs``.
     """
 
+    @with_collector_paused  # a full collection mid-build frees nothing: engine/collector.py
     def __init__(self, model: str, device: str = "auto", **engine_args: Any) -> None:
         args = EngineArgs.from_kwargs(model, device=device, **engine_args)
         if isinstance(args.data_parallel_size, int) and args.data_parallel_size > 1:

@@ -82,12 +82,13 @@ def check_engine_settings(args: argparse.Namespace) -> None:
     """Engine settings that fail only after minutes of loading, checked first."""
     import os
 
-    from pagedllm.backends.registry import resolve_device
+    from pagedllm.backends.registry import backend_class, resolve_device
 
-    device = resolve_device(args.device)
-    if args.device != "auto":
-        from pagedllm.backends.registry import backend_class
-
+    # "auto" is the engine's to resolve (its core process imports the backends anyway); asking
+    # here imported torch into the server's front (~1.5 CPU s of its start) to answer nothing.
+    # The CPU is always there: only an accelerator named explicitly is asked for.
+    if args.device not in ("auto", "cpu"):
+        device = resolve_device(args.device)  # an unknown name: ValueError
         try:  # is_available() never raises and starts nothing (no device context)
             available = backend_class(device).is_available()
         except ImportError:
@@ -266,8 +267,15 @@ def _serve_on(args: argparse.Namespace, sock: socket.socket | None, started: flo
         # The HTTP stack's imports (~1 CPU s) and every flag's check, while an engine core
         # starts (its own imports take longer): a bad flag stops that core, in one line.
         settings_of.append(serve_settings(args))  # a bad --port is reported here
-        import pagedllm.entrypoints.openai.api_server  # noqa: F401
+        import pagedllm.entrypoints.openai.api_server
+        import pagedllm.tokenization.chat_template  # noqa: F401  (jinja2: the workers' copy)
+        from pagedllm.entrypoints.openai.template_render import start_spare_workers
 
+        start_spare_workers(1)  # the chat template's start-up check renders on it
+
+        # The imports' objects frozen now, while this side waits on the core: the freeze after
+        # the engine is up then walks only what was built since (not ~0.1-0.2 s after READY).
+        freeze_startup_objects()
         logger.info("loading %s", model)
 
     loading = time.perf_counter()  # the rest is the load (this side's imports overlap it)

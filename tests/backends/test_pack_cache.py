@@ -9,6 +9,7 @@ import logging
 from pathlib import Path
 
 import pytest
+import torch
 
 from pagedllm import Engine, SamplingParams
 from pagedllm.backends.cpu import dense_gemm, groupwise_linear, pack_cache
@@ -112,6 +113,65 @@ def test_a_cached_start_leaves_the_cached_layers_unread(
     assert len(packs) == packed
     assert placeholders and all(placeholders.values()), placeholders
     assert not any(".attn_" in n or ".ffn_" in n for n in decoded), decoded
+
+
+def _head_rows(gguf_file: Path) -> tuple[torch.Tensor, list[str]]:
+    """Every row of the tied head's table as the engine's embedding reads it (float32 model),
+    and the GGUF tensors this start decoded."""
+    from pagedllm.models.gguf import weights as gguf_weights
+
+    decoded: list[str] = []
+    real_decode = gguf_weights.GGUFWeights._decoded
+
+    def decode(self: gguf_weights.GGUFWeights, t: object) -> object:
+        decoded.append(t.name)  # type: ignore[attr-defined]
+        return real_decode(self, t)  # type: ignore[arg-type]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf_weights.GGUFWeights, "_decoded", decode)
+        engine = Engine(str(gguf_file), device="cpu", dtype="float32", num_kv_blocks=16)
+    model = engine.executor.worker.runner.model  # type: ignore[attr-defined]
+    head = model.lm_head
+    assert head is model.embed_tokens  # tied: the head is the embedding
+    assert head.weight.numel() == 0  # the panels are the only copy
+    rows = head(torch.arange(head.vocab_size)).clone()
+    engine.shutdown()
+    return rows, decoded
+
+
+def test_a_tied_head_comes_from_the_cache_bit_for_bit(gguf_file: Path, folder: Path) -> None:
+    """A cached start leaves the tied Q8_0 head unread (the file's embedding table is not
+    decoded at all): the embedding's rows come back from the cached panels, equal bit for bit
+    to ggml's own dequantisation of the file's table (the ``gguf`` package), as they are on
+    the start that decoded and packed it."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    table = next(t for t in GGUFReader(gguf_file).tensors if t.name == "token_embd.weight")
+    want = torch.from_numpy(dequantize(table.data, table.tensor_type).astype("float32"))
+    first, decoded_first = _head_rows(gguf_file)
+    assert "token_embd.weight" in decoded_first and len(_files(folder)) == 1
+    second, decoded_second = _head_rows(gguf_file)
+    assert "token_embd.weight" not in decoded_second
+    assert not any(".attn_" in n or ".ffn_" in n for n in decoded_second), decoded_second
+    assert want.shape == first.shape
+    assert torch.equal(first, want) and torch.equal(second, want)
+
+
+def test_a_cached_start_runs_on_the_mapped_file(gguf_file: Path, folder: Path) -> None:
+    """The second start's panels are the cache file's pages, mapped (nothing copied into
+    fresh memory): the file is among the process's mappings while the engine lives, and the
+    answers equal the start that packed it."""
+    first = _greedy(gguf_file)
+    (cached,) = _files(folder)
+    engine = Engine(str(gguf_file), device="cpu", block_size=8, num_kv_blocks=32)
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        pytest.skip("no /proc/self/maps here")
+    assert str(cached) in maps.read_text()
+    outs = engine.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == first
+    engine.shutdown()
 
 
 def test_a_damaged_file_is_refused_and_rebuilt(

@@ -233,15 +233,20 @@ from pagedllm.entrypoints.openai.template_render import ChatTemplateError, Templ
 from pagedllm.engine.core_client import EngineCoreClient
 from pagedllm.engine.core_process import freeze_startup_objects
 from pagedllm.engine.prompts import load_tokenizer
+from pagedllm.entrypoints.cli import serve_settings
+from pagedllm.entrypoints.cli_args import build_parser
+for device in ("auto", "cpu"):  # every flag's check, before the core is asked for anything
+    serve_settings(build_parser().parse_args(["serve", sys.argv[1], "--device", device]))
 print(type(load_tokenizer(sys.argv[1])).__name__)
 print("transformers" in sys.modules)
 """
 
 
 def test_the_server_front_imports_no_torch(tmp_path: Path) -> None:
-    """``pagedllm serve``'s front process (routes, the core's client, the GGUF's cached
-    tokenizer) never imports torch: ~1.5 s of its start, and ~300 MB, it does not use; nor
-    transformers, once the tokenizer is converted and cached."""
+    """``pagedllm serve``'s front process (routes, the core's client, the flags' checks with
+    ``--device`` auto or cpu, the GGUF's cached tokenizer) never imports torch: ~1.5 s of its
+    start, and ~300 MB, it does not use; nor transformers, once the tokenizer is converted and
+    cached."""
     from tests.conftest import build_model
     from tests.models.gguf_files import write_gguf
 

@@ -115,6 +115,27 @@ def test_a_worker_killed_from_outside_is_replaced(renderer: Any) -> None:
     assert r.render(MESSAGES, HOSTILE) == "user: Hello there\n"
 
 
+def test_a_spare_started_ahead_serves_the_first_renders(renderer: Any) -> None:
+    """Workers started before their renderer (``pagedllm serve`` starts one while its engine
+    loads) are the ones a new renderer's first renders run on, and render as the tokenizer
+    does; one never taken is ended when the process exits."""
+    from pagedllm.entrypoints.openai import template_render
+
+    tokenizer, _ = renderer
+    template_render.start_spare_workers(2)
+    spares = list(template_render._spares)
+    r = TemplateRenderer(tokenizer, "the chat template (t.jinja)", TemplateLimits(TIMEOUT))
+    try:
+        r.check_startup(HOSTILE)
+        assert r.render(MESSAGES, HOSTILE) == "user: Hello there\n"
+        assert [w.proc for w in r._all] == spares[:1]  # one render at a time: one worker
+        assert template_render._spares == spares[1:]
+    finally:
+        r.close()
+    template_render._end_spares()  # what exiting runs (atexit)
+    assert template_render._spares == [] and spares[1].poll() is not None
+
+
 class _Unpicklable:
     """A tokenizer the worker cannot be given (a lambda inside): rendered in the thread."""
 

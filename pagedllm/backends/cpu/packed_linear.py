@@ -201,13 +201,18 @@ def _open_cache(
 
 
 def preload_packed_layers(model: nn.Module, *, int8_activations: bool = False) -> frozenset[str]:
-    """The linear layers (not the LM head) whose panels the cache holds for the model's file,
+    """The linear layers and the LM head whose panels the cache holds for the model's file,
     opened before its weights load so that the loader leaves those layers' checkpoint tensors
     undecoded (``models/model_loader.load_model``'s ``packed_layers``): on the demo model that
     decoding and copying was most of a cached start's load. Called on the model as built, with
     its quantization methods attached; the cache it opened is kept on the model for
     :func:`pack_linear_layers`, which installs these panels. A layer is named only where
-    :func:`_cached_kernel` will take its panels, since its weights will not be there to pack."""
+    :func:`_cached_kernel` will take its panels, since its weights will not be there to pack.
+
+    A tied head is the input embedding too: left unread, its look-ups read the rows back from
+    the cached panels (``fast_rows``, as every packed tied head does: the integers and scales
+    are the file's, so the rows are the decoded table's bit for bit). On the demo model that
+    table (49,152 x 576 Q8_0) was decoded at every start only to be dropped for the panels."""
     from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 
     cache, cached = _open_cache(model, dot=int8_activations)
@@ -216,8 +221,7 @@ def preload_packed_layers(model: nn.Module, *, int8_activations: bool = False) -
     return frozenset(
         name
         for name, module in model.named_modules()
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear))
-        and module is not head
+        if (isinstance(module, (ColumnParallelLinear, RowParallelLinear)) or module is head)
         and _fits(module, cached.get(name), loaded=False)
     )
 

@@ -19,6 +19,7 @@ template that cannot is refused before the server answers anything.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
@@ -76,16 +77,54 @@ class _WorkerDied(RuntimeError):
     pass
 
 
+def _spawn(*, preload: bool = False) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-c", _WORKER, _ROOT, *(["--preload"] if preload else [])],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        close_fds=True,
+    )
+
+
+# Workers started before any renderer exists (start_spare_workers), taken by the first ones.
+_spares: list[subprocess.Popen[bytes]] = []
+_spares_lock = threading.Lock()
+
+
+def start_spare_workers(count: int) -> None:
+    """Start ``count`` workers ahead of the renderer that will use them: ``pagedllm serve``
+    calls this while its engine loads, so the interpreter's start and the template imports of
+    the start-up check's worker (~0.1-0.25 s on a 2-core host) are not on the way to the
+    first ``/health``. A spare waits for its setup (the tokenizer's templates) like any
+    worker; one never taken is ended when this process exits (or dies: ``template_worker``)."""
+    with _spares_lock:
+        if not _spares:
+            atexit.register(_end_spares)
+        _spares.extend(_spawn(preload=True) for _ in range(count))
+
+
+def _take_spare() -> subprocess.Popen[bytes] | None:
+    with _spares_lock:
+        while _spares:
+            proc = _spares.pop(0)
+            if proc.poll() is None:
+                return proc
+    return None
+
+
+def _end_spares() -> None:
+    with _spares_lock:
+        spares, _spares[:] = list(_spares), []
+    for proc in spares:
+        proc.kill()
+        proc.wait()
+
+
 class _Worker:
     """One worker process and its pipes; used by one render at a time."""
 
     def __init__(self, setup: bytes) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", _WORKER, _ROOT],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            close_fds=True,
-        )
+        self.proc = _take_spare() or _spawn()
         self.ready = False
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self._out = self.proc.stdout.fileno()

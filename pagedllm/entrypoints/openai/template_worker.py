@@ -100,6 +100,8 @@ def main() -> None:
     _die_with_parent()
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # a stray print must not corrupt the frames
+    if "--preload" in sys.argv[2:]:  # a spare, started before its setup exists: import now
+        import pagedllm.tokenization.chat_template  # noqa: F401  (jinja2: pagedllm's renderer)
     setup = read_frame(inp)  # read whole before the imports: the server's write returns at once
     if setup is None:
         return

@@ -434,7 +434,31 @@ class GGUFHeader:
 
     def _string_spans(self, offs: int, count: int) -> tuple[np.ndarray, np.ndarray]:
         """Where each of the ``count`` strings from ``offs`` starts and ends (byte offsets into
-        the file, int64), every length checked against the file in one scan."""
+        the file, int64), every length checked against the file.
+
+        One plain scan first (a vocabulary and its merges are ~100k strings, ~half of a start's
+        header parse): a length read past the buffer raises ``struct.error`` and an end past
+        the file shows in the last one, so the checks need not run per string. Where either
+        happens, the checked scan below finds the string at fault and names it."""
+        buf, length_of = self._buf, _U64.unpack_from
+        ends = [0] * count
+        end = offs
+        try:
+            for i in range(count):  # each string starts 8 bytes after the one before ends
+                end = ends[i] = end + 8 + length_of(buf, end)[0]
+        except struct.error:
+            end = self.size + 1
+        if end > self.size:
+            return self._checked_spans(offs, count)
+        ends_array = np.array(ends, dtype=np.int64)
+        starts = np.empty_like(ends_array)
+        if count:
+            starts[0] = offs
+            starts[1:] = ends_array[:-1]
+            starts += 8
+        return starts, ends_array
+
+    def _checked_spans(self, offs: int, count: int) -> tuple[np.ndarray, np.ndarray]:
         size, buf, length_of = self.size, self._buf, _U64.unpack_from
         starts, ends = [0] * count, [0] * count
         for i in range(count):
