@@ -528,7 +528,10 @@ def rows_kernels(
             fns: dict[str, Callable[[], object]] = {}
             for fmt, made in copies.items():
                 for label, kernel in (("default", "split"), ("float", "fma")):
-                    calls = [partial(pw.gemm, ops, rows_kernel=kernel) for pw in made]
+                    calls = [
+                        lambda x, pw=pw, kernel=kernel: pw.gemm(ops, x, None, False, kernel)
+                        for pw in made
+                    ]
                     fns[f"{fmt}_{label}"] = partial(_cycling(calls), x)
             best = _interleaved(fns, budget_s * len(fns))
             row: dict[str, object] = {"m": m}
