@@ -50,6 +50,12 @@ at 1 to 512 rows of bf16 x, the contenders taking turns in one process (best of 
 ``groupwise_linear.DOT_ROWS`` is measured by. Each contender cycles through copies of its
 weights as the decode section does (``--stream-mb 0``: one copy, timed from the cache).
 
+``--rows-kernels`` times, for the demo model's layer shapes (``DEMO_SHAPES``) and each
+group-wise format, 1 to 4 rows of bf16 x under the default kernel of few rows against the float
+kernel (``rows_kernel="fma"``: float32 FMAs on q) on the same packed weights, taking turns in one
+process: on AVX2 builds without AVX-512 the default rounds x to int16 per group and runs
+``vpmaddwd`` (``groupwise_int16_rows``); ``<fmt>_default_vs_float`` > 1 where it is faster.
+
 The group-wise weights come from small quantisers here (``_q4_0``, ``_q4_k``, ``_q8_0``: the
 formats, not ggml's search for the best scales), which is all the timing needs.
 """
@@ -489,6 +495,57 @@ def dot_vs_float(
     return out
 
 
+def rows_kernels(
+    shapes: dict[str, tuple[int, int]],
+    batches: list[int],
+    budget_s: float,
+    formats: list[str],
+    stream_bytes: float = 0.0,
+) -> dict[str, list[dict[str, object]]]:
+    """Per shape and row count: each format's few bf16 rows under the default kernel and under
+    the float one (``rows_kernel="fma"``), interleaved, each cycling through copies of its
+    weights (``stream_bytes`` in all; 0: one copy, timed from the cache)."""
+    ops = gemm_ops()
+    out: dict[str, list[dict[str, object]]] = {}
+    for name, (n, k) in shapes.items():
+        torch.manual_seed(0)
+        packed = {
+            fmt: pw
+            for fmt, pw in groupwise_weights(torch.randn(n, k) * 0.02).items()
+            if fmt in formats
+        }
+        copies = {
+            fmt: [pw]
+            + [
+                dataclasses.replace(pw, packed=pw.packed.clone())
+                for _ in range(_copies(pw.packed.numel(), stream_bytes) - 1)
+            ]
+            for fmt, pw in packed.items()
+        }
+        rows = []
+        for m in batches:
+            x = torch.randn(m, k).bfloat16()
+            fns: dict[str, Callable[[], object]] = {}
+            for fmt, made in copies.items():
+                for label, kernel in (("default", "split"), ("float", "fma")):
+                    calls = [
+                        lambda x, pw=pw, kernel=kernel: pw.gemm(ops, x, None, False, kernel)
+                        for pw in made
+                    ]
+                    fns[f"{fmt}_{label}"] = partial(_cycling(calls), x)
+            best = _interleaved(fns, budget_s * len(fns))
+            row: dict[str, object] = {"m": m}
+            for key, seconds in best.items():
+                row[f"{key}_us"] = round(seconds * 1e6, 1)
+            for fmt in copies:
+                default, flt = best[f"{fmt}_default"], best[f"{fmt}_float"]
+                row[f"{fmt}_default_vs_float"] = round(flt / default, 2)
+                row[f"{fmt}_default_GBps"] = round(packed[fmt].packed.numel() / default / 1e9, 2)
+            rows.append(row)
+        out[name] = rows
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="small shapes, a few seconds (CI)")
@@ -511,10 +568,39 @@ def main() -> None:
     parser.add_argument(
         "--formats", default="q4_0,q4_k,q8_0,q6_k", help="--dot-rows: group-wise formats (q4_1 too)"
     )
+    parser.add_argument(
+        "--rows-kernels",
+        action="store_true",
+        help="only 1-4 bf16 rows: the default kernel of few rows vs the float one (DEMO_SHAPES)",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     stream_mb = args.stream_mb if args.stream_mb is not None else default_stream_mb()
+    if args.rows_kernels:
+        names = args.shapes.split(",") if args.shapes else list(DEMO_SHAPES)
+        known = {**DOT_SHAPES, **DEMO_SHAPES}
+        ops = gemm_ops()
+        result = {
+            "benchmark": "linear_cpu_rows_kernels",
+            "processor": cpu_model_name(),
+            "isa": resolve_isa(),
+            "gemm_isa": ops.built_isa(),
+            "int16_rows": ops.groupwise_int16_rows(),
+            "path_q4_1": path_name(ops, "int4", four_bit=True),
+            "path_q8_0": path_name(ops, "q8_0"),
+            "threads": torch.get_num_threads(),
+            "stream_MB": round(stream_mb),
+            "shapes": rows_kernels(
+                {name: known[name] for name in names},
+                [int(r) for r in args.rows.split(",")] if args.rows else [1, 2, 3, 4],
+                args.budget,
+                args.formats.split(","),
+                stream_mb * 2**20,
+            ),
+        }
+        print(json.dumps(result, indent=1))
+        return
     if args.dot_rows:
         names = args.shapes.split(",") if args.shapes else list(DOT_SHAPES)
         known = {**DOT_SHAPES, **DEMO_SHAPES}

@@ -661,6 +661,133 @@ def test_the_split_kernel_is_named_in_the_path_and_the_kernel_checked() -> None:
         ops.groupwise_gemm_grouped(x, [pw.packed], [0, 2], *fmt, rows_kernel="auto")
 
 
+# -- the int16 kernel of few bf16 rows (AVX2 without AVX-512) --------------------------------
+def _int16_rounded(x: torch.Tensor) -> torch.Tensor:
+    """float64 ``x`` as the int16 kernel reads it: per group of 32, s = 2^(floor(log2(max|x|))
+    - 14), x / s rounded half to even (an all-zero group stays zero)."""
+    m, k = x.shape
+    groups = x.double().view(m, k // 32, 32)
+    amax = groups.abs().amax(-1, keepdim=True)
+    e = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp_min(1e-300))), 0.0)
+    s = torch.exp2(e - 14)
+    q = torch.round(groups / s)  # torch.round: half to even
+    assert q.abs().max() <= 2**15 - 1
+    return (q * s).view(m, k)
+
+
+def _int16_kernel_rows(ops) -> int:
+    rows = ops.groupwise_int16_rows()
+    if not rows:
+        pytest.skip(f"the {ops.built_isa()} build has no int16 kernel")
+    return rows
+
+
+def test_int16_rounding_keeps_bf16_within_2_to_the_7_of_the_max_exactly() -> None:
+    """The rounding the int16 kernel defines (``_int16_rounded``): every bf16 element within 2^7
+    of its group's largest is kept exactly (8 significant bits times a power of two at or above
+    s), smaller ones within s / 2 = 2^-15 of the largest of their own values."""
+    torch.manual_seed(21)
+    top = torch.logspace(-30, 30, 6)[:, None]  # each group's largest, 1 to 2^7 above the rest
+    x = torch.exp2(-7 * torch.rand(6, 256)) * torch.randn(6, 256).sign() * top
+    x[:, ::32] = top
+    x = x.bfloat16()
+    assert torch.equal(_int16_rounded(x), x.double())
+    wide = (torch.randn(6, 256) * torch.logspace(-8, 8, 256)).bfloat16()  # 2^53 across a row
+    err = (_int16_rounded(wide) - wide.double()).abs().view(6, 8, 32)
+    amax = wide.double().abs().view(6, 8, 32).amax(-1, keepdim=True)
+    assert (err <= amax * 2**-15).all() and (err > 0).any()
+
+
+@pytest.mark.parametrize(
+    "kind", ("q4_0", "q4_1", "q4_k", "int4", "q4_f32", "q8_0", "q8_f32", "q5_k")
+)
+def test_the_int16_kernel_is_its_rounding_then_the_definition(ops, kind: str) -> None:
+    """One to four bf16 rows under the default kernel on AVX2 builds: the float64 product of the
+    dequantised layer with ``_int16_rounded(x)``, rounded once to bf16 (within half a step plus
+    float32 sums). Each column's weights are one value across K, so an output is that value
+    times the sum of the row's rounded x. Groups of +H and -H with small values (2^-2 to 2^-10
+    of 1, H = 2^10: s = 2^-4) exercise the rounding; groups of +H, -H, 2s and values just
+    below s / 2 (which round to zero) make it ~20% of every output, which exact x (the float
+    kernel, ``rows_kernel="fma"``) shows by many steps."""
+    rows = _int16_kernel_rows(ops)
+    n, k = 37, 96 if kind != "q4_k" else 256
+    torch.manual_seed(23)
+    weight, scale, offset, q = _layer_data(kind, n, k)
+    # Every column one q across K (its first), so one weight value per group and column.
+    q = q[:, :1].expand(n, k).contiguous()
+    if kind in ("q8_0", "q8_f32", "q5_k"):
+        weight = q.to(torch.int8)
+    else:
+        weight = pack_nibbles(q.to(torch.uint8))
+    if kind == "q4_k":  # one scale and offset across K too, so that w is one value per column
+        scale, offset = scale[:, :1].expand(n, k // 32), offset[:, :1].expand(n, k // 32)
+    else:
+        scale = scale[:, :1].expand(n, k // 32).contiguous()
+        offset = None if offset is None else offset[:, :1].expand(n, k // 32).contiguous()
+    pw = _pack(ops, weight, scale.contiguous(), offset if offset is None else offset.contiguous())
+    w = _dequantized(weight, scale.contiguous(), offset).double()
+    big = 2.0**10
+    for m, designed in [(m, False) for m in range(1, rows + 1)] + [(rows, True)]:
+        x = torch.rand(m, k) * 0.5 - 0.25
+        x *= torch.exp2(-torch.randint(0, 9, (m, k)).float())  # 2^-2 .. 2^-10: many below s
+        if designed:  # half 2s, half in [0.02, 0.03): rounded to 0, the exact sums 20% more
+            x[:, 0::2], x[:, 1::2] = 0.125, 0.02 + 0.01 * torch.rand(m, k // 2)
+        x[:, 0::32], x[:, 1::32] = big, -big
+        x[m - 1, 32:64] = 0  # an all-zero group
+        x = x.bfloat16()
+        y = pw.gemm(ops, x, None, False)
+        want = _int16_rounded(x) @ w.T
+        exact = x.double() @ w.T
+        step = torch.exp2(torch.floor(torch.log2(want.abs().clamp_min(1e-30))) - 7)
+        slack = 1e-6 * big * w.abs().max()  # float32 sums of the +-H terms
+        assert ((y.double() - want).abs() <= step / 2 + slack).all(), (m, designed)
+        flt = pw.gemm(ops, x, None, False, rows_kernel="fma")
+        assert ((flt.double() - exact).abs() <= step + slack).all(), (m, designed)
+        if designed:  # the rounding shows: exact x moves every nonzero output many steps
+            cols = w[:, 0] != 0  # (a Q4_0 column of q = 8 is zero)
+            assert cols.sum() > n // 2
+            assert ((exact - want).abs() > 8 * step)[:, cols].all(), m
+            assert ((y.double() - flt.double()).abs() > 4 * step)[:, cols].all(), m
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_fp16_and_nonfinite_rows_keep_the_float_kernel(ops, case) -> None:
+    """fp16 x (11 significant bits, for which the int16 grid would round what its outputs
+    resolve) and bf16 rows holding an inf or a NaN take the float kernel whatever
+    ``rows_kernel`` says: bit for bit ``rows_kernel="fma"``'s outputs, infs and NaNs where the
+    definition has them."""
+    kind, (n, k) = case
+    _int16_kernel_rows(ops)
+    torch.manual_seed(n + 2 * k)
+    pw = _pack(ops, *_layer_data(kind, n, k)[:3])
+    for m in (1, 3):
+        x = torch.randn(m, k).half()
+        fma = pw.gemm(ops, x, None, False, rows_kernel="fma")
+        assert torch.equal(pw.gemm(ops, x, None, False), fma)
+        x = torch.randn(m, k).bfloat16()
+        x[m - 1, k // 2] = float("inf") if m == 1 else float("nan")
+        y, want = pw.gemm(ops, x, None, False), pw.gemm(ops, x, None, False, rows_kernel="fma")
+        assert torch.equal(y.isnan(), want.isnan()) and torch.equal(y.isinf(), want.isinf())
+        finite = want.isfinite()
+        assert torch.equal(y[finite], want[finite])
+        assert not y[m - 1].isfinite().all()
+
+
+def test_the_int16_kernel_is_named_in_the_path() -> None:
+    """``+i16r<rows>`` in the path of the layers whose few bf16 rows take the int16 kernel (AVX2
+    builds: 4-bit and Q8_0 layers), never in an IQ4 or Q6_K layer's, nor under
+    ``int8_activations``, where every batch takes the dot path."""
+    ops = dense_gemm.gemm_ops()
+    if ops is None or not ops.groupwise_int16_rows():
+        pytest.skip("no int16 kernel in this build")
+    tag = f"+i16r{ops.groupwise_int16_rows()}"
+    assert tag in groupwise_linear.path_name(ops, "int4", four_bit=True)
+    assert tag in groupwise_linear.path_name(ops, "q8_0")
+    assert tag not in groupwise_linear.path_name(ops, "iq4", four_bit=True, levels=True)
+    assert tag not in groupwise_linear.path_name(ops, "q6_k")
+    assert tag not in groupwise_linear.path_name(ops, "q8_0", dot=True)
+
+
 # -- grouped: an MoE layer's experts in one call ---------------------------------------------
 # Rows per group: an expert without rows, the register kernels (1, 2; 4 on 4-bit layers under
 # the split kernel, and everywhere without AMX; 5 without AMX) and past them (4 on other layers

@@ -464,6 +464,10 @@ void bind_groupwise(pybind11::module& m) {
         "the kernels of few bf16 rows on 4-bit layers this build runs (rows_kernel): 'split' (x "
         "as two int8 rows on the dot kernel, the default), 'dp' (vdpbf16ps on q), 'fma' (float32 "
         "FMAs on q); none without vdpbf16ps");
+  m.def("groupwise_int16_rows", &q4::int16_rows,
+        "rows of bf16 x up to which the default kernel of few rows (rows_kernel='split') rounds "
+        "them to int16 per group of 32 against a power of two, integer products (AVX2 without "
+        "AVX-512; 0: none in this build)");
   m.def(
       "groupwise_amx_rows",
       &q4::amx_rows_from,

@@ -22,6 +22,7 @@
 #include <functional>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "dtype_dispatch.h"
@@ -61,6 +62,10 @@ void store(const float* c, int64_t rows, int64_t n, int64_t n0, const float* bia
 // - kDp: vdpbf16ps on q (bf16_rows), kFma: float32 FMAs on q (bf16_rows_fma): exact products,
 //   float32 sums, so the definition up to summation order; FMAs are the faster on Intel's cores
 //   (gemm_q4_float.h), vdpbf16ps on a Zen 4 EPYC.
+// AVX2 builds without AVX-512 (no vdpbf16ps; every layer but IQ4 levels and Q6_K, 8-bit too):
+// kSplit rounds x to int16 per group against a power of two (gemm_q4_avx2.h's
+// avx2_i16_rows: exact for every bf16 element within 2^7 of its group's largest), kDp and kFma
+// both run float32 FMAs on q (avx2_rows: exact products).
 enum class Bf16RowsKernel { kSplit, kDp, kFma };
 
 Bf16RowsKernel rows_kernel_of(const char* op, const std::string& name) {
@@ -169,6 +174,14 @@ std::vector<std::string> bf16_rows_kernels() {
   return {"split", "dp", "fma"};
 #else
   return {};
+#endif
+}
+
+int64_t int16_rows() {
+#if defined(PAGEDLLM_Q4_AVX2_ROWS)
+  return kAvx2Rows;
+#else
+  return 0;
 #endif
 }
 
@@ -448,20 +461,37 @@ void run_split(const c10::BFloat16* x, const Problem& pb, at::BFloat16* y) {
 #endif
 
 #if defined(PAGEDLLM_Q4_AVX2_ROWS)
-// Few rows of bf16 / fp16 x on AVX2 (gemm_q4_avx2.h): x scaled and summed per group once,
-// then every panel on the threads.
+// Few rows of bf16 / fp16 x on AVX2 (gemm_q4_avx2.h), prepared once per call, then every panel
+// on the threads. bf16 x under the default rows kernel (kSplit: as on AVX-512, x finely
+// rounded to integers) is rounded to int16 per group of 32 against a power of two and meets q
+// in vpmaddwd (avx2_i16_rows); fp16 x, kDp / kFma, and calls whose x holds an inf or a NaN
+// take float32 FMAs on q (avx2_rows), whose products are exact.
 static_assert(kAvx2Rows == kF32Rows, "register_rows bounds the grouped calls' groups by kF32Rows");
 
 struct Avx2Rows {
-  std::vector<float> xn, gsum;  // [m, k] and [m, groups]
+  bool i16 = false;             // which kernel: the int16 one, or the float one
+  std::vector<float> xn, gsum;  // float: [m, k] and [m, groups]; int16: xn holds s [m, groups]
+  std::vector<int32_t> xw;      // int16: [m, groups * kI16Words]
 };
 
 template <typename X>
-Avx2Rows avx2_x(const X* x, int64_t m, int64_t k, int bits) {
-  Avx2Rows a{std::vector<float>(static_cast<size_t>(m * k)),
-             std::vector<float>(static_cast<size_t>(m * (k / kGroup)))};
+Avx2Rows avx2_x(const X* x, int64_t m, int64_t k, int bits, Bf16RowsKernel kernel) {
+  const int64_t groups = k / kGroup;
+  Avx2Rows a;
+  a.gsum.resize(static_cast<size_t>(m * groups));
+  if (std::is_same_v<X, c10::BFloat16> && kernel == Bf16RowsKernel::kSplit) {
+    a.xn.resize(static_cast<size_t>(m * groups));
+    a.xw.resize(static_cast<size_t>(m * groups * kI16Words));
+    a.i16 = true;
+    for (int64_t r = 0; r < m && a.i16; ++r)
+      a.i16 = avx2_i16_x_rows(x + r * k, k, bits, a.xw.data() + r * groups * kI16Words,
+                              a.xn.data() + r * groups, a.gsum.data() + r * groups);
+    if (a.i16) return a;
+    a.xw.clear();
+  }
+  a.xn.assign(static_cast<size_t>(m * k), 0.f);
   for (int64_t r = 0; r < m; ++r)
-    avx2_x_rows(x + r * k, k, bits, a.xn.data() + r * k, a.gsum.data() + r * (k / kGroup));
+    avx2_x_rows(x + r * k, k, bits, a.xn.data() + r * k, a.gsum.data() + r * groups);
   return a;
 }
 
@@ -471,14 +501,21 @@ void avx2_panel(const Avx2Rows& a, int64_t lo, int64_t rows, int64_t k, const ui
                 const Format& f, float* c) {
   const int64_t groups = k / kGroup;
   with_rows<kAvx2Rows>(static_cast<int>(rows), [&](auto r) {
-    avx2_rows<Bits, decltype(r)::value>(a.xn.data() + lo * k, k, a.gsum.data() + lo * groups,
-                                        groups, panel, groups, f, c);
+    constexpr int R = decltype(r)::value;
+    if (a.i16) {
+      avx2_i16_rows<Bits, R>(a.xw.data() + lo * groups * kI16Words, groups * kI16Words,
+                             a.xn.data() + lo * groups, a.gsum.data() + lo * groups, groups,
+                             panel, groups, f, c);
+    } else {
+      avx2_rows<Bits, R>(a.xn.data() + lo * k, k, a.gsum.data() + lo * groups, groups, panel,
+                         groups, f, c);
+    }
   });
 }
 
 template <int Bits, typename X>
 void run_avx2_rows(const X* x, const Problem& pb, X* y) {
-  const Avx2Rows a = avx2_x(x, pb.m, pb.k, Bits);
+  const Avx2Rows a = avx2_x(x, pb.m, pb.k, Bits, pb.rows);
   at::parallel_for(0, pb.panels(), 1, [&](int64_t p0, int64_t p1) {
     float c[kAvx2Rows * kCols];
     for (int64_t p = p0; p < p1; ++p) {
@@ -493,7 +530,7 @@ template <int Bits, typename X>
 void run_avx2_grouped(const X* x, int64_t rows, const std::vector<int64_t>& lo,
                       const std::vector<int64_t>& count, const Problem& shape,
                       const std::function<const uint8_t*(int64_t)>& panel_of, X* y) {
-  const Avx2Rows a = avx2_x(x, rows, shape.k, Bits);
+  const Avx2Rows a = avx2_x(x, rows, shape.k, Bits, shape.rows);
   const int64_t panels = shape.panels();
   at::parallel_for(0, static_cast<int64_t>(lo.size()) * panels, 1, [&](int64_t t0, int64_t t1) {
     float c[kAvx2Rows * kCols];

@@ -56,6 +56,10 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_groups(const torch::Tensor& x,
 // The kernels of few bf16 rows on 4-bit layers this build runs (none without vdpbf16ps).
 std::vector<std::string> bf16_rows_kernels();
 
+// Rows of bf16 x up to which this build's default kernel rounds them to int16 per group of 32
+// (AVX2 without AVX-512: gemm_q4_avx2.h's avx2_i16_rows; 0: none here).
+int64_t int16_rows();
+
 // Rows of bf16 x from which the float path runs on AMX tiles (0: never here); four_bit_split:
 // on a 4-bit layer under the split kernel.
 int64_t amx_rows_from(bool four_bit_split);
