@@ -254,6 +254,17 @@ def _cases() -> list[Case]:
             "tokenizer.ggml.model",
         ),
         (
+            # A length so large that the offset after it no longer fits an index (the fast
+            # scan's OverflowError, found by the fuzz test below): still one line.
+            "token-string-length.gguf",
+            _edit(
+                lambda d, r: _put(
+                    d, _field_value_offset(r, "tokenizer.ggml.tokens") + 12, "<Q", 2**63
+                )
+            ),
+            "tokenizer.ggml.tokens",
+        ),
+        (
             "name-length.gguf",
             _edit(lambda d, r: _put(d, r.tensors[0].field.offset, "<Q", 2**50)),
             "string",

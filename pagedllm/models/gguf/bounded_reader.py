@@ -437,16 +437,17 @@ class GGUFHeader:
         the file, int64), every length checked against the file.
 
         One plain scan first (a vocabulary and its merges are ~100k strings, ~half of a start's
-        header parse): a length read past the buffer raises ``struct.error`` and an end past
-        the file shows in the last one, so the checks need not run per string. Where either
-        happens, the checked scan below finds the string at fault and names it."""
+        header parse): a length read past the buffer raises ``struct.error`` (``OverflowError``
+        once a huge length has carried the offset past what an index can hold) and an end past
+        the file shows in the last one, so the checks need not run per string. Where any of
+        these happens, the checked scan below finds the string at fault and names it."""
         buf, length_of = self._buf, _U64.unpack_from
         ends = [0] * count
         end = offs
         try:
             for i in range(count):  # each string starts 8 bytes after the one before ends
                 end = ends[i] = end + 8 + length_of(buf, end)[0]
-        except struct.error:
+        except (struct.error, OverflowError):
             end = self.size + 1
         if end > self.size:
             return self._checked_spans(offs, count)
