@@ -415,6 +415,20 @@ def decode_from_memory(
     }
 
 
+def _panel_copies(
+    packed: dict[str, PackedGroupwise], stream_bytes: float
+) -> dict[str, list[PackedGroupwise]]:
+    """Per format, the layer and enough copies of its panels to stream ``stream_bytes``."""
+    return {
+        fmt: [pw]
+        + [
+            dataclasses.replace(pw, packed=pw.packed.clone())
+            for _ in range(_copies(pw.packed.numel(), stream_bytes) - 1)
+        ]
+        for fmt, pw in packed.items()
+    }
+
+
 def _vector_path(ops: object, pw: PackedGroupwise, x: torch.Tensor) -> torch.Tensor:
     """The float path on vdpbf16ps where it would take AMX tiles."""
     fmt = (pw.bits, pw.half_scales, pw.with_offset, pw.factored)
@@ -449,14 +463,7 @@ def dot_vs_float(
             for fmt, pw in groupwise_weights(w32).items()
             if fmt in formats and pw.bits != 6  # six-bit layers have no dot path
         }
-        copies = {
-            fmt: [pw]
-            + [
-                dataclasses.replace(pw, packed=pw.packed.clone())
-                for _ in range(_copies(pw.packed.numel(), stream_bytes) - 1)
-            ]
-            for fmt, pw in packed.items()
-        }
+        copies = _panel_copies(packed, stream_bytes)
         gemms = {
             fmt: [make_groupwise_gemm(ops, pw, None) for pw in made] for fmt, made in copies.items()
         }
@@ -514,14 +521,7 @@ def rows_kernels(
             for fmt, pw in groupwise_weights(torch.randn(n, k) * 0.02).items()
             if fmt in formats
         }
-        copies = {
-            fmt: [pw]
-            + [
-                dataclasses.replace(pw, packed=pw.packed.clone())
-                for _ in range(_copies(pw.packed.numel(), stream_bytes) - 1)
-            ]
-            for fmt, pw in packed.items()
-        }
+        copies = _panel_copies(packed, stream_bytes)
         rows = []
         for m in batches:
             x = torch.randn(m, k).bfloat16()
