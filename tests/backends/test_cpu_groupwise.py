@@ -699,7 +699,7 @@ def test_int16_rounding_keeps_bf16_within_2_to_the_7_of_the_max_exactly() -> Non
 
 
 @pytest.mark.parametrize(
-    "kind", ("q4_0", "q4_1", "q4_k", "int4", "q4_f32", "q8_0", "q8_f32", "q5_k")
+    "kind", ("q4_0", "q4_1", "q4_k", "int4", "q4_f32", "q8_0", "q8_f32", "q5_k", "q6_k")
 )
 def test_the_int16_kernel_is_its_rounding_then_the_definition(ops, kind: str) -> None:
     """One to four bf16 rows under the default kernel on AVX2 builds: the float64 product of the
@@ -710,22 +710,28 @@ def test_the_int16_kernel_is_its_rounding_then_the_definition(ops, kind: str) ->
     below s / 2 (which round to zero) make it ~20% of every output, which exact x (the float
     kernel, ``rows_kernel="fma"``) shows by many steps."""
     rows = _int16_kernel_rows(ops)
-    n, k = 37, 96 if kind != "q4_k" else 256
+    n, k = 37, 96 if kind not in ("q4_k", "q6_k") else 256
     torch.manual_seed(23)
     weight, scale, offset, q = _layer_data(kind, n, k)
     # Every column one q across K (its first), so one weight value per group and column.
     q = q[:, :1].expand(n, k).contiguous()
-    if kind in ("q8_0", "q8_f32", "q5_k"):
+    if kind in ("q8_0", "q8_f32", "q5_k", "q6_k"):
         weight = q.to(torch.int8)
     else:
         weight = pack_nibbles(q.to(torch.uint8))
     if kind == "q4_k":  # one scale and offset across K too, so that w is one value per column
         scale, offset = scale[:, :1].expand(n, k // 32), offset[:, :1].expand(n, k // 32)
+    elif kind == "q6_k":  # one d and sc across K: both of a group's scales the same
+        d = scale.q6_k_d[:, :1]
+        scale = scale[:, :1].expand(n, k // 16).contiguous()
+        scale.q6_k_d = d.expand(n, k // 256).contiguous()
     else:
         scale = scale[:, :1].expand(n, k // 32).contiguous()
         offset = None if offset is None else offset[:, :1].expand(n, k // 32).contiguous()
-    pw = _pack(ops, weight, scale.contiguous(), offset if offset is None else offset.contiguous())
-    w = _dequantized(weight, scale.contiguous(), offset).double()
+    if not scale.is_contiguous():
+        scale = scale.contiguous()
+    pw = _pack(ops, weight, scale, offset if offset is None else offset.contiguous())
+    w = _dequantized(weight, scale, offset).double()
     big = 2.0**10
     for m, designed in [(m, False) for m in range(1, rows + 1)] + [(rows, True)]:
         x = torch.rand(m, k) * 0.5 - 0.25
@@ -775,7 +781,7 @@ def test_fp16_and_nonfinite_rows_keep_the_float_kernel(ops, case) -> None:
 
 def test_the_int16_kernel_is_named_in_the_path() -> None:
     """``+i16r<rows>`` in the path of the layers whose few bf16 rows take the int16 kernel (AVX2
-    builds: 4-bit and Q8_0 layers), never in an IQ4 or Q6_K layer's, nor under
+    builds: 4-bit, Q8_0 and Q6_K layers), never in an IQ4 layer's, nor under
     ``int8_activations``, where every batch takes the dot path."""
     ops = dense_gemm.gemm_ops()
     if ops is None or not ops.groupwise_int16_rows():
@@ -784,7 +790,7 @@ def test_the_int16_kernel_is_named_in_the_path() -> None:
     assert tag in groupwise_linear.path_name(ops, "int4", four_bit=True)
     assert tag in groupwise_linear.path_name(ops, "q8_0")
     assert tag not in groupwise_linear.path_name(ops, "iq4", four_bit=True, levels=True)
-    assert tag not in groupwise_linear.path_name(ops, "q6_k")
+    assert tag in groupwise_linear.path_name(ops, "q6_k")
     assert tag not in groupwise_linear.path_name(ops, "q8_0", dot=True)
 
 

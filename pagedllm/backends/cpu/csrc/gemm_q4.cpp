@@ -62,7 +62,7 @@ void store(const float* c, int64_t rows, int64_t n, int64_t n0, const float* bia
 // - kDp: vdpbf16ps on q (bf16_rows), kFma: float32 FMAs on q (bf16_rows_fma): exact products,
 //   float32 sums, so the definition up to summation order; FMAs are the faster on Intel's cores
 //   (gemm_q4_float.h), vdpbf16ps on a Zen 4 EPYC.
-// AVX2 builds without AVX-512 (no vdpbf16ps; every layer but IQ4 levels and Q6_K, 8-bit too):
+// AVX2 builds without AVX-512 (no vdpbf16ps; every layer but IQ4 levels, 8-bit and Q6_K too):
 // kSplit rounds x to int16 per group against a power of two (gemm_q4_avx2.h's
 // avx2_i16_rows: exact for every bf16 element within 2^7 of its group's largest), kDp and kFma
 // both run float32 FMAs on q (avx2_rows: exact products).
@@ -500,16 +500,23 @@ template <int Bits>
 void avx2_panel(const Avx2Rows& a, int64_t lo, int64_t rows, int64_t k, const uint8_t* panel,
                 const Format& f, float* c) {
   const int64_t groups = k / kGroup;
-  with_rows<kAvx2Rows>(static_cast<int>(rows), [&](auto r) {
+  const auto run = [&](auto r, auto halves) {
     constexpr int R = decltype(r)::value;
+    constexpr bool H = decltype(halves)::value;
     if (a.i16) {
-      avx2_i16_rows<Bits, R>(a.xw.data() + lo * groups * kI16Words, groups * kI16Words,
-                             a.xn.data() + lo * groups, a.gsum.data() + lo * groups, groups,
-                             panel, groups, f, c);
+      avx2_i16_rows<Bits, R, H>(a.xw.data() + lo * groups * kI16Words, groups * kI16Words,
+                                a.xn.data() + lo * groups, a.gsum.data() + lo * groups, groups,
+                                panel, groups, f, c);
     } else {
-      avx2_rows<Bits, R>(a.xn.data() + lo * k, k, a.gsum.data() + lo * groups, groups, panel,
-                         groups, f, c);
+      avx2_rows<Bits, R, H>(a.xn.data() + lo * k, k, a.gsum.data() + lo * groups, groups, panel,
+                            groups, f, c);
     }
+  };
+  with_rows<kAvx2Rows>(static_cast<int>(rows), [&](auto r) {
+    if constexpr (Bits == 8) {
+      if (f.two_scales()) return run(r, std::true_type{});
+    }
+    run(r, std::false_type{});
   });
 }
 

@@ -13,8 +13,9 @@
 // 2^23's mantissa and 2^23 subtracted (exact), on the adder pipes, which unloads the one that
 // converts. Measured on the Zen 1 EPYC (2 GHz, one thread, 960 x 576 Q4_1 from L2): 192 ->
 // 125 cycles a group of 16 columns at one row, 296 -> 187 at two, 383 -> 310 at four.
-// 8-bit layers (Q8_0, Q5_K's plain form; not Q6_K's two scales): byte b shifted to the top of
-// its dword and masked, q * 2^24 exactly, the 2^-24 folded into the group's scale.
+// 8-bit layers (Q8_0, Q5_K's plain form, Q6_K's two scales: a part's sums per scale): byte b
+// shifted to the top of its dword and masked, q * 2^24 exactly, the 2^-24 folded into the
+// group's scale.
 //
 // The int16 kernel (avx2_i16_rows, the default for bf16 x: gemm_q4.cpp's kSplit) rounds x
 // instead, finely enough to leave bf16 x as it is: per row and group of 32,
@@ -50,8 +51,14 @@ namespace pagedllm::gemm::q4 {
 
 constexpr int kAvx2Rows = 4;  // up to this many rows per call
 
-// Whether the kernels below run a layer of format f (IQ4 levels and Q6_K's two scales: no).
-inline bool avx2_rows_format(const Format& f) { return !f.levels && !f.two_scales() && !f.six(); }
+// Whether the kernels below run a layer of format f (IQ4 levels: no; Q6_K's six-bit form is
+// an AVX-512 layout, never packed in these builds).
+inline bool avx2_rows_format(const Format& f) { return !f.levels && !f.six(); }
+
+// A group's sums in parts of its chunks: Q6_K's two scales (k 0..15: chunks 0-3, k 16..31:
+// chunks 4-7, group_scales' *scale and *offset) take two parts, every other format one.
+template <bool Halves>
+constexpr int kParts = Halves ? 2 : 1;
 
 // Nibble t (0..7) of a 4-bit chunk's dword holds k = t / 2 + 4 * (t % 2) of the chunk's 8.
 PAGEDLLM_Q4_INLINE int nibble_k(int t) { return t / 2 + 4 * (t % 2); }
@@ -130,10 +137,13 @@ PAGEDLLM_Q4_INLINE void avx2_chunk(const uint8_t* chunk, const float* xc, int64_
 }
 
 // c[R][16] = R rows of x @ one panel: xn, gsum from avx2_x_rows (row r at r * ldx, r * ldg).
-template <int Bits, int R>
+// Halves: Q6_K's two scales, each part's sums scaled by its own (no offsets).
+template <int Bits, int R, bool Halves>
 inline void avx2_rows(const float* xn, int64_t ldx, const float* gsum, int64_t ldg,
                       const uint8_t* panel, int64_t groups, const Format& f, float* c) {
+  static_assert(!Halves || Bits == 8, "two scales: 8-bit layers only");
   constexpr int kPer = Bits == 4 ? 8 : 4;  // k per chunk
+  constexpr int kPartChunks = kGroup / kPer / kParts<Halves>;
   constexpr int C = R == 1 ? 2 : 1;        // independent sums per row: FMA latency
   // 8-bit q arrive times 2^24 (byte_floats): their scale takes the 2^-24 back, exactly.
   const __m256 unit = _mm256_set1_ps(Bits == 4 ? 1.f : 1.f / 16777216.f);
@@ -142,29 +152,35 @@ inline void avx2_rows(const float* xn, int64_t ldx, const float* gsum, int64_t l
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* block = panel + f.block_offset(g);
     prefetch_group(panel, g, f);
-    __m256 a[C][R][2];  // C chains: alternate chunks
-    for (auto& chain : a)
-      for (int r = 0; r < R; ++r) chain[r][0] = chain[r][1] = _mm256_setzero_ps();
     const float* xg = xn + g * kGroup;
+#pragma GCC unroll 2
+    for (int part = 0; part < kParts<Halves>; ++part) {
+      __m256 a[C][R][2];  // C chains: alternate chunks
+      for (auto& chain : a)
+        for (int r = 0; r < R; ++r) chain[r][0] = chain[r][1] = _mm256_setzero_ps();
 #pragma GCC unroll 8
-    for (int ch = 0; ch < kGroup / kPer; ++ch)
-      avx2_chunk<Bits, R>(block + ch * kChunk, xg + ch * kPer, ldx, a[ch % C],
-                          std::make_integer_sequence<int, kPer>{});
-    V16 s, o;
-    group_scales(panel, g, f, &s, &o);
-    const __m256 s0 = _mm256_mul_ps(s.lo, unit), s1 = _mm256_mul_ps(s.hi, unit);
-    for (int r = 0; r < R; ++r) {
-      __m256 sum0 = a[0][r][0], sum1 = a[0][r][1];
-      for (int i = 1; i < C; ++i) {
-        sum0 = _mm256_add_ps(sum0, a[i][r][0]);
-        sum1 = _mm256_add_ps(sum1, a[i][r][1]);
+      for (int i = 0; i < kPartChunks; ++i) {
+        const int ch = part * kPartChunks + i;
+        avx2_chunk<Bits, R>(block + ch * kChunk, xg + ch * kPer, ldx, a[i % C],
+                            std::make_integer_sequence<int, kPer>{});
       }
-      t[r][0] = _mm256_fmadd_ps(sum0, s0, t[r][0]);
-      t[r][1] = _mm256_fmadd_ps(sum1, s1, t[r][1]);
-      if (Bits == 4 || f.with_offset) {  // Q4_0's offset is -8 * scale (group_scales)
-        const __m256 xs = _mm256_broadcast_ss(gsum + r * ldg + g);
-        t[r][0] = _mm256_fmadd_ps(o.lo, xs, t[r][0]);
-        t[r][1] = _mm256_fmadd_ps(o.hi, xs, t[r][1]);
+      V16 s, o;  // loaded after the sums: live across them, they would spill at 4 rows
+      group_scales(panel, g, f, &s, &o);
+      const V16& sc = part == 0 ? s : o;
+      const __m256 s0 = _mm256_mul_ps(sc.lo, unit), s1 = _mm256_mul_ps(sc.hi, unit);
+      for (int r = 0; r < R; ++r) {
+        __m256 sum0 = a[0][r][0], sum1 = a[0][r][1];
+        for (int i = 1; i < C; ++i) {
+          sum0 = _mm256_add_ps(sum0, a[i][r][0]);
+          sum1 = _mm256_add_ps(sum1, a[i][r][1]);
+        }
+        t[r][0] = _mm256_fmadd_ps(sum0, s0, t[r][0]);
+        t[r][1] = _mm256_fmadd_ps(sum1, s1, t[r][1]);
+        if (!Halves && (Bits == 4 || f.with_offset)) {  // Q4_0's offset: -8 * scale
+          const __m256 xs = _mm256_broadcast_ss(gsum + r * ldg + g);
+          t[r][0] = _mm256_fmadd_ps(o.lo, xs, t[r][0]);
+          t[r][1] = _mm256_fmadd_ps(o.hi, xs, t[r][1]);
+        }
       }
     }
   }
@@ -290,41 +306,53 @@ PAGEDLLM_Q4_INLINE void i16_chunk(const uint8_t* chunk, const int32_t* xc, int64
 }
 
 // c[R][16] = R rows of x @ one panel on integer products: xw, xs, gsum from avx2_i16_x_rows
-// (row r at r * ldx words, r * ldg groups). Per group and row the int32 sums are exact
-// (4-bit: |sum| <= 32 * 15 * 32767 < 2^24, so their float32 conversion is exact too; 8-bit:
-// <= 32 * 128 * 32768 = 2^27), then y += (scale * s) * sum + offset * gsum in float32, s a
-// power of two: the definition's dequantised W times the int16-rounded x, up to float32 sums.
-template <int Bits, int R>
+// (row r at r * ldx words, r * ldg groups). Per group (Halves: per half group) and row the
+// int32 sums are exact (4-bit: |sum| <= 32 * 15 * 32767 < 2^24, so their float32 conversion is
+// exact too; 8-bit: <= 32 * 128 * 32768 = 2^27), then y += (scale * s) * sum + offset * gsum in
+// float32, s a power of two: the definition's dequantised W times the int16-rounded x, up to
+// float32 sums.
+template <int Bits, int R, bool Halves>
 inline void avx2_i16_rows(const int32_t* xw, int64_t ldx, const float* xs, const float* gsum,
                           int64_t ldg, const uint8_t* panel, int64_t groups, const Format& f,
                           float* c) {
+  static_assert(!Halves || Bits == 8, "two scales: 8-bit layers only");
   constexpr int kPer = Bits == 4 ? 8 : 4;            // k per chunk
   constexpr int kWords = Bits == 4 ? 4 : 2;          // x words per chunk
+  constexpr int kPartChunks = kGroup / kPer / kParts<Halves>;
   __m256 t[R][2];
   for (int r = 0; r < R; ++r) t[r][0] = t[r][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* block = panel + f.block_offset(g);
     prefetch_group(panel, g, f);
-    __m256i a[R][2], b[R][2];  // b: kInPlace16's nibbles 1 and 5, times 16
-    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = b[r][0] = b[r][1] = _mm256_setzero_si256();
     const int32_t* xg = xw + g * kI16Words;
+#pragma GCC unroll 2
+    for (int part = 0; part < kParts<Halves>; ++part) {
+      __m256i a[R][2], b[R][2];  // b: kInPlace16's nibbles 1 and 5, times 16
+      for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = b[r][0] = b[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-    for (int ch = 0; ch < kGroup / kPer; ++ch)
-      i16_chunk<Bits, R>(block + ch * kChunk, xg + ch * kWords, ldx, a, b,
-                         std::make_integer_sequence<int, kWords>{});
-    if constexpr (kInPlace16<Bits, R>)  // 16 * sum, exactly: the shift is exact
-      for (int r = 0; r < R; ++r)
-        for (int h = 0; h < 2; ++h) a[r][h] = _mm256_add_epi32(a[r][h], _mm256_srai_epi32(b[r][h], 4));
-    V16 s, o;
-    group_scales(panel, g, f, &s, &o);
-    for (int r = 0; r < R; ++r) {
-      const __m256 xsr = _mm256_broadcast_ss(xs + r * ldg + g);
-      t[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r][0]), _mm256_mul_ps(s.lo, xsr), t[r][0]);
-      t[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r][1]), _mm256_mul_ps(s.hi, xsr), t[r][1]);
-      if (Bits == 4 || f.with_offset) {  // Q4_0's offset is -8 * scale (group_scales)
-        const __m256 xsum = _mm256_broadcast_ss(gsum + r * ldg + g);
-        t[r][0] = _mm256_fmadd_ps(o.lo, xsum, t[r][0]);
-        t[r][1] = _mm256_fmadd_ps(o.hi, xsum, t[r][1]);
+      for (int i = 0; i < kPartChunks; ++i) {
+        const int ch = part * kPartChunks + i;
+        i16_chunk<Bits, R>(block + ch * kChunk, xg + ch * kWords, ldx, a, b,
+                           std::make_integer_sequence<int, kWords>{});
+      }
+      if constexpr (kInPlace16<Bits, R>)  // 16 * sum, exactly: the shift is exact
+        for (int r = 0; r < R; ++r)
+          for (int h = 0; h < 2; ++h)
+            a[r][h] = _mm256_add_epi32(a[r][h], _mm256_srai_epi32(b[r][h], 4));
+      V16 s, o;  // loaded after the sums: live across them, they would spill at 4 rows
+      group_scales(panel, g, f, &s, &o);
+      const V16& sc = part == 0 ? s : o;
+      for (int r = 0; r < R; ++r) {
+        const __m256 xsr = _mm256_broadcast_ss(xs + r * ldg + g);
+        t[r][0] =
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r][0]), _mm256_mul_ps(sc.lo, xsr), t[r][0]);
+        t[r][1] =
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r][1]), _mm256_mul_ps(sc.hi, xsr), t[r][1]);
+        if (!Halves && (Bits == 4 || f.with_offset)) {  // Q4_0's offset: -8 * scale
+          const __m256 xsum = _mm256_broadcast_ss(gsum + r * ldg + g);
+          t[r][0] = _mm256_fmadd_ps(o.lo, xsum, t[r][0]);
+          t[r][1] = _mm256_fmadd_ps(o.hi, xsum, t[r][1]);
+        }
       }
     }
   }
