@@ -76,6 +76,7 @@ class EngineCoreClient(EngineClientBase):
         launcher: CoreLauncher | None = None,
         name: str | None = None,
         while_starting: Callable[[], None] | None = None,
+        tokenizer_load: TokenizerLoad | None = None,
         **engine_args: Any,
     ) -> None:
         self.name = name  # a data-parallel replica's name, put before its errors
@@ -104,7 +105,7 @@ class EngineCoreClient(EngineClientBase):
         try:
             if while_starting is not None:  # this process's own start, beside the core's
                 while_starting()
-            early = _load_tokenizer_early(model, engine_args)
+            early = tokenizer_load or load_tokenizer_early(model, engine_args)
             self.info = self._wait_ready(startup_timeout)
         except BaseException:
             self._kill()
@@ -495,12 +496,17 @@ def _put_all(batch: list[tuple[RequestStream, Any]]) -> None:
         stream.put(item)
 
 
-def _load_tokenizer_early(
-    model: str, engine_args: dict[str, Any]
-) -> tuple[str, concurrent.futures.Future[Any]] | None:
+# A tokenizer loading on its own thread: (the path it loads, its future).
+TokenizerLoad = tuple[str, "concurrent.futures.Future[Any]"]
+
+
+def load_tokenizer_early(model: str, engine_args: dict[str, Any]) -> TokenizerLoad | None:
     """The tokenizer the core will name, loading on a thread while the core starts: the two
-    loads (this one's import of transformers, the core's imports and weights) overlap instead of
-    adding up. (path, future), or None where the core runs without a tokenizer."""
+    loads (this one's tokenizer files, the core's imports and weights) overlap instead of adding
+    up. None where the core runs without a tokenizer. Replicas of one model share one load
+    (``tokenizer_load=``): n loads of the same files on n threads at once were n times the
+    work, and reached transformers' lazy module from several threads (not safe) where the
+    tokenizer needs it."""
     if engine_args.get("skip_tokenizer_init"):
         return None
     from pagedllm.engine.prompts import load_tokenizer
@@ -518,9 +524,7 @@ def _load_tokenizer_early(
     return path, future
 
 
-def _tokenizer_of(
-    info: dict[str, Any], early: tuple[str, concurrent.futures.Future[Any]] | None = None
-) -> Any:
+def _tokenizer_of(info: dict[str, Any], early: TokenizerLoad | None = None) -> Any:
     """The core's tokenizer, loaded on this side too (None when the core runs without one):
     the early load where it named the same one and succeeded; else loaded now (so a failure
     reads as it did before the early load)."""

@@ -33,7 +33,7 @@ from pagedllm.engine.client import (
     ReplicaSet,
     RequestStream,
 )
-from pagedllm.engine.core_client import EngineCoreClient
+from pagedllm.engine.core_client import EngineCoreClient, load_tokenizer_early
 from pagedllm.engine.core_launch import ProcessLauncher
 from pagedllm.engine.dp_setup import choose_backend, replica_setup
 from pagedllm.engine.router import Router
@@ -96,6 +96,8 @@ class DataParallelClient(EngineClientBase):
             device=device,
             startup_timeout=startup_timeout,
         )
+        # One load of the tokenizer for every replica (and restart), beside their starts.
+        self._tokenizer_load = load_tokenizer_early(model, self._engine_args)
         self.replicas: list[EngineCoreClient] = self._start_all()
         self.tokenizer = self.replicas[0].tokenizer
         self.info = self.replicas[0].info
@@ -113,10 +115,6 @@ class DataParallelClient(EngineClientBase):
     def _start_all(self) -> list[EngineCoreClient]:
         """Every replica at once (each loads its model); on a failure, none is left running."""
         n = self.num_replicas
-        # Each client loads the tokenizer on its thread; transformers' lazy module is not safe
-        # to import from several threads at once, so it is imported here first.
-        from transformers import AutoTokenizer  # noqa: F401
-
         with concurrent.futures.ThreadPoolExecutor(n) as pool:
             futures = [pool.submit(self._start_replica, i) for i in range(n)]
             concurrent.futures.wait(futures)
@@ -141,6 +139,7 @@ class DataParallelClient(EngineClientBase):
             startup_timeout=self._startup_timeout,
             launcher=launcher,
             name=f"replica {index}",
+            tokenizer_load=self._tokenizer_load,
             **self._engine_args,
         )
         client.on_request_finished = self.on_request_finished  # shared lists: hooks added later

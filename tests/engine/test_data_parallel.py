@@ -159,6 +159,9 @@ def test_local_processes_dp2_match_one_engine(llama_path: Path, baseline: Any) -
     )
     try:
         assert engine.client.backend == "mp"
+        # The replicas' tokenizer loaded once, beside their starts, for all of them.
+        first, second = (r.tokenizer for r in engine.client.replicas)
+        assert first is not None and first is second
         check_replicas_equal(engine, baseline)
         prompts, expected = baseline
         batch = [{"prompt_token_ids": p} for p in prompts]
