@@ -576,32 +576,39 @@ bool run_avx2_tiles(const c10::BFloat16* x, const Problem& pb, at::BFloat16* y) 
   const bool two = pb.f.two_scales(), offsets = !two && (Bits == 4 || pb.f.with_offset);
   const int64_t tiles = (m + kI16TileRows - 1) / kI16TileRows;
   const int64_t per = (m + tiles - 1) / tiles;  // rows per tile, the last one fewer
+  // Rows per pass over a thread's panels: whole tiles whose x stays in L2 (kI16ChunkBytes),
+  // at least kI16ChunkTiles of them, so that widening q again per pass costs little.
+  const int64_t fit = kI16ChunkBytes / (words * static_cast<int64_t>(sizeof(int32_t)));
+  const int64_t chunk = std::max(fit / per, kI16ChunkTiles) * per;
   at::parallel_for(0, pb.panels(), 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> acc(static_cast<size_t>(m * kCols));
+    std::vector<float> acc(static_cast<size_t>(std::min(chunk, m) * kCols));
     std::vector<int32_t> w(static_cast<size_t>(kI16BlockGroups * kI16GroupInts));
     std::vector<float> so(static_cast<size_t>(kI16BlockGroups * 2 * kCols));
-    for (int64_t p = p0; p < p1; ++p) {
-      const uint8_t* panel = pb.w + p * pb.panel_bytes();
-      for (int64_t g0 = 0; g0 < groups; g0 += kI16BlockGroups) {
-        const int64_t gc = std::min(kI16BlockGroups, groups - g0);
-        i16_block<Bits>(panel, g0, gc, pb.f, w.data(), so.data());
-        for (int64_t m0 = 0; m0 < m; m0 += per) {
-          const int rows = static_cast<int>(std::min(per, m - m0));
-          with_rows<kI16TileRows>(rows, [&](auto r) {
-            constexpr int R = decltype(r)::value;
-            const int32_t* xr = xw.data() + m0 * words + g0 * kI16Words;
-            const int64_t at = m0 * groups + g0;
-            float* c = acc.data() + m0 * kCols;
-            if (two)
-              i16_tile<R, true>(xr, words, xs.data() + at, gsum.data() + at, groups, w.data(),
-                                so.data(), gc, false, c, g0 > 0);
-            else
-              i16_tile<R, false>(xr, words, xs.data() + at, gsum.data() + at, groups, w.data(),
-                                 so.data(), gc, offsets, c, g0 > 0);
-          });
+    for (int64_t c0 = 0; c0 < m; c0 += chunk) {
+      const int64_t c1 = std::min(m, c0 + chunk);
+      for (int64_t p = p0; p < p1; ++p) {
+        const uint8_t* panel = pb.w + p * pb.panel_bytes();
+        for (int64_t g0 = 0; g0 < groups; g0 += kI16BlockGroups) {
+          const int64_t gc = std::min(kI16BlockGroups, groups - g0);
+          i16_block<Bits>(panel, g0, gc, pb.f, w.data(), so.data());
+          for (int64_t m0 = c0; m0 < c1; m0 += per) {
+            const int rows = static_cast<int>(std::min(per, c1 - m0));
+            with_rows<kI16TileRows>(rows, [&](auto r) {
+              constexpr int R = decltype(r)::value;
+              const int32_t* xr = xw.data() + m0 * words + g0 * kI16Words;
+              const int64_t at = m0 * groups + g0;
+              float* c = acc.data() + (m0 - c0) * kCols;
+              if (two)
+                i16_tile<R, true>(xr, words, xs.data() + at, gsum.data() + at, groups, w.data(),
+                                  so.data(), gc, false, c, g0 > 0);
+              else
+                i16_tile<R, false>(xr, words, xs.data() + at, gsum.data() + at, groups,
+                                   w.data(), so.data(), gc, offsets, c, g0 > 0);
+            });
+          }
         }
+        store(acc.data(), c1 - c0, pb.n, p * kCols, pb.bias, y + c0 * pb.n);
       }
-      store(acc.data(), m, pb.n, p * kCols, pb.bias, y);
     }
   });
   return true;

@@ -35,6 +35,11 @@ namespace pagedllm::gemm::q4 {
 
 constexpr int kI16TileRows = 6;        // register tile: 12 int32 sums + 2 weights + 2 temps
 constexpr int64_t kI16BlockGroups = 8;  // K-block: 8 KiB of widened q + 1 KiB of scales
+// Rows of x per pass over a thread's panels: as many whole tiles as fit kI16ChunkBytes (x of
+// 512 rows is 2 MiB at K = 2048: read again for every panel, from L3), at least
+// kI16ChunkTiles of them (each pass widens every panel's q again).
+constexpr int64_t kI16ChunkBytes = 256 * 1024;
+constexpr int64_t kI16ChunkTiles = 4;
 constexpr int64_t kI16GroupVecs = 2 * kI16Words;  // ymm of widened q per group and panel
 constexpr int64_t kI16GroupInts = 8 * kI16GroupVecs;  // their int32 lanes
 
