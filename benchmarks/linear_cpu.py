@@ -50,11 +50,16 @@ at 1 to 512 rows of bf16 x, the contenders taking turns in one process (best of 
 ``groupwise_linear.DOT_ROWS`` is measured by. Each contender cycles through copies of its
 weights as the decode section does (``--stream-mb 0``: one copy, timed from the cache).
 
-``--rows-kernels`` times, for the demo model's layer shapes (``DEMO_SHAPES``) and each
-group-wise format, 1 to 4 rows of bf16 x under the default kernel of few rows against the float
-kernel (``rows_kernel="fma"``: float32 FMAs on q) on the same packed weights, taking turns in one
-process: on AVX2 builds without AVX-512 the default rounds x to int16 per group and runs
-``vpmaddwd`` (``groupwise_int16_rows``); ``<fmt>_default_vs_float`` > 1 where it is faster.
+``--rows-kernels`` times, for the demo model's layer shapes (``DEMO_SHAPES``, or ``--shapes``
+of either table) and each group-wise format, 1 to 4 rows of bf16 x (or ``--rows``) under the
+default kernel against the float one (``rows_kernel="fma"``: float32 FMAs on q for few rows, the
+dequantised scratch past them) on the same packed weights, taking turns in one process: on AVX2
+builds without AVX-512 the default rounds x to int16 per group and runs ``vpmaddwd``, in
+registers for few rows (``groupwise_int16_rows``) and on register tiles over widened weights
+past them (``groupwise_int16_tiles_from``); ``<fmt>_default_vs_float`` > 1 where it is faster.
+
+    python benchmarks/linear_cpu.py --rows-kernels --shapes qkv,gate_up,down \
+        --rows 5,8,16,64,512 --formats q4_0,q4_k,q8_0 --stream-mb 0
 
 The group-wise weights come from small quantisers here (``_q4_0``, ``_q4_k``, ``_q8_0``: the
 formats, not ggml's search for the best scales), which is all the timing needs.
@@ -571,7 +576,7 @@ def main() -> None:
     parser.add_argument(
         "--rows-kernels",
         action="store_true",
-        help="only 1-4 bf16 rows: the default kernel of few rows vs the float one (DEMO_SHAPES)",
+        help="only bf16 rows (1-4, or --rows): the default kernel vs the float one (DEMO_SHAPES)",
     )
     args = parser.parse_args()
     if args.threads:
@@ -587,6 +592,7 @@ def main() -> None:
             "isa": resolve_isa(),
             "gemm_isa": ops.built_isa(),
             "int16_rows": ops.groupwise_int16_rows(),
+            "int16_tiles_from": ops.groupwise_int16_tiles_from(),
             "path_q4_1": path_name(ops, "int4", four_bit=True),
             "path_q8_0": path_name(ops, "q8_0"),
             "threads": torch.get_num_threads(),

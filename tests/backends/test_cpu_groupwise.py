@@ -702,7 +702,8 @@ def test_int16_rounding_keeps_bf16_within_2_to_the_7_of_the_max_exactly() -> Non
     "kind", ("q4_0", "q4_1", "q4_k", "int4", "q4_f32", "q8_0", "q8_f32", "q5_k", "q6_k")
 )
 def test_the_int16_kernel_is_its_rounding_then_the_definition(ops, kind: str) -> None:
-    """One to four bf16 rows under the default kernel on AVX2 builds: the float64 product of the
+    """One to four bf16 rows under the default kernel on AVX2 builds, and batches past them (the
+    int16 tiles: ``groupwise_int16_tiles_from()``): the float64 product of the
     dequantised layer with ``_int16_rounded(x)``, rounded once to bf16 (within half a step plus
     float32 sums). Each column's weights are one value across K, so an output is that value
     times the sum of the row's rounded x. Groups of +H and -H with small values (2^-2 to 2^-10
@@ -733,7 +734,9 @@ def test_the_int16_kernel_is_its_rounding_then_the_definition(ops, kind: str) ->
     pw = _pack(ops, weight, scale, offset if offset is None else offset.contiguous())
     w = _dequantized(weight, scale, offset).double()
     big = 2.0**10
-    for m, designed in [(m, False) for m in range(1, rows + 1)] + [(rows, True)]:
+    many = (5, 13, 64) if ops.groupwise_int16_tiles_from() else ()  # on the int16 tiles
+    counts = (*range(1, rows + 1), *many)
+    for m, designed in [(m, False) for m in counts] + [(m, True) for m in (rows, *many)]:
         x = torch.rand(m, k) * 0.5 - 0.25
         x *= torch.exp2(-torch.randint(0, 9, (m, k)).float())  # 2^-2 .. 2^-10: many below s
         if designed:  # half 2s, half in [0.02, 0.03): rounded to 0, the exact sums 20% more
@@ -761,12 +764,13 @@ def test_fp16_and_nonfinite_rows_keep_the_float_kernel(ops, case) -> None:
     """fp16 x (11 significant bits, for which the int16 grid would round what its outputs
     resolve) and bf16 rows holding an inf or a NaN take the float kernel whatever
     ``rows_kernel`` says: bit for bit ``rows_kernel="fma"``'s outputs, infs and NaNs where the
-    definition has them."""
+    definition has them; past the few rows too (the int16 tiles' batches: 6 and 13 rows, the
+    whole batch on the float path)."""
     kind, (n, k) = case
     _int16_kernel_rows(ops)
     torch.manual_seed(n + 2 * k)
     pw = _pack(ops, *_layer_data(kind, n, k)[:3])
-    for m in (1, 3):
+    for m in (1, 3, 6, 13):
         x = torch.randn(m, k).half()
         fma = pw.gemm(ops, x, None, False, rows_kernel="fma")
         assert torch.equal(pw.gemm(ops, x, None, False), fma)
@@ -792,6 +796,93 @@ def test_the_int16_kernel_is_named_in_the_path() -> None:
     assert tag not in groupwise_linear.path_name(ops, "iq4", four_bit=True, levels=True)
     assert tag in groupwise_linear.path_name(ops, "q6_k")
     assert tag not in groupwise_linear.path_name(ops, "q8_0", dot=True)
+
+
+def test_the_int16_tiles_are_named_in_the_path() -> None:
+    """``+i16t<rows>`` in the path of every layer whose bf16 batches of that many rows or more
+    run on the int16 tiles (AVX2 builds: 4-bit, Q8_0 and Q6_K layers), with ``+i16r`` covering
+    the rows below, never in an IQ4 layer's, nor under ``int8_activations``."""
+    ops = dense_gemm.gemm_ops()
+    if ops is None or not ops.groupwise_int16_tiles_from():
+        pytest.skip("no int16 tiles in this build")
+    start = ops.groupwise_int16_tiles_from()
+    assert start == ops.groupwise_int16_rows() + 1  # together: every batch size
+    tag = f"+i16t{start}"
+    assert tag in groupwise_linear.path_name(ops, "int4", four_bit=True)
+    assert tag in groupwise_linear.path_name(ops, "q8_0")
+    assert tag in groupwise_linear.path_name(ops, "q6_k")
+    assert tag not in groupwise_linear.path_name(ops, "iq4", four_bit=True, levels=True)
+    assert "+i16" not in groupwise_linear.path_name(ops, "q8_0", dot=True)
+
+
+# -- the int16 tiles of many bf16 rows (AVX2 without AVX-512) -----------------------------------
+TILE_ROWS = (5, 8, 13, 64, 300)  # one tile, two even ones, three uneven, decode, prefill
+
+
+def _int16_tiles_from(ops) -> int:
+    start = ops.groupwise_int16_tiles_from()
+    if not start:
+        pytest.skip(f"the {ops.built_isa()} build has no int16 tiles")
+    return start
+
+
+def _spiky_rows(m: int, k: int) -> torch.Tensor:
+    """bf16 rows whose groups span many binades: a few spikes 2^6 above the rest, values down to
+    2^-20 of them (below the int16 grid: rounded to zero or to a few steps), one all-zero
+    group, and one group of a single tiny value."""
+    x = torch.randn(m, k) * torch.exp2(-20 * torch.rand(m, k))
+    x[:, ::29] *= 64.0
+    x[m // 2, :32] = 0
+    x[m - 1, -32:] = 0
+    x[m - 1, -20] = 1e-30
+    return x.bfloat16()
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_the_int16_tiles_are_the_rounding_then_the_definition(ops, case) -> None:
+    """Past the few rows (``groupwise_int16_tiles_from()``), bf16 rows under the default kernel
+    on AVX2 builds run on int16 register tiles: the float64 product of the dequantised layer
+    with ``_int16_rounded(x)`` plus the bias, within float32 sums over the groups and the
+    output's bf16 rounding, for every format the tiles read (Q6_K's two scales too), N off the
+    panels, one to many row tiles and a prefill-sized batch."""
+    start = _int16_tiles_from(ops)
+    kind, (n, k) = case
+    torch.manual_seed(3 * n + k)
+    weight, scale, offset, _ = _layer_data(kind, n, k)
+    pw = _pack(ops, weight, scale, offset)
+    w = _dequantized(weight, scale, offset).double()
+    bias = torch.randn(n).bfloat16()
+    for m in TILE_ROWS:
+        assert m >= start
+        x = _spiky_rows(m, k)
+        y = pw.gemm(ops, x, bias, False)
+        xr = _int16_rounded(x)
+        want = xr @ w.T + bias.double()
+        size = torch.maximum(want.abs(), y.double().abs())
+        step = torch.exp2(torch.floor(torch.log2(size.clamp_min(1e-30))) - 7)
+        sums = 4 * (k // 32 + 8) * 2.0**-24 * (xr.abs() @ w.abs().T + bias.double().abs())
+        assert ((y.double() - want).abs() <= step / 2 + sums).all(), m
+
+
+@pytest.mark.parametrize(
+    "kind", ("q4_0", "q4_1", "q4_k", "int4", "q4_f32", "q8_0", "q8_f32", "q5_k", "q6_k")
+)
+def test_a_row_on_the_int16_tiles_is_the_row_alone(ops, kind: str) -> None:
+    """The tiles repeat the few-row int16 kernel's arithmetic (the same rounding of x, exact
+    integer sums per group, the same float32 operations per group in the same order), so each
+    row of a batch is bit for bit what that row gives alone: a sequence's logits do not depend
+    on how many others decode beside it."""
+    _int16_tiles_from(ops)
+    rows = _int16_kernel_rows(ops)
+    n, k = 37, 256
+    torch.manual_seed(41)
+    pw = _pack(ops, *_layer_data(kind, n, k)[:3])
+    bias = torch.randn(n).bfloat16()
+    x = _spiky_rows(13, k)
+    y = pw.gemm(ops, x, bias, False)
+    for r in range(13):
+        assert torch.equal(y[r], pw.gemm(ops, x[r : r + 1], bias, False)[0]), r
+    assert torch.equal(y[:rows], pw.gemm(ops, x[:rows], bias, False))
 
 
 # -- grouped: an MoE layer's experts in one call ---------------------------------------------

@@ -385,6 +385,7 @@ _HEADERS = (
     "gemm_q4_layout.h",
     "gemm_q4_float.h",
     "gemm_q4_avx2.h",
+    "gemm_q4_avx2_tiles.h",
     "gemm_q4_dot.h",
     "decode_stack.h",
     "attention.h",

@@ -404,11 +404,15 @@ def path_name(
     more run on AMX tiles, ``+split`` where a 4-bit layer's few bf16 rows take the split
     kernel (x as two int8 rows; not IQ4 ``levels``; builds with ``vdpbf16ps``), ``+i16r<rows>``
     where up to that many bf16 rows are rounded to int16 per group (AVX2 builds without
-    AVX-512; not IQ4 ``levels``), ``+dot`` where every bf16 batch takes
-    the dot path, ``+dot<rows>`` where batches of up to that many rows do."""
+    AVX-512; not IQ4 ``levels``), ``+i16t<rows>`` where batches of that many bf16 rows or
+    more are, on register tiles (the same builds, the same layers), ``+dot`` where every bf16
+    batch takes the dot path, ``+dot<rows>`` where batches of up to that many rows do."""
     rows = dot_rows(ops, torch.bfloat16, enabled=dot)
     suffix = "" if not rows else "+dot" if rows == EVERY_BATCH else f"+dot{rows}"
     i16 = ops.groupwise_int16_rows() if rows != EVERY_BATCH else 0
+    i16_tiles = ops.groupwise_int16_tiles_from() if rows != EVERY_BATCH and not levels else 0
+    if i16_tiles:  # past the dot path's rows where it takes the first ones
+        suffix = f"+i16t{max(i16_tiles, rows + 1)}{suffix}"
     if i16 and not levels:
         suffix = f"+i16r{i16}{suffix}"
     split = four_bit and not levels and rows != EVERY_BATCH

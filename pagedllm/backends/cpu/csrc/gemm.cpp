@@ -468,6 +468,11 @@ void bind_groupwise(pybind11::module& m) {
         "rows of bf16 x up to which the default kernel of few rows (rows_kernel='split') rounds "
         "them to int16 per group of 32 against a power of two, integer products (AVX2 without "
         "AVX-512; 0: none in this build)");
+  m.def("groupwise_int16_tiles_from", &q4::int16_tiles_from,
+        "rows of bf16 x from which the default kernel (rows_kernel='split') runs them, rounded "
+        "to int16 as groupwise_int16_rows' kernel rounds them, on register tiles over widened "
+        "weights: with it every batch size takes the int16 path (AVX2 without AVX-512; every "
+        "layer but IQ4 levels; 0: none in this build)");
   m.def(
       "groupwise_amx_rows",
       &q4::amx_rows_from,

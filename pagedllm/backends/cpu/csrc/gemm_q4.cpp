@@ -19,6 +19,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <functional>
 #include <string>
 #include <tuple>
@@ -28,6 +29,7 @@
 #include "dtype_dispatch.h"
 #include "gemm_amx.h"
 #include "gemm_q4_avx2.h"
+#include "gemm_q4_avx2_tiles.h"
 #include "gemm_q4_dot.h"
 #include "gemm_q4_float.h"
 
@@ -180,6 +182,14 @@ std::vector<std::string> bf16_rows_kernels() {
 int64_t int16_rows() {
 #if defined(PAGEDLLM_Q4_AVX2_ROWS)
   return kAvx2Rows;
+#else
+  return 0;
+#endif
+}
+
+int64_t int16_tiles_from() {
+#if defined(PAGEDLLM_Q4_AVX2_TILES)
+  return kAvx2Rows + 1;
 #else
   return 0;
 #endif
@@ -550,6 +560,68 @@ void run_avx2_grouped(const X* x, int64_t rows, const std::vector<int64_t>& lo,
 }
 #endif
 
+#if defined(PAGEDLLM_Q4_AVX2_TILES)
+// More than kAvx2Rows rows of bf16 x under the default rows kernel on AVX2
+// (gemm_q4_avx2_tiles.h): every row rounded to int16 as run_avx2_rows rounds it, then per
+// panel K-blocks of widened q shared by the row tiles (i16_block, i16_tile), the rows split
+// into tiles of at most kI16TileRows as evenly as they go (8 rows: 4 + 4, not 6 + 2). Returns
+// false, having written nothing, where a row holds an inf or a NaN: the caller runs the float
+// path, which carries them as the definition does.
+template <int Bits>
+bool run_avx2_tiles(const c10::BFloat16* x, const Problem& pb, at::BFloat16* y) {
+  const int64_t m = pb.m, k = pb.k, groups = pb.groups, words = groups * kI16Words;
+  std::vector<int32_t> xw(static_cast<size_t>(m * words));
+  std::vector<float> xs(static_cast<size_t>(m * groups)), gsum(xs.size());
+  std::atomic<bool> finite{true};
+  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1 && finite.load(std::memory_order_relaxed); ++r)
+      if (!avx2_i16_x_rows(x + r * k, k, Bits, xw.data() + r * words, xs.data() + r * groups,
+                           gsum.data() + r * groups))
+        finite.store(false, std::memory_order_relaxed);
+  });
+  if (!finite.load()) return false;
+  const bool two = pb.f.two_scales(), offsets = !two && (Bits == 4 || pb.f.with_offset);
+  const int64_t tiles = (m + kI16TileRows - 1) / kI16TileRows;
+  const int64_t per = (m + tiles - 1) / tiles;  // rows per tile, the last one fewer
+  // Rows per pass over a thread's panels: whole tiles whose x stays in L2 (kI16ChunkBytes),
+  // at least kI16ChunkTiles of them, so that widening q again per pass costs little.
+  const int64_t fit = kI16ChunkBytes / (words * static_cast<int64_t>(sizeof(int32_t)));
+  const int64_t chunk = std::max(fit / per, kI16ChunkTiles) * per;
+  at::parallel_for(0, pb.panels(), 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> acc(static_cast<size_t>(std::min(chunk, m) * kCols));
+    std::vector<int32_t> w(static_cast<size_t>(kI16BlockGroups * kI16GroupInts));
+    std::vector<float> so(static_cast<size_t>(kI16BlockGroups * 2 * kCols));
+    for (int64_t c0 = 0; c0 < m; c0 += chunk) {
+      const int64_t c1 = std::min(m, c0 + chunk);
+      for (int64_t p = p0; p < p1; ++p) {
+        const uint8_t* panel = pb.w + p * pb.panel_bytes();
+        for (int64_t g0 = 0; g0 < groups; g0 += kI16BlockGroups) {
+          const int64_t gc = std::min(kI16BlockGroups, groups - g0);
+          i16_block<Bits>(panel, g0, gc, pb.f, w.data(), so.data());
+          for (int64_t m0 = c0; m0 < c1; m0 += per) {
+            const int rows = static_cast<int>(std::min(per, c1 - m0));
+            with_rows<kI16TileRows>(rows, [&](auto r) {
+              constexpr int R = decltype(r)::value;
+              const int32_t* xr = xw.data() + m0 * words + g0 * kI16Words;
+              const int64_t at = m0 * groups + g0;
+              float* c = acc.data() + (m0 - c0) * kCols;
+              if (two)
+                i16_tile<R, true>(xr, words, xs.data() + at, gsum.data() + at, groups, w.data(),
+                                  so.data(), gc, false, c, g0 > 0);
+              else
+                i16_tile<R, false>(xr, words, xs.data() + at, gsum.data() + at, groups,
+                                   w.data(), so.data(), gc, offsets, c, g0 > 0);
+            });
+          }
+        }
+        store(acc.data(), c1 - c0, pb.n, p * kCols, pb.bias, y + c0 * pb.n);
+      }
+    }
+  });
+  return true;
+}
+#endif
+
 template <int Bits>
 void dispatch(const torch::Tensor& x, const Problem& pb, bool dot, bool allow_amx,
               torch::Tensor& y) {
@@ -571,6 +643,12 @@ void dispatch(const torch::Tensor& x, const Problem& pb, bool dot, bool allow_am
     return run_bf16<Bits>(reinterpret_cast<const uint16_t*>(x.data_ptr()), pb, allow_amx,
                           y.data_ptr<at::BFloat16>());
   }
+#endif
+#if defined(PAGEDLLM_Q4_AVX2_TILES)
+  if (pb.m > kAvx2Rows && x.scalar_type() == at::kBFloat16 &&
+      pb.rows == Bf16RowsKernel::kSplit && avx2_tiles_format(pb.f) &&
+      run_avx2_tiles<Bits>(x.data_ptr<c10::BFloat16>(), pb, y.data_ptr<at::BFloat16>()))
+    return;
 #endif
 #if defined(PAGEDLLM_Q4_AVX2_ROWS)
   if (pb.m <= kAvx2Rows && avx2_rows_format(pb.f)) {

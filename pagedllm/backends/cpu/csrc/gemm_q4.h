@@ -60,6 +60,12 @@ std::vector<std::string> bf16_rows_kernels();
 // (AVX2 without AVX-512: gemm_q4_avx2.h's avx2_i16_rows; 0: none here).
 int64_t int16_rows();
 
+// Rows of bf16 x from which this build's default kernel runs them, rounded to int16 as
+// int16_rows' kernel rounds them, on register tiles over widened weights (AVX2 without
+// AVX-512: gemm_q4_avx2_tiles.h; every layer but IQ4 levels; 0: none here). With int16_rows
+// it covers every batch size.
+int64_t int16_tiles_from();
+
 // Rows of bf16 x from which the float path runs on AMX tiles (0: never here); four_bit_split:
 // on a 4-bit layer under the split kernel.
 int64_t amx_rows_from(bool four_bit_split);
