@@ -646,7 +646,7 @@ void dispatch(const torch::Tensor& x, const Problem& pb, bool dot, bool allow_am
 #endif
 #if defined(PAGEDLLM_Q4_AVX2_TILES)
   if (pb.m > kAvx2Rows && x.scalar_type() == at::kBFloat16 &&
-      pb.rows == Bf16RowsKernel::kSplit && avx2_tiles_format(pb.f) &&
+      pb.rows == Bf16RowsKernel::kSplit && avx2_rows_format(pb.f) &&
       run_avx2_tiles<Bits>(x.data_ptr<c10::BFloat16>(), pb, y.data_ptr<at::BFloat16>()))
     return;
 #endif

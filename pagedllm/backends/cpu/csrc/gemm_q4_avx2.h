@@ -51,8 +51,9 @@ namespace pagedllm::gemm::q4 {
 
 constexpr int kAvx2Rows = 4;  // up to this many rows per call
 
-// Whether the kernels below run a layer of format f (IQ4 levels: no; Q6_K's six-bit form is
-// an AVX-512 layout, never packed in these builds).
+// Whether the kernels below, and the int16 tiles of many rows (gemm_q4_avx2_tiles.h), run a
+// layer of format f (IQ4 levels: no, their q index a table; Q6_K's six-bit form is an AVX-512
+// layout, never packed in these builds).
 inline bool avx2_rows_format(const Format& f) { return !f.levels && !f.six(); }
 
 // A group's sums in parts of its chunks: Q6_K's two scales (k 0..15: chunks 0-3, k 16..31:

@@ -48,10 +48,6 @@ constexpr int64_t kI16ChunkTiles = 4;
 constexpr int64_t kI16GroupVecs = 2 * kI16Words;  // ymm of widened q per group and panel
 constexpr int64_t kI16GroupInts = 8 * kI16GroupVecs;  // their int32 lanes
 
-// Whether the tiles run a layer of format f: every layer of int8 or int4 q (Q6_K's two
-// scales too) but IQ4 levels (their q index a table) and six-bit blocks (AVX-512 builds).
-inline bool avx2_tiles_format(const Format& f) { return !f.levels && !f.six(); }
-
 template <int Bits, int... J>
 PAGEDLLM_Q4_INLINE void i16_widen_chunk(const uint8_t* chunk, __m256i* out,
                                         std::integer_sequence<int, J...>) {
@@ -139,7 +135,10 @@ inline void i16_tile(const int32_t* xw, int64_t ldx, const float* xs, const floa
       // ahead and spilled sums to the stack (152 stack accesses in the 6-row tile, 32 with
       // the pin: the flush's; ~5% of the tile's time on the Zen 3).
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) __asm__("" : "+x"(a[r][0]), "+x"(a[r][1]));
+      for (int r = 0; r < R; ++r) {
+        in_register(a[r][0]);
+        in_register(a[r][1]);
+      }
       if (Two && j == kI16Words / 2 - 1) {  // k 0..15 done: their scale
         flush(sg, false);
 #pragma GCC unroll 8
