@@ -514,9 +514,11 @@ void avx2_panel(const Avx2Rows& a, int64_t lo, int64_t rows, int64_t k, const ui
     constexpr int R = decltype(r)::value;
     constexpr bool H = decltype(halves)::value;
     if (a.i16) {
-      avx2_i16_rows<Bits, R, H>(a.xw.data() + lo * groups * kI16Words, groups * kI16Words,
-                                a.xn.data() + lo * groups, a.gsum.data() + lo * groups, groups,
-                                panel, groups, f, c);
+      with_layout<Bits, H>(f, [&](auto layout) {
+        avx2_i16_rows<Bits, R, H, decltype(layout)>(
+            a.xw.data() + lo * groups * kI16Words, groups * kI16Words, a.xn.data() + lo * groups,
+            a.gsum.data() + lo * groups, groups, panel, groups, f, c);
+      });
     } else {
       avx2_rows<Bits, R, H>(a.xn.data() + lo * k, k, a.gsum.data() + lo * groups, groups, panel,
                             groups, f, c);
@@ -597,7 +599,13 @@ bool run_avx2_tiles(const c10::BFloat16* x, const Problem& pb, at::BFloat16* y) 
         const uint8_t* panel = pb.w + p * pb.panel_bytes();
         for (int64_t g0 = 0; g0 < groups; g0 += kI16BlockGroups) {
           const int64_t gc = std::min(kI16BlockGroups, groups - g0);
-          i16_block<Bits>(panel, g0, gc, pb.f, w.data(), so.data());
+          const auto widen = [&](auto layout) {
+            i16_block<Bits, decltype(layout)>(panel, g0, gc, pb.f, w.data(), so.data());
+          };
+          if (two)
+            with_layout<Bits, true>(pb.f, widen);
+          else
+            with_layout<Bits, false>(pb.f, widen);
           for (int64_t m0 = c0; m0 < c1; m0 += per) {
             const int rows = static_cast<int>(std::min(per, c1 - m0));
             with_rows<kI16TileRows>(rows, [&](auto r) {

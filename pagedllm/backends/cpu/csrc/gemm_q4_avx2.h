@@ -320,11 +320,13 @@ PAGEDLLM_Q4_INLINE void i16_chunk(const uint8_t* chunk, const int32_t* xc, int64
 // exact too; 8-bit: <= 32 * 128 * 32768 = 2^27), then y += (scale * s) * sum + offset * gsum in
 // float32, s a power of two: the definition's dequantised W times the int16-rounded x, up to
 // float32 sums.
-template <int Bits, int R, bool Halves>
+// L: the layout f is read through (gemm_q4_layout.h's with_layout).
+template <int Bits, int R, bool Halves, typename L = RuntimeLayout>
 inline void avx2_i16_rows(const int32_t* xw, int64_t ldx, const float* xs, const float* gsum,
-                          int64_t ldg, const uint8_t* panel, int64_t groups, const Format& f,
+                          int64_t ldg, const uint8_t* panel, int64_t groups, const Format& format,
                           float* c) {
   static_assert(!Halves || Bits == 8, "two scales: 8-bit layers only");
+  const Format& f = L::of(format);
   constexpr int kPer = Bits == 4 ? 8 : 4;            // k per chunk
   constexpr int kWords = Bits == 4 ? 4 : 2;          // x words per chunk
   constexpr int kPartChunks = kGroup / kPer / kParts<Halves>;

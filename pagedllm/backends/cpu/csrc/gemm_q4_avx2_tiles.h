@@ -60,9 +60,11 @@ PAGEDLLM_Q4_INLINE void i16_widen_chunk(const uint8_t* chunk, __m256i* out,
 // Groups [g0, g0 + gc) of one panel widened: w[g][word][half] the int16 lanes of x word `word`
 // (avx2_i16_x_rows' order) for columns 8 * half.., so[g] its 16 scales then 16 offsets
 // (group_scales: Q4_0's -8 * scale, zero for Q8_0, the second scale for two-scale layers).
-template <int Bits>
-inline void i16_block(const uint8_t* panel, int64_t g0, int64_t gc, const Format& f,
+// L: the layout f is read through (gemm_q4_layout.h's with_layout).
+template <int Bits, typename L = RuntimeLayout>
+inline void i16_block(const uint8_t* panel, int64_t g0, int64_t gc, const Format& format,
                       int32_t* scratch, float* so) {
+  const Format& f = L::of(format);
   auto* w = reinterpret_cast<__m256i*>(scratch);
   constexpr int kPer = Bits == 4 ? 8 : 4;    // k per chunk
   constexpr int kWords = Bits == 4 ? 4 : 2;  // x words per chunk
