@@ -23,6 +23,9 @@ RSS. ``--single-rounds N`` then runs the single stream alone N more times per en
 and llama.cpp alternating (a fresh process each, one unmeasured warm-up request first), and
 reports each round's ratio and their median: on a shared host single-stream decode follows the
 memory bandwidth of the minute, and two figures taken a minute apart once disagreed by 30%.
+The rounds also report each engine's share of the read bandwidth measured around them (weight
+bytes a token streams times tokens a second): a ratio bar over llama.cpp above 1 / its share
+asks more than the memory gives.
 ``--decode-stack off`` runs our decode steps layer by layer (the reference path) instead of
 the whole stack in one C++ call. With ``--decode-rows`` pagedllm also times decode steps at 1,
 4 and 8 sequences, for the 4-bit file and for the bf16 checkpoint quantised to int8 at load (our
@@ -448,11 +451,12 @@ def _ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def _streamed_bytes(path: Path, compute_bytes: int) -> int:
+def _streamed_bytes(path: Path, compute_bytes: int, *, as_file: bool = False) -> int:
     """Weight bytes one decode step reads: each linear layer and the LM head as the engine keeps
     them in the default engine (the file's bytes for 4-bit and Q8_0; Q6_K at 6.625 bits a weight
     where the build reads its q at 6 bits, else 8.625 as int8; the compute dtype for what is
-    dequantised). The embedding's rows are gathered, not streamed."""
+    dequantised), or with ``as_file`` as the file holds them (llama.cpp's reading). The
+    embedding's rows are gathered, not streamed."""
     from pagedllm.backends.cpu.backend import CpuBackend
     from pagedllm.backends.cpu.dense_gemm import gemm_ops
     from pagedllm.models.gguf.config import family_of
@@ -475,7 +479,9 @@ def _streamed_bytes(path: Path, compute_bytes: int) -> int:
             continue  # not a linear layer, or the table of an untied head (rows gathered)
         elements = t.shape[0] * t.shape[1]
         fmt = tensor_format(plan, name, module)  # a fused layer's parts may differ
-        if fmt == "q6_k":
+        if as_file:
+            total += int(t.raw.nbytes)
+        elif fmt == "q6_k":
             total += elements * q6_k_bits / 8
         elif fmt is not None:
             total += int(t.raw.nbytes)
@@ -551,17 +557,43 @@ def _single_rounds(path: Path, engines: list[str], args: argparse.Namespace) -> 
     in that round: a ratio of neighbours in time, which the host's drift moves least."""
     import statistics
 
+    from throughput import read_bandwidth
+
     tok_s: dict[str, list[float]] = {e: [] for e in engines}
+    bandwidth = [read_bandwidth()]
     for i in range(args.single_rounds):
         for engine in engines if i % 2 == 0 else engines[::-1]:
             got = _in_subprocess(engine, path, args, only_single=True)
             tok_s[engine].append(got.get("single_tok_s", float("nan")))
+    bandwidth.append(read_bandwidth())
     out: dict[str, Any] = {"tok_s": tok_s}
+    out.update(_bandwidth_shares(path, tok_s, max(bandwidth)))
+    out["read_bandwidth_gb_s"] = [b / 1e9 for b in bandwidth]
     for engine in (e for e in engines if e in OURS):
         ratios = [a / b for a, b in zip(tok_s[engine], tok_s["llama.cpp"], strict=True)]
         out[f"{engine}_vs_llama_cpp"] = ratios
         out[f"{engine}_vs_llama_cpp_median"] = statistics.median(ratios)
     return out
+
+
+def _bandwidth_shares(
+    path: Path, tok_s: dict[str, list[float]], bandwidth: float
+) -> dict[str, Any]:
+    """Each engine's single stream as a share of the read bandwidth (the better of the figures
+    taken before and after the rounds): weight bytes a token streams (ours as we keep them,
+    llama.cpp's as the file holds them) times tokens a second, prefill and sampling counted in
+    the time. Where llama.cpp's share is s, no engine can pass 1/s times its speed on this
+    host, which says what a ratio bar asks of the memory."""
+    ours = _streamed_bytes(path, 2)
+    theirs = _streamed_bytes(path, 2, as_file=True)
+    shares: dict[str, list[float]] = {}
+    for engine, rates in tok_s.items():
+        per_token = theirs if engine == "llama.cpp" else ours
+        shares[engine] = [rate * per_token / bandwidth for rate in rates]
+    return {
+        "streamed_bytes_per_token": {"pagedllm": ours, "llama.cpp": theirs},
+        "share_of_read_bandwidth": shares,
+    }
 
 
 def _decode_rows(report: dict[str, Any], path: Path, args: argparse.Namespace) -> dict[str, Any]:
