@@ -78,6 +78,7 @@ FTYPES = {
     "iq4_xs": 30,
 }
 PARALLEL = (16, 64)
+DTYPE_BYTES = {"bfloat16": 2, "float32": 4, "float16": 2}  # our compute dtype's element size
 
 
 def model_files(names: list[str], smoke: bool) -> dict[str, Path]:
@@ -540,7 +541,8 @@ def main(argv: list[str] | None = None) -> None:
             if ours and "error" not in ours and theirs and "error" not in theirs:
                 entry[f"{engine}_vs_llama_cpp"] = _ratios(ours, theirs)
         if args.single_rounds > 0 and "llama.cpp" in engines:
-            entry["single_rounds"] = _single_rounds(path, engines, args)
+            dtype = entry.get("pagedllm", {}).get("dtype", "bfloat16")
+            entry["single_rounds"] = _single_rounds(path, engines, args, DTYPE_BYTES.get(dtype, 2))
         report["models"][name] = entry
     if (
         args.decode_rows
@@ -551,7 +553,9 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps(report, indent=2))
 
 
-def _single_rounds(path: Path, engines: list[str], args: argparse.Namespace) -> dict[str, Any]:
+def _single_rounds(
+    path: Path, engines: list[str], args: argparse.Namespace, compute_bytes: int = 2
+) -> dict[str, Any]:
     """Single-stream tok/s, ``args.single_rounds`` rounds; in each, every engine in a fresh
     process, back to back (who goes first alternates), and our engines' ratios to llama.cpp's
     in that round: a ratio of neighbours in time, which the host's drift moves least."""
@@ -567,7 +571,7 @@ def _single_rounds(path: Path, engines: list[str], args: argparse.Namespace) -> 
             tok_s[engine].append(got.get("single_tok_s", float("nan")))
     bandwidth.append(read_bandwidth())
     out: dict[str, Any] = {"tok_s": tok_s}
-    out.update(_bandwidth_shares(path, tok_s, max(bandwidth)))
+    out.update(_bandwidth_shares(path, tok_s, max(bandwidth), compute_bytes))
     out["read_bandwidth_gb_s"] = [b / 1e9 for b in bandwidth]
     for engine in (e for e in engines if e in OURS):
         ratios = [a / b for a, b in zip(tok_s[engine], tok_s["llama.cpp"], strict=True)]
@@ -577,15 +581,15 @@ def _single_rounds(path: Path, engines: list[str], args: argparse.Namespace) -> 
 
 
 def _bandwidth_shares(
-    path: Path, tok_s: dict[str, list[float]], bandwidth: float
+    path: Path, tok_s: dict[str, list[float]], bandwidth: float, compute_bytes: int
 ) -> dict[str, Any]:
     """Each engine's single stream as a share of the read bandwidth (the better of the figures
     taken before and after the rounds): weight bytes a token streams (ours as we keep them,
     llama.cpp's as the file holds them) times tokens a second, prefill and sampling counted in
     the time. Where llama.cpp's share is s, no engine can pass 1/s times its speed on this
     host, which says what a ratio bar asks of the memory."""
-    ours = _streamed_bytes(path, 2)
-    theirs = _streamed_bytes(path, 2, as_file=True)
+    ours = _streamed_bytes(path, compute_bytes)
+    theirs = _streamed_bytes(path, compute_bytes, as_file=True)
     shares: dict[str, list[float]] = {}
     for engine, rates in tok_s.items():
         per_token = theirs if engine == "llama.cpp" else ours
@@ -610,7 +614,7 @@ def _decode_rows(report: dict[str, Any], path: Path, args: argparse.Namespace) -
             out[f"q4_0{suffix}_vs_int8_speedup"] = {
                 n: int8["decode_step_seconds"][n] / t for n, t in steps.items()
             }
-    size = {"bfloat16": 2, "float32": 4, "float16": 2}[q4["dtype"]]
+    size = DTYPE_BYTES[q4["dtype"]]
     streamed = _streamed_bytes(path, size)
     bandwidth = read_bandwidth()
     one = q4["decode_step_seconds"]["1"]
