@@ -55,13 +55,13 @@ Q6_K_SHAPES = ((17, 256), (37, 768), (50, 4096))
 CASES = [(kind, shape) for kind in KINDS if kind != "q6_k" for shape in SHAPES] + [
     ("q6_k", shape) for shape in Q6_K_SHAPES
 ]
-# The float path reads Q6_K's q at 6 bits too ("q6_k6": AVX-512 builds; no dot path), and
-# 8-bit layers of IQ4 levels at 4 bits (IQ4_NL's fp16 d, IQ4_XS's float32 d * (ls - 32)).
-FLOAT_CASES = (
-    CASES
-    + [("q6_k6", shape) for shape in Q6_K_SHAPES]
-    + [(kind, shape) for kind in ("iq4", "iq4_f32") for shape in SHAPES]
-)
+# The float path reads Q6_K's q at 6 bits too ("q6_k6": AVX2 and AVX-512 builds; no dot
+# path), and 8-bit layers of IQ4 levels at 4 bits (IQ4_NL's fp16 d, IQ4_XS's float32
+# d * (ls - 32)); so do AVX2's int16 kernels of bf16 rows (six blocks, not the IQ4 levels).
+SIX_CASES = [("q6_k6", shape) for shape in Q6_K_SHAPES]
+INT16_CASES = CASES + SIX_CASES
+FLOAT_CASES = INT16_CASES + [(kind, shape) for kind in ("iq4", "iq4_f32") for shape in SHAPES]
+INT16_KINDS = ("q4_0", "q4_1", "q4_k", "int4", "q4_f32", "q8_0", "q8_f32", "q5_k", "q6_k", "q6_k6")
 
 
 @pytest.fixture(scope="module", params=ISAS)
@@ -338,12 +338,13 @@ def test_formats_and_bits_per_weight(ops) -> None:
 
 
 def test_six_bit_weights_are_refused_where_they_cannot_run(ops) -> None:
-    """Six-bit q6_k runs the float path only, and only in builds that read it (AVX-512)."""
+    """Six-bit q6_k never runs the dot path, and packs only in builds that read it (AVX2,
+    AVX-512)."""
     torch.manual_seed(5)
     q, scale, d = _q6_k_data(20, 256)
     x = torch.randn(2, 256).bfloat16()
     if not ops.groupwise_six_bits():
-        with pytest.raises(RuntimeError, match="six-bit weights need an AVX-512 build"):
+        with pytest.raises(RuntimeError, match="six-bit weights need an AVX2 or AVX-512 build"):
             pack_groupwise(ops, q, scale, None, d, six=True)
         return
     pw = pack_groupwise(ops, q, scale, None, d, six=True)
@@ -698,9 +699,7 @@ def test_int16_rounding_keeps_bf16_within_2_to_the_7_of_the_max_exactly() -> Non
     assert (err <= amax * 2**-15).all() and (err > 0).any()
 
 
-@pytest.mark.parametrize(
-    "kind", ("q4_0", "q4_1", "q4_k", "int4", "q4_f32", "q8_0", "q8_f32", "q5_k", "q6_k")
-)
+@pytest.mark.parametrize("kind", INT16_KINDS)
 def test_the_int16_kernel_is_its_rounding_then_the_definition(ops, kind: str) -> None:
     """One to four bf16 rows under the default kernel on AVX2 builds, and batches past them (the
     int16 tiles: ``groupwise_int16_tiles_from()``): the float64 product of the
@@ -711,21 +710,22 @@ def test_the_int16_kernel_is_its_rounding_then_the_definition(ops, kind: str) ->
     below s / 2 (which round to zero) make it ~20% of every output, which exact x (the float
     kernel, ``rows_kernel="fma"``) shows by many steps."""
     rows = _int16_kernel_rows(ops)
-    n, k = 37, 96 if kind not in ("q4_k", "q6_k") else 256
+    n, k = 37, 96 if kind not in ("q4_k", "q6_k", "q6_k6") else 256
     torch.manual_seed(23)
     weight, scale, offset, q = _layer_data(kind, n, k)
     # Every column one q across K (its first), so one weight value per group and column.
     q = q[:, :1].expand(n, k).contiguous()
-    if kind in ("q8_0", "q8_f32", "q5_k", "q6_k"):
+    if kind in ("q8_0", "q8_f32", "q5_k", "q6_k", "q6_k6"):
         weight = q.to(torch.int8)
     else:
         weight = pack_nibbles(q.to(torch.uint8))
     if kind == "q4_k":  # one scale and offset across K too, so that w is one value per column
         scale, offset = scale[:, :1].expand(n, k // 32), offset[:, :1].expand(n, k // 32)
-    elif kind == "q6_k":  # one d and sc across K: both of a group's scales the same
+    elif kind in ("q6_k", "q6_k6"):  # one d and sc across K: a group's scales the same
         d = scale.q6_k_d[:, :1]
         scale = scale[:, :1].expand(n, k // 16).contiguous()
         scale.q6_k_d = d.expand(n, k // 256).contiguous()
+        scale.q6_k_six = kind == "q6_k6"
     else:
         scale = scale[:, :1].expand(n, k // 32).contiguous()
         offset = None if offset is None else offset[:, :1].expand(n, k // 32).contiguous()
@@ -759,7 +759,7 @@ def test_the_int16_kernel_is_its_rounding_then_the_definition(ops, kind: str) ->
             assert ((y.double() - flt.double()).abs() > 4 * step)[:, cols].all(), m
 
 
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.parametrize("case", INT16_CASES, ids=_case_id)
 def test_fp16_and_nonfinite_rows_keep_the_float_kernel(ops, case) -> None:
     """fp16 x (11 significant bits, for which the int16 grid would round what its outputs
     resolve) and bf16 rows holding an inf or a NaN take the float kernel whatever
@@ -838,7 +838,7 @@ def _spiky_rows(m: int, k: int) -> torch.Tensor:
     return x.bfloat16()
 
 
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.parametrize("case", INT16_CASES, ids=_case_id)
 def test_the_int16_tiles_are_the_rounding_then_the_definition(ops, case) -> None:
     """Past the few rows (``groupwise_int16_tiles_from()``), bf16 rows under the default kernel
     on AVX2 builds run on int16 register tiles: the float64 product of the dequantised layer
@@ -864,9 +864,7 @@ def test_the_int16_tiles_are_the_rounding_then_the_definition(ops, case) -> None
         assert ((y.double() - want).abs() <= step / 2 + sums).all(), m
 
 
-@pytest.mark.parametrize(
-    "kind", ("q4_0", "q4_1", "q4_k", "int4", "q4_f32", "q8_0", "q8_f32", "q5_k", "q6_k")
-)
+@pytest.mark.parametrize("kind", INT16_KINDS)
 def test_a_row_on_the_int16_tiles_is_the_row_alone(ops, kind: str) -> None:
     """The tiles repeat the few-row int16 kernel's arithmetic (the same rounding of x, exact
     integer sums per group, the same float32 operations per group in the same order), so each

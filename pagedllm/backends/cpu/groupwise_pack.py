@@ -7,7 +7,7 @@ Each layer is packed once into panels of 16 output columns, one block per group 
 factored per 8 groups, kept in a header per 8 blocks so that every block of q is cache-line
 aligned), 5 for Q4_1 and int4 made at load (fp16), 8.5 for Q8_0, 8.625 for Q6_K (q - 32 as int8,
 two scales per group factored as fp16 d per 8 groups times int8 sc: :func:`factor_q6_k`), or
-6.625 for Q6_K where the build reads its q at 6 bits and the layer runs the float path only
+6.625 for Q6_K where the build reads its q at 6 bits and the layer never takes the dot path
 (:func:`six_bits`). A q8_0 layer whose every q is one of ggml's 16 IQ4 levels (GGUF IQ4_NL /
 IQ4_XS) packs those q as 4-bit indices where it runs the float path only (:func:`iq4_levels`):
 4.5 bits a weight (5 with IQ4_XS's float32 scales), read through a look-up table as Q4_0's
@@ -252,9 +252,11 @@ def iq4_levels(name: str, weight: torch.Tensor, *, dot: bool) -> bool:
 
 def six_bits(ops: ModuleType, name: str, *, dot: bool) -> bool:
     """Whether a ``name`` layer packs its q at 6 bits: a q6_k layer that never takes the dot
-    path (the integer kernels read whole bytes), in a build whose float path reads six blocks
-    (AVX-512: a lane-wise shift and a ``vpermi2w`` per 32 weights, as cheap as the int8
-    layout's look-up, for three quarters of its bytes; the one-row decode streams them)."""
+    path (its integer kernels read whole bytes), in a build whose kernels read six blocks: on
+    AVX-512 a lane-wise shift and a ``vpermi2w`` per 32 weights, as cheap as the int8 layout's
+    look-up; on AVX2 two shifts per 6-bit field into the int16 lanes ``vpmaddwd`` reads (the
+    few-row kernel and the tiles, bit for bit the int8 layout's sums). Three quarters of the
+    bytes: the one-row decode streams them."""
     return name == "q6_k" and not dot and bool(ops.groupwise_six_bits())
 
 

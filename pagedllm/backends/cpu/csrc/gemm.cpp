@@ -483,13 +483,13 @@ void bind_groupwise(pybind11::module& m) {
   m.def(
       "groupwise_six_bits",
       [] {
-#if defined(__AVX512BW__)
+#if defined(PAGEDLLM_Q4_SIX)
         return true;
 #else
         return false;
 #endif
       },
-      "whether this build packs Q6_K's q at 6 bits (bits=6: the float path only)");
+      "whether this build packs Q6_K's q at 6 bits (bits=6: never the dot path)");
   m.def("groupwise_weight_rows", &q4::groupwise_weight_rows,
         "rows of W (float32 [R, K]) from pack_groupwise's panels, as the definition "
         "dequantises them",

@@ -510,31 +510,34 @@ template <int Bits>
 void avx2_panel(const Avx2Rows& a, int64_t lo, int64_t rows, int64_t k, const uint8_t* panel,
                 const Format& f, float* c) {
   const int64_t groups = k / kGroup;
-  const auto run = [&](auto r, auto halves) {
+  const auto run = [&](auto r, auto halves, auto bits) {
     constexpr int R = decltype(r)::value;
     constexpr bool H = decltype(halves)::value;
+    constexpr int B = decltype(bits)::value;
     if (a.i16) {
-      with_layout<Bits, H>(f, [&](auto layout) {
-        avx2_i16_rows<Bits, R, H, decltype(layout)>(
+      with_layout<B, H>(f, [&](auto layout) {
+        avx2_i16_rows<B, R, H, decltype(layout)>(
             a.xw.data() + lo * groups * kI16Words, groups * kI16Words, a.xn.data() + lo * groups,
             a.gsum.data() + lo * groups, groups, panel, groups, f, c);
       });
     } else {
-      avx2_rows<Bits, R, H>(a.xn.data() + lo * k, k, a.gsum.data() + lo * groups, groups, panel,
-                            groups, f, c);
+      avx2_rows<B, R, H>(a.xn.data() + lo * k, k, a.gsum.data() + lo * groups, groups, panel,
+                         groups, f, c);
     }
   };
+  using Same = std::integral_constant<int, Bits>;
   with_rows<kAvx2Rows>(static_cast<int>(rows), [&](auto r) {
     if constexpr (Bits == 8) {
-      if (f.two_scales()) return run(r, std::true_type{});
+      if (f.six()) return run(r, std::true_type{}, std::integral_constant<int, 6>{});
+      if (f.two_scales()) return run(r, std::true_type{}, Same{});
     }
-    run(r, std::false_type{});
+    run(r, std::false_type{}, Same{});
   });
 }
 
 template <int Bits, typename X>
 void run_avx2_rows(const X* x, const Problem& pb, X* y) {
-  const Avx2Rows a = avx2_x(x, pb.m, pb.k, Bits, pb.rows);
+  const Avx2Rows a = avx2_x(x, pb.m, pb.k, kernel_bits<Bits>(pb.f), pb.rows);
   at::parallel_for(0, pb.panels(), 1, [&](int64_t p0, int64_t p1) {
     float c[kAvx2Rows * kCols];
     for (int64_t p = p0; p < p1; ++p) {
@@ -549,7 +552,7 @@ template <int Bits, typename X>
 void run_avx2_grouped(const X* x, int64_t rows, const std::vector<int64_t>& lo,
                       const std::vector<int64_t>& count, const Problem& shape,
                       const std::function<const uint8_t*(int64_t)>& panel_of, X* y) {
-  const Avx2Rows a = avx2_x(x, rows, shape.k, Bits, shape.rows);
+  const Avx2Rows a = avx2_x(x, rows, shape.k, kernel_bits<Bits>(shape.f), shape.rows);
   const int64_t panels = shape.panels();
   at::parallel_for(0, static_cast<int64_t>(lo.size()) * panels, 1, [&](int64_t t0, int64_t t1) {
     float c[kAvx2Rows * kCols];
@@ -577,8 +580,8 @@ bool run_avx2_tiles(const c10::BFloat16* x, const Problem& pb, at::BFloat16* y) 
   std::atomic<bool> finite{true};
   at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1 && finite.load(std::memory_order_relaxed); ++r)
-      if (!avx2_i16_x_rows(x + r * k, k, Bits, xw.data() + r * words, xs.data() + r * groups,
-                           gsum.data() + r * groups))
+      if (!avx2_i16_x_rows(x + r * k, k, kernel_bits<Bits>(pb.f), xw.data() + r * words,
+                           xs.data() + r * groups, gsum.data() + r * groups))
         finite.store(false, std::memory_order_relaxed);
   });
   if (!finite.load()) return false;
@@ -599,13 +602,21 @@ bool run_avx2_tiles(const c10::BFloat16* x, const Problem& pb, at::BFloat16* y) 
         const uint8_t* panel = pb.w + p * pb.panel_bytes();
         for (int64_t g0 = 0; g0 < groups; g0 += kI16BlockGroups) {
           const int64_t gc = std::min(kI16BlockGroups, groups - g0);
-          const auto widen = [&](auto layout) {
-            i16_block<Bits, decltype(layout)>(panel, g0, gc, pb.f, w.data(), so.data());
+          const auto widen = [&](auto bits, auto layout) {
+            i16_block<decltype(bits)::value, decltype(layout)>(panel, g0, gc, pb.f, w.data(),
+                                                               so.data());
           };
-          if (two)
-            with_layout<Bits, true>(pb.f, widen);
+          const auto widen_as = [&](auto bits, auto two_scales) {
+            with_layout<decltype(bits)::value, decltype(two_scales)::value>(
+                pb.f, [&](auto layout) { widen(bits, layout); });
+          };
+          using Same = std::integral_constant<int, Bits>;
+          if (pb.f.six()) {  // (8-bit layers only)
+            if constexpr (Bits == 8) widen_as(std::integral_constant<int, 6>{}, std::true_type{});
+          } else if (two)
+            widen_as(Same{}, std::true_type{});
           else
-            with_layout<Bits, false>(pb.f, widen);
+            widen_as(Same{}, std::false_type{});
           for (int64_t m0 = c0; m0 < c1; m0 += per) {
             const int rows = static_cast<int>(std::min(per, c1 - m0));
             with_rows<kI16TileRows>(rows, [&](auto r) {

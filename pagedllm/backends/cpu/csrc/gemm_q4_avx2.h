@@ -52,9 +52,15 @@ namespace pagedllm::gemm::q4 {
 constexpr int kAvx2Rows = 4;  // up to this many rows per call
 
 // Whether the kernels below, and the int16 tiles of many rows (gemm_q4_avx2_tiles.h), run a
-// layer of format f (IQ4 levels: no, their q index a table; Q6_K's six-bit form is an AVX-512
-// layout, never packed in these builds).
-inline bool avx2_rows_format(const Format& f) { return !f.levels && !f.six(); }
+// layer of format f (IQ4 levels: no, their q index a table).
+inline bool avx2_rows_format(const Format& f) { return !f.levels; }
+
+// The q width a kernel is instantiated for: 4, 8, or 6 for Q6_K's six blocks (8-bit layers
+// that f.six() marks: the 8-bit entry points' Bits).
+template <int Bits>
+PAGEDLLM_Q4_INLINE int kernel_bits(const Format& f) {
+  return Bits == 8 && f.six() ? 6 : Bits;
+}
 
 // A group's sums in parts of its chunks: Q6_K's two scales (k 0..15: chunks 0-3, k 16..31:
 // chunks 4-7, group_scales' *scale and *offset) take two parts, every other format one.
@@ -109,6 +115,33 @@ PAGEDLLM_Q4_INLINE __m256 byte_floats(__m256i v) {
   return _mm256_cvtepi32_ps(_mm256_and_si256(top, _mm256_set1_epi32(-16777216)));
 }
 
+// a[r] += one six half group's q times row r's x of it (xc: its 16 k), in float32: each pair
+// row's int16 lanes (six_word) split into its even and odd k, on alternate chains.
+template <int R, int C, int... P>
+PAGEDLLM_Q4_INLINE void avx2_six_half(const uint8_t* half, const float* xc, int64_t ldx,
+                                      __m256 a[C][R][2], std::integer_sequence<int, P...>) {
+  const auto step = [&](auto p) {
+    constexpr int kP = decltype(p)::value;
+    const __m256i v0 = six_word<kP>(half, 0), v1 = six_word<kP>(half, 1);
+    const __m256 e0 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v0, 16), 16));
+    const __m256 e1 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v1, 16), 16));
+    const __m256 o0 = _mm256_cvtepi32_ps(_mm256_srai_epi32(v0, 16));
+    const __m256 o1 = _mm256_cvtepi32_ps(_mm256_srai_epi32(v1, 16));
+    __m256(*ae)[2] = a[(2 * kP) % C];
+    __m256(*ao)[2] = a[(2 * kP + 1) % C];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256 xe = _mm256_broadcast_ss(xc + r * ldx + 2 * kP);
+      const __m256 xo = _mm256_broadcast_ss(xc + r * ldx + 2 * kP + 1);
+      ae[r][0] = _mm256_fmadd_ps(e0, xe, ae[r][0]);
+      ae[r][1] = _mm256_fmadd_ps(e1, xe, ae[r][1]);
+      ao[r][0] = _mm256_fmadd_ps(o0, xo, ao[r][0]);
+      ao[r][1] = _mm256_fmadd_ps(o1, xo, ao[r][1]);
+    }
+  };
+  (step(std::integral_constant<int, P>{}), ...);
+}
+
 // a[r] += one chunk's q (8 columns per half, two halves) times row r's x of the chunk.
 template <int Bits, int R, int I>
 PAGEDLLM_Q4_INLINE void avx2_chunk_step(__m256i v0, __m256i v1, const float* xc, int64_t ldx,
@@ -138,16 +171,18 @@ PAGEDLLM_Q4_INLINE void avx2_chunk(const uint8_t* chunk, const float* xc, int64_
 }
 
 // c[R][16] = R rows of x @ one panel: xn, gsum from avx2_x_rows (row r at r * ldx, r * ldg).
-// Halves: Q6_K's two scales, each part's sums scaled by its own (no offsets).
+// Halves: Q6_K's two scales, each part's sums scaled by its own (no offsets); Bits 6: its six
+// blocks (gemm_q4_layout.h), a half group a part.
 template <int Bits, int R, bool Halves>
 inline void avx2_rows(const float* xn, int64_t ldx, const float* gsum, int64_t ldg,
                       const uint8_t* panel, int64_t groups, const Format& f, float* c) {
-  static_assert(!Halves || Bits == 8, "two scales: 8-bit layers only");
+  static_assert(!Halves || Bits != 4, "two scales: 8-bit layers only");
+  static_assert(Bits != 6 || Halves, "six blocks: two scales");
   constexpr int kPer = Bits == 4 ? 8 : 4;  // k per chunk
   constexpr int kPartChunks = kGroup / kPer / kParts<Halves>;
   constexpr int C = R == 1 ? 2 : 1;        // independent sums per row: FMA latency
   // 8-bit q arrive times 2^24 (byte_floats): their scale takes the 2^-24 back, exactly.
-  const __m256 unit = _mm256_set1_ps(Bits == 4 ? 1.f : 1.f / 16777216.f);
+  const __m256 unit = _mm256_set1_ps(Bits == 8 ? 1.f / 16777216.f : 1.f);
   __m256 t[R][2];
   for (int r = 0; r < R; ++r) t[r][0] = t[r][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
@@ -159,11 +194,16 @@ inline void avx2_rows(const float* xn, int64_t ldx, const float* gsum, int64_t l
       __m256 a[C][R][2];  // C chains: alternate chunks
       for (auto& chain : a)
         for (int r = 0; r < R; ++r) chain[r][0] = chain[r][1] = _mm256_setzero_ps();
+      if constexpr (Bits == 6) {
+        avx2_six_half<R, C>(block + part * Format::kSixHalf, xg + part * kGroup / 2, ldx, a,
+                            std::make_integer_sequence<int, 8>{});
+      } else {
 #pragma GCC unroll 8
-      for (int i = 0; i < kPartChunks; ++i) {
-        const int ch = part * kPartChunks + i;
-        avx2_chunk<Bits, R>(block + ch * kChunk, xg + ch * kPer, ldx, a[i % C],
-                            std::make_integer_sequence<int, kPer>{});
+        for (int i = 0; i < kPartChunks; ++i) {
+          const int ch = part * kPartChunks + i;
+          avx2_chunk<Bits, R>(block + ch * kChunk, xg + ch * kPer, ldx, a[i % C],
+                              std::make_integer_sequence<int, kPer>{});
+        }
       }
       V16 s, o;  // loaded after the sums: live across them, they would spill at 4 rows
       group_scales(panel, g, f, &s, &o);
@@ -241,6 +281,9 @@ inline bool avx2_i16_x_rows(const X* x, int64_t k, int bits, int32_t* xw, float*
       for (int ch = 0; ch < 4; ++ch)
         for (int j = 0; j < 4; ++j)
           w[4 * ch + j] = pair(8 * ch + nibble_k(j), 8 * ch + nibble_k(j + 4));
+    } else if (bits == 6) {
+      // Six blocks: word j is pair row j % 8 of half group j / 8, k = 2j and 2j + 1.
+      for (int j = 0; j < kI16Words; ++j) w[j] = pair(2 * j, 2 * j + 1);
     } else {
       // Chunk ch's dword holds k = 4ch + b in byte b: the even bytes (0, 2) sign-extended to
       // int16 lanes, then the odd ones (1, 3).
@@ -305,6 +348,26 @@ PAGEDLLM_Q4_INLINE void i16_word(__m256i v0, __m256i v1, const int32_t* xc, int6
   }
 }
 
+// a[r] += one six half group's q (six_word: int16 lanes, two k per int32 lane) times row r's
+// x words of it (xc: its 8), vpmaddwd as i16_word.
+template <int R, int... P>
+PAGEDLLM_Q4_INLINE void i16_six_half(const uint8_t* half, const int32_t* xc, int64_t ldx,
+                                     __m256i a[R][2], std::integer_sequence<int, P...>) {
+  const auto step = [&](auto p) {
+    constexpr int kP = decltype(p)::value;
+    const __m256i w0 = six_word<kP>(half, 0), w1 = six_word<kP>(half, 1);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256i xb = _mm256_set1_epi32(xc[r * ldx + kP]);
+      a[r][0] = _mm256_add_epi32(a[r][0], _mm256_madd_epi16(w0, xb));
+      a[r][1] = _mm256_add_epi32(a[r][1], _mm256_madd_epi16(w1, xb));
+      in_register(a[r][0]);
+      in_register(a[r][1]);
+    }
+  };
+  (step(std::integral_constant<int, P>{}), ...);
+}
+
 template <int Bits, int R, int... J>
 PAGEDLLM_Q4_INLINE void i16_chunk(const uint8_t* chunk, const int32_t* xc, int64_t ldx,
                                   __m256i a[R][2], __m256i b[R][2],
@@ -325,7 +388,8 @@ template <int Bits, int R, bool Halves, typename L = RuntimeLayout>
 inline void avx2_i16_rows(const int32_t* xw, int64_t ldx, const float* xs, const float* gsum,
                           int64_t ldg, const uint8_t* panel, int64_t groups, const Format& format,
                           float* c) {
-  static_assert(!Halves || Bits == 8, "two scales: 8-bit layers only");
+  static_assert(!Halves || Bits != 4, "two scales: 8-bit layers only");
+  static_assert(Bits != 6 || Halves, "six blocks: two scales");
   const Format& f = L::of(format);
   constexpr int kPer = Bits == 4 ? 8 : 4;            // k per chunk
   constexpr int kWords = Bits == 4 ? 4 : 2;          // x words per chunk
@@ -340,11 +404,16 @@ inline void avx2_i16_rows(const int32_t* xw, int64_t ldx, const float* xs, const
     for (int part = 0; part < kParts<Halves>; ++part) {
       __m256i a[R][2], b[R][2];  // b: kInPlace16's nibbles 1 and 5, times 16
       for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = b[r][0] = b[r][1] = _mm256_setzero_si256();
+      if constexpr (Bits == 6) {
+        i16_six_half<R>(block + part * Format::kSixHalf, xg + part * kI16Words / 2, ldx, a,
+                        std::make_integer_sequence<int, 8>{});
+      } else {
 #pragma GCC unroll 8
-      for (int i = 0; i < kPartChunks; ++i) {
-        const int ch = part * kPartChunks + i;
-        i16_chunk<Bits, R>(block + ch * kChunk, xg + ch * kWords, ldx, a, b,
-                           std::make_integer_sequence<int, kWords>{});
+        for (int i = 0; i < kPartChunks; ++i) {
+          const int ch = part * kPartChunks + i;
+          i16_chunk<Bits, R>(block + ch * kChunk, xg + ch * kWords, ldx, a, b,
+                             std::make_integer_sequence<int, kWords>{});
+        }
       }
       if constexpr (kInPlace16<Bits, R>)  // 16 * sum, exactly: the shift is exact
         for (int r = 0; r < R; ++r)

@@ -57,6 +57,15 @@ PAGEDLLM_Q4_INLINE void i16_widen_chunk(const uint8_t* chunk, __m256i* out,
   (_mm256_storeu_si256(out + 2 * J + 1, i16_lanes<Bits, J, false>(v1)), ...);
 }
 
+// One six half group's 8 pair rows (six_word) stored as out[2P + h] (h: column half).
+template <int... P>
+PAGEDLLM_Q4_INLINE void i16_widen_six(const uint8_t* half, __m256i* out,
+                                      std::integer_sequence<int, P...>) {
+  ((_mm256_storeu_si256(out + 2 * P, six_word<P>(half, 0)),
+    _mm256_storeu_si256(out + 2 * P + 1, six_word<P>(half, 1))),
+   ...);
+}
+
 // Groups [g0, g0 + gc) of one panel widened: w[g][word][half] the int16 lanes of x word `word`
 // (avx2_i16_x_rows' order) for columns 8 * half.., so[g] its 16 scales then 16 offsets
 // (group_scales: Q4_0's -8 * scale, zero for Q8_0, the second scale for two-scale layers).
@@ -72,10 +81,16 @@ inline void i16_block(const uint8_t* panel, int64_t g0, int64_t gc, const Format
     const uint8_t* block = panel + f.block_offset(g0 + g);
     prefetch_group(panel, g0 + g, f);
     __m256i* out = w + g * kI16GroupVecs;  // (stored unaligned: loadu / storeu below)
+    if constexpr (Bits == 6) {  // six blocks: x word j is pair row j % 8 of half group j / 8
+      for (int h = 0; h < 2; ++h)
+        i16_widen_six(block + h * Format::kSixHalf, out + h * kI16Words,
+                      std::make_integer_sequence<int, 8>{});
+    } else {
 #pragma GCC unroll 8
-    for (int ch = 0; ch < kGroup / kPer; ++ch)
-      i16_widen_chunk<Bits>(block + ch * kChunk, out + 2 * kWords * ch,
-                            std::make_integer_sequence<int, kWords>{});
+      for (int ch = 0; ch < kGroup / kPer; ++ch)
+        i16_widen_chunk<Bits>(block + ch * kChunk, out + 2 * kWords * ch,
+                              std::make_integer_sequence<int, kWords>{});
+    }
     V16 s, o;
     group_scales(panel, g0 + g, f, &s, &o);
     v_store(so + g * 2 * kCols, s);

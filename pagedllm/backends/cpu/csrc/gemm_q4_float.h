@@ -54,7 +54,7 @@ inline void f32_rows(const float* x, int64_t ldx, const uint8_t* panel, int64_t 
     V16 s, o;
     group_scales(panel, g, f, &s, &o);
     const float* xg = x + g * kGroup;
-#if defined(__AVX512BW__)
+#if defined(PAGEDLLM_Q4_SIX)
     if (Bits == 8 && f.six()) {
       for (int h = 0; h < 2; ++h) {
         V16 w[16];

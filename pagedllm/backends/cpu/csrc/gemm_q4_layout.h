@@ -28,14 +28,16 @@
 // (fp16 in the file) and sc a signed byte: its header holds the 16 columns' d, padded to 64
 // bytes, then each group's sc of k 0..15 (chunks 0-3) and of k 16..31 (chunks 4-7), 16 bytes
 // each, before 8 blocks of q - 32 (of the file's q, in -32..31): 8.625 bits a weight.
-// Q6_K at 6 bits ("six", bits = 6; AVX-512 builds, float path only): the same header, blocks
-// of 384 bytes of q. A block holds two half groups of 16 k,
+// Q6_K at 6 bits ("six", bits = 6; AVX-512 and AVX2 builds, never the dot path): the same
+// header, blocks of 384 bytes of q. A block holds two half groups of 16 k,
 // 192 bytes each: three 64-byte rows R1, R2, R3 of 32 16-bit lanes. Lane 2c + j holds column
 // c's q at k = 2p + j of the half group, p = 0..7 (the pair rows vdpbf16ps reads), as 6-bit
 // u = q & 63: R1 = u0 | u1 << 6 | (u6 & 15) << 12,
 // R2 = u2 | u3 << 6 | (u7 & 15) << 12, R3 = u4 | u5 << 6 | (u6 >> 4) << 12 | (u7 >> 4) << 14.
 // vpermi2w reads only the low 6 bits of an index, so pair rows 0-5 are a lane-wise shift away
 // (9 instructions for 8 rows with the two split values, where vpshufb took 8): 6.625 bits.
+// On AVX2 the same lanes are the int16 pairs vpmaddwd reads: each field shifted to the top of
+// its word and back down with its sign (six_word), 21 instructions for 8 rows of 8 columns.
 // The weights are 64-byte chunks of one dword per column (the operand shape of vpdpbusd, and of
 // vpmaddubsw + vpmaddwd): 4-bit chunk c holds, in column j's byte b, k = 8c + b in the low
 // nibble and k = 8c + 4 + b in the high one; 8-bit chunk c holds k = 4c + b in byte b.
@@ -43,6 +45,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #include "gemm_vec.h"
 
@@ -150,16 +153,20 @@ using Q4_1Layout = FixedLayout<4, true, true, false>;   // Q4_1
 using Q4_KLayout = FixedLayout<4, true, true, true>;    // Q4_K
 using Q8_0Layout = FixedLayout<8, true, false, false>;  // Q8_0
 using Q6_KLayout = FixedLayout<8, true, false, true>;   // Q6_K: two scales
+using Q6_KSixLayout = FixedLayout<6, true, false, true>;  // Q6_K's q at 6 bits
 
 inline constexpr bool operator==(const Format& a, const Format& b) {
   return a.bits == b.bits && a.half_scales == b.half_scales && a.with_offset == b.with_offset &&
          a.factored == b.factored && a.levels == b.levels;
 }
 
-// fn(L{}) with the layout a kernel of Bits-bit q (TwoScales: Q6_K's) reads f through.
+// fn(L{}) with the layout a kernel of Bits-bit q (TwoScales: Q6_K's; 6: its six form) reads f
+// through.
 template <int Bits, bool TwoScales, typename Fn>
 PAGEDLLM_Q4_INLINE void with_layout(const Format& f, Fn&& fn) {
-  if constexpr (Bits == 4) {
+  if constexpr (Bits == 6) {
+    if (f == Q6_KSixLayout::kFormat) return fn(Q6_KSixLayout{});
+  } else if constexpr (Bits == 4) {
     if (f == Q4_0Layout::kFormat) return fn(Q4_0Layout{});
     if (f == Q4_1Layout::kFormat) return fn(Q4_1Layout{});
     if (f == Q4_KLayout::kFormat) return fn(Q4_KLayout{});
@@ -437,7 +444,51 @@ PAGEDLLM_Q4_INLINE void six_rows(const uint8_t* half, V16 scale, V16 w[16]) {
     w[2 * p + 1] = v_mul(odd, scale);
   }
 }
-#endif  // __AVX512BW__
+#define PAGEDLLM_Q4_SIX 1
+#elif defined(__AVX2__) && !defined(__AVX512F__)
+// -- six on AVX2: the same blocks as int16 lanes -------------------------------------------------
+// Pair row P (0..7) of one six half group for 8 columns (Cols 0: columns 0-7, the rows' first
+// 32 bytes; 1: 8-15) as int16 lanes of q (-32..31): int32 lane c holds column c's q at
+// k = 2P (low word) and 2P + 1 (high word) of the half group, the operand vpmaddwd reads
+// against a word of x. A field at bits b..b+5 of its word goes to the top and comes down with
+// its sign (two shifts); rows 6 and 7 join R1's / R2's top nibble with R3's top bits (their
+// sign), shifted into place. Rows are loaded where used: an L1 hit, and the row kernels' sums
+// keep the registers.
+template <int P>
+PAGEDLLM_Q4_INLINE __m256i six_word(const uint8_t* half, int cols) {
+  const auto row = [half, cols](int i) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(half + i * kChunk + 32 * cols));
+  };
+  if constexpr (P < 6) {  // R1: u0, u1; R2: u2, u3; R3: u4, u5
+    const __m256i r = row(P / 2);
+    return _mm256_srai_epi16(_mm256_slli_epi16(r, P % 2 == 0 ? 10 : 4), 10);
+  } else if constexpr (P == 6) {  // R1's bits 12..15, R3's 12..13 (the sign): times 16
+    const __m256i top = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(row(2), 2), 10),
+                                         _mm256_set1_epi16(-16));
+    return _mm256_or_si256(_mm256_srli_epi16(row(0), 12), top);
+  } else {  // R2's bits 12..15, R3's 14..15
+    const __m256i top = _mm256_slli_epi16(_mm256_srai_epi16(row(2), 14), 4);
+    return _mm256_or_si256(_mm256_srli_epi16(row(1), 12), top);
+  }
+}
+
+template <int... P>
+PAGEDLLM_Q4_INLINE void six_rows_of(const uint8_t* half, V16 scale, V16 w[16],
+                                    std::integer_sequence<int, P...>) {
+  const auto even = [](__m256i v) {  // the low words, sign-extended
+    return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 16));
+  };
+  const auto odd = [](__m256i v) { return _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 16)); };
+  ((w[2 * P] = v_mul({even(six_word<P>(half, 0)), even(six_word<P>(half, 1))}, scale)), ...);
+  ((w[2 * P + 1] = v_mul({odd(six_word<P>(half, 0)), odd(six_word<P>(half, 1))}, scale)), ...);
+}
+
+// q of one six half group as 16 float32 rows (w[i]: k = i of the half group), times `scale`.
+PAGEDLLM_Q4_INLINE void six_rows(const uint8_t* half, V16 scale, V16 w[16]) {
+  six_rows_of(half, scale, w, std::make_integer_sequence<int, 8>{});
+}
+#define PAGEDLLM_Q4_SIX 1
+#endif  // __AVX512BW__, __AVX2__
 
 // The 16 columns' dequantised weights at the 32 k of group g, exactly as the definition
 // rounds them (q * scale + offset: one fused rounding, which for GGUF data, where q * scale is
@@ -446,7 +497,7 @@ inline void dequantize_block(const uint8_t* panel, int64_t g, const Format& f, V
   const uint8_t* block = panel + f.block_offset(g);
   V16 s, o;
   group_scales(panel, g, f, &s, &o);
-#if defined(__AVX512BW__)
+#if defined(PAGEDLLM_Q4_SIX)
   if (f.six()) {
     six_rows(block, s, w);
     six_rows(block + Format::kSixHalf, o, w + 16);

@@ -20,8 +20,8 @@ Format format_of(int64_t bits, bool half_scales, bool with_offset, bool factored
   TORCH_CHECK(!factored || (bits == 4) == with_offset,
               "groupwise: factored weights are 4-bit with offsets or 8-bit without");
   TORCH_CHECK(bits != 6 || factored, "groupwise: six-bit weights are Q6_K's: factored");
-#if !defined(__AVX512BW__)
-  TORCH_CHECK(bits != 6, "groupwise: six-bit weights need an AVX-512 build");
+#if !defined(PAGEDLLM_Q4_SIX)
+  TORCH_CHECK(bits != 6, "groupwise: six-bit weights need an AVX2 or AVX-512 build");
 #endif
   TORCH_CHECK(!levels || (bits == 4 && !with_offset && !factored),
               "groupwise: IQ4 levels are 4-bit without offsets, unfactored");
