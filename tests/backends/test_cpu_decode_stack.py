@@ -5,7 +5,8 @@ loop it replaces (``PAGEDLLM_DECODE_STACK=0``, the reference).
 The stack calls the kernels the layers call, in their order, so the logits of every step are
 the layer loop's bit for bit (asserted exactly), and greedy tokens equal token for token: batch
 1 and batch 4 of different lengths, float32 and bfloat16, Q4_0 / Q4_1 + Q8_0 / Q8_0 / Q4_K
-files, Qwen2's q/k/v bias. Prefill steps and models it does not cover run the layer loop.
+files, Qwen2's q/k/v bias, fused layers whose parts keep their own formats (Q4_K q/k with a Q6_K
+v, Q4_K gate with a Q8_0 up). Prefill steps and models it does not cover run the layer loop.
 Where the ends are plain (every file here: a tied head's rows, or an F16 table beside an untied
 head) the stack runs decode steps from token ids to logits (``fast_decode_logits``), and the
 model runner's decode step samples them: sampled rows and logprobs too equal the layer loop's.
@@ -42,8 +43,11 @@ FILES: dict[str, tuple[dict[str, str], str, str]] = {
     "qwen2-q4_0": ({"token_embd": "Q8_0"}, "Q4_0", "qwen2"),
     # An untied Q4_0 head beside a dense (F16) embedding table: the stack's table look-up.
     "untied-f16-embd": ({"token_embd": "F16"}, "Q4_0", "untied"),
-    # q/k Q4_K with a Q6_K v: a fused layer of two formats, which the stack does not take.
-    "mixed": ({"attn_v": "Q6_K"}, "Q4_K", "wide"),
+    # q/k Q4_K with a Q6_K v (as a Q4_K_M file), gate Q4_K with a Q8_0 up: fused layers of two
+    # formats, each part its own GEMM into its columns.
+    "mixed": ({"attn_v": "Q6_K", "ffn_up": "Q8_0"}, "Q4_K", "wide"),
+    # A part that is not group-wise packed (F16 v), which the stack does not take.
+    "mixed-dense": ({"attn_v": "F16"}, "Q4_K", "wide"),
 }
 
 
@@ -129,7 +133,7 @@ def count_layer_steps(engine: Engine) -> list[int]:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("name", ["q4_0", "q4_1+q8_0", "q8_0", "q4_k", "qwen2-q4_0"])
+@pytest.mark.parametrize("name", ["q4_0", "q4_1+q8_0", "q8_0", "q4_k", "qwen2-q4_0", "mixed"])
 @pytest.mark.parametrize("prompts", [ONE, FOUR], ids=["batch1", "batch4"])
 def test_stack_equals_the_layer_loop(
     files: dict[str, Path],
@@ -143,6 +147,10 @@ def test_stack_equals_the_layer_loop(
     assert "decode_stack" not in ref.executor.worker.backend.layer_kernels
     tokens, logits, engine = run(files[name], prompts, dtype, monkeypatch, stack=True)
     assert "decode_stack: cpp x2 layers" in engine.executor.worker.backend.layer_kernels
+    if name == "mixed":  # both fused layers of two formats, each part its own GEMM
+        path = engine.executor.collective_rpc("linear_path")[0]
+        assert "QKVParallelLinear=cpp-mixed(int4,int4,q6_k)-" in path, path
+        assert "ColumnParallelLinear=cpp-mixed(int4,q8_0)-" in path, path
     assert tokens == ref_tokens
     assert all(len(t) == STEPS for t in tokens)
     # Same kernels, same order: the logits of every step are equal, not merely close.
@@ -203,7 +211,7 @@ def test_decode_steps_that_are_not_plain_greedy(
     assert generate(True) == generate(False)
 
 
-@pytest.mark.parametrize("name", ["mixed"])
+@pytest.mark.parametrize("name", ["mixed-dense"])
 def test_a_model_it_does_not_cover_keeps_the_layer_loop(
     files: dict[str, Path], name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

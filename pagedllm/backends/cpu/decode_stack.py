@@ -10,7 +10,9 @@ step function into the model's ``fast_decode`` slot. The model calls it only for
 steps (one query token per sequence); it declines (None: the layer loop runs) for tensors the
 kernels would not take.
 
-It covers a model completely or not at all: every layer group-wise packed, the C++ norm, rotary
+It covers a model completely or not at all: every layer group-wise packed (a fused layer may
+keep its parts in their own formats, as a Q4_K_M file's Q4_K q/k beside a Q6_K v: each part's
+GEMM into its columns, as the layer loop's ``make_parts_linear`` runs them), the C++ norm, rotary
 and attention kernels installed (the stack calls the same functions, so its outputs equal the
 layer loop's bit for bit), no LoRA wrapper, no bias after a row-parallel layer. Anything else
 keeps the layer loop, which ``PAGEDLLM_DECODE_STACK=0`` also forces (the reference path).
@@ -51,17 +53,32 @@ class NotCovered(ValueError):
 
 
 def _packed(ops: ModuleType, module: nn.Module, what: str, *, bias_ok: bool) -> Any:
-    """The ``StackLinear`` of one layer: the panels its ``fast_linear`` multiplies."""
+    """The ``StackLinear`` of one layer: the panels its ``fast_linear`` multiplies, or a fused
+    layer's parts in their own formats (``mixed``: each part group-wise packed), side by side."""
     kernel = getattr(module, "fast_linear_packed", None)
-    if not isinstance(kernel, LinearKernel) or kernel.groupwise is None:
-        raise NotCovered(f"{what} is not one group-wise packed GEMM ({type(module).__name__})")
+    parts = kernel.parts if isinstance(kernel, LinearKernel) else ()
+    if not isinstance(kernel, LinearKernel) or (kernel.groupwise is None and not parts):
+        raise NotCovered(f"{what} is not group-wise packed GEMMs ({type(module).__name__})")
+    if any(part.groupwise is None for part in parts):
+        raise NotCovered(f"{what} has a part that is not group-wise packed")
     if kernel.fn is not module.fast_linear:
         raise NotCovered(f"{what}'s fast_linear is not its packed GEMM")
     bias = getattr(module, "bias", None)
     if bias is not None and not bias_ok:
         raise NotCovered(f"{what} has a bias added after the GEMM")
-    pw = kernel.groupwise
     bias32 = None if bias is None else bias.detach().float().contiguous()
+    if not parts:
+        return _stack_linear(ops, kernel.groupwise, bias32)
+    stacked, start = [], 0
+    for part in parts:
+        pw = part.groupwise
+        part_bias = None if bias32 is None else bias32[start : start + pw.n].contiguous()
+        stacked.append(_stack_linear(ops, pw, part_bias))
+        start += pw.n
+    return ops.StackLinear.of_parts(stacked)
+
+
+def _stack_linear(ops: ModuleType, pw: Any, bias32: torch.Tensor | None) -> Any:
     return ops.StackLinear(
         pw.packed, pw.n, pw.bits, pw.half_scales, pw.with_offset, pw.factored, pw.levels, bias32
     )

@@ -394,7 +394,12 @@ def make_parts_linear(
     four_bit, levels = bool(fours), all(pw.levels for pw in fours)
     mixed = f"mixed({','.join(names)})"
     path = path_name(ops, mixed, dot=dot, four_bit=four_bit, levels=levels)
-    return LinearKernel(linear, path, dot_rows=MappingProxyType(default_dot_rows(ops, dot=dot)))
+    return LinearKernel(
+        linear,
+        path,
+        dot_rows=MappingProxyType(default_dot_rows(ops, dot=dot)),
+        parts=tuple(kernels),
+    )
 
 
 def path_name(

@@ -38,3 +38,6 @@ class LinearKernel:
     groupwise: PackedGroupwise | None = None
     # Up to how many rows of each activation dtype take the group-wise dot path.
     dot_rows: Mapping[torch.dtype, int] = field(default_factory=lambda: MappingProxyType({}))
+    # A fused layer whose parts keep their own formats (``mixed``): each part's kernel, in
+    # output order (``fn`` concatenates their outputs); what the decode stack runs in turn.
+    parts: tuple[LinearKernel, ...] = ()

@@ -95,7 +95,10 @@ DecodeIndex decode_index(const std::vector<int64_t>& ids, const std::vector<int6
   return d;
 }
 
-// One packed layer as groupwise_gemm takes it (PackedGroupwise's fields; bias float32).
+// One packed layer as groupwise_gemm takes it (PackedGroupwise's fields; bias float32), or a
+// fused layer whose parts keep their own formats (a Q4_K_M file's Q4_K q/k beside a Q6_K v):
+// `parts` side by side, each its own groupwise_gemm as the Python path's make_parts_linear
+// calls them, whose outputs it concatenates.
 struct StackLinear {
   at::Tensor packed;
   int64_t n = 0;
@@ -105,10 +108,40 @@ struct StackLinear {
   bool factored = false;
   bool levels = false;
   c10::optional<at::Tensor> bias;
+  std::vector<StackLinear> parts;  // empty: the layer is `packed` itself
 
   void run(const at::Tensor& x, bool dot, at::Tensor& y) const {
-    gemm::q4::groupwise_gemm_into(x, packed, n, bits, half_scales, with_offset, factored, bias,
-                                  dot, levels, true, "split", y);
+    if (parts.empty()) {
+      gemm::q4::groupwise_gemm_into(x, packed, n, bits, half_scales, with_offset, factored,
+                                    bias, dot, levels, true, "split", y);
+      return;
+    }
+    // A part's columns of y: contiguous for one row (a single sequence's step), written in
+    // place; for more rows the part runs into its own rows and is copied in.
+    int64_t start = 0;
+    for (const StackLinear& part : parts) {
+      at::Tensor cols = y.narrow(1, start, part.n);
+      if (cols.is_contiguous()) {
+        part.run(x, dot, cols);
+      } else {
+        at::Tensor out = at::empty({y.size(0), part.n}, y.options());
+        part.run(x, dot, out);
+        cols.copy_(out);
+      }
+      start += part.n;
+    }
+  }
+
+  // The parts as one layer: N their sum.
+  static StackLinear of_parts(std::vector<StackLinear> parts) {
+    TORCH_CHECK(parts.size() >= 2, "StackLinear.of_parts: a fused layer has two parts or more");
+    StackLinear fused;
+    for (const StackLinear& part : parts) {
+      TORCH_CHECK(part.parts.empty(), "StackLinear.of_parts: a part cannot have parts");
+      fused.n += part.n;
+    }
+    fused.parts = std::move(parts);
+    return fused;
   }
 };
 
@@ -158,8 +191,8 @@ class DecodeStack {
                 double final_eps, const StackLinear& head, int64_t vocab) {
     TORCH_CHECK(!layers_.empty(), "DecodeStack: add the layers before the ends");
     const int64_t width = layers_[0].o.n;
-    TORCH_CHECK(vocab > 0 && vocab <= head.n && !head.bias.has_value(),
-                "DecodeStack: the LM head must be a bias-free layer of at least vocab rows");
+    TORCH_CHECK(vocab > 0 && vocab <= head.n && !head.bias.has_value() && head.parts.empty(),
+                "DecodeStack: the LM head must be one bias-free layer of at least vocab rows");
     TORCH_CHECK(final_norm.dim() == 1 && final_norm.size(0) == width,
                 "DecodeStack: the final norm must have ", width, " weights");
     TORCH_CHECK(rows_from_head || (embed_table.dim() == 2 && embed_table.size(1) == width &&
@@ -340,7 +373,10 @@ void bind_decode_stack(pybind11::module& m) {
            }),
            py::arg("packed"), py::arg("n"), py::arg("bits"), py::arg("half_scales"),
            py::arg("with_offset"), py::arg("factored"), py::arg("levels"),
-           py::arg("bias") = py::none());
+           py::arg("bias") = py::none())
+      .def_static("of_parts", &StackLinear::of_parts,
+                  "a fused layer of parts in their own formats, their outputs side by side",
+                  py::arg("parts"));
   py::class_<StackLayer>(m, "StackLayer", "one decoder layer's tensors and parameters")
       .def(py::init([](at::Tensor input_norm, double input_eps, at::Tensor post_norm,
                        double post_eps, const StackLinear& qkv, const StackLinear& o,
