@@ -701,8 +701,9 @@ def test_int16_rounding_keeps_bf16_within_2_to_the_7_of_the_max_exactly() -> Non
 
 @pytest.mark.parametrize("kind", INT16_KINDS)
 def test_the_int16_kernel_is_its_rounding_then_the_definition(ops, kind: str) -> None:
-    """One to four bf16 rows under the default kernel on AVX2 builds, and batches past them (the
-    int16 tiles: ``groupwise_int16_tiles_from()``): the float64 product of the
+    """One to sixteen bf16 rows under the default kernel on AVX2 builds (the few-row kernel, in
+    chunks of four rows per panel past four), and batches past them (the int16 tiles:
+    ``groupwise_int16_tiles_from()``): the float64 product of the
     dequantised layer with ``_int16_rounded(x)``, rounded once to bf16 (within half a step plus
     float32 sums). Each column's weights are one value across K, so an output is that value
     times the sum of the row's rounded x. Groups of +H and -H with small values (2^-2 to 2^-10
@@ -734,9 +735,9 @@ def test_the_int16_kernel_is_its_rounding_then_the_definition(ops, kind: str) ->
     pw = _pack(ops, weight, scale, offset if offset is None else offset.contiguous())
     w = _dequantized(weight, scale, offset).double()
     big = 2.0**10
-    many = (5, 13, 64) if ops.groupwise_int16_tiles_from() else ()  # on the int16 tiles
+    many = (20, 64) if ops.groupwise_int16_tiles_from() else ()  # on the int16 tiles
     counts = (*range(1, rows + 1), *many)
-    for m, designed in [(m, False) for m in counts] + [(m, True) for m in (rows, *many)]:
+    for m, designed in [(m, False) for m in counts] + [(m, True) for m in (4, rows, *many)]:
         x = torch.rand(m, k) * 0.5 - 0.25
         x *= torch.exp2(-torch.randint(0, 9, (m, k)).float())  # 2^-2 .. 2^-10: many below s
         if designed:  # half 2s, half in [0.02, 0.03): rounded to 0, the exact sums 20% more
@@ -764,13 +765,13 @@ def test_fp16_and_nonfinite_rows_keep_the_float_kernel(ops, case) -> None:
     """fp16 x (11 significant bits, for which the int16 grid would round what its outputs
     resolve) and bf16 rows holding an inf or a NaN take the float kernel whatever
     ``rows_kernel`` says: bit for bit ``rows_kernel="fma"``'s outputs, infs and NaNs where the
-    definition has them; past the few rows too (the int16 tiles' batches: 6 and 13 rows, the
-    whole batch on the float path)."""
+    definition has them; past four rows too (6 and 13 rows: the few-row kernels in chunks of
+    four; 20: the int16 tiles' batches, the whole batch on the float path)."""
     kind, (n, k) = case
     _int16_kernel_rows(ops)
     torch.manual_seed(n + 2 * k)
     pw = _pack(ops, *_layer_data(kind, n, k)[:3])
-    for m in (1, 3, 6, 13):
+    for m in (1, 3, 6, 13, 20):
         x = torch.randn(m, k).half()
         fma = pw.gemm(ops, x, None, False, rows_kernel="fma")
         assert torch.equal(pw.gemm(ops, x, None, False), fma)
@@ -816,7 +817,7 @@ def test_the_int16_tiles_are_named_in_the_path() -> None:
 
 
 # -- the int16 tiles of many bf16 rows (AVX2 without AVX-512) -----------------------------------
-TILE_ROWS = (5, 8, 13, 64, 300)  # one tile, two even ones, three uneven, decode, prefill
+TILE_ROWS = (17, 18, 64, 300)  # three uneven tiles, three even ones, decode, prefill
 
 
 def _int16_tiles_from(ops) -> int:
@@ -869,17 +870,20 @@ def test_a_row_on_the_int16_tiles_is_the_row_alone(ops, kind: str) -> None:
     """The tiles repeat the few-row int16 kernel's arithmetic (the same rounding of x, exact
     integer sums per group, the same float32 operations per group in the same order), so each
     row of a batch is bit for bit what that row gives alone: a sequence's logits do not depend
-    on how many others decode beside it."""
-    _int16_tiles_from(ops)
+    on how many others decode beside it. So do the few-row kernel's chunks of four (6 and 16
+    rows)."""
+    start = _int16_tiles_from(ops)
     rows = _int16_kernel_rows(ops)
     n, k = 37, 256
     torch.manual_seed(41)
     pw = _pack(ops, *_layer_data(kind, n, k)[:3])
     bias = torch.randn(n).bfloat16()
-    x = _spiky_rows(13, k)
+    m = start + 3
+    x = _spiky_rows(m, k)
     y = pw.gemm(ops, x, bias, False)
-    for r in range(13):
+    for r in range(m):
         assert torch.equal(y[r], pw.gemm(ops, x[r : r + 1], bias, False)[0]), r
+    assert torch.equal(y[:6], pw.gemm(ops, x[:6], bias, False))
     assert torch.equal(y[:rows], pw.gemm(ops, x[:rows], bias, False))
 
 

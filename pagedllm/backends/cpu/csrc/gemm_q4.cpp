@@ -181,7 +181,7 @@ std::vector<std::string> bf16_rows_kernels() {
 
 int64_t int16_rows() {
 #if defined(PAGEDLLM_Q4_AVX2_ROWS)
-  return kAvx2Rows;
+  return kAvx2ChunkedRows;
 #else
   return 0;
 #endif
@@ -189,7 +189,7 @@ int64_t int16_rows() {
 
 int64_t int16_tiles_from() {
 #if defined(PAGEDLLM_Q4_AVX2_TILES)
-  return kAvx2Rows + 1;
+  return kAvx2ChunkedRows + 1;
 #else
   return 0;
 #endif
@@ -472,7 +472,7 @@ void run_split(const c10::BFloat16* x, const Problem& pb, at::BFloat16* y) {
 
 #if defined(PAGEDLLM_Q4_AVX2_ROWS)
 // Few rows of bf16 / fp16 x on AVX2 (gemm_q4_avx2.h), prepared once per call, then every panel
-// on the threads. bf16 x under the default rows kernel (kSplit: as on AVX-512, x finely
+// on the threads, in chunks of kAvx2Rows rows (up to kAvx2ChunkedRows in all). bf16 x under the default rows kernel (kSplit: as on AVX-512, x finely
 // rounded to integers) is rounded to int16 per group of 32 against a power of two and meets q
 // in vpmaddwd (avx2_i16_rows); fp16 x, kDp / kFma, and calls whose x holds an inf or a NaN
 // take float32 FMAs on q (avx2_rows), whose products are exact.
@@ -484,6 +484,19 @@ struct Avx2Rows {
   std::vector<int32_t> xw;      // int16: [m, groups * kI16Words]
 };
 
+// fn(r) for every row r < m: on the threads past kAvx2Rows rows (a chunked call's rows are
+// rounded independently, and on one thread they delayed every panel), else on this one.
+template <typename Fn>
+void rows_on_threads(int64_t m, const Fn& fn) {
+  if (m <= kAvx2Rows) {
+    for (int64_t r = 0; r < m; ++r) fn(r);
+    return;
+  }
+  at::parallel_for(0, m, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) fn(r);
+  });
+}
+
 template <typename X>
 Avx2Rows avx2_x(const X* x, int64_t m, int64_t k, int bits, Bf16RowsKernel kernel) {
   const int64_t groups = k / kGroup;
@@ -492,16 +505,21 @@ Avx2Rows avx2_x(const X* x, int64_t m, int64_t k, int bits, Bf16RowsKernel kerne
   if (std::is_same_v<X, c10::BFloat16> && kernel == Bf16RowsKernel::kSplit) {
     a.xn.resize(static_cast<size_t>(m * groups));
     a.xw.resize(static_cast<size_t>(m * groups * kI16Words));
-    a.i16 = true;
-    for (int64_t r = 0; r < m && a.i16; ++r)
-      a.i16 = avx2_i16_x_rows(x + r * k, k, bits, a.xw.data() + r * groups * kI16Words,
-                              a.xn.data() + r * groups, a.gsum.data() + r * groups);
+    std::atomic<bool> finite{true};
+    rows_on_threads(m, [&](int64_t r) {
+      if (finite.load(std::memory_order_relaxed) &&
+          !avx2_i16_x_rows(x + r * k, k, bits, a.xw.data() + r * groups * kI16Words,
+                           a.xn.data() + r * groups, a.gsum.data() + r * groups))
+        finite.store(false, std::memory_order_relaxed);
+    });
+    a.i16 = finite.load();
     if (a.i16) return a;
     a.xw.clear();
   }
   a.xn.assign(static_cast<size_t>(m * k), 0.f);
-  for (int64_t r = 0; r < m; ++r)
+  rows_on_threads(m, [&](int64_t r) {
     avx2_x_rows(x + r * k, k, bits, a.xn.data() + r * k, a.gsum.data() + r * groups);
+  });
   return a;
 }
 
@@ -541,8 +559,11 @@ void run_avx2_rows(const X* x, const Problem& pb, X* y) {
   at::parallel_for(0, pb.panels(), 1, [&](int64_t p0, int64_t p1) {
     float c[kAvx2Rows * kCols];
     for (int64_t p = p0; p < p1; ++p) {
-      avx2_panel<Bits>(a, 0, pb.m, pb.k, pb.w + p * pb.panel_bytes(), pb.f, c);
-      store(c, pb.m, pb.n, p * kCols, pb.bias, y);
+      for (int64_t lo = 0; lo < pb.m; lo += kAvx2Rows) {
+        const int64_t rows = std::min(kAvx2Rows, pb.m - lo);
+        avx2_panel<Bits>(a, lo, rows, pb.k, pb.w + p * pb.panel_bytes(), pb.f, c);
+        store(c, rows, pb.n, p * kCols, pb.bias, y + lo * pb.n);
+      }
     }
   });
 }
@@ -566,7 +587,7 @@ void run_avx2_grouped(const X* x, int64_t rows, const std::vector<int64_t>& lo,
 #endif
 
 #if defined(PAGEDLLM_Q4_AVX2_TILES)
-// More than kAvx2Rows rows of bf16 x under the default rows kernel on AVX2
+// More than kAvx2ChunkedRows rows of bf16 x under the default rows kernel on AVX2
 // (gemm_q4_avx2_tiles.h): every row rounded to int16 as run_avx2_rows rounds it, then per
 // panel K-blocks of widened q shared by the row tiles (i16_block, i16_tile), the rows split
 // into tiles of at most kI16TileRows as evenly as they go (8 rows: 4 + 4, not 6 + 2). Returns
@@ -664,13 +685,13 @@ void dispatch(const torch::Tensor& x, const Problem& pb, bool dot, bool allow_am
   }
 #endif
 #if defined(PAGEDLLM_Q4_AVX2_TILES)
-  if (pb.m > kAvx2Rows && x.scalar_type() == at::kBFloat16 &&
+  if (pb.m > kAvx2ChunkedRows && x.scalar_type() == at::kBFloat16 &&
       pb.rows == Bf16RowsKernel::kSplit && avx2_rows_format(pb.f) &&
       run_avx2_tiles<Bits>(x.data_ptr<c10::BFloat16>(), pb, y.data_ptr<at::BFloat16>()))
     return;
 #endif
 #if defined(PAGEDLLM_Q4_AVX2_ROWS)
-  if (pb.m <= kAvx2Rows && avx2_rows_format(pb.f)) {
+  if (pb.m <= kAvx2ChunkedRows && avx2_rows_format(pb.f)) {
     if (x.scalar_type() == at::kBFloat16)
       return run_avx2_rows<Bits>(x.data_ptr<at::BFloat16>(), pb, y.data_ptr<at::BFloat16>());
     if (x.scalar_type() == at::kHalf)

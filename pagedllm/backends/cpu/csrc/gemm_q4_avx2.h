@@ -49,7 +49,14 @@
 
 namespace pagedllm::gemm::q4 {
 
-constexpr int kAvx2Rows = 4;  // up to this many rows per call
+constexpr int64_t kAvx2Rows = 4;  // up to this many rows per kernel call
+// Up to this many rows a GEMM runs the kernels below on each panel in chunks of kAvx2Rows
+// (the panel's later chunks read it from L1), past them the int16 tiles
+// (gemm_q4_avx2_tiles.h). Measured on a Zen 3 EPYC (two threads, 1B Q4_0 and Q4_K q/k/v,
+// gate/up and down from memory, interleaved): chunks over tiles 1.16-1.64x at 5-16 rows,
+// 0.96-1.14x at 24-64, 0.89-1.09x at 256 (the tiles' one widening of q per K-block pays off
+// only there).
+constexpr int64_t kAvx2ChunkedRows = 16;
 
 // Whether the kernels below, and the int16 tiles of many rows (gemm_q4_avx2_tiles.h), run a
 // layer of format f (IQ4 levels: no, their q index a table).
