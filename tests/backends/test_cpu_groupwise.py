@@ -765,8 +765,9 @@ def test_fp16_and_nonfinite_rows_keep_the_float_kernel(ops, case) -> None:
     """fp16 x (11 significant bits, for which the int16 grid would round what its outputs
     resolve) and bf16 rows holding an inf or a NaN take the float kernel whatever
     ``rows_kernel`` says: bit for bit ``rows_kernel="fma"``'s outputs, infs and NaNs where the
-    definition has them; past four rows too (6 and 13 rows: the few-row kernels in chunks of
-    four; 20: the int16 tiles' batches, the whole batch on the float path)."""
+    definition has them; past four rows too (6 and 13 rows: bf16 on the few-row kernels in
+    chunks of four, fp16 on ``run_f32``; 20: the int16 tiles' batches, the whole batch on the
+    float path)."""
     kind, (n, k) = case
     _int16_kernel_rows(ops)
     torch.manual_seed(n + 2 * k)

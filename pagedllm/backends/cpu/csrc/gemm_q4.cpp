@@ -472,10 +472,11 @@ void run_split(const c10::BFloat16* x, const Problem& pb, at::BFloat16* y) {
 
 #if defined(PAGEDLLM_Q4_AVX2_ROWS)
 // Few rows of bf16 / fp16 x on AVX2 (gemm_q4_avx2.h), prepared once per call, then every panel
-// on the threads, in chunks of kAvx2Rows rows (up to kAvx2ChunkedRows in all). bf16 x under the default rows kernel (kSplit: as on AVX-512, x finely
-// rounded to integers) is rounded to int16 per group of 32 against a power of two and meets q
-// in vpmaddwd (avx2_i16_rows); fp16 x, kDp / kFma, and calls whose x holds an inf or a NaN
-// take float32 FMAs on q (avx2_rows), whose products are exact.
+// on the threads, in chunks of kAvx2Rows rows (bf16: up to kAvx2ChunkedRows in all). bf16 x
+// under the default rows kernel (kSplit: as on AVX-512, x finely rounded to integers) is
+// rounded to int16 per group of 32 against a power of two and meets q in vpmaddwd
+// (avx2_i16_rows); fp16 x, kDp / kFma, and calls whose x holds an inf or a NaN take float32
+// FMAs on q (avx2_rows), whose products are exact.
 static_assert(kAvx2Rows == kF32Rows, "register_rows bounds the grouped calls' groups by kF32Rows");
 
 struct Avx2Rows {
@@ -691,7 +692,11 @@ void dispatch(const torch::Tensor& x, const Problem& pb, bool dot, bool allow_am
     return;
 #endif
 #if defined(PAGEDLLM_Q4_AVX2_ROWS)
-  if (pb.m <= kAvx2ChunkedRows && avx2_rows_format(pb.f)) {
+  // bf16 rows in chunks up to kAvx2ChunkedRows (measured on the int16 kernel); fp16 rows up to
+  // kAvx2Rows: the float kernel's chunks of four did not beat run_f32's tiles past them (1B
+  // Q4_0 gate/up at 16 rows 0.6-0.8x, Q8_0 1.1-1.9x: mixed, so not taken).
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  if (pb.m <= (bf16 ? kAvx2ChunkedRows : kAvx2Rows) && avx2_rows_format(pb.f)) {
     if (x.scalar_type() == at::kBFloat16)
       return run_avx2_rows<Bits>(x.data_ptr<at::BFloat16>(), pb, y.data_ptr<at::BFloat16>());
     if (x.scalar_type() == at::kHalf)
