@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -41,6 +41,9 @@ from pagedllm.backends.base import FP8_DTYPES, AttentionMetadata
 from pagedllm.backends.cpu import dense_gemm
 from pagedllm.backends.cpu.linear_kernel import LinearKernel
 from pagedllm.config import env_decode_stack
+
+if TYPE_CHECKING:
+    from pagedllm.backends.cpu.groupwise_pack import PackedGroupwise
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +81,8 @@ def _packed(ops: ModuleType, module: nn.Module, what: str, *, bias_ok: bool) -> 
     return ops.StackLinear.of_parts(stacked)
 
 
-def _stack_linear(ops: ModuleType, pw: Any, bias32: torch.Tensor | None) -> Any:
+def _stack_linear(ops: ModuleType, pw: PackedGroupwise, bias32: torch.Tensor | None) -> Any:
+    """One packed layer's ``StackLinear``: the arguments ``groupwise_gemm`` takes for it."""
     return ops.StackLinear(
         pw.packed, pw.n, pw.bits, pw.half_scales, pw.with_offset, pw.factored, pw.levels, bias32
     )
