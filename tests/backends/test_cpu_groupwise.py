@@ -349,7 +349,7 @@ def test_six_bit_weights_are_refused_where_they_cannot_run(ops) -> None:
         return
     pw = pack_groupwise(ops, q, scale, None, d, six=True)
     assert pw.bits == 6
-    with pytest.raises(RuntimeError, match="six-bit weights run the float path only"):
+    with pytest.raises(RuntimeError, match="six-bit weights never take the dot path"):
         pw.gemm(ops, x, None, True)
     # The six and int8 layouts of one layer give the same float path sums, up to order.
     eight = pack_groupwise(ops, q, scale, None, d)

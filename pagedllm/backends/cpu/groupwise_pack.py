@@ -32,7 +32,7 @@ class PackedGroupwise:
     packed: torch.Tensor  # uint8 [ceil(N/16), panel bytes]
     n: int
     k: int
-    bits: int  # 4 or 8; 6: q6_k's q at 6 bits (the float path only, AVX-512 builds)
+    bits: int  # 4 or 8; 6: q6_k's q at 6 bits (never the dot path; AVX2 and AVX-512 builds)
     half_scales: bool  # scales and offsets (factored: d and dm) stored as fp16: exact here
     with_offset: bool  # 4-bit: offsets stored (else offset = -8 * scale for every group)
     # 4-bit: scale = d * sc, offset = dm * m per super-block of 8 groups; 8-bit: q6_k, a scale

@@ -744,7 +744,7 @@ void groupwise_gemm_into(const torch::Tensor& x, const torch::Tensor& packed, in
                          bool allow_amx, const std::string& rows_kernel, torch::Tensor& y) {
   const Format f = format_of(bits, half_scales, with_offset, factored, levels);
   const Bf16RowsKernel kernel = rows_kernel_of("groupwise_gemm", rows_kernel);
-  TORCH_CHECK(!(dot && f.six()), "groupwise_gemm: six-bit weights run the float path only");
+  TORCH_CHECK(!(dot && f.six()), "groupwise_gemm: six-bit weights never take the dot path");
   TORCH_CHECK(!(dot && f.levels), "groupwise_gemm: IQ4 levels run the float path only");
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "groupwise_gemm: x must be a CPU [M, K], got ",
               x.sizes());
@@ -901,7 +901,7 @@ torch::Tensor groupwise_gemm_grouped(const torch::Tensor& x, const std::vector<t
                                      bool levels, const std::string& rows_kernel) {
   const Format f = format_of(bits, half_scales, with_offset, factored, levels);
   const Bf16RowsKernel kernel = rows_kernel_of("groupwise_gemm_grouped", rows_kernel);
-  TORCH_CHECK(!(dot && f.six()), "groupwise_gemm_grouped: six-bit weights run the float path only");
+  TORCH_CHECK(!(dot && f.six()), "groupwise_gemm_grouped: six-bit weights never take the dot path");
   TORCH_CHECK(!(dot && f.levels), "groupwise_gemm_grouped: IQ4 levels run the float path only");
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2,
               "groupwise_gemm_grouped: x must be a CPU [P, K], got ", x.sizes());

@@ -130,10 +130,7 @@ PAGEDLLM_Q4_INLINE void avx2_six_half(const uint8_t* half, const float* xc, int6
   const auto step = [&](auto p) {
     constexpr int kP = decltype(p)::value;
     const __m256i v0 = six_word<kP>(half, 0), v1 = six_word<kP>(half, 1);
-    const __m256 e0 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v0, 16), 16));
-    const __m256 e1 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v1, 16), 16));
-    const __m256 o0 = _mm256_cvtepi32_ps(_mm256_srai_epi32(v0, 16));
-    const __m256 o1 = _mm256_cvtepi32_ps(_mm256_srai_epi32(v1, 16));
+    const __m256 e0 = six_even(v0), e1 = six_even(v1), o0 = six_odd(v0), o1 = six_odd(v1);
     __m256(*ae)[2] = a[(2 * kP) % C];
     __m256(*ao)[2] = a[(2 * kP + 1) % C];
 #pragma GCC unroll 4

@@ -472,15 +472,21 @@ PAGEDLLM_Q4_INLINE __m256i six_word(const uint8_t* half, int cols) {
   }
 }
 
+// A pair row's even k (its low words) and odd k (high words) as float32, sign-extended.
+PAGEDLLM_Q4_INLINE __m256 six_even(__m256i v) {
+  return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 16));
+}
+PAGEDLLM_Q4_INLINE __m256 six_odd(__m256i v) {
+  return _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 16));
+}
+
 template <int... P>
 PAGEDLLM_Q4_INLINE void six_rows_of(const uint8_t* half, V16 scale, V16 w[16],
                                     std::integer_sequence<int, P...>) {
-  const auto even = [](__m256i v) {  // the low words, sign-extended
-    return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 16));
-  };
-  const auto odd = [](__m256i v) { return _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 16)); };
-  ((w[2 * P] = v_mul({even(six_word<P>(half, 0)), even(six_word<P>(half, 1))}, scale)), ...);
-  ((w[2 * P + 1] = v_mul({odd(six_word<P>(half, 0)), odd(six_word<P>(half, 1))}, scale)), ...);
+  ((w[2 * P] = v_mul({six_even(six_word<P>(half, 0)), six_even(six_word<P>(half, 1))}, scale)),
+   ...);
+  ((w[2 * P + 1] = v_mul({six_odd(six_word<P>(half, 0)), six_odd(six_word<P>(half, 1))}, scale)),
+   ...);
 }
 
 // q of one six half group as 16 float32 rows (w[i]: k = i of the half group), times `scale`.
