@@ -274,6 +274,23 @@ def test_dot_path_matches_its_definition_at_many_rows(ops, kind: str, xdtype) ->
         assert torch.equal(pw.gemm(ops, x[rows], bias, True), y[rows]), f"m={m} k={k}"
 
 
+@pytest.mark.parametrize("kind", ("q4_0", "q4_1", "q4_k", "int4"))
+def test_a_row_on_the_dot_tiles_is_the_row_alone(ops, kind: str) -> None:
+    """Past four rows the dot path runs 4-bit layers on register tiles (AVX2 builds:
+    gemm_q4_dot_tiles.h) whose integer sums and float32 operations per group are the few-row
+    kernel's, in its order: every row of a batch is bit for bit that row alone, uneven tiles,
+    K-blocks and passes included."""
+    n, k = 37, 768  # 24 groups: three K-blocks of 8
+    torch.manual_seed(43)
+    pw = _pack(ops, *_layer_data(kind, n, k)[:3])
+    bias = torch.randn(n).bfloat16()
+    for m in (5, 6, 7, 13, 64):
+        x = _spiky_rows(m, k)
+        y = pw.gemm(ops, x, bias, True)
+        for r in range(m):
+            assert torch.equal(y[r], pw.gemm(ops, x[r : r + 1], bias, True)[0]), (m, r)
+
+
 @pytest.mark.parametrize("xdtype", ACT_DTYPES, ids=str)
 def test_activation_rounding_is_the_definition_bit_for_bit(ops, xdtype) -> None:
     torch.manual_seed(1)

@@ -387,6 +387,7 @@ _HEADERS = (
     "gemm_q4_avx2.h",
     "gemm_q4_avx2_tiles.h",
     "gemm_q4_dot.h",
+    "gemm_q4_dot_tiles.h",
     "decode_stack.h",
     "attention.h",
     "pointwise.h",

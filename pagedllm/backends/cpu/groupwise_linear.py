@@ -21,7 +21,7 @@ smallest exact form of its scales). Two paths run on the same packed weights:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from types import MappingProxyType, ModuleType
 
@@ -149,7 +149,9 @@ def weight_integers(layer: nn.Module) -> torch.Tensor:
 # vdpbf16ps, and the float path's weight conversion is not cheaper per row), with no crossover:
 # prefill batches round x as llama.cpp's do. AVX2's vpmaddubsw (the avx2 and avx512 builds) ran
 # 2-2.6x its float path at 1-16 rows and 1.0-1.6x at 256-512 (a run on a loaded host; Q4_0 and
-# Q8_0, o_proj and down_proj): no crossover either.
+# Q8_0, o_proj and down_proj): no crossover either. Since its 4-bit register tiles
+# (gemm_q4_dot_tiles.h, past 4 rows), 155-172 GMAC/s at 16-256 rows on a Zen 3 against the
+# int16 tiles' ~95 for the same bf16 rows (1.5-1.8x).
 DOT_ROWS: dict[str, int | None] = {"avx512vnni": None, "avx2": None}
 # What ``dot_rows`` returns for "every batch".
 EVERY_BATCH = 1 << 62
@@ -350,12 +352,14 @@ def make_parts_linear(
     *,
     dot: bool = False,
     checked: set[tuple] | None = None,
+    packed: Sequence[PackedGroupwise | None] = (),
 ) -> LinearKernel:
     """A fused layer whose parts keep their own formats (``mixed``, Q4_K q/k with a Q6_K v):
     one GEMM per run of parts in one format (q/k, v), packed and checked as a layer of its own
     (``checked``: as there; a ``dense`` run gets a dense layer's GEMM), the outputs side by
-    side. The path: ``cpp-mixed(<format per part>)-<isa>``; a run that cannot be packed leaves
-    the whole layer on PyTorch."""
+    side. ``packed``: a run's panels already packed (the packed-weight cache's), by run; a run
+    without them is packed here. The path: ``cpp-mixed(<format per part>)-<isa>``; a run that
+    cannot be packed leaves the whole layer on PyTorch."""
     from pagedllm.layers.quantization.base import FLOAT
 
     ops = dg.gemm_ops()
@@ -364,11 +368,14 @@ def make_parts_linear(
     kernels: list[LinearKernel] = []
     fns: list[LinearFn] = []
     start = 0
-    for part in module.parts:
+    for i, part in enumerate(module.parts):
         rows = part.weight.shape[0]
         part_bias = None if bias is None else bias[start : start + rows]
+        pw = packed[i] if i < len(packed) else None
         if part.quant_method.weight_format == FLOAT:
             kernel = dg.make_dense_linear(part.weight, part_bias)
+        elif pw is not None:
+            kernel = packed_groupwise_linear(pw, part_bias, dot=dot)
         else:
             kernel = make_groupwise_linear(part, part_bias, dot=dot, checked=checked)
         if kernel.fn is None:

@@ -31,6 +31,7 @@
 #include "gemm_q4_avx2.h"
 #include "gemm_q4_avx2_tiles.h"
 #include "gemm_q4_dot.h"
+#include "gemm_q4_dot_tiles.h"
 #include "gemm_q4_float.h"
 
 namespace pagedllm::gemm::q4 {
@@ -409,10 +410,57 @@ std::vector<int32_t> dot_corrections(const QuantizedRows& qx, int bits, bool two
   return corr;
 }
 
+#if defined(PAGEDLLM_Q4_DOT_TILES)
+// More than kDotRows rows of int8 x on a 4-bit layer (gemm_q4_dot_tiles.h): per panel K-blocks
+// of split q shared by the row tiles, the rows split into tiles of at most kI8TileRows as evenly
+// as they go, in passes whose x stays in L2. Every row's result is dot_rows' for it.
+template <typename Out>
+void run_dot_tiles(const QuantizedRows& qx, const std::vector<int32_t>& corr, const Problem& pb,
+                   Out* y) {
+  const int64_t m = pb.m, k = pb.k, groups = pb.groups;
+  const bool centred = !pb.f.with_offset;
+  const int64_t tiles = (m + kI8TileRows - 1) / kI8TileRows;
+  const int64_t per = (m + tiles - 1) / tiles;  // rows per tile, the last one fewer
+  const int64_t chunk = std::max(kI8ChunkBytes / (k * per), kI8ChunkTiles) * per;
+  at::parallel_for(0, pb.panels(), 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> acc(static_cast<size_t>(std::min(chunk, m) * kCols));
+    std::vector<__m256i> w(static_cast<size_t>(kI8BlockGroups * kI8GroupVecs));
+    std::vector<float> so(static_cast<size_t>(kI8BlockGroups * 2 * kCols));
+    for (int64_t c0 = 0; c0 < m; c0 += chunk) {
+      const int64_t c1 = std::min(m, c0 + chunk);
+      for (int64_t p = p0; p < p1; ++p) {
+        const uint8_t* panel = pb.w + p * pb.panel_bytes();
+        for (int64_t g0 = 0; g0 < groups; g0 += kI8BlockGroups) {
+          const int64_t gc = std::min(kI8BlockGroups, groups - g0);
+          with_layout<4, false>(pb.f, [&](auto layout) {
+            i8_block<decltype(layout)>(panel, g0, gc, pb.f, w.data(), so.data());
+          });
+          for (int64_t m0 = c0; m0 < c1; m0 += per) {
+            const int rows = static_cast<int>(std::min(per, c1 - m0));
+            const int64_t at = m0 * groups + g0;
+            with_rows<kI8TileRows>(rows, [&](auto r) {
+              i8_tile<decltype(r)::value>(qx.q.data() + m0 * k + g0 * kGroup, k,
+                                          qx.dx.data() + at, qx.xsum.data() + at,
+                                          corr.data() + at, groups, w.data(), so.data(), gc,
+                                          pb.f.with_offset, centred,
+                                          acc.data() + (m0 - c0) * kCols, g0 > 0);
+            });
+          }
+        }
+        store(acc.data(), c1 - c0, pb.n, p * kCols, pb.bias, y + c0 * pb.n);
+      }
+    }
+  });
+}
+#endif
+
 template <int Bits, typename Out>
 void run_dot(const QuantizedRows& qx, const Problem& pb, Out* y) {
   const int64_t m = pb.m, k = pb.k, groups = pb.groups;
   const std::vector<int32_t> corr = dot_corrections(qx, Bits, pb.f.two_scales());
+#if defined(PAGEDLLM_Q4_DOT_TILES)
+  if (Bits == 4 && m > kDotRows) return run_dot_tiles(qx, corr, pb, y);
+#endif
   const int64_t corr_row = pb.f.two_scales() ? 2 : 1;  // corrections per group
   at::parallel_for(0, pb.panels(), 1, [&](int64_t p0, int64_t p1) {
     float c[kDotRows * kCols];

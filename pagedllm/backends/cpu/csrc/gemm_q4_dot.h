@@ -18,6 +18,8 @@
 // Two-scale layers (Q6_K: a scale per 16 k) keep two int32 sums per group, each scaled by its
 // own scale times dx (VNNI's correction is then per 16 k: corr[group][2]).
 // Nothing saturates: a vpmaddubsw pair is at most 2 * 15 * 127 (4-bit) or 2 * 127 * 127.
+// On AVX2 a 4-bit layer's batches past kDotRows run the same arithmetic on register tiles
+// (gemm_q4_dot_tiles.h); dot_rows runs the rest.
 #pragma once
 
 #include <algorithm>
@@ -39,6 +41,18 @@ inline int32_t quantize_group(const float* x, int8_t* q, float* dx) {
                                  _mm512_abs_ps(_mm512_loadu_ps(x + 16)));
   amax = _mm512_reduce_max_ps(a);
   i = kGroup;
+#elif defined(__AVX2__)
+  {  // m = max(|x|, m) from 0: a NaN is passed over, as std::max(amax, NaN) passes it below
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 m = _mm256_setzero_ps();
+    for (int h = 0; h < 4; ++h)
+      m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + 8 * h)), m);
+    __m128 v = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    v = _mm_max_ps(v, _mm_movehl_ps(v, v));
+    v = _mm_max_ss(v, _mm_shuffle_ps(v, v, 1));
+    amax = _mm_cvtss_f32(v);
+    i = kGroup;
+  }
 #endif
   for (int64_t j = i; j < kGroup; ++j) amax = std::max(amax, std::fabs(x[j]));
   float d = amax / 127.f;
@@ -54,6 +68,26 @@ inline int32_t quantize_group(const float* x, int8_t* q, float* dx) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * h), _mm512_cvtepi32_epi8(qi));
     sum += _mm512_reduce_add_epi32(qi);
   }
+#elif defined(__AVX2__)
+  // The scalar loop's operations lane by lane: a true division, rounding half to even, then
+  // std::max(-127, v) and std::min(127, v) (a NaN quotient becomes -127 there and here).
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m256 vd = _mm256_set1_ps(d), lim = _mm256_set1_ps(127.f), nlim = _mm256_set1_ps(-127.f);
+  __m256i qi[4];
+  for (int h = 0; h < 4; ++h) {
+    const __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + 8 * h), vd), kRound);
+    qi[h] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, nlim), lim));
+  }
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]),
+                                           _mm256_packs_epi32(qi[2], qi[3]));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // packs works per lane
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(bytes, order));
+  const __m256i s =
+      _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+  sum = _mm_cvtsi128_si32(t);
 #else
   for (int64_t j = 0; j < kGroup; ++j) {
     const float v = std::min(127.f, std::max(-127.f, std::nearbyint(x[j] / d)));
