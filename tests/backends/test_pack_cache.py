@@ -79,6 +79,28 @@ def test_a_second_start_maps_the_panels_and_answers_the_same(
     assert (folder / "weights-sha256.json").exists()
 
 
+def test_a_fused_layer_of_several_formats_maps_its_runs_panels_too(
+    tmp_path: Path, folder: Path, packs: list[int]
+) -> None:
+    """q and k Q4_1 beside an F16 v, gate Q4_1 beside a Q8_0 up (as llama.cpp's Q*_K_M files
+    keep v and down): each group-wise run's panels are cached under the run's module name and
+    mapped by the next start (the dense run is built from its weight as always), answers
+    equal."""
+    src = build_model(tmp_path / "llama", "llama")
+    recipe = {"attn_v": "F16", "ffn_up": "Q8_0"}
+    path = write_gguf(src, tmp_path / "mixed.gguf", recipe=recipe, default="Q4_1")
+    uncached = _greedy(path, disable_packed_cache=True)
+    first = _greedy(path)
+    packed = len(packs)
+    assert first == uncached and len(_files(folder)) == 1
+    data = torch.load(_files(folder)[0], weights_only=True)
+    assert any(name.endswith("qkv_proj.parts.0") for name in data["layers"]), data["layers"]
+    assert any(name.endswith("gate_up_proj.parts.1") for name in data["layers"])
+    assert not any(name.endswith("qkv_proj.parts.1") for name in data["layers"])  # dense: F16
+    assert _greedy(path) == uncached
+    assert len(packs) == packed  # no run packed again
+
+
 def test_a_cached_start_leaves_the_cached_layers_unread(
     gguf_file: Path, folder: Path, packs: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:

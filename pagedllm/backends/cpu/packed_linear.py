@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Protocol
 
@@ -84,11 +84,21 @@ def _groupwise_kernel(
 
 
 def _parts_kernel(
-    module: nn.Module, bias: torch.Tensor | None, *, dot: bool, checked: set[tuple] | None
+    module: nn.Module,
+    bias: torch.Tensor | None,
+    *,
+    dot: bool,
+    checked: set[tuple] | None,
+    packed: Sequence[PackedGroupwise | None] = (),
 ) -> LinearKernel:
     from pagedllm.backends.cpu.groupwise_linear import make_parts_linear
 
-    return make_parts_linear(module, bias, dot=dot, checked=checked)
+    return make_parts_linear(module, bias, dot=dot, checked=checked, packed=packed)
+
+
+def _part_name(layer: str, index: int) -> str:
+    """A fused layer's run of parts in the packed-weight cache: its module's own name."""
+    return f"{layer}.parts.{index}"
 
 
 @functools.cache
@@ -253,6 +263,26 @@ def _cached_kernel(
     return kernel if kernel.fn is not None else None
 
 
+def _cached_parts_kernel(
+    module: nn.Module, name: str, cached: Mapping[str, PackedGroupwise], *, dot: bool
+) -> LinearKernel | None:
+    """A fused layer of several formats on its runs' cached panels (every group-wise run's,
+    each fitting it; a dense run is built from its weight as always), or None to pack it."""
+    from pagedllm.layers.quantization.base import FLOAT, UNQUANTIZED
+    from pagedllm.layers.quantization.groupwise_parts import MIXED
+
+    fmt = (getattr(module, "quant_method", None) or UNQUANTIZED).layer_format(module)
+    if fmt != MIXED:
+        return None
+    packed = [cached.get(_part_name(name, i)) for i in range(len(module.parts))]
+    for part, pw in zip(module.parts, packed, strict=True):
+        if part.quant_method.weight_format != FLOAT and not _fits(part, pw):
+            return None
+    bias = getattr(module, "bias", None) if module.fast_linear_has_bias else None
+    kernel = _parts_kernel(module, bias, dot=dot, checked=None, packed=packed)
+    return kernel if kernel.fn is not None else None
+
+
 def _unread(module: nn.Module, cache: PackCache | None) -> RuntimeError:
     """A layer the loader left unread for its cached panels got none: the cache is removed so
     that the next start loads and packs the whole file."""
@@ -285,7 +315,7 @@ def pack_linear_layers(model: nn.Module, *, int8_activations: bool = False) -> d
                 continue
             kernel = _cached_kernel(
                 module, cached.get(name), is_head=module is head, dot=int8_activations
-            )
+            ) or _cached_parts_kernel(module, name, cached, dot=int8_activations)
             if kernel is None and module.weight.is_meta:
                 raise _unread(module, cache)
             if kernel is None:
@@ -297,6 +327,9 @@ def pack_linear_layers(model: nn.Module, *, int8_activations: bool = False) -> d
                 )
             if kernel.groupwise is not None:
                 packed[name] = kernel.groupwise
+            for i, part in enumerate(kernel.parts):
+                if part.groupwise is not None:
+                    packed[_part_name(name, i)] = part.groupwise
             paths.setdefault(_kind(module, head), set()).add(kernel.path)
             if kernel.fn is None:
                 continue
