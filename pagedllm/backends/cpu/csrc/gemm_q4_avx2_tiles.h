@@ -112,9 +112,13 @@ inline void i16_tile(const int32_t* xw, int64_t ldx, const float* xs, const floa
       _mm256_storeu_ps(c + r * kCols, _mm256_setzero_ps());
       _mm256_storeu_ps(c + r * kCols + 8, _mm256_setzero_ps());
     }
+  // Each row's own pointer, advanced by a group per step: indexed as xg[r * ldx + j], GCC
+  // kept the address of every row and word (96 in the 6-row tile) in stack slots and loaded
+  // one before each broadcast.
+  const int32_t* xr[R];
+  for (int r = 0; r < R; ++r) xr[r] = xw + r * ldx;
   for (int64_t g = 0; g < gc; ++g) {
     const __m256i* wg = w + g * kI16GroupVecs;
-    const int32_t* xg = xw + g * kI16Words;
     const float* sg = so + g * 2 * kCols;
     __m256i a[R][2];
     // c[r] += the sums times `scale` (and s of row r), sums reset: avx2_i16_rows' arithmetic.
@@ -144,7 +148,7 @@ inline void i16_tile(const int32_t* xw, int64_t ldx, const float* xs, const floa
       const __m256i w0 = _mm256_loadu_si256(wg + 2 * j), w1 = _mm256_loadu_si256(wg + 2 * j + 1);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        const __m256i xb = _mm256_set1_epi32(xg[r * ldx + j]);
+        const __m256i xb = _mm256_set1_epi32(xr[r][g * kI16Words + j]);
         a[r][0] = _mm256_add_epi32(a[r][0], _mm256_madd_epi16(w0, xb));
         a[r][1] = _mm256_add_epi32(a[r][1], _mm256_madd_epi16(w1, xb));
       }

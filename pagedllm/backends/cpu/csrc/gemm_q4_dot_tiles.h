@@ -79,9 +79,10 @@ inline void i8_tile(const int8_t* xq, int64_t ldx, const float* dx, const float*
   if (!accumulate)
     for (int r = 0; r < R; ++r) v_store(c + r * kCols, v_zero());
   const __m256i ones = _mm256_set1_epi16(1);
+  const int8_t* xr[R];  // each row's own pointer (as i16_tile: no address per row and part)
+  for (int r = 0; r < R; ++r) xr[r] = xq + r * ldx;
   for (int64_t g = 0; g < gc; ++g) {
     const __m256i* wg = w + g * kI8GroupVecs;
-    const int8_t* xg = xq + g * kGroup;
     __m256i a[R][2];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_si256();
@@ -91,7 +92,7 @@ inline void i8_tile(const int8_t* xq, int64_t ldx, const float* dx, const float*
       const __m256i w1 = _mm256_loadu_si256(wg + 2 * part + 1);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        const __m256i xb = _mm256_set1_epi32(load4(xg + r * ldx + 4 * part));
+        const __m256i xb = _mm256_set1_epi32(load4(xr[r] + g * kGroup + 4 * part));
         a[r][0] = _mm256_add_epi16(a[r][0], _mm256_maddubs_epi16(w0, xb));
         a[r][1] = _mm256_add_epi16(a[r][1], _mm256_maddubs_epi16(w1, xb));
       }
