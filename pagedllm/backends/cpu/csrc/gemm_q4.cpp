@@ -410,40 +410,36 @@ std::vector<int32_t> dot_corrections(const QuantizedRows& qx, int bits, bool two
   return corr;
 }
 
-#if defined(PAGEDLLM_Q4_DOT_TILES)
-// More than kDotRows rows of int8 x on a 4-bit layer (gemm_q4_dot_tiles.h): per panel K-blocks
-// of split q shared by the row tiles, the rows split into tiles of at most kI8TileRows as evenly
-// as they go, in passes whose x stays in L2. Every row's result is dot_rows' for it.
-template <typename Out>
-void run_dot_tiles(const QuantizedRows& qx, const std::vector<int32_t>& corr, const Problem& pb,
-                   Out* y) {
-  const int64_t m = pb.m, k = pb.k, groups = pb.groups;
-  const bool centred = !pb.f.with_offset;
-  const int64_t tiles = (m + kI8TileRows - 1) / kI8TileRows;
+#if defined(PAGEDLLM_Q4_AVX2_TILES)
+// The register tiles' schedule on AVX2, shared by the int16 tiles of bf16 x and the dot tiles of
+// int8 x: the rows split into tiles of at most Rows as evenly as they go (8 rows: 4 + 4, not
+// 6 + 2), in passes over a thread's panels of as many whole tiles as keep x in L2
+// (chunk_bytes of x_row_bytes a row), at least chunk_tiles of them, since each pass prepares
+// every panel's q again. Per panel and K-block of block_groups groups, widen(scratch, panel, g0,
+// gc) prepares the block once in the thread's Scratch, then tile(scratch, rows, m0, g0, gc, c,
+// accumulate) runs each tile of the pass (rows: with_rows' constant) into its totals c.
+template <int Rows, typename Scratch, typename Out, typename Widen, typename Tile>
+void run_row_tiles(const Problem& pb, int64_t x_row_bytes, int64_t chunk_bytes,
+                   int64_t chunk_tiles, int64_t block_groups, Out* y, const Widen& widen,
+                   const Tile& tile) {
+  const int64_t m = pb.m, groups = pb.groups;
+  const int64_t tiles = (m + Rows - 1) / Rows;
   const int64_t per = (m + tiles - 1) / tiles;  // rows per tile, the last one fewer
-  const int64_t chunk = std::max(kI8ChunkBytes / (k * per), kI8ChunkTiles) * per;
+  const int64_t chunk = std::max(chunk_bytes / x_row_bytes / per, chunk_tiles) * per;
   at::parallel_for(0, pb.panels(), 1, [&](int64_t p0, int64_t p1) {
     std::vector<float> acc(static_cast<size_t>(std::min(chunk, m) * kCols));
-    std::vector<__m256i> w(static_cast<size_t>(kI8BlockGroups * kI8GroupVecs));
-    std::vector<float> so(static_cast<size_t>(kI8BlockGroups * 2 * kCols));
+    Scratch scratch;
     for (int64_t c0 = 0; c0 < m; c0 += chunk) {
       const int64_t c1 = std::min(m, c0 + chunk);
       for (int64_t p = p0; p < p1; ++p) {
         const uint8_t* panel = pb.w + p * pb.panel_bytes();
-        for (int64_t g0 = 0; g0 < groups; g0 += kI8BlockGroups) {
-          const int64_t gc = std::min(kI8BlockGroups, groups - g0);
-          with_layout<4, false>(pb.f, [&](auto layout) {
-            i8_block<decltype(layout)>(panel, g0, gc, pb.f, w.data(), so.data());
-          });
+        for (int64_t g0 = 0; g0 < groups; g0 += block_groups) {
+          const int64_t gc = std::min(block_groups, groups - g0);
+          widen(scratch, panel, g0, gc);
           for (int64_t m0 = c0; m0 < c1; m0 += per) {
             const int rows = static_cast<int>(std::min(per, c1 - m0));
-            const int64_t at = m0 * groups + g0;
-            with_rows<kI8TileRows>(rows, [&](auto r) {
-              i8_tile<decltype(r)::value>(qx.q.data() + m0 * k + g0 * kGroup, k,
-                                          qx.dx.data() + at, qx.xsum.data() + at,
-                                          corr.data() + at, groups, w.data(), so.data(), gc,
-                                          pb.f.with_offset, centred,
-                                          acc.data() + (m0 - c0) * kCols, g0 > 0);
+            with_rows<Rows>(rows, [&](auto r) {
+              tile(scratch, r, m0, g0, gc, acc.data() + (m0 - c0) * kCols, g0 > 0);
             });
           }
         }
@@ -451,6 +447,37 @@ void run_dot_tiles(const QuantizedRows& qx, const std::vector<int32_t>& corr, co
       }
     }
   });
+}
+#endif
+
+#if defined(PAGEDLLM_Q4_DOT_TILES)
+// A thread's scratch of split q and their scales for one K-block (i8_block).
+struct I8Scratch {
+  std::vector<__m256i> w = std::vector<__m256i>(kI8BlockGroups * kI8GroupVecs);
+  std::vector<float> so = std::vector<float>(kI8BlockGroups * 2 * kCols);
+};
+
+// More than kDotRows rows of int8 x on a 4-bit layer (gemm_q4_dot_tiles.h): per panel K-blocks
+// of split q shared by the row tiles (run_row_tiles). Every row's result is dot_rows' for it.
+template <typename Out>
+void run_dot_tiles(const QuantizedRows& qx, const std::vector<int32_t>& corr, const Problem& pb,
+                   Out* y) {
+  const int64_t k = pb.k, groups = pb.groups;
+  const bool centred = !pb.f.with_offset;
+  const auto split = [&](I8Scratch& s, const uint8_t* panel, int64_t g0, int64_t gc) {
+    with_layout<4, false>(pb.f, [&](auto layout) {
+      i8_block<decltype(layout)>(panel, g0, gc, pb.f, s.w.data(), s.so.data());
+    });
+  };
+  const auto tile = [&](const I8Scratch& s, auto r, int64_t m0, int64_t g0, int64_t gc,
+                        float* c, bool accumulate) {
+    const int64_t at = m0 * groups + g0;
+    i8_tile<decltype(r)::value>(qx.q.data() + m0 * k + g0 * kGroup, k, qx.dx.data() + at,
+                                qx.xsum.data() + at, corr.data() + at, groups, s.w.data(),
+                                s.so.data(), gc, pb.f.with_offset, centred, c, accumulate);
+  };
+  run_row_tiles<kI8TileRows, I8Scratch>(pb, k, kI8ChunkBytes, kI8ChunkTiles, kI8BlockGroups, y,
+                                        split, tile);
 }
 #endif
 
@@ -636,6 +663,12 @@ void run_avx2_grouped(const X* x, int64_t rows, const std::vector<int64_t>& lo,
 #endif
 
 #if defined(PAGEDLLM_Q4_AVX2_TILES)
+// A thread's scratch of widened q and their scales for one K-block (i16_block).
+struct I16Scratch {
+  std::vector<int32_t> w = std::vector<int32_t>(kI16BlockGroups * kI16GroupInts);
+  std::vector<float> so = std::vector<float>(kI16BlockGroups * 2 * kCols);
+};
+
 // More than kAvx2ChunkedRows rows of bf16 x under the default rows kernel on AVX2
 // (gemm_q4_avx2_tiles.h): every row rounded to int16 as run_avx2_rows rounds it, then per
 // panel K-blocks of widened q shared by the row tiles (i16_block, i16_tile), the rows split
@@ -656,57 +689,36 @@ bool run_avx2_tiles(const c10::BFloat16* x, const Problem& pb, at::BFloat16* y) 
   });
   if (!finite.load()) return false;
   const bool two = pb.f.two_scales(), offsets = !two && (Bits == 4 || pb.f.with_offset);
-  const int64_t tiles = (m + kI16TileRows - 1) / kI16TileRows;
-  const int64_t per = (m + tiles - 1) / tiles;  // rows per tile, the last one fewer
-  // Rows per pass over a thread's panels: whole tiles whose x stays in L2 (kI16ChunkBytes),
-  // at least kI16ChunkTiles of them, so that widening q again per pass costs little.
-  const int64_t fit = kI16ChunkBytes / (words * static_cast<int64_t>(sizeof(int32_t)));
-  const int64_t chunk = std::max(fit / per, kI16ChunkTiles) * per;
-  at::parallel_for(0, pb.panels(), 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> acc(static_cast<size_t>(std::min(chunk, m) * kCols));
-    std::vector<int32_t> w(static_cast<size_t>(kI16BlockGroups * kI16GroupInts));
-    std::vector<float> so(static_cast<size_t>(kI16BlockGroups * 2 * kCols));
-    for (int64_t c0 = 0; c0 < m; c0 += chunk) {
-      const int64_t c1 = std::min(m, c0 + chunk);
-      for (int64_t p = p0; p < p1; ++p) {
-        const uint8_t* panel = pb.w + p * pb.panel_bytes();
-        for (int64_t g0 = 0; g0 < groups; g0 += kI16BlockGroups) {
-          const int64_t gc = std::min(kI16BlockGroups, groups - g0);
-          const auto widen = [&](auto bits, auto layout) {
-            i16_block<decltype(bits)::value, decltype(layout)>(panel, g0, gc, pb.f, w.data(),
-                                                               so.data());
-          };
-          const auto widen_as = [&](auto bits, auto two_scales) {
-            with_layout<decltype(bits)::value, decltype(two_scales)::value>(
-                pb.f, [&](auto layout) { widen(bits, layout); });
-          };
-          using Same = std::integral_constant<int, Bits>;
-          if (pb.f.six()) {  // (8-bit layers only)
-            if constexpr (Bits == 8) widen_as(std::integral_constant<int, 6>{}, std::true_type{});
-          } else if (two)
-            widen_as(Same{}, std::true_type{});
-          else
-            widen_as(Same{}, std::false_type{});
-          for (int64_t m0 = c0; m0 < c1; m0 += per) {
-            const int rows = static_cast<int>(std::min(per, c1 - m0));
-            with_rows<kI16TileRows>(rows, [&](auto r) {
-              constexpr int R = decltype(r)::value;
-              const int32_t* xr = xw.data() + m0 * words + g0 * kI16Words;
-              const int64_t at = m0 * groups + g0;
-              float* c = acc.data() + (m0 - c0) * kCols;
-              if (two)
-                i16_tile<R, true>(xr, words, xs.data() + at, gsum.data() + at, groups, w.data(),
-                                  so.data(), gc, false, c, g0 > 0);
-              else
-                i16_tile<R, false>(xr, words, xs.data() + at, gsum.data() + at, groups,
-                                   w.data(), so.data(), gc, offsets, c, g0 > 0);
-            });
-          }
-        }
-        store(acc.data(), c1 - c0, pb.n, p * kCols, pb.bias, y + c0 * pb.n);
-      }
-    }
-  });
+  const auto widen = [&](I16Scratch& s, const uint8_t* panel, int64_t g0, int64_t gc) {
+    const auto widen_as = [&](auto bits, auto two_scales) {
+      with_layout<decltype(bits)::value, decltype(two_scales)::value>(pb.f, [&](auto layout) {
+        i16_block<decltype(bits)::value, decltype(layout)>(panel, g0, gc, pb.f, s.w.data(),
+                                                           s.so.data());
+      });
+    };
+    using Same = std::integral_constant<int, Bits>;
+    if (pb.f.six()) {  // (8-bit layers only)
+      if constexpr (Bits == 8) widen_as(std::integral_constant<int, 6>{}, std::true_type{});
+    } else if (two)
+      widen_as(Same{}, std::true_type{});
+    else
+      widen_as(Same{}, std::false_type{});
+  };
+  const auto tile = [&](const I16Scratch& s, auto r, int64_t m0, int64_t g0, int64_t gc,
+                        float* c, bool accumulate) {
+    constexpr int R = decltype(r)::value;
+    const int32_t* xr = xw.data() + m0 * words + g0 * kI16Words;
+    const int64_t at = m0 * groups + g0;
+    if (two)
+      i16_tile<R, true>(xr, words, xs.data() + at, gsum.data() + at, groups, s.w.data(),
+                        s.so.data(), gc, false, c, accumulate);
+    else
+      i16_tile<R, false>(xr, words, xs.data() + at, gsum.data() + at, groups, s.w.data(),
+                         s.so.data(), gc, offsets, c, accumulate);
+  };
+  const int64_t x_row_bytes = words * static_cast<int64_t>(sizeof(int32_t));
+  run_row_tiles<kI16TileRows, I16Scratch>(pb, x_row_bytes, kI16ChunkBytes, kI16ChunkTiles,
+                                          kI16BlockGroups, y, widen, tile);
   return true;
 }
 #endif
