@@ -377,6 +377,7 @@ _HEADERS = (
     "convert.h",
     "vec.h",
     "dtype_dispatch.h",
+    "task_queue.h",
     "gemm_vec.h",
     "gemm_i8.h",
     "gemm_dp.h",

@@ -11,8 +11,10 @@
 //   instructions of vdpbf16ps per weight or less. The caller chooses (dot=); the CPU backend
 //   takes it only where the user sets int8_activations, for bf16/fp16 batches of every size,
 //   prefill included, never in an LM head (groupwise_linear.dot_rows).
-// Threads split the panels; each panel is streamed front to back, once per row tile.
+// Threads take the panels from a TaskQueue (task_queue.h); each panel is streamed front to back,
+// once per row tile.
 #include "gemm_q4.h"
+#include "task_queue.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -413,11 +415,12 @@ std::vector<int32_t> dot_corrections(const QuantizedRows& qx, int bits, bool two
 #if defined(PAGEDLLM_Q4_AVX2_TILES)
 // The register tiles' schedule on AVX2, shared by the int16 tiles of bf16 x and the dot tiles of
 // int8 x: the rows split into tiles of at most Rows as evenly as they go (8 rows: 4 + 4, not
-// 6 + 2), in passes over a thread's panels of as many whole tiles as keep x in L2
-// (chunk_bytes of x_row_bytes a row), at least chunk_tiles of them, since each pass prepares
-// every panel's q again. Per panel and K-block of block_groups groups, widen(scratch, panel, g0,
-// gc) prepares the block once in the thread's Scratch, then tile(scratch, rows, m0, g0, gc, c,
-// accumulate) runs each tile of the pass (rows: with_rows' constant) into its totals c.
+// 6 + 2), in passes over the panels of as many whole tiles as keep x in L2 (chunk_bytes of
+// x_row_bytes a row), at least chunk_tiles of them, since each pass prepares every panel's q
+// again; a pass over a panel is a task the threads take from a TaskQueue. Per panel and K-block
+// of block_groups groups, widen(scratch, panel, g0, gc) prepares the block once in the thread's
+// Scratch, then tile(scratch, rows, m0, g0, gc, c, accumulate) runs each tile of the pass (rows:
+// with_rows' constant) into its totals c.
 template <int Rows, typename Scratch, typename Out, typename Widen, typename Tile>
 void run_row_tiles(const Problem& pb, int64_t x_row_bytes, int64_t chunk_bytes,
                    int64_t chunk_tiles, int64_t block_groups, Out* y, const Widen& widen,
@@ -426,12 +429,13 @@ void run_row_tiles(const Problem& pb, int64_t x_row_bytes, int64_t chunk_bytes,
   const int64_t tiles = (m + Rows - 1) / Rows;
   const int64_t per = (m + tiles - 1) / tiles;  // rows per tile, the last one fewer
   const int64_t chunk = std::max(chunk_bytes / x_row_bytes / per, chunk_tiles) * per;
-  at::parallel_for(0, pb.panels(), 1, [&](int64_t p0, int64_t p1) {
+  const int64_t panels = pb.panels(), passes = (m + chunk - 1) / chunk;
+  on_demand(passes * panels, [&](TaskQueue& queue) {  // a task: one pass over one panel
     std::vector<float> acc(static_cast<size_t>(std::min(chunk, m) * kCols));
     Scratch scratch;
-    for (int64_t c0 = 0; c0 < m; c0 += chunk) {
-      const int64_t c1 = std::min(m, c0 + chunk);
-      for (int64_t p = p0; p < p1; ++p) {
+    for (int64_t t0, t1; queue.next(t0, t1);) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t c0 = t / panels * chunk, c1 = std::min(m, c0 + chunk), p = t % panels;
         const uint8_t* panel = pb.w + p * pb.panel_bytes();
         for (int64_t g0 = 0; g0 < groups; g0 += block_groups) {
           const int64_t gc = std::min(block_groups, groups - g0);
@@ -489,19 +493,21 @@ void run_dot(const QuantizedRows& qx, const Problem& pb, Out* y) {
   if (Bits == 4 && m > kDotRows) return run_dot_tiles(qx, corr, pb, y);
 #endif
   const int64_t corr_row = pb.f.two_scales() ? 2 : 1;  // corrections per group
-  at::parallel_for(0, pb.panels(), 1, [&](int64_t p0, int64_t p1) {
+  on_demand(pb.panels(), [&](TaskQueue& queue) {
     float c[kDotRows * kCols];
-    for (int64_t p = p0; p < p1; ++p) {
-      for (int64_t m0 = 0; m0 < m; m0 += kDotRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kDotRows, m - m0));
-        const int64_t a = m0 * groups;
-        with_rows<kDotRows>(rows, [&](auto r) {
-          dot_rows<Bits, decltype(r)::value>(qx.q.data() + m0 * k, k, qx.dx.data() + a,
-                                             qx.xsum.data() + a, corr.data() + a * corr_row,
-                                             groups,
-                                             pb.w + p * pb.panel_bytes(), groups, pb.f, c);
-        });
-        store(c, rows, pb.n, p * kCols, pb.bias, y + m0 * pb.n);
+    for (int64_t p0, p1; queue.next(p0, p1);) {
+      for (int64_t p = p0; p < p1; ++p) {
+        for (int64_t m0 = 0; m0 < m; m0 += kDotRows) {
+          const int rows = static_cast<int>(std::min<int64_t>(kDotRows, m - m0));
+          const int64_t a = m0 * groups;
+          with_rows<kDotRows>(rows, [&](auto r) {
+            dot_rows<Bits, decltype(r)::value>(qx.q.data() + m0 * k, k, qx.dx.data() + a,
+                                               qx.xsum.data() + a, corr.data() + a * corr_row,
+                                               groups, pb.w + p * pb.panel_bytes(), groups,
+                                               pb.f, c);
+          });
+          store(c, rows, pb.n, p * kCols, pb.bias, y + m0 * pb.n);
+        }
       }
     }
   });
@@ -632,13 +638,15 @@ void avx2_panel(const Avx2Rows& a, int64_t lo, int64_t rows, int64_t k, const ui
 template <int Bits, typename X>
 void run_avx2_rows(const X* x, const Problem& pb, X* y) {
   const Avx2Rows a = avx2_x(x, pb.m, pb.k, kernel_bits<Bits>(pb.f), pb.rows);
-  at::parallel_for(0, pb.panels(), 1, [&](int64_t p0, int64_t p1) {
+  on_demand(pb.panels(), [&](TaskQueue& queue) {
     float c[kAvx2Rows * kCols];
-    for (int64_t p = p0; p < p1; ++p) {
-      for (int64_t lo = 0; lo < pb.m; lo += kAvx2Rows) {
-        const int64_t rows = std::min(kAvx2Rows, pb.m - lo);
-        avx2_panel<Bits>(a, lo, rows, pb.k, pb.w + p * pb.panel_bytes(), pb.f, c);
-        store(c, rows, pb.n, p * kCols, pb.bias, y + lo * pb.n);
+    for (int64_t p0, p1; queue.next(p0, p1);) {
+      for (int64_t p = p0; p < p1; ++p) {
+        for (int64_t lo = 0; lo < pb.m; lo += kAvx2Rows) {
+          const int64_t rows = std::min(kAvx2Rows, pb.m - lo);
+          avx2_panel<Bits>(a, lo, rows, pb.k, pb.w + p * pb.panel_bytes(), pb.f, c);
+          store(c, rows, pb.n, p * kCols, pb.bias, y + lo * pb.n);
+        }
       }
     }
   });
@@ -651,12 +659,14 @@ void run_avx2_grouped(const X* x, int64_t rows, const std::vector<int64_t>& lo,
                       const std::function<const uint8_t*(int64_t)>& panel_of, X* y) {
   const Avx2Rows a = avx2_x(x, rows, shape.k, kernel_bits<Bits>(shape.f), shape.rows);
   const int64_t panels = shape.panels();
-  at::parallel_for(0, static_cast<int64_t>(lo.size()) * panels, 1, [&](int64_t t0, int64_t t1) {
+  on_demand(static_cast<int64_t>(lo.size()) * panels, [&](TaskQueue& queue) {
     float c[kAvx2Rows * kCols];
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t i = t / panels;
-      avx2_panel<Bits>(a, lo[i], count[i], shape.k, panel_of(t), shape.f, c);
-      store(c, count[i], shape.n, (t % panels) * kCols, nullptr, y + lo[i] * shape.n);
+    for (int64_t t0, t1; queue.next(t0, t1);) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t i = t / panels;
+        avx2_panel<Bits>(a, lo[i], count[i], shape.k, panel_of(t), shape.f, c);
+        store(c, count[i], shape.n, (t % panels) * kCols, nullptr, y + lo[i] * shape.n);
+      }
     }
   });
 }

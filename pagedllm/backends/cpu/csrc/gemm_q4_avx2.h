@@ -178,8 +178,9 @@ PAGEDLLM_Q4_INLINE void avx2_chunk(const uint8_t* chunk, const float* xc, int64_
 // Halves: Q6_K's two scales, each part's sums scaled by its own (no offsets); Bits 6: its six
 // blocks (gemm_q4_layout.h), a half group a part.
 template <int Bits, int R, bool Halves>
-inline void avx2_rows(const float* xn, int64_t ldx, const float* gsum, int64_t ldg,
-                      const uint8_t* panel, int64_t groups, const Format& f, float* c) {
+PAGEDLLM_Q4_KERNEL void avx2_rows(const float* xn, int64_t ldx, const float* gsum, int64_t ldg,
+                                  const uint8_t* panel, int64_t groups, const Format& f,
+                                  float* c) {
   static_assert(!Halves || Bits != 4, "two scales: 8-bit layers only");
   static_assert(Bits != 6 || Halves, "six blocks: two scales");
   constexpr int kPer = Bits == 4 ? 8 : 4;  // k per chunk
@@ -389,9 +390,9 @@ PAGEDLLM_Q4_INLINE void i16_chunk(const uint8_t* chunk, const int32_t* xc, int64
 // float32 sums.
 // L: the layout f is read through (gemm_q4_layout.h's with_layout).
 template <int Bits, int R, bool Halves, typename L = RuntimeLayout>
-inline void avx2_i16_rows(const int32_t* xw, int64_t ldx, const float* xs, const float* gsum,
-                          int64_t ldg, const uint8_t* panel, int64_t groups, const Format& format,
-                          float* c) {
+PAGEDLLM_Q4_KERNEL void avx2_i16_rows(const int32_t* xw, int64_t ldx, const float* xs,
+                                      const float* gsum, int64_t ldg, const uint8_t* panel,
+                                      int64_t groups, const Format& format, float* c) {
   static_assert(!Halves || Bits != 4, "two scales: 8-bit layers only");
   static_assert(Bits != 6 || Halves, "six blocks: two scales");
   const Format& f = L::of(format);

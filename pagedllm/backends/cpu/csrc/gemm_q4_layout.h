@@ -66,6 +66,12 @@ constexpr int64_t kChunk = 64;  // bytes: one dword per column
 // Kernels call these per group: they must inline (GCC left group_scales out of line once it
 // grew the factored case, which doubled the one-row dot path's time from L2).
 #define PAGEDLLM_Q4_INLINE inline __attribute__((always_inline))
+// A panel kernel (one instantiation per rows, format and layout) is a function of its own: where
+// GCC inlined every instantiation into its GEMM's driver, the giant function's register
+// allocation kept the int32 sums of the 8-bit one-row kernel on the stack (a load, an add and a
+// store per vpmaddwd: 556 such adds in run_avx2_rows<8>), which ran a Q8_0 layer at half the
+// rate of the same kernel compiled alone. A call per panel costs nothing beside its groups.
+#define PAGEDLLM_Q4_KERNEL inline __attribute__((noinline))
 
 struct Format {
   static constexpr int64_t kSuper = 8;  // groups per factored super-block
