@@ -184,9 +184,12 @@ class VocabParallelEmbedding(nn.Module):
     # A checkpoint's group-quantised table (GGUF Q8_0 / 4-bit embeddings): rows are dequantised
     # as they are looked up, and the head multiplies by the quantised table.
     quant_method: LinearMethod | None = None
-    # A backend's look-up when the table lives only in its packed head (``ids -> rows`` in the
-    # compute dtype, as ``quant_method.embed`` gives them), installed by its prepare_model.
+    # A backend's look-up when the table lives only in packed panels, its tied head's or its
+    # own (``ids -> rows`` in the compute dtype, as ``quant_method.embed`` gives them),
+    # installed by its prepare_model; ``fast_rows_packed``: those panels (a backend's type),
+    # which a decode stack reads the rows from too.
     fast_rows: LinearFn | None = None
+    fast_rows_packed: object | None = None
 
     def __init__(self, vocab_size: int, hidden_size: int, *, tp: TPContext = SINGLE) -> None:
         super().__init__()

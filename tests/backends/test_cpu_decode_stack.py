@@ -7,9 +7,10 @@ the layer loop's bit for bit (asserted exactly), and greedy tokens equal token f
 1 and batch 4 of different lengths, float32 and bfloat16, Q4_0 / Q4_1 + Q8_0 / Q8_0 / Q4_K
 files, Qwen2's q/k/v bias, fused layers whose parts keep their own formats (Q4_K q/k with a Q6_K
 v, Q4_K gate with a Q8_0 up). Prefill steps and models it does not cover run the layer loop.
-Where the ends are plain (every file here: a tied head's rows, or an F16 table beside an untied
-head) the stack runs decode steps from token ids to logits (``fast_decode_logits``), and the
-model runner's decode step samples them: sampled rows and logprobs too equal the layer loop's.
+Where the ends are plain (every file here: a tied head's rows, an untied group-wise table's own
+panels, or an F16 table beside an untied head) the stack runs decode steps from token ids to
+logits (``fast_decode_logits``), and the model runner's decode step samples them: sampled rows
+and logprobs too equal the layer loop's.
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ FILES: dict[str, tuple[dict[str, str], str, str]] = {
     "qwen2-q4_0": ({"token_embd": "Q8_0"}, "Q4_0", "qwen2"),
     # An untied Q4_0 head beside a dense (F16) embedding table: the stack's table look-up.
     "untied-f16-embd": ({"token_embd": "F16"}, "Q4_0", "untied"),
+    # An untied head beside a group-wise table (as the 1B Llama-shaped files): the table's
+    # rows read back from its own panels.
+    "untied-q8_0-embd": ({"token_embd": "Q8_0"}, "Q4_0", "untied"),
+    "untied-q4_0-embd": ({}, "Q4_0", "untied"),
     # q/k Q4_K with a Q6_K v (as a Q4_K_M file), gate Q4_K with a Q8_0 up: fused layers of two
     # formats, each part its own GEMM into its columns.
     "mixed": ({"attn_v": "Q6_K", "ffn_up": "Q8_0"}, "Q4_K", "wide"),
@@ -173,10 +178,13 @@ def test_only_decode_steps_take_the_stack(
     assert layers_only == []
 
 
-@pytest.mark.parametrize("name", ["q4_1+q8_0", "untied-f16-embd"])
+@pytest.mark.parametrize(
+    "name", ["q4_1+q8_0", "untied-f16-embd", "untied-q8_0-embd", "untied-q4_0-embd"]
+)
 def test_the_ends_join_the_stack(files: dict[str, Path], name: str, monkeypatch) -> None:
-    """A tied head's rows (Q8_0 panels) or a dense table, the final norm and the head run in
-    the stack's call; the logits every decode step samples equal the layer loop's."""
+    """A tied head's rows (Q8_0 panels), an untied table's rows (its own Q8_0 or Q4_0 panels)
+    or a dense table, the final norm and the head run in the stack's call; the logits every
+    decode step samples equal the layer loop's."""
     ref_tokens, ref_logits, _ = run(files[name], FOUR, "bfloat16", monkeypatch, stack=False)
     tokens, logits, engine = run(files[name], FOUR, "bfloat16", monkeypatch, stack=True)
     kernels = engine.executor.worker.backend.layer_kernels

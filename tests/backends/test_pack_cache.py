@@ -29,6 +29,15 @@ def gguf_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_gguf(src, root / "q4_1.gguf", recipe=recipe, default="Q4_1")
 
 
+@pytest.fixture(scope="module")
+def untied_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An untied Q4_0 table beside its own Q8_0 head (as the 1B Llama-shaped files)."""
+    root = tmp_path_factory.mktemp("pack-cache-untied")
+    src = build_model(root / "llama", "llama", tie_word_embeddings=False)
+    recipe = {"token_embd": "Q4_0", "output": "Q8_0"}
+    return write_gguf(src, root / "untied.gguf", recipe=recipe, default="Q4_1")
+
+
 @pytest.fixture
 def folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     if dense_gemm.gemm_ops() is None:
@@ -137,9 +146,9 @@ def test_a_cached_start_leaves_the_cached_layers_unread(
     assert not any(".attn_" in n or ".ffn_" in n for n in decoded), decoded
 
 
-def _head_rows(gguf_file: Path) -> tuple[torch.Tensor, list[str]]:
-    """Every row of the tied head's table as the engine's embedding reads it (float32 model),
-    and the GGUF tensors this start decoded."""
+def _table_rows(gguf_file: Path) -> tuple[torch.Tensor, list[str]]:
+    """Every row of the embedding table as the engine reads it (float32 model), and the GGUF
+    tensors this start decoded."""
     from pagedllm.models.gguf import weights as gguf_weights
 
     decoded: list[str] = []
@@ -153,27 +162,32 @@ def _head_rows(gguf_file: Path) -> tuple[torch.Tensor, list[str]]:
         patch.setattr(gguf_weights.GGUFWeights, "_decoded", decode)
         engine = Engine(str(gguf_file), device="cpu", dtype="float32", num_kv_blocks=16)
     model = engine.executor.worker.runner.model  # type: ignore[attr-defined]
-    head = model.lm_head
-    assert head is model.embed_tokens  # tied: the head is the embedding
-    assert head.weight.numel() == 0  # the panels are the only copy
-    rows = head(torch.arange(head.vocab_size)).clone()
+    table = model.embed_tokens
+    assert table.fast_rows_packed is not None  # read back from panels, the head's or its own
+    assert table.weight.numel() == 0  # the panels are the only copy
+    rows = table(torch.arange(table.vocab_size)).clone()
     engine.shutdown()
     return rows, decoded
 
 
-def test_a_tied_head_comes_from_the_cache_bit_for_bit(gguf_file: Path, folder: Path) -> None:
-    """A cached start leaves the tied Q8_0 head unread (the file's embedding table is not
-    decoded at all): the embedding's rows come back from the cached panels, equal bit for bit
-    to ggml's own dequantisation of the file's table (the ``gguf`` package), as they are on
-    the start that decoded and packed it."""
+@pytest.mark.parametrize("tied", [True, False], ids=["tied-q8_0-head", "untied-q4_0-table"])
+def test_the_table_comes_from_the_cache_bit_for_bit(
+    gguf_file: Path, untied_file: Path, folder: Path, tied: bool
+) -> None:
+    """A cached start leaves the embedding table unread (the file's table is not decoded at
+    all), a tied head's (Q8_0) or an untied table (Q4_0, packed for its rows alone): its rows
+    come back from the cached panels, equal bit for bit to ggml's own dequantisation of the
+    file's table (the ``gguf`` package), as they are on the start that decoded and packed
+    it."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    table = next(t for t in GGUFReader(gguf_file).tensors if t.name == "token_embd.weight")
+    path = gguf_file if tied else untied_file
+    table = next(t for t in GGUFReader(path).tensors if t.name == "token_embd.weight")
     want = torch.from_numpy(dequantize(table.data, table.tensor_type).astype("float32"))
-    first, decoded_first = _head_rows(gguf_file)
+    first, decoded_first = _table_rows(path)
     assert "token_embd.weight" in decoded_first and len(_files(folder)) == 1
-    second, decoded_second = _head_rows(gguf_file)
+    second, decoded_second = _table_rows(path)
     assert "token_embd.weight" not in decoded_second
     assert not any(".attn_" in n or ".ffn_" in n for n in decoded_second), decoded_second
     assert want.shape == first.shape

@@ -17,14 +17,14 @@ and attention kernels installed (the stack calls the same functions, so its outp
 layer loop's bit for bit), no LoRA wrapper, no bias after a row-parallel layer. Anything else
 keeps the layer loop, which ``PAGEDLLM_DECODE_STACK=0`` also forces (the reference path).
 
-Where the model's ends are plain too (``decode_stack_ends()``: the embedding read back from a
-tied group-wise head's panels or a dense table, the C++ final RMSNorm, a group-wise packed LM
-head), the stack also fills ``fast_decode_logits``: from the scheduler's lists (token ids,
-positions, block tables) to logits in the one call, the step's index tensors built in C++ and,
-for plain greedy rows, each row's first maximum and its log-probability (``sample_rows``, as
-the sampler's greedy path calls it). The Python between the stack and those calls ran on
-caches the layers' weights had just flushed: on the demo model it was two thirds of a
-one-sequence step's host time.
+Where the model's ends are plain too (``decode_stack_ends()``: the embedding read back from
+group-wise panels, a tied head's or an untied table's own, or a dense table; the C++ final
+RMSNorm; a group-wise packed LM head), the stack also fills ``fast_decode_logits``: from the
+scheduler's lists (token ids, positions, block tables) to logits in the one call, the step's
+index tensors built in C++ and, for plain greedy rows, each row's first maximum and its
+log-probability (``sample_rows``, as the sampler's greedy path calls it). The Python between
+the stack and those calls ran on caches the layers' weights had just flushed: on the demo
+model it was two thirds of a one-sequence step's host time.
 """
 
 from __future__ import annotations
@@ -177,11 +177,18 @@ def bind_ends(ops: ModuleType, model: nn.Module, stack: Any, dtype: torch.dtype)
         raise NotCovered("the LM head is not one group-wise packed GEMM")
     if kernel.fn is not head.fast_linear or getattr(head, "bias", None) is not None:
         raise NotCovered("the LM head's fast_linear is not its packed GEMM alone")
-    rows_from_head = embedding is head and getattr(embedding, "fast_rows", None) is not None
+    rows = None
     table = torch.empty(0, dtype=dtype)
-    if not rows_from_head:
-        if embedding.fast_rows is not None or embedding.quant_method is not None:
-            raise NotCovered("the embedding is neither the tied head's rows nor a dense table")
+    if getattr(embedding, "fast_rows", None) is not None:
+        panels = getattr(embedding, "fast_rows_packed", None)
+        if panels is None:
+            raise NotCovered("the embedding's rows come from no group-wise panels")
+        if getattr(embedding, "compute_dtype", dtype) != dtype:
+            raise NotCovered("the embedding's rows are not in the activations' dtype")
+        rows = _stack_linear(ops, panels, None)
+    else:
+        if embedding.quant_method is not None:
+            raise NotCovered("the embedding is neither group-wise panels nor a dense table")
         table = embedding.weight.detach()
         if (
             table.dtype != dtype
@@ -191,11 +198,9 @@ def bind_ends(ops: ModuleType, model: nn.Module, stack: Any, dtype: torch.dtype)
             or table.shape[0] < head.vocab_size
         ):
             raise NotCovered(f"the embedding table is not a whole contiguous {dtype} CPU tensor")
-    elif getattr(embedding, "compute_dtype", dtype) != dtype:
-        raise NotCovered("the embedding's rows are not in the activations' dtype")
     stack.set_ends(
         table,
-        rows_from_head,
+        rows,
         _norm_weight(norm, dtype, "the final norm"),
         float(norm.eps),
         _packed(ops, head, "the LM head", bias_ok=False),

@@ -175,11 +175,34 @@ def _drop_group_scales(module: nn.Module) -> None:
             setattr(module, name, torch.empty(0, dtype=torch.int32))
 
 
+def _drop_weight(module: nn.Module) -> None:
+    """The packed copy is the only one used from now on: do not keep two."""
+    empty = torch.empty(0, dtype=module.weight.dtype)
+    if module.weight.is_meta:  # a placeholder the loader left unread: no storage
+        module.weight = nn.Parameter(empty, requires_grad=False)
+    else:
+        module.weight.data = empty
+    _drop_group_scales(module)
+
+
+def _read_rows_back(table: nn.Module, kernel: LinearKernel) -> bool:
+    """An untied table's look-up from its own panels (:func:`_row_tables`), its weight and
+    scales dropped; False where the factory gave no group-wise panels (the method's look-up
+    stays; a table the loader left unread cannot get here: its panels were cached)."""
+    if kernel.groupwise is None or kernel.packed_rows is None:
+        return False
+    table.fast_rows = _embedding_rows(kernel.packed_rows, table.compute_dtype)
+    table.fast_rows_packed = kernel.groupwise
+    _drop_weight(table)
+    return True
+
+
 def _embedding_rows(
     weight_rows: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """An embedding's look-up from its tied head's panels: ``GroupwiseMethod.embed``'s rows
-    (float32 from the same integers and scales, then the compute dtype), bit for bit."""
+    """An embedding's look-up from packed panels (its tied head's or its own):
+    ``GroupwiseMethod.embed``'s rows (float32 from the same integers and scales, then the
+    compute dtype), bit for bit."""
 
     def rows(ids: torch.Tensor) -> torch.Tensor:
         if ids.dim() == 1:  # the flat batch's own case: no reshapes (a view each, every step)
@@ -228,12 +251,38 @@ def preload_packed_layers(model: nn.Module, *, int8_activations: bool = False) -
     cache, cached = _open_cache(model, dot=int8_activations)
     model.packed_preload = (cache, cached)
     head = getattr(model, "lm_head", None)
+    tables = _row_tables(model, head)
     return frozenset(
         name
         for name, module in model.named_modules()
-        if (isinstance(module, (ColumnParallelLinear, RowParallelLinear)) or module is head)
+        if (
+            isinstance(module, (ColumnParallelLinear, RowParallelLinear))
+            or module is head
+            or module in tables
+        )
         and _fits(module, cached.get(name), loaded=False)
     )
+
+
+def _row_tables(model: nn.Module, head: nn.Module | None) -> list[nn.Module]:
+    """The model's untied group-wise embedding tables (a GGUF's Q4_0 / Q8_0 ``token_embd``
+    beside its own ``output``): packed like a head, their rows read back from the panels
+    (``fast_rows``). A table read through its method looked up each step's rows in Python
+    (~0.35 ms a token on the 1B Llama-shaped files), and kept the decode stack from taking
+    the model's ends; the panels hold the same integers and scales, so the rows are the
+    method's bit for bit, and the table is not held twice."""
+    from pagedllm.layers.linear import ParallelLMHead, VocabParallelEmbedding
+    from pagedllm.layers.quantization.groupwise import FORMATS
+
+    return [
+        module
+        for module in model.modules()
+        if isinstance(module, VocabParallelEmbedding)
+        and not isinstance(module, ParallelLMHead)
+        and module is not head
+        and getattr(module, "quant_method", None) is not None
+        and module.quant_method.weight_format in FORMATS
+    ]
 
 
 def _fits(module: nn.Module, pw: PackedGroupwise | None, *, loaded: bool = True) -> bool:
@@ -304,6 +353,7 @@ def pack_linear_layers(model: nn.Module, *, int8_activations: bool = False) -> d
     from pagedllm.layers.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 
     head = getattr(model, "lm_head", None)
+    tables = _row_tables(model, head)
     paths: dict[str, set[str]] = {}
     checked: set[tuple] = set()
     cache, cached = _open_cache(model, dot=int8_activations)
@@ -311,20 +361,27 @@ def pack_linear_layers(model: nn.Module, *, int8_activations: bool = False) -> d
     with torch.inference_mode():
         for name, module in model.named_modules():
             is_linear = isinstance(module, (ColumnParallelLinear, RowParallelLinear))
-            if not (is_linear or module is head):
+            is_table = module in tables
+            if not (is_linear or module is head or is_table):
                 continue
+            # (a table's x is never rounded: it multiplies nothing, its rows are read back)
+            rows_only = module is head or is_table
             kernel = _cached_kernel(
-                module, cached.get(name), is_head=module is head, dot=int8_activations
+                module, cached.get(name), is_head=rows_only, dot=int8_activations
             ) or _cached_parts_kernel(module, name, cached, dot=int8_activations)
             if kernel is None and module.weight.is_meta:
                 raise _unread(module, cache)
             if kernel is None:
                 kernel = make_linear_kernel(
                     module,
-                    is_head=module is head,
+                    is_head=rows_only,
                     int8_activations=int8_activations,
                     checked=checked,
                 )
+            if is_table:
+                if _read_rows_back(module, kernel):
+                    packed[name] = kernel.groupwise
+                continue
             if kernel.groupwise is not None:
                 packed[name] = kernel.groupwise
             for i, part in enumerate(kernel.parts):
@@ -342,15 +399,10 @@ def pack_linear_layers(model: nn.Module, *, int8_activations: bool = False) -> d
             tied = module is head and not isinstance(module, ParallelLMHead)
             if tied and kernel.packed_rows is not None:
                 module.fast_rows = _embedding_rows(kernel.packed_rows, module.compute_dtype)
+                module.fast_rows_packed = kernel.groupwise
             read_back = getattr(module, "fast_rows", None) is not None
             if is_linear or isinstance(module, ParallelLMHead) or read_back:
-                # The packed copy is the only one used from now on: do not keep two.
-                empty = torch.empty(0, dtype=module.weight.dtype)
-                if module.weight.is_meta:  # a placeholder the loader left unread: no storage
-                    module.weight = nn.Parameter(empty, requires_grad=False)
-                else:
-                    module.weight.data = empty
-                _drop_group_scales(module)
+                _drop_weight(module)
     if cache is not None and packed and packed.keys() != cached.keys():
         cache.save(packed)
     summary = {kind: "+".join(sorted(p)) for kind, p in paths.items()}

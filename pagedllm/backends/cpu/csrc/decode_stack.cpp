@@ -22,6 +22,8 @@
 // tensors and the greedy row were two thirds of a one-sequence step's host time.
 #include "decode_stack.h"
 
+#include <optional>
+
 // Factories the ends and the greedy rows call beyond tensor_api.h's (decode_stack.h brings
 // pybind11 and torch's casters, not the ATen operators).
 #include <ATen/ops/empty_like.h>
@@ -184,23 +186,29 @@ class DecodeStack {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
-  // The model's ends for run_logits. rows_from_head: the embedding is the tied head, whose rows
-  // are read back from its panels in float32 and rounded to the activations' dtype (the
-  // Python path's fast_rows); else embed_table is the dense [vocab, hidden] table in that dtype.
-  void set_ends(const at::Tensor& embed_table, bool rows_from_head, const at::Tensor& final_norm,
-                double final_eps, const StackLinear& head, int64_t vocab) {
+  // The model's ends for run_logits. rows: the group-wise panels the embedding's rows are read
+  // back from (in float32, rounded to the activations' dtype: the Python path's fast_rows), the
+  // tied head's own or an untied table's; else (None) embed_table is the dense [vocab, hidden]
+  // table in that dtype.
+  void set_ends(const at::Tensor& embed_table, const std::optional<StackLinear>& rows,
+                const at::Tensor& final_norm, double final_eps, const StackLinear& head,
+                int64_t vocab) {
     TORCH_CHECK(!layers_.empty(), "DecodeStack: add the layers before the ends");
     const int64_t width = layers_[0].o.n;
     TORCH_CHECK(vocab > 0 && vocab <= head.n && !head.bias.has_value() && head.parts.empty(),
                 "DecodeStack: the LM head must be one bias-free layer of at least vocab rows");
     TORCH_CHECK(final_norm.dim() == 1 && final_norm.size(0) == width,
                 "DecodeStack: the final norm must have ", width, " weights");
-    TORCH_CHECK(rows_from_head || (embed_table.dim() == 2 && embed_table.size(1) == width &&
-                                   embed_table.size(0) >= vocab && embed_table.is_contiguous() &&
-                                   embed_table.scalar_type() == final_norm.scalar_type()),
+    TORCH_CHECK(!rows.has_value() || (rows->n >= vocab && rows->parts.empty() &&
+                                      !rows->bias.has_value()),
+                "DecodeStack: the embedding's panels must be one bias-free layer of at least "
+                "vocab rows");
+    TORCH_CHECK(rows.has_value() || (embed_table.dim() == 2 && embed_table.size(1) == width &&
+                                     embed_table.size(0) >= vocab && embed_table.is_contiguous() &&
+                                     embed_table.scalar_type() == final_norm.scalar_type()),
                 "DecodeStack: the embedding table must be a contiguous [vocab, ", width,
                 "] tensor of the activations' dtype");
-    ends_ = Ends{embed_table, rows_from_head, final_norm, final_eps, head, vocab};
+    ends_ = Ends{embed_table, rows, final_norm, final_eps, head, vocab};
   }
 
   // A decode step from the scheduler's lists: (logits [n, vocab], and where greedy, each row's
@@ -252,10 +260,10 @@ class DecodeStack {
     const Ends& e = *ends_;
     const int64_t width = layers_[0].o.n;
     at::Tensor hidden;
-    if (e.rows_from_head) {
-      const StackLinear& h = e.head;
-      hidden = gemm::q4::groupwise_weight_rows(h.packed, h.n, width, h.bits, h.half_scales,
-                                               h.with_offset, h.factored, input_ids, h.levels)
+    if (e.rows.has_value()) {
+      const StackLinear& r = *e.rows;
+      hidden = gemm::q4::groupwise_weight_rows(r.packed, r.n, width, r.bits, r.half_scales,
+                                               r.with_offset, r.factored, input_ids, r.levels)
                    .to(e.final_norm.scalar_type());
     } else {
       hidden = e.table.index_select(0, input_ids);
@@ -284,7 +292,7 @@ class DecodeStack {
  private:
   struct Ends {
     at::Tensor table;
-    bool rows_from_head = false;
+    std::optional<StackLinear> rows;
     at::Tensor final_norm;
     double final_eps = 1e-6;
     StackLinear head;
@@ -411,7 +419,7 @@ void bind_decode_stack(pybind11::module& m) {
            py::arg("num_kv_heads"), py::arg("head_size"), py::arg("norm_offset") = 0.0)
       .def("add_layer", &DecodeStack::add_layer, py::arg("layer"))
       .def_property_readonly("num_layers", &DecodeStack::num_layers)
-      .def("set_ends", &DecodeStack::set_ends, py::arg("embed_table"), py::arg("rows_from_head"),
+      .def("set_ends", &DecodeStack::set_ends, py::arg("embed_table"), py::arg("rows"),
            py::arg("final_norm"), py::arg("final_eps"), py::arg("head"), py::arg("vocab"))
       .def("run_decode", &DecodeStack::run_decode,
            "(logits, greedy tokens, their logprobs) of a decode step from the scheduler's lists",
