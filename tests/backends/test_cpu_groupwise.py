@@ -777,6 +777,44 @@ def test_the_int16_kernel_is_its_rounding_then_the_definition(ops, kind: str) ->
             assert ((y.double() - flt.double()).abs() > 4 * step)[:, cols].all(), m
 
 
+@pytest.mark.parametrize("kind", ("q4_0", "q8_0", "q6_k6"))
+def test_the_int16_rounding_takes_every_exponent(ops, kind: str) -> None:
+    """The rows' rounding to int16 on bf16's whole range of groups (the largest 2^-133 to 2^127,
+    signed zeros, an all-zero group; below ~2^-112 the group's scale is no normal float32 and
+    it is rounded element by element): one to five rows (the few-row kernel) and 20 (the
+    tiles), each output the float64 product of ``_int16_rounded(x)`` and the dequantised layer
+    within half a bf16 step, and every row bit for bit what it gives alone."""
+    rows = _int16_kernel_rows(ops)
+    n, k = 37, 256
+    torch.manual_seed(29)
+    weight, scale, offset, _ = _layer_data(kind, n, k)
+    pw = _pack(ops, weight, scale, offset)
+    w = _dequantized(weight, scale, offset).double()
+    top = float(scale.abs().max())
+    exponents = torch.tensor([-133.0, -120.0, -60.0, -1.0, 0.0, 20.0, 60.0, 100.0])
+    for m in (*range(1, min(rows, 5) + 1), 20):
+        x = torch.randn(m, k) * torch.exp2(-torch.randint(0, 9, (m, k)).float())
+        x = x.view(m, k // 32, 32) * torch.exp2(exponents[torch.arange(k // 32) % 8])[:, None]
+        x = x.view(m, k)
+        x[:, 32:36] = -0.0
+        x[m - 1, 64:96] = 0.0  # an all-zero group
+        x = x.bfloat16()
+        # One group's exponent at a time, so that no output mixes 2^-133 with 2^100.
+        for g in range(k // 32):
+            xg = torch.zeros_like(x)
+            xg[:, g * 32 : (g + 1) * 32] = x[:, g * 32 : (g + 1) * 32]
+            y = pw.gemm(ops, xg, None, False).double()
+            want = _int16_rounded(xg) @ w.T
+            step = torch.exp2(torch.floor(torch.log2(want.abs().clamp_min(1e-300))) - 7)
+            tiny = 2.0**-126 * 2 * w.abs().max()  # float32 outputs below its normal range
+            # float32 sums of terms as large as |x| * (|w| + Q4_0's 8 * scale), which cancel
+            terms = xg.double().abs().sum(-1, keepdim=True) * (w.abs().max() + 8 * top)
+            assert ((y - want).abs() <= step / 2 + tiny + 1e-6 * terms).all(), (m, g)
+            if m > 1:
+                alone = pw.gemm(ops, xg[m - 1 :], None, False)
+                assert torch.equal(pw.gemm(ops, xg, None, False)[m - 1 :], alone), (m, g)
+
+
 @pytest.mark.parametrize("case", INT16_CASES, ids=_case_id)
 def test_fp16_and_nonfinite_rows_keep_the_float_kernel(ops, case) -> None:
     """fp16 x (11 significant bits, for which the int16 grid would round what its outputs

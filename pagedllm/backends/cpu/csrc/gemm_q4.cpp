@@ -584,19 +584,22 @@ Avx2Rows avx2_x(const X* x, int64_t m, int64_t k, int bits, Bf16RowsKernel kerne
   const int64_t groups = k / kGroup;
   Avx2Rows a;
   a.gsum.resize(static_cast<size_t>(m * groups));
-  if (std::is_same_v<X, c10::BFloat16> && kernel == Bf16RowsKernel::kSplit) {
-    a.xn.resize(static_cast<size_t>(m * groups));
-    a.xw.resize(static_cast<size_t>(m * groups * kI16Words));
-    std::atomic<bool> finite{true};
-    rows_on_threads(m, [&](int64_t r) {
-      if (finite.load(std::memory_order_relaxed) &&
-          !avx2_i16_x_rows(x + r * k, k, bits, a.xw.data() + r * groups * kI16Words,
-                           a.xn.data() + r * groups, a.gsum.data() + r * groups))
-        finite.store(false, std::memory_order_relaxed);
-    });
-    a.i16 = finite.load();
-    if (a.i16) return a;
-    a.xw.clear();
+  if constexpr (std::is_same_v<X, c10::BFloat16>) {
+    if (kernel == Bf16RowsKernel::kSplit) {
+      const auto* bits16 = reinterpret_cast<const uint16_t*>(x);
+      a.xn.resize(static_cast<size_t>(m * groups));
+      a.xw.resize(static_cast<size_t>(m * groups * kI16Words));
+      std::atomic<bool> finite{true};
+      rows_on_threads(m, [&](int64_t r) {
+        if (finite.load(std::memory_order_relaxed) &&
+            !avx2_i16_x_rows(bits16 + r * k, k, bits, a.xw.data() + r * groups * kI16Words,
+                             a.xn.data() + r * groups, a.gsum.data() + r * groups))
+          finite.store(false, std::memory_order_relaxed);
+      });
+      a.i16 = finite.load();
+      if (a.i16) return a;
+      a.xw.clear();
+    }
   }
   a.xn.assign(static_cast<size_t>(m * k), 0.f);
   rows_on_threads(m, [&](int64_t r) {
@@ -690,10 +693,11 @@ bool run_avx2_tiles(const c10::BFloat16* x, const Problem& pb, at::BFloat16* y) 
   const int64_t m = pb.m, k = pb.k, groups = pb.groups, words = groups * kI16Words;
   std::vector<int32_t> xw(static_cast<size_t>(m * words));
   std::vector<float> xs(static_cast<size_t>(m * groups)), gsum(xs.size());
+  const auto* bits16 = reinterpret_cast<const uint16_t*>(x);
   std::atomic<bool> finite{true};
   at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1 && finite.load(std::memory_order_relaxed); ++r)
-      if (!avx2_i16_x_rows(x + r * k, k, kernel_bits<Bits>(pb.f), xw.data() + r * words,
+      if (!avx2_i16_x_rows(bits16 + r * k, k, kernel_bits<Bits>(pb.f), xw.data() + r * words,
                            xs.data() + r * groups, gsum.data() + r * groups))
         finite.store(false, std::memory_order_relaxed);
   });
