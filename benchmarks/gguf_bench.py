@@ -529,6 +529,7 @@ def main(argv: list[str] | None = None) -> None:
         "isa": resolve_isa(),
         "decode_stack": args.decode_stack,
         "llama_cpp": missing or "llama-cpp-python " + _version("llama_cpp"),
+        "llama_cpp_build": None if missing else _llama_cpp_build(),
         "models": {},
     }
     for name, path in files.items():
@@ -624,6 +625,14 @@ def _decode_rows(report: dict[str, Any], path: Path, args: argparse.Namespace) -
         share_of_read_bandwidth_at_1=streamed / one / bandwidth,
     )
     return out
+
+
+def _llama_cpp_build() -> str:
+    """The instruction sets llama.cpp was compiled for (its own system info): a build without
+    AVX2 or its repacked layouts would flatter every ratio here."""
+    import llama_cpp
+
+    return llama_cpp.llama_print_system_info().decode(errors="replace").strip()
 
 
 def _version(module: str) -> str:

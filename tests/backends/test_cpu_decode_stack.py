@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from pagedllm import Engine, SamplingParams
+from pagedllm.backends.cpu import dense_gemm, groupwise_linear
 from tests.conftest import build_model
 from tests.models.gguf_files import write_gguf
 
@@ -80,11 +81,19 @@ def run(
     *,
     stack: bool,
     params: SamplingParams = GREEDY,
+    int8_activations: bool = False,
 ) -> tuple[list[list[int]], list[torch.Tensor], Engine]:
     """Tokens, the logits of every greedy step (as the sampler's greedy path receives them, or
     as the stack's whole decode step returns them), and the engine (blocks checked free)."""
     monkeypatch.setenv("PAGEDLLM_DECODE_STACK", "1" if stack else "0")
-    engine = Engine(str(path), device="cpu", dtype=dtype, block_size=8, num_kv_blocks=64)
+    engine = Engine(
+        str(path),
+        device="cpu",
+        dtype=dtype,
+        block_size=8,
+        num_kv_blocks=64,
+        int8_activations=int8_activations,
+    )
     runner = engine.executor.worker.runner
     sampler, model = runner.sampler, runner.model
     logits: list[torch.Tensor] = []
@@ -159,6 +168,35 @@ def test_stack_equals_the_layer_loop(
     assert tokens == ref_tokens
     assert all(len(t) == STEPS for t in tokens)
     # Same kernels, same order: the logits of every step are equal, not merely close.
+    assert len(logits) == len(ref_logits)
+    for ours, theirs in zip(logits, ref_logits, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["q4_0", "q8_0", "mixed"])
+def test_the_dot_flag_reaches_the_layers_whose_own_gemm_takes_it(
+    files: dict[str, Path], name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under ``int8_activations`` the step's one dot flag reaches each layer (and each part of
+    a fused one) where its own GEMM takes the dot path: the 4-bit parts round x to int8, an
+    8-bit layer or part beside them (the mixed file's Q6_K v and Q8_0 up) keeps the int16
+    kernels where the build runs them (``takes_dot``). The stack still covers every file, and
+    its logits equal the layer loop's bit for bit."""
+    prompts = FOUR
+    ref_tokens, ref_logits, ref = run(
+        files[name], prompts, "bfloat16", monkeypatch, stack=False, int8_activations=True
+    )
+    if ref.executor.worker.dtype != torch.bfloat16:  # type: ignore[attr-defined]
+        pytest.skip("this processor computes a bf16 checkpoint in float32")
+    tokens, logits, engine = run(
+        files[name], prompts, "bfloat16", monkeypatch, stack=True, int8_activations=True
+    )
+    assert "decode_stack: cpp x2 layers" in engine.executor.worker.backend.layer_kernels
+    path = engine.executor.collective_rpc("linear_path")[0]
+    ops = dense_gemm.gemm_ops()
+    eight_bit_dots = ops is not None and groupwise_linear.takes_dot(ops, 8, dot=True)
+    assert ("+dot" in path) is (name != "q8_0" or eight_bit_dots), path
+    assert tokens == ref_tokens
     assert len(logits) == len(ref_logits)
     for ours, theirs in zip(logits, ref_logits, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)

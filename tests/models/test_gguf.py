@@ -402,24 +402,26 @@ def test_a_part_in_no_native_format_is_dequantised_alone(gguf_files: dict) -> No
     assert paths["ColumnParallelLinear"].startswith("cpp-mixed(iq4,dense)-"), paths
 
 
-def record_groupwise_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, bool]]:
-    """(columns, rows, dot path) of every later call of the C++ group-wise GEMM (patched before
-    an engine binds it), a grouped call's once per group; skips where this build has no dot
-    path."""
+def record_groupwise_calls(
+    monkeypatch: pytest.MonkeyPatch,
+) -> list[tuple[int, int, bool, int]]:
+    """(columns, rows, dot path, bits) of every later call of the C++ group-wise GEMM (patched
+    before an engine binds it), a grouped call's once per group; skips where this build has no
+    dot path."""
     from pagedllm.backends.cpu import dense_gemm, groupwise_linear
 
     ops = dense_gemm.gemm_ops()
     if ops is None or not groupwise_linear.dot_rows(ops, torch.bfloat16):
         pytest.skip("no dot path on this build")
-    calls: list[tuple[int, int, bool]] = []
+    calls: list[tuple[int, int, bool, int]] = []
     kernel, grouped = ops.groupwise_gemm, ops.groupwise_gemm_grouped
 
     def recorded(x, packed, n, bits, half, with_offset, factored, bias, dot, levels=False):
-        calls.append((n, x.shape[0], dot))  # the layers bind the kernel with these arguments
+        calls.append((n, x.shape[0], dot, bits))  # the layers bind the kernel with these
         return kernel(x, packed, n, bits, half, with_offset, factored, bias, dot, levels)
 
     def recorded_grouped(x, packed, starts, n, bits, half, with_offset, factored, dot, levels):
-        calls.extend((n, hi - lo, dot) for lo, hi in itertools.pairwise(starts))
+        calls.extend((n, hi - lo, dot, bits) for lo, hi in itertools.pairwise(starts))
         return grouped(x, packed, starts, n, bits, half, with_offset, factored, dot, levels)
 
     monkeypatch.setattr(ops, "groupwise_gemm", recorded)
@@ -453,9 +455,9 @@ def test_int8_activations_round_prefill_rows_but_never_the_head(
     assert all(len(o.outputs[0].token_ids) == MAX_NEW for o in outs)
     head = [c for c in calls if c[0] == engine.vocab_size]
     layers = [c for c in calls if c[0] != engine.vocab_size]
-    assert max(rows for _, rows, _ in layers) == 120, sorted({rows for _, rows, _ in layers})
-    assert all(dot for _, _, dot in layers), [c for c in layers if not c[2]][:3]
-    assert head and not any(dot for _, _, dot in head), head[:3]
+    assert max(c[1] for c in layers) == 120, sorted({c[1] for c in layers})
+    assert all(c[2] for c in layers), [c for c in layers if not c[2]][:3]
+    assert head and not any(c[2] for c in head), head[:3]
     bm = engine.block_manager
     assert bm.get_num_free_device_blocks() == bm.num_device_blocks
 

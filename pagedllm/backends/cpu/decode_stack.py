@@ -55,9 +55,12 @@ class NotCovered(ValueError):
     """Why a model's layers cannot run as one stack (logged; the layer loop runs them)."""
 
 
-def _packed(ops: ModuleType, module: nn.Module, what: str, *, bias_ok: bool) -> Any:
+def _packed(
+    ops: ModuleType, module: nn.Module, what: str, *, bias_ok: bool, dtype: torch.dtype
+) -> Any:
     """The ``StackLinear`` of one layer: the panels its ``fast_linear`` multiplies, or a fused
-    layer's parts in their own formats (``mixed``: each part group-wise packed), side by side."""
+    layer's parts in their own formats (``mixed``: each part group-wise packed), side by side;
+    each takes the step's dot flag where its own GEMM takes the dot path for ``dtype`` rows."""
     kernel = getattr(module, "fast_linear_packed", None)
     parts = kernel.parts if isinstance(kernel, LinearKernel) else ()
     if not isinstance(kernel, LinearKernel) or (kernel.groupwise is None and not parts):
@@ -71,20 +74,31 @@ def _packed(ops: ModuleType, module: nn.Module, what: str, *, bias_ok: bool) -> 
         raise NotCovered(f"{what} has a bias added after the GEMM")
     bias32 = None if bias is None else bias.detach().float().contiguous()
     if not parts:
-        return _stack_linear(ops, kernel.groupwise, bias32)
+        return _stack_linear(ops, kernel.groupwise, bias32, bool(kernel.dot_rows.get(dtype)))
     stacked, start = [], 0
     for part in parts:
         pw = part.groupwise
         part_bias = None if bias32 is None else bias32[start : start + pw.n].contiguous()
-        stacked.append(_stack_linear(ops, pw, part_bias))
+        stacked.append(_stack_linear(ops, pw, part_bias, bool(part.dot_rows.get(dtype))))
         start += pw.n
     return ops.StackLinear.of_parts(stacked)
 
 
-def _stack_linear(ops: ModuleType, pw: PackedGroupwise, bias32: torch.Tensor | None) -> Any:
-    """One packed layer's ``StackLinear``: the arguments ``groupwise_gemm`` takes for it."""
+def _stack_linear(
+    ops: ModuleType, pw: PackedGroupwise, bias32: torch.Tensor | None, takes_dot: bool = False
+) -> Any:
+    """One packed layer's ``StackLinear``: the arguments ``groupwise_gemm`` takes for it, and
+    whether the step's dot flag reaches it."""
     return ops.StackLinear(
-        pw.packed, pw.n, pw.bits, pw.half_scales, pw.with_offset, pw.factored, pw.levels, bias32
+        pw.packed,
+        pw.n,
+        pw.bits,
+        pw.half_scales,
+        pw.with_offset,
+        pw.factored,
+        pw.levels,
+        bias32,
+        takes_dot,
     )
 
 
@@ -117,10 +131,10 @@ def _stack_layer(ops: ModuleType, layer: nn.Module, dtype: torch.dtype, i: int) 
         float(layer.input_layernorm.eps),
         _norm_weight(layer.post_attention_layernorm, dtype, f"layer {i} post_attention_layernorm"),
         float(layer.post_attention_layernorm.eps),
-        _packed(ops, attn_module.qkv_proj, f"layer {i} qkv_proj", bias_ok=True),
-        _packed(ops, attn_module.o_proj, f"layer {i} o_proj", bias_ok=False),
-        _packed(ops, mlp.gate_up_proj, f"layer {i} gate_up_proj", bias_ok=True),
-        _packed(ops, mlp.down_proj, f"layer {i} down_proj", bias_ok=False),
+        _packed(ops, attn_module.qkv_proj, f"layer {i} qkv_proj", bias_ok=True, dtype=dtype),
+        _packed(ops, attn_module.o_proj, f"layer {i} o_proj", bias_ok=False, dtype=dtype),
+        _packed(ops, mlp.gate_up_proj, f"layer {i} gate_up_proj", bias_ok=True, dtype=dtype),
+        _packed(ops, mlp.down_proj, f"layer {i} down_proj", bias_ok=False, dtype=dtype),
         cos,
         sin,
         int(rotary.rotary_dim),
@@ -132,21 +146,25 @@ def _stack_layer(ops: ModuleType, layer: nn.Module, dtype: torch.dtype, i: int) 
 
 
 def _dot_rows(layers: Sequence[nn.Module]) -> Mapping[torch.dtype, int]:
-    """Up to how many rows each dtype takes the dot path: one answer for every layer (the
-    stack passes one flag per step), as each layer's own GEMM would decide."""
-    rows = {
-        tuple(sorted((str(k), v) for k, v in lin.fast_linear_packed.dot_rows.items()))
-        for layer in layers
+    """Up to how many rows each dtype takes the dot path: the stack passes one flag per step
+    (rows up to these), which reaches the layers whose own GEMM takes the dot path (each
+    ``StackLinear``'s ``takes_dot``; an 8-bit layer beside 4-bit ones may not). Layers that
+    take it up to different row counts cannot share one flag."""
+    seen: dict[torch.dtype, set[int]] = {}
+    for layer in layers:
         for lin in (
             layer.self_attn.qkv_proj,
             layer.self_attn.o_proj,
             layer.mlp.gate_up_proj,
             layer.mlp.down_proj,
-        )
-    }
-    if len(rows) != 1:
-        raise NotCovered("layers differ in which batches take the dot path")
-    return dict(layers[0].self_attn.qkv_proj.fast_linear_packed.dot_rows)
+        ):
+            kernel = lin.fast_linear_packed
+            for part in (kernel, *kernel.parts):
+                for dtype, rows in part.dot_rows.items():
+                    seen.setdefault(dtype, set()).add(rows)
+    if any(len(rows - {0}) > 1 for rows in seen.values()):
+        raise NotCovered("layers take the dot path up to different batch sizes")
+    return {dtype: max(rows) for dtype, rows in seen.items()}
 
 
 def build_stack(ops: ModuleType, model: nn.Module) -> tuple[Any, torch.dtype, Mapping]:
@@ -203,7 +221,7 @@ def bind_ends(ops: ModuleType, model: nn.Module, stack: Any, dtype: torch.dtype)
         rows,
         _norm_weight(norm, dtype, "the final norm"),
         float(norm.eps),
-        _packed(ops, head, "the LM head", bias_ok=False),
+        _packed(ops, head, "the LM head", bias_ok=False, dtype=dtype),
         int(head.vocab_size),
     )
     return dict(kernel.dot_rows)

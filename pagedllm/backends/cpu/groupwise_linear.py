@@ -15,7 +15,8 @@ smallest exact form of its scales). Two paths run on the same packed weights:
   group; its definition is :func:`dot_linear_reference`. It costs accuracy (x to ~8 bits per
   group, as llama.cpp does) and saves arithmetic, so it runs by default only where the user
   asks for it (``int8_activations``) and :func:`dot_rows` says so: bf16/fp16 batches of every
-  size (decode steps and prefill, as llama.cpp rounds them), never float32, never an LM head.
+  size (decode steps and prefill, as llama.cpp rounds them), never float32, never an LM head,
+  and never an 8-bit layer where the int16 tiles run (:func:`takes_dot`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from pagedllm.backends.cpu.groupwise_pack import (
 )
 from pagedllm.backends.cpu.linear_kernel import LinearKernel
 from pagedllm.layers.quantization.groupwise import (
+    FORMATS,
     GROUP_SIZE,
     dequantize_groups,
     weight_groups,
@@ -176,6 +178,21 @@ def dot_rows(ops: ModuleType, dtype: torch.dtype, *, enabled: bool = True) -> in
     return EVERY_BATCH if rows is None else rows
 
 
+def takes_dot(ops: ModuleType, bits: int, *, dot: bool) -> bool:
+    """Whether a layer whose q are ``bits`` wide (4, or 8 for q8_0 / q6_k / q5_k, whatever
+    their packing) takes the dot path where the user allows it (``dot``).
+
+    Where the build has the int16 register tiles (AVX2 without AVX-512), 8-bit layers keep the
+    default's int16 arithmetic: the dot path has register tiles there for 4-bit layers only,
+    and 8-bit rows on its four-row kernel ran slower than the int16 tiles, which are exact for
+    bf16 x. Measured on a Zen 3 EPYC (2 cores), 1B Llama-shaped files at 64 sequences: the Q8_0
+    file's decode steps 814-823 ms with ``int8_activations`` against 683-685 ms without, its
+    prefill 1.2-1.3x slower; the Q4_K_M file's Q6_K layers (a seventh of its products) took 26%
+    of its ``int8_activations`` run against 62% for the 4-bit tiles' six sevenths. Q6_K then
+    keeps its 6-bit packing too (``six_bits``): a quarter fewer bytes to stream at one row."""
+    return dot and (bits == 4 or not ops.groupwise_int16_tiles_from())
+
+
 def default_dot_rows(ops: ModuleType, *, dot: bool) -> dict[torch.dtype, int]:
     """Per activation dtype, up to how many rows take the dot path by default (``dot_rows``)."""
     return {dt: dot_rows(ops, dt, enabled=dot) for dt in _ACT_DTYPES}
@@ -308,6 +325,7 @@ def make_groupwise_linear(
     ops = dg.gemm_ops()
     if ops is None:
         return refused
+    dot = takes_dot(ops, FORMATS[name][0], dot=dot)
     try:
         pw = _pack_layer(ops, module, dot=dot, storage=storage)
     except ValueError as e:
@@ -331,6 +349,9 @@ def packed_groupwise_linear(
     ops = dg.gemm_ops()
     if ops is None:
         return LinearKernel(None, f"torch-{pw.name}")
+    # Panels that never take the dot path (IQ4 levels, q6_k at six bits) were packed so because
+    # the load that packed them decided so (``_pack_layer``): the same decision here.
+    dot = dot and not pw.levels and pw.bits != 6 and takes_dot(ops, pw.bits, dot=dot)
     return _kernel_of(ops, pw, make_groupwise_gemm(ops, pw, bias, dot=dot), dot=dot)
 
 
@@ -399,6 +420,9 @@ def make_parts_linear(
         names.append(layouts[run])
     fours = [k.groupwise for k in kernels if k.groupwise is not None and k.groupwise.bits == 4]
     four_bit, levels = bool(fours), all(pw.levels for pw in fours)
+    # Where some parts take the dot path (a Q4_K q/k) and others not (a Q6_K v: takes_dot),
+    # each part's own GEMM decides: the layer's rows are those of the parts that do.
+    dot = any(rows for k in kernels for rows in k.dot_rows.values())
     mixed = f"mixed({','.join(names)})"
     path = path_name(ops, mixed, dot=dot, four_bit=four_bit, levels=levels)
     return LinearKernel(

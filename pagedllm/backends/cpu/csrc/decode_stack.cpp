@@ -110,12 +110,15 @@ struct StackLinear {
   bool factored = false;
   bool levels = false;
   c10::optional<at::Tensor> bias;
+  // Whether the step's dot flag reaches this layer: its own GEMM's choice (groupwise_linear's
+  // takes_dot: an 8-bit layer beside 4-bit ones keeps the int16 kernels on AVX2).
+  bool takes_dot = true;
   std::vector<StackLinear> parts;  // empty: the layer is `packed` itself
 
   void run(const at::Tensor& x, bool dot, at::Tensor& y) const {
     if (parts.empty()) {
       gemm::q4::groupwise_gemm_into(x, packed, n, bits, half_scales, with_offset, factored,
-                                    bias, dot, levels, true, "split", y);
+                                    bias, dot && takes_dot, levels, true, "split", y);
       return;
     }
     // A part's columns of y: contiguous for one row (a single sequence's step), written in
@@ -375,13 +378,14 @@ void bind_decode_stack(pybind11::module& m) {
                           "one group-wise packed layer as groupwise_gemm takes it")
       .def(py::init([](at::Tensor packed, int64_t n, int64_t bits, bool half_scales,
                        bool with_offset, bool factored, bool levels,
-                       c10::optional<at::Tensor> bias) {
-             return StackLinear{std::move(packed), n,      bits, half_scales,
-                                with_offset,       factored, levels, std::move(bias)};
+                       c10::optional<at::Tensor> bias, bool takes_dot) {
+             return StackLinear{std::move(packed), n,        bits,
+                                half_scales,       with_offset, factored,
+                                levels,            std::move(bias), takes_dot};
            }),
            py::arg("packed"), py::arg("n"), py::arg("bits"), py::arg("half_scales"),
            py::arg("with_offset"), py::arg("factored"), py::arg("levels"),
-           py::arg("bias") = py::none())
+           py::arg("bias") = py::none(), py::arg("takes_dot") = true)
       .def_static("of_parts", &StackLinear::of_parts,
                   "a fused layer of parts in their own formats, their outputs side by side",
                   py::arg("parts"));
