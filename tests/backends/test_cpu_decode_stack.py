@@ -22,7 +22,6 @@ import pytest
 import torch
 
 from pagedllm import Engine, SamplingParams
-from pagedllm.backends.cpu import dense_gemm, groupwise_linear
 from tests.conftest import build_model
 from tests.models.gguf_files import write_gguf
 
@@ -52,6 +51,8 @@ FILES: dict[str, tuple[dict[str, str], str, str]] = {
     # q/k Q4_K with a Q6_K v (as a Q4_K_M file), gate Q4_K with a Q8_0 up: fused layers of two
     # formats, each part its own GEMM into its columns.
     "mixed": ({"attn_v": "Q6_K", "ffn_up": "Q8_0"}, "Q4_K", "wide"),
+    # A Q6_K down projection beside Q4_K layers (as half a Q4_K_M file's layers).
+    "q6_k-down": ({"ffn_down": "Q6_K"}, "Q4_K", "wide"),
     # A part that is not group-wise packed (F16 v), which the stack does not take.
     "mixed-dense": ({"attn_v": "F16"}, "Q4_K", "wide"),
 }
@@ -173,15 +174,15 @@ def test_stack_equals_the_layer_loop(
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name", ["q4_0", "q8_0", "mixed"])
+@pytest.mark.parametrize("name", ["q4_0", "q8_0", "mixed", "q6_k-down"])
 def test_the_dot_flag_reaches_the_layers_whose_own_gemm_takes_it(
     files: dict[str, Path], name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Under ``int8_activations`` the step's one dot flag reaches each layer (and each part of
-    a fused one) where its own GEMM takes the dot path: the 4-bit parts round x to int8, an
-    8-bit layer or part beside them (the mixed file's Q6_K v and Q8_0 up) keeps the int16
-    kernels where the build runs them (``takes_dot``). The stack still covers every file, and
-    its logits equal the layer loop's bit for bit."""
+    a fused one) where its own GEMM takes the dot path: the 4-bit and Q8_0 parts round x to
+    int8, a Q6_K layer or part beside them (a down projection, the mixed file's v) keeps the
+    int16 kernels where the build runs them (``takes_dot``). The stack still covers every
+    file, and its logits equal the layer loop's bit for bit."""
     prompts = FOUR
     ref_tokens, ref_logits, ref = run(
         files[name], prompts, "bfloat16", monkeypatch, stack=False, int8_activations=True
@@ -193,9 +194,7 @@ def test_the_dot_flag_reaches_the_layers_whose_own_gemm_takes_it(
     )
     assert "decode_stack: cpp x2 layers" in engine.executor.worker.backend.layer_kernels
     path = engine.executor.collective_rpc("linear_path")[0]
-    ops = dense_gemm.gemm_ops()
-    eight_bit_dots = ops is not None and groupwise_linear.takes_dot(ops, 8, dot=True)
-    assert ("+dot" in path) is (name != "q8_0" or eight_bit_dots), path
+    assert "+dot" in path, path
     assert tokens == ref_tokens
     assert len(logits) == len(ref_logits)
     for ours, theirs in zip(logits, ref_logits, strict=True):

@@ -398,9 +398,8 @@ def test_iq4_levels_run_the_float_path_only_and_must_all_be_levels(ops) -> None:
 
 def test_a_q8_0_layer_of_iq4_levels_packs_four_bits_unless_it_takes_the_dot_path() -> None:
     """make_groupwise_linear: an IQ4 layer (held as q8_0) at 4 bits on the float path, the
-    8-bit layout on the dot path (asked for where an 8-bit layer takes it: not where the int16
-    tiles run, takes_dot) and for a true Q8_0 layer; a layer whose first row is levels but not
-    the rest falls back to 8 bits, still correct."""
+    8-bit layout on the dot path and for a true Q8_0 layer; a layer whose first row is levels
+    but not the rest falls back to 8 bits, still correct."""
     from types import SimpleNamespace
 
     ops = dense_gemm.gemm_ops()
@@ -411,8 +410,7 @@ def test_a_q8_0_layer_of_iq4_levels_packs_four_bits_unless_it_takes_the_dot_path
     q8, scale8, _, _ = _layer_data("q8_0", 48, 512)
     mixed = q.clone()
     mixed[5, 9] = 3
-    dotted = "q8_0" if groupwise_linear.takes_dot(ops, 8, dot=True) else "iq4"
-    cases = ((q, scale, False, "iq4"), (q, scale, True, dotted), (q8, scale8, False, "q8_0"))
+    cases = ((q, scale, False, "iq4"), (q, scale, True, "q8_0"), (q8, scale8, False, "q8_0"))
     for weight, s, dot, name in (*cases, (mixed, scale, False, "q8_0")):
         layer = SimpleNamespace(
             weight=weight,
@@ -1065,12 +1063,10 @@ def test_make_linear_kernel_installs_the_groupwise_gemm() -> None:
         assert path == groupwise_linear.path_name(ops, name, four_bit=four_bit), path
         assert path.startswith(f"cpp-{name}-{ops.built_isa()}") and "+dot" not in path, path
         dot_path = packed_linear.make_linear_kernel(layer, int8_activations=True).path
-        # Every bf16 batch on the dot path; the scalar build has none, and an 8-bit layer keeps
+        # Every bf16 batch on the dot path; the scalar build has none, and a Q6_K layer keeps
         # the int16 kernels where they run (takes_dot). (No AMX tiles then: no bf16 batch takes
         # the float path.)
-        off = ops.int8_dot_isa() == "scalar" or not groupwise_linear.takes_dot(
-            ops, 4 if four_bit else 8, dot=True
-        )
+        off = ops.int8_dot_isa() == "scalar" or not groupwise_linear.takes_dot(ops, name, dot=True)
         assert dot_path == (path if off else f"cpp-{name}-{ops.built_isa()}+dot"), dot_path
         ref_w = dequantize_layer(layer).double()
         # A row-parallel layer adds its bias after the all-reduce, not in the GEMM.
@@ -1108,27 +1104,29 @@ def test_an_lm_head_never_rounds_x() -> None:
     assert not torch.equal(head_fn(x), layer_fn(x))
 
 
-@pytest.mark.parametrize("kind", ["q8_0", "q6_k"])
-def test_an_8_bit_layer_keeps_the_int16_kernels_where_they_run(kind: str) -> None:
-    """Under ``int8_activations`` an 8-bit layer (Q8_0, Q6_K) takes the dot path unless the
-    build has the int16 register tiles (AVX2 without AVX-512), where it keeps the default's
-    int16 arithmetic, exact for bf16 x and faster there: its rows equal the plain layer's bit
-    for bit at one row, a decode batch and a prefill's, and Q6_K keeps its six-bit packing."""
+def test_a_q6_k_layer_keeps_the_int16_kernels_where_they_run() -> None:
+    """Under ``int8_activations`` a Q6_K layer takes the dot path unless the build has the
+    int16 register tiles (AVX2 without AVX-512), where it keeps the default's int16 arithmetic,
+    exact for bf16 x and faster there: its rows equal the plain layer's bit for bit at one row,
+    a decode batch and a prefill's, and it keeps its six-bit packing. Q8_0 layers (IQ4 files'
+    layers among them) keep the dot path everywhere."""
     ops = dense_gemm.gemm_ops()
     if ops is None or not groupwise_linear.dot_rows(ops, torch.bfloat16):
         pytest.skip("no default dot path on this build")
-    layer = _groupwise_layer(kind, 40, 256)
+    assert groupwise_linear.takes_dot(ops, "q8_0", dot=True)
+    assert groupwise_linear.takes_dot(ops, "int4", dot=True)
+    assert not groupwise_linear.takes_dot(ops, "q6_k", dot=False)
+    layer = _groupwise_layer("q6_k", 40, 256)
     kernel = packed_linear.make_linear_kernel(layer, int8_activations=True)
     plain = packed_linear.make_linear_kernel(layer)
-    if not ops.groupwise_int16_tiles_from():  # no int16 tiles: the dot path, as a 4-bit layer
-        assert groupwise_linear.takes_dot(ops, 8, dot=True)
+    if not ops.groupwise_int16_tiles_from():  # no int16 tiles: the dot path
+        assert groupwise_linear.takes_dot(ops, "q6_k", dot=True)
         assert kernel.path.endswith("+dot"), kernel.path
         return
-    assert not groupwise_linear.takes_dot(ops, 8, dot=True)
-    assert groupwise_linear.takes_dot(ops, 4, dot=True)
+    assert not groupwise_linear.takes_dot(ops, "q6_k", dot=True)
     assert kernel.path == plain.path and "+dot" not in kernel.path, kernel.path
     assert dict(kernel.dot_rows) == dict(plain.dot_rows) == {dt: 0 for dt in kernel.dot_rows}
-    if kind == "q6_k" and ops.groupwise_six_bits():
+    if ops.groupwise_six_bits():
         assert kernel.groupwise.bits == plain.groupwise.bits == 6
     for m in (1, 20, 300):
         x = torch.randn(m, 256).bfloat16()

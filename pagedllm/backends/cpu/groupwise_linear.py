@@ -16,7 +16,7 @@ smallest exact form of its scales). Two paths run on the same packed weights:
   group, as llama.cpp does) and saves arithmetic, so it runs by default only where the user
   asks for it (``int8_activations``) and :func:`dot_rows` says so: bf16/fp16 batches of every
   size (decode steps and prefill, as llama.cpp rounds them), never float32, never an LM head,
-  and never an 8-bit layer where the int16 tiles run (:func:`takes_dot`).
+  and never a Q6_K / Q5_K layer where the int16 tiles run (:func:`takes_dot`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ from pagedllm.backends.cpu.groupwise_pack import (
 )
 from pagedllm.backends.cpu.linear_kernel import LinearKernel
 from pagedllm.layers.quantization.groupwise import (
-    FORMATS,
     GROUP_SIZE,
     dequantize_groups,
     weight_groups,
@@ -178,19 +177,28 @@ def dot_rows(ops: ModuleType, dtype: torch.dtype, *, enabled: bool = True) -> in
     return EVERY_BATCH if rows is None else rows
 
 
-def takes_dot(ops: ModuleType, bits: int, *, dot: bool) -> bool:
-    """Whether a layer whose q are ``bits`` wide (4, or 8 for q8_0 / q6_k / q5_k, whatever
-    their packing) takes the dot path where the user allows it (``dot``).
+# Formats whose layers keep the default's int16 kernels under ``int8_activations`` where the
+# build runs the int16 tiles (``takes_dot``).
+_INT16_UNDER_DOT = frozenset({"q6_k", "q5_k"})
 
-    Where the build has the int16 register tiles (AVX2 without AVX-512), 8-bit layers keep the
-    default's int16 arithmetic: the dot path has register tiles there for 4-bit layers only,
-    and 8-bit rows on its four-row kernel ran slower than the int16 tiles, which are exact for
-    bf16 x. Measured on a Zen 3 EPYC (2 cores), 1B Llama-shaped files at 64 sequences: the Q8_0
-    file's decode steps 814-823 ms with ``int8_activations`` against 683-685 ms without, its
-    prefill 1.2-1.3x slower; the Q4_K_M file's Q6_K layers (a seventh of its products) took 26%
-    of its ``int8_activations`` run against 62% for the 4-bit tiles' six sevenths. Q6_K then
-    keeps its 6-bit packing too (``six_bits``): a quarter fewer bytes to stream at one row."""
-    return dot and (bits == 4 or not ops.groupwise_int16_tiles_from())
+
+def takes_dot(ops: ModuleType, name: str, *, dot: bool) -> bool:
+    """Whether a ``name`` layer (a ``groupwise.FORMATS`` name, or a packed layer's) takes the
+    dot path where the user allows it (``dot``).
+
+    Where the build has the int16 register tiles (AVX2 without AVX-512), Q6_K and Q5_K layers
+    keep the default's int16 arithmetic: the dot path has register tiles there for 4-bit
+    layers only, and 8-bit rows on its four-row kernel ran slower than the int16 tiles, which
+    are exact for bf16 x. Measured on a Zen 3 EPYC (2 cores), 1B Llama-shaped files at 64
+    sequences: the Q4_K_M file's Q6_K layers (a seventh of its products) took 26% of its
+    ``int8_activations`` run against 62% for the 4-bit tiles' six sevenths; with them on the
+    int16 tiles its decode steps ran 502.6 ms against 551.7, its prefill 17.0 s against 23.6.
+    Q6_K then keeps its 6-bit packing too (``six_bits``). ``q8_0`` layers keep the dot path:
+    IQ4_NL / IQ4_XS tensors are ``q8_0`` layers too, and off the dot path they pack as levels
+    on the float path, which ran a 1B IQ4_XS file's one stream at 15 tok/s against 22 on the
+    dot path (a Q8_0 file's own layers would gain: 683-714 ms against 814-823 at 64 sequences;
+    not separable by name)."""
+    return dot and not (name in _INT16_UNDER_DOT and ops.groupwise_int16_tiles_from())
 
 
 def default_dot_rows(ops: ModuleType, *, dot: bool) -> dict[torch.dtype, int]:
@@ -325,7 +333,7 @@ def make_groupwise_linear(
     ops = dg.gemm_ops()
     if ops is None:
         return refused
-    dot = takes_dot(ops, FORMATS[name][0], dot=dot)
+    dot = takes_dot(ops, name, dot=dot)
     try:
         pw = _pack_layer(ops, module, dot=dot, storage=storage)
     except ValueError as e:
@@ -351,7 +359,7 @@ def packed_groupwise_linear(
         return LinearKernel(None, f"torch-{pw.name}")
     # Panels that never take the dot path (IQ4 levels, q6_k at six bits) were packed so because
     # the load that packed them decided so (``_pack_layer``): the same decision here.
-    dot = dot and not pw.levels and pw.bits != 6 and takes_dot(ops, pw.bits, dot=dot)
+    dot = dot and not pw.levels and pw.bits != 6 and takes_dot(ops, pw.name, dot=dot)
     return _kernel_of(ops, pw, make_groupwise_gemm(ops, pw, bias, dot=dot), dot=dot)
 
 

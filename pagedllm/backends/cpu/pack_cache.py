@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 # Raised whenever the panels' layout (csrc/gemm_q4_pack.cpp) or what this file stores changes;
 # the build folder's hash covers the C++ sources too, this covers a layout chosen in Python.
-LAYOUT_VERSION = 2  # 2: 8-bit layers off the dot path where the int16 tiles run (takes_dot)
+LAYOUT_VERSION = 2  # 2: Q6_K / Q5_K off the dot path where the int16 tiles run (takes_dot)
 MAX_BYTES = 8 << 30  # the folder's bound: least recently used files go first
 _SUFFIX = ".packed.pt"
 _ALIGN = 64  # the kernels' panels start on a cache line
