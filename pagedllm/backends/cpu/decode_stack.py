@@ -148,7 +148,7 @@ def _stack_layer(ops: ModuleType, layer: nn.Module, dtype: torch.dtype, i: int) 
 def _dot_rows(layers: Sequence[nn.Module]) -> Mapping[torch.dtype, int]:
     """Up to how many rows each dtype takes the dot path: the stack passes one flag per step
     (rows up to these), which reaches the layers whose own GEMM takes the dot path (each
-    ``StackLinear``'s ``takes_dot``; an 8-bit layer beside 4-bit ones may not). Layers that
+    ``StackLinear``'s ``takes_dot``; a Q6_K layer beside 4-bit ones may not). Layers that
     take it up to different row counts cannot share one flag."""
     seen: dict[torch.dtype, set[int]] = {}
     for layer in layers:

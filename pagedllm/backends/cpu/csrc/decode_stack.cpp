@@ -111,7 +111,7 @@ struct StackLinear {
   bool levels = false;
   c10::optional<at::Tensor> bias;
   // Whether the step's dot flag reaches this layer: its own GEMM's choice (groupwise_linear's
-  // takes_dot: an 8-bit layer beside 4-bit ones keeps the int16 kernels on AVX2).
+  // takes_dot: a Q6_K layer beside 4-bit ones keeps the int16 kernels on AVX2).
   bool takes_dot = true;
   std::vector<StackLinear> parts;  // empty: the layer is `packed` itself
 
