@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from pagedllm import Engine, SamplingParams
+from pagedllm.backends.cpu import dense_gemm
 from tests.conftest import build_model
 from tests.models.gguf_files import write_gguf
 
@@ -53,6 +54,8 @@ FILES: dict[str, tuple[dict[str, str], str, str]] = {
     "mixed": ({"attn_v": "Q6_K", "ffn_up": "Q8_0"}, "Q4_K", "wide"),
     # A Q6_K down projection beside Q4_K layers (as half a Q4_K_M file's layers).
     "q6_k-down": ({"ffn_down": "Q6_K"}, "Q4_K", "wide"),
+    # IQ4_XS layers (q8_0 ones of the IQ4 levels, packed at 4 bits), an IQ4_NL down.
+    "iq4": ({"ffn_down": "IQ4_NL"}, "IQ4_XS", "wide"),
     # A part that is not group-wise packed (F16 v), which the stack does not take.
     "mixed-dense": ({"attn_v": "F16"}, "Q4_K", "wide"),
 }
@@ -148,7 +151,9 @@ def count_layer_steps(engine: Engine) -> list[int]:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("name", ["q4_0", "q4_1+q8_0", "q8_0", "q4_k", "qwen2-q4_0", "mixed"])
+@pytest.mark.parametrize(
+    "name", ["q4_0", "q4_1+q8_0", "q8_0", "q4_k", "qwen2-q4_0", "mixed", "iq4"]
+)
 @pytest.mark.parametrize("prompts", [ONE, FOUR], ids=["batch1", "batch4"])
 def test_stack_equals_the_layer_loop(
     files: dict[str, Path],
@@ -166,6 +171,9 @@ def test_stack_equals_the_layer_loop(
         path = engine.executor.collective_rpc("linear_path")[0]
         assert "QKVParallelLinear=cpp-mixed(int4,int4,q6_k)-" in path, path
         assert "ColumnParallelLinear=cpp-mixed(int4,q8_0)-" in path, path
+    if name == "iq4":  # the levels at 4 bits, in the stack
+        path = engine.executor.collective_rpc("linear_path")[0]
+        assert "QKVParallelLinear=cpp-iq4-" in path and "RowParallelLinear=cpp-iq4-" in path, path
     assert tokens == ref_tokens
     assert all(len(t) == STEPS for t in tokens)
     # Same kernels, same order: the logits of every step are equal, not merely close.
@@ -179,10 +187,10 @@ def test_the_dot_flag_reaches_the_layers_whose_own_gemm_takes_it(
     files: dict[str, Path], name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Under ``int8_activations`` the step's one dot flag reaches each layer (and each part of
-    a fused one) where its own GEMM takes the dot path: the 4-bit and Q8_0 parts round x to
-    int8, a Q6_K layer or part beside them (a down projection, the mixed file's v) keeps the
-    int16 kernels where the build runs them (``takes_dot``). The stack still covers every
-    file, and its logits equal the layer loop's bit for bit."""
+    a fused one) where its own GEMM takes the dot path: the 4-bit parts round x to int8, the
+    8-bit ones too unless the build runs the int16 tiles (``takes_dot``: then a Q8_0 file's
+    layers, a Q6_K down projection or the mixed file's Q6_K v keep the int16 kernels). The
+    stack still covers every file, and its logits equal the layer loop's bit for bit."""
     prompts = FOUR
     ref_tokens, ref_logits, ref = run(
         files[name], prompts, "bfloat16", monkeypatch, stack=False, int8_activations=True
@@ -194,7 +202,8 @@ def test_the_dot_flag_reaches_the_layers_whose_own_gemm_takes_it(
     )
     assert "decode_stack: cpp x2 layers" in engine.executor.worker.backend.layer_kernels
     path = engine.executor.collective_rpc("linear_path")[0]
-    assert "+dot" in path, path
+    eight_bit_off = name == "q8_0" and dense_gemm.gemm_ops().groupwise_int16_tiles_from()
+    assert ("+dot" in path) is not eight_bit_off, path
     assert tokens == ref_tokens
     assert len(logits) == len(ref_logits)
     for ours, theirs in zip(logits, ref_logits, strict=True):

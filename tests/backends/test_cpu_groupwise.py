@@ -57,11 +57,15 @@ CASES = [(kind, shape) for kind in KINDS if kind != "q6_k" for shape in SHAPES] 
 ]
 # The float path reads Q6_K's q at 6 bits too ("q6_k6": AVX2 and AVX-512 builds; no dot
 # path), and 8-bit layers of IQ4 levels at 4 bits (IQ4_NL's fp16 d, IQ4_XS's float32
-# d * (ls - 32)); so do AVX2's int16 kernels of bf16 rows (six blocks, not the IQ4 levels).
+# d * (ls - 32)); so do AVX2's int16 kernels of bf16 rows (six blocks and levels alike).
 SIX_CASES = [("q6_k6", shape) for shape in Q6_K_SHAPES]
-INT16_CASES = CASES + SIX_CASES
-FLOAT_CASES = INT16_CASES + [(kind, shape) for kind in ("iq4", "iq4_f32") for shape in SHAPES]
-INT16_KINDS = ("q4_0", "q4_1", "q4_k", "int4", "q4_f32", "q8_0", "q8_f32", "q5_k", "q6_k", "q6_k6")
+IQ4_CASES = [(kind, shape) for kind in ("iq4", "iq4_f32") for shape in SHAPES]
+INT16_CASES = CASES + SIX_CASES + IQ4_CASES
+FLOAT_CASES = INT16_CASES
+INT16_KINDS = (
+    *("q4_0", "q4_1", "q4_k", "int4", "q4_f32", "q8_0", "q8_f32", "q5_k", "q6_k", "q6_k6"),
+    *("iq4", "iq4_f32"),
+)
 
 
 @pytest.fixture(scope="module", params=ISAS)
@@ -376,7 +380,7 @@ def test_six_bit_weights_are_refused_where_they_cannot_run(ops) -> None:
         ops.groupwise_gemm(x, pw.packed, 20, 6, True, False, False, None, False)
 
 
-def test_iq4_levels_run_the_float_path_only_and_must_all_be_levels(ops) -> None:
+def test_iq4_levels_never_take_the_dot_path_and_must_all_be_levels(ops) -> None:
     """A layer of IQ4 levels at 4 bits: the dot path refused; a q outside the levels refused
     at pack time (make_groupwise_linear then keeps the 8-bit layout); the 4- and 8-bit layouts
     of one layer give the same float path sums, up to order."""
@@ -385,7 +389,7 @@ def test_iq4_levels_run_the_float_path_only_and_must_all_be_levels(ops) -> None:
     pw = pack_groupwise(ops, q, scale, None, levels=True)
     assert (pw.bits, pw.levels, pw.name) == (4, True, "iq4")
     x = torch.randn(3, 256)
-    with pytest.raises(RuntimeError, match="IQ4 levels run the float path only"):
+    with pytest.raises(RuntimeError, match="IQ4 levels never take the dot path"):
         pw.gemm(ops, x.bfloat16(), None, True)
     eight = pack_groupwise(ops, q, scale, None)
     want = eight.gemm(ops, x, None, False)
@@ -397,9 +401,10 @@ def test_iq4_levels_run_the_float_path_only_and_must_all_be_levels(ops) -> None:
 
 
 def test_a_q8_0_layer_of_iq4_levels_packs_four_bits_unless_it_takes_the_dot_path() -> None:
-    """make_groupwise_linear: an IQ4 layer (held as q8_0) at 4 bits on the float path, the
-    8-bit layout on the dot path and for a true Q8_0 layer; a layer whose first row is levels
-    but not the rest falls back to 8 bits, still correct."""
+    """make_groupwise_linear: an IQ4 layer (held as q8_0) at 4 bits by default, the 8-bit
+    layout where ``int8_activations`` sends it to the dot path (not where the int16 tiles run:
+    ``takes_dot``, there it keeps 4 bits) and for a true Q8_0 layer; a layer whose first row is
+    levels but not the rest falls back to 8 bits, still correct."""
     from types import SimpleNamespace
 
     ops = dense_gemm.gemm_ops()
@@ -410,7 +415,8 @@ def test_a_q8_0_layer_of_iq4_levels_packs_four_bits_unless_it_takes_the_dot_path
     q8, scale8, _, _ = _layer_data("q8_0", 48, 512)
     mixed = q.clone()
     mixed[5, 9] = 3
-    cases = ((q, scale, False, "iq4"), (q, scale, True, "q8_0"), (q8, scale8, False, "q8_0"))
+    dot_name = "q8_0" if groupwise_linear.takes_dot(ops, "q8_0", dot=True) else "iq4"
+    cases = ((q, scale, False, "iq4"), (q, scale, True, dot_name), (q8, scale8, False, "q8_0"))
     for weight, s, dot, name in (*cases, (mixed, scale, False, "q8_0")):
         layer = SimpleNamespace(
             weight=weight,
@@ -733,7 +739,7 @@ def test_the_int16_kernel_is_its_rounding_then_the_definition(ops, kind: str) ->
     weight, scale, offset, q = _layer_data(kind, n, k)
     # Every column one q across K (its first), so one weight value per group and column.
     q = q[:, :1].expand(n, k).contiguous()
-    if kind in ("q8_0", "q8_f32", "q5_k", "q6_k", "q6_k6"):
+    if kind in ("q8_0", "q8_f32", "q5_k", "q6_k", "q6_k6", "iq4", "iq4_f32"):
         weight = q.to(torch.int8)
     else:
         weight = pack_nibbles(q.to(torch.uint8))
@@ -842,23 +848,23 @@ def test_fp16_and_nonfinite_rows_keep_the_float_kernel(ops, case) -> None:
 
 def test_the_int16_kernel_is_named_in_the_path() -> None:
     """``+i16r<rows>`` in the path of the layers whose few bf16 rows take the int16 kernel (AVX2
-    builds: 4-bit, Q8_0 and Q6_K layers), never in an IQ4 layer's, nor under
-    ``int8_activations``, where every batch takes the dot path."""
+    builds: 4-bit, Q8_0, Q6_K and IQ4 layers), not under ``int8_activations`` where every
+    batch takes the dot path."""
     ops = dense_gemm.gemm_ops()
     if ops is None or not ops.groupwise_int16_rows():
         pytest.skip("no int16 kernel in this build")
     tag = f"+i16r{ops.groupwise_int16_rows()}"
     assert tag in groupwise_linear.path_name(ops, "int4", four_bit=True)
     assert tag in groupwise_linear.path_name(ops, "q8_0")
-    assert tag not in groupwise_linear.path_name(ops, "iq4", four_bit=True, levels=True)
+    assert tag in groupwise_linear.path_name(ops, "iq4", four_bit=True, levels=True)
     assert tag in groupwise_linear.path_name(ops, "q6_k")
-    assert tag not in groupwise_linear.path_name(ops, "q8_0", dot=True)
+    assert tag not in groupwise_linear.path_name(ops, "int4", four_bit=True, dot=True)
 
 
 def test_the_int16_tiles_are_named_in_the_path() -> None:
     """``+i16t<rows>`` in the path of every layer whose bf16 batches of that many rows or more
-    run on the int16 tiles (AVX2 builds: 4-bit, Q8_0 and Q6_K layers), with ``+i16r`` covering
-    the rows below, never in an IQ4 layer's, nor under ``int8_activations``."""
+    run on the int16 tiles (AVX2 builds: 4-bit, Q8_0, Q6_K and IQ4 layers), with ``+i16r``
+    covering the rows below, not under ``int8_activations``."""
     ops = dense_gemm.gemm_ops()
     if ops is None or not ops.groupwise_int16_tiles_from():
         pytest.skip("no int16 tiles in this build")
@@ -868,8 +874,8 @@ def test_the_int16_tiles_are_named_in_the_path() -> None:
     assert tag in groupwise_linear.path_name(ops, "int4", four_bit=True)
     assert tag in groupwise_linear.path_name(ops, "q8_0")
     assert tag in groupwise_linear.path_name(ops, "q6_k")
-    assert tag not in groupwise_linear.path_name(ops, "iq4", four_bit=True, levels=True)
-    assert "+i16" not in groupwise_linear.path_name(ops, "q8_0", dot=True)
+    assert tag in groupwise_linear.path_name(ops, "iq4", four_bit=True, levels=True)
+    assert "+i16" not in groupwise_linear.path_name(ops, "int4", four_bit=True, dot=True)
 
 
 # -- the int16 tiles of many bf16 rows (AVX2 without AVX-512) -----------------------------------
@@ -1027,7 +1033,9 @@ def test_packing_into_a_given_buffer_and_huge_page_buffers(ops) -> None:
 def _groupwise_layer(kind: str, n: int, k: int, *, row: bool = False, bias: bool = False):
     torch.manual_seed(7)
     layer = RowParallelLinear(k, n, bias=bias) if row else ColumnParallelLinear(k, [n], bias=bias)
-    method = GroupwiseMethod.for_format(kind if kind in ("q8_0", "q6_k") else "int4")
+    # IQ4 layers are q8_0 ones of the levels (the GGUF loader's form).
+    fmt = "q8_0" if kind.startswith("iq4") else kind
+    method = GroupwiseMethod.for_format(fmt if fmt in ("q8_0", "q6_k") else "int4")
     layer.quant_method = method
     method.create_weights(layer)
     weight, scale, offset, _ = _layer_data(kind, n, k)
@@ -1104,29 +1112,34 @@ def test_an_lm_head_never_rounds_x() -> None:
     assert not torch.equal(head_fn(x), layer_fn(x))
 
 
-def test_a_q6_k_layer_keeps_the_int16_kernels_where_they_run() -> None:
-    """Under ``int8_activations`` a Q6_K layer takes the dot path unless the build has the
-    int16 register tiles (AVX2 without AVX-512), where it keeps the default's int16 arithmetic,
-    exact for bf16 x and faster there: its rows equal the plain layer's bit for bit at one row,
-    a decode batch and a prefill's, and it keeps its six-bit packing. Q8_0 layers (IQ4 files'
-    layers among them) keep the dot path everywhere."""
+@pytest.mark.parametrize("kind", ("q6_k", "q8_0", "iq4"))
+def test_an_8_bit_layer_keeps_the_int16_kernels_where_they_run(kind: str) -> None:
+    """Under ``int8_activations`` an 8-bit layer (Q6_K, Q8_0, a q8_0 layer of IQ4 levels) takes
+    the dot path unless the build has the int16 register tiles (AVX2 without AVX-512), where
+    it keeps the default's int16 arithmetic, exact for bf16 x and faster there: its rows equal
+    the plain layer's bit for bit at one row, a decode batch and a prefill's, and it keeps its
+    smaller packing (Q6_K's six bits, IQ4's four). 4-bit layers take the dot path."""
     ops = dense_gemm.gemm_ops()
     if ops is None or not groupwise_linear.dot_rows(ops, torch.bfloat16):
         pytest.skip("no default dot path on this build")
-    assert groupwise_linear.takes_dot(ops, "q8_0", dot=True)
+    name = "q8_0" if kind == "iq4" else kind
     assert groupwise_linear.takes_dot(ops, "int4", dot=True)
-    assert not groupwise_linear.takes_dot(ops, "q6_k", dot=False)
-    layer = _groupwise_layer("q6_k", 40, 256)
+    assert not groupwise_linear.takes_dot(ops, name, dot=False)
+    layer = _groupwise_layer(kind, 40, 256)
     kernel = packed_linear.make_linear_kernel(layer, int8_activations=True)
     plain = packed_linear.make_linear_kernel(layer)
-    if not ops.groupwise_int16_tiles_from():  # no int16 tiles: the dot path
-        assert groupwise_linear.takes_dot(ops, "q6_k", dot=True)
+    if not ops.groupwise_int16_tiles_from():  # no int16 tiles: the dot path, at 8 bits
+        assert groupwise_linear.takes_dot(ops, name, dot=True)
         assert kernel.path.endswith("+dot"), kernel.path
+        assert kernel.groupwise.bits == 8
         return
-    assert not groupwise_linear.takes_dot(ops, "q6_k", dot=True)
+    assert not groupwise_linear.takes_dot(ops, name, dot=True)
     assert kernel.path == plain.path and "+dot" not in kernel.path, kernel.path
     assert dict(kernel.dot_rows) == dict(plain.dot_rows) == {dt: 0 for dt in kernel.dot_rows}
-    if ops.groupwise_six_bits():
+    assert kernel.groupwise.levels == plain.groupwise.levels == (kind == "iq4")
+    if kind == "iq4":
+        assert kernel.groupwise.bits == 4 and kernel.path.startswith("cpp-iq4-"), kernel.path
+    if kind == "q6_k" and ops.groupwise_six_bits():
         assert kernel.groupwise.bits == plain.groupwise.bits == 6
     for m in (1, 20, 300):
         x = torch.randn(m, 256).bfloat16()

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from pagedllm import Engine
-from pagedllm.backends.cpu import dense_gemm
+from pagedllm.backends.cpu import dense_gemm, groupwise_linear
 from pagedllm.layers.fused_moe import FusedMoE
 from tests.hf_reference import assert_greedy_match, hf_greedy
 from tests.models.gguf_files import (
@@ -237,9 +237,15 @@ def test_int8_activations_reach_the_expert_gemms(
     outs = engine.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == MAX_NEW for o in outs)
     # Calls of 64 columns: the experts' gate/up (2 x 32) and down, o_proj, the shared expert's
-    # down. The LM head never dots.
+    # down; the 4-bit ones dot, the 8-bit ones too unless the int16 tiles run (takes_dot). The
+    # LM head never dots.
+    ops = dense_gemm.gemm_ops()
+    name = {4: "int4", 8: "q8_0", 6: "q6_k"}
     experts = [c for c in calls if c[0] == 64]
-    assert experts and all(c[2] is int8_activations for c in experts), experts[:3]
+    assert experts and any(c[3] == 4 for c in experts)
+    for c in experts:
+        want = int8_activations and groupwise_linear.takes_dot(ops, name[c[3]], dot=True)
+        assert c[2] is want, c
     assert not any(c[2] for c in calls if c[0] == engine.vocab_size)
     bm = engine.block_manager
     assert bm.get_num_free_device_blocks() == bm.num_device_blocks

@@ -178,26 +178,24 @@ def dot_rows(ops: ModuleType, dtype: torch.dtype, *, enabled: bool = True) -> in
 
 
 # Formats whose layers keep the default's int16 kernels under ``int8_activations`` where the
-# build runs the int16 tiles (``takes_dot``).
-_INT16_UNDER_DOT = frozenset({"q6_k", "q5_k"})
+# build runs the int16 tiles (``takes_dot``): every 8-bit one (IQ4 files' layers are q8_0).
+_INT16_UNDER_DOT = frozenset({"q6_k", "q5_k", "q8_0"})
 
 
 def takes_dot(ops: ModuleType, name: str, *, dot: bool) -> bool:
     """Whether a ``name`` layer (a ``groupwise.FORMATS`` name, or a packed layer's) takes the
     dot path where the user allows it (``dot``).
 
-    Where the build has the int16 register tiles (AVX2 without AVX-512), Q6_K and Q5_K layers
-    keep the default's int16 arithmetic: the dot path has register tiles there for 4-bit
-    layers only, and 8-bit rows on its four-row kernel ran slower than the int16 tiles, which
-    are exact for bf16 x. Measured on a Zen 3 EPYC (2 cores), 1B Llama-shaped files at 64
+    Where the build has the int16 register tiles (AVX2 without AVX-512), 8-bit layers (Q8_0,
+    Q6_K, Q5_K) keep the default's int16 arithmetic: the dot path has register tiles there for
+    4-bit layers only, and 8-bit rows on its four-row kernel ran slower than the int16 tiles,
+    which are exact for bf16 x. Measured on a Zen 3 EPYC (2 cores), 1B Llama-shaped files at 64
     sequences: the Q4_K_M file's Q6_K layers (a seventh of its products) took 26% of its
     ``int8_activations`` run against 62% for the 4-bit tiles' six sevenths; with them on the
-    int16 tiles its decode steps ran 502.6 ms against 551.7, its prefill 17.0 s against 23.6.
-    Q6_K then keeps its 6-bit packing too (``six_bits``). ``q8_0`` layers keep the dot path:
-    IQ4_NL / IQ4_XS tensors are ``q8_0`` layers too, and off the dot path they pack as levels
-    on the float path, which ran a 1B IQ4_XS file's one stream at 15 tok/s against 22 on the
-    dot path (a Q8_0 file's own layers would gain: 683-714 ms against 814-823 at 64 sequences;
-    not separable by name)."""
+    int16 tiles its decode steps ran 502.6 ms against 551.7, its prefill 17.0 s against 23.6;
+    a Q8_0 file's steps 683-714 ms against 814-823. Q6_K then keeps its 6-bit packing
+    (``six_bits``), and IQ4_NL / IQ4_XS tensors (``q8_0`` layers of the IQ4 levels) their
+    4-bit one (``iq4_levels``), which the int16 kernels read through a table."""
     return dot and not (name in _INT16_UNDER_DOT and ops.groupwise_int16_tiles_from())
 
 
@@ -448,16 +446,16 @@ def path_name(
     more run on AMX tiles, ``+split`` where a 4-bit layer's few bf16 rows take the split
     kernel (x as two int8 rows; not IQ4 ``levels``; builds with ``vdpbf16ps``), ``+i16r<rows>``
     where up to that many bf16 rows are rounded to int16 per group (AVX2 builds without
-    AVX-512; not IQ4 ``levels``), ``+i16t<rows>`` where batches of that many bf16 rows or
-    more are, on register tiles (the same builds, the same layers), ``+dot`` where every bf16
-    batch takes the dot path, ``+dot<rows>`` where batches of up to that many rows do."""
+    AVX-512; every layout, IQ4 ``levels`` too), ``+i16t<rows>`` where batches of that many bf16
+    rows or more are, on register tiles (the same builds, the same layers), ``+dot`` where every
+    bf16 batch takes the dot path, ``+dot<rows>`` where batches of up to that many rows do."""
     rows = dot_rows(ops, torch.bfloat16, enabled=dot)
     suffix = "" if not rows else "+dot" if rows == EVERY_BATCH else f"+dot{rows}"
     i16 = ops.groupwise_int16_rows() if rows != EVERY_BATCH else 0
-    i16_tiles = ops.groupwise_int16_tiles_from() if rows != EVERY_BATCH and not levels else 0
+    i16_tiles = ops.groupwise_int16_tiles_from() if rows != EVERY_BATCH else 0
     if i16_tiles:  # past the dot path's rows where it takes the first ones
         suffix = f"+i16t{max(i16_tiles, rows + 1)}{suffix}"
-    if i16 and not levels:
+    if i16:
         suffix = f"+i16r{i16}{suffix}"
     split = four_bit and not levels and rows != EVERY_BATCH
     split = split and "split" in ops.groupwise_bf16_rows_kernels()

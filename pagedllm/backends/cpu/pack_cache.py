@@ -35,7 +35,8 @@ logger = logging.getLogger(__name__)
 
 # Raised whenever the panels' layout (csrc/gemm_q4_pack.cpp) or what this file stores changes;
 # the build folder's hash covers the C++ sources too, this covers a layout chosen in Python.
-LAYOUT_VERSION = 2  # 2: Q6_K / Q5_K off the dot path where the int16 tiles run (takes_dot)
+LAYOUT_VERSION = 3  # 2: Q6_K / Q5_K off the dot path where the int16 tiles run (takes_dot);
+# 3: Q8_0 too, and IQ4 layers at 4 bits there under int8_activations
 MAX_BYTES = 8 << 30  # the folder's bound: least recently used files go first
 _SUFFIX = ".packed.pt"
 _ALIGN = 64  # the kernels' panels start on a cache line

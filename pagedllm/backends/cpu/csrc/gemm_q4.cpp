@@ -67,10 +67,10 @@ void store(const float* c, int64_t rows, int64_t n, int64_t n0, const float* bia
 // - kDp: vdpbf16ps on q (bf16_rows), kFma: float32 FMAs on q (bf16_rows_fma): exact products,
 //   float32 sums, so the definition up to summation order; FMAs are the faster on Intel's cores
 //   (gemm_q4_float.h), vdpbf16ps on a Zen 4 EPYC.
-// AVX2 builds without AVX-512 (no vdpbf16ps; every layer but IQ4 levels, 8-bit and Q6_K too):
+// AVX2 builds without AVX-512 (no vdpbf16ps; every layer, 8-bit, Q6_K and IQ4 levels too):
 // kSplit rounds x to int16 per group against a power of two (gemm_q4_avx2.h's
 // avx2_i16_rows: exact for every bf16 element within 2^7 of its group's largest), kDp and kFma
-// both run float32 FMAs on q (avx2_rows: exact products).
+// both run float32 FMAs on q (avx2_rows: exact products; IQ4 levels: run_f32's).
 enum class Bf16RowsKernel { kSplit, kDp, kFma };
 
 Bf16RowsKernel rows_kernel_of(const char* op, const std::string& name) {
@@ -638,9 +638,21 @@ void avx2_panel(const Avx2Rows& a, int64_t lo, int64_t rows, int64_t k, const ui
   });
 }
 
+// Whether a call of x's type under `kernel` on a layer of format f has a kernel here: the int16
+// one (bf16 x, kSplit) reads every format, the float one (avx2_rows) all but IQ4 levels.
+template <typename X>
+bool avx2_runs(const Format& f, Bf16RowsKernel kernel) {
+  return avx2_rows_format(f) ||
+         (std::is_same_v<X, c10::BFloat16> && kernel == Bf16RowsKernel::kSplit);
+}
+
+// False, having written nothing, where the rows need the float kernel and it does not read f
+// (IQ4 levels whose x holds an inf or a NaN): the caller runs run_f32.
 template <int Bits, typename X>
-void run_avx2_rows(const X* x, const Problem& pb, X* y) {
+bool run_avx2_rows(const X* x, const Problem& pb, X* y) {
+  if (!avx2_runs<X>(pb.f, pb.rows)) return false;
   const Avx2Rows a = avx2_x(x, pb.m, pb.k, kernel_bits<Bits>(pb.f), pb.rows);
+  if (!a.i16 && !avx2_rows_format(pb.f)) return false;
   on_demand(pb.panels(), [&](TaskQueue& queue) {
     float c[kAvx2Rows * kCols];
     for (int64_t p0, p1; queue.next(p0, p1);) {
@@ -653,14 +665,17 @@ void run_avx2_rows(const X* x, const Problem& pb, X* y) {
       }
     }
   });
+  return true;
 }
 
 // The same for a grouped call's groups (each at most kAvx2Rows rows), every panel a task.
 template <int Bits, typename X>
-void run_avx2_grouped(const X* x, int64_t rows, const std::vector<int64_t>& lo,
+bool run_avx2_grouped(const X* x, int64_t rows, const std::vector<int64_t>& lo,
                       const std::vector<int64_t>& count, const Problem& shape,
                       const std::function<const uint8_t*(int64_t)>& panel_of, X* y) {
+  if (!avx2_runs<X>(shape.f, shape.rows)) return false;
   const Avx2Rows a = avx2_x(x, rows, shape.k, kernel_bits<Bits>(shape.f), shape.rows);
+  if (!a.i16 && !avx2_rows_format(shape.f)) return false;
   const int64_t panels = shape.panels();
   on_demand(static_cast<int64_t>(lo.size()) * panels, [&](TaskQueue& queue) {
     float c[kAvx2Rows * kCols];
@@ -672,6 +687,7 @@ void run_avx2_grouped(const X* x, int64_t rows, const std::vector<int64_t>& lo,
       }
     }
   });
+  return true;
 }
 #endif
 
@@ -761,7 +777,7 @@ void dispatch(const torch::Tensor& x, const Problem& pb, bool dot, bool allow_am
 #endif
 #if defined(PAGEDLLM_Q4_AVX2_TILES)
   if (pb.m > kAvx2ChunkedRows && x.scalar_type() == at::kBFloat16 &&
-      pb.rows == Bf16RowsKernel::kSplit && avx2_rows_format(pb.f) &&
+      pb.rows == Bf16RowsKernel::kSplit &&
       run_avx2_tiles<Bits>(x.data_ptr<c10::BFloat16>(), pb, y.data_ptr<at::BFloat16>()))
     return;
 #endif
@@ -770,11 +786,13 @@ void dispatch(const torch::Tensor& x, const Problem& pb, bool dot, bool allow_am
   // kAvx2Rows: the float kernel's chunks of four did not beat run_f32's tiles past them (1B
   // Q4_0 gate/up at 16 rows 0.6-0.8x, Q8_0 1.1-1.9x: mixed, so not taken).
   const bool bf16 = x.scalar_type() == at::kBFloat16;
-  if (pb.m <= (bf16 ? kAvx2ChunkedRows : kAvx2Rows) && avx2_rows_format(pb.f)) {
-    if (x.scalar_type() == at::kBFloat16)
-      return run_avx2_rows<Bits>(x.data_ptr<at::BFloat16>(), pb, y.data_ptr<at::BFloat16>());
-    if (x.scalar_type() == at::kHalf)
-      return run_avx2_rows<Bits>(x.data_ptr<at::Half>(), pb, y.data_ptr<at::Half>());
+  if (pb.m <= (bf16 ? kAvx2ChunkedRows : kAvx2Rows)) {
+    if (bf16 &&
+        run_avx2_rows<Bits>(x.data_ptr<at::BFloat16>(), pb, y.data_ptr<at::BFloat16>()))
+      return;
+    if (x.scalar_type() == at::kHalf &&
+        run_avx2_rows<Bits>(x.data_ptr<at::Half>(), pb, y.data_ptr<at::Half>()))
+      return;
   }
 #endif
   const torch::Tensor xf = x.to(at::kFloat).contiguous();
@@ -819,7 +837,7 @@ void groupwise_gemm_into(const torch::Tensor& x, const torch::Tensor& packed, in
   const Format f = format_of(bits, half_scales, with_offset, factored, levels);
   const Bf16RowsKernel kernel = rows_kernel_of("groupwise_gemm", rows_kernel);
   TORCH_CHECK(!(dot && f.six()), "groupwise_gemm: six-bit weights never take the dot path");
-  TORCH_CHECK(!(dot && f.levels), "groupwise_gemm: IQ4 levels run the float path only");
+  TORCH_CHECK(!(dot && f.levels), "groupwise_gemm: IQ4 levels never take the dot path");
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "groupwise_gemm: x must be a CPU [M, K], got ",
               x.sizes());
   const int64_t m = x.size(0), k = x.size(1), groups = k / kGroup;
@@ -942,14 +960,15 @@ void run_grouped(const torch::Tensor& x, const RowGroups& rg, const Problem& sha
   }
 #endif
 #if defined(PAGEDLLM_Q4_AVX2_ROWS)
-  if (avx2_rows_format(f)) {  // register_rows: every group within kAvx2Rows
-    if (x.scalar_type() == at::kBFloat16)
-      return run_avx2_grouped<Bits>(x.data_ptr<at::BFloat16>(), x.size(0), rg.lo, rg.rows, shape,
-                                    panel_of, y.data_ptr<at::BFloat16>());
-    if (x.scalar_type() == at::kHalf)
-      return run_avx2_grouped<Bits>(x.data_ptr<at::Half>(), x.size(0), rg.lo, rg.rows, shape,
-                                    panel_of, y.data_ptr<at::Half>());
-  }
+  // register_rows: every group within kAvx2Rows
+  if (x.scalar_type() == at::kBFloat16 &&
+      run_avx2_grouped<Bits>(x.data_ptr<at::BFloat16>(), x.size(0), rg.lo, rg.rows, shape,
+                             panel_of, y.data_ptr<at::BFloat16>()))
+    return;
+  if (x.scalar_type() == at::kHalf &&
+      run_avx2_grouped<Bits>(x.data_ptr<at::Half>(), x.size(0), rg.lo, rg.rows, shape, panel_of,
+                             y.data_ptr<at::Half>()))
+    return;
 #endif
   const torch::Tensor xf = x.to(at::kFloat).contiguous();
   const float* xp = xf.data_ptr<float>();
@@ -976,7 +995,7 @@ torch::Tensor groupwise_gemm_grouped(const torch::Tensor& x, const std::vector<t
   const Format f = format_of(bits, half_scales, with_offset, factored, levels);
   const Bf16RowsKernel kernel = rows_kernel_of("groupwise_gemm_grouped", rows_kernel);
   TORCH_CHECK(!(dot && f.six()), "groupwise_gemm_grouped: six-bit weights never take the dot path");
-  TORCH_CHECK(!(dot && f.levels), "groupwise_gemm_grouped: IQ4 levels run the float path only");
+  TORCH_CHECK(!(dot && f.levels), "groupwise_gemm_grouped: IQ4 levels never take the dot path");
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2,
               "groupwise_gemm_grouped: x must be a CPU [P, K], got ", x.sizes());
   const int64_t rows = x.size(0), k = x.size(1), count = static_cast<int64_t>(packed.size());

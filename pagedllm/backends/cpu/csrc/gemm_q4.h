@@ -62,7 +62,7 @@ int64_t int16_rows();
 
 // Rows of bf16 x from which this build's default kernel runs them, rounded to int16 as
 // int16_rows' kernel rounds them, on register tiles over widened weights (AVX2 without
-// AVX-512: gemm_q4_avx2_tiles.h; every layer but IQ4 levels; 0: none here). With int16_rows
+// AVX-512: gemm_q4_avx2_tiles.h; every layer, IQ4 levels too; 0: none here). With int16_rows
 // it covers every batch size.
 int64_t int16_tiles_from();
 

@@ -58,8 +58,9 @@ constexpr int64_t kAvx2Rows = 4;  // up to this many rows per kernel call
 // only there).
 constexpr int64_t kAvx2ChunkedRows = 16;
 
-// Whether the kernels below, and the int16 tiles of many rows (gemm_q4_avx2_tiles.h), run a
-// layer of format f (IQ4 levels: no, their q index a table).
+// Whether the float kernel below (avx2_rows: fp16 x, kDp / kFma, x with an inf or a NaN) runs a
+// layer of format f (IQ4 levels: no, its nibbles are read in place; such calls take run_f32).
+// The int16 kernel and the int16 tiles of many rows (gemm_q4_avx2_tiles.h) run every format.
 inline bool avx2_rows_format(const Format& f) { return !f.levels; }
 
 // The q width a kernel is instantiated for: 4, 8, or 6 for Q6_K's six blocks (8-bit layers
@@ -381,19 +382,45 @@ inline bool avx2_i16_x_rows(const uint16_t* x, int64_t k, int bits, int32_t* xw,
 }
 
 // Whether a 4-bit kernel of R rows reads nibbles 1 and 5 in place (times 16) into sums of their
-// own (b below), which saves their shift where the registers hold twice the sums.
-template <int Bits, int R>
-constexpr bool kInPlace16 = Bits == 4 && R <= 2;
+// own (b below), which saves their shift where the registers hold twice the sums (not IQ4
+// levels: vpshufb looks up the low four bits).
+template <int Bits, int R, bool Levels = false>
+constexpr bool kInPlace16 = Bits == 4 && R <= 2 && !Levels;
+
+// IQ4 levels as the int16 kernels read them: u = level + 127 (0..240, so level 0's -127 is 0),
+// looked up by vpshufb in each 128-bit lane. A nibble lane's high byte is 0 and looks up u = 0
+// too: the int16 lane is u itself, zero-extended, with no shift to sign-extend it. The sums are
+// then sum_k u * xi, and the group's offset -127 * scale (gemm_q4_layout.h's group_scales gives
+// the float kernels 0: their table holds the levels) takes the 127 back with the row's sum of
+// x, as Q4_0's -8 * scale takes back its 8: |sum| <= 32 * 240 * 32767 < 2^28, exact in int32,
+// rounded once to float32 (a relative 2^-24 of sum_k u * |xi|, float32 summation's own size).
+PAGEDLLM_Q4_INLINE __m256i iq4_u_table() {
+  return _mm256_setr_epi8(0, 23, 44, 62, 78, 92, 105, 117, -128, -116, -104, -91, -76, -60, -40,
+                          -16, 0, 23, 44, 62, 78, 92, 105, 117, -128, -116, -104, -91, -76, -60,
+                          -40, -16);
+}
+static_assert(kIq4Levels[0] == -127 && kIq4Levels[8] == 1 && kIq4Levels[15] == 113,
+              "iq4_u_table: the levels plus 127");
+
+// The offsets the int16 kernels add per group for scales `s` (group_scales' o otherwise).
+template <bool Levels>
+PAGEDLLM_Q4_INLINE void i16_offsets(const V16& s, V16* o) {
+  if constexpr (Levels) *o = v_mul(s, v_set(-127.f));
+}
 
 // The int16 lanes of 8 columns' weight dword for x word J (avx2_i16_x_rows' order): 4-bit:
 // nibbles J and J + 4, never masked in place at bits 12-15 (they would read as negative int16):
 // word 3 is one 16-bit shift (each lane's top nibble), words 0 and 2 a mask (after a shift by
 // 8), word 1 a shift and a mask or, kInPlace16, a mask alone (q * 16); 8-bit: bytes 0, 2
-// (J = 0) or 1, 3 (J = 1), sign-extended by 16-bit shifts.
-template <int Bits, int J, bool InPlace16>
+// (J = 0) or 1, 3 (J = 1), sign-extended by 16-bit shifts. Levels: the nibbles' u
+// (iq4_u_table).
+template <int Bits, int J, bool InPlace16, bool Levels = false>
 PAGEDLLM_Q4_INLINE __m256i i16_lanes(__m256i v) {
   const __m256i low = _mm256_set1_epi32(0x000F000F);
-  if constexpr (Bits == 4) {
+  if constexpr (Levels) {
+    static_assert(Bits == 4 && !InPlace16, "IQ4 levels: 4-bit nibbles in the low bits");
+    return _mm256_shuffle_epi8(iq4_u_table(), i16_lanes<4, J, false>(v));
+  } else if constexpr (Bits == 4) {
     if constexpr (J == 0) return _mm256_and_si256(v, low);
     if constexpr (J == 1 && InPlace16) return _mm256_and_si256(v, _mm256_slli_epi32(low, 4));
     if constexpr (J == 1) return _mm256_and_si256(_mm256_srli_epi32(v, 4), low);
@@ -416,11 +443,12 @@ PAGEDLLM_Q4_INLINE void in_register(__m256i& v) { asm("" : "+x"(v)); }
 // row r's x word J of the chunk: vpmaddwd, two products per int32 lane, added straight to the
 // sums (sums built as trees first were scheduled by GCC as all of a group's products at once,
 // spilled to the stack).
-template <int Bits, int R, int J>
+template <int Bits, int R, int J, bool Levels>
 PAGEDLLM_Q4_INLINE void i16_word(__m256i v0, __m256i v1, const int32_t* xc, int64_t ldx,
                                  __m256i a[R][2], __m256i b[R][2]) {
-  constexpr bool kOwn = kInPlace16<Bits, R> && J == 1;
-  const __m256i w0 = i16_lanes<Bits, J, kOwn>(v0), w1 = i16_lanes<Bits, J, kOwn>(v1);
+  constexpr bool kOwn = kInPlace16<Bits, R, Levels> && J == 1;
+  const __m256i w0 = i16_lanes<Bits, J, kOwn, Levels>(v0);
+  const __m256i w1 = i16_lanes<Bits, J, kOwn, Levels>(v1);
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
     const __m256i xb = _mm256_set1_epi32(xc[r * ldx + J]);
@@ -452,13 +480,13 @@ PAGEDLLM_Q4_INLINE void i16_six_half(const uint8_t* half, const int32_t* xc, int
   (step(std::integral_constant<int, P>{}), ...);
 }
 
-template <int Bits, int R, int... J>
+template <int Bits, int R, bool Levels, int... J>
 PAGEDLLM_Q4_INLINE void i16_chunk(const uint8_t* chunk, const int32_t* xc, int64_t ldx,
                                   __m256i a[R][2], __m256i b[R][2],
                                   std::integer_sequence<int, J...>) {
   const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
   const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 32));
-  (i16_word<Bits, R, J>(v0, v1, xc, ldx, a, b), ...);
+  (i16_word<Bits, R, J, Levels>(v0, v1, xc, ldx, a, b), ...);
 }
 
 // c[R][16] = R rows of x @ one panel on integer products: xw, xs, gsum from avx2_i16_x_rows
@@ -466,8 +494,8 @@ PAGEDLLM_Q4_INLINE void i16_chunk(const uint8_t* chunk, const int32_t* xc, int64
 // int32 sums are exact (4-bit: |sum| <= 32 * 15 * 32767 < 2^24, so their float32 conversion is
 // exact too; 8-bit: <= 32 * 128 * 32768 = 2^27), then y += (scale * s) * sum + offset * gsum in
 // float32, s a power of two: the definition's dequantised W times the int16-rounded x, up to
-// float32 sums.
-// L: the layout f is read through (gemm_q4_layout.h's with_layout).
+// float32 sums. IQ4 levels: sums of u = level + 127 (iq4_u_table), offset -127 * scale.
+// L: the layout f is read through (gemm_q4_layout.h's with_layout; L::kLevels: IQ4 levels).
 template <int Bits, int R, bool Halves, typename L = RuntimeLayout>
 PAGEDLLM_Q4_KERNEL void avx2_i16_rows(const int32_t* xw, int64_t ldx, const float* xs,
                                       const float* gsum, int64_t ldg, const uint8_t* panel,
@@ -475,6 +503,7 @@ PAGEDLLM_Q4_KERNEL void avx2_i16_rows(const int32_t* xw, int64_t ldx, const floa
   static_assert(!Halves || Bits != 4, "two scales: 8-bit layers only");
   static_assert(Bits != 6 || Halves, "six blocks: two scales");
   const Format& f = L::of(format);
+  constexpr bool kLevels = L::kLevels;
   constexpr int kPer = Bits == 4 ? 8 : 4;            // k per chunk
   constexpr int kWords = Bits == 4 ? 4 : 2;          // x words per chunk
   constexpr int kPartChunks = kGroup / kPer / kParts<Halves>;
@@ -495,16 +524,17 @@ PAGEDLLM_Q4_KERNEL void avx2_i16_rows(const int32_t* xw, int64_t ldx, const floa
 #pragma GCC unroll 8
         for (int i = 0; i < kPartChunks; ++i) {
           const int ch = part * kPartChunks + i;
-          i16_chunk<Bits, R>(block + ch * kChunk, xg + ch * kWords, ldx, a, b,
-                             std::make_integer_sequence<int, kWords>{});
+          i16_chunk<Bits, R, kLevels>(block + ch * kChunk, xg + ch * kWords, ldx, a, b,
+                                      std::make_integer_sequence<int, kWords>{});
         }
       }
-      if constexpr (kInPlace16<Bits, R>)  // 16 * sum, exactly: the shift is exact
+      if constexpr (kInPlace16<Bits, R, kLevels>)  // 16 * sum, exactly: the shift is exact
         for (int r = 0; r < R; ++r)
           for (int h = 0; h < 2; ++h)
             a[r][h] = _mm256_add_epi32(a[r][h], _mm256_srai_epi32(b[r][h], 4));
       V16 s, o;  // loaded after the sums: live across them, they would spill at 4 rows
       group_scales(panel, g, f, &s, &o);
+      i16_offsets<kLevels>(s, &o);
       const V16& sc = part == 0 ? s : o;
       for (int r = 0; r < R; ++r) {
         const __m256 xsr = _mm256_broadcast_ss(xs + r * ldg + g);

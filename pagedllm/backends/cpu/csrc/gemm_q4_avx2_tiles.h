@@ -48,13 +48,13 @@ constexpr int64_t kI16ChunkTiles = 4;
 constexpr int64_t kI16GroupVecs = 2 * kI16Words;  // ymm of widened q per group and panel
 constexpr int64_t kI16GroupInts = 8 * kI16GroupVecs;  // their int32 lanes
 
-template <int Bits, int... J>
+template <int Bits, bool Levels, int... J>
 PAGEDLLM_Q4_INLINE void i16_widen_chunk(const uint8_t* chunk, __m256i* out,
                                         std::integer_sequence<int, J...>) {
   const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
   const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 32));
-  (_mm256_storeu_si256(out + 2 * J, i16_lanes<Bits, J, false>(v0)), ...);
-  (_mm256_storeu_si256(out + 2 * J + 1, i16_lanes<Bits, J, false>(v1)), ...);
+  (_mm256_storeu_si256(out + 2 * J, i16_lanes<Bits, J, false, Levels>(v0)), ...);
+  (_mm256_storeu_si256(out + 2 * J + 1, i16_lanes<Bits, J, false, Levels>(v1)), ...);
 }
 
 // One six half group's 8 pair rows (six_word) stored as out[2P + h] (h: column half).
@@ -68,7 +68,8 @@ PAGEDLLM_Q4_INLINE void i16_widen_six(const uint8_t* half, __m256i* out,
 
 // Groups [g0, g0 + gc) of one panel widened: w[g][word][half] the int16 lanes of x word `word`
 // (avx2_i16_x_rows' order) for columns 8 * half.., so[g] its 16 scales then 16 offsets
-// (group_scales: Q4_0's -8 * scale, zero for Q8_0, the second scale for two-scale layers).
+// (group_scales: Q4_0's -8 * scale, zero for Q8_0, the second scale for two-scale layers;
+// i16_offsets: IQ4 levels' -127 * scale, their q widened to u = level + 127).
 // L: the layout f is read through (gemm_q4_layout.h's with_layout).
 template <int Bits, typename L = RuntimeLayout>
 inline void i16_block(const uint8_t* panel, int64_t g0, int64_t gc, const Format& format,
@@ -88,11 +89,12 @@ inline void i16_block(const uint8_t* panel, int64_t g0, int64_t gc, const Format
     } else {
 #pragma GCC unroll 8
       for (int ch = 0; ch < kGroup / kPer; ++ch)
-        i16_widen_chunk<Bits>(block + ch * kChunk, out + 2 * kWords * ch,
-                              std::make_integer_sequence<int, kWords>{});
+        i16_widen_chunk<Bits, L::kLevels>(block + ch * kChunk, out + 2 * kWords * ch,
+                                          std::make_integer_sequence<int, kWords>{});
     }
     V16 s, o;
     group_scales(panel, g0 + g, f, &s, &o);
+    i16_offsets<L::kLevels>(s, &o);
     v_store(so + g * 2 * kCols, s);
     v_store(so + g * 2 * kCols + kCols, o);
   }

@@ -146,12 +146,17 @@ struct Format {
 // a Zen 3 EPYC (a torch-free harness of avx2_i16_rows<4, 1>, K = 2048, interleaved runs): from
 // L2 19-28 -> 13-15 ns a group and panel, streamed from memory on two threads 14-22 -> 20-25
 // GB/s. with_layout picks the layout: GGUF's common formats fixed, any other at run time.
-template <int Bits, bool Half, bool Offset, bool Factored>
+// IQ4 levels are always a fixed layout (format_of: 4-bit, no offsets, unfactored; fp16 or
+// float32 scales: Iq4Layout, Iq4F32Layout), so a kernel knows at compile time whether it looks
+// its q up (kLevels); RuntimeLayout never carries them.
+template <int Bits, bool Half, bool Offset, bool Factored, bool Levels = false>
 struct FixedLayout {
-  static constexpr Format kFormat{Bits, Half, Offset, Factored, false};
+  static constexpr Format kFormat{Bits, Half, Offset, Factored, Levels};
+  static constexpr bool kLevels = Levels;
   static PAGEDLLM_Q4_INLINE const Format& of(const Format&) { return kFormat; }
 };
 struct RuntimeLayout {
+  static constexpr bool kLevels = false;
   static PAGEDLLM_Q4_INLINE const Format& of(const Format& f) { return f; }
 };
 using Q4_0Layout = FixedLayout<4, true, false, false>;  // Q4_0, int4 without offsets
@@ -160,6 +165,8 @@ using Q4_KLayout = FixedLayout<4, true, true, true>;    // Q4_K
 using Q8_0Layout = FixedLayout<8, true, false, false>;  // Q8_0
 using Q6_KLayout = FixedLayout<8, true, false, true>;   // Q6_K: two scales
 using Q6_KSixLayout = FixedLayout<6, true, false, true>;  // Q6_K's q at 6 bits
+using Iq4Layout = FixedLayout<4, true, false, false, true>;      // IQ4_NL: fp16 d
+using Iq4F32Layout = FixedLayout<4, false, false, false, true>;  // IQ4_XS: d * (ls - 32)
 
 inline constexpr bool operator==(const Format& a, const Format& b) {
   return a.bits == b.bits && a.half_scales == b.half_scales && a.with_offset == b.with_offset &&
@@ -176,6 +183,8 @@ PAGEDLLM_Q4_INLINE void with_layout(const Format& f, Fn&& fn) {
     if (f == Q4_0Layout::kFormat) return fn(Q4_0Layout{});
     if (f == Q4_1Layout::kFormat) return fn(Q4_1Layout{});
     if (f == Q4_KLayout::kFormat) return fn(Q4_KLayout{});
+    if (f == Iq4Layout::kFormat) return fn(Iq4Layout{});
+    if (f == Iq4F32Layout::kFormat) return fn(Iq4F32Layout{});
   } else if constexpr (TwoScales) {
     if (f == Q6_KLayout::kFormat) return fn(Q6_KLayout{});
   } else {
