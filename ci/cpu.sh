@@ -35,7 +35,8 @@ for bench in benchmarks/throughput.py benchmarks/attention_cpu.py benchmarks/eng
              benchmarks/linear_cpu.py benchmarks/loading.py benchmarks/structured.py \
              benchmarks/moe.py benchmarks/speculative.py benchmarks/lora.py \
              benchmarks/gguf_bench.py benchmarks/kv_tiers.py benchmarks/router.py \
-             benchmarks/pipeline.py benchmarks/startup.py benchmarks/activation_rounding.py; do
+             benchmarks/pipeline.py benchmarks/startup.py benchmarks/activation_rounding.py \
+             benchmarks/demo_answers.py; do
     if [ -f "$bench" ]; then
         "$PY" "$bench" --smoke > /dev/null
         echo "benchmark smoke run ok: $bench"
