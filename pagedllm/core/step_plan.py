@@ -1,4 +1,6 @@
-"""The scheduler's working parts: step budgets, step plans, stats, and the wire items it emits."""
+"""The scheduler's working parts: step budgets, step plans, stats, the wire items it emits, and
+what a request's kind asks of a step (whole prompts, no KV blocks), shared by the planner and
+the queues."""
 
 from __future__ import annotations
 
@@ -98,3 +100,20 @@ def build_scheduled_seq(
         lora_request=group.lora_request,
         pooling_params=group.pooling_params,
     )
+
+
+def whole_prompt(group: SequenceGroup) -> bool:
+    """Every prompt position is computed (no prefix-cache skip): prompt log-probabilities, or
+    a model that pools over every position."""
+    return group.sampling_params.prompt_logprobs is not None or unchunked(group)
+
+
+def unchunked(group: SequenceGroup) -> bool:
+    """A prompt pooled over every position runs in one step: no chunk holds its hidden states."""
+    pooling = group.pooling_params
+    return pooling is not None and (pooling.whole_prompt or not pooling.uses_kv_cache)
+
+
+def holds_blocks(group: SequenceGroup) -> bool:
+    """False for a bidirectional encoder's request, which runs without a KV cache."""
+    return group.pooling_params is None or group.pooling_params.uses_kv_cache

@@ -32,7 +32,7 @@ def load_tokenizer(path: str) -> Any:
         from pagedllm.models.gguf.tokenizer import load_gguf_tokenizer
 
         return load_gguf_tokenizer(open_gguf(gguf_path))
-    from pagedllm.tokenization.tokenizer import NotPlain, load_plain_tokenizer
+    from pagedllm.tokenization.loading import NotPlain, load_plain_tokenizer
 
     try:
         tokenizer = load_plain_tokenizer(path)

@@ -49,7 +49,7 @@ def renderer(llama_path: Path, request: pytest.FixtureRequest) -> Any:
     holds for a plain tokenizer.json: its workers import no transformers)."""
     from transformers import AutoTokenizer
 
-    from pagedllm.tokenization.tokenizer import load_plain_tokenizer
+    from pagedllm.tokenization.loading import load_plain_tokenizer
 
     if request.param == "transformers":
         tokenizer = AutoTokenizer.from_pretrained(llama_path)

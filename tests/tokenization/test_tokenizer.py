@@ -18,7 +18,8 @@ import transformers
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.core.sequence import Sequence
 from pagedllm.engine.detokenizer import Detokenizer
-from pagedllm.tokenization.tokenizer import NotPlain, Tokenizer, load_plain_tokenizer
+from pagedllm.tokenization.loading import NotPlain, load_plain_tokenizer
+from pagedllm.tokenization.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello world",

@@ -103,7 +103,7 @@ def load_cached_tokenizer(folder: Path) -> Any:
     """A converted tokenizer folder: pagedllm's own class where the folder is plain enough for
     it, else transformers' (the class it was converted as, not AutoTokenizer: resolving the
     class by name imports transformers' auto mappings, ~0.6 s more)."""
-    from pagedllm.tokenization.tokenizer import NotPlain, load_plain_tokenizer
+    from pagedllm.tokenization.loading import NotPlain, load_plain_tokenizer
 
     try:
         tokenizer = load_plain_tokenizer(folder)
