@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import collections
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
@@ -83,6 +84,22 @@ class RequestStream:
         if not self.finished:
             self.finished = True
             self._abort(self.request_id)
+
+
+def deliver_batch(items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
+    """Hand items to their streams from a thread other than their loops': one wake-up per event
+    loop for the whole batch (a step's outputs), not one per stream."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[Any]] = {}
+    for stream, item in items:
+        by_loop.setdefault(stream.loop, []).append((stream, item))
+    for loop, batch in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # that loop is closed: nobody listens
+            loop.call_soon_threadsafe(_put_all, batch)
+
+
+def _put_all(batch: list[tuple[RequestStream, Any]]) -> None:
+    for stream, item in batch:
+        stream.put(item)
 
 
 class EngineClientBase(abc.ABC):

@@ -4,10 +4,10 @@ of its own.
 The server calls the same methods as on the in-process :class:`AsyncEngine` (``add_request``,
 ``generate``, ``abort``, ``call``, ``get_stats``, ``is_healthy``, ``shutdown``,
 ``cut_in_flight``, ...), so the routes do not change. Underneath: a spawned core process
-(``core_process.py``) and two ZeroMQ sockets (``core_wire.py``). Requests are sent from the
-caller's thread (a send is a non-blocking copy into ZeroMQ's queue); one thread here receives
-the core's per-step messages, folds the deltas into cumulative outputs and hands each event
-loop its batch in one wake-up.
+(``core_process.py``) and two ZeroMQ sockets (``core_wire.py``), both held by a
+``CoreChannel`` (``core_channel.py``). Requests are sent from the caller's thread (a send is a
+non-blocking copy into ZeroMQ's queue); one thread here receives the core's per-step messages,
+folds the deltas into cumulative outputs and hands each event loop its batch in one wake-up.
 
 The core's death is seen at once: that thread polls the process's sentinel next to the socket,
 so every stream fails with ``EngineDeadError`` and ``is_healthy`` turns false (the server's
@@ -21,8 +21,6 @@ import concurrent.futures
 import contextlib
 import itertools
 import logging
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -35,9 +33,12 @@ from pagedllm.engine.client import (
     EngineDeadError,
     EngineStepError,
     RequestStream,
+    deliver_batch,
 )
-from pagedllm.engine.core_launch import CoreLauncher, CoreSpec, ProcessLauncher
+from pagedllm.engine.core_channel import CoreChannel
+from pagedllm.engine.core_launch import CoreLauncher, ProcessLauncher
 from pagedllm.engine.cpu_binding import CpuBinding
+from pagedllm.engine.early_tokenizer import TokenizerLoad, load_tokenizer_early, tokenizer_of
 from pagedllm.engine.stat_logger import StatLogger
 from pagedllm.outputs import RequestOutput
 
@@ -97,22 +98,26 @@ class EngineCoreClient(EngineClientBase):
         self._stopped = False
         self._core_in_flight = 0
         self._stat_logger = StatLogger(log_stats_interval) if log_stats_interval else None
-        self._send_lock = threading.RLock()  # reentrant: a signal handler may send mid-send
-        self.proc = self._launch(
-            launcher or ProcessLauncher(), model, device, engine_args, cpu_binding
+        self._channel = CoreChannel(
+            launcher or ProcessLauncher(),
+            model,
+            device,
+            engine_args=engine_args,
+            cpu_binding=cpu_binding,
         )
+        self.proc = self._channel.proc
         early = None
         try:
             if while_starting is not None:  # this process's own start, beside the core's
                 while_starting()
             early = tokenizer_load or load_tokenizer_early(model, engine_args)
-            self.info = self._wait_ready(startup_timeout)
+            self.info = self._channel.wait_ready(startup_timeout)
         except BaseException:
-            self._kill()
-            self._close()
+            self._channel.kill()
+            self._channel.close()
             raise
         self._stats: dict[str, float] = dict(self.info["stats"])
-        self.tokenizer: Any = _tokenizer_of(self.info, early)
+        self.tokenizer: Any = tokenizer_of(self.info, early)
         self._thread = threading.Thread(target=self._receive, name="pagedllm-core-out", daemon=True)
         self._thread.start()
 
@@ -135,61 +140,6 @@ class EngineCoreClient(EngineClientBase):
             cpu_binding=cpu_binding,
             **engine_args,
         )
-
-    def _launch(
-        self,
-        launcher: CoreLauncher,
-        model: str,
-        device: str,
-        engine_args: dict[str, Any],
-        cpu_binding: CpuBinding | None,
-    ) -> Any:
-        """Bind this side's two sockets and start the core, which connects to them."""
-        import zmq
-
-        self._dir = tempfile.mkdtemp(prefix="pagedllm-core-")  # mode 0700: this user only
-        self._ctx = zmq.Context()
-        self._in = self._ctx.socket(zmq.PUSH)
-        self._in.setsockopt(zmq.SNDHWM, 0)
-        self._in.setsockopt(zmq.LINGER, 0)
-        self._out = self._ctx.socket(zmq.PULL)
-        self._out.setsockopt(zmq.RCVHWM, 0)
-        try:
-            in_addr, out_addr = launcher.bind(self._in, self._out, self._dir)
-            log_level = logging.getLogger().getEffectiveLevel()
-            return launcher.start(
-                CoreSpec(model, device, engine_args, in_addr, out_addr, log_level, cpu_binding)
-            )
-        except BaseException:
-            # A core that could not be launched (a Ray placement group gone, say): the sockets
-            # and context go now; left to the garbage collector, term() can block forever.
-            self._close()
-            raise
-
-    def _wait_ready(self, timeout: float) -> dict[str, Any]:
-        import zmq
-
-        poller = zmq.Poller()
-        poller.register(self._out, zmq.POLLIN)
-        poller.register(self.proc.sentinel, zmq.POLLIN)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            events = dict(poller.poll(500))
-            if self._out in events:
-                kind, payload = wire.decode_out(self._out.recv())
-                if kind == wire.READY:
-                    return payload
-                if kind == wire.DEAD:  # [exception type, message]: ValueError stays one
-                    name, message = payload
-                    if name == "ValueError":
-                        raise ValueError(message)
-                    raise RuntimeError(f"the engine core failed to start: {name}: {message}")
-            elif events:
-                self.proc.join(1)
-                raise RuntimeError(
-                    f"the engine core exited while starting (exit code {self.proc.exitcode})"
-                )
-        raise RuntimeError(f"the engine core did not start within {timeout:.0f} s")
 
     # -- what the server reads -----------------------------------------------------------------
     @property
@@ -243,7 +193,9 @@ class EngineCoreClient(EngineClientBase):
         self._arrivals[request_id] = arrival
         self._adds[request_id] = done
         try:
-            self._send((wire.ADD, request_id, prompt, params, priority, arrival, lora_request))
+            self._channel.send(
+                (wire.ADD, request_id, prompt, params, priority, arrival, lora_request)
+            )
         except BaseException:
             self._drop(request_id)
             self._adds.pop(request_id, None)
@@ -259,7 +211,7 @@ class EngineCoreClient(EngineClientBase):
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         if self._dead is None and not self._stopped:
             with contextlib.suppress(Exception):
-                self._send((wire.ABORT, ids))
+                self._channel.send((wire.ABORT, ids))
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(engine, *args)`` in the core between steps; ``fn`` must pickle (no lambda)."""
@@ -268,22 +220,11 @@ class EngineCoreClient(EngineClientBase):
         done: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self._calls[call_id] = done
         try:
-            self._send((wire.CALL, call_id, fn, args))
+            self._channel.send((wire.CALL, call_id, fn, args))
         except BaseException:
             self._calls.pop(call_id, None)
             raise
         return await asyncio.wrap_future(done)
-
-    def _send(self, message: tuple[Any, ...]) -> None:
-        """Never blocks: with the core connected the queue is unbounded; without, it is gone."""
-        import zmq
-
-        data = wire.encode_in(message)
-        with self._send_lock:
-            try:
-                self._in.send(data, zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                raise EngineDeadError("the engine core is not connected") from None
 
     def _check_alive(self) -> None:
         if self._dead is not None:
@@ -326,7 +267,7 @@ class EngineCoreClient(EngineClientBase):
         if streams:
             logger.warning("cutting %d requests still in flight: %s", len(streams), reason)
             self.request_abort([rid for rid, _ in streams])
-        self._deliver([(s, EngineDeadError(reason)) for _, s in streams])
+        deliver_batch([(s, EngineDeadError(reason)) for _, s in streams])
 
     def stop(self, join_timeout: float = 30.0) -> None:
         """Ask the core to stop (what runs is aborted), wait for it, release everything."""
@@ -334,49 +275,22 @@ class EngineCoreClient(EngineClientBase):
         if self._stopped:
             return
         self._stopping = True
-        if self.proc.is_alive():
-            with contextlib.suppress(Exception):
-                self._send((wire.STOP,))
-            self.proc.join(join_timeout)
-        self._kill()
+        self._channel.stop_core(join_timeout)
         if self._thread.is_alive():
             self._thread.join(5)
         self._stopped = True
         self._fail_all(EngineDeadError("the engine shut down before the request finished"))
-        self._close()
-
-    def _kill(self) -> None:
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(5)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
-
-    def _close(self) -> None:
-        with self._send_lock:
-            self._in.close(linger=0)
-        self._out.close(linger=0)
-        self._ctx.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self._channel.close()
 
     # -- the receiving thread ------------------------------------------------------------------
     def _receive(self) -> None:
-        import zmq
-
-        poller = zmq.Poller()
-        poller.register(self._out, zmq.POLLIN)
-        poller.register(self.proc.sentinel, zmq.POLLIN)
+        poller = self._channel.poller()
         try:
             while True:
                 events = dict(poller.poll(_POLL_MS))
-                if self._out in events:
-                    while True:
-                        try:
-                            data = self._out.recv(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        self._handle(*wire.decode_out(data.buffer))
+                if self._channel.out in events:
+                    for kind, payload in self._channel.drain():
+                        self._handle(kind, payload)
                 elif events:  # the sentinel: the core is gone
                     self.proc.join(1)
                     if not self._stopping and self._dead is None:
@@ -421,7 +335,7 @@ class EngineCoreClient(EngineClientBase):
         elif kind == wire.FAILED:
             ids, text = payload
             error = EngineStepError(text)
-            self._deliver([(s, error) for s in (self._drop(r) for r in ids) if s is not None])
+            deliver_batch([(s, error) for s in (self._drop(r) for r in ids) if s is not None])
         elif kind == wire.DEAD:
             self._on_dead(EngineStepError(str(payload)))
 
@@ -449,7 +363,7 @@ class EngineCoreClient(EngineClientBase):
             if stream is not None:
                 failed = out.failed and out.finished
                 items.append((stream, EngineStepError(out.error or "") if failed else out))
-        self._deliver(items)
+        deliver_batch(items)
         self._core_in_flight = core_in_flight
         if step_s is not None:
             self._timing("step", step_s)
@@ -473,66 +387,9 @@ class EngineCoreClient(EngineClientBase):
 
     def _fail_all(self, error: BaseException) -> None:
         streams = [s for s in (self._drop(r) for r in list(self._streams)) if s is not None]
-        self._deliver([(s, error) for s in streams])
+        deliver_batch([(s, error) for s in streams])
         for pending in (self._adds, self._calls):
             for key in list(pending):
                 fut = pending.pop(key, None)
                 if fut is not None and fut.set_running_or_notify_cancel():
                     fut.set_exception(EngineDeadError(str(error)))
-
-    @staticmethod
-    def _deliver(items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
-        """One wake-up per event loop for the whole step."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[Any]] = {}
-        for stream, item in items:
-            by_loop.setdefault(stream.loop, []).append((stream, item))
-        for loop, batch in by_loop.items():
-            with contextlib.suppress(RuntimeError):  # that loop is closed: nobody listens
-                loop.call_soon_threadsafe(_put_all, batch)
-
-
-def _put_all(batch: list[tuple[RequestStream, Any]]) -> None:
-    for stream, item in batch:
-        stream.put(item)
-
-
-# A tokenizer loading on its own thread: (the path it loads, its future).
-TokenizerLoad = tuple[str, "concurrent.futures.Future[Any]"]
-
-
-def load_tokenizer_early(model: str, engine_args: dict[str, Any]) -> TokenizerLoad | None:
-    """The tokenizer the core will name, loading on a thread while the core starts: the two
-    loads (this one's tokenizer files, the core's imports and weights) overlap instead of adding
-    up. None where the core runs without a tokenizer. Replicas of one model share one load
-    (``tokenizer_load=``): n loads of the same files on n threads at once were n times the
-    work, and reached transformers' lazy module from several threads (not safe) where the
-    tokenizer needs it."""
-    if engine_args.get("skip_tokenizer_init"):
-        return None
-    from pagedllm.engine.prompts import load_tokenizer
-
-    path = str(engine_args.get("tokenizer") or model)
-    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-
-    def load() -> None:
-        try:
-            future.set_result(load_tokenizer(path))
-        except BaseException as exc:  # handed to the caller, or loaded again there
-            future.set_exception(exc)
-
-    threading.Thread(target=load, name="pagedllm-tokenizer", daemon=True).start()
-    return path, future
-
-
-def _tokenizer_of(info: dict[str, Any], early: TokenizerLoad | None = None) -> Any:
-    """The core's tokenizer, loaded on this side too (None when the core runs without one):
-    the early load where it named the same one and succeeded; else loaded now (so a failure
-    reads as it did before the early load)."""
-    if not info["has_tokenizer"]:
-        return None
-    if early is not None and early[0] == info["tokenizer"]:
-        with contextlib.suppress(Exception):
-            return early[1].result()
-    from pagedllm.engine.prompts import load_tokenizer
-
-    return load_tokenizer(info["tokenizer"])

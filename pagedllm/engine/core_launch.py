@@ -1,9 +1,9 @@
 """Where an engine core runs: a spawned local process, or (``dp_ray.py``) a Ray actor.
 
-``EngineCoreClient`` binds its two sockets through the launcher (which picks the transport:
-``ipc://`` in a private folder locally, TCP for a core on another machine) and holds the handle
-``start`` returns, shaped like ``multiprocessing.Process``: its ``sentinel`` is polled next to the
-socket, so a core's death is seen at once wherever it ran.
+``EngineCoreClient``'s ``CoreChannel`` (``core_channel.py``) binds its two sockets through the
+launcher (which picks the transport: ``ipc://`` in a private folder locally, TCP for a core on
+another machine) and holds the handle ``start`` returns, shaped like ``multiprocessing.Process``:
+its ``sentinel`` is polled next to the socket, so a core's death is seen at once wherever it ran.
 """
 
 from __future__ import annotations

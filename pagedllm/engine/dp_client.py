@@ -33,9 +33,10 @@ from pagedllm.engine.client import (
     ReplicaSet,
     RequestStream,
 )
-from pagedllm.engine.core_client import EngineCoreClient, load_tokenizer_early
+from pagedllm.engine.core_client import EngineCoreClient
 from pagedllm.engine.core_launch import ProcessLauncher
 from pagedllm.engine.dp_setup import choose_backend, replica_setup
+from pagedllm.engine.early_tokenizer import load_tokenizer_early
 from pagedllm.engine.router import Router
 from pagedllm.outputs import RequestOutput
 

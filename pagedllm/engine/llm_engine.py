@@ -10,18 +10,16 @@ import logging
 import os
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from pagedllm.backends.registry import resolve_device
 from pagedllm.config import EngineConfig
-from pagedllm.core.block_manager import BlockSpaceManager, window_block_count
 from pagedllm.core.pooling_params import PoolingParams
 from pagedllm.core.sampling_params import SamplingParams
-from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.sequence import Sequence, SequenceGroup
-from pagedllm.core.speculation import LookaheadPlanner
-from pagedllm.engine.admission import EngineLimits, check_request, default_max_tokens, fit_context
+from pagedllm.engine.admission import EngineLimits, check_request, default_max_tokens
+from pagedllm.engine.cache_layout import CacheLayout, build_schedulers, size_cache
 from pagedllm.engine.collector import with_collector_paused
 from pagedllm.engine.guided import GuidedRequests
 from pagedllm.engine.lora_registry import LoRARegistry, lora_cache_root
@@ -43,7 +41,6 @@ from pagedllm.engine.prompts import (
 )
 from pagedllm.engine.sampling_defaults import default_sampling_params, sampling_defaults
 from pagedllm.engine.step_loop import EngineCounters, StepLoop, StepParts
-from pagedllm.engine.virtual_engines import VirtualBlockManagers, VirtualSchedulers
 from pagedllm.engine_args import EngineArgs
 from pagedllm.executors.base import create_executor
 from pagedllm.lora.request import LoRARequest
@@ -54,23 +51,6 @@ from pagedllm.spec_decode.metrics import SpecDecodeMetrics
 __all__ = ["EngineCounters", "LLMEngine", "PromptType"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class CacheLayout:
-    """How the KV cache is cut: blocks per virtual engine, and the block sliding window.
-
-    ``window``: the one window every layer slides by (None if any layer does not, or they
-    differ). ``lazy``: blocks behind it are freed and a prompt gets its blocks chunk by chunk,
-    so a sequence of any length runs in ``window_blocks`` blocks (vLLM's block sliding window).
-    """
-
-    num_device: int
-    num_host: int
-    num_virtual: int
-    window: int | None
-    lazy: bool
-    window_blocks: int | None
 
 
 class LLMEngine(PoolingMixin):
@@ -113,7 +93,12 @@ class LLMEngine(PoolingMixin):
             self.executor.collective_rpc("pooling_info")[-1],  # the last stage's model
             embed_dim=getattr(self.hf_config, "hidden_size", None),
         )
-        layout = self._size_cache()
+        self.config, layout = size_cache(
+            self.config,
+            self.executor,
+            self.pooling,
+            explicit_max_model_len=self._explicit_max_model_len,
+        )
         # Lower KV tiers: the one in-process worker's store (config.py refuses other executors).
         self.kv_tiers = (
             self.executor.collective_rpc("kv_tier_store")[0]
@@ -127,7 +112,9 @@ class LLMEngine(PoolingMixin):
         # [CLS] ... [SEP]: what an encoder's truncated input keeps (engine/pooling.py).
         self._special_frame = special_frame(self.tokenizer) if self.pooling.is_pooling else ((), ())
         self._seq_ids = itertools.count()
-        schedulers = self._build_schedulers(layout)
+        schedulers, self.scheduler, self.block_manager = build_schedulers(
+            self.config, layout, kv_tiers=self.kv_tiers, seq_ids=self._seq_ids
+        )
         self.spec_metrics = SpecDecodeMetrics()
         self.loras = LoRARegistry(self.config.lora, self.executor)
         self.output_processor = OutputProcessor(
@@ -145,44 +132,6 @@ class LLMEngine(PoolingMixin):
         self.loop = StepLoop(self.scheduler, schedulers, self._step_parts())
         self._cache_salt = os.urandom(16)  # adapters' prefix-cache roots: this run's only
 
-    def _size_cache(self) -> CacheLayout:
-        """Count the KV blocks, fit the context to them, and allocate the cache on the workers.
-
-        Under pipeline parallelism each virtual engine gets its own share of the blocks.
-        """
-        num_virtual = self.config.parallel.num_virtual_engines
-        if not self.pooling.uses_kv_cache:  # an encoder: no block to count, nothing to fit
-            self.executor.initialize_cache(0, 0, num_virtual)
-            logger.info("KV cache: none (the model keeps no KV cache)")
-            return CacheLayout(0, 0, num_virtual, None, False, None)
-        num_device, num_host = self.executor.determine_num_blocks()
-        num_device, num_host = num_device // num_virtual, num_host // num_virtual
-        windows = set(self.executor.collective_rpc("uniform_sliding_window"))  # every stage's
-        window = windows.pop() if len(windows) == 1 else None
-        lazy = (
-            window is not None
-            and self.config.scheduler.enable_chunked_prefill
-            and not self.config.cache.enable_prefix_caching
-        )
-        block_size = self.config.cache.block_size
-        window_blocks = window_block_count(window, block_size) if lazy else None
-        self.config = fit_context(
-            self.config,
-            num_device,
-            window=window,
-            window_blocks=window_blocks,
-            explicit=self._explicit_max_model_len,
-        )
-        self.executor.initialize_cache(num_device, num_host, num_virtual)
-        logger.info(
-            "KV cache: %d device blocks (%d tokens), %d host blocks for swapping%s",
-            num_device,
-            num_device * block_size,
-            num_host,
-            f", in each of {num_virtual} virtual engines" if num_virtual > 1 else "",
-        )
-        return CacheLayout(num_device, num_host, num_virtual, window, lazy, window_blocks)
-
     def _fit_budget_to_whole_prompts(self) -> None:
         """A model that pools every position runs each prompt in one step, so the default
         step budget (chunked prefill's 256 tokens) would refuse a BERT's 512-token inputs that
@@ -199,42 +148,6 @@ class LLMEngine(PoolingMixin):
                 self.config,
                 scheduler=replace(sched, max_num_batched_tokens=sched.max_model_len),
             )
-
-    def _build_schedulers(self, layout: CacheLayout) -> list[Scheduler]:
-        """One block manager and scheduler per virtual engine; ``self.scheduler`` and
-        ``self.block_manager`` see them as one."""
-        cache, spec = self.config.cache, self.config.speculative
-        managers = [
-            BlockSpaceManager(
-                cache.block_size,
-                layout.num_device,
-                layout.num_host,
-                watermark=cache.watermark,
-                enable_caching=cache.enable_prefix_caching,
-                sliding_window=layout.window,
-                lazy_prompt_blocks=layout.lazy,
-                tier=self.kv_tiers,
-            )
-            for _ in range(layout.num_virtual)
-        ]
-        schedulers = [
-            Scheduler(
-                self.config.scheduler,
-                manager,
-                next_seq_id=lambda: next(self._seq_ids),
-                lookahead=None
-                if spec is None
-                else LookaheadPlanner(spec, max_model_len=self.config.scheduler.max_model_len),
-                max_loras=self.config.lora.max_loras if self.config.lora else None,
-            )
-            for manager in managers
-        ]
-        self.block_manager: Any = managers[0]
-        self.scheduler: Any = schedulers[0]
-        if layout.num_virtual > 1:
-            self.block_manager = VirtualBlockManagers(managers)
-            self.scheduler = VirtualSchedulers(schedulers)
-        return schedulers
 
     def _step_parts(self) -> StepParts:
         """What the step loop drives: the same objects this engine holds."""
