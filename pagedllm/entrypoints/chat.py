@@ -284,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
         args.model = resolve_demo_model()[0]
     with contextlib.ExitStack() as stack:
         if args.model is not None:
-            from pagedllm.entrypoints.openai.serving_chat import load_chat_template
+            from pagedllm.entrypoints.openai.chat_messages import load_chat_template
 
             template = load_chat_template(args.chat_template)
             url = stack.enter_context(

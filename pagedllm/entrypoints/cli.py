@@ -163,8 +163,8 @@ def serve_settings(args: argparse.Namespace) -> Any:
     ``UsageError`` naming the flag)."""
     from pagedllm.config import env_api_key
     from pagedllm.entrypoints.openai.api_server import ServerSettings
+    from pagedllm.entrypoints.openai.chat_messages import load_chat_template
     from pagedllm.entrypoints.openai.offload import RequestLimits
-    from pagedllm.entrypoints.openai.serving_chat import load_chat_template
     from pagedllm.entrypoints.openai.template_render import TemplateLimits
     from pagedllm.lora import parse_lora_module
 

@@ -33,7 +33,7 @@ ATOL = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 def ops():
     from pagedllm.backends.gpu import triton_ops
 
-    if not ON_CUDA and type(triton_ops._prefill_kernel).__name__ != "InterpretedFunction":
+    if not ON_CUDA and not triton_ops.interpreted():
         pytest.skip("triton_ops was imported before TRITON_INTERPRET=1 was set")
     return triton_ops
 

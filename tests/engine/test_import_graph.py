@@ -228,7 +228,7 @@ import pagedllm.entrypoints.cli
 from pagedllm.entrypoints import demo
 from pagedllm.entrypoints.openai.api_server import ServerSettings, model_info, run_server
 from pagedllm.entrypoints.openai.offload import RequestLimits
-from pagedllm.entrypoints.openai.serving_chat import load_chat_template
+from pagedllm.entrypoints.openai.chat_messages import load_chat_template
 from pagedllm.entrypoints.openai.template_render import ChatTemplateError, TemplateLimits
 from pagedllm.engine.core_client import EngineCoreClient
 from pagedllm.engine.core_process import freeze_startup_objects

@@ -18,7 +18,8 @@ from gguf import (
     GGUFWriter,
 )
 
-from pagedllm.models.gguf.bounded_reader import BLOCK_SIZES, GGMLType, GGUFHeader, ValueType
+from pagedllm.models.gguf.bounded_reader import GGUFHeader
+from pagedllm.models.gguf.ggml_types import BLOCK_SIZES, GGMLType, ValueType
 from pagedllm.models.gguf.reader import GGUFFile
 from pagedllm.models.safetensors_reader import CheckpointError
 

@@ -42,7 +42,8 @@ def _cases(dtype: str, quick: bool) -> list[tuple[Any, dict[str, str], dict[str,
     ``quick`` keeps one variant per kernel, the one with every feature on. The logits soft cap
     rides on the windowed variants (Gemma 2 has both), so ``quick`` compiles it too.
     """
-    from pagedllm.backends.gpu import triton_ops as ops
+    from pagedllm.backends.gpu import triton_attention_kernels as attn
+    from pagedllm.backends.gpu import triton_cache_kernels as cache
 
     t = _TT_DTYPES[dtype]
     prec = "ieee" if dtype == "float32" else "tf32"
@@ -50,7 +51,7 @@ def _cases(dtype: str, quick: bool) -> list[tuple[Any, dict[str, str], dict[str,
     cache_ptrs = {"cache_ptr": t, "table_ptr": "i32", "seq_lens_ptr": "i32"}
     cases.append(
         (
-            ops._reshape_and_cache_kernel,
+            cache.reshape_and_cache_kernel,
             {"key_ptr": t, "value_ptr": t, "cache_ptr": t, "slot_ptr": "i64"},
             {"BLOCK_SIZE": 16, "BLOCK_H": 8, "BLOCK_D": 128, **_NO_FP8_WRITE},
         )
@@ -61,7 +62,7 @@ def _cases(dtype: str, quick: bool) -> list[tuple[Any, dict[str, str], dict[str,
     ):
         cases.append(
             (
-                ops._decode_partition_kernel,
+                attn.decode_partition_kernel,
                 {
                     **cache_ptrs,
                     "q_ptr": t,
@@ -86,7 +87,7 @@ def _cases(dtype: str, quick: bool) -> list[tuple[Any, dict[str, str], dict[str,
         )
     cases.append(
         (
-            ops._decode_reduce_kernel,
+            attn.decode_reduce_kernel,
             {
                 "out_ptr": t,
                 "seq_lens_ptr": "i32",
@@ -100,7 +101,7 @@ def _cases(dtype: str, quick: bool) -> list[tuple[Any, dict[str, str], dict[str,
     for window, head, block_g in itertools.product(windows, heads, groups):
         cases.append(
             (
-                ops._prefill_kernel,
+                attn.prefill_kernel,
                 {**cache_ptrs, "q_ptr": t, "out_ptr": t, "query_start_ptr": "i32"},
                 {
                     "SLIDING_WINDOW": window,
@@ -144,7 +145,8 @@ def fp8_cases(dtype: str, arch: int) -> list[tuple[Any, dict[str, str], dict[str
     """The fp8-cache variants (write, split decode, prefill) for a compute ``dtype``. Before
     sm_89 (no fp8 conversion instructions) the kernels take the cache as bytes
     (``triton_ops.fp8_as_bytes``), as the launchers do on such a GPU."""
-    from pagedllm.backends.gpu import triton_ops as ops
+    from pagedllm.backends.gpu import triton_attention_kernels as attn
+    from pagedllm.backends.gpu import triton_cache_kernels as cache
 
     t = _TT_DTYPES[dtype]
     prec = "ieee" if dtype == "float32" else "tf32"
@@ -157,7 +159,7 @@ def fp8_cases(dtype: str, arch: int) -> list[tuple[Any, dict[str, str], dict[str
         write = {**fp8, "FP8_MAX": max_value}
         cases.append(
             (
-                ops._reshape_and_cache_kernel,
+                cache.reshape_and_cache_kernel,
                 {"key_ptr": t, "value_ptr": t, "cache_ptr": elem, "slot_ptr": "i64"},
                 {"BLOCK_SIZE": 16, "BLOCK_H": 8, "BLOCK_D": 128, **write},
             )
@@ -173,7 +175,7 @@ def fp8_cases(dtype: str, arch: int) -> list[tuple[Any, dict[str, str], dict[str
         partials = {"part_out_ptr": "fp32", "part_max_ptr": "fp32", "part_sum_ptr": "fp32"}
         cases.append(
             (
-                ops._decode_partition_kernel,
+                attn.decode_partition_kernel,
                 {**cache_ptrs, "q_ptr": t, "out_ptr": t, **partials},
                 {
                     **attend,
@@ -187,7 +189,7 @@ def fp8_cases(dtype: str, arch: int) -> list[tuple[Any, dict[str, str], dict[str
         )
         cases.append(
             (
-                ops._prefill_kernel,
+                attn.prefill_kernel,
                 {**cache_ptrs, "q_ptr": t, "out_ptr": t, "query_start_ptr": "i32"},
                 {**attend, "BLOCK_Q": 16, "BLOCK_G": 4, "DOT_PRECISION": prec, **fp8},
             )

@@ -1,4 +1,9 @@
-"""POST /v1/chat/completions: messages rendered with the chat template, then one completion."""
+"""POST /v1/chat/completions: messages rendered with the chat template, then one completion.
+
+The request flow: checks, the tool plan and its constraint, rendering in a worker, the engine's
+streams, the reply whole or as events. What a message becomes for the template is in
+``chat_messages``; what each streamed output adds, in ``chat_stream``.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,18 +19,14 @@ from fastapi import Request
 from pagedllm.core.guided_params import GuidedDecodingParams
 from pagedllm.core.sampling_params import SamplingParams
 from pagedllm.engine.client import EngineClient, RequestStream
+from pagedllm.entrypoints.openai.chat_messages import message_chars, message_dicts
+from pagedllm.entrypoints.openai.chat_stream import ChatChunks
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from pagedllm.entrypoints.openai.running import error_event, merge_streams
 from pagedllm.entrypoints.openai.serving_base import ModelInfo, PromptInput, ServingBase, usage
 from pagedllm.entrypoints.openai.serving_structured import guided_from_request
-from pagedllm.entrypoints.openai.serving_tools import (
-    ToolPlan,
-    ToolStreamer,
-    history_message,
-    plan_tools,
-    tool_message,
-)
+from pagedllm.entrypoints.openai.serving_tools import ToolPlan, plan_tools, tool_message
 from pagedllm.entrypoints.openai.sse import DONE, EventStreamResponse, sse_event
 from pagedllm.entrypoints.openai.template_render import (
     ChatTemplateError,
@@ -35,65 +35,9 @@ from pagedllm.entrypoints.openai.template_render import (
 )
 from pagedllm.entrypoints.openai.tool_auto import detect_auto_tools, with_system_text
 from pagedllm.entrypoints.openai.tool_repeats import stop_at_repeats
-from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
-
-
-def load_chat_template(value: str | None) -> str | None:
-    """``--chat-template``: a file's path, or the Jinja template itself."""
-    if value is None:
-        return None
-    path = Path(value)
-    try:
-        if path.is_file():
-            return path.read_text()
-    except OSError:  # a long template string is not a valid path
-        pass
-    if "{{" in value or "{%" in value:
-        return value
-    raise ValueError(f"chat_template: {value!r} is neither a file nor a Jinja template")
-
-
-def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template sees them: text parts joined, other parts refused."""
-    out = []
-    for i, m in enumerate(messages):
-        content = m.content
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if part.type != "text" or part.text is None:
-                    raise APIError(
-                        f"messages.{i}.content: only text parts are supported, got {part.type!r}",
-                        param="messages",
-                        code="unsupported_content",
-                    )
-                texts.append(part.text)
-            content = "\n".join(texts)
-        item: dict[str, Any] = {"role": m.role, "content": content or ""}
-        if m.name is not None:
-            item["name"] = m.name
-        out.append(history_message(item, m.tool_calls, m.tool_call_id))
-    return out
-
-
-def _chars(content: Any) -> int:
-    """A message's text length (string content or text parts), for the prompt-size limit."""
-    if isinstance(content, str):
-        return len(content)
-    if isinstance(content, list):
-        return sum(len(getattr(p, "text", None) or "") for p in content)
-    return 0
-
-
-@dataclass
-class _Sent:
-    """What a chat stream has sent so far, per choice index."""
-
-    text: dict[int, int] = field(default_factory=dict)  # characters of content
-    tokens: dict[int, int] = field(default_factory=dict)
-    tools: dict[int, ToolStreamer] = field(default_factory=dict)  # under tools: each its own
 
 
 def _constraint(
@@ -174,7 +118,7 @@ class OpenAIServingChat(ServingBase):
         ``system_text`` goes first in the system message (the tool fallback's description)."""
         if not messages:
             raise APIError("messages: must not be empty", param="messages")
-        self.limits.check_chars(sum(_chars(m.content) for m in messages), "messages")
+        self.limits.check_chars(sum(message_chars(m.content) for m in messages), "messages")
         if not self._template():
             raise APIError(
                 "this model has no chat template; start the server with --chat-template "
@@ -335,12 +279,12 @@ class OpenAIServingChat(ServingBase):
                 body["usage"] = None
             return sse_event(body)
 
-        sent = _Sent()
+        chunks = ChatChunks(req, plan, self._logprobs)
         completion_tokens: dict[int, int] = {}
         try:
             async for _, out in merge_streams(pairs):
                 for c in out.outputs:
-                    for choice in self._stream_choices(req, c, plan, sent):
+                    for choice in chunks.choices(c):
                         yield event([choice])
                     completion_tokens[c.index] = len(c.token_ids)
             if include_usage:
@@ -352,71 +296,3 @@ class OpenAIServingChat(ServingBase):
             for stream, _ in pairs:
                 stream.abort()
         yield DONE
-
-    def _stream_choices(
-        self, req: ChatCompletionRequest, c: CompletionOutput, plan: ToolPlan, sent: _Sent
-    ) -> list[dict[str, Any]]:
-        """The chunks one output of choice ``c`` adds: the opening role chunk the first time,
-        then its new text or tool-call deltas (none when nothing is new)."""
-        chunks = []
-        if c.index not in sent.text:
-            sent.text[c.index], sent.tokens[c.index] = 0, 0
-            opening = {"role": "assistant", "content": ""}
-            chunks.append(
-                {"index": c.index, "delta": opening, "logprobs": None, "finish_reason": None}
-            )
-        if plan.active:
-            streamer = sent.tools.setdefault(c.index, ToolStreamer(plan))
-            choice = self._tool_delta(req, c, streamer, sent.tokens)
-        else:
-            choice = self._delta(req, c, sent.text, sent.tokens)
-        return chunks if choice is None else [*chunks, choice]
-
-    def _delta(
-        self,
-        req: ChatCompletionRequest,
-        c: CompletionOutput,
-        sent_text: dict[int, int],
-        sent_tokens: dict[int, int],
-    ) -> dict[str, Any] | None:
-        text_from, tokens_from = sent_text[c.index], sent_tokens[c.index]
-        delta = c.text[text_from:]
-        new_tokens = c.token_ids[tokens_from:]
-        if not delta and c.finish_reason is None and not (req.logprobs and new_tokens):
-            return None
-        sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
-        lp = None
-        if req.logprobs:
-            lp = self._logprobs(req, new_tokens, (c.logprobs or [])[tokens_from:])
-        return {
-            "index": c.index,
-            "delta": {"content": delta} if delta else {},
-            "logprobs": lp,
-            "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason,
-        }
-
-    def _tool_delta(
-        self,
-        req: ChatCompletionRequest,
-        c: CompletionOutput,
-        streamer: ToolStreamer,
-        sent_tokens: dict[int, int],
-    ) -> dict[str, Any] | None:
-        """One chunk's choice when tools are in play: content or tool-call deltas."""
-        delta, reason = streamer.delta(c)
-        tokens_from = sent_tokens[c.index]
-        new_tokens = c.token_ids[tokens_from:]
-        if delta is None and reason is None and not (req.logprobs and new_tokens):
-            return None
-        sent_tokens[c.index] = len(c.token_ids)
-        lp = None
-        if req.logprobs:
-            lp = self._logprobs(req, new_tokens, (c.logprobs or [])[tokens_from:])
-        return {
-            "index": c.index,
-            "delta": delta or {},
-            "logprobs": lp,
-            "finish_reason": reason,
-            "stop_reason": c.stop_reason,
-        }

@@ -7,6 +7,8 @@ llama.cpp writes it) with ``struct`` over one read-only memory map, and hands te
 as numpy views of the same map. A fault is a :class:`Malformed` naming the key or tensor;
 ``GGUFFile`` prefixes the file's path and raises it as a ``GGUFFileError``.
 ``test_gguf_reader.py`` compares every field and tensor with the stock ``gguf.GGUFReader``'s.
+The type tables are in ``ggml_types``, the fields and tensors it hands out in ``header_values``;
+this module holds the checks, so every bound on the file is read in one place.
 """
 
 from __future__ import annotations
@@ -15,12 +17,20 @@ import itertools
 import math
 import mmap
 import struct
-from dataclasses import dataclass
-from enum import IntEnum
 from pathlib import Path
-from typing import Any
 
 import numpy as np
+
+from pagedllm.models.gguf.ggml_types import BLOCK_SIZES, ELEMENTS, SCALARS, GGMLType, ValueType
+from pagedllm.models.gguf.header_values import (
+    Array,
+    Field,
+    Nested,
+    Numbers,
+    TensorInfo,
+    Text,
+    Texts,
+)
 
 
 class Malformed(ValueError):
@@ -39,236 +49,7 @@ _MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8
 _HEADER_BYTES = 24  # magic, version, tensor count, metadata count
 _DEFAULT_ALIGNMENT = 32
 _VERSIONS = (2, 3)
-
-
-class ValueType(IntEnum):
-    """A metadata value's type, as the GGUF specification numbers it."""
-
-    UINT8 = 0
-    INT8 = 1
-    UINT16 = 2
-    INT16 = 3
-    UINT32 = 4
-    INT32 = 5
-    FLOAT32 = 6
-    BOOL = 7
-    STRING = 8
-    ARRAY = 9
-    UINT64 = 10
-    INT64 = 11
-    FLOAT64 = 12
-
-
-# The fixed-size value types: how one is unpacked, and the numpy type of an array of them.
-_SCALARS: dict[ValueType, tuple[struct.Struct, np.dtype]] = {
-    t: (struct.Struct("<" + code), np.dtype("<" + code))
-    for t, code in (
-        (ValueType.UINT8, "B"),
-        (ValueType.INT8, "b"),
-        (ValueType.UINT16, "H"),
-        (ValueType.INT16, "h"),
-        (ValueType.UINT32, "I"),
-        (ValueType.INT32, "i"),
-        (ValueType.FLOAT32, "f"),
-        (ValueType.BOOL, "?"),
-        (ValueType.UINT64, "Q"),
-        (ValueType.INT64, "q"),
-        (ValueType.FLOAT64, "d"),
-    )
-}
-
-
-class GGMLType(IntEnum):
-    """A tensor's type, as ggml numbers it (``ggml_type``; 4, 5 and 31-33 were removed)."""
-
-    F32 = 0
-    F16 = 1
-    Q4_0 = 2
-    Q4_1 = 3
-    Q5_0 = 6
-    Q5_1 = 7
-    Q8_0 = 8
-    Q8_1 = 9
-    Q2_K = 10
-    Q3_K = 11
-    Q4_K = 12
-    Q5_K = 13
-    Q6_K = 14
-    Q8_K = 15
-    IQ2_XXS = 16
-    IQ2_XS = 17
-    IQ3_XXS = 18
-    IQ1_S = 19
-    IQ4_NL = 20
-    IQ3_S = 21
-    IQ2_S = 22
-    IQ4_XS = 23
-    I8 = 24
-    I16 = 25
-    I32 = 26
-    I64 = 27
-    F64 = 28
-    IQ1_M = 29
-    BF16 = 30
-    TQ1_0 = 34
-    TQ2_0 = 35
-    MXFP4 = 39
-    NVFP4 = 40
-    Q1_0 = 41
-
-
-_K = 256  # the super-block of the K and IQ types
-# (elements per block, bytes per block) of each type: the layouts of ggml-common.h's blocks.
-BLOCK_SIZES: dict[GGMLType, tuple[int, int]] = {
-    GGMLType.F32: (1, 4),
-    GGMLType.F16: (1, 2),
-    GGMLType.Q4_0: (32, 2 + 16),
-    GGMLType.Q4_1: (32, 2 + 2 + 16),
-    GGMLType.Q5_0: (32, 2 + 4 + 16),
-    GGMLType.Q5_1: (32, 2 + 2 + 4 + 16),
-    GGMLType.Q8_0: (32, 2 + 32),
-    GGMLType.Q8_1: (32, 4 + 4 + 32),
-    GGMLType.Q2_K: (_K, 2 + 2 + _K // 16 + _K // 4),
-    GGMLType.Q3_K: (_K, 2 + _K // 4 + _K // 8 + 12),
-    GGMLType.Q4_K: (_K, 2 + 2 + _K // 2 + 12),
-    GGMLType.Q5_K: (_K, 2 + 2 + _K // 2 + _K // 8 + 12),
-    GGMLType.Q6_K: (_K, 2 + _K // 2 + _K // 4 + _K // 16),
-    GGMLType.Q8_K: (_K, 4 + _K + _K // 8),
-    GGMLType.IQ2_XXS: (_K, 2 + _K // 4),
-    GGMLType.IQ2_XS: (_K, 2 + _K // 4 + _K // 32),
-    GGMLType.IQ3_XXS: (_K, 2 + _K // 4 + _K // 8),
-    GGMLType.IQ1_S: (_K, 2 + _K // 8 + _K // 16),
-    GGMLType.IQ4_NL: (32, 2 + 16),
-    GGMLType.IQ3_S: (_K, 2 + _K // 4 + _K // 8 + _K // 32 + 4),
-    GGMLType.IQ2_S: (_K, 2 + _K // 4 + _K // 16),
-    GGMLType.IQ4_XS: (_K, 2 + 2 + _K // 2 + _K // 64),
-    GGMLType.I8: (1, 1),
-    GGMLType.I16: (1, 2),
-    GGMLType.I32: (1, 4),
-    GGMLType.I64: (1, 8),
-    GGMLType.F64: (1, 8),
-    GGMLType.IQ1_M: (_K, _K // 8 + _K // 16 + _K // 32),
-    GGMLType.BF16: (1, 2),
-    GGMLType.TQ1_0: (_K, 2 + 4 * 13),
-    GGMLType.TQ2_0: (_K, 2 + 64),
-    GGMLType.MXFP4: (32, 1 + 16),
-    GGMLType.NVFP4: (64, 4 + 32),
-    GGMLType.Q1_0: (128, 2 + 16),
-}
-# The types whose data is handed out as elements (the rest as bytes, one row of blocks a row).
-_ELEMENTS = {
-    GGMLType.F32: np.dtype("<f4"),
-    GGMLType.F16: np.dtype("<f2"),
-    GGMLType.F64: np.dtype("<f8"),
-    GGMLType.I8: np.dtype("i1"),
-    GGMLType.I16: np.dtype("<i2"),
-    GGMLType.I32: np.dtype("<i4"),
-    GGMLType.I64: np.dtype("<i8"),
-}
-
 _U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
-
-
-class _Text:
-    """A metadata string: where its bytes lie in the map, decoded when asked."""
-
-    __slots__ = ("end", "mapped", "start")
-
-    def __init__(self, mapped: np.ndarray, start: int, end: int) -> None:
-        self.mapped, self.start, self.end = mapped, start, end
-
-    def value(self) -> str:
-        return self.mapped[self.start : self.end].tobytes().decode("utf-8")
-
-
-class _Texts:
-    """An array of strings: where each one's bytes start and end in the map (int64), decoded
-    when asked (a cached tokenizer never asks: a 49k-token vocabulary and its merges decoded
-    string by string were 0.3-0.4 s of every start)."""
-
-    __slots__ = ("ends", "mapped", "starts")
-
-    def __init__(self, mapped: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> None:
-        self.mapped, self.starts, self.ends = mapped, starts, ends
-
-    def leaves(self, pick: int | slice = slice(None)) -> Any:
-        if isinstance(pick, int):
-            return self.mapped[int(self.starts[pick]) : int(self.ends[pick])].tobytes().decode()
-        starts, ends = self.starts[pick], self.ends[pick]
-        if not len(starts):
-            return []
-        base = int(starts.min())
-        block = self.mapped[base : int(ends.max())].tobytes()  # one copy, then slices of it
-        return [
-            block[s - base : e - base].decode("utf-8")
-            for s, e in zip(starts.tolist(), ends.tolist(), strict=True)
-        ]
-
-
-class _Numbers:
-    """An array of fixed-size values: one numpy view of the map."""
-
-    __slots__ = ("values",)
-
-    def __init__(self, values: np.ndarray) -> None:
-        self.values = values
-
-    def leaves(self, pick: int | slice = slice(None)) -> Any:
-        return self.values[pick].tolist()
-
-
-class _Nested:
-    """An array of arrays: its values are the inner arrays' values in a row (the stock
-    reader's flattening; llama.cpp writes no nested arrays)."""
-
-    __slots__ = ("inner",)
-
-    def __init__(self, inner: list[_Numbers | _Texts | _Nested]) -> None:
-        self.inner = inner
-
-    def leaves(self, pick: int | slice = slice(None)) -> Any:
-        flat = [v for array in self.inner for v in array.leaves()]
-        return flat[pick]
-
-
-_Array = _Numbers | _Texts | _Nested
-
-
-@dataclass(frozen=True)
-class Field:
-    """One metadata entry: ``types`` as the stock reader lists them (the value's type; for an
-    array ``ARRAY``, then its first element's types), ``count`` an array's length."""
-
-    offset: int  # of the entry (its key's length) in the file
-    name: str
-    types: list[ValueType]
-    value: Any  # a Python scalar, or a _Text or array holder
-    count: int | None = None  # elements of an array; None for a scalar
-
-    def contents(self, index_or_slice: int | slice = slice(None)) -> Any:
-        """The value as Python (an array: all of it, one element or a slice of it)."""
-        if self.count is not None:
-            return self.value.leaves(index_or_slice)
-        if isinstance(self.value, _Text):
-            return self.value.value()
-        return self.value
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """One tensor's entry, checked against the file, and its data as a view of the map."""
-
-    name: str
-    qtype: GGMLType
-    dims: tuple[int, ...]  # ggml's order: the first is contiguous
-    offset: int  # in the data section, as the entry gives it
-    data_offset: int  # in the file
-    data: np.ndarray  # elements (float and int types) or bytes, shaped in numpy's order
-    entry_offset: int  # of the entry in the file
-
-    @property
-    def n_bytes(self) -> int:
-        return int(self.data.nbytes)
 
 
 class GGUFHeader:
@@ -392,21 +173,21 @@ class GGUFHeader:
         vtype = self._value_type(raw_type)
         if vtype == ValueType.STRING:
             begin, end = self._string(offs)
-            return end, Field(start, key, [vtype], _Text(self.mapped, begin, end))
+            return end, Field(start, key, [vtype], Text(self.mapped, begin, end))
         if vtype != ValueType.ARRAY:
-            fmt = _SCALARS[vtype][0]
+            fmt = SCALARS[vtype][0]
             return offs + fmt.size, Field(start, key, [vtype], self._unpack(fmt, offs)[0])
         end, array, types, count = self._read_array(offs, 0)
         return end, Field(start, key, types, array, count)
 
-    def _read_array(self, orig_offs: int, depth: int) -> tuple[int, _Array, list[ValueType], int]:
+    def _read_array(self, orig_offs: int, depth: int) -> tuple[int, Array, list[ValueType], int]:
         """(the offset after the array whose item type is at ``orig_offs``, its values, its
         types, its length)."""
         (raw_itype,) = self._unpack(_U32, orig_offs)
         (count,) = self._unpack(_U64, orig_offs + 4)
         itype, offs = self._value_type(raw_itype), orig_offs + 12
         types = [ValueType.ARRAY, itype]
-        scalar = _SCALARS.get(itype)
+        scalar = SCALARS.get(itype)
         least = scalar[1].itemsize if scalar is not None else 8
         left = self.size - offs
         if count * least > left:
@@ -416,21 +197,21 @@ class GGUFHeader:
             )
         if scalar is not None:
             end = offs + count * least
-            return end, _Numbers(self.mapped[offs:end].view(scalar[1])), types, count
+            return end, Numbers(self.mapped[offs:end].view(scalar[1])), types, count
         if itype == ValueType.STRING:
             starts, ends = self._string_spans(offs, count)
             end = int(ends[-1]) if count else offs
-            return end, _Texts(self.mapped, starts, ends), types, count
+            return end, Texts(self.mapped, starts, ends), types, count
         if depth + 1 >= MAX_ARRAY_DEPTH:
             raise Malformed(f"arrays nest deeper than {MAX_ARRAY_DEPTH} levels")
         types = [ValueType.ARRAY]  # the stock reader's: then the first element's types
-        inner: list[_Array] = []
+        inner: list[Array] = []
         for i in range(count):  # arrays of arrays: each inner one checked the same way
             offs, array, inner_types, _ = self._read_array(offs, depth + 1)
             if i == 0:
                 types += inner_types
             inner.append(array)
-        return offs, _Nested(inner), types, count
+        return offs, Nested(inner), types, count
 
     def _string_spans(self, offs: int, count: int) -> tuple[np.ndarray, np.ndarray]:
         """Where each of the ``count`` strings from ``offs`` starts and ends (byte offsets into
@@ -549,7 +330,7 @@ class GGUFHeader:
             start = self.data_offset + rel
             raw = self.mapped[start : start + nbytes]
             shape = dims[::-1]  # numpy's order: the last is contiguous
-            element = _ELEMENTS.get(qtype)
+            element = ELEMENTS.get(qtype)
             if element is not None:
                 data = raw.view(element).reshape(shape)
             else:

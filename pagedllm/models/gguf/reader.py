@@ -36,7 +36,7 @@ class GGUFTensor:
     type_name: str  # ggml's name: "Q4_K", "F32", ...
     shape: tuple[int, ...]  # PyTorch order: the last dimension is contiguous
     raw: np.ndarray  # the bytes (or float elements) as the reader maps them
-    qtype: Any  # bounded_reader.GGMLType (an IntEnum: gguf.GGMLQuantizationType's numbers)
+    qtype: Any  # ggml_types.GGMLType (an IntEnum: gguf.GGMLQuantizationType's numbers)
     path: Path | None = None
     offset: int = 0  # of the data in the file
 
