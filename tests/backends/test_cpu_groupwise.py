@@ -20,12 +20,12 @@ import torch.nn.functional as F
 
 from pagedllm.backends.cpu import dense_gemm, groupwise_linear, groupwise_pack, packed_linear
 from pagedllm.backends.cpu._ops import load_kernels, supported_isas
-from pagedllm.backends.cpu.groupwise_linear import (
+from pagedllm.backends.cpu.groupwise_pack import factor_q6_k, factor_super_blocks, pack_groupwise
+from pagedllm.backends.cpu.groupwise_reference import (
     dot_linear_reference,
     quantize_activation_groups,
     split_activation_groups,
 )
-from pagedllm.backends.cpu.groupwise_pack import factor_q6_k, factor_super_blocks, pack_groupwise
 from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedllm.layers.quantization.groupwise import (
     GroupwiseMethod,

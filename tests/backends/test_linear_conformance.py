@@ -29,7 +29,7 @@ import pytest
 import torch
 from torch import nn
 
-from pagedllm.backends.cpu import dense_gemm, groupwise_linear, packed_linear
+from pagedllm.backends.cpu import dense_gemm, groupwise_linear, groupwise_reference, packed_linear
 from pagedllm.backends.cpu._ops import load_kernels, supported_isas
 from pagedllm.layers.linear import ColumnParallelLinear
 from pagedllm.layers.quantization.base import FLOAT, UNQUANTIZED, LinearMethod
@@ -174,8 +174,8 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 def _dot_reference(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The group-wise dot path's own definition (x rounded to int8 per group)."""
     scale, offset = groupwise_linear.weight_groups(layer)
-    q = groupwise_linear.weight_integers(layer)
-    return groupwise_linear.dot_linear_reference(x, q, scale, offset, layer.bias.double())
+    q = groupwise_reference.weight_integers(layer)
+    return groupwise_reference.dot_linear_reference(x, q, scale, offset, layer.bias.double())
 
 
 def check_kernel(fn, layer: nn.Module, path: str, *, dot_rows=None, split: bool = False) -> None:
@@ -220,7 +220,7 @@ def test_chosen_linear_kernel_matches_the_method(
         assert kernel.groupwise is not None and kernel.packed_rows is not None
         assert kernel.path.startswith(f"cpp-{kernel.groupwise.name}-{at_isa.built_isa()}")
         rows = torch.tensor([0, 17, N - 1])
-        want = groupwise_linear.dequantize_rows(layer, rows)
+        want = groupwise_reference.dequantize_rows(layer, rows)
         assert torch.equal(kernel.packed_rows(rows), want)
     check_kernel(kernel.fn, layer, kernel.path, dot_rows=kernel.dot_rows)
 
