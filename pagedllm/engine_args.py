@@ -23,8 +23,8 @@ from pagedllm.config import (
     SchedulerConfig,
     env_cpu_kv_cache_space,
     env_packed_cache_dir,
-    require,
 )
+from pagedllm.config_parts import require
 from pagedllm.core.policy import POLICIES
 from pagedllm.engine.sampling_defaults import parse_generation_config
 from pagedllm.names import (

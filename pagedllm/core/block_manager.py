@@ -5,7 +5,8 @@ so forked sequences share blocks until one of them writes (copy-on-write). With 
 every *full* block is keyed by ``block_hash(parent_hash, its token ids)``; a freed keyed block
 stays reusable until the pool needs room, and then the least recently freed one is evicted
 first. With a lower tier (``core/prefix_tier.py``) an evicted block's contents go down to it,
-and a prompt's next blocks found there are loaded instead of computed.
+and a prompt's next blocks found there are loaded instead of computed. The keys, hits and tier
+traffic are :class:`~pagedllm.core.prefix_cache.PrefixCache`'s; the tables here hold block ids.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from pagedllm.core.block_allocator import (
     PrefixCacheStats,
     block_hash,
 )
-from pagedllm.core.prefix_tier import PrefixTier, TierLink, TierTransfer
+from pagedllm.core.prefix_cache import PrefixCache
+from pagedllm.core.prefix_tier import PrefixTier, TierTransfer
 from pagedllm.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 __all__ = [
@@ -78,11 +80,9 @@ class BlockSpaceManager:
         self.host = BlockAllocator(num_host_blocks)
         self.block_tables: dict[int, list[int]] = {}
         self._num_marked: dict[int, int] = {}  # seq_id -> leading blocks marked computed
-        self.prefix_stats = PrefixCacheStats()
-        # A lower tier (host memory, disk) under the prefix cache: evictions go down, hits load.
-        self.tier = TierLink(tier) if tier is not None and enable_caching else None
-        if self.tier is not None:
-            self.device.on_evict = self.tier.on_evict
+        self.prefix = PrefixCache(self.device, block_size, enabled=enable_caching, tier=tier)
+        self.prefix_stats = self.prefix.stats  # the same objects, read by the engine and tests
+        self.tier = self.prefix.tier
 
     # -- admission ---------------------------------------------------------------------------
     def window_blocks(self) -> int | None:
@@ -118,62 +118,35 @@ class BlockSpaceManager:
         if self.num_device_blocks - needed < self.watermark_blocks:
             return AllocStatus.NEVER
         # Prefix-cache hits on blocks other sequences hold cost no free block.
-        needed -= sum(self._shared_live_blocks(s) for s in seqs)
+        needed -= sum(self.prefix.num_shared_live(s) for s in seqs)
         if self.device.num_free - needed >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
 
-    def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """Computed cached blocks for the sequence's leading full blocks.
-
-        The block holding the last token is never reused: that token is recomputed (it yields
-        the logits) and writing it into a shared block would need a copy.
-        """
-        if not self.enable_caching:
-            return []
-        bs, parent, hits = self.block_size, seq.cache_root, []
-        for i in range((seq.get_len() - 1) // bs):
-            chunk = tuple(seq.token_slice(i * bs, (i + 1) * bs))
-            parent = block_hash(parent, chunk)
-            block = self.device.peek(parent, chunk)
-            if block is None or not self.device.computed[block]:
-                break
-            hits.append(block)
-        return hits
-
     def num_cached_prefix_tokens(self, seq: Sequence) -> int:
-        """Tokens of a waiting sequence that a prefix-cache hit would spare computing (with the
-        lower-tier blocks pinned for it, which are loaded instead)."""
-        pinned = len(self.tier.pinned(seq.seq_id)) if self.tier is not None else 0
-        return (len(self._cached_prefix(seq)) + pinned) * self.block_size
+        """Tokens of a waiting sequence that a prefix-cache hit would spare computing."""
+        return self.prefix.num_cached_tokens(seq)
 
     # -- lower tiers -----------------------------------------------------------------------------
-    def _tier_keys(self, group: SequenceGroup) -> tuple[Sequence | None, list[int]]:
-        """A lone waiting prompt and the keys of its skippable blocks past the device hits."""
+    def _tier_prompt(self, group: SequenceGroup) -> Sequence | None:
+        """The group's lone waiting prompt, the one a lower tier serves (None without a tier)."""
         if self.tier is None:
-            return None, []
+            return None
         seqs = self._distinct_waiting(group)
         if len(seqs) != 1:
-            return None, []  # recomputed forks are prefilled whole
-        seq, bs = seqs[0], self.block_size
-        hits = self._cached_prefix(seq)
-        parent = self.device.hashes[hits[-1]] if hits else seq.cache_root
-        keys = []
-        for i in range(len(hits), (seq.get_len() - 1) // bs):
-            parent = block_hash(parent, seq.token_slice(i * bs, (i + 1) * bs))
-            keys.append(parent)
-        return seq, keys
+            return None  # recomputed forks are prefilled whole
+        return seqs[0]
 
     def tier_should_wait(self, group: SequenceGroup) -> bool:
         """True while the prompt's next blocks are being read from disk (see TierLink)."""
-        seq, keys = self._tier_keys(group)
-        return seq is not None and self.tier is not None and self.tier.should_wait(seq.seq_id, keys)
+        seq = self._tier_prompt(group)
+        return seq is not None and self.prefix.tier_should_wait(seq)
 
     def acquire_tier_hits(self, group: SequenceGroup) -> None:
         """Pin the prompt's next blocks that a lower tier holds in memory, for its admission."""
-        seq, keys = self._tier_keys(group)
-        if seq is not None and self.tier is not None:
-            self.tier.acquire(seq.seq_id, keys)
+        seq = self._tier_prompt(group)
+        if seq is not None:
+            self.prefix.acquire_tier_hits(seq)
 
     def release_tier_hits(self, group: SequenceGroup) -> None:
         """The group was not admitted after all: unpin what ``acquire_tier_hits`` pinned."""
@@ -183,23 +156,11 @@ class BlockSpaceManager:
 
     def take_transfer(self) -> TierTransfer | None:
         """The step's saves and loads for the worker (None without a tier or traffic)."""
-        return self.tier.take_transfer() if self.tier is not None else None
+        return self.prefix.take_transfer()
 
     def flush_transfer(self) -> TierTransfer | None:
-        """Every computed keyed device block as a save (at shutdown, so the disk tier keeps
-        what the device pool held), with whatever the last step left."""
-        if self.tier is None:
-            return None
-        d = self.device
-        for block in range(d.num_blocks):
-            key = d.hashes[block]
-            if key is not None and d.computed[block]:
-                self.tier.on_evict(block, key)
-        return self.tier.take_transfer()
-
-    def _shared_live_blocks(self, seq: Sequence) -> int:
-        """Prefix hits on blocks other sequences hold: they cost no free block."""
-        return sum(1 for b in self._cached_prefix(seq) if self.device.ref_counts[b] > 0)
+        """Every computed keyed device block as a save, at shutdown (see PrefixCache)."""
+        return self.prefix.flush_transfer()
 
     @staticmethod
     def _distinct_waiting(group: SequenceGroup) -> list[Sequence]:
@@ -220,7 +181,7 @@ class BlockSpaceManager:
         seqs = group.get_seqs(SequenceStatus.WAITING)
         distinct = self._distinct_waiting(group)
         if len(distinct) == 1:
-            table, cached = self._allocate_seq(seqs[0])
+            table, cached = self.prefix.fill_table(seqs[0], self._initial_blocks(seqs[0]))
             for block in table:
                 for _ in range(len(seqs) - 1):
                     self.device.incref(block)
@@ -228,46 +189,12 @@ class BlockSpaceManager:
                 self._set_table(s, list(table), cached)
         else:
             for s in seqs:
-                self._set_table(s, *self._allocate_seq(s, lazy=False))
+                self._set_table(s, *self.prefix.fill_table(s, self._initial_blocks(s, lazy=False)))
 
     def _set_table(self, seq: Sequence, table: list[int], cached_blocks: int) -> None:
         self.block_tables[seq.seq_id] = table
         self._num_marked[seq.seq_id] = cached_blocks
         seq.num_computed_tokens = min(cached_blocks * self.block_size, seq.get_len() - 1)
-
-    def _allocate_seq(self, seq: Sequence, *, lazy: bool = True) -> tuple[list[int], int]:
-        hits = self._cached_prefix(seq)
-        loaded = self.tier.take_pinned(seq.seq_id) if self.tier is not None else []
-        if self.enable_caching:
-            self.prefix_stats.queries += seq.get_len() // self.block_size
-            self.prefix_stats.hits += len(hits)
-        bs = self.block_size
-        table: list[int] = []
-        parent = seq.cache_root
-        for i in range(self._initial_blocks(seq, lazy=lazy)):
-            chunk = tuple(seq.token_slice(i * bs, (i + 1) * bs))
-            if i < len(hits):
-                parent = block_hash(parent, chunk)
-                block = self.device.lookup(parent, chunk)
-                assert block == hits[i]
-            elif i < len(hits) + len(loaded):
-                # A lower tier's block: a fresh device block, filled by the worker before the
-                # forward pass, so it is computed (a hit) for every prompt planned after this.
-                parent = block_hash(parent, chunk)
-                assert parent == loaded[i - len(hits)]
-                block = self.device.allocate()
-                self.device.register(block, parent, chunk)
-                self.device.computed[block] = True
-                assert self.tier is not None
-                self.tier.add_load(parent, block)
-            else:
-                block = self.device.allocate()
-                if self.enable_caching and len(chunk) == bs:
-                    # Keyed now so that prompts admitted later find it once it is computed.
-                    parent = block_hash(parent, chunk)
-                    self.device.register(block, parent, chunk)
-            table.append(block)
-        return table, len(hits) + len(loaded)
 
     # -- growth --------------------------------------------------------------------------------
     def can_append_slots(self, group: SequenceGroup) -> bool:
@@ -340,21 +267,10 @@ class BlockSpaceManager:
         table = self.block_tables.get(seq.seq_id)
         if table is None:
             return
-        bs = self.block_size
         dead = self._dead.get(seq.seq_id, 0)
         done = max(self._num_marked.get(seq.seq_id, 0), dead)
-        full = min(seq.num_computed_tokens // bs, len(table))
-        for idx in range(done, full):
-            block = table[idx]
-            if self.enable_caching and self.device.hashes[block] is None:
-                if idx > dead:
-                    parent = self.device.hashes[table[idx - 1]]
-                else:
-                    parent = seq.cache_root if idx == 0 else None
-                if idx == 0 or parent is not None:
-                    chunk = tuple(seq.token_slice(idx * bs, (idx + 1) * bs))
-                    self.device.register(block, block_hash(parent, chunk), chunk)
-            self.device.computed[block] = True
+        full = min(seq.num_computed_tokens // self.block_size, len(table))
+        self.prefix.mark_computed(seq, table, range(done, full), dead=dead)
         self._num_marked[seq.seq_id] = max(done, full)
 
     # -- swapping ------------------------------------------------------------------------------

@@ -148,9 +148,9 @@ def test_freed_cached_blocks_evicted_lru_tail_first() -> None:
 
 
 def test_hash_collision_is_not_served(monkeypatch: pytest.MonkeyPatch) -> None:
-    import pagedllm.core.block_manager as bmm
+    import pagedllm.core.prefix_cache as prefix_cache
 
-    monkeypatch.setattr(bmm, "block_hash", lambda parent, toks: 42)
+    monkeypatch.setattr(prefix_cache, "block_hash", lambda parent, toks: 42)
     bm = BlockSpaceManager(4, 6, 0, watermark=0.0, enable_caching=True)
     a = make_group("a", 0, tokens=[1, 2, 3, 4, 9])
     bm.allocate(a)
