@@ -58,14 +58,13 @@ ops do with 8-bit caches, and so what this class does around them:
   are the same; only models that small (tests) pay for the copy.
 
 intel_extension_for_pytorch is imported when the backend is constructed, never at module import,
-so ``import pagedllm`` works without it.
+so ``import pagedllm`` works without it; that import, the fp8 names and the input checks every
+call passes are in ``ipex_ops.py``.
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -78,37 +77,17 @@ from pagedllm.backends.base import (
     byte_view,
     to_cache_dtype,
 )
+from pagedllm.backends.xpu.ipex_ops import (
+    FP8_COMPUTE_DTYPE,
+    FP8_NAME,
+    FP8_WHY,
+    check_cache,
+    check_forward,
+    load_ipex_paged_attention,
+)
 
 #: The smallest head size whose e5m2 cache IPEX's varlen prompt kernel reads (module doc).
 FP8_VARLEN_MIN_HEAD_SIZE = 32
-#: The one fp8 format IPEX's ops store and read, and the only compute dtype they read it with.
-FP8_NAME = "fp8_e5m2"
-FP8_COMPUTE_DTYPE = torch.bfloat16
-_FP8_WHY = (
-    "IPEX's paged-attention ops store fp8 only as e5m2 and read it only with bfloat16 queries"
-)
-_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, KV_CACHE_DTYPES[FP8_NAME])
-
-_INSTALL_HINT = (
-    "pip install intel-extension-for-pytorch (the release matching your torch version, e.g. "
-    "torch==2.8.0 with intel-extension-for-pytorch==2.8.0; see ci/requirements-xpu.txt)"
-)
-
-
-def load_ipex_paged_attention() -> Any:
-    """Import IPEX and return its ``PagedAttention`` op namespace, or explain what to install.
-
-    Any import failure is reported, not only ImportError: IPEX refuses to load against a torch of
-    another minor version and, in 2.8, against transformers 5 (a NameError inside IPEX).
-    """
-    try:
-        ipex = importlib.import_module("intel_extension_for_pytorch")
-        return ipex.llm.modules.PagedAttention
-    except Exception as exc:
-        raise ImportError(
-            f"attention_backend='ipex' needs intel-extension-for-pytorch, which could not be "
-            f"loaded ({type(exc).__name__}: {exc}); {_INSTALL_HINT}"
-        ) from exc
 
 
 @dataclass
@@ -155,7 +134,7 @@ class IpexPagedAttention(AttentionBackend):
             works.append(FP8_NAME)
         why = ""
         if wanted in FP8_DTYPES:
-            why = f" ({_FP8_WHY}: use kv_cache_dtype={FP8_NAME!r} with dtype='bfloat16')"
+            why = f" ({FP8_WHY}: use kv_cache_dtype={FP8_NAME!r} with dtype='bfloat16')"
         raise ValueError(
             f"kv_cache_dtype: {kv_cache_dtype!r} cannot run on the {self.name!r} attention backend "
             f"with dtype {str(compute_dtype).removeprefix('torch.')}; this backend supports "
@@ -177,7 +156,7 @@ class IpexPagedAttention(AttentionBackend):
         k_scale: float = 1.0,
         v_scale: float = 1.0,
     ) -> None:
-        _check_cache(kv_cache, key.shape[-1], key.shape[-2])
+        check_cache(kv_cache, key.shape[-1], key.shape[-2])
         if key.shape != value.shape or key.shape[0] != slot_mapping.shape[0]:
             raise ValueError(
                 f"write_kv: key {tuple(key.shape)}, value {tuple(value.shape)} and slot_mapping "
@@ -223,7 +202,9 @@ class IpexPagedAttention(AttentionBackend):
         """fp8 caches: ``q . (k * k_scale) = (q . k) * k_scale`` and the output is linear in
         the values, so the ops see scales of 1 and the layer's scales are applied around them
         (``k_scale`` folded into ``scale`` lands inside the soft cap's tanh, where it belongs)."""
-        _check_forward(query, kv_cache, meta, sliding_window, logits_soft_cap)
+        check_forward(
+            query, kv_cache, meta, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap
+        )
         softcap = -1.0 if logits_soft_cap is None else float(logits_soft_cap)
         fp8 = kv_cache.dtype in FP8_DTYPES
         if fp8:
@@ -397,57 +378,6 @@ class IpexPagedAttention(AttentionBackend):
             kv_cache_dtype=FP8_NAME if fp8 else "auto",
             softcap=softcap,
         )
-
-
-def _check_cache(kv_cache: torch.Tensor, head_size: int, num_kv_heads: int | None) -> None:
-    """The IPEX ops index raw memory: refuse a cache whose layout they would misread."""
-    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-        raise ValueError(
-            "IPEX KV cache must be [2, num_blocks, num_kv_heads, block_size, head_size], "
-            f"got {tuple(kv_cache.shape)}"
-        )
-    if kv_cache.shape[4] != head_size:
-        raise ValueError(f"head_size {head_size} != KV cache head size {kv_cache.shape[4]}")
-    if num_kv_heads is not None and kv_cache.shape[2] != num_kv_heads:
-        raise ValueError(f"{num_kv_heads} KV heads != KV cache's {kv_cache.shape[2]}")
-    if not kv_cache[0].is_contiguous():
-        raise ValueError("IPEX KV cache must be contiguous")
-    if kv_cache.dtype not in _CACHE_DTYPES:
-        raise ValueError(
-            f"IPEX KV cache dtype {kv_cache.dtype} is not one of {list(_CACHE_DTYPES)} "
-            f"(kv_cache_dtype: {_FP8_WHY})"
-        )
-
-
-def _check_forward(
-    query: torch.Tensor,  # [num_tokens, num_heads, head_size]
-    kv_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    sliding_window: int | None,
-    logits_soft_cap: float | None,
-) -> None:
-    """Shapes, dtypes and settings the ops would misread, refused with what was expected."""
-    if query.dim() != 3:
-        raise ValueError(f"query must be [num_tokens, num_heads, head_size], got {query.shape}")
-    _check_cache(kv_cache, query.shape[2], None)
-    num_heads, num_kv_heads = query.shape[1], kv_cache.shape[2]
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads={num_heads} is not a multiple of kv heads={num_kv_heads}")
-    if kv_cache.dtype in FP8_DTYPES:
-        if query.dtype != FP8_COMPUTE_DTYPE:
-            raise ValueError(
-                f"query dtype {query.dtype} over a {kv_cache.dtype} KV cache: {_FP8_WHY}"
-            )
-    elif query.dtype != kv_cache.dtype:
-        raise ValueError(f"query dtype {query.dtype} != KV cache dtype {kv_cache.dtype}")
-    if query.shape[0] != meta.num_tokens:
-        raise ValueError(f"query has {query.shape[0]} tokens, metadata {meta.num_tokens}")
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
-    # `not > 0` so that NaN fails too. IPEX reads only -1 as "none": 0 or -2 silently give
-    # other numbers (IPEX 2.8, CPU), so a bad cap must never reach it.
-    if logits_soft_cap is not None and not logits_soft_cap > 0:
-        raise ValueError(f"logits_soft_cap must be None or > 0, got {logits_soft_cap}")
 
 
 def _own_values(
