@@ -9,7 +9,7 @@ aligned), 5 for Q4_1 and int4 made at load (fp16), 8.5 for Q8_0, 8.625 for Q6_K 
 two scales per group factored as fp16 d per 8 groups times int8 sc: :func:`factor_q6_k`), or
 6.625 for Q6_K where the build reads its q at 6 bits and the layer never takes the dot path
 (:func:`six_bits`). A q8_0 layer whose every q is one of ggml's 16 IQ4 levels (GGUF IQ4_NL /
-IQ4_XS) packs those q as 4-bit indices where it runs the float path only (:func:`iq4_levels`):
+IQ4_XS) packs those q as 4-bit indices where it stays off the dot path (:func:`iq4_levels`):
 4.5 bits a weight (5 with IQ4_XS's float32 scales), read through a look-up table as Q4_0's
 nibbles are. :mod:`.groupwise_linear` runs the packed layers.
 """
@@ -241,9 +241,9 @@ IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 8
 def iq4_levels(name: str, weight: torch.Tensor, *, dot: bool) -> bool:
     """Whether a ``name`` layer of int8 ``weight`` packs its q at 4 bits as indices into the
     IQ4 levels: a q8_0 layer whose every q is one of them (an IQ4_NL / IQ4_XS tensor: 4.5-5 bits
-    a weight streamed instead of 8.5-9) that never takes the dot path (its integer kernels read
-    whole bytes). The first row is sampled here (a Q8_0 layer fails it at once); the pack
-    checks every value."""
+    a weight streamed instead of 8.5-9) that never takes the dot path (its kernels read whole
+    bytes; the float kernels and AVX2's int16 kernels look the indices up). The first row is
+    sampled here (a Q8_0 layer fails it at once); the pack checks every value."""
     if name != "q8_0" or dot or weight.dtype != torch.int8 or weight.numel() == 0:
         return False
     levels = torch.tensor(IQ4_LEVELS, dtype=torch.int8)

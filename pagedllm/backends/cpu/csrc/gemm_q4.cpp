@@ -58,8 +58,8 @@ void store(const float* c, int64_t rows, int64_t n, int64_t n0, const float* bia
     }
 }
 
-// Which kernel few rows of bf16 x (decode) take on a 4-bit layer (IQ4 levels: the float ones;
-// the dot kernel reads no levels), chosen per call (groupwise_gemm's rows_kernel):
+// Which kernel few rows of bf16 x (decode) take on a 4-bit layer (IQ4 levels on AVX-512: the
+// float ones; the dot kernel reads no levels), chosen per call (groupwise_gemm's rows_kernel):
 // - kSplit (the default): x as two int8 rows per row (quantize_rows_split: ~16 bits against each
 //   group's largest value, finer than x's own bf16 rounding for every element within 2^8 of it)
 //   on the integer dot kernel, the two rows' sums added. The products cost ~1/4 of the float
